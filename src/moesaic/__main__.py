@@ -1,0 +1,5 @@
+import sys
+
+from moesaic.cli import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""Collectives with a deadline, and the autograd all-to-all(v) the dispatchers are built from.
+
+Every call is issued asynchronously and waited on with ``collective_timeout_s``: a peer that died
+(gloo: connection reset, seen immediately) or never arrives (timeout) becomes a
+``CollectiveError`` naming the operation, the rank and the deadline, instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer died, hung, or took another code path."""
+
+
+class EPGroup:
+    """An expert-parallel process group (or the trivial group of one process) with a deadline.
+
+    Args:
+        group: a torch.distributed group; None means the default world when torch.distributed
+            is initialised, else a single process.
+        timeout_s: deadline of every collective issued through this object.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.active = dist.is_available() and dist.is_initialized()
+        if not self.active and group is not None:
+            raise ValueError("group was given, but torch.distributed is not initialised")
+        self.group = group if self.active else None
+        self.size = dist.get_world_size(self.group) if self.active else 1
+        self.rank = dist.get_rank(self.group) if self.active else 0
+
+    def _wait(self, work: dist.Work | None, what: str) -> None:
+        if work is None:
+            return
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:  # gloo/NCCL report both timeouts and dead peers as this
+            raise CollectiveError(
+                f"{what} failed on rank {self.rank}/{self.size} of the expert-parallel group "
+                f"(collective_timeout_s={self.timeout_s:g}): a peer died, hung, or skipped this "
+                f"collective. Cause: {str(exc).splitlines()[0][:300]}"
+            ) from exc
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int] | None = None,
+        input_splits: list[int] | None = None,
+        what: str = "all_to_all",
+    ) -> torch.Tensor:
+        """``dist.all_to_all_single`` under the deadline; rows split per rank along dim 0."""
+        if self.size == 1:
+            output.copy_(input)
+            return output
+        work = dist.all_to_all_single(
+            output, input, output_splits, input_splits, group=self.group, async_op=True
+        )
+        self._wait(work, what)
+        return output
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, what: str = ""
+    ) -> torch.Tensor:
+        if self.size > 1:
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+            self._wait(work, what or "all_reduce")
+        return tensor
+
+    def all_gather_dim0(self, tensor: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
+        """Concatenate equal-shaped tensors of all ranks along dim 0, in rank order."""
+        if self.size == 1:
+            return tensor.clone()
+        out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+        work = dist.all_gather_into_tensor(
+            out, tensor.contiguous(), group=self.group, async_op=True
+        )
+        self._wait(work, what)
+        return out
+
+
+class _AllToAllV(torch.autograd.Function):
+    """Rows to ranks with the given splits; the backward sends gradients the reverse way."""
+
+    @staticmethod
+    def forward(ctx, x_MH, group: EPGroup, in_splits, out_splits, what):
+        ctx.group, ctx.in_splits, ctx.out_splits, ctx.what = group, in_splits, out_splits, what
+        out = x_MH.new_empty((sum(out_splits), *x_MH.shape[1:]))
+        return group.all_to_all_single(out, x_MH.contiguous(), out_splits, in_splits, what)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_out = grad_out.contiguous()
+        grad_in = grad_out.new_empty((sum(ctx.in_splits), *grad_out.shape[1:]))
+        ctx.group.all_to_all_single(
+            grad_in, grad_out, ctx.in_splits, ctx.out_splits, f"{ctx.what} (backward)"
+        )
+        return grad_in, None, None, None, None
+
+
+def all_to_all_v(
+    x_MH: torch.Tensor,
+    group: EPGroup,
+    in_splits: list[int],
+    out_splits: list[int],
+    what: str = "all_to_all_v",
+) -> torch.Tensor:
+    """Autograd all-to-all-v: ``in_splits[p]`` rows go to rank p, ``out_splits[p]`` come back."""
+    if group.size == 1:
+        return x_MH
+    return _AllToAllV.apply(x_MH, group, list(in_splits), list(out_splits), what)

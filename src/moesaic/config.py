@@ -1,0 +1,114 @@
+"""Configuration dataclasses, validated when built.
+
+Every field is checked in ``__post_init__`` and a bad value raises ``ValueError`` naming the field
+and the rule, so that a wrong config fails at construction time on every rank, never as a shape
+error (or a hang) deep inside a collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+ACTIVATIONS = ("swiglu", "gelu")
+DISPATCHERS = ("dropless", "padded")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value <= 0:
+        raise ValueError(f"{name} ({value}) must be > 0")
+
+
+def _non_negative_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} ({value}) must be a finite number >= 0")
+
+
+def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} ({value!r}) must be one of {', '.join(map(repr, allowed))}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """Shape and behaviour of one MoE feed-forward layer.
+
+    Attributes:
+        hidden_size: H, the model width (input and output of the layer).
+        ffn_hidden_size: F, the hidden width of each expert.
+        num_experts: E, the number of routed experts (all ranks together).
+        top_k: K, experts per token.
+        score_func: "softmax" (Mixtral, Switch) or "sigmoid" (DeepSeek-V3) router scores.
+        normalize_topk: rescale the K selected scores to sum to 1.
+        capacity_factor: None = dropless. A value cf > 0 gives every expert a capacity of
+            ``ceil(cf * T * K / E)`` token slots per source rank (T = that rank's tokens); the
+            assignments past it are dropped (kept in token order, see ``routing.py``).
+        activation: "swiglu" (``w2(silu(x w1) * (x w3))``) or "gelu" (``w2(gelu(x w1))``).
+        aux_loss_coef: weight of the GShard/Switch load-balancing loss.
+        z_loss_coef: weight of the router z-loss (ST-MoE).
+        dispatcher: "dropless" (all-to-all-v of routed tokens only) or "padded" (capacity
+            all-to-all with zero padding, the GShard/DeepSpeed baseline).
+        collective_timeout_s: every collective the layer issues fails with a clear error after
+            this many seconds instead of hanging.
+        init_std: std of the normal init of the router; experts use 1/sqrt(fan_in). None: 0.02.
+    """
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_experts: int
+    top_k: int = 2
+    score_func: str = "softmax"
+    normalize_topk: bool = True
+    capacity_factor: float | None = None
+    activation: str = "swiglu"
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+    dispatcher: str = "dropless"
+    collective_timeout_s: float = 300.0
+    init_std: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("hidden_size", self.hidden_size)
+        _positive_int("ffn_hidden_size", self.ffn_hidden_size)
+        _positive_int("num_experts", self.num_experts)
+        _positive_int("top_k", self.top_k)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        _one_of("score_func", self.score_func, SCORE_FUNCS)
+        _one_of("activation", self.activation, ACTIVATIONS)
+        _one_of("dispatcher", self.dispatcher, DISPATCHERS)
+        if not isinstance(self.normalize_topk, bool):
+            raise ValueError(f"normalize_topk must be a bool, got {self.normalize_topk!r}")
+        if self.capacity_factor is not None:
+            _non_negative_float("capacity_factor", self.capacity_factor)
+            if self.capacity_factor <= 0:
+                raise ValueError(
+                    f"capacity_factor ({self.capacity_factor}) must be > 0, or None for dropless"
+                )
+        _non_negative_float("aux_loss_coef", self.aux_loss_coef)
+        _non_negative_float("z_loss_coef", self.z_loss_coef)
+        _non_negative_float("collective_timeout_s", self.collective_timeout_s)
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s ({self.collective_timeout_s}) must be > 0")
+        if self.init_std is not None:
+            _non_negative_float("init_std", self.init_std)
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Token slots per expert for ``num_tokens`` local tokens; None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+    def check_ep_size(self, ep_size: int) -> None:
+        """Raise unless ``num_experts`` splits evenly over ``ep_size`` ranks."""
+        _positive_int("ep_size", ep_size)
+        if self.num_experts % ep_size:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by the expert-parallel "
+                f"size ({ep_size})"
+            )

@@ -1,0 +1,159 @@
+"""Grouped experts and the grouped matmul they run on.
+
+Shape legend: M rows (expert-grouped tokens), H hidden, F expert hidden, e local experts.
+
+Weight layout (per rank, e = num_experts / ep_size local experts):
+    w1 [e, H, F]  gate projection   (Mixtral ``w1.weight.T``, HF ``gate_proj.weight.T``)
+    w3 [e, H, F]  up projection     (Mixtral ``w3.weight.T``; SwiGLU only)
+    w2 [e, F, H]  down projection   (Mixtral ``w2.weight.T``)
+so that an expert is ``y = act(x @ w1[i]) [* (x @ w3[i])] @ w2[i]`` with row-major activations.
+Experts have no biases: a zero padding row then maps to a zero output row, which is what lets the
+padded dispatcher compute on its padding without changing results.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moesaic.config import MoEConfig
+
+# Fast-path verdicts per (device type, dtype): does torch._grouped_mm exist, run and agree with
+# the loop? Filled on first use; a wrong or failing fast path is never used.
+_FAST_PATH_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_reference(
+    x_MH: torch.Tensor, w_eHF: torch.Tensor, counts_e: list[int]
+) -> torch.Tensor:
+    """Plain torch: one matmul per group. Rows of group i are ``x_MH[off_i : off_i + counts_e[i]]``.
+
+    Empty groups (and M = 0) still run their zero-row matmul, so the output stays in the graph of
+    ``x_MH`` and every weight: a rank that received no tokens must still run the backward
+    all-to-all its peers wait for, and its expert gradients are zeros rather than None.
+    """
+    chunks = x_MH.split(counts_e)
+    return torch.cat([chunk @ w_eHF[i] for i, chunk in enumerate(chunks)])
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm`` with an explicit backward (its own backward fails on CPU in 2.13)."""
+
+    @staticmethod
+    def forward(ctx, x_MH, w_eHF, offs_e):
+        ctx.save_for_backward(x_MH, w_eHF, offs_e)
+        return torch._grouped_mm(x_MH, w_eHF, offs=offs_e)
+
+    @staticmethod
+    def backward(ctx, dy_MF):
+        x_MH, w_eHF, offs_e = ctx.saved_tensors
+        dy_MF = dy_MF.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch._grouped_mm(dy_MF, w_eHF.transpose(-2, -1), offs=offs_e)
+        if ctx.needs_input_grad[1]:
+            dw = torch._grouped_mm(x_MH.t(), dy_MF, offs=offs_e)
+        return dx, dw, None
+
+
+def _fast_path_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    key = (device.type, dtype)
+    if key not in _FAST_PATH_OK:
+        ok = False
+        if hasattr(torch, "_grouped_mm"):
+            try:
+                gen = torch.Generator().manual_seed(0)
+                x = torch.randn(13, 16, generator=gen).to(device, dtype).requires_grad_()
+                w = torch.randn(3, 16, 8, generator=gen).to(device, dtype).requires_grad_()
+                counts = [5, 0, 8]
+                offs = torch.tensor([5, 5, 13], dtype=torch.int32, device=device)
+                fast = _GroupedMM.apply(x, w, offs)
+                gx, gw = torch.autograd.grad(fast.float().square().sum(), (x, w))
+                ref = grouped_mm_reference(x, w, counts)
+                rx, rw = torch.autograd.grad(ref.float().square().sum(), (x, w))
+                tol = 1e-4 if dtype == torch.float32 else 3e-2
+                ok = all(
+                    torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+                    for a, b in ((fast, ref), (gx, rx), (gw, rw))
+                )
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _FAST_PATH_OK[key] = ok
+    return _FAST_PATH_OK[key]
+
+
+def grouped_mm(
+    x_MH: torch.Tensor, w_eHF: torch.Tensor, counts_e: list[int], *, use_fast: bool | None = None
+) -> torch.Tensor:
+    """Grouped matmul: rows of group i times ``w_eHF[i]``; returns [M, F].
+
+    Args:
+        x_MH: expert-grouped rows, group i first ``counts_e[i]`` rows after group i-1.
+        w_eHF: one weight per group.
+        counts_e: rows per group; must sum to M.
+        use_fast: force (True) or forbid (False) ``torch._grouped_mm``; None chooses: the fast
+            path on CUDA when it exists and passes its self-check, the reference loop on CPU
+            (there it measured no faster than the loop for training shapes, and its backward
+            needs our own formulation).
+    """
+    if sum(counts_e) != x_MH.shape[0]:
+        raise ValueError(f"counts_e sums to {sum(counts_e)}, but x_MH has {x_MH.shape[0]} rows")
+    if len(counts_e) != w_eHF.shape[0]:
+        raise ValueError(f"counts_e has {len(counts_e)} groups, but w_eHF has {w_eHF.shape[0]}")
+    if use_fast is None:
+        use_fast = x_MH.is_cuda
+    if use_fast and x_MH.shape[0] > 0 and _fast_path_ok(x_MH.device, x_MH.dtype):
+        offs = torch.tensor(counts_e, device=x_MH.device).cumsum(0).to(torch.int32)
+        return _GroupedMM.apply(x_MH, w_eHF.to(x_MH.dtype), offs)
+    return grouped_mm_reference(x_MH, w_eHF.to(x_MH.dtype), counts_e)
+
+
+def expert_seed(base_seed: int, expert_id: int) -> int:
+    """Seed of one global expert's init, independent of how experts are split over ranks."""
+    return (base_seed * 1_000_003 + expert_id * 0x9E3779B1) % (2**63 - 1)
+
+
+class GroupedExperts(nn.Module):
+    """The ``e`` local experts of one rank, computed with grouped matmuls.
+
+    Args:
+        config: the layer config.
+        num_local_experts: e.
+        first_expert: global id of local expert 0 (rank * e).
+    """
+
+    def __init__(self, config: MoEConfig, num_local_experts: int, first_expert: int) -> None:
+        super().__init__()
+        self.config = config
+        self.num_local_experts = num_local_experts
+        self.first_expert = first_expert
+        H, Fh, e = config.hidden_size, config.ffn_hidden_size, num_local_experts
+        self.w1 = nn.Parameter(torch.empty(e, H, Fh))
+        self.w3 = nn.Parameter(torch.empty(e, H, Fh)) if config.activation == "swiglu" else None
+        self.w2 = nn.Parameter(torch.empty(e, Fh, H))
+        for p in self.parameters():
+            # Data-parallel code keeps these out of the all-reduce over the EP group (see docs).
+            p._moesaic_expert = True
+
+    @torch.no_grad()
+    def reset_parameters(self, base_seed: int) -> None:
+        """Init each expert from its own generator so EP size never changes the weights."""
+        H, Fh = self.config.hidden_size, self.config.ffn_hidden_size
+        for i in range(self.num_local_experts):
+            gen = torch.Generator().manual_seed(expert_seed(base_seed, self.first_expert + i))
+            for w, fan_in in ((self.w1, H), (self.w3, H), (self.w2, Fh)):
+                if w is None:
+                    continue
+                block = torch.randn(w.shape[1:], generator=gen) / math.sqrt(fan_in)
+                w[i].copy_(block)
+
+    def forward(self, x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
+        h_MF = grouped_mm(x_MH, self.w1, counts_e)
+        if self.w3 is not None:
+            h_MF = F.silu(h_MF) * grouped_mm(x_MH, self.w3, counts_e)
+        else:
+            h_MF = F.gelu(h_MF)
+        return grouped_mm(h_MF, self.w2, counts_e)

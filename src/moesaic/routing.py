@@ -1,0 +1,186 @@
+"""Router and RoutingPlan: which expert each token goes to, as pure data.
+
+Shape legend: T tokens (this rank), H hidden, E experts (global), e experts per rank, K top-k,
+N routed assignments that survive the capacity (N <= T*K), P ranks in the expert-parallel group.
+
+The router computes in fp32 whatever the activation dtype: the top-k choice is discontinuous, and
+bf16 logits flip ties between ranks and runs (the reason Mixtral, DeepSeek-V3 and Megatron all
+route in fp32).
+
+Capacity rule (only when ``capacity_factor`` is set): every expert keeps at most
+``C = ceil(cf * T * K / E)`` assignments from this rank. Assignments are admitted first by choice
+rank (all first choices before any second choice, as in GShard), then by token index; the rest
+are dropped and contribute zero to the token's output (the kept weights are not renormalised).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moesaic.config import MoEConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPlan:
+    """Where each token goes. Pure data: building or reading it never communicates.
+
+    Attributes:
+        topk_ids_TK: chosen global expert ids (int64), in descending score order.
+        topk_weights_TK: their combine weights (fp32, in the autograd graph).
+        kept_TK: False where the assignment was dropped by the capacity.
+        counts_E: kept assignments per global expert (int64); sums to N.
+        order_N: flat assignment indices ``t * K + k`` of the kept assignments, sorted by expert
+            and, within an expert, by token (a stable sort). ``x_TH[order_N // K]`` is the
+            expert-grouped input.
+        send_counts_P: rows sent to each rank of the expert-parallel group (experts are
+            placed contiguously: rank p owns experts ``[p*e, (p+1)*e)``).
+        capacity: slots per expert, or None when dropless.
+    """
+
+    topk_ids_TK: torch.Tensor
+    topk_weights_TK: torch.Tensor
+    kept_TK: torch.Tensor
+    counts_E: torch.Tensor
+    order_N: torch.Tensor
+    send_counts_P: torch.Tensor
+    capacity: int | None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_ids_TK.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.topk_ids_TK.shape[1]
+
+    @property
+    def token_idx_N(self) -> torch.Tensor:
+        """Source token of each expert-grouped row."""
+        return self.order_N // self.top_k
+
+    def permute(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """Gather tokens into expert-grouped rows: [T, H] -> [N, H]."""
+        return x_TH.index_select(0, self.token_idx_N)
+
+    def unpermute(self, y_NH: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of expert outputs back per token: [N, H] -> [T, H].
+
+        A gather over the inverse permutation rather than a scatter-add, so the sum over the K
+        choices runs in a fixed order (bitwise deterministic, and equal to the reference's
+        ``sum_k w_k * y_k``).
+        """
+        T, K = self.topk_ids_TK.shape
+        H = y_NH.shape[-1]
+        # Dropped assignments read a zero row appended at index N.
+        padded_NH = torch.cat([y_NH, y_NH.new_zeros(1, H)])
+        slot_TK = torch.full((T * K,), y_NH.shape[0], dtype=torch.long, device=y_NH.device)
+        slot_TK[self.order_N] = torch.arange(y_NH.shape[0], device=y_NH.device)
+        y_TKH = padded_NH.index_select(0, slot_TK).view(T, K, H)
+        w_TK = self.topk_weights_TK.to(y_NH.dtype)
+        return (y_TKH * w_TK.unsqueeze(-1)).sum(dim=1)
+
+
+def build_plan(
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    num_experts: int,
+    ep_size: int = 1,
+    capacity: int | None = None,
+) -> RoutingPlan:
+    """Sort assignments by expert, apply the capacity, count rows per expert and per rank."""
+    T, K = topk_ids_TK.shape
+    device = topk_ids_TK.device
+    flat_ids = topk_ids_TK.reshape(-1)
+    kept_flat = torch.ones(T * K, dtype=torch.bool, device=device)
+    if capacity is not None:
+        # Admission order: choice rank first, then token (k-major flattening).
+        ids_KT = topk_ids_TK.t().reshape(-1)
+        sorted_ids, perm = torch.sort(ids_KT, stable=True)
+        counts_all = torch.bincount(ids_KT, minlength=num_experts)
+        starts_E = torch.cumsum(counts_all, 0) - counts_all
+        rank_in_expert = torch.arange(T * K, device=device) - starts_E[sorted_ids]
+        kept_KT = torch.empty_like(kept_flat)
+        kept_KT[perm] = rank_in_expert < capacity
+        kept_flat = kept_KT.view(K, T).t().reshape(-1)
+    # Dropped assignments sort to the end (key E) and are cut off.
+    keys = torch.where(kept_flat, flat_ids, torch.full_like(flat_ids, num_experts))
+    order = torch.sort(keys, stable=True).indices
+    counts_E = torch.bincount(flat_ids[kept_flat], minlength=num_experts)
+    order_N = order[: int(counts_E.sum())]
+    send_counts_P = counts_E.view(ep_size, num_experts // ep_size).sum(dim=1)
+    return RoutingPlan(
+        topk_ids_TK=topk_ids_TK,
+        topk_weights_TK=topk_weights_TK,
+        kept_TK=kept_flat.view(T, K),
+        counts_E=counts_E,
+        order_N=order_N,
+        send_counts_P=send_counts_P,
+        capacity=capacity,
+    )
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> torch.Tensor:
+    """GShard/Switch loss ``E * sum_e f_e * P_e``; 1.0 at a perfectly uniform router.
+
+    f_e is the fraction of the T*K assignments routed to e (before any capacity drop, as in
+    Switch), P_e the mean router probability of e. Only P_e carries a gradient.
+    """
+    T, E = probs_TE.shape
+    if T == 0:
+        return probs_TE.sum() * 0.0
+    f_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=E).to(probs_TE.dtype)
+    f_E = f_E / topk_ids_TK.numel()
+    return E * torch.dot(f_E, probs_TE.mean(dim=0))
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """Router z-loss (ST-MoE): mean squared log-sum-exp of the logits."""
+    if logits_TE.shape[0] == 0:
+        return logits_TE.sum() * 0.0
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+class Router(nn.Module):
+    """Linear gate computing in fp32, with top-k selection and the auxiliary losses.
+
+    The weight is ``[E, H]`` (like ``nn.Linear(H, E)``) and replicated on every rank.
+    """
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    def scores(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits and scores (softmax probabilities or sigmoid affinities), both [T, E]."""
+        logits_TE = F.linear(x_TH.float(), self.weight.float())
+        if self.config.score_func == "softmax":
+            return logits_TE, torch.softmax(logits_TE, dim=-1)
+        return logits_TE, torch.sigmoid(logits_TE)
+
+    def forward(self, x_TH: torch.Tensor, ep_size: int = 1) -> tuple[RoutingPlan, torch.Tensor]:
+        """Route ``x_TH``; returns the plan and the weighted aux + z loss (a scalar)."""
+        cfg = self.config
+        logits_TE, scores_TE = self.scores(x_TH)
+        topk_scores_TK, topk_ids_TK = torch.topk(scores_TE, cfg.top_k, dim=-1)
+        weights_TK = topk_scores_TK
+        if cfg.normalize_topk:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        # For sigmoid scores the balancing loss uses the scores normalised per token (DeepSeek-V3).
+        probs_TE = scores_TE
+        if cfg.score_func == "sigmoid":
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        aux = cfg.aux_loss_coef * load_balancing_loss(probs_TE, topk_ids_TK)
+        aux = aux + cfg.z_loss_coef * z_loss(logits_TE)
+        plan = build_plan(
+            topk_ids_TK,
+            weights_TK,
+            cfg.num_experts,
+            ep_size=ep_size,
+            capacity=cfg.capacity(x_TH.shape[0]),
+        )
+        return plan, aux
