@@ -78,9 +78,9 @@ class EPGroup:
         if self.size == 1:
             return tensor.clone()
         out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
-        work = dist.all_gather_into_tensor(
-            out, tensor.contiguous(), group=self.group, async_op=True
-        )
+        # all_gather_single replaces all_gather_into_tensor in newer torch; both exist in 2.4+.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(out, tensor.contiguous(), group=self.group, async_op=True)
         self._wait(work, what)
         return out
 

@@ -1,0 +1,1 @@
+"""Conversions between moesaic layers and other libraries' MoE blocks."""

@@ -1,0 +1,91 @@
+"""transformers interop: an equivalent MoELayer from a Mixtral sparse-MoE block.
+
+Both layouts of ``MixtralSparseMoeBlock`` are read:
+- transformers >= 5: ``gate.weight`` [E, H]; ``experts.gate_up_proj`` [E, 2F, H] (gate rows
+  first, then up) and ``experts.down_proj`` [E, H, F];
+- transformers 4.x: ``gate`` an ``nn.Linear(H, E)``; ``experts`` a list of modules with ``w1``
+  (gate), ``w3`` (up) ``nn.Linear(H, F)`` and ``w2`` ``nn.Linear(F, H)``.
+Ours are ``w1``/``w3`` [E, H, F] and ``w2`` [E, F, H] (row-major activations), so each is a
+transpose. Mixtral routes with a softmax over all experts, then renormalises the top-k.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moesaic.config import MoEConfig
+from moesaic.layer import MoELayer
+
+
+def _mixtral_weights(block: nn.Module) -> dict[str, torch.Tensor]:
+    gate = block.gate.weight.detach()
+    experts = block.experts
+    if hasattr(experts, "gate_up_proj"):
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        F = gate_up.shape[1] // 2
+        w1, w3 = gate_up[:, :F].transpose(1, 2), gate_up[:, F:].transpose(1, 2)
+        w2 = down.transpose(1, 2)
+    elif isinstance(experts, nn.ModuleList):
+        w1 = torch.stack([e.w1.weight.detach().t() for e in experts])
+        w3 = torch.stack([e.w3.weight.detach().t() for e in experts])
+        w2 = torch.stack([e.w2.weight.detach().t() for e in experts])
+    else:
+        raise ValueError(
+            f"block.experts ({type(experts).__name__}) is neither a transformers>=5 "
+            "MixtralExperts (gate_up_proj/down_proj) nor a 4.x ModuleList of w1/w2/w3 experts"
+        )
+    return {
+        "router.weight": gate.clone(),
+        "experts.w1": w1.contiguous().clone(),
+        "experts.w3": w3.contiguous().clone(),
+        "experts.w2": w2.contiguous().clone(),
+    }
+
+
+def _is_silu(block: nn.Module) -> bool:
+    experts = block.experts
+    act = getattr(experts, "act_fn", None)
+    if act is None and isinstance(experts, nn.ModuleList) and len(experts):
+        act = getattr(experts[0], "act_fn", None)
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def config_from_mixtral(block: nn.Module, **overrides: Any) -> MoEConfig:
+    """The MoEConfig equivalent to a Mixtral sparse-MoE block (overrides win)."""
+    if not _is_silu(block):
+        raise ValueError("only Mixtral blocks with a SiLU expert activation (SwiGLU) convert")
+    sd = _mixtral_weights(block)
+    E, H, F = sd["experts.w1"].shape
+    fields: dict[str, Any] = {
+        "hidden_size": H,
+        "ffn_hidden_size": F,
+        "num_experts": E,
+        "top_k": int(block.top_k),
+        "score_func": "softmax",
+        "normalize_topk": True,
+        "activation": "swiglu",
+        "z_loss_coef": 0.0,
+    }
+    fields.update(overrides)
+    return MoEConfig(**fields)
+
+
+def moe_layer_from_mixtral(
+    block: nn.Module, group: dist.ProcessGroup | None = None, **overrides: Any
+) -> MoELayer:
+    """Build a MoELayer computing what ``block`` computes (in eval mode: no router jitter).
+
+    Args:
+        block: a transformers ``MixtralSparseMoeBlock``.
+        group: expert-parallel group; each rank keeps its shard of the experts.
+        **overrides: MoEConfig fields to change (dispatcher, capacity_factor, ...).
+    """
+    config = config_from_mixtral(block, **overrides)
+    layer = MoELayer(config, group=group)
+    layer.load_full_state_dict(_mixtral_weights(block))
+    ref = next(block.parameters())
+    return layer.to(device=ref.device, dtype=ref.dtype)

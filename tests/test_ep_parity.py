@@ -1,0 +1,200 @@
+"""EP = 2 and 4 on real gloo worlds: outputs and gradients equal the reference and EP = 1.
+
+One spawned world per EP size runs every case (spawning costs seconds on 2 cores). Each rank
+regenerates every rank's input from a seeded generator, so it can run the reference on the whole
+world's tokens: expert gradients on an EP rank hold every rank's contribution, and the router's
+(replicated) gradient summed over ranks must equal the reference's.
+
+Tolerances: arithmetic is compared with ``assert_close_to_ref`` (fast path at most 2x the error
+of the float32 reference against a float64 one, see its docstring). Index paths (routing,
+counts, bytes) are compared exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moesaic
+from moesaic.reference import ReferenceMoE
+from moesaic.testing import assert_close_to_ref, run_world
+
+H, F, E = 16, 24, 8
+
+# (name, MoEConfig overrides, tokens per rank (callable of rank), routing override)
+CASES = [
+    ("dropless", {}, lambda r: 12, None),
+    ("padded-no-capacity", {"dispatcher": "padded"}, lambda r: 12, None),
+    (
+        "padded-capacity-drops",
+        {"dispatcher": "padded", "capacity_factor": 0.75},
+        lambda r: 12,
+        None,
+    ),
+    ("dropless-capacity-drops", {"capacity_factor": 0.75}, lambda r: 12, None),
+    # capacity >= any load: padded must equal dropless (compared in the parent)
+    ("padded-capacity-large", {"dispatcher": "padded", "capacity_factor": 4.0}, lambda r: 12, None),
+    (
+        "sigmoid-gelu-unnormalised",
+        {"score_func": "sigmoid", "activation": "gelu", "normalize_topk": False},
+        lambda r: 12,
+        None,
+    ),
+    # uneven batches, and rank 1 has no tokens at all
+    ("rank-without-tokens", {}, lambda r: 0 if r == 1 else 5 + 3 * r, None),
+    ("rank-without-tokens-padded", {"dispatcher": "padded"}, lambda r: 0 if r == 1 else 7, None),
+    # every token to experts 0 and 1 (rank 0): all other ranks receive zero tokens
+    ("all-to-one-rank", {}, lambda r: 9, "one_rank"),
+    ("all-to-one-rank-padded", {"dispatcher": "padded"}, lambda r: 9, "one_rank"),
+    ("one-token-per-rank", {}, lambda r: 1, None),
+    ("k-equals-E", {"top_k": E}, lambda r: 6, None),
+]
+
+
+def _inputs(case_idx: int, rank: int, n_tokens: int, one_rank: bool) -> torch.Tensor:
+    # Same seed in every case: cases that differ only in dispatcher see the same data.
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(n_tokens, H, generator=gen)
+    if one_rank:
+        x[:, 0] = x[:, 0].abs() + 1.0  # a positive feature the router keys on
+    return x
+
+
+def _build(case_idx: int, overrides: dict, routing: str | None):
+    cfg = moesaic.MoEConfig(
+        hidden_size=H, ffn_hidden_size=F, num_experts=E, init_std=0.5, **overrides
+    )
+    torch.manual_seed(4321)
+    layer = moesaic.MoELayer(cfg)
+    sd = layer.full_state_dict()
+    if routing == "one_rank":
+        sd["router.weight"].zero_()
+        sd["router.weight"][0, 0], sd["router.weight"][1, 0] = 20.0, 10.0
+        layer.load_full_state_dict(sd)
+    return cfg, layer, sd
+
+
+def _reference_world(cfg, sd, xs, gs):
+    """Reference in fp32 and fp64 over every rank's batch: outputs, aux, grads."""
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        ref = ReferenceMoE.from_full_state_dict(cfg, sd).to(dtype)
+        xs_d = [x.detach().to(dtype).clone().requires_grad_() for x in xs]
+        loss = 0.0
+        ys, auxes = [], []
+        for x, g in zip(xs_d, gs):
+            y, aux = ref(x)
+            ys.append(y)
+            auxes.append(aux)
+            loss = loss + (y * g.to(dtype)).sum() + aux
+        loss.backward()
+        grads = {name: p.grad for name, p in ref.named_parameters()}
+        out[dtype] = (ys, auxes, [x.grad for x in xs_d], grads)
+    return out
+
+
+def ep_worker(rank: int, world: int) -> dict:
+    results = {}
+    for idx, (name, overrides, tokens, routing) in enumerate(CASES):
+        cfg, layer, sd = _build(idx, overrides, routing)
+        xs = [_inputs(idx, p, tokens(p), routing == "one_rank") for p in range(world)]
+        gs = [
+            torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + p))
+            for p, x in enumerate(xs)
+        ]
+        x = xs[rank].clone().requires_grad_()
+        y = layer(x)
+        ((y * gs[rank]).sum() + layer.aux_loss).backward()
+
+        ref = _reference_world(cfg, sd, xs, gs)
+        (y32, a32, gx32, gw32), (y64, a64, gx64, gw64) = ref[torch.float32], ref[torch.float64]
+        tag = f"{name} rank {rank}"
+        assert_close_to_ref(y.detach(), y32[rank].detach(), y64[rank].detach(), f"{tag} y")
+        assert_close_to_ref(
+            layer.aux_loss.detach(), a32[rank].detach(), a64[rank].detach(), f"{tag} aux"
+        )
+        assert_close_to_ref(x.grad, gx32[rank], gx64[rank], f"{tag} x.grad")
+        lo, hi = rank * E // world, (rank + 1) * E // world
+        for pname in sd:
+            if not pname.startswith("experts."):
+                continue
+            got = getattr(layer.experts, pname.split(".")[1]).grad
+            assert_close_to_ref(
+                got,
+                gw32[pname][lo:hi],
+                gw64[pname][lo:hi],
+                f"{tag} {pname}.grad",
+            )
+        router_grad = layer.router.weight.grad.clone()
+        dist.all_reduce(router_grad)
+        assert_close_to_ref(
+            router_grad, gw32["router.weight"], gw64["router.weight"], f"{tag} router.grad"
+        )
+
+        # Bytes: recomputed here from the routing, exactly.
+        stats = layer.comm_stats
+        owner = layer.last_counts_E.new_tensor(range(E)) // (E // world)
+        if cfg.dispatcher == "dropless":
+            plan, _ = layer.router(xs[rank], world)
+            kept_ids = plan.topk_ids_TK[plan.kept_TK]
+            off_rank_rows = int((owner[kept_ids] != rank).sum())
+            assert stats.dispatch_bytes == off_rank_rows * H * 4, tag
+            assert stats.padded_rows == 0, tag
+        else:
+            assert stats.dispatch_bytes % ((world - 1) * (E // world) * H * 4) == 0, tag
+        results[name] = {
+            "y": y.detach(),
+            "x_grad": x.grad,
+            "w1_grad": layer.experts.w1.grad,
+            "bytes": stats.total_bytes,
+            "counts": layer.last_counts_E,
+        }
+    return results
+
+
+def _ep1_outputs(world: int) -> dict:
+    """The same cases on an EP = 1 layer in this process."""
+    out = {}
+    for idx, (name, overrides, tokens, routing) in enumerate(CASES):
+        cfg, layer, _ = _build(idx, overrides, routing)
+        ys = []
+        for p in range(world):
+            ys.append(layer(_inputs(idx, p, tokens(p), routing == "one_rank")).detach())
+        out[name] = ys
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_equals_reference_and_ep1(world):
+    per_rank = run_world(ep_worker, world, timeout_s=240)
+    ep1 = _ep1_outputs(world)
+    for name, *_ in CASES:
+        for r in range(world):
+            # EP = N and EP = 1 run the same fp32 ops on the same rows, grouped differently
+            # into matmuls; CPU GEMM blocking may change the last bits, not more.
+            torch.testing.assert_close(per_rank[r][name]["y"], ep1[name][r], rtol=1e-5, atol=1e-6)
+    # Padded with a capacity above every load computes what dropless computes.
+    for r in range(world):
+        torch.testing.assert_close(
+            per_rank[r]["padded-capacity-large"]["y"],
+            per_rank[r]["dropless"]["y"],
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        torch.testing.assert_close(
+            per_rank[r]["padded-no-capacity"]["y"],
+            per_rank[r]["dropless"]["y"],
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    # Ranks 1.. receive nothing when every token goes to experts 0 and 1, yet took part.
+    for r in range(world):
+        counts = per_rank[r]["all-to-one-rank"]["counts"]
+        assert counts[2:].sum() == 0 and counts[:2].sum() == 9 * 2
+        assert per_rank[r]["all-to-one-rank"]["w1_grad"].shape[0] == E // world
+    for r in range(1, world):
+        assert torch.count_nonzero(per_rank[r]["all-to-one-rank"]["w1_grad"]) == 0
+    # Padding costs bytes: padded never sends less than dropless on the same routing.
+    for r in range(world):
+        assert per_rank[r]["padded-no-capacity"]["bytes"] >= per_rank[r]["dropless"]["bytes"]
