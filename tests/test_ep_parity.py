@@ -52,7 +52,7 @@ CASES = [
 ]
 
 
-def _inputs(case_idx: int, rank: int, n_tokens: int, one_rank: bool) -> torch.Tensor:
+def _inputs(rank: int, n_tokens: int, one_rank: bool) -> torch.Tensor:
     # Same seed in every case: cases that differ only in dispatcher see the same data.
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(n_tokens, H, generator=gen)
@@ -61,7 +61,7 @@ def _inputs(case_idx: int, rank: int, n_tokens: int, one_rank: bool) -> torch.Te
     return x
 
 
-def _build(case_idx: int, overrides: dict, routing: str | None):
+def _build(overrides: dict, routing: str | None):
     cfg = moesaic.MoEConfig(
         hidden_size=H, ffn_hidden_size=F, num_experts=E, init_std=0.5, **overrides
     )
@@ -94,11 +94,29 @@ def _reference_world(cfg, sd, xs, gs):
     return out
 
 
+def _init_cfg() -> moesaic.MoEConfig:
+    return moesaic.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E)
+
+
 def ep_worker(rank: int, world: int) -> dict:
-    results = {}
-    for idx, (name, overrides, tokens, routing) in enumerate(CASES):
-        cfg, layer, sd = _build(idx, overrides, routing)
-        xs = [_inputs(idx, p, tokens(p), routing == "one_rank") for p in range(world)]
+    # Initialisation independent of the EP size: this rank's shard, and the gathered whole.
+    torch.manual_seed(99)
+    layer = moesaic.MoELayer(_init_cfg())
+    results = {
+        "_init": {
+            "local": {n: p.detach().clone() for n, p in layer.named_parameters()},
+            "full": layer.full_state_dict(),
+        }
+    }
+    # Resharding: a full state loaded on EP = N gives each rank its slice, and gathers back.
+    torch.manual_seed(7)
+    other = moesaic.MoELayer(_init_cfg()).full_state_dict()
+    layer.load_full_state_dict(other)
+    for key, value in layer.full_state_dict().items():
+        assert torch.equal(value, other[key]), key
+    for name, overrides, tokens, routing in CASES:
+        cfg, layer, sd = _build(overrides, routing)
+        xs = [_inputs(p, tokens(p), routing == "one_rank") for p in range(world)]
         gs = [
             torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + p))
             for p, x in enumerate(xs)
@@ -156,18 +174,32 @@ def ep_worker(rank: int, world: int) -> dict:
 def _ep1_outputs(world: int) -> dict:
     """The same cases on an EP = 1 layer in this process."""
     out = {}
-    for idx, (name, overrides, tokens, routing) in enumerate(CASES):
-        cfg, layer, _ = _build(idx, overrides, routing)
+    for name, overrides, tokens, routing in CASES:
+        _, layer, _ = _build(overrides, routing)
         ys = []
         for p in range(world):
-            ys.append(layer(_inputs(idx, p, tokens(p), routing == "one_rank")).detach())
+            ys.append(layer(_inputs(p, tokens(p), routing == "one_rank")).detach())
         out[name] = ys
     return out
+
+
+def _check_init(per_rank: list[dict], world: int) -> None:
+    torch.manual_seed(99)
+    ep1 = moesaic.MoELayer(_init_cfg())
+    e = E // world
+    for r in range(world):
+        init = per_rank[r]["_init"]
+        for name, param in ep1.named_parameters():
+            want = param if name.startswith("router") else param[r * e : (r + 1) * e]
+            assert torch.equal(init["local"][name], want), (r, name)
+        for key, value in ep1.full_state_dict().items():
+            assert torch.equal(init["full"][key], value), (r, key)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_equals_reference_and_ep1(world):
     per_rank = run_world(ep_worker, world, timeout_s=240)
+    _check_init(per_rank, world)
     ep1 = _ep1_outputs(world)
     for name, *_ in CASES:
         for r in range(world):

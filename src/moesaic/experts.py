@@ -105,7 +105,10 @@ def grouped_mm(
         raise ValueError(f"counts_e has {len(counts_e)} groups, but w_eHF has {w_eHF.shape[0]}")
     if use_fast is None:
         use_fast = x_MH.is_cuda
-    if use_fast and x_MH.shape[0] > 0 and _fast_path_ok(x_MH.device, x_MH.dtype):
+    # torch._grouped_mm wants 16-byte-aligned row strides (in both operands, and for the
+    # transposed operands of the backward): H and F a multiple of 16 bytes.
+    aligned = all((n * x_MH.element_size()) % 16 == 0 for n in w_eHF.shape[1:])
+    if use_fast and aligned and x_MH.shape[0] > 0 and _fast_path_ok(x_MH.device, x_MH.dtype):
         offs = torch.tensor(counts_e, device=x_MH.device).cumsum(0).to(torch.int32)
         return _GroupedMM.apply(x_MH, w_eHF.to(x_MH.dtype), offs)
     return grouped_mm_reference(x_MH, w_eHF.to(x_MH.dtype), counts_e)

@@ -1,0 +1,48 @@
+"""No hangs: a dead or absent peer is a clear CollectiveError within the deadline."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import moesaic
+from moesaic.testing import run_world
+
+TIMEOUT_S = 2.0
+
+
+def _layer() -> moesaic.MoELayer:
+    cfg = moesaic.MoEConfig(
+        hidden_size=8, ffn_hidden_size=8, num_experts=4, collective_timeout_s=TIMEOUT_S
+    )
+    torch.manual_seed(0)
+    return moesaic.MoELayer(cfg)
+
+
+def absent_peer_worker(rank: int, world: int, mode: str):
+    layer = _layer()
+    if rank == 1:
+        if mode == "dies":
+            os._exit(17)  # killed: its sockets close under rank 0
+        time.sleep(TIMEOUT_S + 2)  # alive but never joins the collective
+        return None
+    start = time.monotonic()
+    try:
+        layer(torch.randn(5, 8))
+    except moesaic.CollectiveError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("mode", ["hangs", "dies"])
+def test_absent_peer_is_a_clear_error(mode):
+    results = run_world(absent_peer_worker, 2, mode, timeout_s=60, allow_dead=True)
+    message, elapsed = results[0]
+    assert results[1] is None
+    assert "dispatch counts failed on rank 0/2 of the expert-parallel group" in message
+    assert f"collective_timeout_s={TIMEOUT_S:g}" in message
+    # hangs: the deadline; dies: gloo sees the reset connection at once.
+    assert elapsed < TIMEOUT_S + 3.0

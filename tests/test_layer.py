@@ -1,0 +1,143 @@
+"""Single-process (EP = 1) edge cases, grouped matmul fast path, aux_loss collection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import moesaic
+from moesaic.experts import _fast_path_ok, _GroupedMM, grouped_mm, grouped_mm_reference
+from moesaic.reference import ReferenceMoE, dense_ffn
+from moesaic.testing import assert_close_to_ref
+
+
+def _compare_with_reference(cfg, x, seed=0):
+    torch.manual_seed(seed)
+    layer = moesaic.MoELayer(cfg)
+    sd = layer.full_state_dict()
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    g = torch.randn_like(y)
+    ((y * g).sum() + layer.aux_loss).backward()
+    refs = {}
+    for dtype in (torch.float32, torch.float64):
+        ref = ReferenceMoE.from_full_state_dict(cfg, sd).to(dtype)
+        xr = x.detach().to(dtype).requires_grad_()
+        yr, aux = ref(xr)
+        ((yr * g.to(dtype)).sum() + aux).backward()
+        refs[dtype] = (yr.detach(), xr.grad, dict(ref.named_parameters()))
+    (y32, gx32, p32), (y64, gx64, p64) = refs[torch.float32], refs[torch.float64]
+    assert_close_to_ref(y.detach(), y32, y64, "y")
+    assert_close_to_ref(x.grad, gx32, gx64, "x.grad")
+    for name, param in layer.named_parameters():
+        assert_close_to_ref(param.grad, p32[name].grad, p64[name].grad, f"{name}.grad")
+    return layer, y
+
+
+@pytest.mark.parametrize(
+    ("E", "K", "T", "extra"),
+    [
+        (7, 2, 11, {}),  # prime E
+        (5, 5, 6, {}),  # K = E
+        (4, 2, 1, {}),  # T = 1
+        (6, 2, 9, {"dispatcher": "padded"}),
+        (6, 3, 9, {"capacity_factor": 0.5}),  # drops
+        (4, 2, 8, {"score_func": "sigmoid", "activation": "gelu"}),
+    ],
+)
+def test_layer_matches_reference(E, K, T, extra):
+    cfg = moesaic.MoEConfig(
+        hidden_size=12, ffn_hidden_size=20, num_experts=E, top_k=K, init_std=0.5, **extra
+    )
+    _compare_with_reference(cfg, torch.randn(T, 12))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_single_expert_is_a_dense_ffn(activation):
+    cfg = moesaic.MoEConfig(
+        hidden_size=10, ffn_hidden_size=14, num_experts=1, top_k=1, activation=activation
+    )
+    layer = moesaic.MoELayer(cfg)
+    x = torch.randn(2, 5, 10)
+    w3 = layer.experts.w3[0] if layer.experts.w3 is not None else None
+    want = dense_ffn(x, layer.experts.w1[0], layer.experts.w2[0], w3)
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+
+
+def test_empty_batch_keeps_the_graph():
+    cfg = moesaic.MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4)
+    layer = moesaic.MoELayer(cfg)
+    x = torch.randn(0, 8, requires_grad=True)
+    y = layer(x)
+    (y.sum() + layer.aux_loss).backward()
+    assert y.shape == (0, 8)
+    assert layer.experts.w1.grad is not None and torch.count_nonzero(layer.experts.w1.grad) == 0
+
+
+def test_input_dtype_and_shape_preserved():
+    cfg = moesaic.MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4)
+    layer = moesaic.MoELayer(cfg).to(torch.bfloat16)
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+
+
+def test_aux_loss_sums_over_a_model_and_expert_params_are_marked():
+    cfg = moesaic.MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4)
+    model = nn.Sequential(moesaic.MoELayer(cfg), nn.Linear(8, 8), moesaic.MoELayer(cfg))
+    assert moesaic.aux_loss(model).item() == 0.0
+    model(torch.randn(5, 8))
+    want = model[0].aux_loss + model[2].aux_loss
+    assert torch.equal(moesaic.aux_loss(model), want)
+    assert moesaic.aux_loss(model).requires_grad
+    marked = {n for n, p in model.named_parameters() if moesaic.is_expert_param(p)}
+    assert marked == {f"{i}.experts.{w}" for i in (0, 2) for w in ("w1", "w2", "w3")}
+
+
+def test_determinism_bitwise():
+    cfg = moesaic.MoEConfig(hidden_size=8, ffn_hidden_size=16, num_experts=4)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layer = moesaic.MoELayer(cfg)
+        x = torch.randn(9, 8, requires_grad=True)
+        y = layer(x)
+        y.square().sum().backward()
+        outs.append((y.detach(), x.grad, layer.experts.w2.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 8], [0, 0, 0], [13]])
+def test_grouped_mm_paths_agree(counts):
+    M, e = sum(counts), len(counts)
+    x = torch.randn(M, 16, requires_grad=True)
+    w = torch.randn(e, 16, 8, requires_grad=True)
+    ref = grouped_mm_reference(x, w, counts)
+    ref.square().sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    grouped_mm(x, w, counts, use_fast=True).square().sum().backward()
+    # Same fp32 products, possibly another blocking: a few ulps.
+    torch.testing.assert_close(x.grad, gx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, gw, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_fast_path_when_available():
+    if not _fast_path_ok(torch.device("cpu"), torch.float32):
+        pytest.skip("torch._grouped_mm missing or failing its self-check on CPU")
+    x = torch.randn(10, 4)
+    w = torch.randn(2, 4, 8)
+    offs = torch.tensor([4, 10], dtype=torch.int32)
+    torch.testing.assert_close(_GroupedMM.apply(x, w, offs), grouped_mm_reference(x, w, [4, 6]))
+    # F = 3 floats is not 16-byte aligned: grouped_mm must fall back, not fail.
+    w3 = torch.randn(2, 4, 3)
+    torch.testing.assert_close(
+        grouped_mm(x, w3, [4, 6], use_fast=True), grouped_mm_reference(x, w3, [4, 6])
+    )
+
+
+def test_grouped_mm_rejects_bad_counts():
+    with pytest.raises(ValueError, match=r"counts_e sums to 3, but x_MH has 4 rows"):
+        grouped_mm(torch.zeros(4, 2), torch.zeros(1, 2, 2), [3])
