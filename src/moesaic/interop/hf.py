@@ -89,3 +89,45 @@ def moe_layer_from_mixtral(
     layer.load_full_state_dict(_mixtral_weights(block))
     ref = next(block.parameters())
     return layer.to(device=ref.device, dtype=ref.dtype)
+
+
+@torch.no_grad()
+def mixtral_block_from_layer(layer: MoELayer) -> nn.Module:
+    """The transformers ``MixtralSparseMoeBlock`` computing what an EP = 1 ``layer`` computes.
+
+    Used to run the transformers block as a peer in benchmarks and to test both conversions.
+    """
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = layer.config
+    if layer.ep_size != 1 or cfg.activation != "swiglu" or cfg.score_func != "softmax":
+        raise ValueError(
+            "only an EP = 1 layer with activation='swiglu' and score_func='softmax' has a "
+            "Mixtral equivalent"
+        )
+    if not cfg.normalize_topk or cfg.capacity_factor is not None:
+        raise ValueError(
+            "a Mixtral block renormalises top-k and drops nothing: "
+            "normalize_topk must be True and capacity_factor None"
+        )
+    block = MixtralSparseMoeBlock(
+        MixtralConfig(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.ffn_hidden_size,
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.top_k,
+        )
+    )
+    sd = layer.full_state_dict()
+    block.gate.weight.copy_(sd["router.weight"])
+    w1, w3, w2 = sd["experts.w1"], sd["experts.w3"], sd["experts.w2"]
+    if hasattr(block.experts, "gate_up_proj"):
+        block.experts.gate_up_proj.copy_(torch.cat([w1, w3], dim=2).transpose(1, 2))
+        block.experts.down_proj.copy_(w2.transpose(1, 2))
+    else:
+        for i, expert in enumerate(block.experts):
+            expert.w1.weight.copy_(w1[i].t())
+            expert.w3.weight.copy_(w3[i].t())
+            expert.w2.weight.copy_(w2[i].t())
+    return block.to(layer.router.weight.device)

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``moesaic bench``: results are JSON with machine, versions and config."""

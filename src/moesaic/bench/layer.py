@@ -1,0 +1,263 @@
+"""``moesaic bench layer``: forward+backward throughput and bytes of the dispatchers.
+
+For EP = 1 (one process) the transformers Mixtral block, moesaic dropless and moesaic padded run
+interleaved, round by round, in one process, so their ratio is measured side by side. For
+EP = 2 and 4 each configuration runs on a gloo world of that size (one thread per rank; on a
+2-core machine EP = 4 is oversubscribed and says so in the result). Bytes are what each rank sent
+to other ranks per forward (dispatch + combine payload, plus metadata), at uniform and at skewed
+routing.
+
+The physical bound reported beside the throughput is the expert matmul FLOPs of a step divided by
+the single-thread fp32 GEMM rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from moesaic.bench.meta import run_metadata, summarize, time_calls
+from moesaic.comm.world import run_world
+from moesaic.config import MoEConfig
+from moesaic.layer import MoELayer
+
+ROUTINGS = ("uniform", "skewed")
+DISPATCHERS = ("dropless", "padded")
+
+
+@dataclass(kw_only=True, slots=True)
+class LayerBench:
+    """What to measure. Defaults: a small Mixtral-shaped layer a CPU steps in ~0.1 s."""
+
+    hidden_size: int = 256
+    ffn_hidden_size: int = 512
+    num_experts: int = 8
+    top_k: int = 2
+    tokens_per_rank: int = 1024
+    ep_sizes: tuple[int, ...] = (1, 2, 4)
+    iters: int = 8
+    warmup: int = 2
+    # Skewed routing: a constant input channel and a router column that favours low expert ids
+    # by this many logits per expert id (gives a max/mean expert load of ~3 at the defaults).
+    skew_logits_per_expert: float = 0.5
+    with_transformers: bool = True
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        MoEConfig(**self._layer_fields("dropless"))  # validate the shape early
+        for ep in self.ep_sizes:
+            if self.num_experts % ep:
+                raise ValueError(
+                    f"num_experts ({self.num_experts}) must be divisible by every ep size "
+                    f"(got {ep})"
+                )
+        if self.iters <= 0:
+            raise ValueError(f"iters ({self.iters}) must be > 0")
+
+    def _layer_fields(self, dispatcher: str) -> dict:
+        return {
+            "hidden_size": self.hidden_size,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "dispatcher": dispatcher,
+            "collective_timeout_s": 120.0,
+        }
+
+
+def _layer(bench: LayerBench, dispatcher: str, routing: str) -> MoELayer:
+    torch.manual_seed(bench.seed)
+    layer = MoELayer(MoEConfig(**bench._layer_fields(dispatcher)))
+    if routing == "skewed":
+        with torch.no_grad():
+            ids = torch.arange(bench.num_experts, dtype=torch.float32)
+            layer.router.weight[:, 0] = -bench.skew_logits_per_expert * ids
+    return layer
+
+
+def _inputs(bench: LayerBench, routing: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(bench.seed * 1000 + rank)
+    # [1, T, H]: the transformers block wants (batch, seq, hidden).
+    x = torch.randn(1, bench.tokens_per_rank, bench.hidden_size, generator=gen)
+    if routing == "skewed":
+        x[..., 0] = 1.0
+    return x, torch.randn(x.shape, generator=gen)
+
+
+def _train_step(module, x: torch.Tensor, g: torch.Tensor) -> None:
+    x = x.detach().requires_grad_()
+    y = module(x)
+    y = y[0] if isinstance(y, tuple) else y
+    loss = (y * g).sum()
+    if isinstance(module, MoELayer):
+        loss = loss + module.aux_loss
+    loss.backward()
+    module.zero_grad(set_to_none=True)
+
+
+def _expert_flops(bench: LayerBench, tokens: int) -> float:
+    """fwd+bwd matmul FLOPs of the experts: 3 GEMMs of 2*H*F per routed row, x3 for backward."""
+    return 3 * 3 * 2 * bench.hidden_size * bench.ffn_hidden_size * tokens * bench.top_k
+
+
+def _gemm_gflops(bench: LayerBench) -> float:
+    """Single-thread fp32 GEMM rate at the expert shape, the compute bound of this machine."""
+    rows = bench.tokens_per_rank * bench.top_k // bench.num_experts or 1
+    a = torch.randn(rows, bench.hidden_size)
+    b = torch.randn(bench.hidden_size, bench.ffn_hidden_size)
+    times = time_calls(lambda: a @ b, iters=20, warmup=3)
+    return 2 * rows * bench.hidden_size * bench.ffn_hidden_size / sorted(times)[10] / 1e9
+
+
+def _load_stats(counts_E: torch.Tensor) -> dict:
+    mean = counts_E.float().mean().item()
+    return {"max_over_mean": counts_E.max().item() / mean if mean else 0.0}
+
+
+def ep_worker(rank: int, world: int, bench: LayerBench) -> dict:
+    """One rank of an EP world: every (dispatcher, routing) pair, step times and bytes."""
+    out = {}
+    for routing in ROUTINGS:
+        x, g = _inputs(bench, routing, rank)
+        for dispatcher in DISPATCHERS:
+            layer = _layer(bench, dispatcher, routing)
+            times = time_calls(partial(_train_step, layer, x, g), bench.iters, bench.warmup)
+            counts = layer.last_counts_E.clone()
+            torch.distributed.all_reduce(counts)
+            stats = layer.comm_stats
+            out[f"{dispatcher}/{routing}"] = {
+                "times": times,
+                "bytes_per_forward": stats.total_bytes,
+                "payload_bytes": stats.dispatch_bytes + stats.combine_bytes,
+                "padded_rows": stats.padded_rows,
+                "load": _load_stats(counts),
+            }
+    return out
+
+
+def _single_process(bench: LayerBench) -> dict:
+    """EP = 1: moesaic (both dispatchers) and the transformers block, interleaved round by round."""
+    torch.set_num_threads(1)
+    out = {}
+    for routing in ROUTINGS:
+        x, g = _inputs(bench, routing, 0)
+        peers = {d: _layer(bench, d, routing) for d in DISPATCHERS}
+        if bench.with_transformers:
+            from moesaic.interop.hf import mixtral_block_from_layer
+
+            peers["transformers-mixtral"] = mixtral_block_from_layer(peers["dropless"]).train()
+        times: dict[str, list[float]] = {name: [] for name in peers}
+        for _ in range(bench.warmup):
+            for module in peers.values():
+                _train_step(module, x, g)
+        for _ in range(bench.iters):  # interleaved: the machine's noise hits all peers alike
+            for name, module in peers.items():
+                times[name] += time_calls(partial(_train_step, module, x, g), 1, 0)
+        for name, module in peers.items():
+            entry: dict = {"times": times[name]}
+            if isinstance(module, MoELayer):
+                entry["bytes_per_forward"] = module.comm_stats.total_bytes
+                entry["padded_rows"] = module.comm_stats.padded_rows
+                entry["load"] = _load_stats(module.last_counts_E)
+            out[f"{name}/{routing}"] = entry
+    return out
+
+
+def run(bench: LayerBench) -> dict:
+    """Measure everything; returns the result document (see ``format_table``)."""
+    torch.set_num_threads(1)  # one thread per rank everywhere, so EP sizes compare fairly
+    gflops = _gemm_gflops(bench)
+    rows = []
+    for ep in bench.ep_sizes:
+        if ep == 1:
+            per_rank = [_single_process(bench)]
+        else:
+            per_rank = run_world(ep_worker, ep, bench, timeout_s=600, pg_timeout_s=300)
+        for key in per_rank[0]:
+            name, routing = key.split("/")
+            # Ranks step in lockstep (the all-to-alls synchronise them): the slowest is the step.
+            medians = [summarize(r[key]["times"]) for r in per_rank]
+            step = max(medians, key=lambda m: m["median_ms"])
+            tokens = bench.tokens_per_rank * ep
+            row = {
+                "ep": ep,
+                "impl": name,
+                "routing": routing,
+                "step": step,
+                "tokens_per_s": tokens / (step["median_ms"] / 1e3),
+                "expert_gflops_achieved": _expert_flops(bench, tokens) / step["median_ms"] / 1e6,
+                "bound_tokens_per_s": tokens
+                / (_expert_flops(bench, tokens) / (gflops * 1e9 * min(ep, _cores()))),
+            }
+            for field_name in ("bytes_per_forward", "payload_bytes", "padded_rows", "load"):
+                if field_name in per_rank[0][key]:
+                    row[field_name] = per_rank[0][key][field_name]
+            if "bytes_per_forward" in row:
+                row["bytes_per_forward_all_ranks"] = sum(
+                    r[key]["bytes_per_forward"] for r in per_rank
+                )
+            rows.append(row)
+    _add_ratios(rows)
+    return {
+        "benchmark": "moesaic bench layer",
+        "meta": run_metadata(),
+        "config": asdict(bench),
+        "gemm_gflops_single_thread": gflops,
+        "oversubscribed_ep_sizes": [ep for ep in bench.ep_sizes if ep > _cores()],
+        "rows": rows,
+    }
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Throughput relative to the transformers block (EP = 1) and padded/dropless bytes."""
+    by_key = {(r["ep"], r["impl"], r["routing"]): r for r in rows}
+    for r in rows:
+        hf = by_key.get((1, "transformers-mixtral", r["routing"]))
+        if hf:
+            r["throughput_vs_transformers"] = r["tokens_per_s"] / hf["tokens_per_s"]
+        dropless = by_key.get((r["ep"], "dropless", r["routing"]))
+        if r["impl"] == "padded" and dropless and dropless.get("bytes_per_forward_all_ranks"):
+            r["bytes_vs_dropless"] = (
+                r["bytes_per_forward_all_ranks"] / dropless["bytes_per_forward_all_ranks"]
+            )
+
+
+def format_table(result: dict) -> str:
+    head = (
+        f"{'EP':>3} {'impl':<22} {'routing':<8} {'step ms':>9} {'tok/s':>9} "
+        f"{'vs HF':>6} {'MB/fwd':>8} {'pad/drop':>8} {'load':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        mb = r.get("bytes_per_forward_all_ranks")
+        lines.append(
+            f"{r['ep']:>3} {r['impl']:<22} {r['routing']:<8} {r['step']['median_ms']:>9.1f} "
+            f"{r['tokens_per_s']:>9.0f} {r.get('throughput_vs_transformers', float('nan')):>6.2f} "
+            f"{(mb / 1e6 if mb is not None else float('nan')):>8.2f} "
+            f"{r.get('bytes_vs_dropless', float('nan')):>8.2f} "
+            f"{r.get('load', {}).get('max_over_mean', float('nan')):>5.2f}"
+        )
+    lines.append(
+        f"bound: single-thread GEMM {result['gemm_gflops_single_thread']:.1f} GFLOP/s per core; "
+        f"oversubscribed EP sizes: {result['oversubscribed_ep_sizes'] or 'none'}"
+    )
+    return "\n".join(lines)
+
+
+def write(result: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)  # atomic: a crash never leaves half a result file
+    return path
