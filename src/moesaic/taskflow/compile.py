@@ -1,0 +1,293 @@
+"""Static scheduler: ODG -> split propagation -> task descriptors -> two queues with events.
+
+Steps (paper §4.2-4.5), all offline and per rank:
+
+1. split propagation (Algorithm 1) over the forward or backward MoE-FFN graph;
+2. FillConfigs turn each operator's task count into task descriptors and remote-write records;
+3. events: a task's producers are the writers of the rows it reads; consumers with the same
+   producer set share one counter whose threshold is the size of that set (many-to-many
+   dependencies), and every producer triggers every counter it belongs to;
+4. queues: GMMs go to the matrix queue, everything else to the vector/communication queue, in
+   operator-topological order (the "kernel-by-kernel" order inside each queue), then
+5. ordering optimisations that only permute independent tasks: rank-aware task reordering of
+   communication tiles (RATR, Fig. 6) and cache-guided interleaving of the independent backward
+   GMMs by expert;
+6. validation (``validate.check_plan``): a plan that fails is a compiler bug and never returned.
+
+Per-rank compilation without seeing the other ranks' plans works because the plans are
+rank-symmetric: event ids are assigned from canonical writer keys (operator, rows written), which
+are the same on every rank, so the counter a put must bump on rank d is the counter the same rows
+have on this rank. ``validate.check_world`` verifies that claim on a whole world.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import defaultdict
+from collections.abc import Sequence
+
+from moesaic.taskflow.bucket import DIRECTIONS, CompileOptions, ShapeBucket
+from moesaic.taskflow.graph import propagate_splits
+from moesaic.taskflow.moe_graphs import PUT_TYPES, buffer_table, moe_graph
+from moesaic.taskflow.plan import PLAN_VERSION, Plan
+from moesaic.taskflow.tasks import (
+    FILLS,
+    CompileError,
+    Event,
+    EventRef,
+    FillContext,
+    ProducerRef,
+    Region,
+    RemoteWrite,
+    TaskDescriptor,
+)
+
+# Independent backward GMM pairs that share an input per expert (paper §4.5): the act-grad and
+# w2-grad GMMs both read the dispatched gradient; the gate-grad and w1-grad GMMs both read dh.
+INTERLEAVE_PAIRS = (("gmm_act_grad", "gmm_w2_grad"), ("gmm_gate_grad", "gmm_w1_grad"))
+
+WriterKey = tuple[str, tuple[tuple[str, int, int], ...]]
+
+
+def _writer_key(op: str, regions: Sequence[Region]) -> WriterKey:
+    return (op, tuple((r.buffer, r.start, r.stop) for r in regions))
+
+
+def _regions_by_rank(regions: Sequence[Region]) -> dict[int, list[Region]]:
+    out: dict[int, list[Region]] = {}
+    for r in regions:
+        out.setdefault(r.rank, []).append(r)
+    return out
+
+
+class _WriterIndex:
+    """Disjoint writer intervals per buffer of this rank, for overlap queries."""
+
+    def __init__(self) -> None:
+        self._raw: dict[str, list[tuple[int, int, WriterKey]]] = defaultdict(list)
+        self.keys: set[WriterKey] = set()
+
+    def add(self, key: WriterKey, regions: Sequence[Region]) -> None:
+        self.keys.add(key)
+        for r in regions:
+            self._raw[r.buffer].append((r.start, r.stop, key))
+
+    def freeze(self) -> None:
+        self._by_buf = {}
+        for buf, items in self._raw.items():
+            items.sort()
+            for (_, stop0, k0), (start1, _, k1) in itertools.pairwise(items):
+                if start1 < stop0:
+                    raise CompileError(f"buffer {buf!r}: writers {k0[0]} and {k1[0]} overlap")
+            self._by_buf[buf] = (items, [it[1] for it in items])
+
+    def producers(self, region: Region) -> set[WriterKey]:
+        """Writers overlapping ``region``; raises if some row of it has no writer."""
+        items, stops = self._by_buf.get(region.buffer, ([], []))
+        i = bisect.bisect_right(stops, region.start)
+        covered, found = region.start, set()
+        while i < len(items) and items[i][0] < region.stop:
+            start, stop, key = items[i]
+            if start > covered:
+                break
+            found.add(key)
+            covered = stop
+            i += 1
+        if covered < region.stop:
+            raise CompileError(
+                f"rows [{covered}, {region.stop}) of {region.buffer!r} are read but no task "
+                "writes them"
+            )
+        return found
+
+
+def _assign_events(
+    tasks: list[TaskDescriptor],
+    stubs: list[RemoteWrite],
+    work_buffers: set[str],
+    rank: int,
+) -> tuple[list[RemoteWrite], list[Event]]:
+    index = _WriterIndex()
+    for t in tasks:
+        local = [r for r in t.outputs if r.rank == rank]
+        if local:
+            index.add(_writer_key(t.op, local), local)
+    for w in stubs:
+        index.add(_writer_key(w.op, w.regions), w.regions)
+    index.freeze()
+    event_of: dict[frozenset[WriterKey], int] = {}
+    for t in tasks:
+        keys: set[WriterKey] = set()
+        for r in t.inputs:
+            if r.buffer in work_buffers:
+                keys |= index.producers(r)
+        if keys:
+            t.dependent_event = event_of.setdefault(frozenset(keys), len(event_of))
+    events_of_key: dict[WriterKey, list[int]] = defaultdict(list)
+    for keys, ev in event_of.items():
+        for k in keys:
+            events_of_key[k].append(ev)
+    producers: list[list[ProducerRef]] = [[] for _ in event_of]
+    for t in tasks:
+        trig = []
+        for d, regs in _regions_by_rank(t.outputs).items():
+            key = _writer_key(t.op, regs)
+            if key not in index.keys:
+                raise CompileError(
+                    f"{t.label} writes {key[1]} on rank {d}, rows no task writes on rank {rank}: "
+                    "the plan is not rank-symmetric"
+                )
+            trig += [EventRef(rank=d, event=ev) for ev in sorted(events_of_key.get(key, ()))]
+        t.trigger_events = tuple(trig)
+        for ref in trig:
+            if ref.rank == rank:
+                producers[ref.event].append(
+                    ProducerRef(rank=rank, op=t.op, task_index=t.task_index)
+                )
+    out_stubs = []
+    for w in stubs:
+        evs = tuple(sorted(events_of_key.get(_writer_key(w.op, w.regions), ())))
+        out_stubs.append(
+            RemoteWrite(
+                rank=w.rank, op=w.op, task_index=w.task_index, regions=w.regions, trigger_events=evs
+            )
+        )
+        for ev in evs:
+            producers[ev].append(ProducerRef(rank=w.rank, op=w.op, task_index=w.task_index))
+    events = [Event(id=i, threshold=len(p), producers=tuple(p)) for i, p in enumerate(producers)]
+    return out_stubs, events
+
+
+def rank_aware_order(
+    tasks: Sequence[TaskDescriptor], queue: Sequence[int], rank: int, ep_size: int
+) -> list[int]:
+    """RATR: inside each run of put tasks of one operator, start at destination ``rank`` and go
+    round the ring (destination ``(rank + i) % P`` i-th), so that no two source ranks start at
+    the same destination. Dispatch runs are destination-major; combine runs stay expert-major
+    (they follow the GMM2 tiles that feed them) and rotate destinations within each expert.
+    """
+    out = list(queue)
+    i = 0
+    while i < len(out):
+        first = tasks[out[i]]
+        j = i + 1
+        if first.task_type in PUT_TYPES:
+            while j < len(out) and tasks[out[j]].op == first.op:
+                j += 1
+
+            def key(uid: int) -> tuple[int, int]:
+                t = tasks[uid]
+                turn = (t.peer - rank) % ep_size if t.peer >= 0 else 0
+                return (t.expert, turn) if t.task_type == "put_combine" else (turn, 0)
+
+            out[i:j] = sorted(out[i:j], key=key)  # stable: tile order kept inside a turn
+        i = j
+    return out
+
+
+def interleave_by_expert(
+    tasks: Sequence[TaskDescriptor], queue: Sequence[int], pairs=INTERLEAVE_PAIRS
+) -> list[int]:
+    """Cache-guided GMM interleaving: for each independent pair of operators, reorder their
+    tasks (in the positions they already occupy) expert by expert, so both GMMs that read one
+    expert's rows run back to back while those rows are still in cache."""
+    out = list(queue)
+    for pair in pairs:
+        slots = [i for i, uid in enumerate(out) if tasks[uid].op in pair]
+        ranked = sorted(
+            (out[i] for i in slots),
+            key=lambda uid: (tasks[uid].expert, pair.index(tasks[uid].op), uid),
+        )
+        for i, uid in zip(slots, ranked):
+            out[i] = uid
+    return out
+
+
+def compile_plan(
+    bucket: ShapeBucket,
+    direction: str,
+    rank: int,
+    options: CompileOptions | None = None,
+    *,
+    validate: bool = True,
+) -> Plan:
+    """Compile the static plan of one rank.
+
+    Args:
+        bucket: shapes, parallel configuration and tile sizes.
+        direction: "forward" or "backward".
+        rank: the rank in ``[0, bucket.ep_size)``.
+        options: scheduler options (RATR, interleaving, forced unsplit operators).
+        validate: run ``validate.check_plan`` on the result (on by default; a failure is a
+            compiler bug).
+
+    Raises:
+        ValueError (or its subclass CompileError): a bad direction, rank or option, or a split
+            the task generator cannot tile.
+    """
+    options = options or CompileOptions()
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction ({direction!r}) must be one of {DIRECTIONS}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < bucket.ep_size:
+        raise ValueError(f"rank ({rank!r}) must be an int in [0, ep_size={bucket.ep_size})")
+    mg = moe_graph(direction, bucket.activation)
+    split = propagate_splits(mg.graph, bucket, unsplit=options.unsplit)
+    buffers = buffer_table(bucket, direction)
+    ctx = FillContext(bucket=bucket, rank=rank, buffers={b.name: b for b in buffers})
+    tasks: list[TaskDescriptor] = []
+    stubs: list[RemoteWrite] = []
+    for op_name in split.order:
+        layout = mg.layouts[op_name]
+        new_tasks, new_stubs = FILLS[layout.kind](ctx, op_name, layout, split.task_num[op_name])
+        for t in new_tasks:
+            t.uid = len(tasks)
+            tasks.append(t)
+        stubs += new_stubs
+    work = {b.name for b in buffers if b.kind != "input"}
+    stubs, events = _assign_events(tasks, stubs, work, rank)
+    matrix = [t.uid for t in tasks if t.queue == "matrix"]
+    vector = [t.uid for t in tasks if t.queue == "vector"]
+    if options.ratr:
+        vector = rank_aware_order(tasks, vector, rank, bucket.ep_size)
+    if options.interleave and direction == "backward":
+        matrix = interleave_by_expert(tasks, matrix)
+    plan = Plan(
+        version=PLAN_VERSION,
+        direction=direction,
+        rank=rank,
+        bucket=bucket,
+        options=options,
+        buffers=buffers,
+        tasks=tuple(tasks),
+        events=tuple(events),
+        remote_writes=tuple(stubs),
+        matrix_queue=tuple(matrix),
+        vector_queue=tuple(vector),
+        task_num=dict(split.task_num),
+        fell_back=split.fell_back,
+    )
+    if validate:
+        from moesaic.taskflow.validate import check_plan
+
+        check_plan(plan)
+    return plan
+
+
+def compile_world(
+    bucket: ShapeBucket,
+    direction: str,
+    options: CompileOptions | None = None,
+    *,
+    validate: bool = True,
+) -> list[Plan]:
+    """Plans of every rank, and (with ``validate``) the cross-rank check of all of them."""
+    plans = [
+        compile_plan(bucket, direction, r, options, validate=validate)
+        for r in range(bucket.ep_size)
+    ]
+    if validate:
+        from moesaic.taskflow.validate import check_world
+
+        check_world(plans)
+    return plans

@@ -1,0 +1,222 @@
+"""Task handlers of the sequential executor: one function per ``task_type``.
+
+Shape legend: n valid rows of a tile, H hidden, F expert hidden, A = 2F (SwiGLU) or F (GELU),
+K top-k, e local experts.
+
+A handler reads and writes exactly the regions of its task descriptor, restricted to the valid
+rows of each slot (``_Run.segments``); the expert of a row range is its slot's, ``slot // P``.
+Padding rows are never written, so they stay zero. The math is the plain torch reference:
+
+    forward   h = x @ [w1 | w3];  a = silu(h1) * h3  (GELU: a = gelu(x @ w1));  y = a @ w2
+    backward  g = w_tk * dy_t;  da = g @ w2^T;  dw2 = a^T g;
+              dh1 = da * h3 * silu'(h1), dh3 = da * silu(h1)  (GELU: dh = da * gelu'(h));
+              dx = dh @ [w1 | w3]^T;  [dw1 | dw3] = x^T dh;  dx_t = sum_k dx_tk;
+              dw_tk = <dy_t, y_tk>
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moesaic.taskflow.tasks import Region
+
+RETURN_LAYOUT = frozenset({"y_ret", "dx_ret"})
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Valid rows ``[start, stop)`` of one slot."""
+
+    start: int
+    stop: int
+    slot: int
+
+
+def _w(run, name: str) -> torch.Tensor:
+    """A flattened per-expert buffer viewed as ``[e, rows, cols]``."""
+    buf = run.bufs[name]
+    return buf.view(run.e, buf.shape[0] // run.e, buf.shape[1])
+
+
+def _w_up(run, j: int) -> torch.Tensor:
+    """``[w1 | w3]`` of local expert j ([H, A]); just w1 for GELU."""
+    if "w3" in run.bufs:
+        return torch.cat([_w(run, "w1")[j], _w(run, "w3")[j]], dim=1)
+    return _w(run, "w1")[j]
+
+
+def _row_tiles(run, t):
+    """(start, stop, local expert) of each valid segment of the task's row region."""
+    for seg in run.segments(t.inputs[0]):
+        yield seg.start, seg.stop, seg.slot // run.P
+
+
+def _expert_rows(run, t, buffer: str) -> list[tuple[int, torch.Tensor]]:
+    """(local expert, valid row indices) of a weight-gradient task, over all source slots."""
+    ES = run.P * run.S
+    js = [t.expert - run.me * run.e] if t.expert >= 0 else range(run.e)
+    out = []
+    for j in js:
+        segs = run.segments(Region(buffer=buffer, rank=run.me, start=j * ES, stop=(j + 1) * ES))
+        idx = [torch.arange(s.start, s.stop) for s in segs]
+        out.append((j, torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)))
+    return out
+
+
+def _put_tokens(run, t, *, grad: bool) -> None:
+    src = run.bufs[t.inputs[0].buffer]
+    for r in t.outputs:
+        for seg in run.segments(r):
+            g = r.rank * run.e + seg.slot // run.P
+            off = seg.start - seg.slot * run.S
+            n = seg.stop - seg.start
+            rows = src.index_select(0, run.route.tokens_E[g][off : off + n].to(src.device))
+            if grad:
+                w = run.route.weights_E[g][off : off + n].to(src.device, src.dtype)
+                rows = rows * w.unsqueeze(1)
+            run.put(t, Region(buffer=r.buffer, rank=r.rank, start=seg.start, stop=seg.stop), rows)
+
+
+def put_dispatch(run, t) -> None:
+    _put_tokens(run, t, grad=False)
+
+
+def put_dispatch_grad(run, t) -> None:
+    """Backward dispatch sends ``w_tk * dy_t``, the gradient of expert output row (t, k)."""
+    _put_tokens(run, t, grad=True)
+
+
+def put_combine(run, t) -> None:
+    for src, dst in zip(t.inputs, t.outputs):
+        for seg in run.segments(src):
+            rows = run.bufs[src.buffer][seg.start : seg.stop]
+            start = dst.start + seg.start - src.start
+            reg = Region(buffer=dst.buffer, rank=dst.rank, start=start, stop=start + len(rows))
+            run.put(t, reg, rows)
+
+
+def gmm_gate_up(run, t) -> None:
+    x, h = run.bufs["x_recv"], run.bufs["h"]
+    for a, z, j in _row_tiles(run, t):
+        h[a:z] = x[a:z] @ _w_up(run, j)
+
+
+def swiglu(run, t) -> None:
+    h, act, Fh = run.bufs["h"], run.bufs["a"], run.plan.bucket.ffn
+    for a, z, _ in _row_tiles(run, t):
+        act[a:z] = F.silu(h[a:z, :Fh]) * h[a:z, Fh:]
+
+
+def gelu(run, t) -> None:
+    h, act = run.bufs["h"], run.bufs["a"]
+    for a, z, _ in _row_tiles(run, t):
+        act[a:z] = F.gelu(h[a:z])
+
+
+def gmm_down(run, t) -> None:
+    act, y, w2 = run.bufs["a"], run.bufs["y_rows"], _w(run, "w2")
+    for a, z, j in _row_tiles(run, t):
+        y[a:z] = act[a:z] @ w2[j]
+
+
+def _token_rows(t) -> slice:
+    r = t.outputs[0]
+    return slice(r.start, r.stop)
+
+
+def topk_combine(run, t) -> None:
+    """``y_t = sum_k w_tk * y_tk`` in a fixed k order (deterministic)."""
+    rows = _token_rows(t)
+    y_ret = run.bufs["y_ret"]
+    ret_nKH = y_ret[run.route.ret_row_TK[rows].to(y_ret.device)]
+    w_nK = run.route.weights_TK[rows].to(y_ret.device, y_ret.dtype)
+    run.bufs["y_TH"][rows] = (ret_nKH * w_nK.unsqueeze(-1)).sum(dim=1)
+
+
+def gmm_act_grad(run, t) -> None:
+    g, da, w2 = run.bufs["g_recv"], run.bufs["da"], _w(run, "w2")
+    for a, z, j in _row_tiles(run, t):
+        da[a:z] = g[a:z] @ w2[j].t()
+
+
+def gmm_w2_grad(run, t) -> None:
+    act, g, dw2 = run.bufs["a"], run.bufs["g_recv"], _w(run, "dw2")
+    for j, idx in _expert_rows(run, t, "a"):
+        dw2[j] = act[idx].t() @ g[idx]
+
+
+def _dsilu(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
+def swiglu_grad(run, t) -> None:
+    da, h, dh, Fh = run.bufs["da"], run.bufs["h"], run.bufs["dh"], run.plan.bucket.ffn
+    for a, z, _ in _row_tiles(run, t):
+        h1, h3 = h[a:z, :Fh], h[a:z, Fh:]
+        dh[a:z, :Fh] = da[a:z] * h3 * _dsilu(h1)
+        dh[a:z, Fh:] = da[a:z] * F.silu(h1)
+
+
+def gelu_grad(run, t) -> None:
+    """Exact (erf) GELU: ``gelu'(x) = Phi(x) + x * phi(x)``."""
+    da, h, dh = run.bufs["da"], run.bufs["h"], run.bufs["dh"]
+    for a, z, _ in _row_tiles(run, t):
+        x = h[a:z]
+        cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+        pdf = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        dh[a:z] = da[a:z] * (cdf + x * pdf)
+
+
+def gmm_gate_grad(run, t) -> None:
+    dh, dx = run.bufs["dh"], run.bufs["dx_rows"]
+    for a, z, j in _row_tiles(run, t):
+        dx[a:z] = dh[a:z] @ _w_up(run, j).t()
+
+
+def gmm_w1_grad(run, t) -> None:
+    x, dh, Fh = run.bufs["x_recv"], run.bufs["dh"], run.plan.bucket.ffn
+    dw1 = _w(run, "dw1")
+    dw3 = _w(run, "dw3") if "dw3" in run.bufs else None
+    for j, idx in _expert_rows(run, t, "x_recv"):
+        dw = x[idx].t() @ dh[idx]
+        dw1[j] = dw[:, :Fh]
+        if dw3 is not None:
+            dw3[j] = dw[:, Fh:]
+
+
+def sum_combine(run, t) -> None:
+    rows = _token_rows(t)
+    dx_ret = run.bufs["dx_ret"]
+    run.bufs["dx_TH"][rows] = dx_ret[run.route.ret_row_TK[rows].to(dx_ret.device)].sum(dim=1)
+
+
+def topk_weight_grad(run, t) -> None:
+    rows = _token_rows(t)
+    y_ret, dy = run.bufs["y_ret"], run.bufs["dy_TH"]
+    ret_nKH = y_ret[run.route.ret_row_TK[rows].to(y_ret.device)]
+    run.bufs["dtopk_TK"][rows] = (ret_nKH * dy[rows].unsqueeze(1)).sum(dim=-1)
+
+
+HANDLERS = {
+    "put_dispatch": put_dispatch,
+    "put_dispatch_grad": put_dispatch_grad,
+    "put_combine": put_combine,
+    "gmm_gate_up": gmm_gate_up,
+    "swiglu": swiglu,
+    "gelu": gelu,
+    "gmm_down": gmm_down,
+    "topk_combine": topk_combine,
+    "gmm_act_grad": gmm_act_grad,
+    "gmm_w2_grad": gmm_w2_grad,
+    "swiglu_grad": swiglu_grad,
+    "gelu_grad": gelu_grad,
+    "gmm_gate_grad": gmm_gate_grad,
+    "gmm_w1_grad": gmm_w1_grad,
+    "sum_combine": sum_combine,
+    "topk_weight_grad": topk_weight_grad,
+}

@@ -1,0 +1,356 @@
+"""Sequential executor: runs a validated plan's tasks on one process with real tensors.
+
+Shape legend: T tokens per rank, H hidden, F expert hidden, A = 2F (SwiGLU) or F (GELU), E
+experts, e local experts, K top-k, P ranks, S slot rows.
+
+This is the executor that proves a plan right, not a fast one: one thread consumes the matrix and
+vector queues in plan order (whichever head is ready), keeps the plan's event counters and never
+runs a task before its dependent event reached its threshold. Puts to this rank are local copies;
+puts to another rank are ``torch.distributed`` point-to-point messages. Every receive this rank
+will ever get is posted (``irecv``) before its first send, tagged by (operator, destination
+tile), so no send order of any rank can deadlock gloo's matching; waits are bounded by
+``timeout_s`` and a late or dead peer becomes a ``CollectiveError`` naming the tile.
+
+Per step the runtime takes only routing-derived offsets (``StepRouting``: which tokens fill which
+slot rows, and the row counts of the slots every rank receives, one small all-to-all) and fresh
+zeroed buffers and counters, as the paper's SSC runtime does. A tile handles only the valid rows
+of its slots; a tile with none still completes and fires its events.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moesaic.comm.collectives import CollectiveError, EPGroup
+from moesaic.routing import RoutingPlan
+from moesaic.taskflow.plan import Plan
+from moesaic.taskflow.runtime.handlers import HANDLERS, RETURN_LAYOUT, Segment
+from moesaic.taskflow.tasks import Region, TaskDescriptor
+from moesaic.taskflow.validate import check_plan
+
+_PUT_TAGS = {"dispatch": 1, "combine": 2, "dispatch_bwd": 3, "combine_bwd": 4}
+SAVED = ("x_recv", "h", "a", "y_ret")
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRouting:
+    """Routing-derived offsets of one step on one rank.
+
+    Attributes:
+        tokens_E: per global expert, this rank's tokens routed to it, in token order (the rows
+            of the expert's slot on its rank, and of its return slot here).
+        weights_E: their combine weights (fp32, detached).
+        weights_TK: the combine weights per token and choice (fp32, detached).
+        ret_row_TK: row of the return buffer holding the expert output of choice (t, k).
+        send_counts_E: rows this rank sends to each global expert.
+        recv_counts_eP: rows this rank receives for local expert j from source rank s.
+    """
+
+    tokens_E: list[torch.Tensor]
+    weights_E: list[torch.Tensor]
+    weights_TK: torch.Tensor
+    ret_row_TK: torch.Tensor
+    send_counts_E: list[int]
+    recv_counts_eP: list[list[int]]
+
+
+def step_routing(plan: Plan, routing: RoutingPlan, group: EPGroup) -> StepRouting:
+    """Offsets for one step; exchanges the per-slot row counts with one all-to-all."""
+    b = plan.bucket
+    T, K, E, P, e, S = b.tokens, b.top_k, b.experts, b.ep_size, b.local_experts, b.slot_rows
+    if tuple(routing.topk_ids_TK.shape) != (T, K):
+        raise ValueError(
+            f"routing has topk_ids_TK of shape {tuple(routing.topk_ids_TK.shape)}; the plan's "
+            f"bucket needs (tokens={T}, top_k={K})"
+        )
+    if routing.counts_E.numel() != E:
+        raise ValueError(f"routing has {routing.counts_E.numel()} experts; the plan has {E}")
+    if not bool(routing.kept_TK.all()):
+        raise ValueError("routing dropped assignments; taskflow plans are dropless (no capacity)")
+    counts = routing.counts_E.cpu()
+    worst = int(counts.max())
+    if worst > S:
+        raise ValueError(
+            f"routing sends {worst} rows to one expert, more than the bucket's slot_rows ({S}); "
+            "compile a plan for a larger bucket (see slot_rows_for)"
+        )
+    order_N = routing.order_N.cpu()
+    token_N, k_N = order_N // K, order_N % K
+    weights_N = routing.topk_weights_TK.detach().float().cpu()[token_N, k_N]
+    starts = torch.cumsum(counts, 0) - counts
+    expert_N = torch.repeat_interleave(torch.arange(E), counts)
+    ret_row_TK = torch.empty(T, K, dtype=torch.long)
+    ret_row_TK[token_N, k_N] = expert_N * S + torch.arange(order_N.numel()) - starts[expert_N]
+    send = counts.view(P, e).clone()
+    recv = torch.empty_like(send)
+    group.all_to_all_single(recv, send, what="taskflow slot counts")
+    return StepRouting(
+        tokens_E=list(token_N.split(counts.tolist())),
+        weights_E=list(weights_N.split(counts.tolist())),
+        weights_TK=routing.topk_weights_TK.detach().float().cpu(),
+        ret_row_TK=ret_row_TK,
+        send_counts_E=counts.tolist(),
+        recv_counts_eP=recv.t().tolist(),
+    )
+
+
+class _Run:
+    """One execution of one plan on this rank."""
+
+    def __init__(self, plan, bufs, route, group, timeout_s, device):
+        self.plan, self.bufs, self.route, self.group = plan, bufs, route, group
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device
+        b = plan.bucket
+        self.P, self.e, self.S, self.me = b.ep_size, b.local_experts, b.slot_rows, plan.rank
+        self.counters = [0] * len(plan.events)
+        self.pending: dict[int, list] = {}
+        self.sends: list[tuple[dist.Work, str]] = []
+        self.payloads: list[torch.Tensor] = []  # kept alive until their sends complete
+        self.trace: list[int] = []
+
+    # -- row bookkeeping -------------------------------------------------------------------------
+    def count(self, buffer: str, rank: int, slot: int) -> int:
+        """Valid rows of slot ``slot`` of ``buffer`` on ``rank`` (receive or return layout)."""
+        if buffer in RETURN_LAYOUT:
+            if rank == self.me:
+                return self.route.send_counts_E[slot]
+            return self.route.recv_counts_eP[slot - self.me * self.e][rank]
+        j, s = divmod(slot, self.P)
+        if rank == self.me:
+            return self.route.recv_counts_eP[j][s]
+        return self.route.send_counts_E[rank * self.e + j]
+
+    def segments(self, r: Region) -> list[Segment]:
+        """Valid row ranges of ``r``, one per slot it touches (empty ones left out)."""
+        out = []
+        for slot in range(r.start // self.S, (r.stop - 1) // self.S + 1):
+            a, z = max(r.start, slot * self.S), min(r.stop, (slot + 1) * self.S)
+            v = max(0, min(z - a, self.count(r.buffer, r.rank, slot) - (a - slot * self.S)))
+            if v:
+                out.append(Segment(start=a, stop=a + v, slot=slot))
+        return out
+
+    # -- communication ----------------------------------------------------------------------------
+    def _tag(self, op: str, r: Region) -> int:
+        tile = r.start // self.plan.bucket.tile_m
+        if tile >= 1 << 24:
+            raise ValueError(f"tile index {tile} of {r.buffer!r} does not fit a message tag")
+        return (_PUT_TAGS[op] << 24) | tile
+
+    def put(self, t: TaskDescriptor, r: Region, rows: torch.Tensor) -> None:
+        """Write ``rows`` at the start of region ``r`` (local copy or a message)."""
+        if r.rank == self.me:
+            self.bufs[r.buffer][r.start : r.start + rows.shape[0]].copy_(rows)
+            return
+        payload = rows.contiguous()
+        work = dist.isend(payload, dst=r.rank, tag=self._tag(t.op, r), group=self.group.group)
+        self.sends.append((work, f"{t.label} -> rank {r.rank}"))
+        self.payloads.append(payload)
+
+    def post_receives(self) -> None:
+        for k, w in enumerate(self.plan.remote_writes):
+            works = []
+            for r in w.regions:
+                rows = sum(s.stop - s.start for s in self.segments(r))
+                if rows:
+                    view = self.bufs[r.buffer][r.start : r.start + rows]
+                    tag = self._tag(w.op, r)
+                    works.append(dist.irecv(view, src=w.rank, tag=tag, group=self.group.group))
+            if works:
+                self.pending[k] = works
+            else:  # nothing to carry: the write is complete as far as this rank can tell
+                self._fire(w.trigger_events)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise CollectiveError(
+                f"taskflow {what} failed on rank {self.me}/{self.P} within "
+                f"{self.timeout.total_seconds():g}s: a peer died, hung or runs another plan. "
+                f"Cause: {str(exc).splitlines()[0][:300]}"
+            ) from exc
+
+    def complete_remote(self, k: int) -> None:
+        w = self.plan.remote_writes[k]
+        for work in self.pending.pop(k):
+            self._wait(work, f"receive of {w.op}[{w.task_index}] from rank {w.rank}")
+        self._fire(w.trigger_events)
+
+    # -- the queue loop --------------------------------------------------------------------------
+    def _fire(self, events) -> None:
+        for ev in events:
+            self.counters[ev] += 1
+
+    def ready(self, t: TaskDescriptor) -> bool:
+        ev = t.dependent_event
+        return ev < 0 or self.counters[ev] >= self.plan.events[ev].threshold
+
+    def run(self) -> None:
+        plan = self.plan
+        queues = [plan.vector_queue, plan.matrix_queue]
+        pos = [0, 0]
+        self.post_receives()
+        while pos[0] < len(queues[0]) or pos[1] < len(queues[1]):
+            progressed = False
+            for q in (0, 1):
+                while pos[q] < len(queues[q]) and self.ready(plan.tasks[queues[q][pos[q]]]):
+                    t = plan.tasks[queues[q][pos[q]]]
+                    HANDLERS[t.task_type](self, t)
+                    self._fire(ref.event for ref in t.trigger_events if ref.rank == self.me)
+                    self.trace.append(t.uid)
+                    pos[q] += 1
+                    progressed = True
+            if progressed:
+                continue
+            blocked = {plan.tasks[queues[q][pos[q]]].dependent_event
+                       for q in (0, 1) if pos[q] < len(queues[q])}  # fmt: skip
+            feeding = [k for k in self.pending
+                       if blocked & set(plan.remote_writes[k].trigger_events)]  # fmt: skip
+            if not feeding:
+                raise RuntimeError(
+                    f"taskflow plan stalled on rank {self.me} waiting on events {sorted(blocked)} "
+                    "with no receive pending; the plan passed validation, so this is a bug"
+                )
+            self.complete_remote(feeding[0])
+        for k in list(self.pending):
+            self.complete_remote(k)
+        for work, what in self.sends:
+            self._wait(work, f"send of {what}")
+        self.payloads.clear()
+
+
+def _check_world_plan(plan: Plan, group: EPGroup) -> None:
+    if plan.bucket.ep_size != group.size or plan.rank != group.rank:
+        raise ValueError(
+            f"plan is for rank {plan.rank} of {plan.bucket.ep_size}; this process is rank "
+            f"{group.rank} of an expert-parallel group of {group.size}"
+        )
+    mine = torch.tensor([int(plan.fingerprint[:15], 16)], dtype=torch.int64)
+    every = group.all_gather_dim0(mine, what="taskflow plan fingerprints")
+    if bool((every != mine).any()):
+        raise ValueError(
+            "the ranks of this group run plans compiled for different buckets or options "
+            f"(fingerprints {[hex(int(v)) for v in every]})"
+        )
+
+
+def _execute(plan, inputs, routing, group, timeout_s, direction):
+    if plan.direction != direction:
+        raise ValueError(
+            f"plan is a {plan.direction} plan; run_{direction} needs a {direction} one"
+        )
+    check_plan(plan)  # never run an unvalidated plan, whatever built the object
+    group = group or EPGroup(None, timeout_s)
+    _check_world_plan(plan, group)
+    ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
+    bufs = {}
+    for spec in plan.buffers:
+        if spec.kind == "input":
+            t = inputs[spec.name]
+            t = t.reshape(spec.rows, spec.cols) if t.dim() == 3 else t
+            if tuple(t.shape) != (spec.rows, spec.cols):
+                raise ValueError(
+                    f"{spec.name} has shape {tuple(t.shape)}; the plan needs "
+                    f"({spec.rows}, {spec.cols})"
+                )
+            bufs[spec.name] = t.detach().to(ref.dtype).contiguous()
+        else:
+            bufs[spec.name] = ref.new_zeros(spec.rows, spec.cols)
+    route = step_routing(plan, routing, group)
+    run = _Run(plan, bufs, route, group, timeout_s, ref.device)
+    run.run()
+    return bufs, run.trace
+
+
+@dataclass(kw_only=True, slots=True)
+class ForwardResult:
+    """Output of a forward plan, the activations its backward plan needs, the executed order."""
+
+    y_TH: torch.Tensor
+    saved: dict[str, torch.Tensor]
+    trace: list[int]
+
+
+@dataclass(kw_only=True, slots=True)
+class BackwardResult:
+    """Gradients from a backward plan (weight gradients of this rank's local experts)."""
+
+    dx_TH: torch.Tensor
+    dtopk_weights_TK: torch.Tensor
+    dw1_eHF: torch.Tensor
+    dw3_eHF: torch.Tensor | None
+    dw2_eFH: torch.Tensor
+    trace: list[int]
+
+
+def _weights(plan, w1_eHF, w2_eFH, w3_eHF):
+    ws = {"w1": w1_eHF, "w2": w2_eFH}
+    if plan.bucket.activation == "swiglu":
+        if w3_eHF is None:
+            raise ValueError("w3_eHF is required for a SwiGLU plan")
+        ws["w3"] = w3_eHF
+    return ws
+
+
+def run_forward(
+    plan: Plan,
+    x_TH: torch.Tensor,
+    routing: RoutingPlan,
+    w1_eHF: torch.Tensor,
+    w2_eFH: torch.Tensor,
+    w3_eHF: torch.Tensor | None = None,
+    *,
+    group: EPGroup | None = None,
+    timeout_s: float = 60.0,
+) -> ForwardResult:
+    """Run a forward plan: the MoE-FFN output of this rank's tokens (no autograd graph).
+
+    Args:
+        plan: the forward plan of this rank (validated again before it runs).
+        x_TH: this rank's tokens.
+        routing: this rank's dropless routing (``Router`` / ``build_plan`` with ``ep_size=P``).
+        w1_eHF, w2_eFH, w3_eHF: this rank's local expert weights (w3 for SwiGLU only).
+        group: the expert-parallel group (None: a single process).
+        timeout_s: bound on every wait for a peer.
+    """
+    inputs = {"x_TH": x_TH, **_weights(plan, w1_eHF, w2_eFH, w3_eHF)}
+    bufs, trace = _execute(plan, inputs, routing, group, timeout_s, "forward")
+    return ForwardResult(y_TH=bufs["y_TH"], saved={k: bufs[k] for k in SAVED}, trace=trace)
+
+
+def run_backward(
+    plan: Plan,
+    dy_TH: torch.Tensor,
+    routing: RoutingPlan,
+    saved: dict[str, torch.Tensor],
+    w1_eHF: torch.Tensor,
+    w2_eFH: torch.Tensor,
+    w3_eHF: torch.Tensor | None = None,
+    *,
+    group: EPGroup | None = None,
+    timeout_s: float = 60.0,
+) -> BackwardResult:
+    """Run a backward plan: gradients of the tokens, the routing weights and the local experts.
+
+    ``saved`` is ``ForwardResult.saved`` of the same step. The gradient of the routing weights
+    lets the caller finish the router's backward with autograd
+    (``topk_weights_TK.backward(dtopk_weights_TK)``).
+    """
+    inputs = {"dy_TH": dy_TH, **_weights(plan, w1_eHF, w2_eFH, w3_eHF), **saved}
+    bufs, trace = _execute(plan, inputs, routing, group, timeout_s, "backward")
+    b = plan.bucket
+    e, H, F = b.local_experts, b.hidden, b.ffn
+    return BackwardResult(
+        dx_TH=bufs["dx_TH"],
+        dtopk_weights_TK=bufs["dtopk_TK"],
+        dw1_eHF=bufs["dw1"].view(e, H, F),
+        dw3_eHF=bufs["dw3"].view(e, H, F) if "dw3" in bufs else None,
+        dw2_eFH=bufs["dw2"].view(e, F, H),
+        trace=trace,
+    )

@@ -1,0 +1,429 @@
+"""Static checks a plan passes before anything runs it, and the two-queue simulator.
+
+``check_plan`` (one rank) checks: a known version; the buffers are exactly the ones the runtime
+allocates for the bucket; every task's operator, handler type and queue agree with the ODG and
+its count with split propagation; every region lies inside its buffer, reads only this rank,
+writes only writable buffers (and only the slots a put may write); every row of every written
+buffer has exactly one writer (FlashDMoE's write-conflict freedom); every event's threshold
+equals the number of its producers; the producers of a task's dependent event cover every row it
+reads; and the queues cannot deadlock (``simulate``: both queues consume in order and wait on
+their counters; writes of other ranks are assumed to arrive). ``check_world`` adds the cross-rank
+checks on all plans of a world: the same fingerprint, every put matched by the receiver's
+remote-write record with the same rows and events, and no deadlock of all 2P queues together.
+
+Every failure raises a ``PlanError`` (a ``ValueError``) whose message names what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from moesaic.taskflow.graph import propagate_splits
+from moesaic.taskflow.moe_graphs import PUT_TYPES, TASK_QUEUES, buffer_table, moe_graph
+from moesaic.taskflow.plan import SUPPORTED_VERSIONS, Plan
+from moesaic.taskflow.tasks import Region, TaskDescriptor
+
+
+class PlanError(ValueError):
+    """A plan that must not run."""
+
+
+class PlanFormatError(PlanError):
+    """Malformed structure: a missing or unknown field, a wrong type."""
+
+
+class PlanVersionError(PlanError):
+    """A plan format version this code does not know."""
+
+
+class PlanRegionError(PlanError):
+    """A region outside its buffer, on the wrong rank, or a write conflict / gap."""
+
+
+class PlanEventError(PlanError):
+    """An event whose threshold is not its producer count, or a dependency not covered."""
+
+
+class PlanDeadlockError(PlanError):
+    """The queues cannot all run to completion."""
+
+
+class PlanWorldError(PlanError):
+    """Plans of different ranks that do not fit together."""
+
+
+def _check_header(plan: Plan) -> None:
+    if plan.version not in SUPPORTED_VERSIONS:
+        raise PlanVersionError(
+            f"plan version ({plan.version!r}) is unknown; this build reads {SUPPORTED_VERSIONS}"
+        )
+    P = plan.bucket.ep_size
+    if not 0 <= plan.rank < P:
+        raise PlanFormatError(f"rank ({plan.rank}) must be in [0, ep_size={P})")
+    expected = buffer_table(plan.bucket, plan.direction)
+    if tuple(plan.buffers) != expected:
+        raise PlanRegionError(
+            "buffers differ from what the runtime allocates for this bucket and direction "
+            f"(got {[(b.name, b.rows, b.cols) for b in plan.buffers]})"
+        )
+
+
+def _check_region(plan: Plan, where: str, r: Region, *, write: bool, remote_ok: bool) -> None:
+    bufs = {b.name: b for b in plan.buffers}
+    if r.buffer not in bufs:
+        raise PlanRegionError(f"{where}: buffer {r.buffer!r} does not exist")
+    b = bufs[r.buffer]
+    if not 0 <= r.start < r.stop <= b.rows:
+        raise PlanRegionError(
+            f"{where}: rows [{r.start}, {r.stop}) are outside buffer {r.buffer!r} "
+            f"of {b.rows} rows (need 0 <= start < stop <= rows)"
+        )
+    if not 0 <= r.rank < plan.bucket.ep_size:
+        raise PlanRegionError(f"{where}: rank {r.rank} is outside [0, {plan.bucket.ep_size})")
+    if r.rank != plan.rank and not remote_ok:
+        raise PlanRegionError(f"{where}: region on rank {r.rank}; this task may only touch rank "
+                              f"{plan.rank}")  # fmt: skip
+    if write and b.kind == "input":
+        raise PlanRegionError(f"{where}: writes input buffer {r.buffer!r}")
+
+
+def _check_put(plan: Plan, t: TaskDescriptor) -> None:
+    """A put may only write this rank's own slots (dispatch) or return its own experts' rows
+    (combine), at the offset the rows came from."""
+    b = plan.bucket
+    P, e, S = b.ep_size, b.local_experts, b.slot_rows
+    for r in t.outputs:
+        if r.start // S != (r.stop - 1) // S:
+            raise PlanRegionError(f"{t.label}: put region [{r.start}, {r.stop}) straddles a slot")
+    if t.task_type != "put_combine":
+        for r in t.outputs:
+            if (r.start // S) % P != plan.rank:
+                raise PlanRegionError(
+                    f"{t.label}: writes slot of source rank {(r.start // S) % P} on rank "
+                    f"{r.rank}; a dispatch may only write its own source slot"
+                )
+        return
+    if len(t.inputs) != len(t.outputs):
+        raise PlanRegionError(f"{t.label}: put_combine needs one input region per output")
+    for src, dst in zip(t.inputs, t.outputs):
+        j, s = divmod(src.start // S, P)
+        ok = (
+            src.start // S == (src.stop - 1) // S
+            and dst.rank == s
+            and dst.start == (plan.rank * e + j) * S + src.start % S
+            and dst.rows == src.rows
+        )
+        if not ok:
+            raise PlanRegionError(
+                f"{t.label}: combine of rows [{src.start}, {src.stop}) must go to rank {s} at "
+                f"the return rows of expert {plan.rank * e + j}"
+            )
+
+
+def _check_tasks(plan: Plan) -> None:
+    mg = moe_graph(plan.direction, plan.bucket.activation)
+    try:
+        split = propagate_splits(mg.graph, plan.bucket, unsplit=plan.options.unsplit)
+    except ValueError as exc:
+        raise PlanFormatError(f"options: {exc}") from None
+    n_events = len(plan.events)
+    seen: dict[str, set[int]] = defaultdict(set)
+    for i, t in enumerate(plan.tasks):
+        where = f"tasks[{i}] ({t.label})"
+        if t.uid != i:
+            raise PlanFormatError(f"{where}: uid ({t.uid}) must equal its position ({i})")
+        layout = mg.layouts.get(t.op)
+        if layout is None:
+            raise PlanFormatError(
+                f"{where}: operator {t.op!r} is not in the {plan.direction} graph"
+            )
+        if t.task_type != layout.task_type or t.queue != TASK_QUEUES[t.task_type]:
+            raise PlanFormatError(
+                f"{where}: task_type/queue ({t.task_type}, {t.queue}) must be "
+                f"({layout.task_type}, {TASK_QUEUES[layout.task_type]})"
+            )
+        if t.split_num != split.task_num[t.op] or not 0 <= t.task_index < t.split_num:
+            raise PlanFormatError(
+                f"{where}: task_index/split_num ({t.task_index}/{t.split_num}) disagree with "
+                f"split propagation ({split.task_num[t.op]} tasks)"
+            )
+        if t.task_index in seen[t.op]:
+            raise PlanFormatError(f"{where}: duplicate task_index for operator {t.op!r}")
+        seen[t.op].add(t.task_index)
+        allowed_in = {*layout.row_inputs, *layout.weight_inputs, *layout.whole_inputs}
+        for k, r in enumerate(t.inputs):
+            _check_region(plan, f"{where}.inputs[{k}]", r, write=False, remote_ok=False)
+            if r.buffer not in allowed_in:
+                raise PlanRegionError(f"{where}.inputs[{k}]: {t.op} does not read {r.buffer!r}")
+        is_put = t.task_type in PUT_TYPES
+        for k, r in enumerate(t.outputs):
+            _check_region(plan, f"{where}.outputs[{k}]", r, write=True, remote_ok=is_put)
+            if r.buffer not in layout.outputs:
+                raise PlanRegionError(f"{where}.outputs[{k}]: {t.op} does not write {r.buffer!r}")
+        if is_put:
+            _check_put(plan, t)
+        if not -1 <= t.dependent_event < n_events:
+            raise PlanEventError(f"{where}: dependent_event {t.dependent_event} does not exist")
+        for ref in t.trigger_events:
+            bad_rank = not 0 <= ref.rank < plan.bucket.ep_size
+            if bad_rank or ref.event < 0 or (ref.rank == plan.rank and ref.event >= n_events):
+                raise PlanEventError(f"{where}: trigger event {ref} does not exist")
+    for op, n in split.task_num.items():
+        if len(seen[op]) != n:
+            raise PlanFormatError(f"operator {op!r} has {len(seen[op])} tasks; must have {n}")
+
+
+def _check_queues(plan: Plan) -> None:
+    placed: dict[int, str] = {}
+    for name in ("matrix", "vector"):
+        for uid in plan.queue(name):
+            if not 0 <= uid < len(plan.tasks):
+                raise PlanFormatError(f"{name} queue names task {uid}, which does not exist")
+            if uid in placed:
+                raise PlanFormatError(f"task {uid} appears twice in the queues")
+            if plan.tasks[uid].queue != name:
+                raise PlanFormatError(
+                    f"task {uid} ({plan.tasks[uid].label}) is a {plan.tasks[uid].queue} task "
+                    f"but sits in the {name} queue"
+                )
+            placed[uid] = name
+    if len(placed) != len(plan.tasks):
+        missing = sorted(set(range(len(plan.tasks))) - set(placed))[:5]
+        raise PlanFormatError(f"tasks {missing} are in no queue")
+
+
+def _writers(plan: Plan) -> dict[tuple, list[Region]]:
+    """Regions of this rank written by each producer, keyed (rank, op, task_index)."""
+    out: dict[tuple, list[Region]] = defaultdict(list)
+    put_ops = _put_ops(plan)
+    for t in plan.tasks:
+        out[(plan.rank, t.op, t.task_index)] += [r for r in t.outputs if r.rank == plan.rank]
+    for k, w in enumerate(plan.remote_writes):
+        where = f"remote_writes[{k}] ({w.op}[{w.task_index}] of rank {w.rank})"
+        if not 0 <= w.rank < plan.bucket.ep_size or w.rank == plan.rank:
+            raise PlanRegionError(f"{where}: rank must be another rank of the group")
+        if w.op not in put_ops:
+            raise PlanFormatError(f"{where}: operator {w.op!r} is not a put of this graph")
+        key = (w.rank, w.op, w.task_index)
+        if key in out:
+            raise PlanFormatError(f"{where}: listed twice")
+        for r in w.regions:
+            _check_region(plan, where, r, write=True, remote_ok=False)
+        out[key] = list(w.regions)
+        for ev in w.trigger_events:
+            if not 0 <= ev < len(plan.events):
+                raise PlanEventError(f"{where}: trigger event {ev} does not exist")
+    return out
+
+
+def _put_ops(plan: Plan) -> set[str]:
+    mg = moe_graph(plan.direction, plan.bucket.activation)
+    return {n for n, lay in mg.layouts.items() if lay.task_type in PUT_TYPES}
+
+
+def _check_coverage(plan: Plan, writers: dict[tuple, list[Region]]) -> None:
+    """Every row of every written buffer of this rank has exactly one writer."""
+    by_buf: dict[str, list[tuple[int, int, tuple]]] = defaultdict(list)
+    for key, regions in writers.items():
+        for r in regions:
+            by_buf[r.buffer].append((r.start, r.stop, key))
+    for b in plan.buffers:
+        if b.kind == "input":
+            continue
+        items = sorted(by_buf.get(b.name, []))
+        pos = 0
+        for start, stop, key in items:
+            if start != pos:
+                what = "is written twice" if start < pos else "is never written"
+                lo, hi = min(start, pos), max(start, pos)
+                raise PlanRegionError(
+                    f"buffer {b.name!r} rows [{lo}, {hi}) {what} (at writer {key[1]}[{key[2]}] "
+                    f"of rank {key[0]})"
+                )
+            pos = stop
+        if pos != b.rows:
+            raise PlanRegionError(f"buffer {b.name!r} rows [{pos}, {b.rows}) are never written")
+
+
+def _check_events(plan: Plan, writers: dict[tuple, list[Region]]) -> None:
+    counted: dict[int, list[tuple]] = defaultdict(list)
+    for t in plan.tasks:
+        for ref in t.trigger_events:
+            if ref.rank == plan.rank:
+                counted[ref.event].append((plan.rank, t.op, t.task_index))
+    for w in plan.remote_writes:
+        for ev in w.trigger_events:
+            counted[ev].append((w.rank, w.op, w.task_index))
+    for i, ev in enumerate(plan.events):
+        if ev.id != i:
+            raise PlanFormatError(f"events[{i}]: id ({ev.id}) must equal its position")
+        listed = sorted((p.rank, p.op, p.task_index) for p in ev.producers)
+        actual = sorted(counted.get(i, []))
+        if ev.threshold != len(actual) or listed != actual:
+            raise PlanEventError(
+                f"event {i}: threshold ({ev.threshold}) must equal the number of its producers "
+                f"({len(actual)} tasks trigger it, {len(listed)} are listed)"
+            )
+        if ev.threshold < 1:
+            raise PlanEventError(f"event {i}: threshold ({ev.threshold}) must be >= 1")
+    bufs = {b.name: b for b in plan.buffers}
+    for t in plan.tasks:
+        reads = [r for r in t.inputs if bufs[r.buffer].kind != "input"]
+        if not reads:
+            continue
+        if t.dependent_event < 0:
+            raise PlanEventError(f"{t.label}: reads {reads[0].buffer!r} but waits on no event")
+        got = [r for p in plan.events[t.dependent_event].producers
+               for r in writers.get((p.rank, p.op, p.task_index), [])]  # fmt: skip
+        for r in reads:
+            spans = sorted((w.start, w.stop) for w in got if w.buffer == r.buffer)
+            pos = r.start
+            for a, z in spans:
+                if a <= pos < z:
+                    pos = z
+            if pos < r.stop:
+                raise PlanEventError(
+                    f"{t.label}: rows [{pos}, {r.stop}) of {r.buffer!r} are read before any "
+                    f"producer of event {t.dependent_event} writes them"
+                )
+
+
+def check_plan(plan: Plan) -> None:
+    """All single-rank checks (see the module docstring); raises a ``PlanError``."""
+    _check_header(plan)
+    _check_tasks(plan)
+    _check_queues(plan)
+    writers = _writers(plan)
+    _check_coverage(plan, writers)
+    _check_events(plan, writers)
+    simulate([plan], world=False)
+
+
+@dataclass(kw_only=True, slots=True)
+class Timeline:
+    """Simulated start and end of every task, per rank: ``start[rank][uid]``."""
+
+    start: list[dict[int, float]]
+    end: list[dict[int, float]]
+
+    @property
+    def makespan(self) -> float:
+        return max((max(e.values(), default=0.0) for e in self.end), default=0.0)
+
+
+def simulate(
+    plans: Sequence[Plan],
+    *,
+    world: bool,
+    cost: Callable[[TaskDescriptor], float] | None = None,
+) -> Timeline:
+    """Run the queues of ``plans`` in order against their event counters.
+
+    Each queue starts its head task once its dependent event reached its threshold (at the
+    latest completion among the producers), one task at a time. With ``world=False`` a single
+    plan runs and writes of other ranks count as arrived at time 0; with ``world=True``
+    ``plans[r]`` is rank r and puts bump the counters of their target ranks.
+
+    Raises:
+        PlanDeadlockError: some queue cannot finish; names every blocked head.
+        PlanEventError: an event is triggered more often than its threshold.
+    """
+    cost = cost or (lambda t: 0.0)
+    counters = [[0] * len(p.events) for p in plans]
+    ready_at = [[0.0] * len(p.events) for p in plans]
+    start: list[dict[int, float]] = [{} for _ in plans]
+    end: list[dict[int, float]] = [{} for _ in plans]
+    waiting: dict[tuple[int, int], list[int]] = defaultdict(list)
+    queues = [(i, p.queue(q)) for i, p in enumerate(plans) for q in ("matrix", "vector")]
+    pos = [0] * len(queues)
+    free = [0.0] * len(queues)
+    runnable = deque(range(len(queues)))
+
+    def bump(rank: int, ev: int, t: float) -> None:
+        counters[rank][ev] += 1
+        ready_at[rank][ev] = max(ready_at[rank][ev], t)
+        thr = plans[rank].events[ev].threshold
+        if counters[rank][ev] > thr:
+            raise PlanEventError(f"rank {rank} event {ev} is triggered more than {thr} times")
+        if counters[rank][ev] == thr:
+            runnable.extend(waiting.pop((rank, ev), []))
+
+    if not world:
+        for w in plans[0].remote_writes:
+            for ev in w.trigger_events:
+                bump(0, ev, 0.0)
+    while runnable:
+        q = runnable.popleft()
+        i, uids = queues[q]
+        plan = plans[i]
+        while pos[q] < len(uids):
+            t = plan.tasks[uids[pos[q]]]
+            ev = t.dependent_event
+            if ev >= 0 and counters[i][ev] < plan.events[ev].threshold:
+                waiting[(i, ev)].append(q)
+                break
+            s = max(free[q], ready_at[i][ev] if ev >= 0 else 0.0)
+            free[q] = s + cost(t)
+            start[i][t.uid], end[i][t.uid] = s, free[q]
+            pos[q] += 1
+            for ref in t.trigger_events:
+                if world:
+                    bump(ref.rank, ref.event, free[q])
+                elif ref.rank == plan.rank:
+                    bump(i, ref.event, free[q])
+    blocked = []
+    for q, (i, uids) in enumerate(queues):
+        if pos[q] < len(uids):
+            p = plans[i]
+            t = p.tasks[uids[pos[q]]]
+            ev = t.dependent_event
+            blocked.append(
+                f"rank {p.rank} {'matrix' if q % 2 == 0 else 'vector'} queue at position "
+                f"{pos[q]} ({t.label}) waits on event {ev} "
+                f"({counters[i][ev]}/{p.events[ev].threshold})"
+            )
+    if blocked:
+        raise PlanDeadlockError("plan deadlocks: " + "; ".join(blocked))
+    return Timeline(start=start, end=end)
+
+
+def check_world(plans: Sequence[Plan]) -> None:
+    """Cross-rank checks on the plans of every rank of one world (``plans[r]`` is rank r)."""
+    if not plans:
+        raise PlanWorldError("no plans given")
+    P = plans[0].bucket.ep_size
+    if len(plans) != P or [p.rank for p in plans] != list(range(P)):
+        raise PlanWorldError(
+            f"need the plans of ranks 0..{P - 1} in order, got ranks {[p.rank for p in plans]}"
+        )
+    fp = plans[0].fingerprint
+    for p in plans:
+        if p.fingerprint != fp:
+            raise PlanWorldError(f"rank {p.rank}'s plan was compiled for another bucket/options")
+        check_plan(p)
+    stubs = [{(w.rank, w.op, w.task_index): w for w in p.remote_writes} for p in plans]
+    matched = [0] * P
+    for p in plans:
+        for t in p.tasks:
+            for d in sorted({r.rank for r in t.outputs} - {p.rank}):
+                w = stubs[d].get((p.rank, t.op, t.task_index))
+                regs = tuple(r for r in t.outputs if r.rank == d)
+                evs = tuple(ref.event for ref in t.trigger_events if ref.rank == d)
+                if (
+                    w is None
+                    or w.regions != regs
+                    or tuple(sorted(w.trigger_events)) != tuple(sorted(evs))
+                ):
+                    raise PlanWorldError(
+                        f"rank {p.rank} {t.label} writes rank {d}, whose plan does not expect "
+                        "exactly these rows and events"
+                    )
+                matched[d] += 1
+    for d, p in enumerate(plans):
+        if matched[d] != len(p.remote_writes):
+            raise PlanWorldError(
+                f"rank {d} expects {len(p.remote_writes)} remote writes, {matched[d]} are sent"
+            )
+    simulate(plans, world=True)
