@@ -68,3 +68,25 @@ def mixtral_ep_worker(rank: int, world: int):
 def test_mixtral_block_parity_with_expert_parallelism():
     errors = run_world(mixtral_ep_worker, 2, timeout_s=120)
     assert max(errors) < 1e-5  # same bound as the single-process test, at |y| ~ 1
+
+
+def test_mixtral_block_from_layer_round_trip():
+    import moesaic
+    from moesaic.interop.hf import mixtral_block_from_layer
+
+    cfg = moesaic.MoEConfig(hidden_size=16, ffn_hidden_size=32, num_experts=4, init_std=0.3)
+    layer = moesaic.MoELayer(cfg)
+    block = mixtral_block_from_layer(layer).eval()
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(_hf_forward(block, x), layer(x), rtol=1e-5, atol=1e-6)
+    back = moe_layer_from_mixtral(block)
+    for key, value in layer.full_state_dict().items():
+        assert torch.equal(back.full_state_dict()[key], value), key
+    with pytest.raises(ValueError, match="capacity_factor None"):
+        mixtral_block_from_layer(
+            moesaic.MoELayer(moesaic.MoEConfig(**{**_fields(cfg), "capacity_factor": 1.0}))
+        )
+
+
+def _fields(cfg):
+    return {f: getattr(cfg, f) for f in cfg.__slots__}

@@ -1,0 +1,44 @@
+"""The command line: help, a tiny benchmark run, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moesaic.cli import main
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "bench" in capsys.readouterr().out
+
+
+def test_bench_layer_tiny(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["bench", "layer", "--hidden", "16", "--ffn", "16", "--experts", "4", "--tokens", "32"]
+    args += ["--ep", "1,2", "--iters", "2", "--warmup", "0", "--out", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["torch"] and result["config"]["ep_sizes"] == [1, 2]
+    rows = {(r["ep"], r["impl"], r["routing"]): r for r in result["rows"]}
+    assert {(2, "padded", "skewed"), (2, "dropless", "uniform")} <= set(rows)
+    # Skewed routing pads more: padded sends at least what dropless sends.
+    assert rows[(2, "padded", "skewed")]["bytes_vs_dropless"] >= 1.0
+    assert rows[(2, "padded", "skewed")]["load"]["max_over_mean"] > 1.5
+
+
+def test_user_error_is_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "moesaic", "bench", "layer", "--experts", "6", "--ep", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "num_experts (6) must be divisible by every ep size (got 4)" in proc.stderr
