@@ -13,6 +13,7 @@ padded dispatcher compute on its padding without changing results.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,10 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moesaic.config import MoEConfig
-
-# Fast-path verdicts per (device type, dtype): does torch._grouped_mm exist, run and agree with
-# the loop? Filled on first use; a wrong or failing fast path is never used.
-_FAST_PATH_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def grouped_mm_reference(
@@ -35,8 +32,10 @@ def grouped_mm_reference(
     ``x_MH`` and every weight: a rank that received no tokens must still run the backward
     all-to-all its peers wait for, and its expert gradients are zeros rather than None.
     """
-    chunks = x_MH.split(counts_e)
-    return torch.cat([chunk @ w_eHF[i] for i, chunk in enumerate(chunks)])
+    # unbind, not w_eHF[i]: its backward stacks the e gradients once instead of adding e
+    # zero-filled [e, H, F] tensors (measured 6% of a CPU training step).
+    weights = w_eHF.unbind(0)
+    return torch.cat([chunk @ w for chunk, w in zip(x_MH.split(counts_e), weights)])
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -59,34 +58,32 @@ class _GroupedMM(torch.autograd.Function):
         return dx, dw, None
 
 
+@functools.cache
 def _fast_path_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    key = (device.type, dtype)
-    if key not in _FAST_PATH_OK:
-        ok = False
-        if hasattr(torch, "_grouped_mm"):
-            try:
-                gen = torch.Generator().manual_seed(0)
-                x = torch.randn(13, 16, generator=gen).to(device, dtype).requires_grad_()
-                w = torch.randn(3, 16, 8, generator=gen).to(device, dtype).requires_grad_()
-                counts = [5, 0, 8]
-                offs = torch.tensor([5, 5, 13], dtype=torch.int32, device=device)
-                fast = _GroupedMM.apply(x, w, offs)
-                gx, gw = torch.autograd.grad(fast.float().square().sum(), (x, w))
-                ref = grouped_mm_reference(x, w, counts)
-                rx, rw = torch.autograd.grad(ref.float().square().sum(), (x, w))
-                tol = 1e-4 if dtype == torch.float32 else 3e-2
-                ok = all(
-                    torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
-                    for a, b in ((fast, ref), (gx, rx), (gw, rw))
-                )
-            except (RuntimeError, NotImplementedError, TypeError):
-                ok = False
-        _FAST_PATH_OK[key] = ok
-    return _FAST_PATH_OK[key]
+    """Does torch._grouped_mm exist, run (forward and our backward) and agree with the loop on
+    this device and dtype? Probed once per process; a wrong or failing fast path is never used."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(13, 16, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 16, 8, generator=gen).to(device, dtype).requires_grad_()
+        offs = torch.tensor([5, 5, 13], dtype=torch.int32, device=device)
+        fast = _GroupedMM.apply(x, w, offs)
+        gx, gw = torch.autograd.grad(fast.float().square().sum(), (x, w))
+        ref = grouped_mm_reference(x, w, [5, 0, 8])
+        rx, rw = torch.autograd.grad(ref.float().square().sum(), (x, w))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    return all(
+        torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+        for a, b in ((fast, ref), (gx, rx), (gw, rw))
+    )
 
 
 def grouped_mm(
-    x_MH: torch.Tensor, w_eHF: torch.Tensor, counts_e: list[int], *, use_fast: bool | None = None
+    x_MH: torch.Tensor, w_eHF: torch.Tensor, counts_e: list[int], *, use_fast: bool = True
 ) -> torch.Tensor:
     """Grouped matmul: rows of group i times ``w_eHF[i]``; returns [M, F].
 
@@ -94,17 +91,15 @@ def grouped_mm(
         x_MH: expert-grouped rows, group i first ``counts_e[i]`` rows after group i-1.
         w_eHF: one weight per group.
         counts_e: rows per group; must sum to M.
-        use_fast: force (True) or forbid (False) ``torch._grouped_mm``; None chooses: the fast
-            path on CUDA when it exists and passes its self-check, the reference loop on CPU
-            (there it measured no faster than the loop for training shapes, and its backward
-            needs our own formulation).
+        use_fast: allow ``torch._grouped_mm`` (False forces the loop). It is used only when
+            it exists, the strides are aligned and it passed its self-check for this device and
+            dtype. On CPU (torch 2.13, H=256, F=512, 8 groups of 256 rows) it measured 1.6x the
+            loop's fwd+bwd speed, interleaved in one run.
     """
     if sum(counts_e) != x_MH.shape[0]:
         raise ValueError(f"counts_e sums to {sum(counts_e)}, but x_MH has {x_MH.shape[0]} rows")
     if len(counts_e) != w_eHF.shape[0]:
         raise ValueError(f"counts_e has {len(counts_e)} groups, but w_eHF has {w_eHF.shape[0]}")
-    if use_fast is None:
-        use_fast = x_MH.is_cuda
     # torch._grouped_mm wants 16-byte-aligned row strides (in both operands, and for the
     # transposed operands of the backward): H and F a multiple of 16 bytes.
     aligned = all((n * x_MH.element_size()) % 16 == 0 for n in w_eHF.shape[1:])
