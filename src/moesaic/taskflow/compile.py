@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from moesaic.taskflow.bucket import DIRECTIONS, CompileOptions, ShapeBucket
 from moesaic.taskflow.graph import propagate_splits
-from moesaic.taskflow.moe_graphs import PUT_TYPES, buffer_table, moe_graph
+from moesaic.taskflow.moe_graphs import PUT_TYPES, ROW_TYPES, buffer_table, moe_graph
 from moesaic.taskflow.plan import PLAN_VERSION, Plan
 from moesaic.taskflow.tasks import (
     FILLS,
@@ -160,28 +160,47 @@ def _assign_events(
 
 
 def rank_aware_order(
-    tasks: Sequence[TaskDescriptor], queue: Sequence[int], rank: int, ep_size: int
+    tasks: Sequence[TaskDescriptor], queue: Sequence[int], rank: int, bucket: ShapeBucket
 ) -> list[int]:
-    """RATR: inside each run of put tasks of one operator, start at destination ``rank`` and go
-    round the ring (destination ``(rank + i) % P`` i-th), so that no two source ranks start at
-    the same destination. Dispatch runs are destination-major; combine runs stay expert-major
-    (they follow the GMM2 tiles that feed them) and rotate destinations within each expert.
+    """RATR (paper §4.5, Fig. 6), applied to every run of one operator's tasks in a queue.
+
+    * Dispatch puts rotate the destination by the source rank: at turn i rank r sends to
+      ``(r + i) % P``, so at every turn the P ranks send to P different destinations (a Latin
+      square) instead of all starting at destination 0. We go local expert by local expert
+      (every destination's expert j, then its expert j + 1), so each rank has all P slots of
+      its first expert after P turns, not after a whole round of every expert.
+    * Consequently rank d receives from source ``(d - i) % P`` at turn i; the row tiles that
+      consume the receive slots (GMMs, activations and their gradients) are ordered expert by
+      expert, and inside an expert by that arrival turn.
+    * Combine puts follow the GMM tiles that feed them, so rank d returns to source
+      ``(d - i) % P`` at turn i: again a different destination per rank at every turn.
+
+    Only the relative order of tasks of one operator changes; ties keep their queue order.
     """
+    P, S, e = bucket.ep_size, bucket.slot_rows, bucket.local_experts
     out = list(queue)
+
+    def key(pos_uid: tuple[int, int]) -> tuple[int, int, int]:
+        pos, uid = pos_uid
+        t = tasks[uid]
+        if t.task_type in PUT_TYPES:
+            if t.peer < 0:
+                return (0, 0, pos)
+            if t.task_type == "put_combine":
+                return (t.expert, (rank - t.peer) % P, pos)
+            return (t.expert % e, (t.peer - rank) % P, pos)
+        if t.task_type in ROW_TYPES and t.expert >= 0:
+            src = (t.inputs[0].start // S) % P
+            return (t.expert, (rank - src) % P, pos)
+        return (0, 0, pos)
+
     i = 0
     while i < len(out):
-        first = tasks[out[i]]
         j = i + 1
-        if first.task_type in PUT_TYPES:
-            while j < len(out) and tasks[out[j]].op == first.op:
-                j += 1
-
-            def key(uid: int) -> tuple[int, int]:
-                t = tasks[uid]
-                turn = (t.peer - rank) % ep_size if t.peer >= 0 else 0
-                return (t.expert, turn) if t.task_type == "put_combine" else (turn, 0)
-
-            out[i:j] = sorted(out[i:j], key=key)  # stable: tile order kept inside a turn
+        while j < len(out) and tasks[out[j]].op == tasks[out[i]].op:
+            j += 1
+        run = sorted(enumerate(out[i:j]), key=key)
+        out[i:j] = [uid for _, uid in run]
         i = j
     return out
 
@@ -195,9 +214,10 @@ def interleave_by_expert(
     out = list(queue)
     for pair in pairs:
         slots = [i for i, uid in enumerate(out) if tasks[uid].op in pair]
+        rank_of = {out[i]: i for i in slots}  # current position: keeps the RATR order inside
         ranked = sorted(
             (out[i] for i in slots),
-            key=lambda uid: (tasks[uid].expert, pair.index(tasks[uid].op), uid),
+            key=lambda uid: (tasks[uid].expert, pair.index(tasks[uid].op), rank_of[uid]),
         )
         for i, uid in zip(slots, ranked):
             out[i] = uid
@@ -249,7 +269,8 @@ def compile_plan(
     matrix = [t.uid for t in tasks if t.queue == "matrix"]
     vector = [t.uid for t in tasks if t.queue == "vector"]
     if options.ratr:
-        vector = rank_aware_order(tasks, vector, rank, bucket.ep_size)
+        matrix = rank_aware_order(tasks, matrix, rank, bucket)
+        vector = rank_aware_order(tasks, vector, rank, bucket)
     if options.interleave and direction == "backward":
         matrix = interleave_by_expert(tasks, matrix)
     plan = Plan(

@@ -55,6 +55,9 @@ TASK_QUEUES = {
     "topk_weight_grad": "vector",
 }
 PUT_TYPES = ("put_dispatch", "put_dispatch_grad", "put_combine")
+# Row-tiled compute over the receive slots (their tiles follow the GMM row partition).
+ROW_TYPES = ("gmm_gate_up", "swiglu", "gelu", "gmm_down", "gmm_act_grad", "swiglu_grad",
+             "gelu_grad", "gmm_gate_grad")  # fmt: skip
 # Fill kinds: how an operator's tasks tile its buffers (see tasks.py).
 FILL_KINDS = ("send_tokens", "send_rows", "rows", "experts", "tokens")
 
