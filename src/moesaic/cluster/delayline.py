@@ -25,6 +25,7 @@ SIGTERM/SIGINT, when its stdin reaches EOF (the harness died), when its parent c
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import heapq
@@ -57,10 +58,9 @@ def _open_tap(name: str) -> int:
 
 
 def _prctl(option: int, value: int) -> None:
-    try:
+    # Not Linux/glibc: only timer precision or cleanup-on-parent-death is lost.
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux/glibc: only precision or cleanup is lost
-        pass
 
 
 class _Stop(Exception):
@@ -173,10 +173,8 @@ def main(argv: list[str]) -> int:
     print("ready", flush=True)
     deadline = time.monotonic() + float(config["max_lifetime_s"])
     stdin_fd = None if config.get("detached") else sys.stdin.fileno()
-    try:
+    with contextlib.suppress(_Stop):
         line.run(stdin_fd=stdin_fd, parent_pid=parent_pid, deadline=deadline)
-    except _Stop:
-        pass
     return 0
 
 

@@ -7,7 +7,7 @@ without root and lets a simulator read the same link list.
 Layout for levels ``L0 .. L(n-1)`` (outermost first)::
 
     fabric namespace  msc-<id>-fab :
-        bridge "br"                      the root switch
+        bridge "root"                    the root switch
         bridge "b<l>x<g>"                the switch inside member g of level l   (l < n-1)
         veth  "u<l>x<g>" <-> "d<l>x<g>"  uplink of member g of level l: "u" is enslaved to the
                                           member's bridge, "d" to the parent's  (l < n-1)
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from moesaic.cluster.spec import ClusterSpec
 
 __all__ = [
-    "NAME_PREFIX",
-    "NAMESPACE_RE",
     "ADDRESS_BLOCK",
+    "NAMESPACE_RE",
+    "NAME_PREFIX",
     "Link",
     "Topology",
     "build_topology",
@@ -46,7 +46,7 @@ NAMESPACE_RE = re.compile(r"^msc-(?P<run_id>[0-9a-f]{6})-(?:fab|r\d+)$")
 ADDRESS_BLOCK = ipaddress.IPv4Network("198.18.0.0/15")
 _FIRST_RANK_OFFSET = 256  # rank k gets 198.18.1.0 + k
 MAX_RANKS = ADDRESS_BLOCK.num_addresses - 2 * _FIRST_RANK_OFFSET
-ROOT_BRIDGE = "br"
+ROOT_BRIDGE = "root"
 RANK_IFNAME = "eth0"
 _ETH_OVERHEAD_BYTES = 14
 
@@ -146,11 +146,17 @@ def build_topology(spec: ClusterSpec, *, run_id: str, mtu_bytes: int = 9000) -> 
     """
     if not re.fullmatch(r"[0-9a-f]{6}", run_id):
         raise ValueError(f"run_id ({run_id!r}) must be 6 lowercase hex digits")
-    if isinstance(mtu_bytes, bool) or not isinstance(mtu_bytes, int) or not 576 <= mtu_bytes <= 65000:
+    if (
+        isinstance(mtu_bytes, bool)
+        or not isinstance(mtu_bytes, int)
+        or not 576 <= mtu_bytes <= 65000
+    ):
         raise ValueError(f"mtu_bytes ({mtu_bytes!r}) must be an integer in [576, 65000]")
     world = spec.world_size
     if world > MAX_RANKS:
-        raise ValueError(f"world_size ({world}) must be at most {MAX_RANKS} to fit the address block")
+        raise ValueError(
+            f"world_size ({world}) must be at most {MAX_RANKS} to fit the address block"
+        )
     prefix = f"{NAME_PREFIX}{run_id}"
     fabric_ns = f"{prefix}-fab"
     rank_ns = tuple(f"{prefix}-r{k}" for k in range(world))

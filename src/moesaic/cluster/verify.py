@@ -1,0 +1,336 @@
+"""Measures an emulated cluster with torch.distributed and compares it with its description.
+
+For each level that separates some ranks, one pair of ranks (0 and the first rank the level
+separates from it) measures, with gloo ``send``/``recv`` while every other rank waits:
+
+* **latency**: median round trip of a 4-byte ping-pong, halved (one way, milliseconds). It
+  includes gloo's software overhead, ~0.14 ms one way on this machine with no shaping at all.
+* **bandwidth**: ``(big - small) * 8 / (t(big) - t(small))`` where ``t(n)`` is the median time to
+  send ``n`` bytes and receive a 4-byte acknowledgement. Differencing two sizes cancels the round
+  trip, the software overhead and the token bucket's initial burst.
+
+Then all ranks time an all-to-all and an all-reduce, reported next to a simple lower bound from
+the description (every link's load divided by its bandwidth, plus the path latency).
+
+The ``_worker_*`` functions run inside the worker processes; :func:`check` drives them from the
+harness.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from moesaic.cluster.spec import ClusterSpec
+
+__all__ = [
+    "CheckReport",
+    "LevelMeasurement",
+    "all_reduce_ring_bound_s",
+    "all_to_all_bound_s",
+    "check",
+    "measurement_plan",
+]
+
+DEFAULT_TOLERANCE = 0.15
+_MIN_TRANSFER_BYTES = 256 * 1024
+_MAX_TRANSFER_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(kw_only=True, slots=True)
+class LevelMeasurement:
+    """Configured and measured path properties for one level (one rank pair)."""
+
+    level: int
+    level_name: str
+    ranks: tuple[int, int]
+    configured_bandwidth_gbps: float
+    measured_bandwidth_gbps: float
+    configured_latency_ms: float
+    measured_latency_ms: float
+    bandwidth_error: float  # measured / configured - 1
+    latency_error: float
+    within_tolerance: bool
+    transfer_bytes: tuple[int, int]  # (small, big)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckReport:
+    """Everything :func:`check` measured; ``ok`` iff every level is within ``tolerance``."""
+
+    cluster: dict[str, Any]
+    tolerance: float
+    levels: list[LevelMeasurement]
+    collectives: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(m.within_tolerance for m in self.levels)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster,
+            "tolerance": self.tolerance,
+            "ok": self.ok,
+            "levels": [asdict(m) for m in self.levels],
+            "collectives": self.collectives,
+        }
+
+    def table(self) -> str:
+        """A human-readable summary, one line per level and collective."""
+        lines = [
+            f"{'level':<14}{'ranks':<8}{'bw cfg':>10}{'bw meas':>10}{'err':>8}"
+            f"{'lat cfg':>10}{'lat meas':>10}{'err':>8}  ok"
+        ]
+        for m in self.levels:
+            lines.append(
+                f"{m.level_name:<14}{f'{m.ranks[0]}-{m.ranks[1]}':<8}"
+                f"{m.configured_bandwidth_gbps * 1e3:>8.1f}Mb{m.measured_bandwidth_gbps * 1e3:>8.1f}Mb"
+                f"{m.bandwidth_error:>+8.1%}{m.configured_latency_ms:>8.2f}ms"
+                f"{m.measured_latency_ms:>8.2f}ms{m.latency_error:>+8.1%}  "
+                f"{'yes' if m.within_tolerance else 'NO'}"
+            )
+        for name, c in self.collectives.items():
+            lines.append(
+                f"{name}: {c['bytes_per_rank']} B/rank, median {c['median_s'] * 1e3:.1f} ms, "
+                f"bound {c['bound_s'] * 1e3:.1f} ms ({c['median_s'] / c['bound_s']:.2f}x)"
+            )
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ bounds
+def all_to_all_bound_s(spec: ClusterSpec, bytes_per_pair: int) -> float:
+    """Lower bound on an all-to-all moving ``bytes_per_pair`` between every ordered rank pair.
+
+    Each uplink of a member of level ``l`` holding ``n`` ranks carries ``n * (P - n)`` pair
+    messages per direction at ``levels[l].bandwidth_gbps``; the busiest link sets the time, and
+    the farthest pair adds its one-way latency.
+    """
+    world = spec.world_size
+    if world < 2:
+        return 0.0
+    busiest_s = 0.0
+    for level, lv in enumerate(spec.levels):
+        inside = spec.ranks_per_group(level)
+        load_bits = inside * (world - inside) * bytes_per_pair * 8
+        busiest_s = max(busiest_s, load_bits / (lv.bandwidth_gbps * 1e9))
+    worst_latency_ms = max(
+        spec.path(0, b).latency_ms for b in range(1, world)
+    )  # rank 0 sees every level
+    return busiest_s + worst_latency_ms * 1e-3
+
+
+def all_reduce_ring_bound_s(spec: ClusterSpec, bytes_per_rank: int) -> float:
+    """Lower bound on a ring all-reduce over ranks 0..P-1 (gloo's algorithm for large tensors).
+
+    Each of the ``2 (P - 1)`` steps sends ``bytes / P`` along every ring edge ``k -> k+1``; a link
+    carrying ``e`` edges in one direction needs ``e`` times that per step; every step also waits
+    for the slowest edge's latency.
+    """
+    world = spec.world_size
+    if world < 2:
+        return 0.0
+    chunk_bits = bytes_per_rank / world * 8
+    step_s = 0.0
+    for level, lv in enumerate(spec.levels):
+        per_group = spec.ranks_per_group(level)
+        # Edges leaving a member (upward) = edges whose source is inside and target outside.
+        edges_out: dict[int, int] = {}
+        for k in range(world):
+            src, dst = k // per_group, ((k + 1) % world) // per_group
+            if src != dst:
+                edges_out[src] = edges_out.get(src, 0) + 1
+        if edges_out:
+            step_s = max(step_s, max(edges_out.values()) * chunk_bits / (lv.bandwidth_gbps * 1e9))
+    edge_latency_s = max(spec.path(k, (k + 1) % world).latency_ms for k in range(world)) * 1e-3
+    return 2 * (world - 1) * (step_s + edge_latency_s)
+
+
+# -------------------------------------------------------------------------------- the plan
+def measurement_plan(
+    spec: ClusterSpec,
+    *,
+    duration_s: float = 0.3,
+    pings: int = 20,
+    reps: int = 3,
+    collective_bytes: int | None = None,
+) -> dict[str, Any]:
+    """What the workers measure: one entry per separating level, and the collectives' sizes.
+
+    Args:
+        duration_s: Target time of the big bandwidth transfer at the configured rate; the big size
+            is clamped to [256 KiB, 64 MiB] and the small one is a quarter of it.
+        pings: Timed ping-pong round trips per level (after 3 warm-up ones).
+        reps: Timed repetitions of each transfer and collective (after one warm-up).
+        collective_bytes: Bytes per rank for the collectives; by default what the slowest level
+            moves in ``duration_s / 2``.
+    """
+    if duration_s <= 0 or pings < 1 or reps < 1:
+        raise ValueError("duration_s must be > 0, pings and reps >= 1")
+    pairs = []
+    for level, (a, b) in spec.representative_pairs().items():
+        path = spec.path(a, b)
+        big = int(path.bandwidth_gbps * 1e9 / 8 * duration_s)
+        big = max(_MIN_TRANSFER_BYTES, min(_MAX_TRANSFER_BYTES, big)) // 4 * 4
+        pairs.append({"level": level, "ranks": (a, b), "bytes": (big // 4 // 4 * 4, big)})
+    if collective_bytes is None:
+        slowest_gbps = min(lv.bandwidth_gbps for lv in spec.levels)
+        collective_bytes = int(slowest_gbps * 1e9 / 8 * duration_s / 2)
+        collective_bytes = max(64 * 1024, min(_MAX_TRANSFER_BYTES, collective_bytes))
+    # all_to_all_single splits evenly: a multiple of 4 * world_size bytes.
+    collective_bytes = max(
+        4 * spec.world_size, collective_bytes // (4 * spec.world_size) * 4 * spec.world_size
+    )
+    return {"pairs": pairs, "pings": pings, "reps": reps, "collective_bytes": collective_bytes}
+
+
+# ------------------------------------------------------------------------- worker functions
+def _ping_pong_ms(dist: Any, torch: Any, me: int, peer: int, leader: bool, pings: int) -> float:
+    buf = torch.zeros(1, dtype=torch.float32)
+    rtts = []
+    for i in range(3 + pings):
+        t0 = time.perf_counter()
+        if leader:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        if i >= 3:
+            rtts.append(time.perf_counter() - t0)
+    return statistics.median(rtts) / 2 * 1e3
+
+
+def _transfer_s(dist: Any, torch: Any, peer: int, leader: bool, nbytes: int, reps: int) -> float:
+    data = torch.zeros(nbytes // 4, dtype=torch.float32)
+    ack = torch.zeros(1, dtype=torch.float32)
+    times = []
+    for i in range(1 + reps):
+        t0 = time.perf_counter()
+        if leader:
+            dist.send(data, peer)
+            dist.recv(ack, peer)
+        else:
+            dist.recv(data, peer)
+            dist.send(ack, peer)
+        if i >= 1:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _timed_collective(dist: Any, fn: Any, reps: int) -> list[float]:
+    times = []
+    for i in range(1 + reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if i >= 1:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _worker_measure(plan: dict[str, Any]) -> dict[str, Any]:
+    """Runs on every rank; rank ``a`` of each pair returns that pair's numbers."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {"pairs": {}, "collectives": {}}
+    for entry in plan["pairs"]:
+        a, b = entry["ranks"]
+        dist.barrier()
+        if rank in (a, b):
+            leader, peer = rank == a, (b if rank == a else a)
+            latency_ms = _ping_pong_ms(dist, torch, rank, peer, leader, plan["pings"])
+            small, big = entry["bytes"]
+            t_small = _transfer_s(dist, torch, peer, leader, small, plan["reps"])
+            t_big = _transfer_s(dist, torch, peer, leader, big, plan["reps"])
+            if leader:
+                out["pairs"][entry["level"]] = {
+                    "latency_ms": latency_ms,
+                    "t_small_s": t_small,
+                    "t_big_s": t_big,
+                    "bandwidth_gbps": (big - small) * 8 / max(t_big - t_small, 1e-9) / 1e9,
+                }
+    nbytes = plan["collective_bytes"]
+    send = torch.full((nbytes // 4,), float(rank), dtype=torch.float32)
+    recv = torch.empty_like(send)
+    out["collectives"]["all_to_all"] = _timed_collective(
+        dist, lambda: dist.all_to_all_single(recv, send), plan["reps"]
+    )
+    expected = torch.arange(world, dtype=torch.float32).repeat_interleave(nbytes // 4 // world)
+    if not torch.equal(recv, expected):
+        raise RuntimeError(f"rank {rank}: all_to_all_single delivered wrong data")
+    out["collectives"]["all_reduce"] = _timed_collective(
+        dist, lambda: dist.all_reduce(send), plan["reps"]
+    )
+    dist.barrier()
+    return out
+
+
+# ------------------------------------------------------------------------------- the check
+def check(
+    cluster: Any,
+    *,
+    tolerance: float = DEFAULT_TOLERANCE,
+    timeout_s: float = 120.0,
+    **plan_kwargs: Any,
+) -> CheckReport:
+    """Measures a started :class:`~moesaic.cluster.netns.EmulatedCluster` against its spec.
+
+    Args:
+        cluster: A started emulated cluster.
+        tolerance: Allowed relative error of bandwidth and latency (0.15 = +-15%).
+        timeout_s: Bound on the whole measurement.
+        **plan_kwargs: Passed to :func:`measurement_plan` (``duration_s``, ``pings``, ...).
+
+    Returns:
+        The report; ``report.ok`` tells whether every level is within tolerance.
+    """
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance ({tolerance}) must be in (0, 1)")
+    spec: ClusterSpec = cluster.spec
+    plan = measurement_plan(spec, **plan_kwargs)
+    per_rank = cluster.run(_worker_measure, args=(plan,), timeout_s=timeout_s)
+    levels = []
+    for entry in plan["pairs"]:
+        a, b = entry["ranks"]
+        got = per_rank[a]["pairs"][entry["level"]]
+        path = spec.path(a, b)
+        bw_err = got["bandwidth_gbps"] / path.bandwidth_gbps - 1
+        lat_err = (got["latency_ms"] / path.latency_ms - 1) if path.latency_ms > 0 else float("inf")
+        levels.append(
+            LevelMeasurement(
+                level=entry["level"],
+                level_name=path.level_name,
+                ranks=(a, b),
+                configured_bandwidth_gbps=path.bandwidth_gbps,
+                measured_bandwidth_gbps=got["bandwidth_gbps"],
+                configured_latency_ms=path.latency_ms,
+                measured_latency_ms=got["latency_ms"],
+                bandwidth_error=bw_err,
+                latency_error=lat_err,
+                within_tolerance=abs(bw_err) <= tolerance and abs(lat_err) <= tolerance,
+                transfer_bytes=tuple(entry["bytes"]),
+            )
+        )
+    nbytes = plan["collective_bytes"]
+    bounds = {
+        "all_to_all": all_to_all_bound_s(spec, nbytes // spec.world_size),
+        "all_reduce": all_reduce_ring_bound_s(spec, nbytes),
+    }
+    collectives = {}
+    for name, bound_s in bounds.items():
+        # A collective takes as long as its slowest rank: max over ranks, per repetition.
+        per_rep = [max(times) for times in zip(*(r["collectives"][name] for r in per_rank))]
+        collectives[name] = {
+            "bytes_per_rank": nbytes,
+            "times_s": per_rep,
+            "median_s": statistics.median(per_rep),
+            "bound_s": bound_s,
+        }
+    return CheckReport(
+        cluster=spec.to_dict(), tolerance=tolerance, levels=levels, collectives=collectives
+    )
