@@ -200,6 +200,8 @@ class OperatorGraph:
             node = next(p for p in self.predecessors(node) if p in stuck)
         cycle = path[path.index(node) :]
         cycle.reverse()  # predecessor walk -> data-flow direction
+        first = min(range(len(cycle)), key=lambda i: list(self.ops).index(cycle[i]))
+        cycle = cycle[first:] + cycle[:first]  # start at the earliest-added operator
         return [*cycle, cycle[0]]
 
 
