@@ -47,6 +47,8 @@ CASES = [
     # every token to experts 0 and 1 (rank 0): all other ranks receive zero tokens
     ("all-to-one-rank", {}, lambda r: 9, "one_rank"),
     ("all-to-one-rank-padded", {"dispatcher": "padded"}, lambda r: 9, "one_rank"),
+    # top-1: literally every token to expert 0
+    ("all-to-one-expert", {"top_k": 1}, lambda r: 9, "one_rank"),
     ("one-token-per-rank", {}, lambda r: 1, None),
     ("k-equals-E", {"top_k": E}, lambda r: 6, None),
 ]
@@ -108,6 +110,9 @@ def ep_worker(rank: int, world: int) -> dict:
             "full": layer.full_state_dict(),
         }
     }
+    # An expert count the EP size does not divide is refused on every rank, before any collective.
+    with pytest.raises(ValueError, match=rf"num_experts \(5\) .* expert-parallel size \({world}\)"):
+        moesaic.MoELayer(moesaic.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=5))
     # Resharding: a full state loaded on EP = N gives each rank its slice, and gathers back.
     torch.manual_seed(7)
     other = moesaic.MoELayer(_init_cfg()).full_state_dict()
@@ -224,6 +229,7 @@ def test_ep_equals_reference_and_ep1(world):
     for r in range(world):
         counts = per_rank[r]["all-to-one-rank"]["counts"]
         assert counts[2:].sum() == 0 and counts[:2].sum() == 9 * 2
+        assert per_rank[r]["all-to-one-expert"]["counts"].tolist() == [9] + [0] * (E - 1)
         assert per_rank[r]["all-to-one-rank"]["w1_grad"].shape[0] == E // world
     for r in range(1, world):
         assert torch.count_nonzero(per_rank[r]["all-to-one-rank"]["w1_grad"]) == 0
