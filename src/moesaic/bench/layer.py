@@ -174,7 +174,7 @@ def run(bench: LayerBench) -> dict:
     torch.set_num_threads(1)  # one thread per rank everywhere, so EP sizes compare fairly
     gflops = _gemm_gflops(bench)
     rows = []
-    for ep in bench.ep_sizes:
+    for ep in _progress(bench.ep_sizes, "EP sizes"):
         if ep == 1:
             per_rank = [_single_process(bench)]
         else:
@@ -212,6 +212,15 @@ def run(bench: LayerBench) -> dict:
         "oversubscribed_ep_sizes": [ep for ep in bench.ep_sizes if ep > _cores()],
         "rows": rows,
     }
+
+
+def _progress(items, desc: str):
+    """A tqdm bar on a terminal when tqdm is installed (the bench extra); plain iteration else."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit="world", leave=False)
 
 
 def _cores() -> int:
