@@ -177,7 +177,10 @@ def _error_paths(rank: int, group: EPGroup, tmp: Path) -> dict[str, str]:
     plan = compile_plan(b, "forward", rank, CompileOptions(ratr=rank == 0))
     d = _data(c)
     x = d["x"][rank * 12 : (rank + 1) * 12]
-    routing, _ = Router(_cfg(c))(x, ep_size=2)
+    router = Router(_cfg(c))
+    with torch.no_grad():
+        router.weight.copy_(d["router"])
+    routing, _ = router(x, ep_size=2)
     w = (d["w1"][rank * 4 : rank * 4 + 4], d["w2"][rank * 4 : rank * 4 + 4],
          d["w3"][rank * 4 : rank * 4 + 4])  # fmt: skip
     out = {}
@@ -218,4 +221,7 @@ def test_ep_worlds_match_reference(world):
         for r in per_rank:
             assert "compiled for different buckets or options" in r["errors"]["mismatch"]
         timeout = per_rank[0]["errors"]["timeout"]
-        assert "receive of dispatch" in timeout and "from rank 1" in timeout
+        # rank 1 agreed on the plan and the counts, then never sent a tile: rank 0's first
+        # receive from it fails within the 1 s bound (a timeout, or a reset once rank 1 exits).
+        assert "taskflow receive of" in timeout and "from rank 1" in timeout
+        assert "within 1s" in timeout

@@ -215,10 +215,15 @@ def interleave_by_expert(
     for pair in pairs:
         slots = [i for i, uid in enumerate(out) if tasks[uid].op in pair]
         rank_of = {out[i]: i for i in slots}  # current position: keeps the RATR order inside
-        ranked = sorted(
-            (out[i] for i in slots),
-            key=lambda uid: (tasks[uid].expert, pair.index(tasks[uid].op), rank_of[uid]),
-        )
+
+        def _interleave_key(t: TaskDescriptor, pair=pair, rank_of=rank_of) -> tuple:
+            # A task spanning every expert (an Alg. 1 fall-back) goes first if it feeds the
+            # vector queue (the activation-gradient GMM), last if it is a weight-gradient sink.
+            first = pair.index(t.op) == 0
+            expert = t.expert if t.expert >= 0 else (-1 if first else float("inf"))
+            return (expert, pair.index(t.op), rank_of[t.uid])
+
+        ranked = sorted((out[i] for i in slots), key=lambda uid: _interleave_key(tasks[uid]))
         for i, uid in zip(slots, ranked):
             out[i] = uid
     return out

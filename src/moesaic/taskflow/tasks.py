@@ -294,8 +294,9 @@ def fill_experts(ctx: FillContext, op: str, layout: OpLayout, n: int):
     if n not in (1, e):
         raise CompileError(f"operator {op!r}: {n} tasks; a weight-gradient GMM takes 1 or e ({e})")
     tasks = []
+    per_expert = n == e  # also true for e == 1: then the single task is expert me*e's
     for j in range(n):
-        if n == 1:
+        if not per_expert:
             a, z = 0, b.recv_rows
             outs = tuple(ctx.whole(y) for y in layout.outputs)
         else:
@@ -304,7 +305,7 @@ def fill_experts(ctx: FillContext, op: str, layout: OpLayout, n: int):
         rows = tuple(Region(buffer=x, rank=me, start=a, stop=z) for x in layout.row_inputs)
         tasks.append(
             _task(ctx, op, layout, inputs=rows, outputs=outs, task_index=j, split_num=n,
-                  split_value=z - a, expert=me * e + j if n > 1 else -1)
+                  split_value=z - a, expert=me * e + j if per_expert else -1)
         )  # fmt: skip
     return tasks, []
 
