@@ -15,7 +15,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 
-from moesaic.cluster.topology import NAMESPACE_RE
+from moesaic.cluster.topology import NAME_PREFIX, NAMESPACE_RE, tbf_args
 
 __all__ = [
     "ClusterError",
@@ -38,11 +38,16 @@ class ClusterTimeout(ClusterError):
     """A bounded wait (a command, a worker run, a rendezvous) ran out of time."""
 
 
-def support_problem() -> str | None:
+def support_problem(*, probe: bool = False) -> str | None:
     """Why this machine cannot host an emulated cluster, or None if it can.
 
     Checks for root (network namespaces need CAP_NET_ADMIN; we ask for uid 0 to keep the rule
     simple), for ``ip`` and ``tc`` from iproute2 and for ``/dev/net/tun`` (the delay line's taps).
+
+    Args:
+        probe: Also try it: create a throw-away namespace ``msc-000000-fab`` holding a bridge and
+            a veth pair shaped by tbf, then delete it (~50 ms). Catches containers that are root
+            but may not create namespaces, and kernels without bridges, veth or tbf.
     """
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "the emulated cluster needs root (CAP_NET_ADMIN) to create network namespaces"
@@ -51,6 +56,28 @@ def support_problem() -> str | None:
             return f"the emulated cluster needs '{tool}' from iproute2 on PATH"
     if not os.path.exists("/dev/net/tun"):
         return "the emulated cluster needs /dev/net/tun (tap devices for the delay line)"
+    if probe:
+        return _probe()
+    return None
+
+
+def _probe() -> str | None:
+    name = f"{NAME_PREFIX}000000-fab"
+    try:
+        if name in list_namespaces():
+            delete_namespaces([name])
+        run_cmd(["ip", "netns", "add", name], timeout_s=10.0)
+        try:
+            batch(
+                "ip",
+                name,
+                ["link add name b type bridge", "link add name v0 type veth peer name v1"],
+            )
+            run_cmd(["tc", "-n", name, "qdisc", "add", "dev", "v0", "root", *tbf_args(0.1, 1500)])
+        finally:
+            run_cmd(["ip", "netns", "del", name], timeout_s=10.0)
+    except ClusterError as exc:
+        return f"this machine cannot build the emulated network: {exc}"
     return None
 
 
