@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moesaic.cluster import ClusterSpec, EmulatedCluster, Level  # noqa: E402
+from moesaic.cluster import ClusterSpec, EmulatedCluster, Level
 
 
 def sleepy_worker(out_dir: str) -> int:

@@ -107,7 +107,7 @@ def test_run_returns_per_rank_results_and_reports_rank_errors(root_state) -> Non
             (0, 11.0, "eth0"),
             (1, 11.0, "eth0"),
         ]
-        with pytest.raises(ClusterError, match="rank 1 raised:(.|\n)*rank one says no"):
+        with pytest.raises(ClusterError, match=r"rank 1 raised:(.|\n)*rank one says no"):
             cluster.run(fails_on_rank_one, args=(3,), timeout_s=90)
         with pytest.raises(ValueError, match="picklable"):
             cluster.run(lambda: 0)
