@@ -121,7 +121,24 @@ def _mutations():
     def remote_into_input(d):
         d["remote_writes"][0]["regions"][0][0] = "x_TH"
 
+    def consistent_swap(d):
+        # Swap the rows two GMM1 tiles write *and* the counters they bump: every declared region
+        # and event stays consistent, but the tiles no longer compute the rows they claim.
+        a, b = _task(d, "gmm1", 0), _task(d, "gmm1", 1)
+        a["outputs"], b["outputs"] = b["outputs"], a["outputs"]
+        a["trigger_events"], b["trigger_events"] = b["trigger_events"], a["trigger_events"]
+        for ev in d["events"]:
+            for p in ev["producers"]:
+                if p[1] == "gmm1" and p[2] in (0, 1):
+                    p[2] = 1 - p[2]
+
     return [
+        (
+            "consistent swap",
+            consistent_swap,
+            PlanRegionError,
+            "differ from the tile the FillConfig",
+        ),
         ("unknown version", version, PlanVersionError, r"version \(99\) is unknown"),
         ("unknown format", fmt, PlanFormatError, "format"),
         ("region out of bounds", region_out_of_bounds, PlanRegionError, "outside buffer 'h'"),

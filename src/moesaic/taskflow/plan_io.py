@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 from moesaic.taskflow.bucket import bucket_from_dict, options_from_dict
@@ -264,8 +265,6 @@ def plan_from_dict(d: object, *, validate: bool = True) -> Plan:
 
 
 def _expected_task_num(plan: Plan) -> dict[str, int]:
-    from collections import Counter
-
     return dict(Counter(t.op for t in plan.tasks))
 
 

@@ -6,7 +6,9 @@ its count with split propagation; every region lies inside its buffer, reads onl
 writes only writable buffers (and only the slots a put may write); every row of every written
 buffer has exactly one writer (FlashDMoE's write-conflict freedom); every event's threshold
 equals the number of its producers; the producers of a task's dependent event cover every row it
-reads; and the queues cannot deadlock (``simulate``: both queues consume in order and wait on
+reads; every tile is exactly the one the FillConfig generates for its (operator, task_index)
+(handlers derive rows, experts and destinations from the regions, so only the queue order and the
+events are free); and the queues cannot deadlock (``simulate``: both queues consume in order and wait on
 their counters; writes of other ranks are assumed to arrive). ``check_world`` adds the cross-rank
 checks on all plans of a world: the same fingerprint, every put matched by the receiver's
 remote-write record with the same rows and events, and no deadlock of all 2P queues together.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from moesaic.taskflow.graph import propagate_splits
 from moesaic.taskflow.moe_graphs import PUT_TYPES, TASK_QUEUES, buffer_table, moe_graph
 from moesaic.taskflow.plan import SUPPORTED_VERSIONS, Plan
-from moesaic.taskflow.tasks import Region, TaskDescriptor
+from moesaic.taskflow.tasks import FILLS, FillContext, Region, TaskDescriptor
 
 
 class PlanError(ValueError):
@@ -122,7 +124,7 @@ def _check_put(plan: Plan, t: TaskDescriptor) -> None:
             )
 
 
-def _check_tasks(plan: Plan) -> None:
+def _check_tasks(plan: Plan) -> dict[str, int]:
     mg = moe_graph(plan.direction, plan.bucket.activation)
     try:
         split = propagate_splits(mg.graph, plan.bucket, unsplit=plan.options.unsplit)
@@ -173,6 +175,7 @@ def _check_tasks(plan: Plan) -> None:
     for op, n in split.task_num.items():
         if len(seen[op]) != n:
             raise PlanFormatError(f"operator {op!r} has {len(seen[op])} tasks; must have {n}")
+    return split.task_num
 
 
 def _check_queues(plan: Plan) -> None:
@@ -290,14 +293,44 @@ def _check_events(plan: Plan, writers: dict[tuple, list[Region]]) -> None:
                 )
 
 
+def _rows(regions) -> list[tuple]:
+    return [(r.buffer, r.rank, r.start, r.stop) for r in regions][:2]
+
+
+def _check_against_fill(plan: Plan, task_num: dict[str, int]) -> None:
+    """Tiles must be exactly the FillConfig's for the bucket: handlers derive rows, experts and
+    destinations from the regions, so only the queue order and the events are free."""
+    mg = moe_graph(plan.direction, plan.bucket.activation)
+    ctx = FillContext(bucket=plan.bucket, rank=plan.rank, buffers={b.name: b for b in plan.buffers})
+    expected, stubs = {}, set()
+    for op, n in task_num.items():
+        layout = mg.layouts[op]
+        tasks, remote = FILLS[layout.kind](ctx, op, layout, n)
+        expected.update({(t.op, t.task_index): t for t in tasks})
+        stubs.update((w.rank, w.op, w.task_index, w.regions) for w in remote)
+    for t in plan.tasks:
+        e = expected[(t.op, t.task_index)]
+        got = (t.inputs, t.outputs, t.expert, t.peer, t.split_value)
+        if got != (e.inputs, e.outputs, e.expert, e.peer, e.split_value):
+            raise PlanRegionError(
+                f"{t.label}: regions, expert, peer or split_value differ from the tile the "
+                f"FillConfig generates for this bucket (outputs {_rows(t.outputs)}, expected "
+                f"{_rows(e.outputs)})"
+            )
+    got_stubs = {(w.rank, w.op, w.task_index, w.regions) for w in plan.remote_writes}
+    if got_stubs != stubs or len(got_stubs) != len(plan.remote_writes):
+        raise PlanRegionError("remote_writes differ from the writes the other ranks' tiles make")
+
+
 def check_plan(plan: Plan) -> None:
     """All single-rank checks (see the module docstring); raises a ``PlanError``."""
     _check_header(plan)
-    _check_tasks(plan)
+    task_num = _check_tasks(plan)
     _check_queues(plan)
     writers = _writers(plan)
     _check_coverage(plan, writers)
     _check_events(plan, writers)
+    _check_against_fill(plan, task_num)
     simulate([plan], world=False)
 
 
