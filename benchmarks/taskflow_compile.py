@@ -52,13 +52,14 @@ RUNS = [  # (layer, ep_size, tokens per rank, slot multiplier)
 ]
 
 
-def _median(fn, repeats: int) -> tuple[float, float, object]:
+def _median(fn, repeats: int) -> tuple[float, float, object, float]:
+    """Median, spread (max - min), last result and minimum of ``repeats`` timed calls."""
     times, out = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), (max(times) - min(times)), out
+    return statistics.median(times), (max(times) - min(times)), out, min(times)
 
 
 def _git_commit() -> str:
@@ -81,14 +82,14 @@ def measure(layer: str, ep: int, tokens: int, mult: int, repeats: int, world: bo
     rec["recv_buffer_MiB_bf16"] = round(bucket.recv_rows * bucket.hidden * 2 / 2**20, 1)
     for direction in ("forward", "backward"):
         gc.unfreeze()
-        med_gc, _, _ = _median(lambda d=direction: compile_plan(bucket, d, 0), repeats)
+        med_gc, _, _, _ = _median(lambda d=direction: compile_plan(bucket, d, 0), repeats)
         gc.collect()
         gc.freeze()  # the heap that existed before (torch's) is no longer re-scanned
-        med, spread, plan = _median(lambda d=direction: compile_plan(bucket, d, 0), repeats)
-        med_nv, _, _ = _median(
+        med, spread, plan, best = _median(lambda d=direction: compile_plan(bucket, d, 0), repeats)
+        med_nv, _, _, _ = _median(
             lambda d=direction: compile_plan(bucket, d, 0, validate=False), repeats
         )
-        med_check, _, _ = _median(lambda p=plan: check_plan(p), repeats)
+        med_check, _, _, _ = _median(lambda p=plan: check_plan(p), repeats)
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             path = save_plan(plan, Path(tmp) / "plan.json")
@@ -110,6 +111,7 @@ def measure(layer: str, ep: int, tokens: int, mult: int, repeats: int, world: bo
             "tasks_per_operator": s["task_num"],
             "compile_s_median": round(med, 4),
             "compile_s_spread": round(spread, 4),
+            "compile_s_min": round(best, 4),
             "compile_s_median_default_gc": round(med_gc, 4),
             "compile_without_validation_s_median": round(med_nv, 4),
             "validate_s_median": round(med_check, 4),
