@@ -200,3 +200,31 @@ def test_sigkill_leaves_namespaces_that_cluster_down_removes(root_state, tmp_pat
     )
     assert "removed 3 namespace(s)" in out.stdout
     _assert_gone(info["run_id"])
+
+
+def test_cli_up_holds_then_tears_down(root_state, tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moesaic",
+            "cluster",
+            "up",
+            "--cluster",
+            str(SMALL),
+            "--hold-s",
+            "1",
+            "--state",
+            str(state),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    info = json.loads(state.read_text())
+    assert [r["address"] for r in info["ranks"]] == [f"198.18.1.{k}" for k in range(4)]
+    assert {link["level_name"] for link in info["links"]} == {"datacenter", "node"}
+    assert "is down" in proc.stderr
+    _assert_gone(info["run_id"])

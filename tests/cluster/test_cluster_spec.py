@@ -201,3 +201,16 @@ def test_collective_bounds() -> None:
     assert [p["ranks"] for p in plan["pairs"]] == [(0, 2), (0, 1)]
     assert plan["pairs"][0]["bytes"][1] == int(0.1e9 / 8 * 0.2)
     assert plan["collective_bytes"] % (4 * 4) == 0
+
+
+def test_cli_show_and_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from moesaic.cli import main
+
+    assert main(["cluster", "show", "--cluster", str(EXAMPLES / "2dc_2node.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "2dc_2node: 4 ranks" in out and "ranks 0-2: path 1 Gbit/s, 5 ms one way" in out
+    bad = _write(tmp_path, TWO_BY_TWO.replace("world_size = 4", "world_size = 5"))
+    assert main(["cluster", "show", "--cluster", str(bad)]) == 2
+    assert "world_size (5) must equal" in capsys.readouterr().err
+    assert main(["cluster", "down", "--run-id", "xyz"]) == 2
+    assert "--run-id ('xyz') must be 6 lowercase hex digits" in capsys.readouterr().err
