@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 
 from moesaic.cluster import ClusterError, ClusterSpec, ClusterTimeout, EmulatedCluster, Level
-from moesaic.cluster.system import leftover_namespaces, run_cmd, support_problem
+from moesaic.cluster.system import (
+    leftover_namespaces,
+    namespace_pids,
+    run_cmd,
+    support_problem,
+)
 from moesaic.cluster.verify import check
 
 PROBLEM = support_problem(probe=True)
@@ -126,9 +131,12 @@ def test_run_timeout_kills_the_workers(root_state, tmp_path: Path) -> None:
         with pytest.raises(ClusterTimeout, match=r"did not finish within timeout_s \(8"):
             cluster.run(sleepy_worker, args=(str(tmp_path),), timeout_s=8)
         assert time.monotonic() - start < 20
-        pids = [int(p.read_text()) for p in tmp_path.glob("worker-*.pid")]
-        assert len(pids) == 2
+        # Nothing runs in the rank namespaces any more (whether or not the workers got as far as
+        # writing their pid on a loaded machine), and the cluster itself is still usable.
+        assert all(namespace_pids(ns) == [] for ns in cluster.rank_namespaces)
+        pids = [int(p.read_text()) for p in tmp_path.glob("worker-*.pid") if p.read_text()]
         assert not any(_alive(pid) for pid in pids)
+        assert [r[0] for r in cluster.run(rank_and_sum, args=(0,), timeout_s=90)] == [0, 1]
     _assert_gone(run_id)
 
 
