@@ -1,4 +1,4 @@
-"""The ``moesaic`` command line: ``moesaic bench | cluster | taskflow ...``.
+"""The ``moesaic`` command line: ``moesaic train | generate | bench | cluster | taskflow ...``.
 
 Each subsystem owns its subcommands in its own module and exposes ``add_subparser(subparsers)``;
 this file only wires them together, importing each lazily so that ``moesaic --help`` stays fast
@@ -13,6 +13,7 @@ import sys
 
 # (command, module that defines add_subparser(subparsers))
 _COMMANDS = (
+    ("train", "moesaic.train.cli"),  # train and generate
     ("bench", "moesaic.bench.cli"),
     ("cluster", "moesaic.cluster.cli"),
     ("taskflow", "moesaic.taskflow.cli"),
