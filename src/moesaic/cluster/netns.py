@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -425,8 +426,6 @@ def _raise_system_exit(signum: int, frame: object) -> None:
 
 
 def _read_line(stream: Any, deadline: float) -> bytes:
-    import select
-
     fd = stream.fileno()
     buf = b""
     while b"\n" not in buf:
@@ -452,7 +451,8 @@ def _stop_process_group(proc: subprocess.Popen, *, grace_s: float = 2.0) -> None
             return
         except subprocess.TimeoutExpired:
             continue
-    proc.wait(timeout=grace_s)
+    # Still there after SIGKILL (uninterruptible sleep): carry on with the teardown regardless;
+    # deleting the namespaces does not need it gone.
 
 
 def _tail(job_dir: Path, rank: int, max_chars: int = 3000) -> str:

@@ -34,8 +34,8 @@ Semantics shared by the emulator, the cost model and the simulator:
 * The **path latency** (one way) is the separating level's ``latency_ms``, end to end; the
   round trip is twice that.
 
-This module only needs the standard library so that the emulator's helper processes, the cost
-model and the simulator can import it cheaply.
+This module needs only the standard library, so the cost model and the simulator can use it
+without the emulator (which needs root) or torch.
 """
 
 from __future__ import annotations
