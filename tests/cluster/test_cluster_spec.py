@@ -214,3 +214,32 @@ def test_cli_show_and_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert "world_size (5) must equal" in capsys.readouterr().err
     assert main(["cluster", "down", "--run-id", "xyz"]) == 2
     assert "--run-id ('xyz') must be 6 lowercase hex digits" in capsys.readouterr().err
+
+
+def test_without_root_or_tools_the_error_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+    import shutil
+
+    from moesaic.cli import main
+    from moesaic.cluster import ClusterError, EmulatedCluster, support_problem
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "needs root" in support_problem()
+    with pytest.raises(ClusterError, match=r"needs root \(CAP_NET_ADMIN\)"):
+        EmulatedCluster(_spec(2)).start()
+    assert main(["cluster", "down"]) == 2
+    assert "needs root" in capsys.readouterr().err
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "tc" else "/x")
+    assert "needs 'tc' from iproute2" in support_problem()
+
+
+def test_emulated_cluster_arguments_are_checked() -> None:
+    from moesaic.cluster import EmulatedCluster
+
+    with pytest.raises(ValueError, match=r"world_size \(64\) must be at most max_world_size"):
+        EmulatedCluster(_spec(8, 8))
+    with pytest.raises(ValueError, match="spec must be a ClusterSpec"):
+        EmulatedCluster({"levels": []})
