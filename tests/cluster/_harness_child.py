@@ -33,7 +33,7 @@ def main() -> None:
         levels=(Level(name="node", size=2, bandwidth_gbps=0.1, latency_ms=1.0),), name="child"
     )
     with EmulatedCluster(spec) as cluster:
-        info = {"run_id": cluster.run_id, "delayline_pid": cluster._delayline.pid}
+        info = {"run_id": cluster.run_id, "delayline_pid": cluster.delayline_pid}
         print(json.dumps(info), flush=True)
         if mode == "workers":
             from _harness_child import sleepy_worker as fn  # importable by reference

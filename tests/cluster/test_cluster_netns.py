@@ -93,7 +93,7 @@ def test_two_level_cluster_matches_its_description(root_state) -> None:
     with EmulatedCluster(spec) as cluster:
         run_id = cluster.run_id
         report = check(cluster, duration_s=0.25, pings=20, reps=3, timeout_s=150)
-        delayline_pid = cluster._delayline.pid
+        delayline_pid = cluster.delayline_pid
     print(report.table())
     assert report.ok, report.table()
     by_name = {m.level_name: m for m in report.levels}
@@ -144,7 +144,7 @@ def test_run_timeout_kills_the_workers(root_state, tmp_path: Path) -> None:
 def test_exception_inside_the_context_tears_down(root_state) -> None:
     with pytest.raises(RuntimeError, match="boom"), EmulatedCluster(PAIR) as cluster:
         run_id = cluster.run_id
-        pid = cluster._delayline.pid
+        pid = cluster.delayline_pid
         assert len(leftover_namespaces(run_id)) == 3
         raise RuntimeError("boom")
     _assert_gone(run_id, [pid])

@@ -73,6 +73,10 @@ class EmulatedCluster:
         max_world_size: Refuse bigger clusters (every rank is a process on this machine).
         setup_timeout_s: Bound on building the network and starting the delay line.
         max_lifetime_s: The delay line exits after this long even if nobody tears it down.
+
+    The delay line and the workers are tied to the thread that starts them (they exit when it
+    does, through the parent-death signal): start and use a cluster from one long-lived thread,
+    normally the main thread, which is also the only one where SIGTERM/SIGHUP tear it down.
     """
 
     def __init__(
@@ -116,6 +120,11 @@ class EmulatedCluster:
     @property
     def world_size(self) -> int:
         return self.spec.world_size
+
+    @property
+    def delayline_pid(self) -> int | None:
+        """Pid of the delay line process while the cluster is up."""
+        return self._delayline.pid if self._delayline is not None else None
 
     @property
     def rank_namespaces(self) -> tuple[str, ...]:
