@@ -1,0 +1,30 @@
+"""Per-worker entry under an external launcher: ``torchrun [...] -m moesaic.train [flags]``.
+
+Takes the same flags as ``moesaic train`` (``--nproc`` and ``--max-restarts`` are torchrun's
+business here and ignored) and runs this process's rank of the job.
+"""
+
+import argparse
+import sys
+
+from moesaic.train.config import add_train_arguments, config_from_args
+from moesaic.train.loop import run_worker
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m moesaic.train",
+        description="One worker of a moesaic training job (start it with torchrun).",
+    )
+    add_train_arguments(parser)
+    try:
+        cfg = config_from_args(parser.parse_args(argv))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"moesaic train: error: {exc}", file=sys.stderr)
+        return 2
+    run_worker(cfg.to_dict())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""TrainConfig: every knob of a training run, from defaults, a TOML file and flags (in that order).
+
+A TOML file holds the run's keys at top level and the model's under ``[model]``, with the names
+of the dataclass fields (``batch_size``, ``d_model``); flags use the same names with dashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moesaic.models.gpt import MoEGPTConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def _int_at_least(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} ({value}) must be >= {minimum}")
+
+
+def _number_in(name: str, value: object, lo: float, hi: float = math.inf) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+    if not (lo <= value <= hi) or not math.isfinite(value):
+        raise ValueError(f"{name} ({value}) must be a finite number in [{lo}, {hi}]")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """One training run.
+
+    Attributes:
+        model: the model shape.
+        nproc: worker processes on this node (torchrun's ``--nproc-per-node``).
+        ep: expert-parallel group size; None = all ranks in one EP group. The world size must
+            be a multiple; the quotient is the data-parallel degree.
+        steps: optimizer steps of the whole run (the LR schedule's length).
+        batch_size: sequences per rank per step (the global batch is world size times this).
+        lr: peak learning rate (AdamW), reached after ``warmup_steps``; cosine decay to
+            ``lr * min_lr_ratio`` at ``steps``.
+        min_lr_ratio: final LR as a fraction of ``lr``.
+        warmup_steps: linear warm-up steps.
+        weight_decay: AdamW decoupled weight decay of matrices (not of norms).
+        grad_clip: clip the global gradient norm to this (0 = off).
+        seed: seeds the init (alike on every rank) and the data order.
+        data: a text file or a directory of files; None = the running Python's standard library.
+        data_max_bytes: read at most this many bytes of the corpus (keeps loading fast).
+        val_fraction: the corpus tail kept for validation.
+        eval_every: validation loss every this many steps (and at the end; 0 = only at the end).
+        eval_batches: validation batches per rank per evaluation.
+        ckpt_every: checkpoint every this many steps (and at the end; 0 = only at the end).
+        keep_checkpoints: how many checkpoints to keep (older ones are deleted).
+        run_dir: where checkpoints and ``metrics.jsonl`` go.
+        resume: continue from ``run_dir``'s latest checkpoint.
+        max_restarts: the elastic agent restarts a failed worker group this many times, each
+            time resuming from the latest checkpoint.
+        backend: "gloo", "nccl", or "auto" (NCCL when CUDA is available, else gloo).
+        timeout_s: deadline of every collective (process group and MoE layers).
+        threads: torch threads per worker; None = CPU cores / nproc (at least 1).
+        progress: show the tqdm progress bar on rank 0.
+        fault_kill_rank: fault injection: this rank SIGKILLs itself at ``fault_kill_step``
+            (only on the first attempt, so the restarted group runs to the end).
+        fault_kill_step: the step at whose start the kill happens.
+    """
+
+    model: MoEGPTConfig = field(default_factory=MoEGPTConfig)
+    nproc: int = 2
+    ep: int | None = None
+    steps: int = 400
+    batch_size: int = 8
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    data: str | None = None
+    data_max_bytes: int = 4_000_000
+    val_fraction: float = 0.05
+    eval_every: int = 50
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    keep_checkpoints: int = 2
+    run_dir: str = "runs/moe-gpt"
+    resume: bool = False
+    max_restarts: int = 0
+    backend: str = "auto"
+    timeout_s: float = 300.0
+    threads: int | None = None
+    progress: bool = True
+    fault_kill_rank: int | None = None
+    fault_kill_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, MoEGPTConfig):
+            raise ValueError(f"model must be a MoEGPTConfig, got {type(self.model).__name__}")
+        for name, minimum in (
+            ("nproc", 1),
+            ("steps", 1),
+            ("batch_size", 1),
+            ("warmup_steps", 0),
+            ("seed", 0),
+            ("data_max_bytes", 2),
+            ("eval_every", 0),
+            ("eval_batches", 1),
+            ("ckpt_every", 0),
+            ("keep_checkpoints", 1),
+            ("max_restarts", 0),
+        ):
+            _int_at_least(name, getattr(self, name), minimum)
+        for name in ("ep", "threads", "fault_kill_step"):
+            if getattr(self, name) is not None:
+                _int_at_least(name, getattr(self, name), 1)
+        if self.fault_kill_rank is not None:
+            _int_at_least("fault_kill_rank", self.fault_kill_rank, 0)
+        if (self.fault_kill_rank is None) != (self.fault_kill_step is None):
+            raise ValueError("fault_kill_rank and fault_kill_step must be given together")
+        _number_in("lr", self.lr, 0.0)
+        _number_in("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _number_in("weight_decay", self.weight_decay, 0.0)
+        _number_in("grad_clip", self.grad_clip, 0.0)
+        _number_in("val_fraction", self.val_fraction, 0.0, 0.5)
+        if self.val_fraction <= 0:
+            raise ValueError(f"val_fraction ({self.val_fraction}) must be > 0")
+        _number_in("timeout_s", self.timeout_s, 1e-3)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend ({self.backend!r}) must be one of {BACKENDS}")
+        if not isinstance(self.run_dir, str) or not self.run_dir:
+            raise ValueError(f"run_dir must be a non-empty path, got {self.run_dir!r}")
+
+    def check_world(self, world_size: int) -> int:
+        """Validate the EP layout for ``world_size`` ranks; returns the EP size."""
+        ep = world_size if self.ep is None else self.ep
+        if world_size % ep:
+            raise ValueError(f"ep ({ep}) must divide the world size ({world_size})")
+        if self.model.num_experts % ep:
+            raise ValueError(
+                f"num_experts ({self.model.num_experts}) must be divisible by the "
+                f"expert-parallel size ep ({ep})"
+            )
+        if self.fault_kill_rank is not None and self.fault_kill_rank >= world_size:
+            raise ValueError(
+                f"fault_kill_rank ({self.fault_kill_rank}) must be < the world size ({world_size})"
+            )
+        return ep
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["model"] = self.model.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        """Build from a (possibly partial) dict like ``to_dict()``'s; unknown keys are errors."""
+        d = dict(d)
+        model = d.pop("model", {})
+        if not isinstance(model, dict):
+            raise ValueError("model must be a table of MoEGPTConfig fields")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+        return cls(model=MoEGPTConfig.from_dict(model), **d)
+
+
+# (flag, field, type, section) of every option; the help text comes from the docstrings above.
+_MODEL_FLAGS = (
+    ("--seq-len", "seq_len", int),
+    ("--d-model", "d_model", int),
+    ("--n-layers", "n_layers", int),
+    ("--n-heads", "n_heads", int),
+    ("--experts", "num_experts", int),
+    ("--top-k", "top_k", int),
+    ("--expert-hidden", "expert_hidden", int),
+    ("--dense-layers", "dense_layers", int),
+    ("--dense-hidden", "dense_hidden", int),
+    ("--aux-loss-coef", "aux_loss_coef", float),
+    ("--z-loss-coef", "z_loss_coef", float),
+    ("--dispatcher", "dispatcher", str),
+)
+_RUN_FLAGS = (
+    ("--nproc", "nproc", int),
+    ("--ep", "ep", int),
+    ("--steps", "steps", int),
+    ("--batch-size", "batch_size", int),
+    ("--lr", "lr", float),
+    ("--min-lr-ratio", "min_lr_ratio", float),
+    ("--warmup-steps", "warmup_steps", int),
+    ("--weight-decay", "weight_decay", float),
+    ("--grad-clip", "grad_clip", float),
+    ("--seed", "seed", int),
+    ("--data", "data", str),
+    ("--data-max-bytes", "data_max_bytes", int),
+    ("--val-fraction", "val_fraction", float),
+    ("--eval-every", "eval_every", int),
+    ("--eval-batches", "eval_batches", int),
+    ("--ckpt-every", "ckpt_every", int),
+    ("--keep-checkpoints", "keep_checkpoints", int),
+    ("--run-dir", "run_dir", str),
+    ("--max-restarts", "max_restarts", int),
+    ("--backend", "backend", str),
+    ("--timeout-s", "timeout_s", float),
+    ("--threads", "threads", int),
+    ("--fault-kill-rank", "fault_kill_rank", int),
+    ("--fault-kill-step", "fault_kill_step", int),
+)
+_HELP = {
+    "seq_len": "context length T",
+    "d_model": "model width D",
+    "n_layers": "transformer blocks",
+    "n_heads": "attention heads",
+    "num_experts": "routed experts E per MoE block",
+    "top_k": "experts per token K",
+    "expert_hidden": "hidden width of each expert (SwiGLU)",
+    "dense_layers": "the first N blocks use a dense MLP instead of experts",
+    "dense_hidden": "dense MLP width (default 4 * d_model)",
+    "aux_loss_coef": "load-balancing loss weight",
+    "z_loss_coef": "router z-loss weight",
+    "dispatcher": "token exchange: dropless or padded",
+    "nproc": "worker processes on this node",
+    "ep": "expert-parallel group size (default: all ranks); DP = world / EP",
+    "steps": "optimizer steps (length of the LR schedule)",
+    "batch_size": "sequences per rank per step",
+    "lr": "peak learning rate (AdamW, warm-up then cosine)",
+    "min_lr_ratio": "final LR as a fraction of --lr",
+    "warmup_steps": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay of matrices",
+    "grad_clip": "global gradient-norm clip (0 = off)",
+    "seed": "init and data-order seed",
+    "data": "text file or directory (default: this Python's standard library source)",
+    "data_max_bytes": "read at most this many corpus bytes",
+    "val_fraction": "corpus tail held out for validation",
+    "eval_every": "validation every N steps (0 = only at the end)",
+    "eval_batches": "validation batches per rank",
+    "ckpt_every": "checkpoint every N steps (0 = only at the end)",
+    "keep_checkpoints": "checkpoints kept",
+    "run_dir": "checkpoints and metrics.jsonl go here",
+    "max_restarts": "elastic restarts of a failed worker group (each resumes from the latest "
+    "checkpoint)",
+    "backend": "auto, gloo or nccl",
+    "timeout_s": "deadline of every collective, seconds",
+    "threads": "torch threads per worker (default: cores / nproc)",
+    "fault_kill_rank": "fault injection: this rank SIGKILLs itself (first attempt only)",
+    "fault_kill_step": "fault injection: at the start of this step",
+}
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every training option; unset flags stay absent so that TOML values survive."""
+    defaults = TrainConfig()
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file of options (flags override it)"
+    )
+    run = parser.add_argument_group("run")
+    for flag, name, typ in _RUN_FLAGS:
+        default = getattr(defaults, name)
+        run.add_argument(
+            flag,
+            dest=name,
+            type=typ,
+            default=argparse.SUPPRESS,
+            help=f"{_HELP[name]} (default: {default})",
+        )
+    run.add_argument(
+        "--resume",
+        dest="resume",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="continue from the latest checkpoint in --run-dir",
+    )
+    run.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="no progress bar (log lines only)",
+    )
+    model = parser.add_argument_group("model")
+    for flag, name, typ in _MODEL_FLAGS:
+        default = getattr(defaults.model, name)
+        model.add_argument(
+            flag,
+            dest=f"model.{name}",
+            metavar=name.upper(),
+            type=typ,
+            default=argparse.SUPPRESS,
+            help=f"{_HELP[name]} (default: {default})",
+        )
+
+
+def load_toml(path: str) -> dict:
+    """Read a TOML config file (run keys at top level, model keys under ``[model]``)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the ``--config`` TOML file, then the flags given."""
+    d: dict = load_toml(args.config) if getattr(args, "config", None) else {}
+    d = {**d, "model": dict(d.get("model", {}))}
+    for key, value in vars(args).items():
+        if key.startswith("model."):
+            d["model"][key.removeprefix("model.")] = value
+        elif key in TrainConfig.__dataclass_fields__:
+            d[key] = value
+    return TrainConfig.from_dict(d)

@@ -1,0 +1,145 @@
+"""The corpus, sequence packing and deterministic per-rank sharding.
+
+Shape legend: B sequences per rank, T sequence length (windows hold T + 1 bytes: input and the
+shifted target).
+
+The corpus is one byte stream (files in sorted order, joined by a blank line), cut into
+non-overlapping windows of T + 1 bytes (packing: no padding, documents run across windows). The
+tail ``val_fraction`` of the stream is validation. Training visits windows in a per-epoch
+permutation drawn from ``seed + epoch``; the global sample index ``consumed + rank * B + j`` picks
+rank ``rank``'s j-th sequence, so the data position is one integer (``consumed``) that survives
+checkpoints and changes of the world size.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+SEPARATOR = b"\n\n"
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Sorted walk, third-party packages and caches skipped: the same list on every machine
+        # with the same Python.
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
+        files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
+    return files
+
+
+def _user_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        files += [Path(dirpath) / f for f in sorted(filenames) if not f.startswith(".")]
+    return files
+
+
+def load_corpus(data: str | None, max_bytes: int) -> bytes:
+    """The corpus bytes: ``data`` (a file or a directory) or the standard library's source.
+
+    Raises:
+        FileNotFoundError: ``data`` does not exist.
+        ValueError: it holds no bytes.
+    """
+    if data is None:
+        files, what = _stdlib_files(), f"the standard library at {sysconfig.get_paths()['stdlib']}"
+    else:
+        path = Path(data)
+        if not path.exists():
+            raise FileNotFoundError(f"data path {data} does not exist")
+        files, what = _user_files(path), f"data path {data}"
+    chunks, total = [], 0
+    for f in files:
+        if total >= max_bytes:
+            break
+        try:
+            with f.open("rb") as fh:
+                blob = fh.read(max_bytes - total)
+        except OSError:
+            continue  # unreadable file (permissions, a dangling link): skip it
+        if blob:
+            chunks += [blob, SEPARATOR]
+            total += len(blob) + len(SEPARATOR)
+    corpus = b"".join(chunks)[:max_bytes]
+    if not corpus.strip():
+        raise ValueError(f"{what} is empty: no text to train on")
+    return corpus
+
+
+class PackedData:
+    """Non-overlapping windows of ``seq_len + 1`` bytes of one split.
+
+    Args:
+        data: the split's bytes.
+        seq_len: T.
+        name: "train" or "validation" (for messages).
+    """
+
+    def __init__(self, data: bytes, seq_len: int, name: str) -> None:
+        span = seq_len + 1
+        n = (len(data) - 1) // seq_len
+        if n < 1:
+            raise ValueError(
+                f"the {name} split has {len(data)} bytes, fewer than seq_len + 1 ({span}); "
+                "give more data, a smaller seq_len or another val_fraction"
+            )
+        self.seq_len = seq_len
+        self.num_windows = n
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        # Window i is bytes [i*T, i*T + T + 1): consecutive windows share one byte, so every
+        # byte but the first is a target exactly once.
+        self._windows_NS = buf.unfold(0, span, seq_len)[:n]
+        self._perm_epoch: tuple[int, torch.Tensor] | None = None
+
+    def windows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each [B, T] int64, of the windows ``idx``."""
+        w_BS = self._windows_NS[idx].long()
+        return w_BS[:, :-1], w_BS[:, 1:]
+
+    def _perm(self, epoch: int, seed: int) -> torch.Tensor:
+        if self._perm_epoch is None or self._perm_epoch[0] != epoch:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            self._perm_epoch = (epoch, torch.randperm(self.num_windows, generator=gen))
+        return self._perm_epoch[1]
+
+    def train_batch(
+        self, consumed: int, rank: int, batch_size: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s batch when ``consumed`` samples were used by all ranks before it."""
+        idx = []
+        for j in range(batch_size):
+            g = consumed + rank * batch_size + j
+            epoch, pos = divmod(g, self.num_windows)
+            idx.append(int(self._perm(epoch, seed)[pos]))
+        return self.windows(torch.tensor(idx))
+
+    def val_batch(
+        self, i: int, rank: int, world_size: int, batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The i-th validation batch of ``rank`` (fixed windows, wrapped if the split is small)."""
+        start = (i * world_size + rank) * batch_size
+        idx = torch.arange(start, start + batch_size) % self.num_windows
+        return self.windows(idx)
+
+
+def split_corpus(corpus: bytes, val_fraction: float) -> tuple[bytes, bytes]:
+    """(train, validation): the last ``val_fraction`` of the bytes is validation."""
+    n_val = max(2, int(len(corpus) * val_fraction))
+    return corpus[:-n_val], corpus[-n_val:]
+
+
+def load_splits(
+    data: str | None, max_bytes: int, val_fraction: float, seq_len: int
+) -> tuple[PackedData, PackedData]:
+    """Load, split and pack the corpus; errors say what is missing."""
+    train, val = split_corpus(load_corpus(data, max_bytes), val_fraction)
+    return PackedData(train, seq_len, "train"), PackedData(val, seq_len, "validation")

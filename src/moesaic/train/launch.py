@@ -1,0 +1,65 @@
+"""Start a training run through torch's elastic launcher (the machinery behind torchrun).
+
+``launch(cfg)`` validates what can be validated in this process (layout, data, checkpoint), so a
+mistake is one clear error before any worker starts, then runs ``cfg.nproc`` workers under an
+elastic agent on this node: a standalone c10d rendezvous on a free local port, and up to
+``cfg.max_restarts`` restarts of the whole group when a worker dies (the workers resume from the
+latest checkpoint). Several nodes: run ``torchrun ... -m moesaic.train`` on each (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from moesaic.train.checkpoint import latest_checkpoint, read_checkpoint_meta
+from moesaic.train.config import TrainConfig
+from moesaic.train.data import load_splits
+from moesaic.train.loop import run_worker
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ValueError / FileNotFoundError for a run that cannot start."""
+    cfg.check_world(world_size)
+    load_splits(cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len)
+    if cfg.resume:
+        path = latest_checkpoint(cfg.run_dir)
+        if path is None:
+            raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
+        read_checkpoint_meta(path, cfg.model)
+
+
+def launch(cfg: TrainConfig) -> dict:
+    """Validate, then train with ``cfg.nproc`` local workers; returns rank 0's summary.
+
+    Raises:
+        ValueError, FileNotFoundError: the run cannot start (nothing was spawned).
+        RuntimeError: a worker failed after the allowed restarts.
+    """
+    validate(cfg, cfg.nproc)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent logs every rendezvous at INFO/WARNING; keep failures (and restarts) visible.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.nproc,
+        run_id=f"moesaic-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        rdzv_configs={"timeout": int(max(60, cfg.timeout_s))},
+        max_restarts=cfg.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, run_worker)(cfg.to_dict())
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        raise RuntimeError(
+            f"worker rank {rank} failed (exit code {failure.exitcode}) after "
+            f"{cfg.max_restarts} restart(s) allowed; its error is printed above"
+        ) from None
+    return results.get(0) or {}

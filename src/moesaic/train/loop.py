@@ -1,0 +1,179 @@
+"""The per-worker training loop (one process per rank, started by torch's elastic agent).
+
+``run_worker(cfg)`` reads its rank from the environment torchrun sets (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT), trains, validates, checkpoints and
+writes ``metrics.jsonl`` (rank 0). On a restart by the agent it resumes from the latest
+checkpoint, so a killed worker loses only the steps after it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moesaic.layer import aux_loss
+from moesaic.models.gpt import MoEGPT
+from moesaic.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint_meta,
+    save_checkpoint,
+)
+from moesaic.train.config import TrainConfig
+from moesaic.train.data import PackedData, load_splits
+from moesaic.train.parallel import Layout, build_layout, clip_grad_norm, sync_gradients
+from moesaic.train.report import Reporter
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    lo = cfg.lr * cfg.min_lr_ratio
+    return lo + 0.5 * (cfg.lr - lo) * (1 + math.cos(math.pi * t))
+
+
+def _init_distributed(cfg: TrainConfig) -> torch.device:
+    if "RANK" not in os.environ:
+        return torch.device("cpu")  # a single process without torchrun
+    use_nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    device = torch.device("cpu")
+    if use_nccl:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if use_nccl else "gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s)
+    )
+    return device
+
+
+def _make_optimizer(model: MoEGPT, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": other, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), foreach=False)
+
+
+def _loss(model: MoEGPT, x_BT, y_BT) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_BTV = model(x_BT)
+    ce = F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
+    return ce, aux_loss(model).to(ce.device)
+
+
+@torch.no_grad()
+def evaluate(model: MoEGPT, val: PackedData, cfg: TrainConfig, layout: Layout, device) -> float:
+    """Mean validation loss over all ranks' fixed validation batches."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(cfg.eval_batches):
+        x_BT, y_BT = val.val_batch(i, layout.rank, layout.world_size, cfg.batch_size)
+        ce, _ = _loss(model, x_BT.to(device), y_BT.to(device))
+        total += torch.stack([ce.double(), torch.ones((), dtype=torch.float64, device=device)])
+    model.train()
+    layout.world.all_reduce(total, what="all_reduce of the validation loss")
+    return float(total[0] / total[1])
+
+
+def _step_stats(model: MoEGPT, ce, aux, layout: Layout, device) -> tuple[float, float, list]:
+    """Mean loss and aux loss over all ranks, and each MoE layer's global expert load."""
+    counts = [layer.last_counts_E.to(device).double() for _, layer in model.moe_layers()]
+    buf = torch.cat([torch.stack([ce.detach().double(), aux.detach().double()]), *counts])
+    layout.world.all_reduce(buf, what="all_reduce of step statistics")
+    E = model.config.num_experts
+    loads = buf[2:].view(-1, E).long().tolist() if counts else []
+    W = layout.world_size
+    return float(buf[0]) / W, float(buf[1]) / W, loads
+
+
+def _maybe_resume(cfg, model, optimizer, layout) -> tuple[int, int, str | None]:
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    path = latest_checkpoint(cfg.run_dir) if (cfg.resume or restarted) else None
+    if path is None:
+        if cfg.resume:
+            raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
+        return 0, 0, None
+    read_checkpoint_meta(path, cfg.model)
+    step, consumed = load_checkpoint(path, model=model, optimizer=optimizer, rank=layout.rank)
+    return step, consumed, str(path)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train on this rank; returns rank 0's summary (other ranks: an empty dict)."""
+    device = _init_distributed(cfg)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ep_size = cfg.check_world(world)
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+    layout = build_layout(ep_size, cfg.timeout_s)
+    train_data, val_data = load_splits(
+        cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len
+    )
+    torch.manual_seed(cfg.seed)  # alike on every rank: replicated weights agree
+    model = MoEGPT(cfg.model, ep_group=layout.ep_group).to(device)
+    optimizer = _make_optimizer(model, cfg)
+    start, consumed, resumed_from = _maybe_resume(cfg, model, optimizer, layout)
+    reporter = Reporter(cfg, layout, start, resumed_from)
+    meta = {"model": cfg.model.to_dict(), "train": cfg.to_dict(), "world_size": world}
+    meta["ep_size"] = ep_size
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    tokens_per_step = world * cfg.batch_size * cfg.model.seq_len
+    for step in range(start + 1, cfg.steps + 1):
+        if step == cfg.fault_kill_step and layout.rank == cfg.fault_kill_rank and restart_count == 0:
+            print(f"[fault injection] rank {layout.rank} kills itself at step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.perf_counter()
+        lr = lr_at(cfg, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x_BT, y_BT = train_data.train_batch(consumed, layout.rank, cfg.batch_size, cfg.seed)
+        ce, aux = _loss(model, x_BT.to(device), y_BT.to(device))
+        (ce + aux).backward()
+        sync_gradients(model, layout)
+        grad_norm = clip_grad_norm(model, layout, cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        consumed += world * cfg.batch_size
+        loss, aux_val, loads = _step_stats(model, ce, aux, layout, device)
+        dt = time.perf_counter() - t0
+        reporter.train_step(step, loss, aux_val, lr, grad_norm, tokens_per_step / dt, loads)
+        last = step == cfg.steps
+        if last or (cfg.eval_every and step % cfg.eval_every == 0):
+            reporter.validation(step, evaluate(model, val_data, cfg, layout, device))
+        if last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+            path = save_checkpoint(
+                cfg.run_dir,
+                model=model,
+                optimizer=optimizer,
+                step=step,
+                consumed=consumed,
+                meta=meta,
+                layout=layout,
+                keep=cfg.keep_checkpoints,
+            )
+            reporter.checkpoint(step, path)
+    return reporter.finish()
+
+
+def run_worker(cfg_dict: dict) -> dict:
+    """Entry of one worker: train, turning user errors into one line on stderr and exit 1."""
+    from moesaic.comm.collectives import CollectiveError
+
+    rank = os.environ.get("RANK", "0")
+    try:
+        return train(TrainConfig.from_dict(cfg_dict))
+    except (ValueError, FileNotFoundError, CollectiveError) as exc:
+        print(f"moesaic train: error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)

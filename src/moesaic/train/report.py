@@ -1,0 +1,158 @@
+"""What a user sees of a run: the rank-0 progress bar, metrics.jsonl and the final summary.
+
+``metrics.jsonl`` (in the run directory, appended across resumes) holds one JSON object a line:
+``{"kind": "train", "step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s",
+"expert_load": [[per-expert assignments] per MoE layer], "imbalance": [max/mean per layer],
+"attempt"}``, ``{"kind": "val", "step", "val_loss"}``, ``{"kind": "checkpoint", "step",
+"path"}`` and a final ``{"kind": "summary", ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from moesaic.train.config import TrainConfig
+
+
+def imbalance(load: list[int]) -> float:
+    """max / mean of an expert load (1.0 = perfectly balanced)."""
+    mean = sum(load) / max(1, len(load))
+    return max(load) / mean if mean else 0.0
+
+
+class Reporter:
+    """Rank 0 prints and writes; every other rank's calls do nothing."""
+
+    def __init__(self, cfg: TrainConfig, layout, start_step: int, resumed_from: str | None) -> None:
+        import os
+
+        self.active = layout.rank == 0
+        self.cfg = cfg
+        self.start_step = start_step
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.t_start = time.perf_counter()
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.val_losses: list[tuple[int, float]] = []
+        self.tok_s: list[float] = []
+        self.last_imbalance: list[float] = []
+        self.bar = None
+        if not self.active:
+            return
+        run_dir = Path(cfg.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = (run_dir / "metrics.jsonl").open("a")
+        E, ep = cfg.model.num_experts, cfg.check_world(layout.world_size)
+        self._log(
+            f"moesaic train: {layout.world_size} ranks = DP {layout.dp_size} x EP {ep} "
+            f"({E // ep} experts per rank), {cfg.steps} steps of "
+            f"{layout.world_size * cfg.batch_size * cfg.model.seq_len} tokens"
+            + (f"; resumed from {resumed_from} at step {start_step}" if resumed_from else "")
+        )
+        if cfg.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=cfg.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True
+            )
+
+    def _log(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def _write(self, record: dict) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+
+    def train_step(self, step, loss, aux_loss, lr, grad_norm, tokens_per_s, loads) -> None:
+        if not self.active:
+            return
+        if self.first_loss is None:
+            self.first_loss = loss
+        self.last_loss = loss
+        self.tok_s.append(tokens_per_s)
+        self.last_imbalance = [round(imbalance(load), 4) for load in loads]
+        self._write(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": loss,
+                "aux_loss": aux_loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_s,
+                "expert_load": loads,
+                "imbalance": self.last_imbalance,
+                "attempt": self.attempt,
+            }
+        )
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False
+            )
+            self.bar.update(1)
+        elif step % 10 == 0 or step == self.cfg.steps:
+            self._log(f"step {step}: loss {loss:.4f} tok/s {tokens_per_s:,.0f}")
+
+    def validation(self, step: int, val_loss: float) -> None:
+        if not self.active:
+            return
+        self.val_losses.append((step, val_loss))
+        self._write({"kind": "val", "step": step, "val_loss": val_loss, "attempt": self.attempt})
+        self._log(f"step {step}: validation loss {val_loss:.4f}")
+
+    def checkpoint(self, step: int, path) -> None:
+        if self.active:
+            self._write({"kind": "checkpoint", "step": step, "path": str(path)})
+
+    def finish(self) -> dict:
+        if not self.active:
+            return {}
+        if self.bar is not None:
+            self.bar.close()
+        wall = time.perf_counter() - self.t_start
+        steady = sorted(self.tok_s[min(5, len(self.tok_s) - 1) :]) if self.tok_s else [0.0]
+        summary = {
+            "kind": "summary",
+            "steps": self.cfg.steps,
+            "steps_this_attempt": self.cfg.steps - self.start_step,
+            "wall_s": wall,
+            "tokens_per_s_median": steady[len(steady) // 2],
+            "train_loss_first": self.first_loss,
+            "train_loss_last": self.last_loss,
+            "val_loss_first": self.val_losses[0][1] if self.val_losses else None,
+            "val_loss_last": self.val_losses[-1][1] if self.val_losses else None,
+            "val_curve": self.val_losses,
+            "expert_imbalance_last": self.last_imbalance,
+            "run_dir": self.cfg.run_dir,
+        }
+        self._write(summary)
+        self.metrics.close()
+        print(format_summary(summary), file=sys.stderr, flush=True)
+        return summary
+
+
+def format_summary(s: dict) -> str:
+    """The final table."""
+
+    def f(v) -> str:
+        return "-" if v is None else f"{v:.4f}"
+
+    rows = [
+        ("steps", f"{s['steps']} ({s['steps_this_attempt']} this run)"),
+        ("wall time", f"{s['wall_s']:.1f} s"),
+        ("tokens/s (median)", f"{s['tokens_per_s_median']:,.0f}"),
+        ("train loss", f"{f(s['train_loss_first'])} -> {f(s['train_loss_last'])}"),
+        ("validation loss", f"{f(s['val_loss_first'])} -> {f(s['val_loss_last'])}"),
+        ("expert max/mean", ", ".join(f"{x:.2f}" for x in s["expert_imbalance_last"]) or "-"),
+        ("run directory", s["run_dir"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "summary", "-" * (width + 40)]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
