@@ -15,7 +15,13 @@ import uuid
 from moesaic.train.checkpoint import latest_checkpoint, read_checkpoint_meta
 from moesaic.train.config import TrainConfig
 from moesaic.train.data import load_splits
-from moesaic.train.loop import run_worker
+
+
+def _worker_entry(cfg_dict: dict) -> dict:
+    # Imported in the worker, not here: the launcher never needs the training loop.
+    from moesaic.train.loop import run_worker
+
+    return run_worker(cfg_dict)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -40,8 +46,9 @@ def launch(cfg: TrainConfig) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The agent logs every rendezvous at INFO/WARNING; keep failures (and restarts) visible.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # The agent logs rendezvous, restarts and child tracebacks; the workers print one line per
+    # error themselves and rank 0 reports each resume, so keep only the agent's critical logs.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -55,7 +62,7 @@ def launch(cfg: TrainConfig) -> dict:
         start_method="spawn",
     )
     try:
-        results = elastic_launch(config, run_worker)(cfg.to_dict())
+        results = elastic_launch(config, _worker_entry)(cfg.to_dict())
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise RuntimeError(

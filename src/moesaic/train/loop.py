@@ -51,9 +51,30 @@ def _init_distributed(cfg: TrainConfig) -> torch.device:
     if use_nccl:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if use_nccl else "gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    backend = "nccl" if use_nccl else "gloo"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The agent's store outlives a restart and torch (2.13) reuses it without a per-attempt
+        # prefix: a restarted rank would read its dead peers' gloo addresses (seen as
+        # "connectFullMesh ... Connection refused"). Namespace the keys by attempt ourselves.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        world_size = int(os.environ["WORLD_SIZE"])
+        agent_store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=False,
+            timeout=timeout,
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"/moesaic/attempt_{attempt}", agent_store),
+            rank=int(os.environ["RANK"]),
+            world_size=world_size,
+            timeout=timeout,
+        )
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return device
 
 

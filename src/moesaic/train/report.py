@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,8 +28,6 @@ class Reporter:
     """Rank 0 prints and writes; every other rank's calls do nothing."""
 
     def __init__(self, cfg: TrainConfig, layout, start_step: int, resumed_from: str | None) -> None:
-        import os
-
         self.active = layout.rank == 0
         self.cfg = cfg
         self.start_step = start_step
@@ -51,6 +50,7 @@ class Reporter:
             f"({E // ep} experts per rank), {cfg.steps} steps of "
             f"{layout.world_size * cfg.batch_size * cfg.model.seq_len} tokens"
             + (f"; resumed from {resumed_from} at step {start_step}" if resumed_from else "")
+            + (f" (restart {self.attempt} of {cfg.max_restarts})" if self.attempt else "")
         )
         if cfg.progress:
             from tqdm import tqdm
