@@ -1,0 +1,44 @@
+"""Helpers of the training tests: the tiny run's flags and readers of its outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def tiny_args(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    """A 2-layer, width-32, 4-expert model: 8 steps on 2 ranks in about a second."""
+    args = ["train", "--data", str(data), "--run-dir", str(run_dir)]
+    args += ["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--experts", "4"]
+    args += ["--expert-hidden", "32", "--seq-len", "32", "--batch-size", "4", "--steps", "8"]
+    args += ["--eval-every", "4", "--eval-batches", "2", "--ckpt-every", "4", "--warmup-steps", "2"]
+    args += ["--threads", "1", "--no-progress", "--timeout-s", "60"]
+    return [*args, *extra]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss; a step logged twice (before a kill, then after the resume) keeps the last."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from moesaic.train.checkpoint import latest_checkpoint, load_model_for_inference
+
+    model, _ = load_model_for_inference(latest_checkpoint(str(run_dir)))
+    return model.state_dict()
+
+
+def start_from(reference: Path, step: int, run_dir: Path) -> Path:
+    """A run directory holding only ``reference``'s checkpoint of ``step``."""
+    name = f"step_{step:08d}"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / name, run_dir / "checkpoints" / name)
+    (run_dir / "checkpoints" / "latest").write_text(name + "\n")
+    return run_dir
