@@ -15,7 +15,7 @@ ACTIVATIONS = ("swiglu", "gelu")
 DISPATCHERS = ("dropless", "padded")
 
 
-def _positive_int(name: str, value: object) -> None:
+def check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value <= 0:
@@ -73,10 +73,10 @@ class MoEConfig:
     init_std: float | None = None
 
     def __post_init__(self) -> None:
-        _positive_int("hidden_size", self.hidden_size)
-        _positive_int("ffn_hidden_size", self.ffn_hidden_size)
-        _positive_int("num_experts", self.num_experts)
-        _positive_int("top_k", self.top_k)
+        check_positive_int("hidden_size", self.hidden_size)
+        check_positive_int("ffn_hidden_size", self.ffn_hidden_size)
+        check_positive_int("num_experts", self.num_experts)
+        check_positive_int("top_k", self.top_k)
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         _one_of("score_func", self.score_func, SCORE_FUNCS)
@@ -106,7 +106,7 @@ class MoEConfig:
 
     def check_ep_size(self, ep_size: int) -> None:
         """Raise unless ``num_experts`` splits evenly over ``ep_size`` ranks."""
-        _positive_int("ep_size", ep_size)
+        check_positive_int("ep_size", ep_size)
         if self.num_experts % ep_size:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by the expert-parallel "

@@ -18,15 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-ACTIVATIONS = ("swiglu", "gelu")
+from moesaic.config import ACTIVATIONS, check_positive_int
+
 DIRECTIONS = ("forward", "backward")
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value <= 0:
-        raise ValueError(f"{name} ({value}) must be > 0")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -60,10 +54,10 @@ class ShapeBucket:
 
     def __post_init__(self) -> None:
         for name in ("tokens", "hidden", "ffn", "experts", "top_k", "ep_size", "slot_rows"):
-            _positive_int(name, getattr(self, name))
-        _positive_int("tile_m", self.tile_m)
+            check_positive_int(name, getattr(self, name))
+        check_positive_int("tile_m", self.tile_m)
         if self.gmm_tile_m is not None:
-            _positive_int("gmm_tile_m", self.gmm_tile_m)
+            check_positive_int("gmm_tile_m", self.gmm_tile_m)
         if self.top_k > self.experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= experts ({self.experts})")
         if self.experts % self.ep_size:
@@ -152,7 +146,7 @@ def slot_rows_for(max_count: int, tile_m: int, *, power_of_two_tiles: bool = Tru
     """
     if isinstance(max_count, bool) or not isinstance(max_count, int) or max_count < 0:
         raise ValueError(f"max_count ({max_count!r}) must be an int >= 0")
-    _positive_int("tile_m", tile_m)
+    check_positive_int("tile_m", tile_m)
     tiles = max(1, math.ceil(max_count / tile_m))
     if power_of_two_tiles:
         tiles = 1 << (tiles - 1).bit_length()
