@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -176,7 +177,9 @@ def read_checkpoint_meta(path: Path, model_cfg: MoEGPTConfig | None = None) -> d
         saved = MoEGPTConfig.from_dict(meta["model"])
         int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"checkpoint {path} is corrupt: cannot read {meta_path.name} ({exc})") from exc
+        raise ValueError(
+            f"checkpoint {path} is corrupt: cannot read {meta_path.name} ({exc})"
+        ) from exc
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(
             f"checkpoint {path} has format {meta.get('format')!r}; this moesaic reads "
@@ -185,11 +188,15 @@ def read_checkpoint_meta(path: Path, model_cfg: MoEGPTConfig | None = None) -> d
     try:
         md = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # DCP raises pickle/EOF/OS errors for a damaged .metadata
-        raise ValueError(f"checkpoint {path} is corrupt: cannot read its DCP .metadata ({exc})") from exc
+        raise ValueError(
+            f"checkpoint {path} is corrupt: cannot read its DCP .metadata ({exc})"
+        ) from exc
     for info in (md.storage_data or {}).values():
         f = path / info.relative_path
         if not f.is_file() or f.stat().st_size < info.offset + info.length:
-            raise ValueError(f"checkpoint {path} is corrupt: data file {f.name} is missing or short")
+            raise ValueError(
+                f"checkpoint {path} is corrupt: data file {f.name} is missing or short"
+            )
     if model_cfg is not None:
         for name in SHAPE_FIELDS:
             old, new = getattr(saved, name), getattr(model_cfg, name)
@@ -225,7 +232,10 @@ def load_checkpoint(
     if rng_key in md.state_dict_metadata:
         state[rng_key] = torch.get_rng_state()
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():
+            # "assuming the intent is to load in a single process": yes, in `generate`.
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except Exception as exc:  # a damaged data file surfaces as one of many error types
         raise ValueError(f"checkpoint {path} could not be loaded: {str(exc)[:300]}") from exc
     with torch.no_grad():

@@ -260,9 +260,7 @@ _HELP = {
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every training option; unset flags stay absent so that TOML values survive."""
     defaults = TrainConfig()
-    parser.add_argument(
-        "--config", metavar="FILE", help="TOML file of options (flags override it)"
-    )
+    parser.add_argument("--config", metavar="FILE", help="TOML file of options (flags override it)")
     run = parser.add_argument_group("run")
     for flag, name, typ in _RUN_FLAGS:
         default = getattr(defaults, name)

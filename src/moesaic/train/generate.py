@@ -18,7 +18,9 @@ def resolve_checkpoint(path: str) -> Path:
         return p
     for run_dir in (p, p.parent):
         if (run_dir / "checkpoints").is_dir() or run_dir.name == "checkpoints":
-            found = latest_checkpoint(str(run_dir if run_dir.name != "checkpoints" else run_dir.parent))
+            found = latest_checkpoint(
+                str(run_dir if run_dir.name != "checkpoints" else run_dir.parent)
+            )
             if found is not None:
                 return found
     raise ValueError(f"checkpoint {path} is neither a checkpoint nor a run directory with one")

@@ -136,7 +136,9 @@ def train(cfg: TrainConfig) -> dict:
     device = _init_distributed(cfg)
     world = dist.get_world_size() if dist.is_initialized() else 1
     ep_size = cfg.check_world(world)
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads = cfg.threads or max(
+        1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    )
     torch.set_num_threads(threads)
     layout = build_layout(ep_size, cfg.timeout_s)
     train_data, val_data = load_splits(
@@ -152,8 +154,16 @@ def train(cfg: TrainConfig) -> dict:
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tokens_per_step = world * cfg.batch_size * cfg.model.seq_len
     for step in range(start + 1, cfg.steps + 1):
-        if step == cfg.fault_kill_step and layout.rank == cfg.fault_kill_rank and restart_count == 0:
-            print(f"[fault injection] rank {layout.rank} kills itself at step {step}", file=sys.stderr, flush=True)
+        if (
+            step == cfg.fault_kill_step
+            and layout.rank == cfg.fault_kill_rank
+            and restart_count == 0
+        ):
+            print(
+                f"[fault injection] rank {layout.rank} kills itself at step {step}",
+                file=sys.stderr,
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)

@@ -47,7 +47,9 @@ def build_layout(ep_size: int, timeout_s: float) -> Layout:
     """Create the EP and DP groups (every rank creates every group, in the same order)."""
     if not dist.is_initialized():
         world = EPGroup(None, timeout_s)
-        return Layout(rank=0, world_size=1, ep_size=1, ep_group=None, world=world, ep=world, dp=world)
+        return Layout(
+            rank=0, world_size=1, ep_size=1, ep_group=None, world=world, ep=world, dp=world
+        )
     W, r = dist.get_world_size(), dist.get_rank()
     if W % ep_size:
         raise ValueError(f"ep ({ep_size}) must divide the world size ({W})")

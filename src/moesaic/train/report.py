@@ -92,9 +92,7 @@ class Reporter:
             }
         )
         if self.bar is not None:
-            self.bar.set_postfix(
-                loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False
-            )
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self.bar.update(1)
         elif step % 10 == 0 or step == self.cfg.steps:
             self._log(f"step {step}: loss {loss:.4f} tok/s {tokens_per_s:,.0f}")
