@@ -42,7 +42,9 @@ def test_missing_and_empty_data(tmp_path, capsys):
     (tmp_path / "empty" / "a.txt").write_text("")
     assert "is empty" in _fails(tiny_args(tmp_path / "empty", tmp_path / "run"), capsys)
     (tmp_path / "short.txt").write_text("x" * 20)
-    assert "fewer than seq_len + 1" in _fails(tiny_args(tmp_path / "short.txt", tmp_path / "r"), capsys)
+    assert "fewer than seq_len + 1" in _fails(
+        tiny_args(tmp_path / "short.txt", tmp_path / "r"), capsys
+    )
 
 
 def test_resume_without_checkpoint(data_file, tmp_path, capsys):

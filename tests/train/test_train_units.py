@@ -19,7 +19,7 @@ SMALL = dict(d_model=32, n_layers=2, n_heads=2, num_experts=4, expert_hidden=32,
 
 def test_toml_then_flags(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text('steps = 7\nlr = 0.01\n[model]\nd_model = 64\nn_heads = 2\n')
+    toml.write_text("steps = 7\nlr = 0.01\n[model]\nd_model = 64\nn_heads = 2\n")
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     cfg = config_from_args(parser.parse_args(["--config", str(toml), "--steps", "9"]))
