@@ -109,8 +109,9 @@ def _write_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def _barrier(layout, what: str) -> None:
-    layout.world.all_reduce(torch.zeros(1), what=what)
+def _barrier(layout, what: str, device: torch.device) -> None:
+    # An all-reduce through EPGroup rather than dist.barrier: it waits with the deadline.
+    layout.world.all_reduce(torch.zeros(1, device=device), what=what)
 
 
 def save_checkpoint(
@@ -131,7 +132,8 @@ def save_checkpoint(
     if layout.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier(layout, "barrier before checkpoint save")
+    device = next(model.parameters()).device
+    _barrier(layout, "barrier before checkpoint save", device)
     state = tensor_entries(model, optimizer)
     state["train.step"] = torch.tensor(step, dtype=torch.int64)
     state["train.consumed"] = torch.tensor(consumed, dtype=torch.int64)
@@ -140,15 +142,20 @@ def save_checkpoint(
     if layout.rank == 0:
         info = {**meta, "format": FORMAT_VERSION, "step": step, "consumed": consumed}
         _write_atomic(tmp / "meta.json", json.dumps(info, indent=1))
-        if final.exists():  # the same step saved by an attempt that later died
-            shutil.rmtree(final)
+        # The same step may exist from an attempt that died before updating ``latest`` (so it
+        # is not the checkpoint ``latest`` names): move it aside, never delete it first.
+        trash = root / f"{name}.old"
+        if final.exists():
+            shutil.rmtree(trash, ignore_errors=True)
+            os.rename(final, trash)
         os.rename(tmp, final)
         _fsync_dir(root)
+        shutil.rmtree(trash, ignore_errors=True)
         _write_atomic(root / "latest", name + "\n")
-        done = sorted(p for p in root.glob("step_*") if p.is_dir() and p.suffix != ".tmp")
+        done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.suffix)
         for old in done[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier(layout, "barrier after checkpoint save")
+    _barrier(layout, "barrier after checkpoint save", device)
     return final
 
 

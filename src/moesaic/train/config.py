@@ -78,7 +78,7 @@ class TrainConfig:
     model: MoEGPTConfig = field(default_factory=MoEGPTConfig)
     nproc: int = 2
     ep: int | None = None
-    steps: int = 400
+    steps: int = 360
     batch_size: int = 8
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
