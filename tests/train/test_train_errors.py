@@ -82,3 +82,15 @@ def test_error_from_the_shell_is_one_line(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "moesaic train: error: ep (3) must divide the world size (2)"
+
+
+def test_generate_errors(tmp_path, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(tmp_path)]) == 2
+    assert "neither a checkpoint nor a run directory" in capsys.readouterr().err
+
+
+def test_fresh_run_into_a_used_run_dir(reference, data_file, capsys):
+    err = _fails(tiny_args(data_file, reference), capsys)
+    assert "already holds checkpoints (latest: step_00000008); pass --resume" in err

@@ -152,7 +152,9 @@ def save_checkpoint(
         _fsync_dir(root)
         shutil.rmtree(trash, ignore_errors=True)
         _write_atomic(root / "latest", name + "\n")
+        # Only older steps than this one are pruned (never the one ``latest`` now names).
         done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.suffix)
+        done = [p for p in done if p.name <= name]
         for old in done[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(layout, "barrier after checkpoint save", device)
@@ -170,6 +172,14 @@ def latest_checkpoint(run_dir: str) -> Path | None:
     if not name or not path.is_dir():
         raise ValueError(f"checkpoint pointer {pointer} names {name!r}, which is not a directory")
     return path
+
+
+def already_has_checkpoints(run_dir: str, path: Path) -> str:
+    """The message for a fresh run pointed at a run directory that has checkpoints."""
+    return (
+        f"run_dir {run_dir} already holds checkpoints (latest: {path.name}); pass --resume "
+        "to continue that run, or choose another --run-dir"
+    )
 
 
 def read_checkpoint_meta(path: Path, model_cfg: MoEGPTConfig | None = None) -> dict:

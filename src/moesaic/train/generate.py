@@ -16,13 +16,10 @@ def resolve_checkpoint(path: str) -> Path:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if (p / "meta.json").is_file():
         return p
-    for run_dir in (p, p.parent):
-        if (run_dir / "checkpoints").is_dir() or run_dir.name == "checkpoints":
-            found = latest_checkpoint(
-                str(run_dir if run_dir.name != "checkpoints" else run_dir.parent)
-            )
-            if found is not None:
-                return found
+    run_dir = p.parent if p.name == "checkpoints" else p
+    found = latest_checkpoint(str(run_dir))
+    if found is not None:
+        return found
     raise ValueError(f"checkpoint {path} is neither a checkpoint nor a run directory with one")
 
 
@@ -38,6 +35,8 @@ def generate_text(
     """The prompt followed by ``max_new_tokens`` sampled bytes, decoded as UTF-8 (lossy)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k ({top_k}) must be >= 1")
     if temperature < 0:
         raise ValueError(f"temperature ({temperature}) must be >= 0")
     model, _ = load_model_for_inference(resolve_checkpoint(checkpoint))

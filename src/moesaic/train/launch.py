@@ -12,7 +12,11 @@ from __future__ import annotations
 import logging
 import uuid
 
-from moesaic.train.checkpoint import latest_checkpoint, read_checkpoint_meta
+from moesaic.train.checkpoint import (
+    already_has_checkpoints,
+    latest_checkpoint,
+    read_checkpoint_meta,
+)
 from moesaic.train.config import TrainConfig
 from moesaic.train.data import load_splits
 
@@ -28,11 +32,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     """Raise ValueError / FileNotFoundError for a run that cannot start."""
     cfg.check_world(world_size)
     load_splits(cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len)
+    path = latest_checkpoint(cfg.run_dir)
     if cfg.resume:
-        path = latest_checkpoint(cfg.run_dir)
         if path is None:
             raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
         read_checkpoint_meta(path, cfg.model)
+    elif path is not None:
+        raise ValueError(already_has_checkpoints(cfg.run_dir, path))
 
 
 def launch(cfg: TrainConfig) -> dict:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.train.checkpoint import (
+    already_has_checkpoints,
     latest_checkpoint,
     load_checkpoint,
     read_checkpoint_meta,
@@ -121,11 +122,13 @@ def _step_stats(model: MoEGPT, ce, aux, layout: Layout, device) -> tuple[float, 
 
 def _maybe_resume(cfg, model, optimizer, layout) -> tuple[int, int, str | None]:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    path = latest_checkpoint(cfg.run_dir) if (cfg.resume or restarted) else None
+    path = latest_checkpoint(cfg.run_dir)
+    if path is not None and not (cfg.resume or restarted):
+        raise ValueError(already_has_checkpoints(cfg.run_dir, path))
     if path is None:
         if cfg.resume:
             raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
-        return 0, 0, None
+        return 0, 0, None  # a fresh run, or a restart before the first checkpoint
     read_checkpoint_meta(path, cfg.model)
     step, consumed = load_checkpoint(path, model=model, optimizer=optimizer, rank=layout.rank)
     return step, consumed, str(path)
