@@ -53,8 +53,10 @@ class Reporter:
             + (f" (restart {self.attempt} of {cfg.max_restarts})" if self.attempt else "")
         )
         if cfg.progress:
-            from tqdm import tqdm
-
+            try:
+                from tqdm import tqdm
+            except ImportError:  # the `progress` extra is not installed: log lines instead
+                return
             self.bar = tqdm(
                 total=cfg.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True
             )
