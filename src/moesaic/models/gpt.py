@@ -152,9 +152,7 @@ class DenseMLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: ``x + attn(ln(x))``, then ``x + ffn(ln(x))`` (MoE or dense)."""
 
-    def __init__(
-        self, cfg: MoEGPTConfig, dense: bool, ep_group: dist.ProcessGroup | None
-    ) -> None:
+    def __init__(self, cfg: MoEGPTConfig, dense: bool, ep_group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
@@ -209,7 +207,7 @@ class MoEGPT(nn.Module):
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` of the next byte at every position of ``idx_BT`` (int64)."""
         T = idx_BT.shape[-1]
-        if T > self.config.seq_len:
+        if self.config.seq_len < T:
             raise ValueError(f"sequence length ({T}) must be <= seq_len ({self.config.seq_len})")
         pos_T = torch.arange(T, device=idx_BT.device)
         x_BTD = self.tok_emb(idx_BT) + self.pos_emb(pos_T)
