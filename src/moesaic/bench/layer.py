@@ -47,6 +47,9 @@ class LayerBench:
     skew_logits_per_expert: float = 0.5
     with_transformers: bool = True
     seed: int = 0
+    # A cluster description (TOML path): run the EP worlds in its emulated network namespaces.
+    # Only EP = its world size then; needs root (see docs/cluster.md).
+    cluster: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -59,6 +62,15 @@ class LayerBench:
                 )
         if self.iters <= 0:
             raise ValueError(f"iters ({self.iters}) must be > 0")
+        if self.cluster is not None:
+            from moesaic.cluster.spec import ClusterSpec
+
+            world = ClusterSpec.from_toml(self.cluster).world_size
+            if tuple(self.ep_sizes) != (world,):
+                raise ValueError(
+                    f"ep sizes ({','.join(map(str, self.ep_sizes))}) must be exactly the "
+                    f"cluster's world size ({world}) when a cluster is given"
+                )
 
     def _layer_fields(self, dispatcher: str) -> dict:
         return {
@@ -136,9 +148,39 @@ def ep_worker(rank: int, world: int, bench: LayerBench) -> dict:
                 "bytes_per_forward": stats.total_bytes,
                 "payload_bytes": stats.dispatch_bytes + stats.combine_bytes,
                 "padded_rows": stats.padded_rows,
+                "collectives_per_step": stats.collectives + 2 if world > 1 else 0,
                 "load": _load_stats(counts),
             }
     return out
+
+
+def cluster_worker(bench: LayerBench) -> dict:
+    """``ep_worker`` inside an emulated cluster, whose harness has initialised the world."""
+    torch.set_num_threads(1)
+    return ep_worker(torch.distributed.get_rank(), torch.distributed.get_world_size(), bench)
+
+
+def _on_cluster(bench: LayerBench) -> tuple[list[dict], dict]:
+    """Run the EP world in the emulated cluster; also return the network's figures."""
+    from moesaic.cluster import ClusterSpec, EmulatedCluster
+
+    spec = ClusterSpec.from_toml(bench.cluster)
+    with EmulatedCluster(spec) as cluster:
+        per_rank = cluster.run(cluster_worker, args=(bench,), timeout_s=1800)
+    return per_rank, spec.to_dict()
+
+
+def _network_bound_ms(entry: dict, network: dict) -> float:
+    """A step's lower bound on the emulated network.
+
+    Bytes: everything a rank sends crosses its own uplink (the innermost level), forward and
+    again backward. Latency: each collective waits at least the one-way latency of the slowest
+    path (the outermost level); the collectives of a step run one after another.
+    """
+    levels = network["levels"]
+    bytes_ms = 2 * entry["bytes_per_forward"] * 8 / (levels[-1]["bandwidth_gbps"] * 1e9) * 1e3
+    latency_ms = entry["collectives_per_step"] * max(level["latency_ms"] for level in levels)
+    return bytes_ms + latency_ms
 
 
 def _single_process(bench: LayerBench) -> dict:
@@ -174,8 +216,11 @@ def run(bench: LayerBench) -> dict:
     torch.set_num_threads(1)  # one thread per rank everywhere, so EP sizes compare fairly
     gflops = _gemm_gflops(bench)
     rows = []
+    network = None
     for ep in _progress(bench.ep_sizes, "EP sizes"):
-        if ep == 1:
+        if bench.cluster is not None:
+            per_rank, network = _on_cluster(bench)
+        elif ep == 1:
             per_rank = [_single_process(bench)]
         else:
             per_rank = run_world(ep_worker, ep, bench, timeout_s=600, pg_timeout_s=300)
@@ -202,6 +247,8 @@ def run(bench: LayerBench) -> dict:
                 row["bytes_per_forward_all_ranks"] = sum(
                     r[key]["bytes_per_forward"] for r in per_rank
                 )
+            if network is not None:
+                row["network_bound_ms"] = max(_network_bound_ms(r[key], network) for r in per_rank)
             rows.append(row)
     _add_ratios(rows)
     return {
@@ -210,6 +257,7 @@ def run(bench: LayerBench) -> dict:
         "config": asdict(bench),
         "gemm_gflops_single_thread": gflops,
         "oversubscribed_ep_sizes": [ep for ep in bench.ep_sizes if ep > _cores()],
+        "network": network or "loopback (no emulated cluster)",
         "rows": rows,
     }
 
@@ -256,6 +304,13 @@ def format_table(result: dict) -> str:
             f"{r.get('bytes_vs_dropless', float('nan')):>8.2f} "
             f"{r.get('load', {}).get('max_over_mean', float('nan')):>5.2f}"
         )
+    for r in result["rows"]:
+        if "network_bound_ms" in r:
+            lines.append(
+                f"EP {r['ep']} {r['impl']}/{r['routing']}: network bound (bytes/uplink + "
+                f"collectives x latency) {r['network_bound_ms']:.1f} ms/step, measured "
+                f"{r['step']['median_ms']:.1f}"
+            )
     lines.append(
         f"bound: single-thread GEMM {result['gemm_gflops_single_thread']:.1f} GFLOP/s per core; "
         f"oversubscribed EP sizes: {result['oversubscribed_ep_sizes'] or 'none'}"

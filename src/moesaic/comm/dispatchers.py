@@ -29,6 +29,9 @@ class CommStats:
     combine_bytes: int = 0
     meta_bytes: int = 0
     padded_rows: int = 0
+    # Collectives issued by the forward; the backward issues one all-to-all per forward
+    # all-to-all of rows (2). Each costs at least one path latency on a real network.
+    collectives: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -96,6 +99,7 @@ class DroplessDispatcher(Dispatcher):
             dispatch_bytes=self._off_rank(in_splits) * row_bytes,
             combine_bytes=self._off_rank(out_splits) * row_bytes,
             meta_bytes=(P - 1) * e * send_counts_Pe.element_size() if P > 1 else 0,
+            collectives=3 if P > 1 else 0,
         )
         handle = DispatchHandle(
             plan,
@@ -147,6 +151,7 @@ class PaddedDispatcher(Dispatcher):
             combine_bytes=off_rank_rows * row_bytes,
             meta_bytes=(P - 1) * 8 if plan.capacity is None and P > 1 else 0,
             padded_rows=E * C - x_NH.shape[0],
+            collectives=(2 if plan.capacity is not None else 3) if P > 1 else 0,
         )
         return x_MH, DispatchHandle(plan, [P * C] * e, {"C": C, "slots": slot_N})
 
