@@ -149,6 +149,7 @@ def ep_worker(rank: int, world: int, bench: LayerBench) -> dict:
                 "payload_bytes": stats.dispatch_bytes + stats.combine_bytes,
                 "padded_rows": stats.padded_rows,
                 "collectives_per_step": stats.collectives + 2 if world > 1 else 0,
+                "peer_bytes_P": stats.peer_bytes_P,
                 "load": _load_stats(counts),
             }
     return out
@@ -160,27 +161,39 @@ def cluster_worker(bench: LayerBench) -> dict:
     return ep_worker(torch.distributed.get_rank(), torch.distributed.get_world_size(), bench)
 
 
-def _on_cluster(bench: LayerBench) -> tuple[list[dict], dict]:
-    """Run the EP world in the emulated cluster; also return the network's figures."""
+def _on_cluster(bench: LayerBench):
+    """Run the EP world in the emulated cluster; also return its ClusterSpec."""
     from moesaic.cluster import ClusterSpec, EmulatedCluster
 
     spec = ClusterSpec.from_toml(bench.cluster)
     with EmulatedCluster(spec) as cluster:
         per_rank = cluster.run(cluster_worker, args=(bench,), timeout_s=1800)
-    return per_rank, spec.to_dict()
+    return per_rank, spec
 
 
-def _network_bound_ms(entry: dict, network: dict) -> float:
-    """A step's lower bound on the emulated network.
+def _network_bound_ms(per_rank: list[dict], key: str, spec) -> float:
+    """A step's lower bound on the emulated network (forward + backward).
 
-    Bytes: everything a rank sends crosses its own uplink (the innermost level), forward and
-    again backward. Latency: each collective waits at least the one-way latency of the slowest
-    path (the outermost level); the collectives of a step run one after another.
+    Bytes: every member of every level (a datacenter, a node) has one uplink of that level's
+    bandwidth per direction; the bytes its ranks send to ranks outside it in a step (each
+    forward all-to-all is mirrored by one in the backward: twice the forward's) must cross it.
+    The busiest uplink bounds the step. Latency: each collective of the step waits at least the
+    one-way latency of the slowest path (the outermost level), one collective after another.
     """
-    levels = network["levels"]
-    bytes_ms = 2 * entry["bytes_per_forward"] * 8 / (levels[-1]["bandwidth_gbps"] * 1e9) * 1e3
-    latency_ms = entry["collectives_per_step"] * max(level["latency_ms"] for level in levels)
-    return bytes_ms + latency_ms
+    P = spec.world_size
+    peer = [r[key]["peer_bytes_P"] for r in per_rank]
+    worst_s = 0.0
+    for level_idx, level in enumerate(spec.levels):
+        group = [spec.group_of(rank, level_idx) for rank in range(P)]
+        out_bytes: dict[int, int] = {}
+        for a in range(P):
+            crossing = sum(peer[a][b] for b in range(P) if group[b] != group[a])
+            out_bytes[group[a]] = out_bytes.get(group[a], 0) + crossing
+        busiest = max(out_bytes.values(), default=0)
+        worst_s = max(worst_s, 2 * busiest * 8 / (level.bandwidth_gbps * 1e9))
+    collectives = max(r[key]["collectives_per_step"] for r in per_rank)
+    latency_ms = collectives * max(level.latency_ms for level in spec.levels)
+    return worst_s * 1e3 + latency_ms
 
 
 def _single_process(bench: LayerBench) -> dict:
@@ -248,7 +261,7 @@ def run(bench: LayerBench) -> dict:
                     r[key]["bytes_per_forward"] for r in per_rank
                 )
             if network is not None:
-                row["network_bound_ms"] = max(_network_bound_ms(r[key], network) for r in per_rank)
+                row["network_bound_ms"] = _network_bound_ms(per_rank, key, network)
             rows.append(row)
     _add_ratios(rows)
     return {
@@ -257,7 +270,7 @@ def run(bench: LayerBench) -> dict:
         "config": asdict(bench),
         "gemm_gflops_single_thread": gflops,
         "oversubscribed_ep_sizes": [ep for ep in bench.ep_sizes if ep > _cores()],
-        "network": network or "loopback (no emulated cluster)",
+        "network": network.to_dict() if network else "loopback (no emulated cluster)",
         "rows": rows,
     }
 
@@ -307,7 +320,7 @@ def format_table(result: dict) -> str:
     for r in result["rows"]:
         if "network_bound_ms" in r:
             lines.append(
-                f"EP {r['ep']} {r['impl']}/{r['routing']}: network bound (bytes/uplink + "
+                f"EP {r['ep']} {r['impl']}/{r['routing']}: network bound (busiest uplink + "
                 f"collectives x latency) {r['network_bound_ms']:.1f} ms/step, measured "
                 f"{r['step']['median_ms']:.1f}"
             )

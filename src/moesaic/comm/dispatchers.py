@@ -32,6 +32,9 @@ class CommStats:
     # Collectives issued by the forward; the backward issues one all-to-all per forward
     # all-to-all of rows (2). Each costs at least one path latency on a real network.
     collectives: int = 0
+    # Bytes sent to each rank of the group (dispatch + combine; 0 for this rank): what a
+    # network model needs to see which links the traffic crosses.
+    peer_bytes_P: tuple[int, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -65,6 +68,14 @@ class Dispatcher:
 
     def combine(self, y_MH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         raise NotImplementedError
+
+    def _peer_bytes(self, sent_P: list[int], received_P: list[int], row_bytes: int):
+        """Dispatch rows go out as sent, combine rows go back to where they came from."""
+        me = self.group.rank
+        return tuple(
+            0 if p == me else (s + r) * row_bytes
+            for p, (s, r) in enumerate(zip(sent_P, received_P))
+        )
 
     def _off_rank(self, rows_P: list[int]) -> int:
         """Rows of a per-rank split that leave this rank."""
@@ -100,6 +111,7 @@ class DroplessDispatcher(Dispatcher):
             combine_bytes=self._off_rank(out_splits) * row_bytes,
             meta_bytes=(P - 1) * e * send_counts_Pe.element_size() if P > 1 else 0,
             collectives=3 if P > 1 else 0,
+            peer_bytes_P=self._peer_bytes(in_splits, out_splits, row_bytes),
         )
         handle = DispatchHandle(
             plan,
@@ -152,6 +164,7 @@ class PaddedDispatcher(Dispatcher):
             meta_bytes=(P - 1) * 8 if plan.capacity is None and P > 1 else 0,
             padded_rows=E * C - x_NH.shape[0],
             collectives=(2 if plan.capacity is not None else 3) if P > 1 else 0,
+            peer_bytes_P=self._peer_bytes([e * C] * P, [e * C] * P, row_bytes),
         )
         return x_MH, DispatchHandle(plan, [P * C] * e, {"C": C, "slots": slot_N})
 
