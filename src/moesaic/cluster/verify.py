@@ -192,38 +192,34 @@ def measurement_plan(
 
 
 # ------------------------------------------------------------------------- worker functions
+def _round_trips_s(
+    dist: Any, peer: int, leader: bool, out: Any, back: Any, warmup: int, reps: int
+) -> list[float]:
+    """Seconds of ``reps`` exchanges (leader sends ``out``, the peer answers ``back``)."""
+    times = []
+    for i in range(warmup + reps):
+        t0 = time.perf_counter()
+        if leader:
+            dist.send(out, peer)
+            dist.recv(back, peer)
+        else:
+            dist.recv(out, peer)
+            dist.send(back, peer)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def _ping_pong_ms(dist: Any, torch: Any, peer: int, leader: bool, pings: int) -> list[float]:
     """One-way times (RTT / 2) of ``pings`` round trips after 3 warm-up ones, milliseconds."""
     buf = torch.zeros(1, dtype=torch.float32)
-    rtts = []
-    for i in range(3 + pings):
-        t0 = time.perf_counter()
-        if leader:
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
-        else:
-            dist.recv(buf, peer)
-            dist.send(buf, peer)
-        if i >= 3:
-            rtts.append(time.perf_counter() - t0)
-    return [rtt / 2 * 1e3 for rtt in rtts]
+    return [rtt / 2 * 1e3 for rtt in _round_trips_s(dist, peer, leader, buf, buf, 3, pings)]
 
 
 def _transfer_s(dist: Any, torch: Any, peer: int, leader: bool, nbytes: int, reps: int) -> float:
     data = torch.zeros(nbytes // 4, dtype=torch.float32)
     ack = torch.zeros(1, dtype=torch.float32)
-    times = []
-    for i in range(1 + reps):
-        t0 = time.perf_counter()
-        if leader:
-            dist.send(data, peer)
-            dist.recv(ack, peer)
-        else:
-            dist.recv(data, peer)
-            dist.send(ack, peer)
-        if i >= 1:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_round_trips_s(dist, peer, leader, data, ack, 1, reps))
 
 
 def _timed_collective(dist: Any, fn: Any, reps: int) -> list[float]:
