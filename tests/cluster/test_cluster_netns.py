@@ -92,7 +92,8 @@ def test_two_level_cluster_matches_its_description(root_state) -> None:
     spec = ClusterSpec.from_toml(SMALL)
     with EmulatedCluster(spec) as cluster:
         run_id = cluster.run_id
-        report = check(cluster, duration_s=0.25, pings=20, reps=3, timeout_s=150)
+        # 40 pings, as `moesaic cluster check`: the minimum is steadier on a loaded 2-core VM.
+        report = check(cluster, duration_s=0.25, pings=40, reps=3, timeout_s=150)
         delayline_pid = cluster.delayline_pid
     print(report.table())
     assert report.ok, report.table()
