@@ -158,14 +158,20 @@ def ep_worker(rank: int, world: int) -> dict:
         # Bytes: recomputed here from the routing, exactly.
         stats = layer.comm_stats
         owner = layer.last_counts_E.new_tensor(range(E)) // (E // world)
+        plans = [layer.router(xp, world)[0] for xp in xs]
+        plan = plans[rank]
         if cfg.dispatcher == "dropless":
-            plan, _ = layer.router(xs[rank], world)
             kept_ids = plan.topk_ids_TK[plan.kept_TK]
             off_rank_rows = int((owner[kept_ids] != rank).sum())
             assert stats.dispatch_bytes == off_rank_rows * H * 4, tag
             assert stats.padded_rows == 0, tag
         else:
-            assert stats.dispatch_bytes % ((world - 1) * (E // world) * H * 4) == 0, tag
+            # C rows per expert from every rank: the capacity, else the largest load anywhere.
+            cap = plan.capacity
+            if cap is None:
+                cap = max(int(p.counts_E.max()) for p in plans)
+            assert stats.dispatch_bytes == (world - 1) * (E // world) * cap * H * 4, tag
+            assert stats.padded_rows == E * cap - int(plan.counts_E.sum()), tag
         results[name] = {
             "y": y.detach(),
             "x_grad": x.grad,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -50,7 +50,6 @@ class LayerBench:
     # A cluster description (TOML path): run the EP worlds in its emulated network namespaces.
     # Only EP = its world size then; needs root (see docs/cluster.md).
     cluster: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         MoEConfig(**self._layer_fields("dropless"))  # validate the shape early
