@@ -10,28 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moesaic.checks import check_bool, check_non_negative, check_one_of, check_positive_int
+
+__all__ = ["ACTIVATIONS", "SCORE_FUNCS", "MoEConfig", "check_positive_int"]
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "gelu")
 DISPATCHERS = ("dropless", "padded")
-
-
-def check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value <= 0:
-        raise ValueError(f"{name} ({value}) must be > 0")
-
-
-def _non_negative_float(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} ({value}) must be a finite number >= 0")
-
-
-def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} ({value!r}) must be one of {', '.join(map(repr, allowed))}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,24 +64,23 @@ class MoEConfig:
         check_positive_int("top_k", self.top_k)
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
-        _one_of("score_func", self.score_func, SCORE_FUNCS)
-        _one_of("activation", self.activation, ACTIVATIONS)
-        _one_of("dispatcher", self.dispatcher, DISPATCHERS)
-        if not isinstance(self.normalize_topk, bool):
-            raise ValueError(f"normalize_topk must be a bool, got {self.normalize_topk!r}")
+        check_one_of("score_func", self.score_func, SCORE_FUNCS)
+        check_one_of("activation", self.activation, ACTIVATIONS)
+        check_one_of("dispatcher", self.dispatcher, DISPATCHERS)
+        check_bool("normalize_topk", self.normalize_topk)
         if self.capacity_factor is not None:
-            _non_negative_float("capacity_factor", self.capacity_factor)
+            check_non_negative("capacity_factor", self.capacity_factor)
             if self.capacity_factor <= 0:
                 raise ValueError(
                     f"capacity_factor ({self.capacity_factor}) must be > 0, or None for dropless"
                 )
-        _non_negative_float("aux_loss_coef", self.aux_loss_coef)
-        _non_negative_float("z_loss_coef", self.z_loss_coef)
-        _non_negative_float("collective_timeout_s", self.collective_timeout_s)
+        check_non_negative("aux_loss_coef", self.aux_loss_coef)
+        check_non_negative("z_loss_coef", self.z_loss_coef)
+        check_non_negative("collective_timeout_s", self.collective_timeout_s)
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s ({self.collective_timeout_s}) must be > 0")
         if self.init_std is not None:
-            _non_negative_float("init_std", self.init_std)
+            check_non_negative("init_std", self.init_std)
 
     def capacity(self, num_tokens: int) -> int | None:
         """Token slots per expert for ``num_tokens`` local tokens; None when dropless."""
