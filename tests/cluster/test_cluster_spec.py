@@ -91,12 +91,12 @@ def test_size_one_level_separates_nobody() -> None:
         # negative bandwidth
         (
             TWO_BY_TWO.replace("bandwidth_gbps = 10.0", "bandwidth_gbps = -1.0"),
-            "levels[1].bandwidth_gbps (-1.0) must be a finite number > 0",
+            "levels[1].bandwidth_gbps (-1.0) must be a finite number in [1e-06, 100000]",
         ),
         # negative latency
         (
             TWO_BY_TWO.replace("latency_ms = 0.1", "latency_ms = -0.1"),
-            "levels[1].latency_ms (-0.1) must be a finite number >= 0",
+            "levels[1].latency_ms (-0.1) must be a finite number in [0, 10000]",
         ),
         # infinite latency
         (TWO_BY_TWO.replace("latency_ms = 0.1", "latency_ms = inf"), "levels[1].latency_ms (inf)"),
@@ -105,14 +105,14 @@ def test_size_one_level_separates_nobody() -> None:
             TWO_BY_TWO.replace(
                 "size = 2\nbandwidth_gbps = 10.0", "size = 0\nbandwidth_gbps = 10.0"
             ),
-            "levels[1].size (0) must be an integer >= 1",
+            "levels[1].size (0) must be >= 1",
         ),
         # fractional size
         (
             TWO_BY_TWO.replace(
                 "size = 2\nbandwidth_gbps = 1\n", "size = 1.5\nbandwidth_gbps = 1\n"
             ),
-            "levels[0].size (1.5)",
+            "levels[0].size must be an int, got float (1.5)",
         ),
         # missing field
         (
@@ -134,7 +134,10 @@ def test_size_one_level_separates_nobody() -> None:
             "levels[1].name ('dc') must be unique",
         ),
         # a string where a number belongs
-        (TWO_BY_TWO.replace("latency_ms = 5.0", 'latency_ms = "5"'), "levels[0].latency_ms ('5')"),
+        (
+            TWO_BY_TWO.replace("latency_ms = 5.0", 'latency_ms = "5"'),
+            "levels[0].latency_ms must be a number, got str ('5')",
+        ),
     ],
 )
 def test_invalid_descriptions_name_field_and_rule(tmp_path: Path, text: str, message: str) -> None:
@@ -243,3 +246,60 @@ def test_emulated_cluster_arguments_are_checked() -> None:
         EmulatedCluster(_spec(8, 8))
     with pytest.raises(ValueError, match="spec must be a ClusterSpec"):
         EmulatedCluster({"levels": []})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        # issue 9: a latency of 10^12 ms was accepted (and crashed later)
+        (
+            "latency_ms",
+            1e12,
+            "levels[0].latency_ms (1000000000000.0) must be a finite number in [0, 10000]",
+        ),
+        # issue 9: a bandwidth of 1e300 Gbit/s was accepted (and crashed later)
+        (
+            "bandwidth_gbps",
+            1e300,
+            "levels[0].bandwidth_gbps (1e+300) must be a finite number in [1e-06, 100000]",
+        ),
+        # below 1 kbit/s nothing useful crosses a link
+        ("bandwidth_gbps", 1e-9, "levels[0].bandwidth_gbps (1e-09) must be a finite number in"),
+        # a level as big as a planet's worth of ranks
+        ("size", 10**9, "levels[0].size (1000000000) must be <= 1048576"),
+    ],
+)
+def test_absurd_values_are_refused_with_the_allowed_range(
+    tmp_path: Path, field: str, value: float, message: str
+) -> None:
+    text = TWO_BY_TWO.replace("world_size = 4\n", "")
+    old = {"latency_ms": "latency_ms = 5.0", "bandwidth_gbps": "bandwidth_gbps = 1\n"}
+    old["size"] = "size = 2\nbandwidth_gbps = 1\n"
+    new = {
+        "latency_ms": f"latency_ms = {value!r}",
+        "bandwidth_gbps": f"bandwidth_gbps = {value!r}\n",
+    }
+    new["size"] = f"size = {value}\nbandwidth_gbps = 1\n"
+    with pytest.raises(ValueError) as info:
+        ClusterSpec.from_toml(_write(tmp_path, text.replace(old[field], new[field], 1)))
+    assert message in str(info.value)
+    with pytest.raises(ValueError, match=rf"level\.{field} \("):  # Level(...) checks it too
+        ClusterSpec(
+            levels=(
+                Level(
+                    **{
+                        "name": "x",
+                        "size": 2,
+                        "bandwidth_gbps": 1.0,
+                        "latency_ms": 1.0,
+                        field: value,
+                    }
+                ),
+            )
+        )
+
+
+def test_world_size_is_bounded() -> None:
+    # each level is allowed, their product is not: one level's message would not say why
+    with pytest.raises(ValueError, match=r"world_size \(1099511627776\) must be <= 1048576"):
+        _spec(2**20, 2**20)

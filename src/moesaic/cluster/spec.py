@@ -47,12 +47,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moesaic.checks import check_int, check_number, is_int
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["ClusterSpec", "Level", "PathInfo"]
+__all__ = [
+    "MAX_BANDWIDTH_GBPS",
+    "MAX_LATENCY_MS",
+    "MAX_WORLD_SIZE",
+    "MIN_BANDWIDTH_GBPS",
+    "ClusterSpec",
+    "Level",
+    "PathInfo",
+]
+
+# Sane limits, wide enough for any real cluster and narrow enough that a typo (10^12 ms) is caught
+# here rather than as a traceback in the emulator or a meaningless simulation:
+MIN_BANDWIDTH_GBPS = 1e-6  # 1 kbit/s: below that nothing useful crosses a link
+MAX_BANDWIDTH_GBPS = 1e5  # 100 Tbit/s per direction: above NVLink 5 (7.2 Tbit/s) with headroom
+MAX_LATENCY_MS = 1e4  # 10 s one way: above any WAN or satellite path (~300-600 ms)
+MAX_WORLD_SIZE = 1 << 20  # ranks; the cost model holds P x P traffic matrices
 
 _LEVEL_FIELDS = ("name", "size", "bandwidth_gbps", "latency_ms")
 _SPEC_FIELDS = ("name", "world_size", "levels")
@@ -122,6 +139,13 @@ class ClusterSpec:
                 raise ValueError(f"levels[{i}].name ({name!r}) must be unique across levels")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name ({self.name!r}) must be a non-empty string")
+        world = math.prod(level.size for level in self.levels)
+        if world > MAX_WORLD_SIZE:
+            sizes = " x ".join(str(level.size) for level in self.levels)
+            raise ValueError(
+                f"world_size ({world}) must be <= {MAX_WORLD_SIZE}: the product of "
+                f"levels[*].size ({sizes}) is too big to describe or simulate"
+            )
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -158,9 +182,7 @@ class ClusterSpec:
         levels = tuple(_level_from_dict(i, raw) for i, raw in enumerate(raw_levels))
         spec = cls(levels=levels, name=data.get("name", default_name))
         if "world_size" in data:
-            stated = data["world_size"]
-            if isinstance(stated, bool) or not isinstance(stated, int) or stated < 1:
-                raise ValueError(f"world_size ({stated!r}) must be a positive integer")
+            stated = check_int("world_size", data["world_size"], 1)
             if stated != spec.world_size:
                 product = " x ".join(str(level.size) for level in levels)
                 raise ValueError(
@@ -245,15 +267,11 @@ class ClusterSpec:
         return pairs
 
     def _check_level_index(self, level: int) -> None:
-        if (
-            isinstance(level, bool)
-            or not isinstance(level, int)
-            or not 0 <= level < len(self.levels)
-        ):
+        if not is_int(level) or not 0 <= level < len(self.levels):
             raise ValueError(f"level ({level!r}) must be an index in [0, {len(self.levels)})")
 
     def _check_rank(self, rank: int, field: str) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+        if not is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"{field} ({rank!r}) must be a rank in [0, {self.world_size})")
 
 
@@ -276,16 +294,9 @@ def _level_from_dict(index: int, raw: Any) -> Level:
     )
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_level(name: Any, size: Any, bandwidth_gbps: Any, latency_ms: Any, *, where: str) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.name ({name!r}) must be a non-empty string")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"{where}.size ({size!r}) must be an integer >= 1")
-    if not _is_number(bandwidth_gbps) or not math.isfinite(bandwidth_gbps) or bandwidth_gbps <= 0:
-        raise ValueError(f"{where}.bandwidth_gbps ({bandwidth_gbps!r}) must be a finite number > 0")
-    if not _is_number(latency_ms) or not math.isfinite(latency_ms) or latency_ms < 0:
-        raise ValueError(f"{where}.latency_ms ({latency_ms!r}) must be a finite number >= 0")
+    check_int(f"{where}.size", size, 1, MAX_WORLD_SIZE)
+    check_number(f"{where}.bandwidth_gbps", bandwidth_gbps, MIN_BANDWIDTH_GBPS, MAX_BANDWIDTH_GBPS)
+    check_number(f"{where}.latency_ms", latency_ms, 0.0, MAX_LATENCY_MS)
