@@ -1,4 +1,4 @@
-"""ClusterSpec parsing and validation, the network plan and the collective bounds (no root)."""
+"""ClusterSpec parsing and validation, the network plan and the measurement plan (no root)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.cluster.topology import NAMESPACE_RE, build_topology, rank_address, tbf_args
-from moesaic.cluster.verify import all_reduce_ring_bound_s, all_to_all_bound_s, measurement_plan
+from moesaic.cluster.verify import measurement_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 
@@ -193,13 +193,8 @@ def test_tbf_arguments() -> None:
     assert int(tbf_args(0.001, 9000)[4]) == 9014
 
 
-def test_collective_bounds() -> None:
+def test_measurement_plan() -> None:
     spec = _spec(2, 2, bw=[0.1, 0.4], lat=[10.0, 2.0])
-    # a datacenter uplink carries 2 ranks x 2 ranks x 1 MB per direction at 100 Mbit/s
-    assert all_to_all_bound_s(spec, 1_000_000) == pytest.approx(4e6 * 8 / 1e8 + 0.010)
-    # ring 0->1->2->3->0: each datacenter uplink carries one edge per direction
-    chunk_s = 1_000_000 / 4 * 8 / 1e8
-    assert all_reduce_ring_bound_s(spec, 1_000_000) == pytest.approx(6 * (chunk_s + 0.010))
     plan = measurement_plan(spec, duration_s=0.2)
     assert [p["ranks"] for p in plan["pairs"]] == [(0, 2), (0, 1)]
     assert plan["pairs"][0]["bytes"][1] == int(0.1e9 / 8 * 0.2)

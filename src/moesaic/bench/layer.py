@@ -171,28 +171,17 @@ def _on_cluster(bench: LayerBench):
 
 
 def _network_bound_ms(per_rank: list[dict], key: str, spec) -> float:
-    """A step's lower bound on the emulated network (forward + backward).
+    """A step's lower bound on the emulated network (forward + backward), milliseconds.
 
-    Bytes: every member of every level (a datacenter, a node) has one uplink of that level's
-    bandwidth per direction; the bytes its ranks send to ranks outside it in a step (each
-    forward all-to-all is mirrored by one in the backward: twice the forward's) must cross it.
-    The busiest uplink bounds the step. Latency: each collective of the step waits at least the
-    one-way latency of the slowest path (the outermost level), one collective after another.
+    ``moesaic.cluster.cost.traffic_time_s`` of the step's per-peer bytes (each forward
+    all-to-all is mirrored by one in the backward: twice the forward's ``peer_bytes_P``) with
+    the step's collectives: the busiest uplink of any level plus collectives x latency.
     """
-    P = spec.world_size
-    peer = [r[key]["peer_bytes_P"] for r in per_rank]
-    worst_s = 0.0
-    for level_idx, level in enumerate(spec.levels):
-        group = [spec.group_of(rank, level_idx) for rank in range(P)]
-        out_bytes: dict[int, int] = {}
-        for a in range(P):
-            crossing = sum(peer[a][b] for b in range(P) if group[b] != group[a])
-            out_bytes[group[a]] = out_bytes.get(group[a], 0) + crossing
-        busiest = max(out_bytes.values(), default=0)
-        worst_s = max(worst_s, 2 * busiest * 8 / (level.bandwidth_gbps * 1e9))
+    from moesaic.cluster.cost import traffic_time_s
+
+    bytes_PP = [[2 * b for b in r[key]["peer_bytes_P"]] for r in per_rank]
     collectives = max(r[key]["collectives_per_step"] for r in per_rank)
-    latency_ms = collectives * max(level.latency_ms for level in spec.levels)
-    return worst_s * 1e3 + latency_ms
+    return traffic_time_s(spec, bytes_PP, collectives=collectives) * 1e3
 
 
 def _single_process(bench: LayerBench) -> dict:

@@ -12,8 +12,9 @@ separates from it) measures, with gloo ``send``/``recv`` while every other rank 
   send ``n`` bytes and receive a 4-byte acknowledgement. Differencing two sizes cancels the round
   trip, the software overhead and the token bucket's initial burst.
 
-Then all ranks time an all-to-all and an all-reduce, reported next to a simple lower bound from
-the description (every link's load divided by its bandwidth, plus the path latency).
+Then all ranks time an all-to-all and an all-reduce, reported next to their lower bounds from
+:mod:`moesaic.cluster.cost` (the busiest uplink's load divided by its bandwidth, plus the path
+latency).
 
 The ``_worker_*`` functions run inside the worker processes; :func:`check` drives them from the
 harness.
@@ -26,16 +27,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from moesaic.cluster.cost import all_to_all_time_s, ring_all_reduce_time_s
 from moesaic.cluster.spec import ClusterSpec
 
-__all__ = [
-    "CheckReport",
-    "LevelMeasurement",
-    "all_reduce_ring_bound_s",
-    "all_to_all_bound_s",
-    "check",
-    "measurement_plan",
-]
+__all__ = ["CheckReport", "LevelMeasurement", "check", "measurement_plan"]
 
 DEFAULT_TOLERANCE = 0.15
 _MIN_TRANSFER_BYTES = 256 * 1024
@@ -103,54 +98,6 @@ class CheckReport:
                 f"bound {c['bound_s'] * 1e3:.1f} ms ({c['median_s'] / c['bound_s']:.2f}x)"
             )
         return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------ bounds
-def all_to_all_bound_s(spec: ClusterSpec, bytes_per_pair: int) -> float:
-    """Lower bound on an all-to-all moving ``bytes_per_pair`` between every ordered rank pair.
-
-    Each uplink of a member of level ``l`` holding ``n`` ranks carries ``n * (P - n)`` pair
-    messages per direction at ``levels[l].bandwidth_gbps``; the busiest link sets the time, and
-    the farthest pair adds its one-way latency.
-    """
-    world = spec.world_size
-    if world < 2:
-        return 0.0
-    busiest_s = 0.0
-    for level, lv in enumerate(spec.levels):
-        inside = spec.ranks_per_group(level)
-        load_bits = inside * (world - inside) * bytes_per_pair * 8
-        busiest_s = max(busiest_s, load_bits / (lv.bandwidth_gbps * 1e9))
-    worst_latency_ms = max(
-        spec.path(0, b).latency_ms for b in range(1, world)
-    )  # rank 0 sees every level
-    return busiest_s + worst_latency_ms * 1e-3
-
-
-def all_reduce_ring_bound_s(spec: ClusterSpec, bytes_per_rank: int) -> float:
-    """Lower bound on a ring all-reduce over ranks 0..P-1 (gloo's algorithm for large tensors).
-
-    Each of the ``2 (P - 1)`` steps sends ``bytes / P`` along every ring edge ``k -> k+1``; a link
-    carrying ``e`` edges in one direction needs ``e`` times that per step; every step also waits
-    for the slowest edge's latency.
-    """
-    world = spec.world_size
-    if world < 2:
-        return 0.0
-    chunk_bits = bytes_per_rank / world * 8
-    step_s = 0.0
-    for level, lv in enumerate(spec.levels):
-        per_group = spec.ranks_per_group(level)
-        # Edges leaving a member (upward) = edges whose source is inside and target outside.
-        edges_out: dict[int, int] = {}
-        for k in range(world):
-            src, dst = k // per_group, ((k + 1) % world) // per_group
-            if src != dst:
-                edges_out[src] = edges_out.get(src, 0) + 1
-        if edges_out:
-            step_s = max(step_s, max(edges_out.values()) * chunk_bits / (lv.bandwidth_gbps * 1e9))
-    edge_latency_s = max(spec.path(k, (k + 1) % world).latency_ms for k in range(world)) * 1e-3
-    return 2 * (world - 1) * (step_s + edge_latency_s)
 
 
 # -------------------------------------------------------------------------------- the plan
@@ -326,8 +273,8 @@ def check(
         )
     nbytes = plan["collective_bytes"]
     bounds = {
-        "all_to_all": all_to_all_bound_s(spec, nbytes // spec.world_size),
-        "all_reduce": all_reduce_ring_bound_s(spec, nbytes),
+        "all_to_all": all_to_all_time_s(spec, nbytes // spec.world_size),
+        "all_reduce": ring_all_reduce_time_s(spec, nbytes),
     }
     collectives = {}
     for name, bound_s in bounds.items():
