@@ -18,11 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moesaic.cluster import ClusterSpec, EmulatedCluster, Level
 
 
-def sleepy_worker(out_dir: str) -> int:
+def sleepy_worker(rank: int, world: int, out_dir: str) -> int:
     """Runs in each worker: leaves its pid behind, then sleeps (bounded) until killed."""
-    import torch.distributed as dist
-
-    Path(out_dir, f"worker-{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    Path(out_dir, f"worker-{rank}.pid").write_text(str(os.getpid()))
     time.sleep(60)
     return 0
 
@@ -38,7 +36,7 @@ def main() -> None:
         if mode == "workers":
             from _harness_child import sleepy_worker as fn  # importable by reference
 
-            cluster.run(fn, args=(out_dir,), timeout_s=60)
+            cluster.run(fn, cluster.world_size, out_dir, timeout_s=60)
         else:
             time.sleep(60)
 

@@ -24,6 +24,7 @@ from moesaic.cluster.system import (
     support_problem,
 )
 from moesaic.cluster.verify import check
+from moesaic.comm.world import Launcher, LocalLauncher
 
 PROBLEM = support_problem(probe=True)
 pytestmark = [
@@ -71,21 +72,24 @@ def _alive(pid: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- measurements
-def fails_on_rank_one(x: int) -> int:
-    import torch.distributed as dist
-
-    if dist.get_rank() == 1:
+def fails_on_rank_one(rank: int, world: int, x: int) -> int:
+    if rank == 1:
         raise ValueError("rank one says no")
     return x
 
 
-def rank_and_sum(x: int) -> tuple[int, float, str]:
+def rank_and_sum(rank: int, world: int, x: int) -> tuple[int, int, float]:
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([float(dist.get_rank())])
+    assert (dist.get_rank(), dist.get_world_size()) == (rank, world)
+    t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    return dist.get_rank(), t.item() + x, os.environ["GLOO_SOCKET_IFNAME"]
+    return rank, world, t.item() + x
+
+
+def socket_ifname(rank: int, world: int) -> str | None:
+    return os.environ.get("GLOO_SOCKET_IFNAME")
 
 
 def test_two_level_cluster_matches_its_description(root_state) -> None:
@@ -109,14 +113,19 @@ def test_two_level_cluster_matches_its_description(root_state) -> None:
 def test_run_returns_per_rank_results_and_reports_rank_errors(root_state) -> None:
     with EmulatedCluster(PAIR) as cluster:
         run_id = cluster.run_id
-        assert cluster.run(rank_and_sum, args=(10,), timeout_s=90) == [
-            (0, 11.0, "eth0"),
-            (1, 11.0, "eth0"),
-        ]
+        # One launcher signature: the same function gives the same results over loopback and
+        # over the emulated network (where gloo uses the rank's eth0).
+        assert isinstance(cluster, Launcher) and isinstance(LocalLauncher(), Launcher)
+        expected = [(0, 2, 11.0), (1, 2, 11.0)]
+        assert cluster.run(rank_and_sum, 2, 10, timeout_s=90) == expected
+        assert LocalLauncher().run(rank_and_sum, 2, 10, timeout_s=90) == expected
+        assert cluster.run(socket_ifname, 2, timeout_s=90) == ["eth0", "eth0"]
         with pytest.raises(ClusterError, match=r"rank 1 raised:(.|\n)*rank one says no"):
-            cluster.run(fails_on_rank_one, args=(3,), timeout_s=90)
+            cluster.run(fails_on_rank_one, 2, 3, timeout_s=90)
         with pytest.raises(ValueError, match="picklable"):
-            cluster.run(lambda: 0)
+            cluster.run(lambda rank, world: 0, 2)
+        with pytest.raises(ValueError, match=r"world_size \(3\) must be the cluster's world size"):
+            cluster.run(rank_and_sum, 3, 0)
     _assert_gone(run_id)
 
 
@@ -130,14 +139,14 @@ def test_run_timeout_kills_the_workers(root_state, tmp_path: Path) -> None:
         run_id = cluster.run_id
         start = time.monotonic()
         with pytest.raises(ClusterTimeout, match=r"did not finish within timeout_s \(8"):
-            cluster.run(sleepy_worker, args=(str(tmp_path),), timeout_s=8)
+            cluster.run(sleepy_worker, 2, str(tmp_path), timeout_s=8)
         assert time.monotonic() - start < 20
         # Nothing runs in the rank namespaces any more (whether or not the workers got as far as
         # writing their pid on a loaded machine), and the cluster itself is still usable.
         assert all(namespace_pids(ns) == [] for ns in cluster.rank_namespaces)
         pids = [int(p.read_text()) for p in tmp_path.glob("worker-*.pid") if p.read_text()]
         assert not any(_alive(pid) for pid in pids)
-        assert [r[0] for r in cluster.run(rank_and_sum, args=(0,), timeout_s=90)] == [0, 1]
+        assert [r[0] for r in cluster.run(rank_and_sum, 2, 0, timeout_s=90)] == [0, 1]
     _assert_gone(run_id)
 
 

@@ -154,19 +154,14 @@ def ep_worker(rank: int, world: int, bench: LayerBench) -> dict:
     return out
 
 
-def cluster_worker(bench: LayerBench) -> dict:
-    """``ep_worker`` inside an emulated cluster, whose harness has initialised the world."""
-    torch.set_num_threads(1)
-    return ep_worker(torch.distributed.get_rank(), torch.distributed.get_world_size(), bench)
-
-
 def _on_cluster(bench: LayerBench):
     """Run the EP world in the emulated cluster; also return its ClusterSpec."""
     from moesaic.cluster import ClusterSpec, EmulatedCluster
 
     spec = ClusterSpec.from_toml(bench.cluster)
     with EmulatedCluster(spec) as cluster:
-        per_rank = cluster.run(cluster_worker, args=(bench,), timeout_s=1800)
+        # The launchers share one signature: ep_worker runs as under run_world.
+        per_rank = cluster.run(ep_worker, spec.world_size, bench, timeout_s=1800)
     return per_rank, spec
 
 

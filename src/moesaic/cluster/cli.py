@@ -3,8 +3,10 @@
 * ``up --cluster FILE`` builds the cluster and holds it (until Ctrl-C, SIGTERM or ``--hold-s``),
   printing the namespaces and addresses as JSON (also written to ``--state FILE``). Run commands
   on a rank with ``ip netns exec <namespace> ...``. The cluster is removed when ``up`` ends.
-* ``down [--run-id ID]`` removes what a killed run left behind (``msc-<id>-*`` namespaces and
-  every process inside them).
+* ``down [--run-id ID [--force]]`` removes what killed runs left behind (``msc-<id>-*``
+  namespaces, every process inside them, their temp directories). A cluster that is still up
+  (its owner process alive) is kept, with a line saying so, unless named with ``--run-id`` and
+  ``--force``; ``up`` then notices that its network is gone and exits 1.
 * ``check --cluster FILE`` builds the cluster, measures it (:mod:`moesaic.cluster.verify`),
   prints configured vs measured values, optionally writes JSON, and exits 1 if a level is off by
   more than the tolerance.
@@ -40,7 +42,10 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(func=_cmd_up)
 
     down = sub.add_parser("down", help="remove namespaces and processes left by crashed runs")
-    down.add_argument("--run-id", help="only this run (6 hex digits); default: every run")
+    down.add_argument("--run-id", help="only this run (6 hex digits); default: every stale run")
+    down.add_argument(
+        "--force", action="store_true", help="remove --run-id even if its cluster is still up"
+    )
     down.set_defaults(func=_cmd_down)
 
     check = sub.add_parser("check", help="measure the emulated links against the description")
@@ -90,25 +95,45 @@ def _cmd_up(args: argparse.Namespace) -> int:
             flush=True,
         )
         try:
-            deadline = time.monotonic() + args.hold_s
-            while time.monotonic() < deadline:
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            missing = _hold(cluster, args.hold_s)
         except KeyboardInterrupt:
-            pass
+            missing = []
+    if missing:
+        print(
+            f"cluster {cluster.run_id} was removed from outside (`moesaic cluster down --force`?): "
+            f"namespace(s) {' '.join(missing)} are gone",
+            file=sys.stderr,
+        )
+        return 1
     print(f"cluster {cluster.run_id} is down", file=sys.stderr)
     return 0
+
+
+def _hold(cluster, hold_s: float, check_every_s: float = 1.0) -> list[str]:
+    """Waits ``hold_s``; returns the cluster's namespaces that vanished meanwhile (stops then)."""
+    deadline = time.monotonic() + hold_s
+    while time.monotonic() < deadline:
+        time.sleep(min(check_every_s, max(0.0, deadline - time.monotonic())))
+        missing = cluster.missing_namespaces()
+        if missing:
+            return missing
+    return []
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
     import re
 
-    from moesaic.cluster.system import down
+    from moesaic.cluster.lifecycle import down
 
     if args.run_id is not None and not re.fullmatch(r"[0-9a-f]{6}", args.run_id):
         raise ValueError(f"--run-id ({args.run_id!r}) must be 6 lowercase hex digits")
-    removed = down(args.run_id)
-    print(f"removed {len(removed)} namespace(s)" + (f": {' '.join(removed)}" if removed else ""))
-    return 0
+    if args.force and args.run_id is None:
+        raise ValueError("--force needs --run-id: a live cluster is only ever removed by name")
+    report = down(args.run_id, force=args.force)
+    for line in report.lines():
+        print(line)
+    # Asked to remove one cluster and it is still up: the request was refused.
+    return 1 if args.run_id is not None and report.kept else 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:

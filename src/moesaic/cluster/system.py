@@ -20,7 +20,6 @@ from moesaic.cluster.topology import NAME_PREFIX, NAMESPACE_RE, tbf_args
 __all__ = [
     "ClusterError",
     "ClusterTimeout",
-    "down",
     "leftover_namespaces",
     "namespace_pids",
     "run_cmd",
@@ -201,18 +200,3 @@ def delete_namespaces(names: Sequence[str]) -> None:
             remaining = set(names) & set(list_namespaces())
             if remaining:
                 raise
-
-
-def down(run_id: str | None = None) -> list[str]:
-    """Removes what crashed runs left: namespaces named ``msc-<id>-...`` and their processes.
-
-    Args:
-        run_id: Only this run's namespaces; all harness namespaces if None.
-
-    Returns:
-        The namespaces that were removed.
-    """
-    require_support()
-    names = leftover_namespaces(run_id)
-    delete_namespaces(names)
-    return names

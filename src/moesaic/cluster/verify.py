@@ -180,12 +180,11 @@ def _timed_collective(dist: Any, fn: Any, reps: int) -> list[float]:
     return times
 
 
-def _worker_measure(plan: dict[str, Any]) -> dict[str, Any]:
+def _worker_measure(rank: int, world: int, plan: dict[str, Any]) -> dict[str, Any]:
     """Runs on every rank; rank ``a`` of each pair returns that pair's numbers."""
     import torch
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {"pairs": {}, "collectives": {}}
     for entry in plan["pairs"]:
         a, b = entry["ranks"]
@@ -243,7 +242,7 @@ def check(
         raise ValueError(f"tolerance ({tolerance}) must be in (0, 1)")
     spec: ClusterSpec = cluster.spec
     plan = measurement_plan(spec, **plan_kwargs)
-    per_rank = cluster.run(_worker_measure, args=(plan,), timeout_s=timeout_s)
+    per_rank = cluster.run(_worker_measure, spec.world_size, plan, timeout_s=timeout_s)
     levels = []
     for entry in plan["pairs"]:
         a, b = entry["ranks"]

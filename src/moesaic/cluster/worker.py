@@ -1,8 +1,8 @@
 """Worker entry point: ``python -m moesaic.cluster.worker JOB.pkl RANK`` inside a rank namespace.
 
-Started by :meth:`moesaic.cluster.netns.EmulatedCluster.run`; not meant to be run by hand. It
+Started by :meth:`moesaic.cluster.launcher.ClusterLauncher.run`; not meant to be run by hand. It
 initialises a gloo process group over the emulated network (TCP rendezvous on rank 0's address,
-every collective bounded by the job's timeout), calls the job's function and writes
+every collective bounded by the job's timeout), calls ``fn(rank, world_size, *args)`` and writes
 ``("ok", value)`` or ``("error", traceback)`` to ``result-<RANK>.pkl`` atomically.
 """
 
@@ -48,10 +48,12 @@ def main(argv: list[str]) -> int:
     job = pickle.loads(Path(argv[1]).read_bytes())
     rank = int(argv[2])
     result_dir = Path(job["result_dir"])
+    import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(job["threads"])
     try:
-        fn, args, kwargs = pickle.loads(job["payload"])
+        fn, args = pickle.loads(job["payload"])
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://{job['master_addr']}:{job['master_port']}",
@@ -59,7 +61,7 @@ def main(argv: list[str]) -> int:
             world_size=job["world_size"],
             timeout=datetime.timedelta(seconds=job["timeout_s"]),
         )
-        value = fn(*args, **kwargs)
+        value = fn(rank, job["world_size"], *args)
     except BaseException:
         _write_result(result_dir, rank, "error", traceback.format_exc())
         return 1

@@ -6,6 +6,12 @@ joins them through a file:// rendezvous in a fresh temporary directory, runs
 that raises makes the call raise ``WorkerError`` carrying that rank's traceback; a world that
 does not finish within ``timeout_s`` is killed and reported. ``fn`` must be importable (defined at
 module level) and its results picklable.
+
+Every world launcher in moesaic has one signature, the :class:`Launcher` protocol
+``run(fn, world_size, *args, timeout_s=...) -> list`` calling ``fn(rank, world_size, *args)``:
+:class:`LocalLauncher` (this module, loopback gloo) and
+:class:`moesaic.cluster.launcher.ClusterLauncher` / ``EmulatedCluster`` (gloo over an emulated
+multi-level network). Code written against ``Launcher`` runs on either.
 """
 
 from __future__ import annotations
@@ -18,15 +24,62 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+__all__ = ["Launcher", "LocalLauncher", "WorkerError", "run_world"]
+
 
 class WorkerError(RuntimeError):
     """A spawned worker failed; the message holds its traceback."""
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Runs one function on every rank of a fresh world.
+
+    ``run(fn, world_size, *args, timeout_s=...)`` calls ``fn(rank, world_size, *args)`` in
+    ``world_size`` processes that share an initialised (gloo) process group and returns the
+    results in rank order; it raises if a rank fails or the world does not finish in
+    ``timeout_s``. Implementations may take further keyword arguments.
+    """
+
+    def run(
+        self, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = ...
+    ) -> list[Any]: ...
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LocalLauncher:
+    """:class:`Launcher` over loopback: :func:`run_world` with fixed settings.
+
+    Attributes:
+        pg_timeout_s: Process-group (collective) timeout of the workers.
+        threads: Intra-op threads per worker.
+        allow_dead: A rank that dies without reporting yields None (fault-injection tests).
+    """
+
+    pg_timeout_s: float = 60.0
+    threads: int = 1
+    allow_dead: bool = False
+
+    def run(
+        self, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0
+    ) -> list[Any]:
+        """``fn(rank, world_size, *args)`` on a fresh loopback gloo world; results by rank."""
+        return run_world(
+            fn,
+            world_size,
+            *args,
+            timeout_s=timeout_s,
+            pg_timeout_s=self.pg_timeout_s,
+            threads=self.threads,
+            allow_dead=self.allow_dead,
+        )
 
 
 def _worker(fn, rank, world_size, init_file, args, results, pg_timeout_s, threads):
