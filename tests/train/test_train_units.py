@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,13 @@ from moesaic.train.config import TrainConfig, add_train_arguments, config_from_a
 from moesaic.train.data import PackedData, load_corpus
 from moesaic.train.loop import lr_at
 
-SMALL = dict(d_model=32, n_layers=2, n_heads=2, num_experts=4, expert_hidden=32, seq_len=16)
+SMALL = dict(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+SMALL_MOE = dict(num_experts=4, ffn_hidden_size=32)
+
+
+def small(moe: dict | None = None, **kwargs) -> MoEGPTConfig:
+    """The tiny test model (2 blocks of width 32, 4 experts of width 32)."""
+    return MoEGPTConfig.from_dict({**SMALL, **kwargs, "moe": {**SMALL_MOE, **(moe or {})}})
 
 
 def test_toml_then_flags(tmp_path):
@@ -33,20 +41,59 @@ def test_example_config_loads():
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     cfg = config_from_args(parser.parse_args(["--config", "examples/train_tiny.toml"]))
-    assert cfg.model.num_experts % cfg.check_world(cfg.nproc) == 0
+    assert cfg.model.moe.num_experts % cfg.check_world(cfg.nproc) == 0
+    assert (cfg.model.moe.hidden_size, cfg.model.moe.ffn_hidden_size) == (64, 128)
+
+
+def test_moe_table_legacy_keys_and_flags(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    new, old = tmp_path / "new.toml", tmp_path / "old.toml"
+    new.write_text("[model]\nd_model = 64\n[model.moe]\nnum_experts = 4\nffn_hidden_size = 96\n")
+    # moesaic 0.1's flat keys (as old checkpoints' meta.json hold them) still read the same.
+    old.write_text("[model]\nd_model = 64\nnum_experts = 4\nexpert_hidden = 96\n")
+    a = config_from_args(parser.parse_args(["--config", str(new)]))
+    b = config_from_args(parser.parse_args(["--config", str(old)]))
+    assert a == b and a.model.moe.ffn_hidden_size == 96 and a.model.moe.hidden_size == 64
+    # A flag wins over both forms.
+    c = config_from_args(parser.parse_args(["--config", str(old), "--experts", "8"]))
+    assert c.model.moe.num_experts == 8
+    assert TrainConfig.from_dict(c.to_dict()) == c
+
+
+def test_timeout_reaches_the_moe_layers(tmp_path):
+    """--timeout-s is the MoE layers' deadline too (it stayed at 300 s before)."""
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--timeout-s", "7"]))
+    assert cfg.model.moe.collective_timeout_s == 7.0
+    assert TrainConfig.from_dict(cfg.to_dict()).model.moe.collective_timeout_s == 7.0
+    toml = tmp_path / "t.toml"
+    toml.write_text("timeout_s = 7\n[model.moe]\ncollective_timeout_s = 9\n")
+    with pytest.raises(ValueError, match=r"collective_timeout_s \(9\) differs from timeout_s"):
+        config_from_args(parser.parse_args(["--config", str(toml)]))
+
+
+def test_config_is_torch_free():
+    code = "import sys, moesaic.train.config; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(dense_layers=3), r"dense_layers \(3\) must be <= n_layers \(2\)"),
-        (dict(top_k=5), r"top_k \(5\) must be <= num_experts \(4\)"),
-        (dict(seq_len=0), r"seq_len \(0\) must be >= 1"),
+        (dict(dense_layers=3), r"dense_layers \(3\) must be <= 2"),
+        (dict(moe=dict(top_k=5)), r"top_k \(5\) must be <= num_experts \(4\)"),
+        (dict(seq_len=0), r"seq_len \(0\) must be > 0"),
+        (dict(moe=dict(hidden_size=16)), r"moe.hidden_size \(16\) must equal d_model \(32\)"),
+        (dict(moe=dict(experts=4)), r"unknown model.moe option\(s\) \['experts'\]"),
+        # The 0.1 flat key and its new home disagree.
+        (dict(num_experts=8), r"model.num_experts \(8\) and model.moe.num_experts \(4\) differ"),
     ],
 )
 def test_model_config_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        MoEGPTConfig(**{**SMALL, **kwargs})
+        small(**kwargs)
 
 
 def test_data_sharding_is_a_partition():
@@ -75,7 +122,7 @@ def test_lr_schedule():
 
 def test_model_is_causal_and_dense_layers():
     torch.manual_seed(0)
-    model = MoEGPT(MoEGPTConfig(**SMALL, dense_layers=1))
+    model = MoEGPT(small(dense_layers=1))
     assert hasattr(model.blocks[0], "mlp") and hasattr(model.blocks[1], "moe")
     idx_BT = torch.randint(0, 256, (2, 16))
     logits_BTV = model(idx_BT)
@@ -90,7 +137,7 @@ def _grads_world(rank, world_size, ep):
     """Gradients after the EP x DP rules vs one process on all ranks' tokens (no aux loss)."""
     from moesaic.train.parallel import build_layout, sync_gradients
 
-    cfg = MoEGPTConfig(**SMALL, aux_loss_coef=0.0, z_loss_coef=0.0)
+    cfg = small(moe=dict(aux_loss_coef=0.0, z_loss_coef=0.0))
     x_WBT = torch.randint(0, 256, (world_size, 2, 17), generator=torch.Generator().manual_seed(1))
     layout = build_layout(ep, 60.0)
     torch.manual_seed(0)
@@ -102,7 +149,7 @@ def _grads_world(rank, world_size, ep):
 
 
 def test_gradient_rules_match_one_process():
-    cfg = MoEGPTConfig(**SMALL, aux_loss_coef=0.0, z_loss_coef=0.0)
+    cfg = small(moe=dict(aux_loss_coef=0.0, z_loss_coef=0.0))
     x_WBT = torch.randint(0, 256, (2, 2, 17), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     ref = MoEGPT(cfg)

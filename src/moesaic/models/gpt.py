@@ -10,112 +10,17 @@ to the constructor (``ep_group``); the data-parallel gradient rules live in
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moesaic.config import MoEConfig
 from moesaic.layer import MoELayer
+from moesaic.models.config import MoEGPTConfig
 
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} ({value}) must be >= {minimum}")
-
-
-@dataclass(kw_only=True, slots=True)
-class MoEGPTConfig:
-    """Shape of an MoEGPT.
-
-    The default (4 blocks of width 128, 8 experts, top-2) trains visibly on two CPU cores within
-    about three minutes: see docs/training.md for the measured curve.
-
-    Attributes:
-        vocab_size: V; 256 for raw bytes.
-        seq_len: T, the longest context (learned position embeddings).
-        d_model: D, the residual width.
-        n_layers: number of transformer blocks.
-        n_heads: attention heads; must divide ``d_model``.
-        num_experts: E, routed experts per MoE block.
-        top_k: K, experts per token.
-        expert_hidden: F of each expert (SwiGLU).
-        dense_layers: the first this-many blocks use a dense MLP instead of experts.
-        dense_hidden: hidden width of those dense MLPs (SwiGLU); None = 4 * d_model.
-        aux_loss_coef: weight of the load-balancing loss of each MoE block.
-        z_loss_coef: weight of the router z-loss of each MoE block.
-        dispatcher: "dropless" or "padded" (see ``MoEConfig``).
-        collective_timeout_s: deadline of every collective the MoE blocks issue.
-    """
-
-    vocab_size: int = 256
-    seq_len: int = 128
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    num_experts: int = 8
-    top_k: int = 2
-    expert_hidden: int = 256
-    dense_layers: int = 0
-    dense_hidden: int | None = None
-    aux_loss_coef: float = 1e-2
-    z_loss_coef: float = 1e-3
-    dispatcher: str = "dropless"
-    collective_timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        _check_int("vocab_size", self.vocab_size, 1)
-        _check_int("seq_len", self.seq_len, 1)
-        _check_int("d_model", self.d_model, 1)
-        _check_int("n_layers", self.n_layers, 1)
-        _check_int("n_heads", self.n_heads, 1)
-        _check_int("dense_layers", self.dense_layers, 0)
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
-            )
-        if self.dense_layers > self.n_layers:
-            raise ValueError(
-                f"dense_layers ({self.dense_layers}) must be <= n_layers ({self.n_layers})"
-            )
-        if self.dense_hidden is not None:
-            _check_int("dense_hidden", self.dense_hidden, 1)
-        self.moe_config()  # validates the expert fields (num_experts, top_k, ...)
-
-    @property
-    def num_moe_layers(self) -> int:
-        return self.n_layers - self.dense_layers
-
-    def moe_config(self) -> MoEConfig:
-        """The MoEConfig of every MoE block."""
-        return MoEConfig(
-            hidden_size=self.d_model,
-            ffn_hidden_size=self.expert_hidden,
-            num_experts=self.num_experts,
-            top_k=self.top_k,
-            aux_loss_coef=self.aux_loss_coef,
-            z_loss_coef=self.z_loss_coef,
-            dispatcher=self.dispatcher,
-            collective_timeout_s=self.collective_timeout_s,
-        )
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> MoEGPTConfig:
-        """Build from ``to_dict()`` output; unknown keys are an error naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown MoEGPTConfig fields {unknown}; known: {sorted(known)}")
-        return cls(**d)
+__all__ = ["Block", "MoEGPT", "MoEGPTConfig"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -150,7 +55,13 @@ class DenseMLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(ln(x))``, then ``x + ffn(ln(x))`` (MoE or dense)."""
+    """Pre-norm block: ``x + attn(ln(x))``, then ``x + ffn(ln(x))`` (MoE or dense).
+
+    The two halves are separate stages so that a training-step schedule can interleave them
+    across microbatch chunks (FlowMoE's block pipeline): ``attention_stage`` (attention, then the
+    norm that feeds the MoE gate) and ``expert_stage`` (the MoE layer: gate, dispatch, experts,
+    combine, or the dense MLP). ``forward`` is exactly ``expert_stage(*attention_stage(x))``.
+    """
 
     def __init__(self, cfg: MoEGPTConfig, dense: bool, ep_group: dist.ProcessGroup | None) -> None:
         super().__init__()
@@ -160,12 +71,20 @@ class Block(nn.Module):
         if dense:
             self.mlp = DenseMLP(cfg.d_model, cfg.dense_hidden or 4 * cfg.d_model)
         else:
-            self.moe = MoELayer(cfg.moe_config(), group=ep_group)
+            self.moe = MoELayer(cfg.moe, group=ep_group)
+
+    def attention_stage(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention half: returns the residual stream and the normed input of the FFN stage."""
+        x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
+        return x_BTD, self.ln2(x_BTD)
+
+    def expert_stage(self, x_BTD: torch.Tensor, h_BTD: torch.Tensor) -> torch.Tensor:
+        """FFN half: the residual stream plus the MoE layer's (or dense MLP's) output on ``h``."""
+        ffn = self.mlp if hasattr(self, "mlp") else self.moe
+        return x_BTD + ffn(h_BTD)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
-        ffn = self.mlp if hasattr(self, "mlp") else self.moe
-        return x_BTD + ffn(self.ln2(x_BTD))
+        return self.expert_stage(*self.attention_stage(x_BTD))
 
 
 class MoEGPT(nn.Module):
@@ -204,17 +123,27 @@ class MoEGPT(nn.Module):
                 std = resid_std if name.endswith(("attn.proj", "mlp.w2")) else 0.02
                 module.weight.normal_(0.0, std)
 
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, V]`` of the next byte at every position of ``idx_BT`` (int64)."""
+    def embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering the first block: byte plus position embeddings."""
         T = idx_BT.shape[-1]
         if self.config.seq_len < T:
             raise ValueError(f"sequence length ({T}) must be <= seq_len ({self.config.seq_len})")
         pos_T = torch.arange(T, device=idx_BT.device)
-        x_BTD = self.tok_emb(idx_BT) + self.pos_emb(pos_T)
+        return self.tok_emb(idx_BT) + self.pos_emb(pos_T)
+
+    def head(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, V]`` from the last block's output (tied byte embedding)."""
+        return F.linear(self.ln_f(x_BTD), self.tok_emb.weight)
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, V]`` of the next byte at every position of ``idx_BT`` (int64).
+
+        ``head(blocks(embed(idx)))``; schedules that pipeline blocks call the stages directly.
+        """
+        x_BTD = self.embed(idx_BT)
         for block in self.blocks:
             x_BTD = block(x_BTD)
-        # Tied output projection (the byte embedding).
-        return F.linear(self.ln_f(x_BTD), self.tok_emb.weight)
+        return self.head(x_BTD)
 
     def moe_layers(self) -> list[tuple[str, MoELayer]]:
         """``(module path, layer)`` of every MoE block, in depth order."""

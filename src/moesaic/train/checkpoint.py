@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from operator import attrgetter
 import warnings
 from pathlib import Path
 
@@ -44,11 +45,12 @@ SHAPE_FIELDS = (
     "d_model",
     "n_layers",
     "n_heads",
-    "num_experts",
-    "top_k",
-    "expert_hidden",
     "dense_layers",
     "dense_hidden",
+    "moe.num_experts",
+    "moe.top_k",
+    "moe.ffn_hidden_size",
+    "moe.activation",
 )
 
 
@@ -216,7 +218,7 @@ def read_checkpoint_meta(path: Path, model_cfg: MoEGPTConfig | None = None) -> d
             )
     if model_cfg is not None:
         for name in SHAPE_FIELDS:
-            old, new = getattr(saved, name), getattr(model_cfg, name)
+            old, new = attrgetter(name)(saved), attrgetter(name)(model_cfg)
             if old != new:
                 raise ValueError(
                     f"checkpoint {path} is incompatible: model {name} is {old} in the "

@@ -1,19 +1,23 @@
 """TrainConfig: every knob of a training run, from defaults, a TOML file and flags (in that order).
 
-A TOML file holds the run's keys at top level and the model's under ``[model]``, with the names
-of the dataclass fields (``batch_size``, ``d_model``); flags use the same names with dashes.
+A TOML file holds the run's keys at top level, the model's under ``[model]`` and its MoE blocks'
+under ``[model.moe]``, with the names of the dataclass fields (``batch_size``, ``d_model``,
+``num_experts``); flags use the same names with dashes (a few are shorter: ``--experts``).
+Torch-free: ``moesaic train --help`` and the launcher's validation never import torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from moesaic.models.gpt import MoEGPTConfig
+from moesaic.checks import check_bool, check_int, check_number, check_one_of
+from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
+from moesaic.schedule import schedule_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -23,18 +27,7 @@ else:  # pragma: no cover
 BACKENDS = ("auto", "gloo", "nccl")
 
 
-def _int_at_least(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} ({value}) must be >= {minimum}")
-
-
-def _number_in(name: str, value: object, lo: float, hi: float = math.inf) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
-    if not (lo <= value <= hi) or not math.isfinite(value):
-        raise ValueError(f"{name} ({value}) must be a finite number in [{lo}, {hi}]")
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,7 +35,8 @@ class TrainConfig:
     """One training run.
 
     Attributes:
-        model: the model shape.
+        model: the model shape (its MoE blocks' ``collective_timeout_s`` is set to
+            ``timeout_s``).
         nproc: worker processes on this node (torchrun's ``--nproc-per-node``).
         ep: expert-parallel group size; None = all ranks in one EP group. The world size must
             be a multiple; the quotient is the data-parallel degree.
@@ -54,6 +48,10 @@ class TrainConfig:
         warmup_steps: linear warm-up steps.
         weight_decay: AdamW decoupled weight decay of matrices (not of norms).
         grad_clip: clip the global gradient norm to this (0 = off).
+        schedule: the training-step schedule (``moesaic.schedule``): "vanilla".
+        on_nonfinite: a step whose loss, aux loss or gradients are not finite on some rank is
+            never applied; "stop" ends the run with an error naming the step, "skip" goes on.
+        nonfinite_skip_limit: with "skip", this many non-finite steps in a row stop the run.
         seed: seeds the init (alike on every rank) and the data order.
         data: a text file or a directory of files; None = the running Python's standard library.
         data_max_bytes: read at most this many bytes of the corpus (keeps loading fast).
@@ -67,7 +65,8 @@ class TrainConfig:
         max_restarts: the elastic agent restarts a failed worker group this many times, each
             time resuming from the latest checkpoint.
         backend: "gloo", "nccl", or "auto" (NCCL when CUDA is available, else gloo).
-        timeout_s: deadline of every collective (process group and MoE layers).
+        timeout_s: deadline of every collective: the process group's, the gradient and
+            statistics all-reduces, the checkpoint barriers and the MoE layers' all-to-alls.
         threads: torch threads per worker; None = CPU cores / nproc (at least 1).
         progress: show the tqdm progress bar on rank 0.
         fault_kill_rank: fault injection: this rank SIGKILLs itself at ``fault_kill_step``
@@ -85,6 +84,9 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    schedule: str = "vanilla"
+    on_nonfinite: str = "stop"
+    nonfinite_skip_limit: int = 10
     seed: int = 0
     data: str | None = None
     data_max_bytes: int = 4_000_000
@@ -118,36 +120,43 @@ class TrainConfig:
             ("ckpt_every", 0),
             ("keep_checkpoints", 1),
             ("max_restarts", 0),
+            ("nonfinite_skip_limit", 1),
         ):
-            _int_at_least(name, getattr(self, name), minimum)
+            check_int(name, getattr(self, name), minimum)
         for name in ("ep", "threads", "fault_kill_step"):
             if getattr(self, name) is not None:
-                _int_at_least(name, getattr(self, name), 1)
+                check_int(name, getattr(self, name), 1)
         if self.fault_kill_rank is not None:
-            _int_at_least("fault_kill_rank", self.fault_kill_rank, 0)
+            check_int("fault_kill_rank", self.fault_kill_rank, 0)
         if (self.fault_kill_rank is None) != (self.fault_kill_step is None):
             raise ValueError("fault_kill_rank and fault_kill_step must be given together")
-        _number_in("lr", self.lr, 0.0)
-        _number_in("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _number_in("weight_decay", self.weight_decay, 0.0)
-        _number_in("grad_clip", self.grad_clip, 0.0)
-        _number_in("val_fraction", self.val_fraction, 0.0, 0.5)
-        if self.val_fraction <= 0:
-            raise ValueError(f"val_fraction ({self.val_fraction}) must be > 0")
-        _number_in("timeout_s", self.timeout_s, 1e-3)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend ({self.backend!r}) must be one of {BACKENDS}")
+        check_number("lr", self.lr, 0.0)
+        check_number("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_number("weight_decay", self.weight_decay, 0.0)
+        check_number("grad_clip", self.grad_clip, 0.0)
+        check_number("val_fraction", self.val_fraction, 0.0, 0.5, lo_open=True)
+        check_number("timeout_s", self.timeout_s, 1e-3)
+        check_one_of("backend", self.backend, BACKENDS)
+        check_one_of("schedule", self.schedule, schedule_names())
+        check_one_of("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        check_bool("resume", self.resume)
+        check_bool("progress", self.progress)
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"run_dir must be a non-empty path, got {self.run_dir!r}")
+        # One deadline for every collective: the MoE layers' too (they would keep 300 s).
+        moe = self.model.moe
+        if moe.collective_timeout_s != self.timeout_s:
+            moe = dataclasses.replace(moe, collective_timeout_s=float(self.timeout_s))
+            self.model = dataclasses.replace(self.model, moe=moe)
 
     def check_world(self, world_size: int) -> int:
         """Validate the EP layout for ``world_size`` ranks; returns the EP size."""
         ep = world_size if self.ep is None else self.ep
         if world_size % ep:
             raise ValueError(f"ep ({ep}) must divide the world size ({world_size})")
-        if self.model.num_experts % ep:
+        if self.model.moe.num_experts % ep:
             raise ValueError(
-                f"num_experts ({self.model.num_experts}) must be divisible by the "
+                f"num_experts ({self.model.moe.num_experts}) must be divisible by the "
                 f"expert-parallel size ep ({ep})"
             )
         if self.fault_kill_rank is not None and self.fault_kill_rank >= world_size:
@@ -156,14 +165,31 @@ class TrainConfig:
             )
         return ep
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["model"] = self.model.to_dict()
         return d
 
+    def agreement_fields(self) -> dict[str, object]:
+        """What every rank of a run must agree on (``moesaic.comm.agree``): the model (every
+        field, MoE ones as ``model.moe.<name>``) and every option that changes the numbers or
+        the collectives. Per-node options (``nproc``, ``threads``, ``progress``, fault
+        injection, ``max_restarts``) and ``run_dir`` (mounted at different paths) are left out.
+        """
+        per_node = {"nproc", "threads", "progress", "max_restarts", "run_dir", "model"}
+        per_node |= {"fault_kill_rank", "fault_kill_step"}
+        out: dict[str, object] = {f"model.{k}": v for k, v in self.model.fields_flat().items()}
+        for f in dataclasses.fields(self):
+            if f.name not in per_node:
+                out[f.name] = getattr(self, f.name)
+        return out
+
     @classmethod
-    def from_dict(cls, d: dict) -> TrainConfig:
-        """Build from a (possibly partial) dict like ``to_dict()``'s; unknown keys are errors."""
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """Build from a (possibly partial) dict like ``to_dict()``'s; unknown keys are errors.
+
+        ``model.moe.collective_timeout_s`` may only repeat ``timeout_s`` (which sets it).
+        """
         d = dict(d)
         model = d.pop("model", {})
         if not isinstance(model, dict):
@@ -172,23 +198,32 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+        model = nest_legacy_keys(model)
+        moe = model.get("moe")
+        timeout_s = d.get("timeout_s", cls.__dataclass_fields__["timeout_s"].default)
+        if isinstance(moe, dict) and moe.get("collective_timeout_s", timeout_s) != timeout_s:
+            raise ValueError(
+                f"model.moe.collective_timeout_s ({moe['collective_timeout_s']}) differs from "
+                f"timeout_s ({timeout_s}); in a training run timeout_s (--timeout-s) is the "
+                "deadline of every collective, the MoE layers' included: set that instead"
+            )
         return cls(model=MoEGPTConfig.from_dict(model), **d)
 
 
-# (flag, field, type, section) of every option; the help text comes from the docstrings above.
+# (flag, field, type) of every option; a model field is a path under [model] ("moe.top_k").
 _MODEL_FLAGS = (
     ("--seq-len", "seq_len", int),
     ("--d-model", "d_model", int),
     ("--n-layers", "n_layers", int),
     ("--n-heads", "n_heads", int),
-    ("--experts", "num_experts", int),
-    ("--top-k", "top_k", int),
-    ("--expert-hidden", "expert_hidden", int),
+    ("--experts", "moe.num_experts", int),
+    ("--top-k", "moe.top_k", int),
+    ("--expert-hidden", "moe.ffn_hidden_size", int),
     ("--dense-layers", "dense_layers", int),
     ("--dense-hidden", "dense_hidden", int),
-    ("--aux-loss-coef", "aux_loss_coef", float),
-    ("--z-loss-coef", "z_loss_coef", float),
-    ("--dispatcher", "dispatcher", str),
+    ("--aux-loss-coef", "moe.aux_loss_coef", float),
+    ("--z-loss-coef", "moe.z_loss_coef", float),
+    ("--dispatcher", "moe.dispatcher", str),
 )
 _RUN_FLAGS = (
     ("--nproc", "nproc", int),
@@ -200,6 +235,9 @@ _RUN_FLAGS = (
     ("--warmup-steps", "warmup_steps", int),
     ("--weight-decay", "weight_decay", float),
     ("--grad-clip", "grad_clip", float),
+    ("--schedule", "schedule", str),
+    ("--on-nonfinite", "on_nonfinite", str),
+    ("--nonfinite-skip-limit", "nonfinite_skip_limit", int),
     ("--seed", "seed", int),
     ("--data", "data", str),
     ("--data-max-bytes", "data_max_bytes", int),
@@ -221,14 +259,14 @@ _HELP = {
     "d_model": "model width D",
     "n_layers": "transformer blocks",
     "n_heads": "attention heads",
-    "num_experts": "routed experts E per MoE block",
-    "top_k": "experts per token K",
-    "expert_hidden": "hidden width of each expert (SwiGLU)",
+    "moe.num_experts": "routed experts E per MoE block",
+    "moe.top_k": "experts per token K",
+    "moe.ffn_hidden_size": "hidden width of each expert (SwiGLU)",
     "dense_layers": "the first N blocks use a dense MLP instead of experts",
     "dense_hidden": "dense MLP width (default 4 * d_model)",
-    "aux_loss_coef": "load-balancing loss weight",
-    "z_loss_coef": "router z-loss weight",
-    "dispatcher": "token exchange: dropless or padded",
+    "moe.aux_loss_coef": "load-balancing loss weight",
+    "moe.z_loss_coef": "router z-loss weight",
+    "moe.dispatcher": "token exchange: dropless or padded",
     "nproc": "worker processes on this node",
     "ep": "expert-parallel group size (default: all ranks); DP = world / EP",
     "steps": "optimizer steps (length of the LR schedule)",
@@ -238,6 +276,9 @@ _HELP = {
     "warmup_steps": "linear warm-up steps",
     "weight_decay": "AdamW weight decay of matrices",
     "grad_clip": "global gradient-norm clip (0 = off)",
+    "schedule": f"training-step schedule: {', '.join(schedule_names())}",
+    "on_nonfinite": "a non-finite loss or gradient: stop the run, or skip that step",
+    "nonfinite_skip_limit": "with --on-nonfinite skip: this many in a row stop the run",
     "seed": "init and data-order seed",
     "data": "text file or directory (default: this Python's standard library source)",
     "data_max_bytes": "read at most this many corpus bytes",
@@ -287,18 +328,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model = parser.add_argument_group("model")
     for flag, name, typ in _MODEL_FLAGS:
-        default = getattr(defaults.model, name)
+        default: object = defaults.model
+        for part in name.split("."):
+            default = getattr(default, part)
         model.add_argument(
             flag,
             dest=f"model.{name}",
-            metavar=name.upper(),
+            metavar=name.rsplit(".", 1)[-1].upper(),
             type=typ,
             default=argparse.SUPPRESS,
             help=f"{_HELP[name]} (default: {default})",
         )
 
 
-def load_toml(path: str) -> dict:
+def load_toml(path: str) -> dict[str, Any]:
     """Read a TOML config file (run keys at top level, model keys under ``[model]``)."""
     p = Path(path)
     if not p.is_file():
@@ -312,11 +355,20 @@ def load_toml(path: str) -> dict:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the ``--config`` TOML file, then the flags given."""
-    d: dict = load_toml(args.config) if getattr(args, "config", None) else {}
-    d = {**d, "model": dict(d.get("model", {}))}
+    d: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
+    model = d.get("model", {})
+    if not isinstance(model, dict):
+        raise ValueError("model must be a table of MoEGPTConfig fields")
+    model = nest_legacy_keys(model)  # before the flags, so that a flag wins over a 0.1 key
+    if not isinstance(model.get("moe", {}), dict):
+        raise ValueError(f"model.moe must be a table of MoEConfig fields, got {model['moe']!r}")
+    model["moe"] = dict(model.get("moe", {}))
+    d = {**d, "model": model}
     for key, value in vars(args).items():
-        if key.startswith("model."):
-            d["model"][key.removeprefix("model.")] = value
+        if key.startswith("model.moe."):
+            model["moe"][key.removeprefix("model.moe.")] = value
+        elif key.startswith("model."):
+            model[key.removeprefix("model.")] = value
         elif key in TrainConfig.__dataclass_fields__:
             d[key] = value
     return TrainConfig.from_dict(d)

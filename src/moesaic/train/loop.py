@@ -19,8 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moesaic.comm.agree import check_ranks_agree
 from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
+from moesaic.schedule import make_step
+from moesaic.schedule.base import StepParts
 from moesaic.train.checkpoint import (
     already_has_checkpoints,
     latest_checkpoint,
@@ -30,8 +33,12 @@ from moesaic.train.checkpoint import (
 )
 from moesaic.train.config import TrainConfig
 from moesaic.train.data import PackedData, load_splits
-from moesaic.train.parallel import Layout, build_layout, clip_grad_norm, sync_gradients
+from moesaic.train.health import NonFiniteError, nonfinite_message
+from moesaic.train.parallel import GradientSync, Layout, build_layout
 from moesaic.train.report import Reporter
+
+# The optimizer every run uses (part of what ranks must agree on).
+ADAMW_BETAS = (0.9, 0.95)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -86,13 +93,29 @@ def _make_optimizer(model: MoEGPT, cfg: TrainConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": other, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), foreach=False)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=ADAMW_BETAS, foreach=False)
 
 
-def _loss(model: MoEGPT, x_BT, y_BT) -> tuple[torch.Tensor, torch.Tensor]:
-    logits_BTV = model(x_BT)
-    ce = F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
-    return ce, aux_loss(model).to(ce.device)
+def lm_loss(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy over the batch's tokens (in fp32)."""
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
+
+
+def check_config_agrees(cfg: TrainConfig, layout: Layout, data: tuple[int, int]) -> None:
+    """Refuse to go on unless every rank runs the same configuration (a collective).
+
+    Compares ``cfg.agreement_fields()`` (the model, MoE fields included, the optimizer
+    settings, the schedule, ...), the default dtype, the optimizer and the data (train and
+    validation window counts): a rank with other ``num_experts`` would make gloo abort, one with
+    another ``lr`` would train silently differently. Raises ``RankMismatchError`` (a
+    ``ValueError``) naming the first field that differs and the ranks on each side.
+    """
+    fields = cfg.agreement_fields()
+    fields["dtype"] = torch.get_default_dtype()
+    fields["optimizer"] = f"AdamW(betas={ADAMW_BETAS}, foreach=False)"
+    fields["world_size"] = layout.world_size
+    fields["data_windows"] = data
+    check_ranks_agree(fields, timeout_s=cfg.timeout_s, what="training config")
 
 
 @torch.no_grad()
@@ -102,19 +125,33 @@ def evaluate(model: MoEGPT, val: PackedData, cfg: TrainConfig, layout: Layout, d
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(cfg.eval_batches):
         x_BT, y_BT = val.val_batch(i, layout.rank, layout.world_size, cfg.batch_size)
-        ce, _ = _loss(model, x_BT.to(device), y_BT.to(device))
+        ce = lm_loss(model(x_BT.to(device)), y_BT.to(device))
+        _drain_layer_state(model)
         total += torch.stack([ce.double(), torch.ones((), dtype=torch.float64, device=device)])
     model.train()
     layout.world.all_reduce(total, what="all_reduce of the validation loss")
     return float(total[0] / total[1])
 
 
+def _drain_layer_state(model: MoEGPT) -> None:
+    """Read and drop the MoE layers' per-forward state (aux loss, statistics) of forwards that
+    are not training steps (validation): it adds up until read, and would count in the next."""
+    aux_loss(model)
+    for _, layer in model.moe_layers():
+        layer.take_stats()
+
+
 def _step_stats(model: MoEGPT, ce, aux, layout: Layout, device) -> tuple[float, float, list]:
-    """Mean loss and aux loss over all ranks, and each MoE layer's global expert load."""
-    counts = [layer.last_counts_E.to(device).double() for _, layer in model.moe_layers()]
+    """Mean loss and aux loss over all ranks, and each MoE layer's global expert load (summed
+    over every forward of the step: ``take_stats`` adds up all chunks of a pipelined step)."""
+    E = model.config.moe.num_experts
+    counts = []
+    for _, layer in model.moe_layers():
+        counts_E = layer.take_stats().counts_E
+        zeros_E = torch.zeros(E, dtype=torch.float64, device=device)
+        counts.append(zeros_E if counts_E is None else counts_E.to(device).double())
     buf = torch.cat([torch.stack([ce.detach().double(), aux.detach().double()]), *counts])
     layout.world.all_reduce(buf, what="all_reduce of step statistics")
-    E = model.config.num_experts
     loads = buf[2:].view(-1, E).long().tolist() if counts else []
     W = layout.world_size
     return float(buf[0]) / W, float(buf[1]) / W, loads
@@ -147,15 +184,27 @@ def train(cfg: TrainConfig) -> dict:
     train_data, val_data = load_splits(
         cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len
     )
+    # Before any collective depends on it (a model with another num_experts aborts gloo).
+    check_config_agrees(cfg, layout, (train_data.num_windows, val_data.num_windows))
     torch.manual_seed(cfg.seed)  # alike on every rank: replicated weights agree
+    # cfg.model.moe.collective_timeout_s is cfg.timeout_s (TrainConfig sets it).
     model = MoEGPT(cfg.model, ep_group=layout.ep_group).to(device)
     optimizer = _make_optimizer(model, cfg)
+    parts = StepParts(
+        model=model,
+        loss_fn=lm_loss,
+        grad_sync=GradientSync(layout),
+        optimizer=optimizer,
+        grad_clip=cfg.grad_clip,
+    )
+    train_step = make_step(cfg.schedule, parts)
     start, consumed, resumed_from = _maybe_resume(cfg, model, optimizer, layout)
     reporter = Reporter(cfg, layout, start, resumed_from)
     meta = {"model": cfg.model.to_dict(), "train": cfg.to_dict(), "world_size": world}
     meta["ep_size"] = ep_size
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tokens_per_step = world * cfg.batch_size * cfg.model.seq_len
+    skipped_in_a_row = 0
     for step in range(start + 1, cfg.steps + 1):
         if (
             step == cfg.fault_kill_step
@@ -173,16 +222,30 @@ def train(cfg: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         x_BT, y_BT = train_data.train_batch(consumed, layout.rank, cfg.batch_size, cfg.seed)
-        ce, aux = _loss(model, x_BT.to(device), y_BT.to(device))
-        (ce + aux).backward()
-        sync_gradients(model, layout)
-        grad_norm = clip_grad_norm(model, layout, cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        result = train_step.run(x_BT.to(device), y_BT.to(device))
         consumed += world * cfg.batch_size
-        loss, aux_val, loads = _step_stats(model, ce, aux, layout, device)
+        loss, aux_val, loads = _step_stats(model, result.ce, result.aux, layout, device)
         dt = time.perf_counter() - t0
-        reporter.train_step(step, loss, aux_val, lr, grad_norm, tokens_per_step / dt, loads)
+        reporter.train_step(
+            step,
+            loss,
+            aux_val,
+            lr,
+            result.grad_norm,
+            tokens_per_step / dt,
+            loads,
+            nonfinite=result.nonfinite,
+        )
+        if result.applied:
+            skipped_in_a_row = 0
+        else:  # nothing was applied, on any rank (they agreed): the weights are still finite
+            skipped_in_a_row += 1
+            if cfg.on_nonfinite == "stop":
+                raise NonFiniteError(nonfinite_message(step, result.nonfinite))
+            if skipped_in_a_row >= cfg.nonfinite_skip_limit:
+                raise NonFiniteError(
+                    nonfinite_message(step, result.nonfinite, skipped_in_a_row=skipped_in_a_row)
+                )
         last = step == cfg.steps
         if last or (cfg.eval_every and step % cfg.eval_every == 0):
             reporter.validation(step, evaluate(model, val_data, cfg, layout, device))
@@ -208,6 +271,6 @@ def run_worker(cfg_dict: dict) -> dict:
     rank = os.environ.get("RANK", "0")
     try:
         return train(TrainConfig.from_dict(cfg_dict))
-    except (ValueError, FileNotFoundError, CollectiveError) as exc:
+    except (ValueError, FileNotFoundError, CollectiveError, NonFiniteError) as exc:
         print(f"moesaic train: error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,51 +76,75 @@ def build_layout(ep_size: int, timeout_s: float) -> Layout:
     )
 
 
-def _all_reduce_mean(grads: list[torch.Tensor], group: EPGroup, world_size: int, what: str) -> None:
+def _all_reduce_mean(grads: list[torch.Tensor], group: EPGroup, divisor: int, what: str) -> None:
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     group.all_reduce(flat, what=what)
-    flat.div_(world_size)
+    flat.div_(divisor)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
-def sync_gradients(model: nn.Module, layout: Layout) -> None:
-    """Apply the EP x DP gradient rules (see the module docstring) to ``model``'s ``.grad``."""
-    replicated, expert = [], []
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)  # keep every rank's flat buffer the same layout
-        (expert if is_expert_param(p) else replicated).append(p.grad)
-    W = layout.world_size
-    _all_reduce_mean(replicated, layout.world, W, "all_reduce of replicated gradients")
-    _all_reduce_mean(expert, layout.dp, W, "all_reduce of expert gradients over the DP group")
+class GradientSync:
+    """The EP x DP gradient rules of ``layout`` (see the module docstring).
 
-
-def clip_grad_norm(model: nn.Module, layout: Layout, max_norm: float) -> float:
-    """Clip the global gradient norm (after ``sync_gradients``); returns the norm before clipping.
-
-    Replicated gradients are equal on every rank; an expert shard's gradients are equal over its
-    DP group, and the EP group holds all shards once: the global squared norm is the replicated
-    part plus the EP-group sum of the expert parts.
+    Implements ``moesaic.schedule.base.GradientSync``: ``sync`` reduces everything after the
+    backward in two flat all-reduces; a schedule that reduces while the backward runs uses
+    ``group_of`` and ``divisor`` per parameter instead.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    rep_sq = torch.zeros((), dtype=torch.float64, device=device)
-    exp_sq = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
-        sq = p.grad.detach().double().square().sum()
-        if is_expert_param(p):
-            exp_sq += sq
-        else:
-            rep_sq += sq
-    layout.ep.all_reduce(exp_sq, what="all_reduce of the expert gradient norm")
-    norm = math.sqrt(float(rep_sq + exp_sq))
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+
+    @property
+    def divisor(self) -> int:
+        return self.layout.world_size
+
+    def group_of(self, param: torch.Tensor) -> EPGroup:
+        """Expert shards: their DP group; everything else: all ranks."""
+        return self.layout.dp if is_expert_param(param) else self.layout.world
+
+    def sync(self, params: Sequence[torch.Tensor]) -> None:
+        """Sum and divide every gradient (a missing one counts as zeros, so that every rank's
+        flat buffer has the same layout)."""
+        replicated, expert = [], []
         for p in params:
-            p.grad.mul_(scale)
-    return norm
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            (expert if is_expert_param(p) else replicated).append(p.grad)
+        W = self.divisor
+        world, dp = self.layout.world, self.layout.dp
+        _all_reduce_mean(replicated, world, W, "all_reduce of replicated gradients")
+        _all_reduce_mean(expert, dp, W, "all_reduce of expert gradients over the DP group")
+
+    def global_norm(self, params: Sequence[torch.Tensor]) -> float:
+        """The global gradient norm after ``sync`` (the same float on every rank).
+
+        Replicated gradients are equal on every rank; an expert shard's gradients are equal over
+        its DP group, and the EP group holds all shards once: the global squared norm is the
+        replicated part plus the EP-group sum of the expert parts.
+        """
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        device = grads[0][1].device if grads else torch.device("cpu")
+        rep_sq = torch.zeros((), dtype=torch.float64, device=device)
+        exp_sq = torch.zeros((), dtype=torch.float64, device=device)
+        for p, g in grads:
+            sq = g.detach().double().square().sum()
+            if is_expert_param(p):
+                exp_sq += sq
+            else:
+                rep_sq += sq
+        self.layout.ep.all_reduce(exp_sq, what="all_reduce of the expert gradient norm")
+        return math.sqrt(float(rep_sq + exp_sq))
+
+    def all_ranks(self, flags_F: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``flags_F`` ([1, F]) stacked in rank order, ``[P, F]``."""
+        return self.layout.world.all_gather_dim0(flags_F, "all_gather of step health flags")
+
+
+def sync_gradients(model: nn.Module, layout: Layout) -> None:
+    """Apply the EP x DP gradient rules to ``model``'s ``.grad`` (``GradientSync.sync``)."""
+    GradientSync(layout).sync(list(model.parameters()))

@@ -44,7 +44,7 @@ class Reporter:
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = (run_dir / "metrics.jsonl").open("a")
-        E, ep = cfg.model.num_experts, cfg.check_world(layout.world_size)
+        E, ep = cfg.model.moe.num_experts, cfg.check_world(layout.world_size)
         self._log(
             f"moesaic train: {layout.world_size} ranks = DP {layout.dp_size} x EP {ep} "
             f"({E // ep} experts per rank), {cfg.steps} steps of "

@@ -1,0 +1,165 @@
+"""The training-step interface: one optimizer step as a replaceable object.
+
+Shape legend: B sequences, T positions, V vocabulary, P ranks, F health flags.
+
+Every schedule does, for this rank's batch:
+
+1. the forward(s): ``vanilla`` runs the whole batch at once; FlowMoE's block pipeline will cut
+   it into R microbatch chunks and interleave the blocks' ``attention_stage`` and
+   ``expert_stage`` (``models/gpt.py``) across chunks;
+2. ``moesaic.aux_loss(model)`` exactly once per backward, after every forward that backward
+   covers. The MoE layers add up each forward's aux loss until it is read, and reading resets
+   it, so one read per backward gives that backward the aux loss of all its forwards (never a
+   layer's ``aux_loss`` attribute, which would be one chunk's);
+3. the backward and the gradient synchronisation through ``parts.grad_sync``: all at once after
+   the backward (``grad_sync.sync``), or parameter by parameter as gradients become ready (a
+   post-accumulate-grad hook per parameter feeding a chunked all-reduce pool: ``group_of(p)``
+   says over which ranks ``p``'s gradient is summed, ``divisor`` by what it is then divided);
+4. ``finish``: the global gradient norm, a check that the loss, the aux loss and the gradients
+   are finite on every rank (one all-gather of flags, so that all ranks take the same branch),
+   then clipping and the optimizer step, or no update at all when something was non-finite.
+   What to do about a non-finite step (stop, skip) is the caller's policy, not the schedule's.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from moesaic.checks import check_non_negative
+from moesaic.comm.collectives import EPGroup
+
+# (logits_BTV, y_BT) -> the scalar mean loss of those tokens. A schedule that cuts the batch
+# into R equal chunks weighs each chunk's loss by 1 / R, so the step's loss is unchanged.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+HEALTH_FLAGS = ("loss", "aux_loss", "gradients")
+
+
+class GradientSync(Protocol):
+    """How gradients are combined across ranks (``moesaic.train.parallel.GradientSync``)."""
+
+    @property
+    def divisor(self) -> int:
+        """What a summed gradient is divided by (the world size: the loss is a mean of ranks)."""
+        ...
+
+    def group_of(self, param: torch.Tensor) -> EPGroup:
+        """The group over which ``param``'s gradient is summed."""
+        ...
+
+    def sync(self, params: Sequence[torch.Tensor]) -> None:
+        """Sum and divide every gradient of ``params`` at once (after the whole backward)."""
+        ...
+
+    def global_norm(self, params: Sequence[torch.Tensor]) -> float:
+        """The global gradient norm after ``sync``; the same float on every rank."""
+        ...
+
+    def all_ranks(self, flags_F: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``flags_F``, stacked in rank order ``[P, F]`` (a collective)."""
+        ...
+
+
+@dataclass(kw_only=True, slots=True)
+class StepParts:
+    """What a schedule works on, fixed for a run.
+
+    Attributes:
+        model: maps ``x_BT`` to ``logits_BTV``; its MoE layers' aux loss is read through
+            ``moesaic.aux_loss(model)``.
+        loss_fn: ``(logits_BTV, y_BT) -> scalar`` mean loss (see ``LossFn``).
+        grad_sync: the gradient rules of this rank's layout.
+        optimizer: stepped once per step unless the step was non-finite.
+        grad_clip: clip the global gradient norm to this before the update (0 = off).
+    """
+
+    model: nn.Module
+    loss_fn: LossFn
+    grad_sync: GradientSync
+    optimizer: torch.optim.Optimizer
+    grad_clip: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_non_negative("grad_clip", self.grad_clip)
+
+
+@dataclass(kw_only=True, slots=True)
+class StepResult:
+    """What one step did.
+
+    Attributes:
+        ce: this rank's loss (detached; the mean over its tokens).
+        aux: this rank's aux loss, summed over the step's forwards (detached).
+        grad_norm: global gradient norm before clipping (same on every rank; may be nan/inf).
+        nonfinite: what was not finite, on which ranks (e.g. ``"loss on rank(s) [1]"``); empty
+            when the step was applied. The same on every rank.
+        metrics: schedule-specific figures for the metrics file (e.g. overlap ratios).
+    """
+
+    ce: torch.Tensor
+    aux: torch.Tensor
+    grad_norm: float
+    nonfinite: tuple[str, ...] = ()
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def applied(self) -> bool:
+        """True when the optimizer updated the parameters."""
+        return not self.nonfinite
+
+
+class TrainStep(ABC):
+    """One optimizer step of a schedule (see the module docstring for the contract).
+
+    Args:
+        parts: the model, loss, gradient rules and optimizer of the run.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts
+        self.params = list(parts.model.parameters())
+
+    @abstractmethod
+    def run(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> StepResult:
+        """Forward, backward, synchronise and (if all is finite) update on this rank's batch."""
+
+    def finish(self, ce: torch.Tensor, aux: torch.Tensor) -> StepResult:
+        """Steps 4 of the contract, after the gradients are synchronised: check, clip, update."""
+        parts = self.parts
+        norm = parts.grad_sync.global_norm(self.params)
+        ce, aux = ce.detach(), aux.detach()
+        local_F = torch.stack(
+            [
+                ~torch.isfinite(ce),
+                ~torch.isfinite(aux),
+                torch.tensor(not math.isfinite(norm), device=ce.device),
+            ]
+        ).to(torch.int64)
+        flags_PF = parts.grad_sync.all_ranks(local_F.view(1, -1))
+        nonfinite = []
+        for i, what in enumerate(HEALTH_FLAGS):
+            ranks = [r for r, bad in enumerate(flags_PF[:, i].tolist()) if bad]
+            if what == "gradients" and ranks:
+                nonfinite.append(f"gradients (global norm {norm})")
+            elif ranks:
+                nonfinite.append(f"{what} on rank(s) {ranks}")
+        if nonfinite:
+            parts.optimizer.zero_grad(set_to_none=True)
+            return StepResult(ce=ce, aux=aux, grad_norm=norm, nonfinite=tuple(nonfinite))
+        if parts.grad_clip > 0 and norm > parts.grad_clip:
+            scale = parts.grad_clip / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        parts.optimizer.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+        return StepResult(ce=ce, aux=aux, grad_norm=norm)
