@@ -18,23 +18,17 @@ import torch.distributed as dist
 
 import moesaic
 from moesaic.reference import ReferenceMoE
+from moesaic.strategies import strategy_names
 from moesaic.testing import assert_close_to_ref, run_world
 
 H, F, E = 16, 24, 8
 
-# (name, MoEConfig overrides, tokens per rank (callable of rank), routing override)
-CASES = [
-    ("dropless", {}, lambda r: 12, None),
-    ("padded-no-capacity", {"dispatcher": "padded"}, lambda r: 12, None),
-    (
-        "padded-capacity-drops",
-        {"dispatcher": "padded", "capacity_factor": 0.75},
-        lambda r: 12,
-        None,
-    ),
-    ("dropless-capacity-drops", {"capacity_factor": 0.75}, lambda r: 12, None),
-    # capacity >= any load: padded must equal dropless (compared in the parent)
-    ("padded-capacity-large", {"dispatcher": "padded", "capacity_factor": 4.0}, lambda r: 12, None),
+# Routing scenarios: (name, MoEConfig overrides, tokens per rank (callable of rank), routing).
+# Every registered strategy runs every scenario: nothing below branches on a strategy's name.
+SCENARIOS = [
+    ("default", {}, lambda r: 12, None),
+    ("capacity-drops", {"capacity_factor": 0.75}, lambda r: 12, None),
+    ("capacity-large", {"capacity_factor": 4.0}, lambda r: 12, None),  # >= any load: no drops
     (
         "sigmoid-gelu-unnormalised",
         {"score_func": "sigmoid", "activation": "gelu", "normalize_topk": False},
@@ -43,14 +37,17 @@ CASES = [
     ),
     # uneven batches, and rank 1 has no tokens at all
     ("rank-without-tokens", {}, lambda r: 0 if r == 1 else 5 + 3 * r, None),
-    ("rank-without-tokens-padded", {"dispatcher": "padded"}, lambda r: 0 if r == 1 else 7, None),
     # every token to experts 0 and 1 (rank 0): all other ranks receive zero tokens
     ("all-to-one-rank", {}, lambda r: 9, "one_rank"),
-    ("all-to-one-rank-padded", {"dispatcher": "padded"}, lambda r: 9, "one_rank"),
     # top-1: literally every token to expert 0
     ("all-to-one-expert", {"top_k": 1}, lambda r: 9, "one_rank"),
     ("one-token-per-rank", {}, lambda r: 1, None),
     ("k-equals-E", {"top_k": E}, lambda r: 6, None),
+]
+CASES = [
+    (f"{scenario}/{strategy}", {**overrides, "dispatcher": strategy}, tokens, routing)
+    for strategy in strategy_names()
+    for scenario, overrides, tokens, routing in SCENARIOS
 ]
 
 
@@ -127,16 +124,17 @@ def ep_worker(rank: int, world: int) -> dict:
             for p, x in enumerate(xs)
         ]
         x = xs[rank].clone().requires_grad_()
+        before = layer.ep.traffic.snapshot()
         y = layer(x)
-        ((y * gs[rank]).sum() + layer.aux_loss).backward()
+        after = layer.ep.traffic.snapshot()
+        aux = moesaic.aux_loss(layer)
+        ((y * gs[rank]).sum() + aux).backward()
 
         ref = _reference_world(cfg, sd, xs, gs)
         (y32, a32, gx32, gw32), (y64, a64, gx64, gw64) = ref[torch.float32], ref[torch.float64]
         tag = f"{name} rank {rank}"
         assert_close_to_ref(y.detach(), y32[rank].detach(), y64[rank].detach(), f"{tag} y")
-        assert_close_to_ref(
-            layer.aux_loss.detach(), a32[rank].detach(), a64[rank].detach(), f"{tag} aux"
-        )
+        assert_close_to_ref(aux.detach(), a32[rank].detach(), a64[rank].detach(), f"{tag} aux")
         assert_close_to_ref(x.grad, gx32[rank], gx64[rank], f"{tag} x.grad")
         lo, hi = rank * E // world, (rank + 1) * E // world
         for pname in sd:
@@ -155,29 +153,18 @@ def ep_worker(rank: int, world: int) -> dict:
             router_grad, gw32["router.weight"], gw64["router.weight"], f"{tag} router.grad"
         )
 
-        # Bytes: recomputed here from the routing, exactly.
-        stats = layer.comm_stats
-        owner = layer.last_counts_E.new_tensor(range(E)) // (E // world)
-        plans = [layer.router(xp, world)[0] for xp in xs]
-        plan = plans[rank]
-        if cfg.dispatcher == "dropless":
-            kept_ids = plan.topk_ids_TK[plan.kept_TK]
-            off_rank_rows = int((owner[kept_ids] != rank).sum())
-            assert stats.dispatch_bytes == off_rank_rows * H * 4, tag
-            assert stats.padded_rows == 0, tag
-        else:
-            # C rows per expert from every rank: the capacity, else the largest load anywhere.
-            cap = plan.capacity
-            if cap is None:
-                cap = max(int(p.counts_E.max()) for p in plans)
-            assert stats.dispatch_bytes == (world - 1) * (E // world) * cap * H * 4, tag
-            assert stats.padded_rows == E * cap - int(plan.counts_E.sum()), tag
+        # The strategy's own accounting equals what the group actually sent, peer by peer.
+        stats = layer.take_stats()
+        sent_P = [b - a for a, b in zip(before[0], after[0])]
+        assert list(stats.comm.peer_bytes_P) == sent_P, tag
+        assert stats.comm.collectives == after[1] - before[1], tag
+        assert stats.comm.total_bytes == sum(sent_P), tag
+        assert stats.forwards == 1 and stats.tokens == x.shape[0], tag
         results[name] = {
             "y": y.detach(),
             "x_grad": x.grad,
             "w1_grad": layer.experts.w1.grad,
-            "bytes": stats.total_bytes,
-            "counts": layer.last_counts_E,
+            "counts": stats.counts_E,
         }
     return results
 
@@ -217,28 +204,25 @@ def test_ep_equals_reference_and_ep1(world):
             # EP = N and EP = 1 run the same fp32 ops on the same rows, grouped differently
             # into matmuls; CPU GEMM blocking may change the last bits, not more.
             torch.testing.assert_close(per_rank[r][name]["y"], ep1[name][r], rtol=1e-5, atol=1e-6)
-    # Padded with a capacity above every load computes what dropless computes.
-    for r in range(world):
-        torch.testing.assert_close(
-            per_rank[r]["padded-capacity-large"]["y"],
-            per_rank[r]["dropless"]["y"],
-            rtol=1e-5,
-            atol=1e-6,
-        )
-        torch.testing.assert_close(
-            per_rank[r]["padded-no-capacity"]["y"],
-            per_rank[r]["dropless"]["y"],
-            rtol=1e-5,
-            atol=1e-6,
-        )
+    # Without drops every strategy computes the same thing (same tolerance, same reason).
+    first, *others = strategy_names()
+    for scenario in ("default", "capacity-large", "rank-without-tokens", "all-to-one-rank"):
+        for other in others:
+            for r in range(world):
+                torch.testing.assert_close(
+                    per_rank[r][f"{scenario}/{other}"]["y"],
+                    per_rank[r][f"{scenario}/{first}"]["y"],
+                    rtol=1e-5,
+                    atol=1e-6,
+                )
     # Ranks 1.. receive nothing when every token goes to experts 0 and 1, yet took part.
-    for r in range(world):
-        counts = per_rank[r]["all-to-one-rank"]["counts"]
-        assert counts[2:].sum() == 0 and counts[:2].sum() == 9 * 2
-        assert per_rank[r]["all-to-one-expert"]["counts"].tolist() == [9] + [0] * (E - 1)
-        assert per_rank[r]["all-to-one-rank"]["w1_grad"].shape[0] == E // world
-    for r in range(1, world):
-        assert torch.count_nonzero(per_rank[r]["all-to-one-rank"]["w1_grad"]) == 0
-    # Padding costs bytes: padded never sends less than dropless on the same routing.
-    for r in range(world):
-        assert per_rank[r]["padded-no-capacity"]["bytes"] >= per_rank[r]["dropless"]["bytes"]
+    for strategy in strategy_names():
+        for r in range(world):
+            counts = per_rank[r][f"all-to-one-rank/{strategy}"]["counts"]
+            assert counts[2:].sum() == 0 and counts[:2].sum() == 9 * 2
+            one = per_rank[r][f"all-to-one-expert/{strategy}"]["counts"]
+            assert one.tolist() == [9] + [0] * (E - 1)
+            assert per_rank[r][f"all-to-one-rank/{strategy}"]["w1_grad"].shape[0] == E // world
+        for r in range(1, world):
+            w1_grad = per_rank[r][f"all-to-one-rank/{strategy}"]["w1_grad"]
+            assert torch.count_nonzero(w1_grad) == 0

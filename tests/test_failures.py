@@ -24,6 +24,7 @@ def _layer() -> moesaic.MoELayer:
 
 def absent_peer_worker(rank: int, world: int, mode: str):
     layer = _layer()
+    layer(torch.randn(3, 8))  # the first forward also checks that the ranks' dtypes agree
     if rank == 1:
         if mode == "dies":
             os._exit(17)  # killed: its sockets close under rank 0

@@ -19,7 +19,7 @@ def _compare_with_reference(cfg, x, seed=0):
     x = x.clone().requires_grad_()
     y = layer(x)
     g = torch.randn_like(y)
-    ((y * g).sum() + layer.aux_loss).backward()
+    ((y * g).sum() + moesaic.aux_loss(layer)).backward()
     refs = {}
     for dtype in (torch.float32, torch.float64):
         ref = ReferenceMoE.from_full_state_dict(cfg, sd).to(dtype)
@@ -70,7 +70,7 @@ def test_empty_batch_keeps_the_graph():
     layer = moesaic.MoELayer(cfg)
     x = torch.randn(0, 8, requires_grad=True)
     y = layer(x)
-    (y.sum() + layer.aux_loss).backward()
+    (y.sum() + moesaic.aux_loss(layer)).backward()
     assert y.shape == (0, 8)
     assert layer.experts.w1.grad is not None and torch.count_nonzero(layer.experts.w1.grad) == 0
 
@@ -87,10 +87,16 @@ def test_aux_loss_sums_over_a_model_and_expert_params_are_marked():
     cfg = moesaic.MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4)
     model = nn.Sequential(moesaic.MoELayer(cfg), nn.Linear(8, 8), moesaic.MoELayer(cfg))
     assert moesaic.aux_loss(model).item() == 0.0
-    model(torch.randn(5, 8))
-    want = model[0].aux_loss + model[2].aux_loss
-    assert torch.equal(moesaic.aux_loss(model), want)
-    assert moesaic.aux_loss(model).requires_grad
+    x1, x2 = torch.randn(5, 8), torch.randn(3, 8)
+    model(x1)
+    first = [model[i].stats.aux_loss.clone() for i in (0, 2)]
+    model(x2)  # a second forward (a microbatch chunk) adds, it does not overwrite
+    total = moesaic.aux_loss(model)
+    assert total.requires_grad
+    per_forward = [model[i].take_stats().aux_loss for i in (0, 2)]
+    torch.testing.assert_close(total.detach(), sum(per_forward), rtol=1e-6, atol=0)
+    assert all(p > f for p, f in zip(per_forward, first))  # both forwards are in the sum
+    assert moesaic.aux_loss(model).item() == 0.0  # read-and-reset: nothing pending now
     marked = {n for n, p in model.named_parameters() if moesaic.is_expert_param(p)}
     assert marked == {f"{i}.experts.{w}" for i in (0, 2) for w in ("w1", "w2", "w3")}
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moesaic
+from moesaic.placement import ExpertPlacement
 from moesaic.reference import ReferenceMoE
 from moesaic.routing import build_plan
 
@@ -29,7 +30,7 @@ def _random_ids(T, K, E, seed):
 def test_plan_counts_and_round_trip(T, K, E, P):
     ids = _random_ids(T, K, E, seed=T + K)
     weights = torch.rand(T, K)
-    plan = build_plan(ids, weights, E, ep_size=P)
+    plan = build_plan(ids, weights, ExpertPlacement.contiguous(E, P))
     assert int(plan.counts_E.sum()) == T * K
     assert torch.equal(plan.counts_E, torch.bincount(ids.reshape(-1), minlength=E))
     assert torch.equal(plan.send_counts_P, plan.counts_E.view(P, -1).sum(1))
@@ -38,7 +39,7 @@ def test_plan_counts_and_round_trip(T, K, E, P):
     assert torch.all(experts_N[1:] >= experts_N[:-1])
     # Permute then unpermute with unit weights sums each token's K copies: K * x.
     x = torch.arange(T * 3, dtype=torch.float64).view(T, 3) * 1000 + 1
-    ones = build_plan(ids, torch.ones(T, K), E, ep_size=P)
+    ones = build_plan(ids, torch.ones(T, K), ExpertPlacement.contiguous(E, P))
     assert torch.equal(ones.unpermute(ones.permute(x)), K * x)
     # With one-hot weights on choice 0 the round trip is the identity.
     first = build_plan(ids, torch.nn.functional.one_hot(torch.zeros(T, dtype=torch.long), K), E)

@@ -11,12 +11,12 @@ import math
 from dataclasses import dataclass
 
 from moesaic.checks import check_bool, check_non_negative, check_one_of, check_positive_int
+from moesaic.strategies.registry import strategy_names
 
 __all__ = ["ACTIVATIONS", "SCORE_FUNCS", "MoEConfig", "check_positive_int"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "gelu")
-DISPATCHERS = ("dropless", "padded")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -36,8 +36,9 @@ class MoEConfig:
         activation: "swiglu" (``w2(silu(x w1) * (x w3))``) or "gelu" (``w2(gelu(x w1))``).
         aux_loss_coef: weight of the GShard/Switch load-balancing loss.
         z_loss_coef: weight of the router z-loss (ST-MoE).
-        dispatcher: "dropless" (all-to-all-v of routed tokens only) or "padded" (capacity
-            all-to-all with zero padding, the GShard/DeepSpeed baseline).
+        dispatcher: the execution strategy, a name of ``moesaic.strategies.strategy_names()``:
+            "dropless" (all-to-all-v of routed tokens only) or "padded" (capacity all-to-all
+            with zero padding, the GShard/DeepSpeed baseline) built in.
         collective_timeout_s: every collective the layer issues fails with a clear error after
             this many seconds instead of hanging.
         init_std: std of the normal init of the router; experts use 1/sqrt(fan_in). None: 0.02.
@@ -66,7 +67,7 @@ class MoEConfig:
             raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         check_one_of("score_func", self.score_func, SCORE_FUNCS)
         check_one_of("activation", self.activation, ACTIVATIONS)
-        check_one_of("dispatcher", self.dispatcher, DISPATCHERS)
+        check_one_of("dispatcher", self.dispatcher, strategy_names())
         check_bool("normalize_topk", self.normalize_topk)
         if self.capacity_factor is not None:
             check_non_negative("capacity_factor", self.capacity_factor)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -119,16 +120,16 @@ class GroupedExperts(nn.Module):
 
     Args:
         config: the layer config.
-        num_local_experts: e.
-        first_expert: global id of local expert 0 (rank * e).
+        expert_ids: global ids of the local experts, in local order (e of them; ``range(r*e,
+            (r+1)*e)`` on rank r with the default contiguous placement).
     """
 
-    def __init__(self, config: MoEConfig, num_local_experts: int, first_expert: int) -> None:
+    def __init__(self, config: MoEConfig, expert_ids: Sequence[int]) -> None:
         super().__init__()
         self.config = config
-        self.num_local_experts = num_local_experts
-        self.first_expert = first_expert
-        H, Fh, e = config.hidden_size, config.ffn_hidden_size, num_local_experts
+        self.expert_ids = tuple(expert_ids)
+        self.num_local_experts = len(self.expert_ids)
+        H, Fh, e = config.hidden_size, config.ffn_hidden_size, self.num_local_experts
         self.w1 = nn.Parameter(torch.empty(e, H, Fh))
         self.w3 = nn.Parameter(torch.empty(e, H, Fh)) if config.activation == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(e, Fh, H))
@@ -136,12 +137,21 @@ class GroupedExperts(nn.Module):
             # Data-parallel code keeps these out of the all-reduce over the EP group (see docs).
             p._moesaic_expert = True
 
+    @property
+    def first_expert(self) -> int:
+        """Global id of local expert 0; the local experts must be consecutive ids."""
+        if self.expert_ids != tuple(
+            range(self.expert_ids[0], self.expert_ids[0] + self.num_local_experts)
+        ):
+            raise ValueError(f"local experts {self.expert_ids} are not consecutive ids")
+        return self.expert_ids[0]
+
     @torch.no_grad()
     def reset_parameters(self, base_seed: int) -> None:
         """Init each expert from its own generator so EP size never changes the weights."""
         H, Fh = self.config.hidden_size, self.config.ffn_hidden_size
         for i in range(self.num_local_experts):
-            gen = torch.Generator().manual_seed(expert_seed(base_seed, self.first_expert + i))
+            gen = torch.Generator().manual_seed(expert_seed(base_seed, self.expert_ids[i]))
             for w, fan_in in ((self.w1, H), (self.w3, H), (self.w2, Fh)):
                 if w is None:
                     continue

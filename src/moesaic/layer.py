@@ -13,54 +13,128 @@ gradient must be all-reduced across all ranks. See docs/architecture.md.
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from moesaic.comm.agree import check_ranks_agree
 from moesaic.comm.collectives import EPGroup
-from moesaic.comm.dispatchers import CommStats, make_dispatcher
 from moesaic.config import MoEConfig
 from moesaic.experts import GroupedExperts
+from moesaic.placement import ExpertPlacement
 from moesaic.routing import Router
+from moesaic.strategies import make_strategy
+from moesaic.strategies.base import CommStats, StrategyContext
+
+if TYPE_CHECKING:
+    from moesaic.cluster.spec import ClusterSpec
 
 EXPERT_PARAMS = ("w1", "w3", "w2")
+# Forwards whose aux loss was never read before a warning (a training loop that never calls
+# moesaic.aux_loss(model) keeps every step's router graph alive through the pending sum).
+_UNREAD_AUX_WARN = 1024
+
+
+@dataclass(slots=True)
+class LayerStats:
+    """What the forwards of one layer did since its statistics were last taken.
+
+    Several forwards (microbatch chunks of one step, gradient-accumulation steps, evaluation)
+    add up: ``forwards`` counts them, ``counts_E`` sums the kept assignments per expert on this
+    rank, ``comm`` sums the communication (``CommStats.__add__``) and ``aux_loss`` sums the
+    weighted aux + z losses (detached, kept as a tensor: no device sync per forward; the
+    differentiable sum is ``moesaic.aux_loss``).
+    """
+
+    forwards: int = 0
+    tokens: int = 0
+    counts_E: torch.Tensor | None = None
+    comm: CommStats = field(default_factory=CommStats)
+    aux_loss: torch.Tensor | None = None
+
+    def add(self, tokens: int, counts_E: torch.Tensor, comm: CommStats, aux: torch.Tensor) -> None:
+        self.forwards += 1
+        self.tokens += tokens
+        counts, aux = counts_E.detach(), aux.detach()
+        self.counts_E = counts.clone() if self.counts_E is None else self.counts_E + counts
+        self.aux_loss = aux.clone() if self.aux_loss is None else self.aux_loss + aux
+        self.comm = self.comm + comm
 
 
 class MoELayer(nn.Module):
     """A mixture-of-experts feed-forward layer with expert parallelism.
 
     Args:
-        config: layer shape and behaviour.
+        config: layer shape and behaviour; ``config.dispatcher`` names the execution strategy
+            (see ``moesaic.strategies.strategy_names()``).
         group: the expert-parallel process group; None = the default world when
             torch.distributed is initialised, else a single process holding all experts.
+        placement: which rank holds which expert; None = contiguous (rank p holds experts
+            ``[p*e, (p+1)*e)``).
+        topology: the cluster description, for strategies that plan by the network.
+        plans: precompiled plans, for strategies that execute them.
 
-    After ``forward``, ``aux_loss`` holds that forward's weighted load-balancing + z-loss (a
-    scalar in the graph), ``last_counts_E`` the kept assignments per expert on this rank and
-    ``comm_stats`` the bytes the dispatcher sent.
+    Per-forward state adds up until it is read: every forward adds its weighted aux + z loss
+    to a pending sum that ``moesaic.aux_loss(model)`` returns and clears (read once per
+    backward, after all the forwards that backward covers), and its load and communication to
+    ``stats`` (``take_stats()`` returns and clears them).
     """
 
-    def __init__(self, config: MoEConfig, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        group: dist.ProcessGroup | None = None,
+        *,
+        placement: ExpertPlacement | None = None,
+        topology: ClusterSpec | None = None,
+        plans: Any = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.ep = EPGroup(group, config.collective_timeout_s)
         config.check_ep_size(self.ep.size)
-        self.num_local_experts = config.num_experts // self.ep.size
+        if placement is None:
+            placement = ExpertPlacement.contiguous(config.num_experts, self.ep.size)
+        if placement.num_experts != config.num_experts or placement.ep_size != self.ep.size:
+            raise ValueError(
+                f"placement is for {placement.num_experts} experts on {placement.ep_size} ranks; "
+                f"the layer has num_experts ({config.num_experts}) on {self.ep.size} ranks"
+            )
+        if self.ep.size > 1:
+            # Another num_experts or ffn size on one rank would abort gloo or run silently wrong.
+            fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
+            fields["placement"] = placement.experts_of_rank
+            check_ranks_agree(fields, group=group, timeout_s=self.ep.timeout_s, what="MoELayer")
+        self._agreed_dtypes: tuple[torch.dtype, torch.dtype] | None = None
+        self.placement = placement
+        self.num_local_experts = placement.num_local
         self.router = Router(config)
-        self.experts = GroupedExperts(
-            config, self.num_local_experts, self.ep.rank * self.num_local_experts
-        )
-        self.dispatcher = make_dispatcher(config.dispatcher, self.ep, config.num_experts)
-        self.aux_loss: torch.Tensor | None = None
-        self.last_counts_E: torch.Tensor | None = None
+        self.experts = GroupedExperts(config, placement.local_experts(self.ep.rank))
+        ctx = StrategyContext(config, self.ep, placement, topology=topology, plans=plans)
+        self.strategy = make_strategy(config.dispatcher, ctx)
+        self.stats = LayerStats()
+        self._pending_aux: torch.Tensor | None = None
+        self._unread_aux = 0
         self.reset_parameters()
 
     @property
     def ep_size(self) -> int:
         return self.ep.size
 
-    @property
-    def comm_stats(self) -> CommStats:
-        return self.dispatcher.stats
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The weighted aux + z loss of every forward since the last call (in the graph), or
+        None when there was none; clears it. ``moesaic.aux_loss(model)`` calls this."""
+        aux, self._pending_aux, self._unread_aux = self._pending_aux, None, 0
+        return aux
+
+    def take_stats(self) -> LayerStats:
+        """The statistics of every forward since the last call; clears them."""
+        stats, self.stats = self.stats, LayerStats()
+        return stats
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -87,13 +161,42 @@ class MoELayer(nn.Module):
                 f"hidden_size ({H})"
             )
         x_TH = x.reshape(-1, H)
-        plan, aux = self.router(x_TH, self.ep.size)
-        self.aux_loss = aux
-        self.last_counts_E = plan.counts_E.detach()
-        x_MH, handle = self.dispatcher.dispatch(x_TH, plan)
-        y_MH = self.experts(x_MH, handle.counts_e)
-        y_TH = self.dispatcher.combine(y_MH, handle)
-        return y_TH.to(x.dtype).view(x.shape)
+        self._check_dtypes_agree(x_TH)
+        plan, aux = self.router(x_TH, self.placement)
+        out = self.strategy.forward(x_TH, plan, self.experts)
+        self._add_aux(aux)
+        self.stats.add(x_TH.shape[0], plan.counts_E, out.stats, aux)
+        return out.y_TH.to(x.dtype).view(x.shape)
+
+    def _check_dtypes_agree(self, x_TH: torch.Tensor) -> None:
+        """Once (on the first forward): every rank runs the same activation and weight dtypes.
+
+        Rows of another dtype would be all-to-all'ed as a different number of bytes (gloo
+        aborts the process). Later dtype changes are not re-checked: that would be a collective
+        that only the changed rank enters.
+        """
+        dtypes = (x_TH.dtype, self.experts.w1.dtype)
+        if self._agreed_dtypes is None and self.ep.size > 1:
+            check_ranks_agree(
+                {"input dtype": dtypes[0], "expert weight dtype": dtypes[1]},
+                group=self.ep.group,
+                timeout_s=self.ep.timeout_s,
+                what="MoELayer forward",
+            )
+        self._agreed_dtypes = dtypes
+
+    def _add_aux(self, aux: torch.Tensor) -> None:
+        if not aux.requires_grad:  # evaluation: nothing to keep alive, only the value
+            aux = aux.detach()
+        self._pending_aux = aux if self._pending_aux is None else self._pending_aux + aux
+        self._unread_aux += 1
+        if self._unread_aux == _UNREAD_AUX_WARN and self._pending_aux.requires_grad:
+            warnings.warn(
+                f"MoELayer: {_UNREAD_AUX_WARN} forwards added aux losses that were never read; "
+                "call moesaic.aux_loss(model) once per backward (it returns and clears them), "
+                "or the router graphs of every step stay in memory",
+                stacklevel=3,
+            )
 
     # ---- EP-size-independent state ---------------------------------------------------------
 
@@ -104,12 +207,15 @@ class MoELayer(nn.Module):
         ``experts.w2`` [E, F, H]. A collective: every rank of the group must call it.
         """
         sd = {"router.weight": self.router.weight.detach().clone()}
+        # The gather is in slot order (rank-major); put experts back in global-id order.
+        slot_E = self.placement.slot_tensor()
         for name in EXPERT_PARAMS:
             w = getattr(self.experts, name)
             if w is not None:
-                sd[f"experts.{name}"] = self.ep.all_gather_dim0(
+                by_slot = self.ep.all_gather_dim0(
                     w.detach(), f"full_state_dict gather of experts.{name}"
                 )
+                sd[f"experts.{name}"] = by_slot.index_select(0, slot_E.to(by_slot.device))
         return sd
 
     @torch.no_grad()
@@ -123,8 +229,7 @@ class MoELayer(nn.Module):
                 f"unexpected {sorted(extra)}"
             )
         self._copy_checked("router.weight", self.router.weight, sd["router.weight"])
-        lo = self.ep.rank * self.num_local_experts
-        hi = lo + self.num_local_experts
+        local = torch.tensor(self.experts.expert_ids, dtype=torch.long)
         for name in EXPERT_PARAMS:
             w = getattr(self.experts, name)
             if w is None:
@@ -136,7 +241,7 @@ class MoELayer(nn.Module):
                     f"experts.{name} has shape {tuple(full.shape)}, must be {want} "
                     "(all experts, as full_state_dict() returns)"
                 )
-            w.copy_(full[lo:hi])
+            w.copy_(full.index_select(0, local.to(full.device)))
 
     def full_state_keys(self) -> list[str]:
         keys = ["router.weight"]
@@ -151,12 +256,20 @@ class MoELayer(nn.Module):
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:
-    """Sum of the last forward's ``aux_loss`` over every MoELayer in ``model``."""
-    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoELayer)]
-    losses = [loss for loss in losses if loss is not None]
-    if not losses:
+    """The aux + z losses of every MoELayer in ``model``, summed over every forward since the
+    last call, which they are cleared by: call it once per backward, after all its forwards.
+
+    Rule for several forwards per backward: their losses add. Each forward's loss is computed
+    over that forward's tokens, so a schedule that splits one batch into R chunks and wants the
+    whole-batch scale divides by R (as it does its task loss); the balance loss is not linear in
+    the tokens, so the chunked sum equals the whole-batch loss only to first order (FlowMoE
+    App. H). A scalar zero when no forward ran.
+    """
+    losses = [m.take_aux_loss() for m in model.modules() if isinstance(m, MoELayer)]
+    present = [loss for loss in losses if loss is not None]
+    if not present:
         return torch.zeros(())
-    return torch.stack(losses).sum()
+    return torch.stack(present).sum()
 
 
 def is_expert_param(param: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moesaic.config import MoEConfig
+from moesaic.placement import ExpertPlacement
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +34,13 @@ class RoutingPlan:
         topk_weights_TK: their combine weights (fp32, in the autograd graph).
         kept_TK: False where the assignment was dropped by the capacity.
         counts_E: kept assignments per global expert (int64); sums to N.
-        order_N: flat assignment indices ``t * K + k`` of the kept assignments, sorted by expert
-            and, within an expert, by token (a stable sort). ``x_TH[order_N // K]`` is the
+        order_N: flat assignment indices ``t * K + k`` of the kept assignments, sorted by
+            dispatch slot (destination rank, then local expert; see ``ExpertPlacement``) and,
+            within an expert, by token (a stable sort). ``x_TH[order_N // K]`` is the
             expert-grouped input.
-        send_counts_P: rows sent to each rank of the expert-parallel group (experts are
-            placed contiguously: rank p owns experts ``[p*e, (p+1)*e)``).
+        counts_Pe: kept assignments per (destination rank, local expert), the order of
+            ``order_N``; ``counts_Pe.sum(1)`` are the rows sent to each rank.
+        placement: which rank holds which expert.
         capacity: slots per expert, or None when dropless.
     """
 
@@ -46,7 +49,8 @@ class RoutingPlan:
     kept_TK: torch.Tensor
     counts_E: torch.Tensor
     order_N: torch.Tensor
-    send_counts_P: torch.Tensor
+    counts_Pe: torch.Tensor
+    placement: ExpertPlacement
     capacity: int | None
 
     @property
@@ -56,6 +60,16 @@ class RoutingPlan:
     @property
     def top_k(self) -> int:
         return self.topk_ids_TK.shape[1]
+
+    @property
+    def send_counts_P(self) -> torch.Tensor:
+        """Rows sent to each rank of the expert-parallel group [P]."""
+        return self.counts_Pe.sum(dim=1)
+
+    @property
+    def expert_N(self) -> torch.Tensor:
+        """Global expert of each expert-grouped row."""
+        return self.topk_ids_TK.reshape(-1).index_select(0, self.order_N)
 
     @property
     def token_idx_N(self) -> torch.Tensor:
@@ -87,11 +101,20 @@ class RoutingPlan:
 def build_plan(
     topk_ids_TK: torch.Tensor,
     topk_weights_TK: torch.Tensor,
-    num_experts: int,
-    ep_size: int = 1,
+    placement: ExpertPlacement | int,
     capacity: int | None = None,
 ) -> RoutingPlan:
-    """Sort assignments by expert, apply the capacity, count rows per expert and per rank."""
+    """Sort assignments by dispatch slot, apply the capacity, count rows per expert and rank.
+
+    Args:
+        topk_ids_TK: chosen global expert ids.
+        topk_weights_TK: their combine weights.
+        placement: where the experts are; an int E means all E experts on one rank.
+        capacity: slots per expert (per source rank), or None for dropless.
+    """
+    if not isinstance(placement, ExpertPlacement):
+        placement = ExpertPlacement.contiguous(placement, 1)
+    num_experts = placement.num_experts
     T, K = topk_ids_TK.shape
     device = topk_ids_TK.device
     flat_ids = topk_ids_TK.reshape(-1)
@@ -106,19 +129,21 @@ def build_plan(
         kept_KT = torch.empty_like(kept_flat)
         kept_KT[perm] = rank_in_expert < capacity
         kept_flat = kept_KT.view(K, T).t().reshape(-1)
-    # Dropped assignments sort to the end (key E) and are cut off.
-    keys = torch.where(kept_flat, flat_ids, torch.full_like(flat_ids, num_experts))
+    # Sort by dispatch slot (the expert id itself when experts sit contiguously); dropped
+    # assignments sort to the end (key E) and are cut off.
+    slots = flat_ids if placement.is_contiguous else placement.slot_tensor(device)[flat_ids]
+    keys = torch.where(kept_flat, slots, torch.full_like(flat_ids, num_experts))
     order = torch.sort(keys, stable=True).indices
     counts_E = torch.bincount(flat_ids[kept_flat], minlength=num_experts)
     order_N = order[: int(counts_E.sum())]
-    send_counts_P = counts_E.view(ep_size, num_experts // ep_size).sum(dim=1)
     return RoutingPlan(
         topk_ids_TK=topk_ids_TK,
         topk_weights_TK=topk_weights_TK,
         kept_TK=kept_flat.view(T, K),
         counts_E=counts_E,
         order_N=order_N,
-        send_counts_P=send_counts_P,
+        counts_Pe=placement.counts_Pe(counts_E),
+        placement=placement,
         capacity=capacity,
     )
 
@@ -162,8 +187,13 @@ class Router(nn.Module):
             return logits_TE, torch.softmax(logits_TE, dim=-1)
         return logits_TE, torch.sigmoid(logits_TE)
 
-    def forward(self, x_TH: torch.Tensor, ep_size: int = 1) -> tuple[RoutingPlan, torch.Tensor]:
-        """Route ``x_TH``; returns the plan and the weighted aux + z loss (a scalar)."""
+    def forward(
+        self, x_TH: torch.Tensor, placement: ExpertPlacement | None = None
+    ) -> tuple[RoutingPlan, torch.Tensor]:
+        """Route ``x_TH`` to experts placed by ``placement`` (None: all on this rank).
+
+        Returns the plan and the weighted aux + z loss (a scalar).
+        """
         cfg = self.config
         logits_TE, scores_TE = self.scores(x_TH)
         topk_scores_TK, topk_ids_TK = torch.topk(scores_TE, cfg.top_k, dim=-1)
@@ -179,8 +209,7 @@ class Router(nn.Module):
         plan = build_plan(
             topk_ids_TK,
             weights_TK,
-            cfg.num_experts,
-            ep_size=ep_size,
+            placement if placement is not None else cfg.num_experts,
             capacity=cfg.capacity(x_TH.shape[0]),
         )
         return plan, aux

@@ -24,10 +24,10 @@ import torch
 from moesaic.bench.meta import run_metadata, summarize, time_calls
 from moesaic.comm.world import run_world
 from moesaic.config import MoEConfig
-from moesaic.layer import MoELayer
+from moesaic.layer import LayerStats, MoELayer, aux_loss
+from moesaic.strategies import strategy_names
 
 ROUTINGS = ("uniform", "skewed")
-DISPATCHERS = ("dropless", "padded")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,7 +107,7 @@ def _train_step(module, x: torch.Tensor, g: torch.Tensor) -> None:
     y = y[0] if isinstance(y, tuple) else y
     loss = (y * g).sum()
     if isinstance(module, MoELayer):
-        loss = loss + module.aux_loss
+        loss = loss + aux_loss(module)
     loss.backward()
     module.zero_grad(set_to_none=True)
 
@@ -126,6 +126,20 @@ def _gemm_gflops(bench: LayerBench) -> float:
     return 2 * rows * bench.hidden_size * bench.ffn_hidden_size / sorted(times)[10] / 1e9
 
 
+def _per_forward(stats: LayerStats) -> tuple[torch.Tensor, dict]:
+    """Counts per expert and communication of one forward, from the sum over identical ones."""
+    n = stats.forwards
+    assert stats.counts_E is not None and n > 0
+    comm = stats.comm
+    return stats.counts_E // n, {
+        "bytes_per_forward": comm.total_bytes // n,
+        "payload_bytes": (comm.dispatch_bytes + comm.combine_bytes) // n,
+        "padded_rows": comm.padded_rows // n,
+        "collectives": comm.collectives // n,
+        "peer_bytes_P": [b // n for b in comm.peer_bytes_P],
+    }
+
+
 def _load_stats(counts_E: torch.Tensor) -> dict:
     mean = counts_E.float().mean().item()
     return {"max_over_mean": counts_E.max().item() / mean if mean else 0.0}
@@ -136,19 +150,17 @@ def ep_worker(rank: int, world: int, bench: LayerBench) -> dict:
     out = {}
     for routing in ROUTINGS:
         x, g = _inputs(bench, routing, rank)
-        for dispatcher in DISPATCHERS:
+        for dispatcher in strategy_names():
             layer = _layer(bench, dispatcher, routing)
             times = time_calls(partial(_train_step, layer, x, g), bench.iters, bench.warmup)
-            counts = layer.last_counts_E.clone()
+            counts, stats = _per_forward(layer.take_stats())
             torch.distributed.all_reduce(counts)
-            stats = layer.comm_stats
+            collectives = stats.pop("collectives")
             out[f"{dispatcher}/{routing}"] = {
                 "times": times,
-                "bytes_per_forward": stats.total_bytes,
-                "payload_bytes": stats.dispatch_bytes + stats.combine_bytes,
-                "padded_rows": stats.padded_rows,
-                "collectives_per_step": stats.collectives + 2 if world > 1 else 0,
-                "peer_bytes_P": stats.peer_bytes_P,
+                **stats,
+                # the backward repeats the two all-to-alls of rows
+                "collectives_per_step": collectives + 2 if world > 1 else 0,
                 "load": _load_stats(counts),
             }
     return out
@@ -185,7 +197,7 @@ def _single_process(bench: LayerBench) -> dict:
     out = {}
     for routing in ROUTINGS:
         x, g = _inputs(bench, routing, 0)
-        peers = {d: _layer(bench, d, routing) for d in DISPATCHERS}
+        peers = {d: _layer(bench, d, routing) for d in strategy_names()}
         if bench.with_transformers:
             from moesaic.interop.hf import mixtral_block_from_layer
 
@@ -200,9 +212,10 @@ def _single_process(bench: LayerBench) -> dict:
         for name, module in peers.items():
             entry: dict = {"times": times[name]}
             if isinstance(module, MoELayer):
-                entry["bytes_per_forward"] = module.comm_stats.total_bytes
-                entry["padded_rows"] = module.comm_stats.padded_rows
-                entry["load"] = _load_stats(module.last_counts_E)
+                counts, stats = _per_forward(module.take_stats())
+                entry["bytes_per_forward"] = stats["bytes_per_forward"]
+                entry["padded_rows"] = stats["padded_rows"]
+                entry["load"] = _load_stats(counts)
             out[f"{name}/{routing}"] = entry
     return out
 

@@ -8,6 +8,8 @@ Every call is issued asynchronously and waited on with ``collective_timeout_s``:
 from __future__ import annotations
 
 import datetime
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,23 @@ import torch.distributed as dist
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out: a peer died, hung, or took another code path."""
+
+
+@dataclass(slots=True)
+class Traffic:
+    """Bytes this process handed to collectives per destination rank, and how many it issued.
+
+    Counted where the collectives are issued (from the tensors and splits actually passed), so it
+    is an independent check of every strategy's own ``CommStats`` accounting. An all-reduce or
+    all-gather counts its whole input once per peer (the size of the message, not of a
+    particular algorithm's traffic).
+    """
+
+    peer_bytes_P: list[int] = field(default_factory=list)
+    collectives: int = 0
+
+    def snapshot(self) -> tuple[tuple[int, ...], int]:
+        return tuple(self.peer_bytes_P), self.collectives
 
 
 class EPGroup:
@@ -34,6 +53,13 @@ class EPGroup:
         self.group = group if self.active else None
         self.size = dist.get_world_size(self.group) if self.active else 1
         self.rank = dist.get_rank(self.group) if self.active else 0
+        self.traffic = Traffic([0] * self.size)
+
+    def _count(self, bytes_P: list[int]) -> None:
+        self.traffic.collectives += 1
+        for p, b in enumerate(bytes_P):
+            if p != self.rank:
+                self.traffic.peer_bytes_P[p] += b
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
         if work is None:
@@ -59,6 +85,9 @@ class EPGroup:
         if self.size == 1:
             output.copy_(input)
             return output
+        row_bytes = math.prod(input.shape[1:]) * input.element_size()
+        rows_P = input_splits or [input.shape[0] // self.size] * self.size
+        self._count([rows * row_bytes for rows in rows_P])
         work = dist.all_to_all_single(
             output, input, output_splits, input_splits, group=self.group, async_op=True
         )
@@ -69,6 +98,7 @@ class EPGroup:
         self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, what: str = ""
     ) -> torch.Tensor:
         if self.size > 1:
+            self._count([tensor.numel() * tensor.element_size()] * self.size)
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
             self._wait(work, what or "all_reduce")
         return tensor
@@ -77,6 +107,7 @@ class EPGroup:
         """Concatenate equal-shaped tensors of all ranks along dim 0, in rank order."""
         if self.size == 1:
             return tensor.clone()
+        self._count([tensor.numel() * tensor.element_size()] * self.size)
         out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
         # all_gather_single replaces all_gather_into_tensor in newer torch; both exist in 2.4+.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,0 +1,72 @@
+"""``dropless``: payload-efficient all-to-all-v (FlashDMoE §5.4): only routed rows travel.
+
+Shape legend: T tokens, H hidden, e local experts, P ranks, N rows this rank sends, M rows it
+receives. Counts go first (one small all-to-all of ``[P, e]`` int64), then the rows with exact
+splits; the backward of each row all-to-all is the all-to-all of the gradients with the splits
+swapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moesaic.comm.collectives import all_to_all_v
+from moesaic.routing import RoutingPlan
+from moesaic.strategies.base import CommStats, DispatchCombineStrategy
+
+
+@dataclass(frozen=True, slots=True)
+class DroplessHandle:
+    """What combine needs: the plan, the regroup permutation and the two splits."""
+
+    plan: RoutingPlan
+    regroup_M: torch.Tensor  # received row order (source, expert) -> (expert, source)
+    in_splits_P: list[int]  # rows this rank sent to each rank
+    out_splits_P: list[int]  # rows this rank received from each rank
+
+
+class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
+    """All-to-all-v of the kept rows, no padding; experts see (local expert, source rank) order."""
+
+    name = "dropless"
+
+    def dispatch(self, x_TH, plan):
+        P, e = self.group.size, self.placement.num_local
+        x_NH = plan.permute(x_TH)
+        send_counts_Pe = plan.counts_Pe
+        recv_counts_Pe = torch.empty_like(send_counts_Pe)
+        self.group.all_to_all_single(recv_counts_Pe, send_counts_Pe, what="dispatch counts")
+        in_splits = send_counts_Pe.sum(dim=1).tolist()
+        out_splits = recv_counts_Pe.sum(dim=1).tolist()
+        x_recv_MH = all_to_all_v(x_NH, self.group, in_splits, out_splits, "dispatch all_to_all_v")
+        # Received rows are ordered (source rank, local expert); the experts want them
+        # (local expert, source rank): a stable sort of the segment keys.
+        seg_keys = torch.arange(e).repeat(P) * P + torch.arange(P).repeat_interleave(e)
+        row_keys_M = seg_keys.repeat_interleave(recv_counts_Pe.reshape(-1).cpu())
+        regroup_M = torch.sort(row_keys_M, stable=True).indices.to(x_TH.device)
+        x_MH = x_recv_MH.index_select(0, regroup_M)
+        row_bytes = x_TH.shape[-1] * x_TH.element_size()
+        meta_peer = self.to_every_peer(e * send_counts_Pe.element_size())
+        peer_bytes = self.peer_bytes(in_splits, out_splits, row_bytes)
+        stats = CommStats(
+            dispatch_bytes=self.off_rank(in_splits) * row_bytes,
+            combine_bytes=self.off_rank(out_splits) * row_bytes,
+            meta_bytes=sum(meta_peer),
+            dropped_rows=plan.kept_TK.numel() - plan.order_N.numel(),
+            collectives=3 if P > 1 else 0,
+            peer_bytes_P=tuple(a + b for a, b in zip(peer_bytes, meta_peer)),
+        )
+        counts_e = recv_counts_Pe.sum(dim=0).tolist()
+        return x_MH, counts_e, DroplessHandle(plan, regroup_M, in_splits, out_splits), stats
+
+    def combine(self, y_MH, handle):
+        regroup_M = handle.regroup_M
+        inverse_M = torch.empty_like(regroup_M)
+        inverse_M[regroup_M] = torch.arange(regroup_M.numel(), device=regroup_M.device)
+        y_recv_MH = y_MH.index_select(0, inverse_M)
+        y_NH = all_to_all_v(
+            y_recv_MH, self.group, handle.out_splits_P, handle.in_splits_P, "combine all_to_all_v"
+        )
+        return handle.plan.unpermute(y_NH)

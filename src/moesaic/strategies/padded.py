@@ -1,0 +1,81 @@
+"""``padded``: capacity all-to-all with zero padding, the GShard/DeepSpeed "vanilla EP" baseline.
+
+Shape legend: T tokens, H hidden, E experts, e local experts, P ranks, C capacity, N kept rows.
+Every expert gets C rows from every rank: the capacity when ``capacity_factor`` is set (overflow
+already dropped by the plan), else the largest per-expert load in the group (one all-reduce
+MAX), so nothing is dropped. Experts compute on the padding too (a zero row maps to a zero row:
+no biases): that and the padded bytes are the cost this baseline pays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moesaic.comm.collectives import all_to_all_v
+from moesaic.routing import RoutingPlan
+from moesaic.strategies.base import CommStats, DispatchCombineStrategy
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedHandle:
+    """What combine needs: the plan, the capacity and each kept row's slot in the buffer."""
+
+    plan: RoutingPlan
+    capacity: int
+    slots_N: torch.Tensor  # row of the [P*e*C] send buffer holding each kept assignment
+
+
+class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
+    """Equal-split all-to-all of a ``[P*e*C, H]`` zero-padded buffer per rank."""
+
+    name = "padded"
+
+    def dispatch(self, x_TH, plan):
+        P, e, E = self.group.size, self.placement.num_local, self.placement.num_experts
+        H = x_TH.shape[-1]
+        meta_peer = self.to_every_peer(0)
+        if plan.capacity is not None:
+            C = plan.capacity
+        else:
+            load = plan.counts_E.max().reshape(1)
+            C = int(self.group.all_reduce(load, dist.ReduceOp.MAX, "padded max load"))
+            meta_peer = self.to_every_peer(load.element_size())
+        x_NH = plan.permute(x_TH)
+        slots_N = self._slots(plan, C)
+        buf_ECH = x_NH.new_zeros(E * C, H).index_copy(0, slots_N, x_NH)
+        recv = all_to_all_v(buf_ECH, self.group, [e * C] * P, [e * C] * P, "padded all_to_all")
+        # (source rank, local expert, slot) -> (local expert, source rank, slot)
+        x_MH = recv.view(P, e, C, H).transpose(0, 1).reshape(e * P * C, H)
+        row_bytes = H * x_TH.element_size()
+        off_rank_rows = (P - 1) * e * C
+        peer_bytes = self.peer_bytes([e * C] * P, [e * C] * P, row_bytes)
+        stats = CommStats(
+            dispatch_bytes=off_rank_rows * row_bytes,
+            combine_bytes=off_rank_rows * row_bytes,
+            meta_bytes=sum(meta_peer),
+            padded_rows=E * C - x_NH.shape[0],
+            dropped_rows=plan.kept_TK.numel() - plan.order_N.numel(),
+            collectives=(2 if plan.capacity is not None else 3) if P > 1 else 0,
+            peer_bytes_P=tuple(a + b for a, b in zip(peer_bytes, meta_peer)),
+        )
+        return x_MH, [P * C] * e, PaddedHandle(plan, C, slots_N), stats
+
+    def combine(self, y_MH, handle):
+        P, e, C = self.group.size, self.placement.num_local, handle.capacity
+        H = y_MH.shape[-1]
+        y_send = y_MH.view(e, P, C, H).transpose(0, 1).reshape(P * e * C, H)
+        y_ECH = all_to_all_v(y_send, self.group, [e * C] * P, [e * C] * P, "padded combine")
+        return handle.plan.unpermute(y_ECH.index_select(0, handle.slots_N))
+
+    @staticmethod
+    def _slots(plan: RoutingPlan, C: int) -> torch.Tensor:
+        """Buffer row of each kept assignment: its dispatch slot * C + its rank in the expert."""
+        counts_S = plan.counts_Pe.reshape(-1)
+        starts_S = torch.cumsum(counts_S, 0) - counts_S
+        slot_E = plan.placement.slot_tensor(counts_S.device)
+        slot_N = slot_E.index_select(0, plan.expert_N)
+        pos_N = torch.arange(plan.order_N.numel(), device=counts_S.device) - starts_S[slot_N]
+        return slot_N * C + pos_N
