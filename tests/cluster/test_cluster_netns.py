@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from moesaic.cluster import ClusterError, ClusterSpec, ClusterTimeout, EmulatedCluster, Level
+from moesaic.cluster.lifecycle import read_owner
 from moesaic.cluster.system import (
     leftover_namespaces,
     namespace_pids,
@@ -38,6 +39,13 @@ REPO = HERE.parents[1]
 CHILD = HERE / "_harness_child.py"
 SMALL = REPO / "examples" / "clusters" / "2dc_2node_small.toml"
 PAIR = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=0.1, latency_ms=1.0),))
+PAIR_TOML = """
+[[levels]]
+name = "node"
+size = 2
+bandwidth_gbps = 0.1
+latency_ms = 1.0
+"""
 
 
 def _root_state() -> tuple[str, str]:
@@ -78,18 +86,14 @@ def fails_on_rank_one(rank: int, world: int, x: int) -> int:
     return x
 
 
-def rank_and_sum(rank: int, world: int, x: int) -> tuple[int, int, float]:
+def rank_and_sum(rank: int, world: int, x: int) -> tuple[int, int, float, str | None]:
     import torch
     import torch.distributed as dist
 
     assert (dist.get_rank(), dist.get_world_size()) == (rank, world)
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    return rank, world, t.item() + x
-
-
-def socket_ifname(rank: int, world: int) -> str | None:
-    return os.environ.get("GLOO_SOCKET_IFNAME")
+    return rank, world, t.item() + x, os.environ.get("GLOO_SOCKET_IFNAME")
 
 
 def test_two_level_cluster_matches_its_description(root_state) -> None:
@@ -117,9 +121,10 @@ def test_run_returns_per_rank_results_and_reports_rank_errors(root_state) -> Non
         # over the emulated network (where gloo uses the rank's eth0).
         assert isinstance(cluster, Launcher) and isinstance(LocalLauncher(), Launcher)
         expected = [(0, 2, 11.0), (1, 2, 11.0)]
-        assert cluster.run(rank_and_sum, 2, 10, timeout_s=90) == expected
-        assert LocalLauncher().run(rank_and_sum, 2, 10, timeout_s=90) == expected
-        assert cluster.run(socket_ifname, 2, timeout_s=90) == ["eth0", "eth0"]
+        emulated = cluster.run(rank_and_sum, 2, 10, timeout_s=90)
+        assert [r[:3] for r in emulated] == expected and [r[3] for r in emulated] == ["eth0"] * 2
+        local = LocalLauncher().run(rank_and_sum, 2, 10, timeout_s=90)
+        assert [r[:3] for r in local] == expected
         with pytest.raises(ClusterError, match=r"rank 1 raised:(.|\n)*rank one says no"):
             cluster.run(fails_on_rank_one, 2, 3, timeout_s=90)
         with pytest.raises(ValueError, match="picklable"):
@@ -207,8 +212,11 @@ def test_sigkill_leaves_namespaces_that_cluster_down_removes(root_state, tmp_pat
     while time.monotonic() < deadline and any(_alive(p) for p in [info["delayline_pid"], *workers]):
         time.sleep(0.05)
     assert not any(_alive(p) for p in [info["delayline_pid"], *workers])
-    # ... but the namespaces stay until `moesaic cluster down` finds them by name.
+    # ... but the namespaces and the temp dir stay until `moesaic cluster down` finds them (its
+    # owner record names a dead pid: the cluster is stale).
     assert len(leftover_namespaces(info["run_id"])) == 3
+    tmpdir = Path(read_owner(info["run_id"]).tmpdir)
+    assert tmpdir.is_dir()
     out = subprocess.run(
         [sys.executable, "-m", "moesaic", "cluster", "down", "--run-id", info["run_id"]],
         capture_output=True,
@@ -216,8 +224,9 @@ def test_sigkill_leaves_namespaces_that_cluster_down_removes(root_state, tmp_pat
         timeout=60,
         check=True,
     )
-    assert "removed 3 namespace(s)" in out.stdout
+    assert "removed 3 namespace(s)" in out.stdout and f"temp dir(s): {tmpdir}" in out.stdout
     _assert_gone(info["run_id"])
+    assert not tmpdir.exists() and read_owner(info["run_id"]) is None
 
 
 def test_cli_up_holds_then_tears_down(root_state, tmp_path: Path) -> None:
@@ -246,3 +255,44 @@ def test_cli_up_holds_then_tears_down(root_state, tmp_path: Path) -> None:
     assert {link["level_name"] for link in info["links"]} == {"datacenter", "node"}
     assert "is down" in proc.stderr
     _assert_gone(info["run_id"])
+
+
+def test_down_keeps_a_live_cluster_until_forced(
+    root_state, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # issue 9: `cluster down --run-id` of a cluster still up removed it while `up` kept
+    # reporting it up.
+    from moesaic.cli import main
+
+    spec, state = tmp_path / "pair.toml", tmp_path / "state.json"
+    spec.write_text(PAIR_TOML)
+    argv = [sys.executable, "-m", "moesaic", "cluster", "up", "--cluster", str(spec)]
+    up = subprocess.Popen(
+        [*argv, "--hold-s", "120", "--state", str(state)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not state.exists() and up.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        run_id = json.loads(state.read_text())["run_id"]
+        tmpdir = Path(read_owner(run_id).tmpdir)
+        capsys.readouterr()
+        assert main(["cluster", "down", "--run-id", run_id]) == 1
+        out = capsys.readouterr().out
+        assert f"kept cluster {run_id}: still up: owner pid {up.pid}" in out, out
+        assert f"pass --run-id {run_id} --force" in out
+        assert len(leftover_namespaces(run_id)) == 3 and tmpdir.is_dir() and up.poll() is None
+        # Forced by name: removed, and `up` notices its network is gone and fails.
+        assert main(["cluster", "down", "--run-id", run_id, "--force"]) == 0
+        assert "removed 3 namespace(s)" in capsys.readouterr().out
+        _assert_gone(run_id)
+        assert not tmpdir.exists()
+        assert up.wait(timeout=30) == 1
+        assert f"cluster {run_id} was removed from outside" in up.stderr.read()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(timeout=10)
