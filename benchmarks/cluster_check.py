@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": args.duration_s,
             "tolerance": args.tolerance,
             "mtu_bytes": 9000,
-            "latency_estimator": "min over 20 ping-pongs of RTT/2 (median also reported)",
+            "latency_estimator": "min over 40 ping-pongs of RTT/2 (median also reported)",
             "bandwidth_estimator": "(big - small) bytes / (t(big) - t(small)), small = big / 4",
         },
     }

@@ -191,6 +191,10 @@ def test_tbf_arguments() -> None:
     assert int(args[args.index("limit") + 1]) >= 1_250_000  # 100 ms of queue
     # At a low rate the bucket still holds one whole frame, or every frame would be dropped.
     assert int(tbf_args(0.001, 9000)[4]) == 9014
+    # The fastest link a spec allows (100 Tbit/s) still gives numbers tc accepts (< 2^31).
+    fastest = tbf_args(1e5, 9000)
+    assert fastest[2] == "100000000000000bit"
+    assert int(fastest[4]) == int(fastest[6]) == 2**31 - 1
 
 
 def test_measurement_plan() -> None:

@@ -49,6 +49,7 @@ MAX_RANKS = ADDRESS_BLOCK.num_addresses - 2 * _FIRST_RANK_OFFSET
 ROOT_BRIDGE = "root"
 RANK_IFNAME = "eth0"
 _ETH_OVERHEAD_BYTES = 14
+_TC_MAX_BYTES = 2**31 - 1  # tc refuses a larger tbf burst or limit
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -217,10 +218,13 @@ def tbf_args(bandwidth_gbps: float, mtu_bytes: int) -> list[str]:
       transfer sizes, which cancels it.
     * ``limit`` = max(100 ms at the rate, 256 KiB, 4 bursts): a deep queue, so TCP rarely sees a
       drop (a timeout costs >= 200 ms and would wreck a short measurement).
+
+    Both are capped at 2^31 - 1 bytes, the most ``tc`` accepts (reached above ~170 Gbit/s, far
+    beyond what the emulator can move anyway).
     """
     rate_bytes_per_s = bandwidth_gbps * 1e9 / 8
     frame_bytes = mtu_bytes + _ETH_OVERHEAD_BYTES
-    burst_bytes = max(frame_bytes, int(rate_bytes_per_s * 1e-3))
-    limit_bytes = max(int(rate_bytes_per_s * 0.1), 256 * 1024, 4 * burst_bytes)
+    burst_bytes = min(_TC_MAX_BYTES, max(frame_bytes, int(rate_bytes_per_s * 1e-3)))
+    limit_bytes = min(_TC_MAX_BYTES, max(int(rate_bytes_per_s * 0.1), 256 * 1024, 4 * burst_bytes))
     rate_bit = max(8, round(bandwidth_gbps * 1e9))
     return ["tbf", "rate", f"{rate_bit}bit", "burst", str(burst_bytes), "limit", str(limit_bytes)]
