@@ -223,7 +223,7 @@ def _owned_tmpdir(run: RunStatus) -> Path | None:
 def _liveness(run: RunStatus) -> tuple[bool, str]:
     owner = run.owner
     if owner is not None:
-        who = f"owner pid {owner.pid} on {owner.host} (`{owner.command}`)"
+        who = f"owner pid {owner.pid} on {owner.host} (command: {owner.command})"
         if owner.alive():
             return True, f"still up: {who} is alive"
         return False, f"{who} has exited"
