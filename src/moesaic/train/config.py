@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -266,7 +267,7 @@ _HELP = {
     "dense_hidden": "dense MLP width (default 4 * d_model)",
     "moe.aux_loss_coef": "load-balancing loss weight",
     "moe.z_loss_coef": "router z-loss weight",
-    "moe.dispatcher": "token exchange: dropless or padded",
+    "moe.dispatcher": "MoE execution strategy (moesaic.strategies): dropless or padded",
     "nproc": "worker processes on this node",
     "ep": "expert-parallel group size (default: all ranks); DP = world / EP",
     "steps": "optimizer steps (length of the LR schedule)",
@@ -328,9 +329,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model = parser.add_argument_group("model")
     for flag, name, typ in _MODEL_FLAGS:
-        default: object = defaults.model
-        for part in name.split("."):
-            default = getattr(default, part)
+        default = attrgetter(name)(defaults.model)
         model.add_argument(
             flag,
             dest=f"model.{name}",

@@ -110,7 +110,8 @@ class GradientSync:
     def sync(self, params: Sequence[torch.Tensor]) -> None:
         """Sum and divide every gradient (a missing one counts as zeros, so that every rank's
         flat buffer has the same layout)."""
-        replicated, expert = [], []
+        replicated: list[torch.Tensor] = []
+        expert: list[torch.Tensor] = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
