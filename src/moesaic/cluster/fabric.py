@@ -105,7 +105,7 @@ class NetworkFabric:
         self.max_lifetime_s = max_lifetime_s
         self._tmpdir: str | None = None
         self._delayline: subprocess.Popen | None = None
-        self._prev_handlers: dict[int, Any] = {}
+        self._prev_handlers: dict[signal.Signals, Any] = {}
         self._started = False
         self._closed = False
 
@@ -226,9 +226,9 @@ class NetworkFabric:
                 for k in range(self.world_size)
             ],
         }
-        config_path = Path(self._tmpdir) / "delayline.json"
+        config_path = self.tmpdir / "delayline.json"
         config_path.write_text(json.dumps(config))
-        log = open(Path(self._tmpdir) / "delayline.log", "wb")  # noqa: SIM115 - kept by Popen
+        log = open(self.tmpdir / "delayline.log", "wb")  # noqa: SIM115 - kept by Popen
         argv = ["ip", "netns", "exec", topo.fabric_ns]
         argv += [sys.executable, "-I", "-S", str(_DELAYLINE), str(config_path)]
         self._delayline = subprocess.Popen(
@@ -237,7 +237,7 @@ class NetworkFabric:
         log.close()
         line = _read_line(self._delayline.stdout, deadline)
         if line.strip() != b"ready":
-            detail = (Path(self._tmpdir) / "delayline.log").read_text(errors="replace")[-2000:]
+            detail = (self.tmpdir / "delayline.log").read_text(errors="replace")[-2000:]
             raise ClusterError(f"the delay line did not start: {line!r} {detail}")
 
     def _build_fabric(self) -> None:
@@ -299,7 +299,7 @@ class NetworkFabric:
         self._closed = True
         # Teardown is short and bounded; a second Ctrl-C or SIGTERM must not cut it in half.
         in_main = threading.current_thread() is threading.main_thread()
-        saved = {}
+        saved: dict[signal.Signals, Any] = {}
         if in_main:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 saved[sig] = signal.signal(sig, signal.SIG_IGN)

@@ -184,7 +184,8 @@ def _tail(job_dir: Path, rank: int, max_chars: int = 3000) -> str:
 
 def _collect_results(job_dir: Path, world_size: int) -> list[Any]:
     """Per-rank results; one ClusterError listing every rank that failed or left no result."""
-    results, errors = [], []
+    results: list[Any] = []
+    errors: list[str] = []
     for rank in range(world_size):
         path = job_dir / f"result-{rank}.pkl"
         if not path.exists():
