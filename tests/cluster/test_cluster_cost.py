@@ -115,7 +115,7 @@ def test_tuples_and_tolist_rows_are_accepted() -> None:
         (_matrix(4, {(1, 2): -1.0}), 0, r"bytes_PP\[1\]\[2\] \(-1.0\) must be a finite number"),
         (_matrix(4, {(2, 3): float("nan")}), 0, r"bytes_PP\[2\]\[3\] \(nan\)"),
         (_matrix(4, {(0, 1): True}), 0, r"bytes_PP\[0\]\[1\] \(True\)"),
-        (_matrix(4, {}), -1, r"collectives \(-1\) must be an int >= 0"),
+        (_matrix(4, {}), -1, r"collectives \(-1\) must be >= 0"),
     ],
 )
 def test_bad_input_names_the_entry(bytes_PP: list, collectives: int, message: str) -> None:

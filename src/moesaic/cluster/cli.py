@@ -77,11 +77,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from moesaic.checks import check_positive
     from moesaic.cluster.netns import EmulatedCluster
     from moesaic.cluster.spec import ClusterSpec
 
-    if args.hold_s <= 0:
-        raise ValueError(f"--hold-s ({args.hold_s}) must be > 0")
+    check_positive("--hold-s", args.hold_s)
     spec = ClusterSpec.from_toml(args.cluster)
     with EmulatedCluster(spec, mtu_bytes=args.mtu_bytes) as cluster:
         info = json.dumps(cluster.describe(), indent=2)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moesaic.checks import is_number
+from moesaic.checks import check_int, is_number
 from moesaic.cluster.spec import ClusterSpec
 
 __all__ = [
@@ -132,8 +132,7 @@ def network_time(spec: ClusterSpec, bytes_PP: Any, *, collectives: int = 0) -> N
     Raises:
         ValueError: If the matrix is not P x P of finite numbers >= 0 or ``collectives`` < 0.
     """
-    if not isinstance(collectives, int) or isinstance(collectives, bool) or collectives < 0:
-        raise ValueError(f"collectives ({collectives!r}) must be an int >= 0")
+    check_int("collectives", collectives, 0)
     bandwidth_s, busiest_level, busiest_bytes = 0.0, None, 0.0
     for level, groups in enumerate(uplink_bytes(spec, bytes_PP)):
         worst = max(max(up, down) for up, down in groups)

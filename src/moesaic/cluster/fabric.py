@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moesaic.checks import check_positive
 from moesaic.cluster import lifecycle, system
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.cluster.system import ClusterError, ClusterTimeout
@@ -95,8 +96,8 @@ class NetworkFabric:
                 f"world_size ({spec.world_size}) must be at most max_world_size "
                 f"({max_world_size}): every rank is a process on this machine"
             )
-        if setup_timeout_s <= 0 or max_lifetime_s <= 0:
-            raise ValueError("setup_timeout_s and max_lifetime_s must be > 0")
+        check_positive("setup_timeout_s", setup_timeout_s)
+        check_positive("max_lifetime_s", max_lifetime_s)
         self.spec = spec
         self.topology: Topology = build_topology(
             spec, run_id=run_id or secrets.token_hex(3), mtu_bytes=mtu_bytes

@@ -27,6 +27,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from moesaic.checks import check_int
 from moesaic.cluster.spec import ClusterSpec
 
 __all__ = [
@@ -147,12 +148,7 @@ def build_topology(spec: ClusterSpec, *, run_id: str, mtu_bytes: int = 9000) -> 
     """
     if not re.fullmatch(r"[0-9a-f]{6}", run_id):
         raise ValueError(f"run_id ({run_id!r}) must be 6 lowercase hex digits")
-    if (
-        isinstance(mtu_bytes, bool)
-        or not isinstance(mtu_bytes, int)
-        or not 576 <= mtu_bytes <= 65000
-    ):
-        raise ValueError(f"mtu_bytes ({mtu_bytes!r}) must be an integer in [576, 65000]")
+    check_int("mtu_bytes", mtu_bytes, 576, 65000)
     world = spec.world_size
     if world > MAX_RANKS:
         raise ValueError(

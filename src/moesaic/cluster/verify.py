@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from moesaic.checks import check_int, check_number, check_positive
 from moesaic.cluster.cost import all_to_all_time_s, ring_all_reduce_time_s
 from moesaic.cluster.spec import ClusterSpec
 
@@ -119,8 +120,9 @@ def measurement_plan(
         collective_bytes: Bytes per rank for the collectives; by default what the slowest level
             moves in ``duration_s / 2``.
     """
-    if duration_s <= 0 or pings < 1 or reps < 1:
-        raise ValueError("duration_s must be > 0, pings and reps >= 1")
+    check_positive("duration_s", duration_s)
+    check_int("pings", pings, 1)
+    check_int("reps", reps, 1)
     pairs = []
     for level, (a, b) in spec.representative_pairs().items():
         path = spec.path(a, b)
@@ -238,8 +240,7 @@ def check(
     Returns:
         The report; ``report.ok`` tells whether every level is within tolerance.
     """
-    if not 0 < tolerance < 1:
-        raise ValueError(f"tolerance ({tolerance}) must be in (0, 1)")
+    check_number("tolerance", tolerance, 0.0, 1.0, lo_open=True)
     spec: ClusterSpec = cluster.spec
     plan = measurement_plan(spec, **plan_kwargs)
     per_rank = cluster.run(_worker_measure, spec.world_size, plan, timeout_s=timeout_s)
