@@ -302,3 +302,18 @@ def test_world_size_is_bounded() -> None:
     # each level is allowed, their product is not: one level's message would not say why
     with pytest.raises(ValueError, match=r"world_size \(1099511627776\) must be <= 1048576"):
         _spec(2**20, 2**20)
+
+
+def test_both_world_launchers_have_one_signature() -> None:
+    import inspect
+
+    from moesaic.cluster import EmulatedCluster
+    from moesaic.comm.world import Launcher, LocalLauncher
+
+    local, emulated = LocalLauncher(), EmulatedCluster(_spec(2))  # not started: no root needed
+    assert isinstance(local, Launcher) and isinstance(emulated, Launcher)
+    for launcher in (local, emulated):
+        params = list(inspect.signature(launcher.run).parameters.values())
+        assert [p.name for p in params[:4]] == ["fn", "world_size", "args", "timeout_s"]
+        assert params[2].kind is inspect.Parameter.VAR_POSITIONAL
+        assert params[3].kind is inspect.Parameter.KEYWORD_ONLY
