@@ -34,7 +34,7 @@ def test_compile_then_check_a_world(tmp_path, capsys):
     assert len(files) == 2
     capsys.readouterr()
     assert main(["taskflow", "check", *files]) == 0
-    assert "world of 2 ranks: ok" in capsys.readouterr().out
+    assert "cross-rank check (forward): ok, ranks 0-1" in capsys.readouterr().out
     d = json.loads(Path(files[0]).read_text())
     d["events"][0]["threshold"] += 1
     bad = tmp_path / "bad.json"

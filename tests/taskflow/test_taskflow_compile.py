@@ -96,12 +96,12 @@ def test_ratr_is_a_legal_permutation_that_spreads_destinations(worlds, name, dir
         assert p.queue("vector") != q.queue("vector")  # and really a different order
         pos = {uid: i for queue in ("matrix", "vector") for i, uid in enumerate(p.queue(queue))}
         for a, b in _deps(p):
-            if p.tasks[a].queue == p.tasks[b].queue:
+            if p.schedule.queue_of()[a] == p.schedule.queue_of()[b]:
                 assert pos[a] < pos[b], "same-queue dependency reordered"
     check_world(opt)  # cross-queue and cross-rank dependencies: no deadlock anywhere
     for op in ("dispatch", "combine") if direction == "forward" else ("dispatch_bwd",):
-        seq = [[p.tasks[u].peer for u in p.vector_queue if p.tasks[u].op == op] for p in opt]
-        naive_seq = [[q.tasks[u].peer for u in q.vector_queue if q.tasks[u].op == op]
+        seq = [[p.tasks[u].peer for u in p.queue("vector") if p.tasks[u].op == op] for p in opt]
+        naive_seq = [[q.tasks[u].peer for u in q.queue("vector") if q.tasks[u].op == op]
                      for q in naive]  # fmt: skip
         assert len({s[0] for s in naive_seq}) == 1  # naive: every rank starts at one rank
         assert len({s[0] for s in seq}) == P  # RATR: no two ranks start at one destination
@@ -113,20 +113,20 @@ def test_ratr_is_a_legal_permutation_that_spreads_destinations(worlds, name, dir
 def test_interleaving_is_a_legal_permutation_grouped_by_expert(worlds, name):
     opt, naive = worlds[(name, "backward", False)], worlds[(name, "backward", True)]
     for p, q in zip(opt, naive):
-        assert sorted(p.matrix_queue) == sorted(q.matrix_queue)
-        pos = {uid: i for i, uid in enumerate(p.matrix_queue)}
+        assert sorted(p.queue("matrix")) == sorted(q.queue("matrix"))
+        pos = {uid: i for i, uid in enumerate(p.queue("matrix"))}
         for a, b in _deps(p):
-            if p.tasks[a].queue == p.tasks[b].queue == "matrix":
+            if a in pos and b in pos:  # both on the matrix queue
                 assert pos[a] < pos[b]
         for pair in INTERLEAVE_PAIRS:
-            run = [p.tasks[u] for u in p.matrix_queue if p.tasks[u].op in pair]
+            run = [p.tasks[u] for u in p.queue("matrix") if p.tasks[u].op in pair]
             experts = [t.expert for t in run]
             assert experts == sorted(experts)  # expert by expert
             for j in set(experts):  # each expert's w-grad GMM right after its row tiles
                 ops = [t.op for t in run if t.expert == j]
                 assert ops == [pair[0]] * (len(ops) - 1) + [pair[1]]
         # an activation-gradient tile leads (never a whole-expert w-grad sink)
-        assert p.tasks[p.matrix_queue[0]].op == "gmm_act_grad"
+        assert p.tasks[p.queue("matrix")[0]].op == "gmm_act_grad"
     check_world(opt)
 
 
@@ -143,9 +143,9 @@ def test_ordering_optimisations_do_not_lengthen_the_nominal_makespan():
 
 def _swap_reduce_first(plan):
     """A planted bad order: the top-k reduce ahead of everything in the vector queue."""
-    reduce = [u for u in plan.vector_queue if plan.tasks[u].op == "reduce"]
-    rest = [u for u in plan.vector_queue if plan.tasks[u].op != "reduce"]
-    return dataclasses.replace(plan, vector_queue=tuple(reduce + rest))
+    reduce = [u for u in plan.queue("vector") if plan.tasks[u].op == "reduce"]
+    rest = [u for u in plan.queue("vector") if plan.tasks[u].op != "reduce"]
+    return dataclasses.replace(plan, schedule=plan.schedule.with_queue("vector", reduce + rest))
 
 
 def test_deadlock_check_catches_a_planted_bad_order():
@@ -160,9 +160,9 @@ def test_world_deadlock_that_no_single_rank_can_see():
     # assumes remote writes arrive); the world simulation finds the cycle.
     plans = compile_world(BUCKETS["ep4"], "forward")
     p0 = plans[0]
-    late = [u for u in p0.vector_queue if p0.tasks[u].op == "dispatch" and p0.tasks[u].peer == 1]
-    early = [u for u in p0.vector_queue if u not in late]
-    plans[0] = dataclasses.replace(p0, vector_queue=tuple(early + late))
+    late = [u for u in p0.queue("vector") if p0.tasks[u].op == "dispatch" and p0.tasks[u].peer == 1]
+    early = [u for u in p0.queue("vector") if u not in late]
+    plans[0] = dataclasses.replace(p0, schedule=p0.schedule.with_queue("vector", early + late))
     check_plan(plans[0])
     with pytest.raises(PlanDeadlockError, match="rank 0 vector queue"):
         check_world(plans)

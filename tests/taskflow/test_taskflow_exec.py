@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from moesaic.comm.collectives import CollectiveError, EPGroup
 from moesaic.config import MoEConfig
+from moesaic.placement import ExpertPlacement
 from moesaic.reference import ReferenceMoE
 from moesaic.routing import Router
 from moesaic.taskflow import (
@@ -105,7 +106,7 @@ def run_case(c: Case, P: int, rank: int, group: EPGroup, tmp: Path, naive: bool 
     with torch.no_grad():
         router.weight.copy_(d["router"])
     x = d["x"][rows].clone().requires_grad_()
-    routing, _ = router(x, ep_size=P)
+    routing, _ = router(x, ExpertPlacement.contiguous(E, P))
     # One bucket for the whole world: the largest slot load of any rank.
     worst = group.all_reduce(routing.counts_E.max().reshape(1), dist.ReduceOp.MAX, "max load")
     bucket = ShapeBucket(tokens=T, hidden=H, ffn=F, experts=E, top_k=c.top_k, ep_size=P,
@@ -180,7 +181,7 @@ def _error_paths(rank: int, group: EPGroup, tmp: Path) -> dict[str, str]:
     router = Router(_cfg(c))
     with torch.no_grad():
         router.weight.copy_(d["router"])
-    routing, _ = router(x, ep_size=2)
+    routing, _ = router(x, ExpertPlacement.contiguous(E, 2))
     w = (d["w1"][rank * 4 : rank * 4 + 4], d["w2"][rank * 4 : rank * 4 + 4],
          d["w3"][rank * 4 : rank * 4 + 4])  # fmt: skip
     out = {}

@@ -17,16 +17,14 @@ from moesaic.taskflow import (
     forward_graph,
     propagate_splits,
 )
-from moesaic.taskflow.moe_graphs import TASK_QUEUES
+from moesaic.taskflow.moe_graphs import TASK_TYPES
 
 
-def _op(name, inputs, outputs, split_inputs, out_dims, n, queue="vector"):
+def _op(name, inputs, outputs, split_inputs, out_dims, n):
     spec = SplitSpec(
         split_inputs=split_inputs, split_output_dims=out_dims, task_num_fn=lambda c, n=n: n
     )
-    return OperatorNode(
-        name=name, op_type=name, queue=queue, inputs=inputs, outputs=outputs, split=spec
-    )
+    return OperatorNode(name=name, op_type=name, inputs=inputs, outputs=outputs, split=spec)
 
 
 def _chain(first_n: int, second_dim: int = 0) -> OperatorGraph:
@@ -35,7 +33,7 @@ def _chain(first_n: int, second_dim: int = 0) -> OperatorGraph:
     for t in ("in", "meta", "x", "y", "z"):
         g.add_tensor(t, 2)
     g.add_op(_op("src", ("in",), ("x",), None, (0,), first_n))
-    g.add_op(_op("mid", ("x", "meta"), ("y",), ((0, second_dim),), (0,), 4, "matrix"))
+    g.add_op(_op("mid", ("x", "meta"), ("y",), ((0, second_dim),), (0,), 4))
     g.add_op(_op("last", ("y",), ("z",), ((0, 0),), (-1,), 4))
     return g
 
@@ -97,8 +95,9 @@ def test_cycle_is_rejected_with_its_path():
         (lambda g: g.add_op(_op("a", ("in",), ("x",), ((3, 0),), (0,), 2)), "names input 3"),
         # an output split dim beyond the tensor's rank
         (lambda g: g.add_op(_op("a", ("in",), ("x",), None, (5,), 2)), "out of range"),
-        # an unknown queue
-        (lambda g: g.add_op(_op("a", ("in",), ("x",), None, (0,), 2, "gpu")), "queue"),
+        # an operator added twice
+        (lambda g: [g.add_op(_op("a", ("in",), ("x",), None, (0,), 2)),
+                    g.add_op(_op("a", ("in",), ("in",), None, (0,), 2))], "added twice"),
     ],
 )  # fmt: skip
 def test_malformed_graphs_name_the_problem(build, match):
@@ -135,7 +134,8 @@ def test_forward_graph_nodes_and_counts():
     assert res.task_num == {
         "dispatch": 16, "gmm1": 8, "act": 8, "gmm2": 8, "combine": 8, "reduce": 5
     }  # fmt: skip
-    assert {op.name: op.queue for op in g.ops.values()} == {
+    # The graph carries no queue; the task-type table gives each type's queue class.
+    assert {op.name: TASK_TYPES[op.op_type].queue_class for op in g.ops.values()} == {
         "dispatch": "vector", "gmm1": "matrix", "act": "vector", "gmm2": "matrix",
         "combine": "vector", "reduce": "vector",
     }  # fmt: skip
@@ -167,7 +167,7 @@ def test_gmm_tasks_never_split_the_reduction_dimension(direction):
     plan = compile_plan(BUCKET, direction, 1)
     H, F, e, P, S = 8, 6, 2, 2, 8
     for t in plan.tasks:
-        if TASK_QUEUES[t.task_type] != "matrix":
+        if TASK_TYPES[t.task_type].queue_class != "matrix":
             continue
         j = t.expert - plan.rank * e
         if t.task_type in ("gmm_w1_grad", "gmm_w2_grad"):

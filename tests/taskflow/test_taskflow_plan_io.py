@@ -93,15 +93,23 @@ def _mutations():
     def bigger_buffer(d):
         d["buffers"][0]["rows"] *= 2
 
+    def _queue(d, name):
+        return next(q[1] for q in d["schedule"]["queues"] if q[0] == name)
+
     def queue_duplicate(d):
-        d["queues"]["vector"].append(d["queues"]["vector"][0])
+        _queue(d, "vector").append(_queue(d, "vector")[0])
 
     def queue_missing(d):
-        d["queues"]["matrix"].pop()
+        _queue(d, "matrix").pop()
 
     def wrong_queue(d):
-        uid = d["queues"]["matrix"].pop()
-        d["queues"]["vector"].append(uid)
+        _queue(d, "vector").append(_queue(d, "matrix").pop())
+
+    def unknown_executor(d):
+        d["schedule"]["executor"] = "five_queue"
+
+    def world_edited(d):
+        d["world"] = "0" * 16
 
     def bool_as_int(d):
         d["tasks"][0]["task_index"] = True
@@ -139,7 +147,7 @@ def _mutations():
             PlanRegionError,
             "differ from the tile the FillConfig",
         ),
-        ("unknown version", version, PlanVersionError, r"version \(99\) is unknown"),
+        ("unknown version", version, PlanVersionError, r"version 99 is not supported"),
         ("unknown format", fmt, PlanFormatError, "format"),
         ("region out of bounds", region_out_of_bounds, PlanRegionError, "outside buffer 'h'"),
         ("negative region", region_negative, PlanRegionError, "outside buffer 'h'"),
@@ -153,6 +161,8 @@ def _mutations():
         ("task queued twice", queue_duplicate, PlanFormatError, "appears twice"),
         ("task in no queue", queue_missing, PlanFormatError, "in no queue"),
         ("task in wrong queue", wrong_queue, PlanFormatError, "sits in the vector queue"),
+        ("unknown executor", unknown_executor, PlanFormatError, "two_queue executor's"),
+        ("world fingerprint edited", world_edited, PlanFormatError, "is not the fingerprint"),
         ("bool as int", bool_as_int, PlanFormatError, r"task_index must be an int"),
         ("missing field", missing_field, PlanFormatError, r"misses fields \['outputs'\]"),
         ("unknown field", unknown_field, PlanFormatError, "unknown fields"),
@@ -191,7 +201,11 @@ def test_the_executor_refuses_a_mutated_plan_object():
     b = ShapeBucket(tokens=3, hidden=4, ffn=2, experts=2, top_k=1, ep_size=1, slot_rows=4,
                     tile_m=2)  # fmt: skip
     plan = compile_plan(b, "forward", 0)
-    bad = dataclasses.replace(plan, vector_queue=plan.vector_queue[::-1])
+    assert plan.validated  # checked on compile
+    bad = dataclasses.replace(
+        plan, schedule=plan.schedule.with_queue("vector", plan.queue("vector")[::-1])
+    )
+    assert not bad.validated  # a replaced plan is a new, unchecked object
     routing = build_plan(torch.tensor([[0], [1], [0]]), torch.ones(3, 1), 2)
     with pytest.raises(PlanError):
         run_forward(bad, torch.randn(3, 4), routing, torch.randn(2, 4, 2), torch.randn(2, 2, 4),

@@ -1,5 +1,6 @@
-"""Taskflow compiler (HyperParallel-MoE): operator graph -> split propagation -> task
-descriptors -> a static two-queue plan with event counters, forward and backward.
+"""Taskflow compiler (HyperParallel-MoE): operator graph -> split propagation -> a frozen task
+graph with event counters -> a two-queue schedule, forward and backward; one event engine runs
+the deadlock check, the sequential executor and the plan drawing.
 
 See docs/taskflow.md. Typical use::
 
@@ -12,6 +13,7 @@ See docs/taskflow.md. Typical use::
 
 from moesaic.taskflow.bucket import CompileOptions, ShapeBucket, slot_rows_for
 from moesaic.taskflow.compile import compile_plan, compile_world
+from moesaic.taskflow.engine import DeadlockError, EventEngine, Job, Lane, Timeline
 from moesaic.taskflow.graph import (
     GraphCycleError,
     GraphError,
@@ -20,10 +22,10 @@ from moesaic.taskflow.graph import (
     SplitSpec,
     propagate_splits,
 )
-from moesaic.taskflow.moe_graphs import backward_graph, forward_graph
-from moesaic.taskflow.plan import PLAN_VERSION, Plan
+from moesaic.taskflow.moe_graphs import TASK_TYPES, backward_graph, forward_graph, task_count
+from moesaic.taskflow.plan import PLAN_VERSION, Plan, Schedule, TaskGraph
 from moesaic.taskflow.plan_io import load_plan, plan_from_dict, plan_to_dict, save_plan
-from moesaic.taskflow.tasks import CompileError, Event, Region, TaskDescriptor
+from moesaic.taskflow.tasks import CompileError, Event, Region, TaskDescriptor, TaskType
 from moesaic.taskflow.validate import (
     PlanDeadlockError,
     PlanError,
@@ -34,16 +36,22 @@ from moesaic.taskflow.validate import (
     PlanWorldError,
     check_plan,
     check_world,
+    ensure_validated,
     simulate,
 )
 
 __all__ = [
     "PLAN_VERSION",
+    "TASK_TYPES",
     "CompileError",
     "CompileOptions",
+    "DeadlockError",
     "Event",
+    "EventEngine",
     "GraphCycleError",
     "GraphError",
+    "Job",
+    "Lane",
     "OperatorGraph",
     "OperatorNode",
     "Plan",
@@ -55,14 +63,19 @@ __all__ = [
     "PlanVersionError",
     "PlanWorldError",
     "Region",
+    "Schedule",
     "ShapeBucket",
     "SplitSpec",
     "TaskDescriptor",
+    "TaskGraph",
+    "TaskType",
+    "Timeline",
     "backward_graph",
     "check_plan",
     "check_world",
     "compile_plan",
     "compile_world",
+    "ensure_validated",
     "forward_graph",
     "load_plan",
     "plan_from_dict",
@@ -71,4 +84,5 @@ __all__ = [
     "save_plan",
     "simulate",
     "slot_rows_for",
+    "task_count",
 ]

@@ -1,8 +1,15 @@
 """``moesaic taskflow show | compile | check``: inspect, write and validate static plans.
 
 ``show`` compiles one rank's plan and prints its queues, events and thresholds (and draws it with
-``--png``); ``compile`` writes plan files; ``check`` loads plan files (validating each) and, when
-they are every rank of one world, runs the cross-rank check.
+``--png``); ``compile`` writes plan files; ``check`` loads plan files (validating each), refuses
+files of different worlds (``Plan.world_settings``), runs the cross-rank check for every direction
+whose ranks are all given, and says which checks ran.
+
+Size guard: ``show`` and ``compile`` count the tasks they would build from split propagation alone
+(``moe_graphs.task_count``, nothing is built) and refuse more than ``--max-tasks`` (default
+``DEFAULT_MAX_TASKS``, about 10 s of compiling and validating on one core of a shared 2-core
+machine; the DeepSeek-like EP=64 world is 84k tasks) with one line naming the estimate and the
+options that change it.
 """
 
 from __future__ import annotations
@@ -12,9 +19,13 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from moesaic.checks import check_positive_int
 from moesaic.taskflow.bucket import CompileOptions, ShapeBucket, slot_rows_for
 from moesaic.taskflow.compile import compile_plan, compile_world
+from moesaic.taskflow.moe_graphs import task_count
 from moesaic.taskflow.plan import Plan
+
+DEFAULT_MAX_TASKS = 250_000
 
 
 def _shape_args(p: argparse.ArgumentParser) -> None:
@@ -38,6 +49,13 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ratr", action="store_true", help="disable rank-aware task reordering")
     p.add_argument("--no-interleave", action="store_true", help="disable GMM interleaving")
     p.add_argument("--unsplit", nargs="*", default=[], metavar="OP", help="force one task")
+    p.add_argument(
+        "--max-tasks",
+        type=int,
+        default=DEFAULT_MAX_TASKS,
+        help="refuse to build more tasks than this in all (estimated before building; "
+        f"default {DEFAULT_MAX_TASKS:,})",
+    )
 
 
 def _bucket(args) -> ShapeBucket:
@@ -63,6 +81,28 @@ def _options(args) -> CompileOptions:
 
 def _direction(args) -> str:
     return "backward" if args.backward else "forward"
+
+
+def _about(n: int) -> str:
+    return f"{n}" if n < 1_000_000 else f"{n:.2g}"
+
+
+def _guard_size(args, bucket: ShapeBucket, direction: str, ranks: int) -> None:
+    """Refuse a request whose task count (from split propagation) exceeds ``--max-tasks``."""
+    limit = check_positive_int("--max-tasks", args.max_tasks)
+    per_rank = task_count(bucket, direction, tuple(args.unsplit))
+    total = per_rank * ranks
+    if total <= limit:
+        return
+    b = bucket
+    world = f" x {ranks} ranks" if ranks > 1 else ""
+    raise ValueError(
+        f"the {direction} plan would have about {_about(total)} tasks ({_about(per_rank)} per "
+        f"rank{world}: --tokens {b.tokens} in token tiles of --tile-m {b.tile_m}, "
+        f"{b.experts} experts x --slot-rows {b.slot_rows} in tiles of {b.gmm_rows}), more than "
+        f"--max-tasks {limit}; use a larger --tile-m / --gmm-tile-m, fewer --tokens or a "
+        "smaller --slot-rows, or pass --max-tasks N to build it anyway"
+    )
 
 
 def _task_line(plan: Plan, uid: int) -> str:
@@ -92,7 +132,7 @@ def format_plan(plan: Plan, limit: int) -> str:
     thr = Counter(ev.threshold for ev in plan.events)
     lines = [
         f"taskflow {plan.direction} plan, rank {plan.rank} of EP {b.ep_size} "
-        f"(version {plan.version}, fingerprint {plan.fingerprint})",
+        f"(version {plan.version}, world {plan.world_fingerprint})",
         f"bucket: T={b.tokens} H={b.hidden} F={b.ffn} E={b.experts} K={b.top_k} "
         f"S={b.slot_rows} tile_m={b.tile_m} gmm_tile_m={b.gmm_rows} {b.activation}",
         f"options: ratr={plan.options.ratr} interleave={plan.options.interleave} "
@@ -105,8 +145,7 @@ def format_plan(plan: Plan, limit: int) -> str:
         f"triggers {s['triggers']}",
         "thresholds: " + ", ".join(f"{k} x{v}" for k, v in sorted(thr.items())),
     ]
-    for name in ("matrix", "vector"):
-        q = plan.queue(name)
+    for name, q in plan.schedule.queues:
         lines.append(f"{name} queue ({len(q)} tasks{_first(len(q), limit)}):")
         lines += [_task_line(plan, uid) for uid in q[:limit]]
     lines.append(f"events ({len(plan.events)}{_first(len(plan.events), limit)}):")
@@ -123,6 +162,7 @@ def _show(args) -> int:
     bucket, options, direction = _bucket(args), _options(args), _direction(args)
     if not 0 <= args.rank < bucket.ep_size:
         raise ValueError(f"rank ({args.rank}) must be in [0, ep={bucket.ep_size})")
+    _guard_size(args, bucket, direction, 1)
     plan = compile_plan(bucket, direction, args.rank, options)
     print(format_plan(plan, args.limit))
     if args.png:
@@ -141,6 +181,7 @@ def _compile(args) -> int:
     from moesaic.taskflow.plan_io import plan_filename, save_plan
 
     bucket, options, direction = _bucket(args), _options(args), _direction(args)
+    _guard_size(args, bucket, direction, bucket.ep_size if args.rank is None else 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.rank is None:
@@ -152,19 +193,55 @@ def _compile(args) -> int:
     return 0
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 def _check(args) -> int:
     from moesaic.taskflow.plan_io import load_plan
-    from moesaic.taskflow.validate import check_world
+    from moesaic.taskflow.validate import PlanError, PlanWorldError, check_world, world_mismatch
 
-    plans = [load_plan(f) for f in args.files]
+    plans: list[Plan] = []
+    for f in args.files:
+        try:
+            plans.append(load_plan(f))
+        except PlanError as exc:
+            raise type(exc)(f"{f}: {exc}") from None
     for f, p in zip(args.files, plans):
         print(f"{f}: ok ({p.direction}, rank {p.rank} of EP {p.bucket.ep_size}, "
-              f"{len(p.tasks)} tasks, {len(p.events)} events)")  # fmt: skip
-    ranks = sorted(p.rank for p in plans)
+              f"{len(p.tasks)} tasks, {len(p.events)} events, world {p.world_fingerprint})")  # fmt: skip
+    names = [Path(f).name for f in args.files]
+    for name, p in zip(names[1:], plans[1:]):
+        diff = world_mismatch(plans[0], p)
+        if diff is not None:
+            raise PlanWorldError(
+                f"{names[0]} and {name} belong to different worlds: {diff}; the plans of one "
+                "world are compiled with the same shapes and options"
+            )
+    n = len(plans)
+    print(f"per-plan checks: {n} file{'s' if n > 1 else ''} ok (format, regions, events, "
+          "schedule, no single-rank deadlock)")  # fmt: skip
     P = plans[0].bucket.ep_size
-    if ranks == list(range(P)) and len({p.fingerprint for p in plans}) == 1:
-        check_world(sorted(plans, key=lambda p: p.rank))
-        print(f"world of {P} ranks: ok (cross-rank writes match, no deadlock)")
+    for direction in ("forward", "backward"):
+        given = {}
+        for name, p in zip(names, plans):
+            if p.direction != direction:
+                continue
+            if p.rank in given:
+                raise PlanWorldError(
+                    f"rank {p.rank}'s {direction} plan is given twice ({given[p.rank]}, {name})"
+                )
+            given[p.rank] = name
+        if not given:
+            continue
+        missing = sorted(set(range(P)) - set(given))
+        if missing:
+            print(f"cross-rank check ({direction}): NOT run, {_ranks(missing)} of {P} missing "
+                  "(give every rank's plan to check that puts match and no rank waits forever)")  # fmt: skip
+            continue
+        check_world(sorted((p for p in plans if p.direction == direction), key=lambda p: p.rank))
+        print(f"cross-rank check ({direction}): ok, ranks 0-{P - 1} (every put matches its "
+              f"receiver's record, no deadlock of all {2 * P} queues)")  # fmt: skip
     return 0
 
 

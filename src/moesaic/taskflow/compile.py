@@ -7,8 +7,9 @@ Steps (paper §4.2-4.5), all offline and per rank:
 3. events: a task's producers are the writers of the rows it reads; consumers with the same
    producer set share one counter whose threshold is the size of that set (many-to-many
    dependencies), and every producer triggers every counter it belongs to;
-4. queues: GMMs go to the matrix queue, everything else to the vector/communication queue, in
-   operator-topological order (the "kernel-by-kernel" order inside each queue), then
+4. the task graph is frozen; the schedule (``schedule_two_queue``) puts each task on the queue of
+   its type's class (``moe_graphs.TASK_TYPES``: GMMs on the matrix queue, everything else on the
+   vector/communication queue) in operator-topological order ("kernel by kernel"), then
 5. ordering optimisations that only permute independent tasks: rank-aware task reordering of
    communication tiles (RATR, Fig. 6) and cache-guided interleaving of the independent backward
    GMMs by expert;
@@ -27,20 +28,21 @@ import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 
+from moesaic.checks import is_int
 from moesaic.taskflow.bucket import DIRECTIONS, CompileOptions, ShapeBucket
 from moesaic.taskflow.graph import propagate_splits
-from moesaic.taskflow.moe_graphs import PUT_TYPES, ROW_TYPES, buffer_table, moe_graph
-from moesaic.taskflow.plan import PLAN_VERSION, Plan
+from moesaic.taskflow.moe_fills import FILLS, FillContext
+from moesaic.taskflow.moe_graphs import QUEUE_CLASSES, TASK_TYPES, buffer_table, moe_graph
+from moesaic.taskflow.plan import PLAN_VERSION, Plan, Schedule, TaskGraph
 from moesaic.taskflow.tasks import (
-    FILLS,
     CompileError,
     Event,
     EventRef,
-    FillContext,
     ProducerRef,
     Region,
     RemoteWrite,
     TaskDescriptor,
+    Tile,
 )
 
 # Independent backward GMM pairs that share an input per expert (paper §4.5): the act-grad and
@@ -103,13 +105,14 @@ class _WriterIndex:
 
 
 def _assign_events(
-    tasks: list[TaskDescriptor],
+    tiles: list[Tile],
     stubs: list[RemoteWrite],
     work_buffers: set[str],
     rank: int,
-) -> tuple[list[RemoteWrite], list[Event]]:
+) -> tuple[list[TaskDescriptor], list[RemoteWrite], list[Event]]:
+    """Events of every tile; returns the tasks (uid = position), remote writes and events."""
     index = _WriterIndex()
-    for t in tasks:
+    for t in tiles:
         local = [r for r in t.outputs if r.rank == rank]
         if local:
             index.add(_writer_key(t.op, local), local)
@@ -117,29 +120,34 @@ def _assign_events(
         index.add(_writer_key(w.op, w.regions), w.regions)
     index.freeze()
     event_of: dict[frozenset[WriterKey], int] = {}
-    for t in tasks:
+    waits: list[int] = []
+    for t in tiles:
         keys: set[WriterKey] = set()
         for r in t.inputs:
             if r.buffer in work_buffers:
                 keys |= index.producers(r)
-        if keys:
-            t.dependent_event = event_of.setdefault(frozenset(keys), len(event_of))
+        waits.append(event_of.setdefault(frozenset(keys), len(event_of)) if keys else -1)
     events_of_key: dict[WriterKey, list[int]] = defaultdict(list)
     for keys, ev in event_of.items():
         for k in keys:
             events_of_key[k].append(ev)
     producers: list[list[ProducerRef]] = [[] for _ in event_of]
-    for t in tasks:
-        trig = []
+    tasks: list[TaskDescriptor] = []
+    for uid, t in enumerate(tiles):
+        trig: list[EventRef] = []
         for d, regs in _regions_by_rank(t.outputs).items():
             key = _writer_key(t.op, regs)
             if key not in index.keys:
                 raise CompileError(
-                    f"{t.label} writes {key[1]} on rank {d}, rows no task writes on rank {rank}: "
-                    "the plan is not rank-symmetric"
+                    f"{t.op}[{t.task_index}] writes {key[1]} on rank {d}, rows no task writes "
+                    f"on rank {rank}: the plan is not rank-symmetric"
                 )
             trig += [EventRef(rank=d, event=ev) for ev in sorted(events_of_key.get(key, ()))]
-        t.trigger_events = tuple(trig)
+        tasks.append(
+            TaskDescriptor.from_tile(
+                t, uid=uid, dependent_event=waits[uid], trigger_events=tuple(trig)
+            )
+        )
         for ref in trig:
             if ref.rank == rank:
                 producers[ref.event].append(
@@ -156,7 +164,7 @@ def _assign_events(
         for ev in evs:
             producers[ev].append(ProducerRef(rank=w.rank, op=w.op, task_index=w.task_index))
     events = [Event(id=i, threshold=len(p), producers=tuple(p)) for i, p in enumerate(producers)]
-    return out_stubs, events
+    return tasks, out_stubs, events
 
 
 def rank_aware_order(
@@ -183,13 +191,14 @@ def rank_aware_order(
     def key(pos_uid: tuple[int, int]) -> tuple[int, int, int]:
         pos, uid = pos_uid
         t = tasks[uid]
-        if t.task_type in PUT_TYPES:
+        kind = TASK_TYPES[t.task_type]
+        if kind.put:
             if t.peer < 0:
                 return (0, 0, pos)
-            if t.task_type == "put_combine":
+            if kind.comm == "combine":
                 return (t.expert, (rank - t.peer) % P, pos)
             return (t.expert % e, (t.peer - rank) % P, pos)
-        if t.task_type in ROW_TYPES and t.expert >= 0:
+        if kind.rows and t.expert >= 0:
             src = (t.inputs[0].start // S) % P
             return (t.expert, (rank - src) % P, pos)
         return (0, 0, pos)
@@ -206,7 +215,9 @@ def rank_aware_order(
 
 
 def interleave_by_expert(
-    tasks: Sequence[TaskDescriptor], queue: Sequence[int], pairs=INTERLEAVE_PAIRS
+    tasks: Sequence[TaskDescriptor],
+    queue: Sequence[int],
+    pairs: Sequence[tuple[str, str]] = INTERLEAVE_PAIRS,
 ) -> list[int]:
     """Cache-guided GMM interleaving: for each independent pair of operators, reorder their
     tasks (in the positions they already occupy) expert by expert, so both GMMs that read one
@@ -216,7 +227,9 @@ def interleave_by_expert(
         slots = [i for i, uid in enumerate(out) if tasks[uid].op in pair]
         rank_of = {out[i]: i for i in slots}  # current position: keeps the RATR order inside
 
-        def _interleave_key(t: TaskDescriptor, pair=pair, rank_of=rank_of) -> tuple:
+        def _interleave_key(
+            t: TaskDescriptor, pair: tuple[str, str] = pair, rank_of: dict[int, int] = rank_of
+        ) -> tuple[float, int, int]:
             # A task spanning every expert (an Alg. 1 fall-back) goes first if it feeds the
             # vector queue (the activation-gradient GMM), last if it is a weight-gradient sink.
             first = pair.index(t.op) == 0
@@ -254,50 +267,61 @@ def compile_plan(
     options = options or CompileOptions()
     if direction not in DIRECTIONS:
         raise ValueError(f"direction ({direction!r}) must be one of {DIRECTIONS}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < bucket.ep_size:
+    if not is_int(rank) or not 0 <= rank < bucket.ep_size:
         raise ValueError(f"rank ({rank!r}) must be an int in [0, ep_size={bucket.ep_size})")
     mg = moe_graph(direction, bucket.activation)
     split = propagate_splits(mg.graph, bucket, unsplit=options.unsplit)
     buffers = buffer_table(bucket, direction)
     ctx = FillContext(bucket=bucket, rank=rank, buffers={b.name: b for b in buffers})
-    tasks: list[TaskDescriptor] = []
+    tiles: list[Tile] = []
     stubs: list[RemoteWrite] = []
     for op_name in split.order:
         layout = mg.layouts[op_name]
-        new_tasks, new_stubs = FILLS[layout.kind](ctx, op_name, layout, split.task_num[op_name])
-        for t in new_tasks:
-            t.uid = len(tasks)
-            tasks.append(t)
+        new_tiles, new_stubs = FILLS[layout.kind](ctx, op_name, layout, split.task_num[op_name])
+        tiles += new_tiles
         stubs += new_stubs
     work = {b.name for b in buffers if b.kind != "input"}
-    stubs, events = _assign_events(tasks, stubs, work, rank)
-    matrix = [t.uid for t in tasks if t.queue == "matrix"]
-    vector = [t.uid for t in tasks if t.queue == "vector"]
-    if options.ratr:
-        matrix = rank_aware_order(tasks, matrix, rank, bucket)
-        vector = rank_aware_order(tasks, vector, rank, bucket)
-    if options.interleave and direction == "backward":
-        matrix = interleave_by_expert(tasks, matrix)
+    tasks, stubs, events = _assign_events(tiles, stubs, work, rank)
+    graph = TaskGraph(
+        buffers=buffers,
+        tasks=tuple(tasks),
+        events=tuple(events),
+        remote_writes=tuple(stubs),
+        task_num=split.task_num,
+        fell_back=split.fell_back,
+    )
     plan = Plan(
         version=PLAN_VERSION,
         direction=direction,
         rank=rank,
         bucket=bucket,
         options=options,
-        buffers=buffers,
-        tasks=tuple(tasks),
-        events=tuple(events),
-        remote_writes=tuple(stubs),
-        matrix_queue=tuple(matrix),
-        vector_queue=tuple(vector),
-        task_num=dict(split.task_num),
-        fell_back=split.fell_back,
+        graph=graph,
+        schedule=schedule_two_queue(tasks, rank, bucket, options, direction),
     )
     if validate:
         from moesaic.taskflow.validate import check_plan
 
         check_plan(plan)
     return plan
+
+
+def schedule_two_queue(
+    tasks: Sequence[TaskDescriptor],
+    rank: int,
+    bucket: ShapeBucket,
+    options: CompileOptions,
+    direction: str,
+) -> Schedule:
+    """The two-queue executor's schedule: each task on the queue of its type's class, in
+    operator-topological order, then RATR and (backward) GMM interleaving."""
+    queues = {name: [t.uid for t in tasks if TASK_TYPES[t.task_type].queue_class == name]
+              for name in QUEUE_CLASSES}  # fmt: skip
+    if options.ratr:
+        queues = {n: rank_aware_order(tasks, q, rank, bucket) for n, q in queues.items()}
+    if options.interleave and direction == "backward":
+        queues["matrix"] = interleave_by_expert(tasks, queues["matrix"])
+    return Schedule(executor="two_queue", queues=tuple((n, tuple(q)) for n, q in queues.items()))
 
 
 def compile_world(

@@ -1,8 +1,8 @@
 """Draw a plan: one lane per queue, tasks placed at their simulated start, dependency arrows.
 
-The timeline comes from ``validate.simulate`` with a nominal cost per task (``nominal_cost``):
-it shows the shape of the overlap the static order allows, not a measurement. Needs matplotlib
-(the ``viz`` extra), imported only when drawing.
+The timeline comes from the event engine (``validate.simulate``) with a nominal cost per task
+(``nominal_cost``, from the task type's cost class): it shows the shape of the overlap the static
+order allows, not a measurement. Needs matplotlib (the ``viz`` extra), imported only when drawing.
 """
 
 from __future__ import annotations
@@ -11,24 +11,20 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from moesaic.taskflow.moe_graphs import NOMINAL_WEIGHT, TASK_TYPES
 from moesaic.taskflow.plan import Plan
 from moesaic.taskflow.tasks import TaskDescriptor
 from moesaic.taskflow.validate import simulate
 
-# Relative cost of one tile per handler kind: a GMM tile does ~2x the work of moving or
-# activating the same rows (a nominal picture, not a measured model).
-_WEIGHT = {"put": 1.0, "gmm": 2.0, "act": 0.5, "sum": 0.5}
 MAX_ARROWS = 400
 
 
 def nominal_cost(t: TaskDescriptor, tile_m: int) -> float:
-    """Nominal duration of a task: rows over ``tile_m`` times a per-kind weight."""
-    kind = t.task_type.split("_")[0]
-    weight = _WEIGHT.get(kind, _WEIGHT["act"])
-    rows = sum(r.rows for r in t.outputs) if kind == "put" else t.split_value
-    if t.task_type.startswith("gmm_w"):  # weight gradients: one tile per expert row block
-        rows = t.split_value
-    return weight * max(rows, 1) / tile_m
+    """Nominal duration of a task: rows over ``tile_m`` times its cost class's weight
+    (``moe_graphs.NOMINAL_WEIGHT``); a put moves the rows of all its output regions."""
+    kind = TASK_TYPES[t.task_type]
+    rows = sum(r.rows for r in t.outputs) if kind.put else t.split_value
+    return NOMINAL_WEIGHT[kind.cost_class] * max(rows, 1) / tile_m
 
 
 def draw_plan(
@@ -64,22 +60,22 @@ def draw_plan(
     def cost(t: TaskDescriptor) -> float:
         return nominal_cost(t, tile_m)
 
-    if world is not None:
-        tl = simulate(world, world=True, cost=cost)
-        start, end = tl.start[plan.rank], tl.end[plan.rank]
-    else:
-        tl = simulate([plan], world=False, cost=cost)
-        start, end = tl.start[0], tl.end[0]
+    tl = simulate(world if world is not None else [plan], world=world is not None, cost=cost)
+    start = {uid: tl.start[(plan.rank, uid)] for uid in range(len(plan.tasks))}
+    end = {uid: tl.end[(plan.rank, uid)] for uid in range(len(plan.tasks))}
     ops = list(plan.task_num)
     cmap = plt.get_cmap("tab10")
     color = {op: cmap(i % 10) for i, op in enumerate(ops)}
-    lane = {"matrix": 1.0, "vector": 0.0}
+    names = plan.schedule.names  # one lane per queue, the first at the top
+    lane_y = {name: float(len(names) - 1 - i) for i, name in enumerate(names)}
+    queue_of = plan.schedule.queue_of()
+    lane = {uid: lane_y[q] for uid, q in queue_of.items()}
     makespan = max(end.values(), default=1.0)
     fig, ax = plt.subplots(figsize=(min(40.0, 6 + makespan * 0.35), 3.2))
     for t in plan.tasks:
         s, e = start[t.uid], end[t.uid]
         ax.add_patch(
-            Rectangle((s, lane[t.queue] - 0.35), max(e - s, 1e-3), 0.7,
+            Rectangle((s, lane[t.uid] - 0.35), max(e - s, 1e-3), 0.7,
                       facecolor=color[t.op], edgecolor="black", linewidth=0.3)
         )  # fmt: skip
     by_key = {(t.op, t.task_index): t for t in plan.tasks}
@@ -94,13 +90,13 @@ def draw_plan(
         for p, c in deps:
             ax.annotate(
                 "",
-                xy=(start[c.uid], lane[c.queue]),
-                xytext=(end[p.uid], lane[p.queue]),
+                xy=(start[c.uid], lane[c.uid]),
+                xytext=(end[p.uid], lane[p.uid]),
                 arrowprops={"arrowstyle": "->", "lw": 0.4, "alpha": 0.5},
             )
     ax.set_xlim(0, makespan * 1.02)
-    ax.set_ylim(-0.7, 1.7)
-    ax.set_yticks([0, 1], ["vector / comm", "matrix"])
+    ax.set_ylim(-0.7, len(names) - 0.3)
+    ax.set_yticks([lane_y[n] for n in names], [f"{n} queue" for n in names])
     ax.set_xlabel("simulated time (nominal tile costs)")
     b = plan.bucket
     ax.set_title(

@@ -1,6 +1,7 @@
 """Operator dependency graph (ODG) and split propagation (HyperParallel-MoE §4.2, Algorithm 1).
 
-An ODG describes data flow and legal decompositions only, never an execution order: operator
+An ODG describes data flow and legal decompositions only, never an execution order or a queue
+(those are the schedule's, ``plan.Schedule``): operator
 nodes name their input and output tensors and carry a ``SplitSpec`` saying
 
 * ``split_inputs``: which input partitions the operator inherits, as ``(input index, dim)``
@@ -23,7 +24,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-QUEUES = ("matrix", "vector")
 UNSPLIT_DIM = -1
 
 
@@ -54,11 +54,10 @@ class TensorNode:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class OperatorNode:
-    """One operator: its handler type, target queue, tensors and SplitSpec."""
+    """One operator: its task type, tensors and SplitSpec (no queue: that is the schedule's)."""
 
     name: str
     op_type: str
-    queue: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     split: SplitSpec
@@ -117,8 +116,6 @@ class OperatorGraph:
         where = f"{self.name}: operator {op.name!r}"
         if op.name in self.ops:
             raise GraphError(f"{where} is added twice")
-        if op.queue not in QUEUES:
-            raise GraphError(f"{where} queue ({op.queue!r}) must be one of {QUEUES}")
         for t in (*op.inputs, *op.outputs):
             if t not in self.tensors:
                 raise GraphError(f"{where} uses undeclared tensor {t!r}")

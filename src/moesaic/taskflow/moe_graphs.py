@@ -31,45 +31,51 @@ import math
 from dataclasses import dataclass
 
 from moesaic.taskflow.bucket import ShapeBucket
-from moesaic.taskflow.graph import OperatorGraph, OperatorNode, SplitSpec
+from moesaic.taskflow.graph import OperatorGraph, OperatorNode, SplitSpec, propagate_splits
+from moesaic.taskflow.tasks import BufferSpec, TaskType
 
-BUFFER_KINDS = ("input", "work", "output")
-# Task handler types and the queue each runs on (GMMs on the matrix queue, everything else on
-# the vector/communication queue).
-TASK_QUEUES = {
-    "put_dispatch": "vector",
-    "put_dispatch_grad": "vector",
-    "put_combine": "vector",
-    "gmm_gate_up": "matrix",
-    "swiglu": "vector",
-    "gelu": "vector",
-    "gmm_down": "matrix",
-    "topk_combine": "vector",
-    "gmm_act_grad": "matrix",
-    "gmm_w2_grad": "matrix",
-    "swiglu_grad": "vector",
-    "gelu_grad": "vector",
-    "gmm_gate_grad": "matrix",
-    "gmm_w1_grad": "matrix",
-    "sum_combine": "vector",
-    "topk_weight_grad": "vector",
-}
-PUT_TYPES = ("put_dispatch", "put_dispatch_grad", "put_combine")
-# Row-tiled compute over the receive slots (their tiles follow the GMM row partition).
-ROW_TYPES = ("gmm_gate_up", "swiglu", "gelu", "gmm_down", "gmm_act_grad", "swiglu_grad",
-             "gelu_grad", "gmm_gate_grad")  # fmt: skip
-# Fill kinds: how an operator's tasks tile its buffers (see tasks.py).
+
+def _types(*rows: TaskType) -> dict[str, TaskType]:
+    return {t.name: t for t in rows}
+
+
+_T = TaskType
+# The task-type table: every per-type fact in one place. GMMs run on the matrix queue, everything
+# else on the vector/communication queue; puts carry a message tag class; row types are the
+# compute over receive slots whose tiles follow the GMM row partition (RATR orders them).
+TASK_TYPES: dict[str, TaskType] = _types(
+    _T(name="put_dispatch", queue_class="vector", handler="put_dispatch", cost_class="put",
+       put=True, comm="dispatch", put_tag=1),
+    _T(name="put_dispatch_grad", queue_class="vector", handler="put_dispatch_grad",
+       cost_class="put", put=True, comm="dispatch", put_tag=2),
+    _T(name="put_combine", queue_class="vector", handler="put_combine", cost_class="put",
+       put=True, comm="combine", put_tag=3),
+    _T(name="gmm_gate_up", queue_class="matrix", handler="gmm_gate_up", cost_class="gmm",
+       rows=True),
+    _T(name="swiglu", queue_class="vector", handler="swiglu", cost_class="act", rows=True),
+    _T(name="gelu", queue_class="vector", handler="gelu", cost_class="act", rows=True),
+    _T(name="gmm_down", queue_class="matrix", handler="gmm_down", cost_class="gmm", rows=True),
+    _T(name="topk_combine", queue_class="vector", handler="topk_combine", cost_class="reduce"),
+    _T(name="gmm_act_grad", queue_class="matrix", handler="gmm_act_grad", cost_class="gmm",
+       rows=True),
+    _T(name="gmm_w2_grad", queue_class="matrix", handler="gmm_w2_grad", cost_class="gmm"),
+    _T(name="swiglu_grad", queue_class="vector", handler="swiglu_grad", cost_class="act",
+       rows=True),
+    _T(name="gelu_grad", queue_class="vector", handler="gelu_grad", cost_class="act", rows=True),
+    _T(name="gmm_gate_grad", queue_class="matrix", handler="gmm_gate_grad", cost_class="gmm",
+       rows=True),
+    _T(name="gmm_w1_grad", queue_class="matrix", handler="gmm_w1_grad", cost_class="gmm"),
+    _T(name="sum_combine", queue_class="vector", handler="sum_combine", cost_class="reduce"),
+    _T(name="topk_weight_grad", queue_class="vector", handler="topk_weight_grad",
+       cost_class="reduce"),
+)  # fmt: skip
+# The queues of the two-queue executor (a schedule lists them in this order).
+QUEUE_CLASSES = ("matrix", "vector")
+# Nominal relative cost of one tile-row of work per cost class: a GMM tile does ~2x the work of
+# moving the same rows, activations and reductions ~0.5x (a picture, not a measured model).
+NOMINAL_WEIGHT = {"put": 1.0, "gmm": 2.0, "act": 0.5, "reduce": 0.5}
+# Fill kinds: how an operator's tasks tile its buffers (see moe_fills.py).
 FILL_KINDS = ("send_tokens", "send_rows", "rows", "experts", "tokens")
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class BufferSpec:
-    """One 2-D buffer of a rank: ``rows x cols``; kind is input, work or output."""
-
-    name: str
-    rows: int
-    cols: int
-    kind: str
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -138,7 +144,6 @@ def _add(g: OperatorGraph, name: str, layout: OpLayout, inputs, split_inputs) ->
         OperatorNode(
             name=name,
             op_type=layout.task_type,
-            queue=TASK_QUEUES[layout.task_type],
             inputs=tuple(inputs),
             outputs=layout.outputs,
             split=spec,
@@ -271,3 +276,13 @@ def buffer_table(b: ShapeBucket, direction: str) -> tuple[BufferSpec, ...]:
         buf("dtopk_TK", T, K, "output"),
         *grads,
     )
+
+
+def task_count(bucket: ShapeBucket, direction: str, unsplit: tuple[str, ...] = ()) -> int:
+    """Tasks of one rank's plan, from split propagation alone (nothing is built).
+
+    Cheap for any bucket (one ``task_num_fn`` call per operator), so callers can refuse an
+    absurd size before compiling. Raises ``GraphError`` for an unknown ``unsplit`` operator.
+    """
+    split = propagate_splits(moe_graph(direction, bucket.activation).graph, bucket, unsplit=unsplit)
+    return sum(split.task_num.values())

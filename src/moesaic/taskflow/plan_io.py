@@ -1,12 +1,14 @@
 """Plan files: versioned JSON, parsed strictly and validated before a plan object is returned.
 
-Format (version 1)::
+Format (version 2; version 1 files are refused: they carried a queue per task and no world
+fingerprint)::
 
-    {"format": "moesaic.taskflow.plan", "version": 1, "direction": "forward", "rank": 0,
+    {"format": "moesaic.taskflow.plan", "version": 2, "direction": "forward", "rank": 0,
+     "world": "<16 hex digits: Plan.world_fingerprint>",
      "bucket": {...ShapeBucket fields...}, "options": {"ratr": true, "interleave": true,
      "unsplit": []},
      "buffers": [{"name": "x_TH", "rows": 4096, "cols": 7168, "kind": "input"}, ...],
-     "tasks": [{"uid": 0, "op": "dispatch", "task_type": "put_dispatch", "queue": "vector",
+     "tasks": [{"uid": 0, "op": "dispatch", "task_type": "put_dispatch",
                 "dependent_event": -1, "trigger_events": [[rank, event], ...],
                 "inputs": [[buffer, rank, start, stop], ...], "outputs": [...],
                 "task_index": 0, "split_num": 256, "split_value": 128, "expert": 0, "peer": 0},
@@ -14,12 +16,14 @@ Format (version 1)::
      "events": [{"id": 0, "threshold": 2, "producers": [[rank, op, task_index], ...]}, ...],
      "remote_writes": [{"rank": 1, "op": "dispatch", "task_index": 3,
                         "regions": [[buffer, rank, start, stop]], "trigger_events": [0]}, ...],
-     "queues": {"matrix": [uid, ...], "vector": [uid, ...]},
-     "task_num": {"dispatch": 256, ...}, "fell_back": []}
+     "task_num": {"dispatch": 256, ...}, "fell_back": [],
+     "schedule": {"executor": "two_queue",
+                  "queues": [["matrix", [uid, ...]], ["vector", [uid, ...]]]}}
 
 ``load_plan`` / ``plan_from_dict`` reject (``PlanError``, a ``ValueError``) anything malformed:
-an unknown format or version, missing or unknown fields, wrong types (a bool is not an int),
-and then everything ``validate.check_plan`` checks. A plan that is returned can run.
+an unknown format or version, missing or unknown fields, wrong types (a bool is not an int), a
+``world`` fingerprint that does not match the bucket and options, and then everything
+``validate.check_plan`` checks. A plan that is returned can run (and is marked validated).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from moesaic.checks import is_int
 from moesaic.taskflow.bucket import bucket_from_dict, options_from_dict
-from moesaic.taskflow.moe_graphs import BufferSpec
-from moesaic.taskflow.plan import PLAN_FORMAT, PLAN_VERSION, SUPPORTED_VERSIONS, Plan
+from moesaic.taskflow.plan import PLAN_FORMAT, SUPPORTED_VERSIONS, Plan, Schedule, TaskGraph
 from moesaic.taskflow.tasks import (
+    BufferSpec,
     Event,
     EventRef,
     ProducerRef,
@@ -40,12 +45,12 @@ from moesaic.taskflow.tasks import (
     RemoteWrite,
     TaskDescriptor,
 )
-from moesaic.taskflow.validate import PlanFormatError, PlanVersionError, check_plan
+from moesaic.taskflow.validate import PlanFormatError, check_plan, version_error
 
-_TOP = {"format", "version", "direction", "rank", "bucket", "options", "buffers", "tasks",
-        "events", "remote_writes", "queues", "task_num", "fell_back"}  # fmt: skip
-_TASK = {"uid", "op", "task_type", "queue", "dependent_event", "trigger_events", "inputs",
-         "outputs", "task_index", "split_num", "split_value", "expert", "peer"}  # fmt: skip
+_TOP = {"format", "version", "direction", "rank", "world", "bucket", "options", "buffers",
+        "tasks", "events", "remote_writes", "task_num", "fell_back", "schedule"}  # fmt: skip
+_TASK = {"uid", "op", "task_type", "dependent_event", "trigger_events", "inputs", "outputs",
+         "task_index", "split_num", "split_value", "expert", "peer"}  # fmt: skip
 
 
 def _region_out(r: Region) -> list:
@@ -59,6 +64,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "version": plan.version,
         "direction": plan.direction,
         "rank": plan.rank,
+        "world": plan.world_fingerprint,
         "bucket": plan.bucket.to_dict(),
         "options": plan.options.to_dict(),
         "buffers": [
@@ -69,7 +75,6 @@ def plan_to_dict(plan: Plan) -> dict:
                 "uid": t.uid,
                 "op": t.op,
                 "task_type": t.task_type,
-                "queue": t.queue,
                 "dependent_event": t.dependent_event,
                 "trigger_events": [[r.rank, r.event] for r in t.trigger_events],
                 "inputs": [_region_out(r) for r in t.inputs],
@@ -100,15 +105,19 @@ def plan_to_dict(plan: Plan) -> dict:
             }
             for w in plan.remote_writes
         ],
-        "queues": {"matrix": list(plan.matrix_queue), "vector": list(plan.vector_queue)},
         "task_num": dict(plan.task_num),
         "fell_back": list(plan.fell_back),
+        "schedule": {
+            "executor": plan.schedule.executor,
+            "queues": [[name, list(uids)] for name, uids in plan.schedule.queues],
+        },
     }
 
 
 def _int(v: object, where: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not is_int(v):
         raise PlanFormatError(f"{where} must be an int, got {type(v).__name__} ({v!r})")
+    assert isinstance(v, int)  # for the type checker; is_int said so
     return v
 
 
@@ -164,7 +173,6 @@ def _task(v: object, where: str) -> TaskDescriptor:
     return TaskDescriptor(
         op=_str(d["op"], f"{where}.op"),
         task_type=_str(d["task_type"], f"{where}.task_type"),
-        queue=_str(d["queue"], f"{where}.queue"),
         trigger_events=tuple(trig),
         inputs=_regions(d["inputs"], f"{where}.inputs"),
         outputs=_regions(d["outputs"], f"{where}.outputs"),
@@ -204,6 +212,19 @@ def _remote(v: object, where: str) -> RemoteWrite:
     )
 
 
+def _schedule(v: object) -> Schedule:
+    d = _obj(v, "schedule", {"executor", "queues"})
+    queues = []
+    for i, q in enumerate(_list(d["queues"], "schedule.queues")):
+        q = _list(q, f"schedule.queues[{i}]")
+        if len(q) != 2:
+            raise PlanFormatError(f"schedule.queues[{i}] must be [name, [uid, ...]]")
+        name = _str(q[0], f"schedule.queues[{i}][0]")
+        uids = tuple(_int(u, f"schedule.queues[{i}][1][]") for u in _list(q[1], name))
+        queues.append((name, uids))
+    return Schedule(executor=_str(d["executor"], "schedule.executor"), queues=tuple(queues))
+
+
 def plan_from_dict(d: object, *, validate: bool = True) -> Plan:
     """Parse a plan dict strictly and (by default) validate it; raises ``PlanError``."""
     if not isinstance(d, dict):
@@ -211,10 +232,8 @@ def plan_from_dict(d: object, *, validate: bool = True) -> Plan:
     if d.get("format") != PLAN_FORMAT:
         raise PlanFormatError(f"format ({d.get('format')!r}) must be {PLAN_FORMAT!r}")
     version = d.get("version")
-    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
-        raise PlanVersionError(
-            f"plan version ({version!r}) is unknown; this build reads {SUPPORTED_VERSIONS}"
-        )
+    if not is_int(version) or version not in SUPPORTED_VERSIONS:
+        raise version_error(version)
     d = _obj(d, "plan", _TOP)
     direction = _str(d["direction"], "direction")
     if direction not in ("forward", "backward"):
@@ -235,16 +254,10 @@ def plan_from_dict(d: object, *, validate: bool = True) -> Plan:
                 kind=_str(b["kind"], f"buffers[{i}].kind"),
             )
         )
-    queues = _obj(d["queues"], "queues", {"matrix", "vector"})
     task_num = d["task_num"]
     if not isinstance(task_num, dict):
         raise PlanFormatError("task_num must be an object")
-    plan = Plan(
-        version=PLAN_VERSION,
-        direction=direction,
-        rank=_int(d["rank"], "rank"),
-        bucket=bucket,
-        options=options,
+    graph = TaskGraph(
         buffers=tuple(buffers),
         tasks=tuple(_task(t, f"tasks[{i}]") for i, t in enumerate(_list(d["tasks"], "tasks"))),
         events=tuple(_event(e, f"events[{i}]") for i, e in enumerate(_list(d["events"], "events"))),
@@ -252,11 +265,24 @@ def plan_from_dict(d: object, *, validate: bool = True) -> Plan:
             _remote(w, f"remote_writes[{i}]")
             for i, w in enumerate(_list(d["remote_writes"], "remote_writes"))
         ),
-        matrix_queue=tuple(_int(u, "queues.matrix[]") for u in _list(queues["matrix"], "matrix")),
-        vector_queue=tuple(_int(u, "queues.vector[]") for u in _list(queues["vector"], "vector")),
         task_num={_str(k, "task_num key"): _int(v, f"task_num.{k}") for k, v in task_num.items()},
         fell_back=tuple(_str(o, "fell_back[]") for o in _list(d["fell_back"], "fell_back")),
     )
+    plan = Plan(
+        version=_int(version, "version"),
+        direction=direction,
+        rank=_int(d["rank"], "rank"),
+        bucket=bucket,
+        options=options,
+        graph=graph,
+        schedule=_schedule(d["schedule"]),
+    )
+    world = _str(d["world"], "world")
+    if world != plan.world_fingerprint:
+        raise PlanFormatError(
+            f"world ({world!r}) is not the fingerprint of the plan's bucket and options "
+            f"({plan.world_fingerprint!r}): the file was edited or damaged"
+        )
     if validate:
         check_plan(plan)
         if plan.task_num != _expected_task_num(plan):

@@ -1,36 +1,70 @@
-"""Task descriptors (paper Table 1) and the FillConfigs that turn operator splits into them.
+"""What a task graph is made of: task descriptors (paper Table 1), regions, events, buffers, and
+the per-task-type record. Generic: nothing here knows the MoE graphs or where a task is queued.
 
-Shape legend: T tokens per rank, E experts, e local experts, P ranks, S slot rows,
-R = e * P * S receive rows, n tasks of an operator (from split propagation).
+A ``TaskDescriptor`` is *what* a task is: its handler type, the regions it reads and writes, the
+event it waits on and the events it bumps, and its tile index within its operator. *Where* it
+runs (which queue, in which order) is the schedule's business (``plan.Schedule``); facts shared
+by every task of one type (queue class, put / row flags, handler, cost class) live once in a
+task-type table of ``TaskType`` records (the MoE one is ``moe_graphs.TASK_TYPES``).
 
-A ``TaskDescriptor`` carries Table 1's fields: ``task_type`` (handler), ``queue`` (matrix or
-vector), ``dependent_event`` (one counter to wait on, -1 for none), ``trigger_events`` (counters
-to bump on completion), ``inputs`` / ``outputs`` (regions: buffer, owning rank, row range),
-``task_index`` (tile index within its operator), ``split_num`` and ``split_value`` (tiles of the
-operator and rows per tile). Table 1 has one trigger event per task; we allow several, because
-one tile can release consumers whose producer sets differ (a SwiGLU-grad tile releases its own
-gate-grad GMM tile, one counter, and the whole-expert w1-grad GMM, another). ``tiling_data_
-position`` has no meaning here (handlers take the tile from the regions) and is left out.
-
-A FillConfig (one per fill kind, ``FILLS``) maps (operator, n, bucket, rank) to the tasks this
-rank runs and, for communication operators, to ``RemoteWrite`` records: tasks of other ranks that
-write into this rank's buffers, named by (rank, operator, task_index) so that every rank's plan is
-compiled on its own. Communication regions never straddle a slot; compute tiles never straddle an
-expert; GMM tiles never split a reduction dimension (rows for the weight gradients, H or F for
-the activation GMMs): a tile always spans a full expert width.
+Table 1 maps onto ``TaskDescriptor`` as: task_type -> ``task_type``; queue_type -> the task
+type's ``queue_class`` and the schedule; dependent_event -> ``dependent_event`` (-1: none);
+trigger_event -> ``trigger_events`` (several: one tile can release consumers whose producer sets
+differ, e.g. a SwiGLU-grad tile releases its gate-grad GMM tile and the whole-expert w1-grad
+GMM); inputs / outputs -> regions (buffer, owning rank, row range); task_index, task_split_num,
+task_split_value -> ``task_index``, ``split_num``, ``split_value``. ``tiling_data_position`` has
+no meaning here (handlers take the tile from the regions) and is left out.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from moesaic.taskflow.bucket import ShapeBucket
-from moesaic.taskflow.moe_graphs import TASK_QUEUES, BufferSpec, OpLayout
+BUFFER_KINDS = ("input", "work", "output")
 
 
 class CompileError(ValueError):
     """A bucket, option or split that the task generator cannot tile consistently."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TaskType:
+    """Every fact about one task type, in one record.
+
+    Attributes:
+        name: the type's name (``TaskDescriptor.task_type``).
+        queue_class: the class of queue it runs on (for the two-queue executor: "matrix" or
+            "vector"); a schedule puts each task on a queue of its class.
+        handler: name of the function that executes it (a runtime resolves it).
+        cost_class: how a cost model prices it (e.g. "gmm", "put", "act", "reduce").
+        put: it writes regions of other ranks (one-sided put with a remote counter update).
+        comm: for puts, the communication pattern ("dispatch" or "combine"), else "".
+        rows: row-tiled compute over the receive slots (its tiles follow the GMM rows).
+        put_tag: message tag class of a put (distinct per put type), 0 for other types.
+    """
+
+    name: str
+    queue_class: str
+    handler: str
+    cost_class: str
+    put: bool = False
+    comm: str = ""
+    rows: bool = False
+    put_tag: int = 0
+
+    def __post_init__(self) -> None:
+        if self.put != bool(self.comm) or self.put != (self.put_tag > 0):
+            raise ValueError(f"task type {self.name!r}: put, comm and put_tag must agree")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BufferSpec:
+    """One 2-D buffer of a rank: ``rows x cols``; kind is input, work or output."""
+
+    name: str
+    rows: int
+    cols: int
+    kind: str
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -55,18 +89,44 @@ class EventRef:
     event: int
 
 
-@dataclass(kw_only=True, slots=True)
-class TaskDescriptor:
-    """One tile task (Table 1). ``uid`` is its position in ``Plan.tasks``.
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Tile:
+    """What a task computes, before events are assigned: the output of a FillConfig.
 
     Attributes:
-        uid: index in the plan's task table.
-        op: operator (ODG node) name.
-        task_type: handler type (``moe_graphs.TASK_QUEUES``).
-        queue: "matrix" (GMMs) or "vector" (communication, activations, reductions).
+        op: operator (graph node) name.
+        task_type: its type (a key of the task-type table).
+        inputs: regions read. For a combine put ``inputs[i]`` is sent to ``outputs[i]``.
+        outputs: regions written (puts write regions of other ranks).
+        task_index: tile index within the operator (stable under reordering).
+        split_num: tasks of the operator on this rank.
+        split_value: rows per tile.
+        expert: global expert of the tile, -1 when it spans several.
+        peer: destination rank of a put, -1 when none or several.
+    """
+
+    op: str
+    task_type: str
+    inputs: tuple[Region, ...]
+    outputs: tuple[Region, ...]
+    task_index: int
+    split_num: int
+    split_value: int
+    expert: int = -1
+    peer: int = -1
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TaskDescriptor:
+    """One tile task of a task graph (Table 1); built once, never patched.
+
+    Attributes:
+        uid: index in the graph's task table.
+        op: operator (graph node) name.
+        task_type: handler type (a key of the task-type table).
         dependent_event: local event that must reach its threshold first; -1 for none.
         trigger_events: events (possibly on other ranks) bumped once when this task completes.
-        inputs: regions read. For ``put_combine`` ``inputs[i]`` is sent to ``outputs[i]``.
+        inputs: regions read. For a combine put ``inputs[i]`` is sent to ``outputs[i]``.
         outputs: regions written (puts write regions of other ranks).
         task_index: tile index within the operator (stable under reordering).
         split_num: tasks of the operator on this rank.
@@ -78,7 +138,6 @@ class TaskDescriptor:
     uid: int
     op: str
     task_type: str
-    queue: str
     dependent_event: int
     trigger_events: tuple[EventRef, ...]
     inputs: tuple[Region, ...]
@@ -88,6 +147,26 @@ class TaskDescriptor:
     split_value: int
     expert: int = -1
     peer: int = -1
+
+    @classmethod
+    def from_tile(
+        cls, tile: Tile, *, uid: int, dependent_event: int, trigger_events: tuple[EventRef, ...]
+    ) -> TaskDescriptor:
+        """The task of ``tile`` once its uid and events are known."""
+        return cls(
+            uid=uid,
+            op=tile.op,
+            task_type=tile.task_type,
+            dependent_event=dependent_event,
+            trigger_events=trigger_events,
+            inputs=tile.inputs,
+            outputs=tile.outputs,
+            task_index=tile.task_index,
+            split_num=tile.split_num,
+            split_value=tile.split_value,
+            expert=tile.expert,
+            peer=tile.peer,
+        )
 
     @property
     def label(self) -> str:
@@ -121,220 +200,3 @@ class Event:
     id: int
     threshold: int
     producers: tuple[ProducerRef, ...]
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class FillContext:
-    """What a FillConfig knows: the bucket, the rank and the rank's buffers."""
-
-    bucket: ShapeBucket
-    rank: int
-    buffers: dict[str, BufferSpec]
-
-    def whole(self, name: str) -> Region:
-        return Region(buffer=name, rank=self.rank, start=0, stop=self.buffers[name].rows)
-
-    def expert_block(self, name: str, j: int) -> Region:
-        """Rows of local expert j in a per-expert buffer (weights, weight gradients)."""
-        per = self.buffers[name].rows // self.bucket.local_experts
-        return Region(buffer=name, rank=self.rank, start=j * per, stop=(j + 1) * per)
-
-
-def _task(ctx: FillContext, op: str, layout: OpLayout, **kw) -> TaskDescriptor:
-    return TaskDescriptor(
-        uid=-1,
-        op=op,
-        task_type=layout.task_type,
-        queue=TASK_QUEUES[layout.task_type],
-        dependent_event=-1,
-        trigger_events=(),
-        **kw,
-    )
-
-
-def _slot_tile(total: int, n: int, slot: int, op: str) -> int:
-    """Rows per tile for n tiles of ``total`` rows; tiles must not straddle a slot."""
-    if total % n or slot % (total // n):
-        raise CompileError(
-            f"operator {op!r}: {n} tasks over {total} rows give tiles that straddle slots of "
-            f"{slot} rows (tile rows must divide the slot)"
-        )
-    return total // n
-
-
-def fill_send_tokens(ctx: FillContext, op: str, layout: OpLayout, n: int):
-    """Dispatch (forward or backward): gather this rank's routed rows into remote slots.
-
-    Task ``(d * e + j) * tiles + i`` writes tile i of slot (local expert j, source = this rank)
-    on rank d. With n == 1 a single task writes every slot on every rank.
-    """
-    b, me = ctx.bucket, ctx.rank
-    P, e, S = b.ep_size, b.local_experts, b.slot_rows
-    out = layout.outputs[0]
-    inputs = tuple(ctx.whole(name) for name in layout.whole_inputs)
-    tasks, stubs = [], []
-    if n == 1:
-        outs = tuple(
-            Region(buffer=out, rank=d, start=(j * P + me) * S, stop=(j * P + me + 1) * S)
-            for d in range(P)
-            for j in range(e)
-        )
-        tasks.append(
-            _task(ctx, op, layout, inputs=inputs, outputs=outs, task_index=0, split_num=1,
-                  split_value=S)
-        )  # fmt: skip
-        for s in range(P):
-            if s != me:
-                regs = tuple(
-                    Region(buffer=out, rank=me, start=(j * P + s) * S, stop=(j * P + s + 1) * S)
-                    for j in range(e)
-                )
-                stubs.append(RemoteWrite(rank=s, op=op, task_index=0, regions=regs))
-        return tasks, stubs
-    tile = _slot_tile(b.experts * S, n, S, op)
-    tps = S // tile
-    for d in range(P):
-        for j in range(e):
-            for i in range(tps):
-                start = (j * P + me) * S + i * tile
-                reg = Region(buffer=out, rank=d, start=start, stop=start + tile)
-                tasks.append(
-                    _task(ctx, op, layout, inputs=inputs, outputs=(reg,),
-                          task_index=(d * e + j) * tps + i, split_num=n, split_value=tile,
-                          expert=d * e + j, peer=d)
-                )  # fmt: skip
-    for s in range(P):
-        if s == me:
-            continue
-        for j in range(e):
-            for i in range(tps):
-                start = (j * P + s) * S + i * tile
-                reg = Region(buffer=out, rank=me, start=start, stop=start + tile)
-                idx = (me * e + j) * tps + i
-                stubs.append(RemoteWrite(rank=s, op=op, task_index=idx, regions=(reg,)))
-    return tasks, stubs
-
-
-def fill_send_rows(ctx: FillContext, op: str, layout: OpLayout, n: int):
-    """Combine (forward or backward): send expert-output tiles back to their source ranks.
-
-    Tiles follow the GMM row partition of the input: tile k covers rows ``[k*tile, (k+1)*tile)``
-    of slot (j, s) and goes to the return slot of global expert ``me * e + j`` on rank s.
-    """
-    b, me = ctx.bucket, ctx.rank
-    P, e, S, R = b.ep_size, b.local_experts, b.slot_rows, b.recv_rows
-    src, out = layout.row_inputs[0], layout.outputs[0]
-    tasks, stubs = [], []
-
-    def ret(rank: int, g: int, off: int, rows: int) -> Region:
-        return Region(buffer=out, rank=rank, start=g * S + off, stop=g * S + off + rows)
-
-    if n == 1:
-        slots = [(j, s) for j in range(e) for s in range(P)]
-        ins = tuple(
-            Region(buffer=src, rank=me, start=(j * P + s) * S, stop=(j * P + s + 1) * S)
-            for j, s in slots
-        )
-        outs = tuple(ret(s, me * e + j, 0, S) for j, s in slots)
-        tasks.append(
-            _task(ctx, op, layout, inputs=ins, outputs=outs, task_index=0, split_num=1,
-                  split_value=S)
-        )  # fmt: skip
-        for q in range(P):
-            if q != me:
-                regs = tuple(ret(me, q * e + j, 0, S) for j in range(e))
-                stubs.append(RemoteWrite(rank=q, op=op, task_index=0, regions=regs))
-        return tasks, stubs
-    tile = _slot_tile(R, n, S, op)
-    for k in range(n):
-        a = k * tile
-        j, s = divmod(a // S, P)
-        reg_in = Region(buffer=src, rank=me, start=a, stop=a + tile)
-        tasks.append(
-            _task(ctx, op, layout, inputs=(reg_in,), outputs=(ret(s, me * e + j, a % S, tile),),
-                  task_index=k, split_num=n, split_value=tile, expert=me * e + j, peer=s)
-        )  # fmt: skip
-    for q in range(P):
-        if q == me:
-            continue
-        for j in range(e):
-            for i in range(S // tile):
-                k = ((j * P + me) * S + i * tile) // tile
-                reg = ret(me, q * e + j, i * tile, tile)
-                stubs.append(RemoteWrite(rank=q, op=op, task_index=k, regions=(reg,)))
-    return tasks, stubs
-
-
-def fill_rows(ctx: FillContext, op: str, layout: OpLayout, n: int):
-    """Row-tiled compute (GMMs over rows, activations and their gradients)."""
-    b, me = ctx.bucket, ctx.rank
-    R = b.recv_rows
-    tile = R if n == 1 else _slot_tile(R, n, b.slot_rows, op)
-    tasks = []
-    for k in range(n):
-        a, z = k * tile, (k + 1) * tile
-        j = a // b.expert_rows if n > 1 else -1
-        rows = tuple(Region(buffer=x, rank=me, start=a, stop=z) for x in layout.row_inputs)
-        if n > 1:
-            weights = tuple(ctx.expert_block(w, j) for w in layout.weight_inputs)
-        else:
-            weights = tuple(ctx.whole(w) for w in layout.weight_inputs)
-        outs = tuple(Region(buffer=y, rank=me, start=a, stop=z) for y in layout.outputs)
-        tasks.append(
-            _task(ctx, op, layout, inputs=rows + weights, outputs=outs, task_index=k,
-                  split_num=n, split_value=tile, expert=me * b.local_experts + j if j >= 0 else -1)
-        )  # fmt: skip
-    return tasks, []
-
-
-def fill_experts(ctx: FillContext, op: str, layout: OpLayout, n: int):
-    """Weight-gradient GMMs: one task per local expert over all of its rows (never split)."""
-    b, me = ctx.bucket, ctx.rank
-    e = b.local_experts
-    if n not in (1, e):
-        raise CompileError(f"operator {op!r}: {n} tasks; a weight-gradient GMM takes 1 or e ({e})")
-    tasks = []
-    per_expert = n == e  # also true for e == 1: then the single task is expert me*e's
-    for j in range(n):
-        if not per_expert:
-            a, z = 0, b.recv_rows
-            outs = tuple(ctx.whole(y) for y in layout.outputs)
-        else:
-            a, z = j * b.expert_rows, (j + 1) * b.expert_rows
-            outs = tuple(ctx.expert_block(y, j) for y in layout.outputs)
-        rows = tuple(Region(buffer=x, rank=me, start=a, stop=z) for x in layout.row_inputs)
-        tasks.append(
-            _task(ctx, op, layout, inputs=rows, outputs=outs, task_index=j, split_num=n,
-                  split_value=z - a, expert=me * e + j if per_expert else -1)
-        )  # fmt: skip
-    return tasks, []
-
-
-def fill_tokens(ctx: FillContext, op: str, layout: OpLayout, n: int):
-    """Source-side reductions, tiled by tokens; they read whole return buffers (routing decides
-    which rows a token needs, so no finer dependency is static)."""
-    b, me = ctx.bucket, ctx.rank
-    T = b.tokens
-    tile = math.ceil(T / n)
-    if (n - 1) * tile >= T:
-        raise CompileError(f"operator {op!r}: {n} token tiles of {tile} rows leave an empty tile")
-    whole = tuple(ctx.whole(x) for x in layout.whole_inputs)
-    tasks = []
-    for i in range(n):
-        a, z = i * tile, min(T, (i + 1) * tile)
-        rows = tuple(Region(buffer=x, rank=me, start=a, stop=z) for x in layout.row_inputs)
-        outs = tuple(Region(buffer=y, rank=me, start=a, stop=z) for y in layout.outputs)
-        tasks.append(
-            _task(ctx, op, layout, inputs=rows + whole, outputs=outs, task_index=i,
-                  split_num=n, split_value=tile)
-        )  # fmt: skip
-    return tasks, []
-
-
-FILLS = {
-    "send_tokens": fill_send_tokens,
-    "send_rows": fill_send_rows,
-    "rows": fill_rows,
-    "experts": fill_experts,
-    "tokens": fill_tokens,
-}

@@ -8,24 +8,44 @@ buffer has exactly one writer (FlashDMoE's write-conflict freedom); every event'
 equals the number of its producers; the producers of a task's dependent event cover every row it
 reads; every tile is exactly the one the FillConfig generates for its (operator, task_index)
 (handlers derive rows, experts and destinations from the regions, so only the queue order and the
-events are free); and the queues cannot deadlock (``simulate``: both queues consume in order and wait on
+events are free); the schedule puts every task once on the queue of its type's class; and the
+queues cannot deadlock (``simulate`` on the event engine: both queues consume in order and wait on
 their counters; writes of other ranks are assumed to arrive). ``check_world`` adds the cross-rank
-checks on all plans of a world: the same fingerprint, every put matched by the receiver's
-remote-write record with the same rows and events, and no deadlock of all 2P queues together.
+checks on all plans of a world: the same world settings (``Plan.world_settings``) and direction,
+every put matched by the receiver's remote-write record with the same rows and events, and no
+deadlock of all 2P queues together.
+
+A plan that passes ``check_plan`` is marked validated; ``ensure_validated`` (what executors call)
+checks a plan object only once.
 
 Every failure raises a ``PlanError`` (a ``ValueError``) whose message names what is wrong.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Sequence
 
+from moesaic.taskflow.engine import (
+    DeadlockError,
+    EngineError,
+    EventEngine,
+    EventOverflowError,
+    Job,
+    Lane,
+    Timeline,
+)
 from moesaic.taskflow.graph import propagate_splits
-from moesaic.taskflow.moe_graphs import PUT_TYPES, TASK_QUEUES, buffer_table, moe_graph
-from moesaic.taskflow.plan import SUPPORTED_VERSIONS, Plan
-from moesaic.taskflow.tasks import FILLS, FillContext, Region, TaskDescriptor
+from moesaic.taskflow.moe_fills import FILLS, FillContext
+from moesaic.taskflow.moe_graphs import (
+    QUEUE_CLASSES,
+    TASK_TYPES,
+    MoEGraph,
+    buffer_table,
+    moe_graph,
+)
+from moesaic.taskflow.plan import PLAN_VERSION, SUPPORTED_VERSIONS, Plan
+from moesaic.taskflow.tasks import Region, TaskDescriptor
 
 
 class PlanError(ValueError):
@@ -56,11 +76,17 @@ class PlanWorldError(PlanError):
     """Plans of different ranks that do not fit together."""
 
 
+def version_error(version: object) -> PlanVersionError:
+    """The error for a plan of another format version, naming both versions."""
+    return PlanVersionError(
+        f"plan format version {version!r} is not supported: this build reads version "
+        f"{PLAN_VERSION} only; recompile the plan (moesaic taskflow compile)"
+    )
+
+
 def _check_header(plan: Plan) -> None:
     if plan.version not in SUPPORTED_VERSIONS:
-        raise PlanVersionError(
-            f"plan version ({plan.version!r}) is unknown; this build reads {SUPPORTED_VERSIONS}"
-        )
+        raise version_error(plan.version)
     P = plan.bucket.ep_size
     if not 0 <= plan.rank < P:
         raise PlanFormatError(f"rank ({plan.rank}) must be in [0, ep_size={P})")
@@ -99,7 +125,7 @@ def _check_put(plan: Plan, t: TaskDescriptor) -> None:
     for r in t.outputs:
         if r.start // S != (r.stop - 1) // S:
             raise PlanRegionError(f"{t.label}: put region [{r.start}, {r.stop}) straddles a slot")
-    if t.task_type != "put_combine":
+    if TASK_TYPES[t.task_type].comm != "combine":
         for r in t.outputs:
             if (r.start // S) % P != plan.rank:
                 raise PlanRegionError(
@@ -124,8 +150,7 @@ def _check_put(plan: Plan, t: TaskDescriptor) -> None:
             )
 
 
-def _check_tasks(plan: Plan) -> dict[str, int]:
-    mg = moe_graph(plan.direction, plan.bucket.activation)
+def _check_tasks(plan: Plan, mg: MoEGraph) -> dict[str, int]:
     try:
         split = propagate_splits(mg.graph, plan.bucket, unsplit=plan.options.unsplit)
     except ValueError as exc:
@@ -141,10 +166,9 @@ def _check_tasks(plan: Plan) -> dict[str, int]:
             raise PlanFormatError(
                 f"{where}: operator {t.op!r} is not in the {plan.direction} graph"
             )
-        if t.task_type != layout.task_type or t.queue != TASK_QUEUES[t.task_type]:
+        if t.task_type != layout.task_type:
             raise PlanFormatError(
-                f"{where}: task_type/queue ({t.task_type}, {t.queue}) must be "
-                f"({layout.task_type}, {TASK_QUEUES[layout.task_type]})"
+                f"{where}: task_type ({t.task_type!r}) must be {layout.task_type!r}"
             )
         if t.split_num != split.task_num[t.op] or not 0 <= t.task_index < t.split_num:
             raise PlanFormatError(
@@ -159,7 +183,7 @@ def _check_tasks(plan: Plan) -> dict[str, int]:
             _check_region(plan, f"{where}.inputs[{k}]", r, write=False, remote_ok=False)
             if r.buffer not in allowed_in:
                 raise PlanRegionError(f"{where}.inputs[{k}]: {t.op} does not read {r.buffer!r}")
-        is_put = t.task_type in PUT_TYPES
+        is_put = TASK_TYPES[t.task_type].put
         for k, r in enumerate(t.outputs):
             _check_region(plan, f"{where}.outputs[{k}]", r, write=True, remote_ok=is_put)
             if r.buffer not in layout.outputs:
@@ -178,18 +202,26 @@ def _check_tasks(plan: Plan) -> dict[str, int]:
     return split.task_num
 
 
-def _check_queues(plan: Plan) -> None:
+def _check_schedule(plan: Plan) -> None:
+    """The two-queue schedule: every task once, on the queue of its type's class."""
+    sched = plan.schedule
+    if sched.executor != "two_queue" or sched.names != QUEUE_CLASSES:
+        raise PlanFormatError(
+            f"schedule ({sched.executor!r}, queues {list(sched.names)}) must be the two_queue "
+            f"executor's, queues {list(QUEUE_CLASSES)}"
+        )
     placed: dict[int, str] = {}
-    for name in ("matrix", "vector"):
-        for uid in plan.queue(name):
+    for name, uids in sched.queues:
+        for uid in uids:
             if not 0 <= uid < len(plan.tasks):
                 raise PlanFormatError(f"{name} queue names task {uid}, which does not exist")
             if uid in placed:
                 raise PlanFormatError(f"task {uid} appears twice in the queues")
-            if plan.tasks[uid].queue != name:
+            t = plan.tasks[uid]
+            cls = TASK_TYPES[t.task_type].queue_class
+            if cls != name:
                 raise PlanFormatError(
-                    f"task {uid} ({plan.tasks[uid].label}) is a {plan.tasks[uid].queue} task "
-                    f"but sits in the {name} queue"
+                    f"task {uid} ({t.label}) is a {cls} task but sits in the {name} queue"
                 )
             placed[uid] = name
     if len(placed) != len(plan.tasks):
@@ -197,10 +229,10 @@ def _check_queues(plan: Plan) -> None:
         raise PlanFormatError(f"tasks {missing} are in no queue")
 
 
-def _writers(plan: Plan) -> dict[tuple, list[Region]]:
+def _writers(plan: Plan, mg: MoEGraph) -> dict[tuple, list[Region]]:
     """Regions of this rank written by each producer, keyed (rank, op, task_index)."""
     out: dict[tuple, list[Region]] = defaultdict(list)
-    put_ops = _put_ops(plan)
+    put_ops = {n for n, lay in mg.layouts.items() if TASK_TYPES[lay.task_type].put}
     for t in plan.tasks:
         out[(plan.rank, t.op, t.task_index)] += [r for r in t.outputs if r.rank == plan.rank]
     for k, w in enumerate(plan.remote_writes):
@@ -219,11 +251,6 @@ def _writers(plan: Plan) -> dict[tuple, list[Region]]:
             if not 0 <= ev < len(plan.events):
                 raise PlanEventError(f"{where}: trigger event {ev} does not exist")
     return out
-
-
-def _put_ops(plan: Plan) -> set[str]:
-    mg = moe_graph(plan.direction, plan.bucket.activation)
-    return {n for n, lay in mg.layouts.items() if lay.task_type in PUT_TYPES}
 
 
 def _check_coverage(plan: Plan, writers: dict[tuple, list[Region]]) -> None:
@@ -297,10 +324,9 @@ def _rows(regions) -> list[tuple]:
     return [(r.buffer, r.rank, r.start, r.stop) for r in regions][:2]
 
 
-def _check_against_fill(plan: Plan, task_num: dict[str, int]) -> None:
+def _check_against_fill(plan: Plan, task_num: dict[str, int], mg: MoEGraph) -> None:
     """Tiles must be exactly the FillConfig's for the bucket: handlers derive rows, experts and
     destinations from the regions, so only the queue order and the events are free."""
-    mg = moe_graph(plan.direction, plan.bucket.activation)
     ctx = FillContext(bucket=plan.bucket, rank=plan.rank, buffers={b.name: b for b in plan.buffers})
     expected, stubs = {}, set()
     for op, n in task_num.items():
@@ -323,27 +349,41 @@ def _check_against_fill(plan: Plan, task_num: dict[str, int]) -> None:
 
 
 def check_plan(plan: Plan) -> None:
-    """All single-rank checks (see the module docstring); raises a ``PlanError``."""
+    """All single-rank checks (see the module docstring); raises a ``PlanError``. A plan that
+    passes is marked (``plan.validated``), so executors do not check it again."""
     _check_header(plan)
-    task_num = _check_tasks(plan)
-    _check_queues(plan)
-    writers = _writers(plan)
+    mg = moe_graph(plan.direction, plan.bucket.activation)  # built once per check
+    task_num = _check_tasks(plan, mg)
+    _check_schedule(plan)
+    writers = _writers(plan, mg)
     _check_coverage(plan, writers)
     _check_events(plan, writers)
-    _check_against_fill(plan, task_num)
+    _check_against_fill(plan, task_num, mg)
     simulate([plan], world=False)
+    plan._mark_validated()
 
 
-@dataclass(kw_only=True, slots=True)
-class Timeline:
-    """Simulated start and end of every task, per rank: ``start[rank][uid]``."""
+def ensure_validated(plan: Plan) -> None:
+    """``check_plan`` unless this plan object already passed it (it is immutable)."""
+    if not plan.validated:
+        check_plan(plan)
 
-    start: list[dict[int, float]]
-    end: list[dict[int, float]]
 
-    @property
-    def makespan(self) -> float:
-        return max((max(e.values(), default=0.0) for e in self.end), default=0.0)
+def _lanes(plans: Sequence[Plan], world: bool) -> list[Lane[TaskDescriptor]]:
+    lanes = []
+    for p in plans:
+        r = p.rank
+        for name, uids in p.schedule.queues:
+            jobs = []
+            for uid in uids:
+                t = p.tasks[uid]
+                ev = t.dependent_event
+                trig = tuple((x.rank, x.event) for x in t.trigger_events if world or x.rank == r)
+                jobs.append(
+                    Job(key=(r, uid), task=t, wait=(r, ev) if ev >= 0 else None, triggers=trig)
+                )
+            lanes.append(Lane(name=(r, name), jobs=jobs))
+    return lanes
 
 
 def simulate(
@@ -352,74 +392,54 @@ def simulate(
     world: bool,
     cost: Callable[[TaskDescriptor], float] | None = None,
 ) -> Timeline:
-    """Run the queues of ``plans`` in order against their event counters.
+    """Run the queues of ``plans`` on the event engine (``engine.EventEngine``).
 
     Each queue starts its head task once its dependent event reached its threshold (at the
     latest completion among the producers), one task at a time. With ``world=False`` a single
     plan runs and writes of other ranks count as arrived at time 0; with ``world=True``
-    ``plans[r]`` is rank r and puts bump the counters of their target ranks.
+    ``plans[r]`` is rank r and puts bump the counters of their target ranks. The timeline is
+    keyed by ``(rank, uid)``.
 
     Raises:
         PlanDeadlockError: some queue cannot finish; names every blocked head.
-        PlanEventError: an event is triggered more often than its threshold.
+        PlanEventError: an event is triggered more often than its threshold, or does not exist.
     """
-    cost = cost or (lambda t: 0.0)
-    counters = [[0] * len(p.events) for p in plans]
-    ready_at = [[0.0] * len(p.events) for p in plans]
-    start: list[dict[int, float]] = [{} for _ in plans]
-    end: list[dict[int, float]] = [{} for _ in plans]
-    waiting: dict[tuple[int, int], list[int]] = defaultdict(list)
-    queues = [(i, p.queue(q)) for i, p in enumerate(plans) for q in ("matrix", "vector")]
-    pos = [0] * len(queues)
-    free = [0.0] * len(queues)
-    runnable = deque(range(len(queues)))
-
-    def bump(rank: int, ev: int, t: float) -> None:
-        counters[rank][ev] += 1
-        ready_at[rank][ev] = max(ready_at[rank][ev], t)
-        thr = plans[rank].events[ev].threshold
-        if counters[rank][ev] > thr:
-            raise PlanEventError(f"rank {rank} event {ev} is triggered more than {thr} times")
-        if counters[rank][ev] == thr:
-            runnable.extend(waiting.pop((rank, ev), []))
-
-    if not world:
-        for w in plans[0].remote_writes:
-            for ev in w.trigger_events:
-                bump(0, ev, 0.0)
-    while runnable:
-        q = runnable.popleft()
-        i, uids = queues[q]
-        plan = plans[i]
-        while pos[q] < len(uids):
-            t = plan.tasks[uids[pos[q]]]
-            ev = t.dependent_event
-            if ev >= 0 and counters[i][ev] < plan.events[ev].threshold:
-                waiting[(i, ev)].append(q)
-                break
-            s = max(free[q], ready_at[i][ev] if ev >= 0 else 0.0)
-            free[q] = s + cost(t)
-            start[i][t.uid], end[i][t.uid] = s, free[q]
-            pos[q] += 1
-            for ref in t.trigger_events:
-                if world:
-                    bump(ref.rank, ref.event, free[q])
-                elif ref.rank == plan.rank:
-                    bump(i, ref.event, free[q])
-    blocked = []
-    for q, (i, uids) in enumerate(queues):
-        if pos[q] < len(uids):
-            p = plans[i]
-            t = p.tasks[uids[pos[q]]]
-            ev = t.dependent_event
+    thresholds: dict[Hashable, int] = {
+        (p.rank, ev.id): ev.threshold for p in plans for ev in p.events
+    }
+    engine = EventEngine(_lanes(plans, world), thresholds, cost=cost)
+    try:
+        if not world:
+            for w in plans[0].remote_writes:
+                for ev in w.trigger_events:
+                    engine.fire((plans[0].rank, ev))
+        return engine.run()
+    except DeadlockError as exc:
+        blocked = []
+        for s in exc.stalls:
+            rank, queue = s.lane
+            t = s.job.task
             blocked.append(
-                f"rank {p.rank} {'matrix' if q % 2 == 0 else 'vector'} queue at position "
-                f"{pos[q]} ({t.label}) waits on event {ev} "
-                f"({counters[i][ev]}/{p.events[ev].threshold})"
+                f"rank {rank} {queue} queue at position {s.position} ({t.label}) waits on event "
+                f"{t.dependent_event} ({s.count}/{s.threshold})"
             )
-    if blocked:
-        raise PlanDeadlockError("plan deadlocks: " + "; ".join(blocked))
-    return Timeline(start=start, end=end)
+        raise PlanDeadlockError("plan deadlocks: " + "; ".join(blocked)) from None
+    except EventOverflowError as exc:
+        rank, ev = exc.event
+        raise PlanEventError(
+            f"rank {rank} event {ev} is triggered more than {thresholds[exc.event]} times"
+        ) from None
+    except EngineError as exc:
+        raise PlanEventError(str(exc)) from None
+
+
+def world_mismatch(a: Plan, b: Plan) -> str | None:
+    """The first world setting in which two plans differ, as ``name (a vs b)``; None if none."""
+    sa, sb = a.world_settings, b.world_settings
+    for k in sorted(set(sa) | set(sb)):
+        if sa.get(k) != sb.get(k):
+            return f"{k} ({sa.get(k)!r} vs {sb.get(k)!r})"
+    return None
 
 
 def check_world(plans: Sequence[Plan]) -> None:
@@ -431,11 +451,14 @@ def check_world(plans: Sequence[Plan]) -> None:
         raise PlanWorldError(
             f"need the plans of ranks 0..{P - 1} in order, got ranks {[p.rank for p in plans]}"
         )
-    fp = plans[0].fingerprint
     for p in plans:
-        if p.fingerprint != fp:
-            raise PlanWorldError(f"rank {p.rank}'s plan was compiled for another bucket/options")
-        check_plan(p)
+        diff = world_mismatch(plans[0], p)
+        if diff is not None or p.direction != plans[0].direction:
+            raise PlanWorldError(
+                f"rank {p.rank}'s plan belongs to another world than rank 0's: "
+                f"{diff or f'direction ({plans[0].direction} vs {p.direction})'}"
+            )
+        ensure_validated(p)
     stubs = [{(w.rank, w.op, w.task_index): w for w in p.remote_writes} for p in plans]
     matched = [0] * P
     for p in plans:

@@ -202,6 +202,7 @@ def topk_weight_grad(run, t) -> None:
     run.bufs["dtopk_TK"][rows] = (ret_nKH * dy[rows].unsqueeze(1)).sum(dim=-1)
 
 
+# Handler functions by name (``TaskType.handler`` in ``moe_graphs.TASK_TYPES``).
 HANDLERS = {
     "put_dispatch": put_dispatch,
     "put_dispatch_grad": put_dispatch_grad,

@@ -3,9 +3,12 @@
 Shape legend: T tokens per rank, H hidden, F expert hidden, A = 2F (SwiGLU) or F (GELU), E
 experts, e local experts, K top-k, P ranks, S slot rows.
 
-This is the executor that proves a plan right, not a fast one: one thread consumes the matrix and
-vector queues in plan order (whichever head is ready), keeps the plan's event counters and never
-runs a task before its dependent event reached its threshold. Puts to this rank are local copies;
+This is the executor that proves a plan right, not a fast one: the event engine
+(``taskflow.engine``, the same one the deadlock check runs) consumes the schedule's queues in
+plan order (whichever head is ready), keeps the plan's event counters, never runs a task before
+its dependent event reached its threshold, and launches each task's handler (the task type's
+``handler`` in ``moe_graphs.TASK_TYPES``) in one thread. A plan is validated once
+(``validate.ensure_validated``: a plan object that passed the check is not checked again). Puts to this rank are local copies;
 puts to another rank are ``torch.distributed`` point-to-point messages. Every receive this rank
 will ever get is posted (``irecv``) before its first send, tagged by (operator, destination
 tile), so no send order of any rank can deadlock gloo's matching; waits are bounded by
@@ -27,13 +30,17 @@ import torch.distributed as dist
 
 from moesaic.comm.collectives import CollectiveError, EPGroup
 from moesaic.routing import RoutingPlan
+from moesaic.taskflow.engine import EventEngine, Job, Lane, Stall
+from moesaic.taskflow.moe_graphs import TASK_TYPES
 from moesaic.taskflow.plan import Plan
 from moesaic.taskflow.runtime.handlers import HANDLERS, RETURN_LAYOUT, Segment
 from moesaic.taskflow.tasks import Region, TaskDescriptor
-from moesaic.taskflow.validate import check_plan
+from moesaic.taskflow.validate import ensure_validated
 
-_PUT_TAGS = {"dispatch": 1, "combine": 2, "dispatch_bwd": 3, "combine_bwd": 4}
 SAVED = ("x_recv", "h", "a", "y_ret")
+# Message tags: (tag class << 24) | destination tile; the class is the put type's ``put_tag``,
+# offset by this for backward plans so that no two puts of a forward-backward pair share one.
+_BACKWARD_TAG_OFFSET = 4
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,6 +76,13 @@ def step_routing(plan: Plan, routing: RoutingPlan, group: EPGroup) -> StepRoutin
         )
     if routing.counts_E.numel() != E:
         raise ValueError(f"routing has {routing.counts_E.numel()} experts; the plan has {E}")
+    placement = routing.placement
+    if not placement.is_contiguous or placement.ep_size != P:
+        raise ValueError(
+            f"routing places experts over {placement.ep_size} ranks"
+            f"{'' if placement.is_contiguous else ' non-contiguously'}; taskflow plans need the "
+            f"contiguous placement over the bucket's ep_size ({P})"
+        )
     if not bool(routing.kept_TK.all()):
         raise ValueError("routing dropped assignments; taskflow plans are dropless (no capacity)")
     counts = routing.counts_E.cpu()
@@ -107,11 +121,32 @@ class _Run:
         self.device = device
         b = plan.bucket
         self.P, self.e, self.S, self.me = b.ep_size, b.local_experts, b.slot_rows, plan.rank
-        self.counters = [0] * len(plan.events)
         self.pending: dict[int, list] = {}
         self.sends: list[tuple[dist.Work, str]] = []
         self.payloads: list[torch.Tensor] = []  # kept alive until their sends complete
         self.trace: list[int] = []
+        # the put type of every operator (a remote write names only the sender's operator)
+        self.op_type = {t.op: t.task_type for t in plan.tasks}
+        self.tag_offset = _BACKWARD_TAG_OFFSET if plan.direction == "backward" else 0
+        self.engine: EventEngine[TaskDescriptor] = EventEngine(
+            self._lanes(),
+            {ev.id: ev.threshold for ev in plan.events},
+            launch=self.launch,
+            on_stall=self.on_stall,
+        )
+
+    def _lanes(self) -> list[Lane[TaskDescriptor]]:
+        tasks, me = self.plan.tasks, self.me
+        lanes = []
+        for name, uids in self.plan.schedule.queues:
+            jobs = []
+            for uid in uids:
+                t = tasks[uid]
+                wait = t.dependent_event if t.dependent_event >= 0 else None
+                trig = tuple(r.event for r in t.trigger_events if r.rank == me)
+                jobs.append(Job(key=uid, task=t, wait=wait, triggers=trig))
+            lanes.append(Lane(name=name, jobs=jobs))
+        return lanes
 
     # -- row bookkeeping -------------------------------------------------------------------------
     def count(self, buffer: str, rank: int, slot: int) -> int:
@@ -140,7 +175,7 @@ class _Run:
         tile = r.start // self.plan.bucket.tile_m
         if tile >= 1 << 24:
             raise ValueError(f"tile index {tile} of {r.buffer!r} does not fit a message tag")
-        return (_PUT_TAGS[op] << 24) | tile
+        return ((TASK_TYPES[self.op_type[op]].put_tag + self.tag_offset) << 24) | tile
 
     def put(self, t: TaskDescriptor, r: Region, rows: torch.Tensor) -> None:
         """Write ``rows`` at the start of region ``r`` (local copy or a message)."""
@@ -182,42 +217,30 @@ class _Run:
             self._wait(work, f"receive of {w.op}[{w.task_index}] from rank {w.rank}")
         self._fire(w.trigger_events)
 
-    # -- the queue loop --------------------------------------------------------------------------
+    # -- the engine's callbacks ------------------------------------------------------------------
     def _fire(self, events) -> None:
         for ev in events:
-            self.counters[ev] += 1
+            self.engine.fire(ev)
 
-    def ready(self, t: TaskDescriptor) -> bool:
-        ev = t.dependent_event
-        return ev < 0 or self.counters[ev] >= self.plan.events[ev].threshold
+    def launch(self, t: TaskDescriptor) -> None:
+        HANDLERS[TASK_TYPES[t.task_type].handler](self, t)
+
+    def on_stall(self, stalls: list[Stall]) -> bool:
+        """No queue head is ready: wait for a receive that feeds one of them."""
+        blocked = {s.job.wait for s in stalls}
+        writes = self.plan.remote_writes
+        feeding = [k for k in self.pending if blocked & set(writes[k].trigger_events)]
+        if not feeding:
+            raise RuntimeError(
+                f"taskflow plan stalled on rank {self.me} waiting on events {sorted(blocked)} "
+                "with no receive pending; the plan passed validation, so this is a bug"
+            )
+        self.complete_remote(feeding[0])
+        return True
 
     def run(self) -> None:
-        plan = self.plan
-        queues = [plan.vector_queue, plan.matrix_queue]
-        pos = [0, 0]
         self.post_receives()
-        while pos[0] < len(queues[0]) or pos[1] < len(queues[1]):
-            progressed = False
-            for q in (0, 1):
-                while pos[q] < len(queues[q]) and self.ready(plan.tasks[queues[q][pos[q]]]):
-                    t = plan.tasks[queues[q][pos[q]]]
-                    HANDLERS[t.task_type](self, t)
-                    self._fire(ref.event for ref in t.trigger_events if ref.rank == self.me)
-                    self.trace.append(t.uid)
-                    pos[q] += 1
-                    progressed = True
-            if progressed:
-                continue
-            blocked = {plan.tasks[queues[q][pos[q]]].dependent_event
-                       for q in (0, 1) if pos[q] < len(queues[q])}  # fmt: skip
-            feeding = [k for k in self.pending
-                       if blocked & set(plan.remote_writes[k].trigger_events)]  # fmt: skip
-            if not feeding:
-                raise RuntimeError(
-                    f"taskflow plan stalled on rank {self.me} waiting on events {sorted(blocked)} "
-                    "with no receive pending; the plan passed validation, so this is a bug"
-                )
-            self.complete_remote(feeding[0])
+        self.trace = list(self.engine.run().order)
         for k in list(self.pending):
             self.complete_remote(k)
         for work, what in self.sends:
@@ -245,7 +268,7 @@ def _execute(plan, inputs, routing, group, timeout_s, direction):
         raise ValueError(
             f"plan is a {plan.direction} plan; run_{direction} needs a {direction} one"
         )
-    check_plan(plan)  # never run an unvalidated plan, whatever built the object
+    ensure_validated(plan)  # never run an unvalidated plan; a validated one is checked once
     group = group or EPGroup(None, timeout_s)
     _check_world_plan(plan, group)
     ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
@@ -312,7 +335,8 @@ def run_forward(
     """Run a forward plan: the MoE-FFN output of this rank's tokens (no autograd graph).
 
     Args:
-        plan: the forward plan of this rank (validated again before it runs).
+        plan: the forward plan of this rank (validated before it runs unless this plan object
+            already passed ``check_plan``, e.g. on compile or load).
         x_TH: this rank's tokens.
         routing: this rank's dropless routing (``Router`` / ``build_plan`` with ``ep_size=P``).
         w1_eHF, w2_eFH, w3_eHF: this rank's local expert weights (w3 for SwiGLU only).
