@@ -175,9 +175,11 @@ class TrainConfig:
         """What every rank of a run must agree on (``moesaic.comm.agree``): the model (every
         field, MoE ones as ``model.moe.<name>``) and every option that changes the numbers or
         the collectives. Per-node options (``nproc``, ``threads``, ``progress``, fault
-        injection, ``max_restarts``) and ``run_dir`` (mounted at different paths) are left out.
+        injection, ``max_restarts``) and paths (``run_dir``, ``data``: a shared file system may
+        be mounted at different places; the caller compares the data's size instead) are left
+        out.
         """
-        per_node = {"nproc", "threads", "progress", "max_restarts", "run_dir", "model"}
+        per_node = {"nproc", "threads", "progress", "max_restarts", "run_dir", "data", "model"}
         per_node |= {"fault_kill_rank", "fault_kill_step"}
         out: dict[str, object] = {f"model.{k}": v for k, v in self.model.fields_flat().items()}
         for f in dataclasses.fields(self):
