@@ -13,8 +13,6 @@ the single-thread fp32 GEMM rate measured in the same run.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -22,6 +20,8 @@ from pathlib import Path
 import torch
 
 from moesaic.bench.meta import run_metadata, summarize, time_calls
+from moesaic.bench.options import available_cores, write_json
+from moesaic.checks import check_int, check_positive_int
 from moesaic.comm.world import run_world
 from moesaic.config import MoEConfig
 from moesaic.layer import LayerStats, MoELayer, aux_loss
@@ -53,14 +53,18 @@ class LayerBench:
 
     def __post_init__(self) -> None:
         MoEConfig(**self._layer_fields("dropless"))  # validate the shape early
-        for ep in self.ep_sizes:
+        check_positive_int("tokens_per_rank", self.tokens_per_rank)
+        check_positive_int("iters", self.iters)
+        check_int("warmup", self.warmup, minimum=0)
+        if not self.ep_sizes:
+            raise ValueError("ep_sizes must name at least one EP size")
+        for i, ep in enumerate(self.ep_sizes):
+            check_positive_int(f"ep_sizes[{i}]", ep)
             if self.num_experts % ep:
                 raise ValueError(
                     f"num_experts ({self.num_experts}) must be divisible by every ep size "
                     f"(got {ep})"
                 )
-        if self.iters <= 0:
-            raise ValueError(f"iters ({self.iters}) must be > 0")
         if self.cluster is not None:
             from moesaic.cluster.spec import ClusterSpec
 
@@ -277,11 +281,11 @@ def _progress(items, desc: str):
         from tqdm import tqdm
     except ImportError:
         return items
-    return tqdm(items, desc=desc, unit="world", leave=False)
+    return tqdm(items, desc=desc, unit="world", leave=False, disable=None)  # None: not a tty
 
 
 def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return available_cores()
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -328,9 +332,5 @@ def format_table(result: dict) -> str:
 
 
 def write(result: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(path)  # atomic: a crash never leaves half a result file
-    return path
+    """Write the result document to the file ``path``, atomically and with no leftovers."""
+    return write_json(result, Path(path))
