@@ -1,14 +1,16 @@
 """Per-worker entry under an external launcher: ``torchrun [...] -m moesaic.train [flags]``.
 
 Takes the same flags as ``moesaic train`` (``--nproc`` and ``--max-restarts`` are torchrun's
-business here and ignored) and runs this process's rank of the job.
+business here and ignored) and runs this process's rank of the job. Rank 0 holds the run
+directory's lock; each rank prints its own error as one line (its traceback goes to
+``RUN_DIR/logs/rank_<R>.log``) and exits 1, or 130 on Ctrl-C.
 """
 
 import argparse
 import sys
 
 from moesaic.train.config import add_train_arguments, config_from_args
-from moesaic.train.loop import run_worker
+from moesaic.train.errors import worker_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"moesaic train: error: {exc}", file=sys.stderr)
         return 2
-    run_worker(cfg.to_dict())
+    worker_main(cfg.to_dict(), launched=False)
     return 0
 
 

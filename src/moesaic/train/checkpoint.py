@@ -2,7 +2,8 @@
 
 Layout of ``RUN_DIR/checkpoints/``::
 
-    step_00000400/       one DCP checkpoint (.metadata, __<rank>_0.distcp) plus meta.json
+    step_00000400/       one DCP checkpoint (.metadata, __<rank>_0.distcp), meta.json and
+                         manifest.json (size and sha256 of every other file)
     latest               the name of the newest complete checkpoint (replaced atomically)
 
 Keys of the DCP state dict:
@@ -14,18 +15,25 @@ Keys of the DCP state dict:
   and ``optim.<param>.step``;
 * ``train.step``, ``train.consumed`` (data position), ``rng.<rank>`` (torch RNG states).
 
-Atomicity: ranks write into ``step_N.tmp``; rank 0 then adds meta.json, renames the directory
-to ``step_N`` and replaces ``latest``. A crash at any point leaves the previous checkpoint and
-``latest`` intact (a stale ``.tmp`` is removed by the next save).
+Atomicity: ranks write into ``step_N.tmp``; rank 0 then adds meta.json and manifest.json,
+renames the directory to ``step_N`` and replaces ``latest``. A crash at any point leaves the
+previous checkpoint and ``latest`` intact; every leftover ``*.tmp`` / ``*.old`` is removed before
+the next save, so a crashed save does not keep the room the next one needs.
+
+Integrity: :func:`read_checkpoint_meta` checks every file against manifest.json, so a damaged
+checkpoint is refused with one line naming the file, by ``--resume`` and by ``generate``. A save
+refuses non-finite parameters or optimizer states (the ranks agree on it first), so a diverged
+run never replaces or prunes the last good checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-from operator import attrgetter
 import warnings
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -35,8 +43,13 @@ from torch import nn
 
 from moesaic.layer import is_expert_param
 from moesaic.models.gpt import MoEGPT, MoEGPTConfig
+from moesaic.train.errors import CheckpointError, describe, is_checkpoint_exception
 
-FORMAT_VERSION = 1
+# 2: manifest.json with the sha256 of every file. Format-1 checkpoints (no manifest) still load,
+# with the size check only.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+MANIFEST = "manifest.json"
 # Fields that fix tensor shapes or routing; the others (loss weights, dispatcher, timeouts) may
 # change on resume.
 SHAPE_FIELDS = (
@@ -116,6 +129,97 @@ def _barrier(layout, what: str, device: torch.device) -> None:
     layout.world.all_reduce(torch.zeros(1, device=device), what=what)
 
 
+def _nonfinite_keys(state: dict[str, torch.Tensor]) -> list[str]:
+    return [
+        k
+        for k, v in state.items()
+        if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+    ]
+
+
+def _agree_finite(layout, state: dict, step: int, root: Path, device: torch.device) -> None:
+    """Raise CheckpointError on every rank if any rank's state holds NaN or inf.
+
+    Doubles as the barrier before the save: one all-reduce of each rank's count.
+    """
+    bad = _nonfinite_keys(state)
+    counts_P = torch.zeros(layout.world_size, dtype=torch.float64, device=device)
+    counts_P[layout.rank] = len(bad)
+    layout.world.all_reduce(counts_P, what="barrier before checkpoint save (finite check)")
+    if not bool(counts_P.any()):
+        return
+    per_rank = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(counts_P.tolist()) if c)
+    example = f", e.g. {bad[0]}" if bad else ""
+    latest = root / "latest"
+    kept = latest.read_text().strip() if latest.is_file() else "none yet"
+    raise CheckpointError(
+        f"refusing to save checkpoint step {step}: {int(counts_P.sum())} tensors hold NaN or "
+        f"inf ({per_rank}{example}); the last good checkpoint ({kept}) is kept"
+    )
+
+
+def clean_stale(root: Path) -> list[Path]:
+    """Remove what crashed saves left in ``root`` (``*.tmp``, ``*.old``); returns them.
+
+    Call only while holding the run directory (the run lock): a concurrent save's ``.tmp``
+    would be removed too.
+    """
+    removed = []
+    for p in sorted(root.glob("*.tmp")) + sorted(root.glob("step_*.old")):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(ckpt: Path) -> None:
+    """Record the size and sha256 of every file of ``ckpt`` in its manifest.json."""
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(ckpt.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    _write_atomic(ckpt / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=1))
+
+
+def verify_manifest(ckpt: Path) -> None:
+    """Raise CheckpointError unless every file listed in manifest.json is intact."""
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+        items = [(str(n), int(e["size"]), str(e["sha256"])) for n, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {ckpt} is corrupt: cannot read {MANIFEST} ({describe(exc)})"
+        ) from None
+    for name, size, digest in items:
+        f = ckpt / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {ckpt} is corrupt: file {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint {ckpt} is corrupt: file {name} has {f.stat().st_size} bytes, "
+                f"{MANIFEST} says {size}"
+            )
+        if _sha256(f) != digest:
+            raise CheckpointError(
+                f"checkpoint {ckpt} is corrupt: file {name} does not match its sha256 in "
+                f"{MANIFEST} (damaged after it was written)"
+            )
+
+
+def _complete(root: Path, upto: str) -> list[Path]:
+    """Finished checkpoints up to step name ``upto``, oldest first (those with a manifest)."""
+    done = [p for p in root.glob("step_*") if p.is_dir() and not p.suffix and p.name <= upto]
+    return sorted(p for p in done if (p / MANIFEST).is_file())
+
+
 def save_checkpoint(
     run_dir: str,
     *,
@@ -126,41 +230,67 @@ def save_checkpoint(
     meta: dict,
     layout,
     keep: int,
+    check_finite: bool = True,
 ) -> Path:
-    """Write checkpoint ``step`` atomically (a collective: every rank calls it)."""
+    """Write checkpoint ``step`` atomically (a collective: every rank calls it).
+
+    Raises:
+        CheckpointError: on every rank, when ``check_finite`` and some rank's parameters or
+            optimizer states hold NaN or inf (nothing is written, nothing pruned); on the rank
+            that failed, when writing failed (a full disk): the message names the cause.
+    """
     root = Path(run_dir) / "checkpoints"
     name = f"step_{step:08d}"
     tmp, final = root / f"{name}.tmp", root / name
     if layout.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create {root}: {describe(exc)}") from None
+        clean_stale(root)
     device = next(model.parameters()).device
-    _barrier(layout, "barrier before checkpoint save", device)
     state = tensor_entries(model, optimizer)
+    if check_finite:
+        _agree_finite(layout, state, step, root, device)
+    else:
+        _barrier(layout, "barrier before checkpoint save", device)
     state["train.step"] = torch.tensor(step, dtype=torch.int64)
     state["train.consumed"] = torch.tensor(consumed, dtype=torch.int64)
     state[f"rng.{layout.rank}"] = torch.get_rng_state()
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    if layout.rank == 0:
-        info = {**meta, "format": FORMAT_VERSION, "step": step, "consumed": consumed}
-        _write_atomic(tmp / "meta.json", json.dumps(info, indent=1))
-        # The same step may exist from an attempt that died before updating ``latest`` (so it
-        # is not the checkpoint ``latest`` names): move it aside, never delete it first.
-        trash = root / f"{name}.old"
-        if final.exists():
-            shutil.rmtree(trash, ignore_errors=True)
-            os.rename(final, trash)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        shutil.rmtree(trash, ignore_errors=True)
-        _write_atomic(root / "latest", name + "\n")
-        # Only older steps than this one are pruned (never the one ``latest`` now names).
-        done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.suffix)
-        done = [p for p in done if p.name <= name]
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    try:
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        if layout.rank == 0:
+            _publish(root, tmp, final, {**meta, "step": step, "consumed": consumed}, keep)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if not (isinstance(exc, Exception) or is_checkpoint_exception(exc)):
+            raise  # KeyboardInterrupt, SystemExit
+        if layout.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the room back
+        raise CheckpointError(
+            f"saving checkpoint {name} in {root} failed: {describe(exc)}"
+        ) from None
     _barrier(layout, "barrier after checkpoint save", device)
     return final
+
+
+def _publish(root: Path, tmp: Path, final: Path, info: dict, keep: int) -> None:
+    """Rank 0: meta.json and manifest into ``tmp``, rename it to ``final``, point ``latest``."""
+    _write_atomic(tmp / "meta.json", json.dumps({**info, "format": FORMAT_VERSION}, indent=1))
+    write_manifest(tmp)
+    # The same step may exist from an attempt that died before updating ``latest`` (so it
+    # is not the checkpoint ``latest`` names): move it aside, never delete it first.
+    trash = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    shutil.rmtree(trash, ignore_errors=True)
+    _write_atomic(root / "latest", final.name + "\n")
+    # Prune only finished (manifest-bearing, hence finite) checkpoints older than this one:
+    # never the one ``latest`` now names, never one a later step of another attempt wrote.
+    for old in _complete(root, final.name)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: str) -> Path | None:
@@ -172,7 +302,9 @@ def latest_checkpoint(run_dir: str) -> Path | None:
     name = pointer.read_text().strip()
     path = root / name
     if not name or not path.is_dir():
-        raise ValueError(f"checkpoint pointer {pointer} names {name!r}, which is not a directory")
+        raise CheckpointError(
+            f"checkpoint pointer {pointer} names {name!r}, which is not a directory"
+        )
     return path
 
 
@@ -184,10 +316,23 @@ def already_has_checkpoints(run_dir: str, path: Path) -> str:
     )
 
 
-def read_checkpoint_meta(path: Path, model_cfg: MoEGPTConfig | None = None) -> dict:
-    """Check that ``path`` is a complete, readable checkpoint (matching ``model_cfg``).
+def check_resume_step(path: Path, meta: dict, steps: int) -> None:
+    """Raise ValueError when checkpoint ``path`` (at ``meta['step']``) is past ``steps``."""
+    step = int(meta["step"])
+    if step > steps:
+        raise ValueError(
+            f"--resume: checkpoint {path.name} is at step {step}, past --steps {steps}; "
+            f"pass --steps greater than {step} to train further"
+        )
 
-    Returns its meta.json. Raises ValueError naming what is wrong: a missing or unreadable file,
+
+def read_checkpoint_meta(
+    path: Path, model_cfg: MoEGPTConfig | None = None, *, verify: bool = True
+) -> dict:
+    """Check that ``path`` is a complete, intact checkpoint (matching ``model_cfg``).
+
+    Returns its meta.json. Raises CheckpointError (a ValueError) naming what is wrong: a missing
+    or unreadable file, a file whose size or sha256 differs from manifest.json (when ``verify``),
     a data file shorter than the metadata says, or a model shape that differs.
     """
     meta_path = path / "meta.json"
@@ -196,31 +341,34 @@ def read_checkpoint_meta(path: Path, model_cfg: MoEGPTConfig | None = None) -> d
         saved = MoEGPTConfig.from_dict(meta["model"])
         int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(
-            f"checkpoint {path} is corrupt: cannot read {meta_path.name} ({exc})"
-        ) from exc
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(
-            f"checkpoint {path} has format {meta.get('format')!r}; this moesaic reads "
-            f"format {FORMAT_VERSION}"
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: cannot read {meta_path.name} ({describe(exc)})"
+        ) from None
+    fmt = meta.get("format")
+    if fmt not in READABLE_FORMATS:
+        raise CheckpointError(
+            f"checkpoint {path} has format {fmt!r}; this moesaic reads formats "
+            f"{', '.join(map(str, READABLE_FORMATS))}"
         )
+    if verify and fmt >= 2:
+        verify_manifest(path)
     try:
         md = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # DCP raises pickle/EOF/OS errors for a damaged .metadata
-        raise ValueError(
-            f"checkpoint {path} is corrupt: cannot read its DCP .metadata ({exc})"
-        ) from exc
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: cannot read its DCP .metadata ({describe(exc)})"
+        ) from None
     for info in (md.storage_data or {}).values():
         f = path / info.relative_path
         if not f.is_file() or f.stat().st_size < info.offset + info.length:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {path} is corrupt: data file {f.name} is missing or short"
             )
     if model_cfg is not None:
         for name in SHAPE_FIELDS:
             old, new = attrgetter(name)(saved), attrgetter(name)(model_cfg)
             if old != new:
-                raise ValueError(
+                raise CheckpointError(
                     f"checkpoint {path} is incompatible: model {name} is {old} in the "
                     f"checkpoint but {new} in this run"
                 )
@@ -240,7 +388,7 @@ def load_checkpoint(
     md = dcp.FileSystemReader(str(path)).read_metadata()
     missing = sorted(k for k in views if k not in md.state_dict_metadata)
     if missing:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {path} is incompatible: it lacks {len(missing)} tensors, e.g. {missing[:3]}"
         )
     # Load into fresh tensors, then copy: DCP never writes through our views.
@@ -255,12 +403,14 @@ def load_checkpoint(
             # "assuming the intent is to load in a single process": yes, in `generate`.
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    except Exception as exc:  # a damaged data file surfaces as one of many error types
-        raise ValueError(f"checkpoint {path} could not be loaded: {str(exc)[:300]}") from exc
+    except BaseException as exc:  # a damaged file: many error types, CheckpointException too
+        if not (isinstance(exc, Exception) or is_checkpoint_exception(exc)):
+            raise  # KeyboardInterrupt, SystemExit
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {describe(exc)}") from None
     with torch.no_grad():
         for k, v in views.items():
             if v.shape != state[k].shape:
-                raise ValueError(
+                raise CheckpointError(
                     f"checkpoint {path} is incompatible: {k} has shape {tuple(state[k].shape)}, "
                     f"this model needs {tuple(v.shape)}"
                 )

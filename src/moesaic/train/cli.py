@@ -17,11 +17,21 @@ multi-node (each node):
 """
 
 
+# The shell's exit status for a process ended by SIGINT (128 + 2).
+EXIT_INTERRUPTED = 130
+
+
 def _train(args: argparse.Namespace) -> int:
+    import sys
+
     from moesaic.train.config import config_from_args
     from moesaic.train.launch import launch
 
-    launch(config_from_args(args))
+    try:
+        launch(config_from_args(args))
+    except KeyboardInterrupt:
+        print("moesaic train: interrupted; the workers were stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -5,56 +5,98 @@ mistake is one clear error before any worker starts, then runs ``cfg.nproc`` wor
 elastic agent on this node: a standalone c10d rendezvous on a free local port, and up to
 ``cfg.max_restarts`` restarts of the whole group when a worker dies (the workers resume from the
 latest checkpoint). Several nodes: run ``torchrun ... -m moesaic.train`` on each (docs/training.md).
+
+The launcher holds the run directory's lock (``runlock.py``) for the whole run, and turns a
+failed worker group into one line: the error of the rank that failed first for a reason of its
+own (errors.py), with the path of the log holding its traceback.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import uuid
 
 from moesaic.train.checkpoint import (
     already_has_checkpoints,
+    check_resume_step,
     latest_checkpoint,
     read_checkpoint_meta,
 )
 from moesaic.train.config import TrainConfig
 from moesaic.train.data import load_splits
+from moesaic.train.errors import pick_root_cause
+from moesaic.train.runlock import RunLock, check_run_dir
+
+# Loggers of the elastic agent and of torch.multiprocessing: they log rendezvous, restarts,
+# child tracebacks and "Terminating process ... via signal SIGTERM"; the launcher reports the
+# root cause itself, so keep only their critical logs.
+_QUIET_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 
-def _worker_entry(cfg_dict: dict) -> dict:
+def _worker_entry(cfg_dict: dict, launched: bool) -> dict:
     # Imported in the worker, not here: the launcher never needs the training loop.
-    from moesaic.train.loop import run_worker
+    from moesaic.train.errors import worker_main
 
-    return run_worker(cfg_dict)
+    return worker_main(cfg_dict, launched=launched)
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Raise ValueError / FileNotFoundError for a run that cannot start."""
+def validate(cfg: TrainConfig, world_size: int) -> int | None:
+    """Raise ValueError / FileNotFoundError for a run that cannot start.
+
+    Returns the step of the checkpoint a ``--resume`` run starts from (None for a fresh run).
+    """
     cfg.check_world(world_size)
     load_splits(cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len)
     path = latest_checkpoint(cfg.run_dir)
     if cfg.resume:
         if path is None:
             raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
-        read_checkpoint_meta(path, cfg.model)
-    elif path is not None:
+        meta = read_checkpoint_meta(path, cfg.model)
+        check_resume_step(path, meta, cfg.steps)
+        return int(meta["step"])
+    if path is not None:
         raise ValueError(already_has_checkpoints(cfg.run_dir, path))
+    return None
 
 
 def launch(cfg: TrainConfig) -> dict:
     """Validate, then train with ``cfg.nproc`` local workers; returns rank 0's summary.
 
     Raises:
-        ValueError, FileNotFoundError: the run cannot start (nothing was spawned).
-        RuntimeError: a worker failed after the allowed restarts.
+        ValueError, FileNotFoundError: the run cannot start (nothing was spawned): a bad
+            config, data or checkpoint, a run directory that is not writable or is locked.
+        RuntimeError: a worker failed after the allowed restarts (the message is its error).
+        KeyboardInterrupt: interrupted (Ctrl-C or SIGTERM); the workers were stopped.
     """
-    validate(cfg, cfg.nproc)
+    check_run_dir(cfg.run_dir)
+    with RunLock(cfg.run_dir):
+        start = validate(cfg, cfg.nproc)
+        if start is not None and start == cfg.steps:
+            print(
+                f"moesaic train: {cfg.run_dir} is already at step {start} = --steps; nothing "
+                "to do (pass a larger --steps to train further)",
+                file=sys.stderr,
+            )
+            return {}
+        return _run_agent(cfg)
+
+
+def _quiet_torch_loggers() -> None:
+    # Torch's elastic modules set a level on each module's own logger (get_logger), so the
+    # level of a parent logger does not reach them: set it on every one that exists by now.
+    names = [n for n in logging.root.manager.loggerDict if n.startswith(_QUIET_LOGGERS)]
+    for name in [*_QUIET_LOGGERS, *names]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _run_agent(cfg: TrainConfig) -> dict:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The agent logs rendezvous, restarts and child tracebacks; the workers print one line per
-    # error themselves and rank 0 reports each resume, so keep only the agent's critical logs.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    _quiet_torch_loggers()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -68,11 +110,22 @@ def launch(cfg: TrainConfig) -> dict:
         start_method="spawn",
     )
     try:
-        results = elastic_launch(config, _worker_entry)(cfg.to_dict())
+        results = elastic_launch(config, _worker_entry)(cfg.to_dict(), True)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        raise RuntimeError(
-            f"worker rank {rank} failed (exit code {failure.exitcode}) after "
-            f"{cfg.max_restarts} restart(s) allowed; its error is printed above"
-        ) from None
+        rank, line = pick_root_cause(exc.failures)
+        if line is None:
+            failure = exc.failures[rank]
+            how = (
+                f"was killed by signal {failure.signal_name()}"
+                if failure.exitcode < 0
+                else f"exited with code {failure.exitcode}"
+            )
+            line = f"rank {rank} {how} without reporting an error"
+        if cfg.max_restarts:
+            line += f" (the group was restarted {cfg.max_restarts} time(s) before)"
+        raise RuntimeError(line) from None
+    except SignalException as exc:
+        if exc.sigval in (signal.SIGINT, signal.SIGTERM):
+            raise KeyboardInterrupt from None
+        raise RuntimeError(f"stopped by signal {exc.sigval.name}") from None
     return results.get(0) or {}

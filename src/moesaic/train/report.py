@@ -4,18 +4,33 @@
 ``{"kind": "train", "step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s",
 "expert_load": [[per-expert assignments] per MoE layer], "imbalance": [max/mean per layer],
 "attempt"}``, ``{"kind": "val", "step", "val_loss"}``, ``{"kind": "checkpoint", "step",
-"path"}`` and a final ``{"kind": "summary", ...}``.
+"path"}`` and a final ``{"kind": "summary", ...}``. Every line is strict JSON: a NaN or infinite
+number (a diverged loss) is written as ``null``.
+
+A metrics file that cannot be written (a full disk) raises ``OSError`` naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
 from moesaic.train.config import TrainConfig
+
+
+def strict_json(value):
+    """``value`` with every NaN or infinite float replaced by None (strict JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def imbalance(load: list[int]) -> float:
@@ -41,9 +56,12 @@ class Reporter:
         self.bar = None
         if not self.active:
             return
-        run_dir = Path(cfg.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = (run_dir / "metrics.jsonl").open("a")
+        self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
+        try:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            self.metrics = self.metrics_path.open("a")
+        except OSError as exc:
+            raise self._io_error(exc) from None
         E, ep = cfg.model.moe.num_experts, cfg.check_world(layout.world_size)
         self._log(
             f"moesaic train: {layout.world_size} ranks = DP {layout.dp_size} x EP {ep} "
@@ -67,11 +85,22 @@ class Reporter:
         else:
             print(line, file=sys.stderr, flush=True)
 
-    def _write(self, record: dict) -> None:
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
+    def _io_error(self, exc: OSError) -> OSError:
+        # write() and flush() errors carry no file name: add it.
+        return OSError(exc.errno, exc.strerror, str(self.metrics_path))
 
-    def train_step(self, step, loss, aux_loss, lr, grad_norm, tokens_per_s, loads) -> None:
+    def _write(self, record: dict) -> None:
+        try:
+            self.metrics.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            self.metrics.flush()
+        except OSError as exc:
+            raise self._io_error(exc) from None
+
+    def train_step(
+        self, step, loss, aux_loss, lr, grad_norm, tokens_per_s, loads, *, nonfinite=()
+    ) -> None:
+        """One step's line; ``nonfinite`` says what was not finite where (the step was not
+        applied), recorded as a ``nonfinite`` list next to ``null`` numbers."""
         if not self.active:
             return
         if self.first_loss is None:
@@ -91,6 +120,7 @@ class Reporter:
                 "expert_load": loads,
                 "imbalance": self.last_imbalance,
                 "attempt": self.attempt,
+                **({"nonfinite": list(nonfinite)} if nonfinite else {}),
             }
         )
         if self.bar is not None:
@@ -132,7 +162,10 @@ class Reporter:
             "run_dir": self.cfg.run_dir,
         }
         self._write(summary)
-        self.metrics.close()
+        try:
+            self.metrics.close()
+        except OSError as exc:
+            raise self._io_error(exc) from None
         print(format_summary(summary), file=sys.stderr, flush=True)
         return summary
 
