@@ -3,6 +3,7 @@ against the loop body it replaced (bitwise) and one aux-loss read per backward."
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -116,17 +117,25 @@ def _schedule_vs_old_world(rank, world_size, name, ep):
     return runs
 
 
+@functools.cache
+def _vs_old_loop(name: str) -> list:
+    return run_world(_schedule_vs_old_world, 2, name, 2)
+
+
 @pytest.mark.parametrize("name", schedule_names())
-def test_schedule_matches_the_old_loop(name):
-    """Every schedule trains like the pre-schedule loop (DP 1 x EP 2, clipping on); the vanilla
-    step is that loop, so it must agree bitwise."""
-    for (old_trace, old_w), (trace, w) in run_world(_schedule_vs_old_world, 2, name, 2):
+def test_every_schedule_trains_like_the_old_loop(name):
+    """DP 1 x EP 2, clipping on: weights after 3 steps within fp32 reordering noise."""
+    for (old_trace, old_w), (_, w) in _vs_old_loop(name):
         assert all(n > 0.5 for _, n in old_trace)  # clipping was exercised
-        if name == "vanilla":
-            assert trace == old_trace
-            assert all(torch.equal(w[k], old_w[k]) for k in w)
         for k in w:
             torch.testing.assert_close(w[k], old_w[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_vanilla_is_the_old_loop_bitwise():
+    """The vanilla step is the pre-schedule loop body: losses, norms and weights bitwise."""
+    for (old_trace, old_w), (trace, w) in _vs_old_loop("vanilla"):
+        assert trace == old_trace
+        assert all(torch.equal(w[k], old_w[k]) for k in w)
 
 
 def test_aux_loss_read_once_per_backward(monkeypatch):

@@ -43,7 +43,13 @@ HEALTH_FLAGS = ("loss", "aux_loss", "gradients")
 
 
 class GradientSync(Protocol):
-    """How gradients are combined across ranks (``moesaic.train.parallel.GradientSync``)."""
+    """How gradients are combined across ranks (``moesaic.train.parallel.GradientSync``).
+
+    A schedule that reduces gradients itself (per parameter, while the backward runs) must sum
+    ``p.grad`` over ``group_of(p)`` and divide by ``divisor`` for every parameter, including one
+    whose gradient never arrived on this rank (reduce zeros): every rank must issue the same
+    collectives in the same order, or a peer waits until the deadline.
+    """
 
     @property
     def divisor(self) -> int:
