@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -51,9 +51,9 @@ class DeadlockError(EngineError):
         self.stalls = stalls
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Job(Generic[T]):
-    """One unit of work on a lane.
+class Job(NamedTuple, Generic[T]):
+    """One unit of work on a lane (a named tuple: an executor builds thousands per step, and a
+    tuple is built ~10x faster than a frozen dataclass).
 
     Attributes:
         key: unique name of the job (the timeline is keyed by it).
@@ -68,8 +68,7 @@ class Job(Generic[T]):
     triggers: tuple[Hashable, ...] = ()
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Lane(Generic[T]):
+class Lane(NamedTuple, Generic[T]):
     """A named in-order queue or resource and its jobs."""
 
     name: Hashable

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -115,6 +115,7 @@ class Plan:
     graph: TaskGraph
     schedule: Schedule
     _validated: bool = field(default=False, init=False, repr=False, compare=False)
+    _memo: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # -- the graph's parts, for brevity -----------------------------------------------------------
     @property
@@ -160,6 +161,13 @@ class Plan:
     def _mark_validated(self) -> None:
         """Called by ``validate.check_plan`` only (the plan is immutable, so the mark holds)."""
         object.__setattr__(self, "_validated", True)
+
+    def memo(self, key: str, build: Callable[[Plan], object]) -> object:
+        """``build(self)``, computed once per plan object (the plan is immutable, so anything
+        derived from it stays true; an executor keeps its per-step job lists here)."""
+        if key not in self._memo:
+            self._memo[key] = build(self)
+        return self._memo[key]
 
     @property
     def world_settings(self) -> dict[str, object]:

@@ -99,7 +99,8 @@ def _check_header(plan: Plan) -> None:
 
 
 def _check_region(plan: Plan, where: str, r: Region, *, write: bool, remote_ok: bool) -> None:
-    bufs = {b.name: b for b in plan.buffers}
+    bufs = plan.memo("buffers_by_name", lambda p: {b.name: b for b in p.buffers})
+    assert isinstance(bufs, dict)  # for the type checker
     if r.buffer not in bufs:
         raise PlanRegionError(f"{where}: buffer {r.buffer!r} does not exist")
     b = bufs[r.buffer]

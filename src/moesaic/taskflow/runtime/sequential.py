@@ -112,6 +112,22 @@ def step_routing(plan: Plan, routing: RoutingPlan, group: EPGroup) -> StepRoutin
     )
 
 
+def _lanes(plan: Plan) -> tuple[list[Lane[TaskDescriptor]], dict[int, int]]:
+    """The engine's lanes (one per schedule queue; jobs keyed by uid, bumping only this rank's
+    counters, as other ranks count their own receives) and thresholds. Built once per plan."""
+    tasks, me = plan.tasks, plan.rank
+    lanes = []
+    for name, uids in plan.schedule.queues:
+        jobs = []
+        for uid in uids:
+            t = tasks[uid]
+            wait = t.dependent_event if t.dependent_event >= 0 else None
+            trig = tuple(r.event for r in t.trigger_events if r.rank == me)
+            jobs.append(Job(key=uid, task=t, wait=wait, triggers=trig))
+        lanes.append(Lane(name=name, jobs=jobs))
+    return lanes, {ev.id: ev.threshold for ev in plan.events}
+
+
 class _Run:
     """One execution of one plan on this rank."""
 
@@ -128,25 +144,13 @@ class _Run:
         # the put type of every operator (a remote write names only the sender's operator)
         self.op_type = {t.op: t.task_type for t in plan.tasks}
         self.tag_offset = _BACKWARD_TAG_OFFSET if plan.direction == "backward" else 0
+        lanes, thresholds = plan.memo("sequential_lanes", _lanes)  # type: ignore[misc]
         self.engine: EventEngine[TaskDescriptor] = EventEngine(
-            self._lanes(),
-            {ev.id: ev.threshold for ev in plan.events},
+            lanes,
+            thresholds,
             launch=self.launch,
             on_stall=self.on_stall,
         )
-
-    def _lanes(self) -> list[Lane[TaskDescriptor]]:
-        tasks, me = self.plan.tasks, self.me
-        lanes = []
-        for name, uids in self.plan.schedule.queues:
-            jobs = []
-            for uid in uids:
-                t = tasks[uid]
-                wait = t.dependent_event if t.dependent_event >= 0 else None
-                trig = tuple(r.event for r in t.trigger_events if r.rank == me)
-                jobs.append(Job(key=uid, task=t, wait=wait, triggers=trig))
-            lanes.append(Lane(name=name, jobs=jobs))
-        return lanes
 
     # -- row bookkeeping -------------------------------------------------------------------------
     def count(self, buffer: str, rank: int, slot: int) -> int:
