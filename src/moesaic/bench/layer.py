@@ -174,6 +174,7 @@ def _on_cluster(bench: LayerBench):
     """Run the EP world in the emulated cluster; also return its ClusterSpec."""
     from moesaic.cluster import ClusterSpec, EmulatedCluster
 
+    assert bench.cluster is not None  # run() comes here only with a cluster
     spec = ClusterSpec.from_toml(bench.cluster)
     with EmulatedCluster(spec) as cluster:
         # The launchers share one signature: ep_worker runs as under run_world.
@@ -201,11 +202,12 @@ def _single_process(bench: LayerBench) -> dict:
     out = {}
     for routing in ROUTINGS:
         x, g = _inputs(bench, routing, 0)
-        peers = {d: _layer(bench, d, routing) for d in strategy_names()}
+        layers = {d: _layer(bench, d, routing) for d in strategy_names()}
+        peers: dict[str, torch.nn.Module] = dict(layers)
         if bench.with_transformers:
             from moesaic.interop.hf import mixtral_block_from_layer
 
-            peers["transformers-mixtral"] = mixtral_block_from_layer(peers["dropless"]).train()
+            peers["transformers-mixtral"] = mixtral_block_from_layer(layers["dropless"]).train()
         times: dict[str, list[float]] = {name: [] for name in peers}
         for _ in range(bench.warmup):
             for module in peers.values():
