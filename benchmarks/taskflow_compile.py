@@ -6,6 +6,10 @@ ends with), saves and reloads it (the loader validates again), and records the p
 tasks, events, per-queue counts, remote writes, thresholds. For EP = 8 it also compiles every
 rank, runs the cross-rank check and a nominal two-queue simulation with and without the ordering
 optimisations (nominal tile costs from ``taskflow.draw.nominal_cost``; a shape, not a timing).
+It also times the sequential executor's per-step overhead: ``run_forward`` of a compiled plan
+with tiny math (H = F = 16) and many tiles, with the real handlers and with no-op handlers (what
+is left is routing offsets, buffers and the event engine), and the ``check_plan`` that every
+step paid before plans were validated once (on compile or load).
 
 Tile sizes: 128-row tiles everywhere (dispatch, GMM, combine, token tiles), the M tile of
 FlashDMoE (bM = 128) and a common grouped-GEMM M tile; the slot bucket S is the balanced load
@@ -141,6 +145,45 @@ def measure(layer: str, ep: int, tokens: int, mult: int, repeats: int, world: bo
     return rec
 
 
+def measure_executor(repeats: int) -> dict:
+    """Per-step overhead of ``run_forward`` on a plan of many tiles and tiny math (EP = 1)."""
+    from moesaic.routing import build_plan
+    from moesaic.taskflow import slot_rows_for
+    from moesaic.taskflow.runtime import handlers, run_forward
+
+    gen = torch.Generator().manual_seed(0)
+    T, H, F, E, K = 4096, 16, 16, 64, 8
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    routing = build_plan(ids, torch.softmax(torch.randn(T, K, generator=gen), -1), E)
+    S = slot_rows_for(int(routing.counts_E.max()), TILE)
+    bucket = ShapeBucket(tokens=T, hidden=H, ffn=F, experts=E, top_k=K, ep_size=1, slot_rows=S,
+                         tile_m=TILE)  # fmt: skip
+    plan = compile_plan(bucket, "forward", 0)
+    args = (torch.randn(T, H, generator=gen), routing, torch.randn(E, H, F, generator=gen),
+            torch.randn(E, F, H, generator=gen), torch.randn(E, H, F, generator=gen))  # fmt: skip
+    run_forward(plan, *args)  # warm-up
+    med, spread, _, best = _median(lambda: run_forward(plan, *args), repeats)
+    real = dict(handlers.HANDLERS)
+    handlers.HANDLERS.update({k: (lambda run, t: None) for k in real})
+    try:
+        med_noop, spread_noop, _, _ = _median(lambda: run_forward(plan, *args), repeats)
+    finally:
+        handlers.HANDLERS.update(real)
+    med_check, _, _, _ = _median(lambda: check_plan(plan), repeats)
+    return {
+        "bucket": bucket.to_dict(),
+        "tasks": len(plan.tasks),
+        "run_forward_s_median": round(med, 4),
+        "run_forward_s_spread": round(spread, 4),
+        "run_forward_s_min": round(best, 4),
+        "run_forward_noop_handlers_s_median": round(med_noop, 4),
+        "run_forward_noop_handlers_s_spread": round(spread_noop, 4),
+        "check_plan_s_median": round(med_check, 4),
+        "note": "check_plan is no longer run per step (a plan is validated on compile or load "
+        "and marked); before, every run_forward paid it",
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -149,6 +192,9 @@ def main() -> None:
     args = ap.parse_args()
     runs = [r for r in RUNS if not args.quick or (r[1] == 8 and r[3] == 1)]
     results = [measure(*r, repeats=args.repeats, world=r[1] <= 8) for r in runs]
+    executor = measure_executor(args.repeats)
+    print(f"run_forward {executor['tasks']} tasks: {executor['run_forward_s_median'] * 1e3:.1f} "
+          f"ms, no-op handlers {executor['run_forward_noop_handlers_s_median'] * 1e3:.1f} ms")  # fmt: skip
     doc = {
         "benchmark": "taskflow_compile",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -185,6 +231,7 @@ def main() -> None:
             "2x a put or activation tile); shows what the order allows, not a measured time",
         },
         "results": results,
+        "executor_overhead": executor,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
