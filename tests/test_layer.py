@@ -147,3 +147,17 @@ def test_grouped_mm_fast_path_when_available():
 def test_grouped_mm_rejects_bad_counts():
     with pytest.raises(ValueError, match=r"counts_e sums to 3, but x_MH has 4 rows"):
         grouped_mm(torch.zeros(4, 2), torch.zeros(1, 2, 2), [3])
+
+
+def test_route_then_run_experts_is_forward():
+    """The two halves a pipelined schedule calls separately compose to forward, bitwise."""
+    cfg = moesaic.MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4)
+    torch.manual_seed(0)
+    layer = moesaic.MoELayer(cfg)
+    x = torch.randn(3, 5, 8)
+    y_fwd, aux_fwd = layer(x), moesaic.aux_loss(layer)
+    routed = layer.route(x)
+    assert routed.plan.num_tokens == 15 and layer.stats.forwards == 1  # routing sends nothing
+    y_split = layer.run_experts(routed)
+    assert torch.equal(y_split, y_fwd) and torch.equal(moesaic.aux_loss(layer), aux_fwd)
+    assert layer.take_stats().forwards == 2

@@ -26,7 +26,7 @@ from moesaic.comm.collectives import EPGroup
 from moesaic.config import MoEConfig
 from moesaic.experts import GroupedExperts
 from moesaic.placement import ExpertPlacement
-from moesaic.routing import Router
+from moesaic.routing import Router, RoutingPlan
 from moesaic.strategies import make_strategy
 from moesaic.strategies.base import CommStats, StrategyContext
 
@@ -63,6 +63,15 @@ class LayerStats:
         self.counts_E = counts.clone() if self.counts_E is None else self.counts_E + counts
         self.aux_loss = aux.clone() if self.aux_loss is None else self.aux_loss + aux
         self.comm = self.comm + comm
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """The gate's result for one input: the input [..., H], its plan and its aux loss."""
+
+    x: torch.Tensor
+    plan: RoutingPlan
+    aux: torch.Tensor
 
 
 class MoELayer(nn.Module):
@@ -151,7 +160,15 @@ class MoELayer(nn.Module):
         self.experts.reset_parameters(base_seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MoE FFN to ``x`` [..., H]; returns the same shape and dtype."""
+        """Apply the MoE FFN to ``x`` [..., H]; returns the same shape and dtype.
+
+        The same as ``run_experts(route(x))``: pipelined schedules (FlowMoE's attention + gate
+        stage, then the all-to-all and expert stages) call the two halves separately.
+        """
+        return self.run_experts(self.route(x))
+
+    def route(self, x: torch.Tensor) -> Routed:
+        """The gate: route ``x`` [..., H] (no communication); adds its aux loss to the sum."""
         H = self.config.hidden_size
         if not torch.is_floating_point(x):
             raise ValueError(f"input must be a floating-point tensor, got dtype {x.dtype}")
@@ -161,11 +178,17 @@ class MoELayer(nn.Module):
                 f"hidden_size ({H})"
             )
         x_TH = x.reshape(-1, H)
-        self._check_dtypes_agree(x_TH)
         plan, aux = self.router(x_TH, self.placement)
-        out = self.strategy.forward(x_TH, plan, self.experts)
         self._add_aux(aux)
-        self.stats.add(x_TH.shape[0], plan.counts_E, out.stats, aux)
+        return Routed(x, plan, aux)
+
+    def run_experts(self, routed: Routed) -> torch.Tensor:
+        """The strategy's communication and the experts for a routed input; output like ``x``."""
+        x = routed.x
+        x_TH = x.reshape(-1, self.config.hidden_size)
+        self._check_dtypes_agree(x_TH)
+        out = self.strategy.forward(x_TH, routed.plan, self.experts)
+        self.stats.add(x_TH.shape[0], routed.plan.counts_E, out.stats, routed.aux)
         return out.y_TH.to(x.dtype).view(x.shape)
 
     def _check_dtypes_agree(self, x_TH: torch.Tensor) -> None:
