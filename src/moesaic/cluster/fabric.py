@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from moesaic.checks import check_positive
 from moesaic.cluster import lifecycle, system
@@ -52,6 +52,8 @@ from moesaic.cluster.topology import (
 )
 
 __all__ = ["NetworkFabric"]
+
+_FabricT = TypeVar("_FabricT", bound="NetworkFabric")
 
 _DELAYLINE = Path(__file__).with_name("delayline.py")
 # Per-namespace sysctls: no IPv6 chatter (router solicitations, DAD) on the emulated links, and
@@ -180,7 +182,7 @@ class NetworkFabric:
         existing = set(system.list_namespaces())
         return [ns for ns in self.topology.namespaces if ns not in existing]
 
-    def __enter__(self) -> NetworkFabric:
+    def __enter__(self: _FabricT) -> _FabricT:
         self.start()
         return self
 
