@@ -223,7 +223,7 @@ def _check(args) -> int:
           "schedule, no single-rank deadlock)")  # fmt: skip
     P = plans[0].bucket.ep_size
     for direction in ("forward", "backward"):
-        given = {}
+        given: dict[int, str] = {}
         for name, p in zip(names, plans):
             if p.direction != direction:
                 continue

@@ -128,8 +128,8 @@ def _assign_events(
                 keys |= index.producers(r)
         waits.append(event_of.setdefault(frozenset(keys), len(event_of)) if keys else -1)
     events_of_key: dict[WriterKey, list[int]] = defaultdict(list)
-    for keys, ev in event_of.items():
-        for k in keys:
+    for key_set, ev in event_of.items():
+        for k in key_set:
             events_of_key[k].append(ev)
     producers: list[list[ProducerRef]] = [[] for _ in event_of]
     tasks: list[TaskDescriptor] = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
+from typing import cast
 
 from moesaic.taskflow.engine import (
     DeadlockError,
@@ -45,7 +46,7 @@ from moesaic.taskflow.moe_graphs import (
     moe_graph,
 )
 from moesaic.taskflow.plan import PLAN_VERSION, SUPPORTED_VERSIONS, Plan
-from moesaic.taskflow.tasks import Region, TaskDescriptor
+from moesaic.taskflow.tasks import Region, TaskDescriptor, Tile
 
 
 class PlanError(ValueError):
@@ -285,8 +286,8 @@ def _check_events(plan: Plan, writers: dict[tuple, list[Region]]) -> None:
             if ref.rank == plan.rank:
                 counted[ref.event].append((plan.rank, t.op, t.task_index))
     for w in plan.remote_writes:
-        for ev in w.trigger_events:
-            counted[ev].append((w.rank, w.op, w.task_index))
+        for ev_id in w.trigger_events:
+            counted[ev_id].append((w.rank, w.op, w.task_index))
     for i, ev in enumerate(plan.events):
         if ev.id != i:
             raise PlanFormatError(f"events[{i}]: id ({ev.id}) must equal its position")
@@ -329,7 +330,8 @@ def _check_against_fill(plan: Plan, task_num: dict[str, int], mg: MoEGraph) -> N
     """Tiles must be exactly the FillConfig's for the bucket: handlers derive rows, experts and
     destinations from the regions, so only the queue order and the events are free."""
     ctx = FillContext(bucket=plan.bucket, rank=plan.rank, buffers={b.name: b for b in plan.buffers})
-    expected, stubs = {}, set()
+    expected: dict[tuple[str, int], Tile] = {}
+    stubs: set[tuple[int, str, int, tuple[Region, ...]]] = set()
     for op, n in task_num.items():
         layout = mg.layouts[op]
         tasks, remote = FILLS[layout.kind](ctx, op, layout, n)
@@ -418,7 +420,7 @@ def simulate(
     except DeadlockError as exc:
         blocked = []
         for s in exc.stalls:
-            rank, queue = s.lane
+            rank, queue = cast(tuple[int, str], s.lane)  # simulate's lanes are (rank, name)
             t = s.job.task
             blocked.append(
                 f"rank {rank} {queue} queue at position {s.position} ({t.label}) waits on event "
@@ -426,7 +428,7 @@ def simulate(
             )
         raise PlanDeadlockError("plan deadlocks: " + "; ".join(blocked)) from None
     except EventOverflowError as exc:
-        rank, ev = exc.event
+        rank, ev = cast(tuple[int, int], exc.event)  # simulate's events are (rank, id)
         raise PlanEventError(
             f"rank {rank} event {ev} is triggered more than {thresholds[exc.event]} times"
         ) from None

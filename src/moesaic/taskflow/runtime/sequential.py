@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -112,7 +113,10 @@ def step_routing(plan: Plan, routing: RoutingPlan, group: EPGroup) -> StepRoutin
     )
 
 
-def _lanes(plan: Plan) -> tuple[list[Lane[TaskDescriptor]], dict[int, int]]:
+_Lanes = tuple[list[Lane[TaskDescriptor]], dict[int, int]]
+
+
+def _lanes(plan: Plan) -> _Lanes:
     """The engine's lanes (one per schedule queue; jobs keyed by uid, bumping only this rank's
     counters, as other ranks count their own receives) and thresholds. Built once per plan."""
     tasks, me = plan.tasks, plan.rank
@@ -138,13 +142,13 @@ class _Run:
         b = plan.bucket
         self.P, self.e, self.S, self.me = b.ep_size, b.local_experts, b.slot_rows, plan.rank
         self.pending: dict[int, list] = {}
-        self.sends: list[tuple[dist.Work, str]] = []
+        self.sends: list[tuple[dist.Work | None, str]] = []
         self.payloads: list[torch.Tensor] = []  # kept alive until their sends complete
         self.trace: list[int] = []
         # the put type of every operator (a remote write names only the sender's operator)
         self.op_type = {t.op: t.task_type for t in plan.tasks}
         self.tag_offset = _BACKWARD_TAG_OFFSET if plan.direction == "backward" else 0
-        lanes, thresholds = plan.memo("sequential_lanes", _lanes)  # type: ignore[misc]
+        lanes, thresholds = cast(_Lanes, plan.memo("sequential_lanes", _lanes))
         self.engine: EventEngine[TaskDescriptor] = EventEngine(
             lanes,
             thresholds,
@@ -231,7 +235,7 @@ class _Run:
 
     def on_stall(self, stalls: list[Stall]) -> bool:
         """No queue head is ready: wait for a receive that feeds one of them."""
-        blocked = {s.job.wait for s in stalls}
+        blocked = {int(s.job.wait) for s in stalls if isinstance(s.job.wait, int)}
         writes = self.plan.remote_writes
         feeding = [k for k in self.pending if blocked & set(writes[k].trigger_events)]
         if not feeding:
@@ -244,7 +248,7 @@ class _Run:
 
     def run(self) -> None:
         self.post_receives()
-        self.trace = list(self.engine.run().order)
+        self.trace = [cast(int, uid) for uid in self.engine.run().order]  # jobs keyed by uid
         for k in list(self.pending):
             self.complete_remote(k)
         for work, what in self.sends:
