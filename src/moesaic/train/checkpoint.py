@@ -43,7 +43,12 @@ from torch import nn
 
 from moesaic.layer import is_expert_param
 from moesaic.models.gpt import MoEGPT, MoEGPTConfig
-from moesaic.train.errors import CheckpointError, describe, is_checkpoint_exception
+from moesaic.train.errors import (
+    CheckpointError,
+    checkpoint_cause,
+    describe,
+    is_checkpoint_exception,
+)
 
 # 2: manifest.json with the sha256 of every file. Format-1 checkpoints (no manifest) still load,
 # with the size check only.
@@ -258,7 +263,10 @@ def save_checkpoint(
     state["train.consumed"] = torch.tensor(consumed, dtype=torch.int64)
     state[f"rng.{layout.rank}"] = torch.get_rng_state()
     try:
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():
+            # "assuming the intent is to save in a single process": yes, a one-process run.
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
         if layout.rank == 0:
             _publish(root, tmp, final, {**meta, "step": step, "consumed": consumed}, keep)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -266,9 +274,8 @@ def save_checkpoint(
             raise  # KeyboardInterrupt, SystemExit
         if layout.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give the room back
-        raise CheckpointError(
-            f"saving checkpoint {name} in {root} failed: {describe(exc)}"
-        ) from None
+        cause = checkpoint_cause(exc) if is_checkpoint_exception(exc) else describe(exc)
+        raise CheckpointError(f"saving checkpoint {name} in {root} failed: {cause}") from None
     _barrier(layout, "barrier after checkpoint save", device)
     return final
 
@@ -406,7 +413,8 @@ def load_checkpoint(
     except BaseException as exc:  # a damaged file: many error types, CheckpointException too
         if not (isinstance(exc, Exception) or is_checkpoint_exception(exc)):
             raise  # KeyboardInterrupt, SystemExit
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {describe(exc)}") from None
+        cause = checkpoint_cause(exc) if is_checkpoint_exception(exc) else describe(exc)
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {cause}") from None
     with torch.no_grad():
         for k, v in views.items():
             if v.shape != state[k].shape:

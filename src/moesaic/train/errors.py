@@ -45,7 +45,7 @@ class RunDirError(ValueError):
     """The run directory cannot be used (not a directory, not writable, locked by another run)."""
 
 
-def _checkpoint_cause(exc: BaseException) -> str:
+def checkpoint_cause(exc: BaseException) -> str:
     """The first underlying error of a torch.distributed.checkpoint ``CheckpointException``."""
     failures = getattr(exc, "failures", None) or {}
     for rank, pair in sorted(failures.items()):
@@ -70,7 +70,7 @@ def describe(exc: BaseException) -> str:
     from moesaic.comm.collectives import CollectiveError
 
     if is_checkpoint_exception(exc):
-        return f"checkpoint I/O failed: {_checkpoint_cause(exc)}"
+        return f"checkpoint I/O failed: {checkpoint_cause(exc)}"
     if isinstance(exc, OSError):
         text = exc.strerror or str(exc)
         where = exc.filename if exc.filename is not None else None
@@ -94,11 +94,14 @@ def is_peer_failure(exc: BaseException) -> bool:
     return any(w in text for w in _PEER_WORDS)
 
 
+def _log_candidates(run_dir: str, rank: int) -> list[Path]:
+    """``run_dir/logs/rank_<rank>.log``, then a file in the temp directory."""
+    tmp = Path(tempfile.gettempdir()) / f"moesaic-train-rank_{rank}-{os.getpid()}.log"
+    return [Path(run_dir) / "logs" / f"rank_{rank}.log", tmp]
+
+
 def _open_log(run_dir: str, rank: int) -> tuple[Path, TextIO] | None:
-    """``run_dir/logs/rank_<rank>.log`` opened for appending, else one in the temp directory."""
-    candidates = [Path(run_dir) / "logs" / f"rank_{rank}.log"]
-    candidates.append(Path(tempfile.gettempdir()) / f"moesaic-train-rank_{rank}-{os.getpid()}.log")
-    for path in candidates:
+    for path in _log_candidates(run_dir, rank):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             return path, path.open("a")
@@ -117,16 +120,15 @@ def write_traceback(run_dir: str, rank: int, exc: BaseException) -> Path | None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     header = f"=== {now} host {socket.gethostname()} pid {os.getpid()} attempt {attempt}\n"
     body = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    opened = _open_log(run_dir, rank)
-    if opened is None:
-        return None
-    path, f = opened
-    try:
-        with f:
-            f.write(header + body)
-    except OSError:
-        return None
-    return path
+    for path in _log_candidates(run_dir, rank):
+        try:  # a full disk fails at the write or the close: then try the next place
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                f.write(header + body)
+            return path
+        except OSError:
+            continue
+    return None
 
 
 def _fault_dumps_to_log(run_dir: str, rank: int) -> TextIO | None:
