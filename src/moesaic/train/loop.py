@@ -265,12 +265,8 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def run_worker(cfg_dict: dict) -> dict:
-    """Entry of one worker: train, turning user errors into one line on stderr and exit 1."""
-    from moesaic.comm.collectives import CollectiveError
+    """Entry of one worker under torchrun: ``moesaic.train.errors.worker_main`` (every failure,
+    of any type, becomes one line naming the rank, the traceback goes to RUN_DIR/logs)."""
+    from moesaic.train.errors import worker_main
 
-    rank = os.environ.get("RANK", "0")
-    try:
-        return train(TrainConfig.from_dict(cfg_dict))
-    except (ValueError, FileNotFoundError, CollectiveError, NonFiniteError) as exc:
-        print(f"moesaic train: error (rank {rank}): {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    return worker_main(cfg_dict, launched=False)
