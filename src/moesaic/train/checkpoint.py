@@ -35,6 +35,7 @@ import shutil
 import warnings
 from operator import attrgetter
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,8 @@ SHAPE_FIELDS = (
 
 
 def _expert_first_id(model: nn.Module, name: str) -> int:
-    return model.get_submodule(name.rsplit(".", 1)[0]).first_expert
+    # An MoE layer's first_expert (an int; nn.Module.__getattr__ is typed Tensor | Module).
+    return cast(int, model.get_submodule(name.rsplit(".", 1)[0]).first_expert)
 
 
 def tensor_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
@@ -99,7 +101,7 @@ def tensor_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
     return out
 
 
-def init_optimizer_state(optimizer: torch.optim.AdamW) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Allocate AdamW's state (zeros) so that a checkpoint can be loaded into it."""
     for group in optimizer.param_groups:
         for p in group["params"]:
