@@ -38,6 +38,16 @@ def test_run_dir_that_is_a_file(data_file, tmp_path, capfd):
     assert line == f"moesaic train: error: run_dir {f} exists and is not a directory"
 
 
+def test_bad_config_creates_nothing(data_file, tmp_path, capfd):
+    # Config and data are checked before the run directory is created and locked.
+    run = tmp_path / "run"
+    assert main(tiny_args(data_file, run, "--ep", "3")) == 2
+    assert "ep (3) must divide the world size (2)" in _one_error_line(capfd.readouterr().err)
+    assert main(tiny_args(data_file, run, "--resume")) == 2
+    assert _one_error_line(capfd.readouterr().err).endswith(f"no checkpoint in {run}/checkpoints")
+    assert not run.exists()
+
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     """A directory on a read-only bind mount (root only: chmod does not stop root)."""

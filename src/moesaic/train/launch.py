@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import uuid
+from pathlib import Path
 
 from moesaic.train.checkpoint import (
     already_has_checkpoints,
@@ -46,9 +47,22 @@ def validate(cfg: TrainConfig, world_size: int) -> int | None:
     """Raise ValueError / FileNotFoundError for a run that cannot start.
 
     Returns the step of the checkpoint a ``--resume`` run starts from (None for a fresh run).
+    The checkpoint part is only meaningful while holding the run directory's lock.
     """
+    validate_config(cfg, world_size)
+    return validate_checkpoints(cfg)
+
+
+def validate_config(cfg: TrainConfig, world_size: int) -> None:
+    """The layout and the data (nothing on disk is created or locked)."""
     cfg.check_world(world_size)
     load_splits(cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len)
+    if cfg.resume and not Path(cfg.run_dir).is_dir():
+        raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
+
+
+def validate_checkpoints(cfg: TrainConfig) -> int | None:
+    """The run directory's checkpoints against ``--resume`` (see :func:`validate`)."""
     path = latest_checkpoint(cfg.run_dir)
     if cfg.resume:
         if path is None:
@@ -64,15 +78,20 @@ def validate(cfg: TrainConfig, world_size: int) -> int | None:
 def launch(cfg: TrainConfig) -> dict:
     """Validate, then train with ``cfg.nproc`` local workers; returns rank 0's summary.
 
+    Config and data are checked first (a mistake there creates nothing), then the run directory
+    is created, checked writable and locked, and only then are its checkpoints checked, so two
+    runs started together cannot both pass.
+
     Raises:
         ValueError, FileNotFoundError: the run cannot start (nothing was spawned): a bad
             config, data or checkpoint, a run directory that is not writable or is locked.
         RuntimeError: a worker failed after the allowed restarts (the message is its error).
         KeyboardInterrupt: interrupted (Ctrl-C or SIGTERM); the workers were stopped.
     """
+    validate_config(cfg, cfg.nproc)
     check_run_dir(cfg.run_dir)
     with RunLock(cfg.run_dir):
-        start = validate(cfg, cfg.nproc)
+        start = validate_checkpoints(cfg)
         if start is not None and start == cfg.steps:
             print(
                 f"moesaic train: {cfg.run_dir} is already at step {start} = --steps; nothing "
