@@ -151,18 +151,19 @@ class EventEngine(Generic[T]):
 
     def _offer(self, li: int) -> None:
         """Queue lane ``li``'s head for launch if its event is ready, else park the lane."""
-        jobs = self.lanes[li].jobs
-        if self._pos[li] >= len(jobs):
+        jobs, pos = self.lanes[li].jobs, self._pos[li]
+        if pos >= len(jobs):
             return
-        ev = jobs[self._pos[li]].wait
+        ev = jobs[pos].wait
         if ev is None:
             heapq.heappush(self._heap, (self._free[li], li))
             return
-        thr = self.thresholds.get(ev)
-        if thr is None:
+        count = self.count.get(ev)
+        if count is None:
             raise EngineError(f"lane {self.lanes[li].name!r} job waits on unknown event {ev!r}")
-        if self.count[ev] >= thr:
-            heapq.heappush(self._heap, (max(self._free[li], self.ready_at[ev]), li))
+        if count >= self.thresholds[ev]:
+            free, ready = self._free[li], self.ready_at[ev]
+            heapq.heappush(self._heap, (free if free > ready else ready, li))
         else:
             self._waiting.setdefault(ev, []).append(li)
 
@@ -186,21 +187,24 @@ class EventEngine(Generic[T]):
         tl = Timeline()
         for li in range(len(self.lanes)):
             self._offer(li)
-        cost, launch = self.cost, self.launch
+        cost, launch, heap, pos, free = self.cost, self.launch, self._heap, self._pos, self._free
+        lanes, fire, offer = self.lanes, self.fire, self._offer
+        t_start, t_end, order = tl.start, tl.end, tl.order
         while True:
-            while self._heap:
-                start, li = heapq.heappop(self._heap)
-                job = self.lanes[li].jobs[self._pos[li]]
+            while heap:
+                start, li = heapq.heappop(heap)
+                job = lanes[li].jobs[pos[li]]
                 if launch is not None:
                     launch(job.task)
-                end = start + (cost(job.task) if cost is not None else 0.0)
-                tl.start[job.key], tl.end[job.key] = start, end
-                tl.order.append(job.key)
-                self._pos[li] += 1
-                self._free[li] = end
+                end = start + cost(job.task) if cost is not None else start
+                t_start[job.key] = start
+                t_end[job.key] = end
+                order.append(job.key)
+                pos[li] += 1
+                free[li] = end
                 for ev in job.triggers:
-                    self.fire(ev, end)
-                self._offer(li)
+                    fire(ev, end)
+                offer(li)
             stalls = self._stalls()
             if not stalls:
                 return tl

@@ -19,6 +19,7 @@ no meaning here (handlers take the tile from the regions) and is left out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 BUFFER_KINDS = ("input", "work", "output")
 
@@ -89,9 +90,9 @@ class EventRef:
     event: int
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Tile:
-    """What a task computes, before events are assigned: the output of a FillConfig.
+class Tile(NamedTuple):
+    """What a task computes, before events are assigned: the output of a FillConfig (a named
+    tuple: compiling builds one per task and then the task itself, and a tuple is cheap).
 
     Attributes:
         op: operator (graph node) name.

@@ -373,19 +373,22 @@ def ensure_validated(plan: Plan) -> None:
 
 
 def _lanes(plans: Sequence[Plan], world: bool) -> list[Lane[TaskDescriptor]]:
+    """Engine lanes of ``plans``: one per (rank, queue); jobs keyed ``(rank, uid)``, events
+    ``(rank, event id)``. With ``world=False`` a task bumps only its own rank's counters."""
     lanes = []
     for p in plans:
-        r = p.rank
+        r, tasks = p.rank, p.tasks
+        trig = [
+            tuple((x.rank, x.event) for x in t.trigger_events if world or x.rank == r)
+            for t in tasks
+        ]
         for name, uids in p.schedule.queues:
-            jobs = []
-            for uid in uids:
-                t = p.tasks[uid]
-                ev = t.dependent_event
-                trig = tuple((x.rank, x.event) for x in t.trigger_events if world or x.rank == r)
-                jobs.append(
-                    Job(key=(r, uid), task=t, wait=(r, ev) if ev >= 0 else None, triggers=trig)
-                )
-            lanes.append(Lane(name=(r, name), jobs=jobs))
+            jobs = [
+                Job((r, u), tasks[u], (r, tasks[u].dependent_event)
+                    if tasks[u].dependent_event >= 0 else None, trig[u])
+                for u in uids
+            ]  # fmt: skip
+            lanes.append(Lane((r, name), jobs))
     return lanes
 
 
