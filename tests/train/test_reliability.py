@@ -83,14 +83,15 @@ def test_full_disk_while_writing_metrics(data_file, tmp_path, capfd):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").symlink_to("/dev/full")
-    assert main(tiny_args(data_file, run, "--steps", "2")) == 2
-    line = _one_error_line(capfd.readouterr().err)
+    assert main(tiny_args(data_file, run, "--steps", "2", "--max-restarts", "1")) == 2
+    err = capfd.readouterr().err
+    line = _one_error_line(err)
     log = run / "logs" / "rank_0.log"
-    assert line.startswith(
-        f"moesaic train: error: rank 0: {run}/metrics.jsonl: No space left on device "
-        f"(traceback in {log})"
-    ), line
-    assert "Traceback (most recent call last)" in log.read_text()
+    cause = f"rank 0: {run}/metrics.jsonl: No space left on device (traceback in {log})"
+    # The first attempt's failure is said once as the group restarts, the last one as the error.
+    assert f"moesaic train: {cause}; restarting the workers\n" in err, err
+    assert line == f"moesaic train: error: {cause} (the group was restarted 1 time(s) before)"
+    assert log.read_text().count("Traceback (most recent call last)") == 2
 
 
 def test_unexpected_error_is_one_line_with_its_type(tmp_path, monkeypatch, capsys):
