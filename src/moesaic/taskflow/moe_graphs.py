@@ -28,22 +28,24 @@ Buffers (per rank, 2-D, row-major; expert weights are flattened to ``[e * rows, 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from moesaic.taskflow.bucket import ShapeBucket
 from moesaic.taskflow.graph import OperatorGraph, OperatorNode, SplitSpec, propagate_splits
 from moesaic.taskflow.tasks import BufferSpec, TaskType
 
 
-def _types(*rows: TaskType) -> dict[str, TaskType]:
-    return {t.name: t for t in rows}
+def _types(*rows: TaskType) -> Mapping[str, TaskType]:
+    return MappingProxyType({t.name: t for t in rows})  # read-only: a table, not state
 
 
 _T = TaskType
 # The task-type table: every per-type fact in one place. GMMs run on the matrix queue, everything
 # else on the vector/communication queue; puts carry a message tag class; row types are the
 # compute over receive slots whose tiles follow the GMM row partition (RATR orders them).
-TASK_TYPES: dict[str, TaskType] = _types(
+TASK_TYPES: Mapping[str, TaskType] = _types(
     _T(name="put_dispatch", queue_class="vector", handler="put_dispatch", cost_class="put",
        put=True, comm="dispatch", put_tag=1),
     _T(name="put_dispatch_grad", queue_class="vector", handler="put_dispatch_grad",
@@ -73,7 +75,9 @@ TASK_TYPES: dict[str, TaskType] = _types(
 QUEUE_CLASSES = ("matrix", "vector")
 # Nominal relative cost of one tile-row of work per cost class: a GMM tile does ~2x the work of
 # moving the same rows, activations and reductions ~0.5x (a picture, not a measured model).
-NOMINAL_WEIGHT = {"put": 1.0, "gmm": 2.0, "act": 0.5, "reduce": 0.5}
+NOMINAL_WEIGHT: Mapping[str, float] = MappingProxyType(
+    {"put": 1.0, "gmm": 2.0, "act": 0.5, "reduce": 0.5}
+)
 # Fill kinds: how an operator's tasks tile its buffers (see moe_fills.py).
 FILL_KINDS = ("send_tokens", "send_rows", "rows", "experts", "tokens")
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-BUFFER_KINDS = ("input", "work", "output")
-
 
 class CompileError(ValueError):
     """A bucket, option or split that the task generator cannot tile consistently."""
