@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from moesaic.config import ACTIVATIONS, check_positive_int
+from moesaic.checks import check_bool, check_int, check_positive_int
+from moesaic.config import ACTIVATIONS
 
 DIRECTIONS = ("forward", "backward")
 
@@ -127,10 +128,8 @@ class CompileOptions:
     unsplit: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ratr, bool):
-            raise ValueError(f"ratr must be a bool, got {self.ratr!r}")
-        if not isinstance(self.interleave, bool):
-            raise ValueError(f"interleave must be a bool, got {self.interleave!r}")
+        check_bool("ratr", self.ratr)
+        check_bool("interleave", self.interleave)
         if not isinstance(self.unsplit, tuple) or not all(isinstance(o, str) for o in self.unsplit):
             raise ValueError(f"unsplit must be a tuple of operator names, got {self.unsplit!r}")
 
@@ -144,8 +143,7 @@ def slot_rows_for(max_count: int, tile_m: int, *, power_of_two_tiles: bool = Tru
     With ``power_of_two_tiles`` the number of tiles per slot is rounded up to a power of two, so a
     training run sees a handful of buckets (1, 2, 4, ... tiles) rather than one per step.
     """
-    if isinstance(max_count, bool) or not isinstance(max_count, int) or max_count < 0:
-        raise ValueError(f"max_count ({max_count!r}) must be an int >= 0")
+    check_int("max_count", max_count, 0)
     check_positive_int("tile_m", tile_m)
     tiles = max(1, math.ceil(max_count / tile_m))
     if power_of_two_tiles:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from moesaic.checks import is_int
+
 UNSPLIT_DIM = -1
 
 
@@ -105,7 +107,7 @@ class OperatorGraph:
         """Declare a tensor (graph input, intermediate or output)."""
         if name in self.tensors:
             raise GraphError(f"{self.name}: tensor {name!r} is declared twice")
-        if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 0:
+        if not is_int(ndim) or ndim < 0:
             raise GraphError(f"{self.name}: tensor {name!r} ndim ({ndim!r}) must be an int >= 0")
         node = TensorNode(name=name, ndim=ndim)
         self.tensors[name] = node
@@ -232,7 +234,7 @@ def propagate_splits(
         )
         if inherited:  # lines 7-10
             n = 1 if op.name in forced else s.task_num_fn(config)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            if not is_int(n) or n < 1:
                 raise GraphError(
                     f"{graph.name}: task_num_fn of {op.name!r} returned {n!r}; must be an int >= 1"
                 )

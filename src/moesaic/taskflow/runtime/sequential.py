@@ -23,6 +23,7 @@ of its slots; a tile with none still completes and fires its events.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import cast
 
@@ -113,7 +114,7 @@ def step_routing(plan: Plan, routing: RoutingPlan, group: EPGroup) -> StepRoutin
     )
 
 
-_Lanes = tuple[list[Lane[TaskDescriptor]], dict[int, int]]
+_Lanes = tuple[list[Lane[TaskDescriptor]], dict[Hashable, int]]
 
 
 def _lanes(plan: Plan) -> _Lanes:
@@ -129,13 +130,22 @@ def _lanes(plan: Plan) -> _Lanes:
             trig = tuple(r.event for r in t.trigger_events if r.rank == me)
             jobs.append(Job(key=uid, task=t, wait=wait, triggers=trig))
         lanes.append(Lane(name=name, jobs=jobs))
-    return lanes, {ev.id: ev.threshold for ev in plan.events}
+    thresholds: dict[Hashable, int] = {ev.id: ev.threshold for ev in plan.events}
+    return lanes, thresholds
 
 
 class _Run:
     """One execution of one plan on this rank."""
 
-    def __init__(self, plan, bufs, route, group, timeout_s, device):
+    def __init__(
+        self,
+        plan: Plan,
+        bufs: dict[str, torch.Tensor],
+        route: StepRouting,
+        group: EPGroup,
+        timeout_s: float,
+        device: torch.device,
+    ) -> None:
         self.plan, self.bufs, self.route, self.group = plan, bufs, route, group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
