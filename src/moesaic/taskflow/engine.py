@@ -52,8 +52,8 @@ class DeadlockError(EngineError):
 
 
 class Job(NamedTuple, Generic[T]):
-    """One unit of work on a lane (a named tuple: an executor builds thousands per step, and a
-    tuple is built ~10x faster than a frozen dataclass).
+    """One unit of work on a lane (a named tuple: the deadlock check builds one per task, and a
+    tuple is built in 0.56 us against 0.93 us for a frozen dataclass here).
 
     Attributes:
         key: unique name of the job (the timeline is keyed by it).
