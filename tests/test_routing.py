@@ -87,4 +87,4 @@ def test_router_is_fp32_and_aux_loss_uniform_value():
     plan, aux = router(x)
     assert plan.topk_weights_TK.dtype == torch.float32
     # A uniform router (all probabilities 1/E) gives exactly 1.0 whatever the assignment.
-    assert aux.item() == pytest.approx(1.0)
+    assert aux.loss().item() == pytest.approx(1.0)

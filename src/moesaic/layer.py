@@ -26,7 +26,7 @@ from moesaic.comm.collectives import EPGroup
 from moesaic.config import MoEConfig
 from moesaic.experts import GroupedExperts
 from moesaic.placement import ExpertPlacement
-from moesaic.routing import Router, RoutingPlan
+from moesaic.routing import AuxTerms, Router, RoutingPlan, combine_aux, fold_aux
 from moesaic.strategies import make_strategy
 from moesaic.strategies.base import CommStats, StrategyContext
 
@@ -45,9 +45,9 @@ class LayerStats:
 
     Several forwards (microbatch chunks of one step, gradient-accumulation steps, evaluation)
     add up: ``forwards`` counts them, ``counts_E`` sums the kept assignments per expert on this
-    rank, ``comm`` sums the communication (``CommStats.__add__``) and ``aux_loss`` sums the
-    weighted aux + z losses (detached, kept as a tensor: no device sync per forward; the
-    differentiable sum is ``moesaic.aux_loss``).
+    rank, ``comm`` sums the communication (``CommStats.__add__``) and ``aux_loss`` sums each
+    forward's own weighted aux + z loss (detached, kept as a tensor: no device sync per
+    forward; the differentiable loss of the forwards taken together is ``moesaic.aux_loss``).
     """
 
     forwards: int = 0
@@ -71,7 +71,7 @@ class Routed:
 
     x: torch.Tensor
     plan: RoutingPlan
-    aux: torch.Tensor
+    aux: AuxTerms
 
 
 class MoELayer(nn.Module):
@@ -87,10 +87,11 @@ class MoELayer(nn.Module):
         topology: the cluster description, for strategies that plan by the network.
         plans: precompiled plans, for strategies that execute them.
 
-    Per-forward state adds up until it is read: every forward adds its weighted aux + z loss
-    to a pending sum that ``moesaic.aux_loss(model)`` returns and clears (read once per
-    backward, after all the forwards that backward covers), and its load and communication to
-    ``stats`` (``take_stats()`` returns and clears them).
+    Per-forward state adds up until it is read: every forward adds its aux-loss terms to a
+    pending list that ``moesaic.aux_loss(model)`` turns into the loss of all those forwards'
+    tokens taken as one batch and clears (read once per backward, after all the forwards that
+    backward covers), and its load and communication to ``stats`` (``take_stats()`` returns and
+    clears them).
     """
 
     def __init__(
@@ -126,19 +127,28 @@ class MoELayer(nn.Module):
         ctx = StrategyContext(config, self.ep, placement, topology=topology, plans=plans)
         self.strategy = make_strategy(config.dispatcher, ctx)
         self.stats = LayerStats()
-        self._pending_aux: torch.Tensor | None = None
-        self._unread_aux = 0
+        self._pending_aux: list[AuxTerms] = []
         self.reset_parameters()
 
     @property
     def ep_size(self) -> int:
         return self.ep.size
 
+    def take_aux_terms(self) -> list[torch.Tensor]:
+        """One loss term per pending forward (each in its own forward's graph), summing to the
+        aux + z loss of all their tokens as one batch (``routing.combine_aux``); clears them.
+
+        For a pipelined backward that runs each microbatch chunk's part separately; forwards
+        without gradient are folded into one term.
+        """
+        terms, self._pending_aux = self._pending_aux, []
+        return combine_aux(terms)
+
     def take_aux_loss(self) -> torch.Tensor | None:
-        """The weighted aux + z loss of every forward since the last call (in the graph), or
-        None when there was none; clears it. ``moesaic.aux_loss(model)`` calls this."""
-        aux, self._pending_aux, self._unread_aux = self._pending_aux, None, 0
-        return aux
+        """The aux + z loss of every forward since the last call as one batch (in the graph),
+        or None when there was none; clears it. ``moesaic.aux_loss(model)`` calls this."""
+        terms = self.take_aux_terms()
+        return torch.stack(terms).sum() if terms else None
 
     def take_stats(self) -> LayerStats:
         """The statistics of every forward since the last call; clears them."""
@@ -188,7 +198,7 @@ class MoELayer(nn.Module):
         x_TH = x.reshape(-1, self.config.hidden_size)
         self._check_dtypes_agree(x_TH)
         out = self.strategy.forward(x_TH, routed.plan, self.experts)
-        self.stats.add(x_TH.shape[0], routed.plan.counts_E, out.stats, routed.aux)
+        self.stats.add(x_TH.shape[0], routed.plan.counts_E, out.stats, routed.aux.loss())
         return out.y_TH.to(x.dtype).view(x.shape)
 
     def _check_dtypes_agree(self, x_TH: torch.Tensor) -> None:
@@ -208,12 +218,15 @@ class MoELayer(nn.Module):
             )
         self._agreed_dtypes = dtypes
 
-    def _add_aux(self, aux: torch.Tensor) -> None:
-        if not aux.requires_grad:  # evaluation: nothing to keep alive, only the value
+    def _add_aux(self, aux: AuxTerms) -> None:
+        pending = self._pending_aux
+        if not aux.requires_grad:  # evaluation: fold into one entry (same batch loss)
             aux = aux.detach()
-        self._pending_aux = aux if self._pending_aux is None else self._pending_aux + aux
-        self._unread_aux += 1
-        if self._unread_aux == _UNREAD_AUX_WARN and self._pending_aux.requires_grad:
+            if pending and not pending[-1].requires_grad:
+                pending[-1] = fold_aux(pending[-1], aux)
+                return
+        pending.append(aux)
+        if len(pending) == _UNREAD_AUX_WARN:
             warnings.warn(
                 f"MoELayer: {_UNREAD_AUX_WARN} forwards added aux losses that were never read; "
                 "call moesaic.aux_loss(model) once per backward (it returns and clears them), "
@@ -279,14 +292,16 @@ class MoELayer(nn.Module):
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:
-    """The aux + z losses of every MoELayer in ``model``, summed over every forward since the
-    last call, which they are cleared by: call it once per backward, after all its forwards.
+    """The aux + z losses of every MoELayer in ``model`` over every forward since the last
+    call, which clears them: call it once per backward, after all its forwards.
 
-    Rule for several forwards per backward: their losses add. Each forward's loss is computed
-    over that forward's tokens, so a schedule that splits one batch into R chunks and wants the
-    whole-batch scale divides by R (as it does its task loss); the balance loss is not linear in
-    the tokens, so the chunked sum equals the whole-batch loss only to first order (FlowMoE
-    App. H). A scalar zero when no forward ran.
+    Rule for several forwards per backward: they count as one batch of all their tokens. The
+    balance loss uses the load fractions of all of them and each forward's mean router
+    probabilities weighted by its share of the tokens, the z-loss is the token-weighted mean
+    (``routing.combine_aux``). One batch split into R microbatch chunks therefore gives the
+    same aux loss and gradients as the whole batch (up to summation order), which is what
+    FlowMoE's per-chunk scaling (App. H) asks for; a single forward gives its own loss. Sum over
+    layers; a scalar zero when no forward ran.
     """
     losses = [m.take_aux_loss() for m in model.modules() if isinstance(m, MoELayer)]
     present = [loss for loss in losses if loss is not None]

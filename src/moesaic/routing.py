@@ -148,6 +148,92 @@ def build_plan(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class AuxTerms:
+    """One forward's parts of the load-balancing and z losses, before weighting.
+
+    Kept apart (not summed into one scalar) so that several forwards of one step combine into
+    exactly the loss of their tokens taken as one batch (``combine_aux``): the balance loss
+    ``E * sum_e f_e * P_e`` is not linear in the tokens, so a sum of per-forward losses is not
+    the batch's loss.
+
+    Attributes:
+        tokens: T of this forward.
+        assign_counts_E: the T*K assignments per expert before any capacity drop (fp32,
+            no gradient): numerators of f_e.
+        probs_mean_E: mean router probability per expert over the T tokens (in the graph).
+        z: the z-loss of these tokens (in the graph).
+        top_k, aux_coef, z_coef: K and the two weights.
+    """
+
+    tokens: int
+    assign_counts_E: torch.Tensor
+    probs_mean_E: torch.Tensor
+    z: torch.Tensor
+    top_k: int
+    aux_coef: float
+    z_coef: float
+
+    def loss(self) -> torch.Tensor:
+        """The weighted aux + z loss of this forward's tokens alone."""
+        return combine_aux([self])[0]
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.probs_mean_E.requires_grad or self.z.requires_grad
+
+    def detach(self) -> AuxTerms:
+        return AuxTerms(
+            tokens=self.tokens,
+            assign_counts_E=self.assign_counts_E,
+            probs_mean_E=self.probs_mean_E.detach(),
+            z=self.z.detach(),
+            top_k=self.top_k,
+            aux_coef=self.aux_coef,
+            z_coef=self.z_coef,
+        )
+
+
+def combine_aux(terms: list[AuxTerms]) -> list[torch.Tensor]:
+    """Per-forward loss terms whose sum is the aux + z loss of all the forwards' tokens.
+
+    With N = sum of the forwards' T, ``f_e = sum_s counts_s[e] / (N * K)`` (all forwards' loads,
+    no gradient), ``P_e = sum_s T_s * P_s[e] / N`` and ``z = sum_s T_s * z_s / N``; forward s's
+    term is ``aux_coef * E * sum_e f_e * T_s * P_s[e] / N + z_coef * T_s * z_s / N``. One forward
+    alone gives its own Switch balance loss and z-loss. Splitting a batch into R chunks therefore
+    leaves the loss and every gradient the same (up to summation order), and each chunk's term
+    stays in its own chunk's graph (a pipelined backward runs each chunk's part separately).
+    """
+    if not terms:
+        return []
+    N = sum(t.tokens for t in terms)
+    K, E = terms[0].top_k, terms[0].assign_counts_E.numel()
+    if N == 0:  # no tokens anywhere: zero terms that keep the router in the graph
+        return [t.probs_mean_E.sum() * 0.0 + t.z * 0.0 for t in terms]
+    f_E = torch.stack([t.assign_counts_E for t in terms]).sum(dim=0) / (N * K)
+    out = []
+    for t in terms:
+        share = t.tokens / N
+        balance = E * torch.dot(f_E.to(t.probs_mean_E.dtype), t.probs_mean_E) * share
+        out.append(t.aux_coef * balance + t.z_coef * share * t.z)
+    return out
+
+
+def fold_aux(a: AuxTerms, b: AuxTerms) -> AuxTerms:
+    """Two forwards' terms as one (token-weighted means, summed loads): same batch loss."""
+    n = a.tokens + b.tokens
+    wa, wb = (a.tokens / n, b.tokens / n) if n else (0.5, 0.5)
+    return AuxTerms(
+        tokens=n,
+        assign_counts_E=a.assign_counts_E + b.assign_counts_E,
+        probs_mean_E=wa * a.probs_mean_E + wb * b.probs_mean_E,
+        z=wa * a.z + wb * b.z,
+        top_k=a.top_k,
+        aux_coef=a.aux_coef,
+        z_coef=a.z_coef,
+    )
+
+
 def load_balancing_loss(probs_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> torch.Tensor:
     """GShard/Switch loss ``E * sum_e f_e * P_e``; 1.0 at a perfectly uniform router.
 
@@ -189,10 +275,11 @@ class Router(nn.Module):
 
     def forward(
         self, x_TH: torch.Tensor, placement: ExpertPlacement | None = None
-    ) -> tuple[RoutingPlan, torch.Tensor]:
+    ) -> tuple[RoutingPlan, AuxTerms]:
         """Route ``x_TH`` to experts placed by ``placement`` (None: all on this rank).
 
-        Returns the plan and the weighted aux + z loss (a scalar).
+        Returns the plan and this forward's aux-loss terms (``terms.loss()`` is the weighted
+        load-balancing + z loss of these tokens).
         """
         cfg = self.config
         logits_TE, scores_TE = self.scores(x_TH)
@@ -204,8 +291,18 @@ class Router(nn.Module):
         probs_TE = scores_TE
         if cfg.score_func == "sigmoid":
             probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        aux = cfg.aux_loss_coef * load_balancing_loss(probs_TE, topk_ids_TK)
-        aux = aux + cfg.z_loss_coef * z_loss(logits_TE)
+        T = x_TH.shape[0]
+        aux = AuxTerms(
+            tokens=T,
+            assign_counts_E=torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
+            .float()
+            .to(probs_TE.device),
+            probs_mean_E=probs_TE.mean(dim=0) if T else probs_TE.sum(dim=0) * 0.0,
+            z=z_loss(logits_TE),
+            top_k=cfg.top_k,
+            aux_coef=cfg.aux_loss_coef,
+            z_coef=cfg.z_loss_coef,
+        )
         plan = build_plan(
             topk_ids_TK,
             weights_TK,
