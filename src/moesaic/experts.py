@@ -135,7 +135,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, Fh, H))
         for p in self.parameters():
             # Data-parallel code keeps these out of the all-reduce over the EP group (see docs).
-            p._moesaic_expert = True
+            setattr(p, "_moesaic_expert", True)  # noqa: B010 (a new attribute on a Parameter)
 
     @property
     def first_expert(self) -> int:

@@ -46,17 +46,17 @@ class ReferenceMoE(nn.Module):
 
     def expert(self, i: int, x_H: torch.Tensor) -> torch.Tensor:
         """Expert i on a batch of rows."""
-        h = x_H @ self.experts.w1[i]
+        h = x_H @ self.get_parameter("experts.w1")[i]
         if self.config.activation == "swiglu":
-            h = F.silu(h) * (x_H @ self.experts.w3[i])
+            h = F.silu(h) * (x_H @ self.get_parameter("experts.w3")[i])
         else:
             h = F.gelu(h)
-        return h @ self.experts.w2[i]
+        return h @ self.get_parameter("experts.w2")[i]
 
     def route(self, x_TH: torch.Tensor):
         """Top-k ids, their weights and the aux loss (fp32, as the real router)."""
         cfg = self.config
-        logits = F.linear(x_TH.float(), self.router.weight.float())
+        logits = F.linear(x_TH.float(), self.get_parameter("router.weight").float())
         scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
         top_scores, top_ids = scores.topk(cfg.top_k, dim=-1)
         weights = top_scores

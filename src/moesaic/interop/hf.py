@@ -21,7 +21,7 @@ from moesaic.config import MoEConfig
 from moesaic.layer import MoELayer
 
 
-def _mixtral_weights(block: nn.Module) -> dict[str, torch.Tensor]:
+def _mixtral_weights(block: Any) -> dict[str, torch.Tensor]:
     gate = block.gate.weight.detach()
     experts = block.experts
     if hasattr(experts, "gate_up_proj"):
@@ -30,9 +30,10 @@ def _mixtral_weights(block: nn.Module) -> dict[str, torch.Tensor]:
         w1, w3 = gate_up[:, :F].transpose(1, 2), gate_up[:, F:].transpose(1, 2)
         w2 = down.transpose(1, 2)
     elif isinstance(experts, nn.ModuleList):
-        w1 = torch.stack([e.w1.weight.detach().t() for e in experts])
-        w3 = torch.stack([e.w3.weight.detach().t() for e in experts])
-        w2 = torch.stack([e.w2.weight.detach().t() for e in experts])
+        mlps: list[Any] = list(experts)
+        w1 = torch.stack([e.w1.weight.detach().t() for e in mlps])
+        w3 = torch.stack([e.w3.weight.detach().t() for e in mlps])
+        w2 = torch.stack([e.w2.weight.detach().t() for e in mlps])
     else:
         raise ValueError(
             f"block.experts ({type(experts).__name__}) is neither a transformers>=5 "
@@ -64,7 +65,7 @@ def config_from_mixtral(block: nn.Module, **overrides: Any) -> MoEConfig:
         "hidden_size": H,
         "ffn_hidden_size": F,
         "num_experts": E,
-        "top_k": int(block.top_k),
+        "top_k": int(getattr(block, "top_k")),  # noqa: B009 (an nn.Module attribute)
         "score_func": "softmax",
         "normalize_topk": True,
         "activation": "swiglu",
@@ -111,7 +112,7 @@ def mixtral_block_from_layer(layer: MoELayer) -> nn.Module:
             "a Mixtral block renormalises top-k and drops nothing: "
             "normalize_topk must be True and capacity_factor None"
         )
-    block = MixtralSparseMoeBlock(
+    block: Any = MixtralSparseMoeBlock(
         MixtralConfig(
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.ffn_hidden_size,

@@ -182,8 +182,12 @@ def clean_stale(root: Path) -> list[Path]:
 
 
 def _sha256(path: Path) -> str:
+    # hashlib.file_digest is Python 3.11+; we support 3.10.
+    digest = hashlib.sha256()
     with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_manifest(ckpt: Path) -> None:

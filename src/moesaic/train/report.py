@@ -72,7 +72,7 @@ class Reporter:
         )
         if cfg.progress:
             try:
-                from tqdm import tqdm  # type: ignore[import-untyped]
+                from tqdm import tqdm
             except ImportError:  # the `progress` extra is not installed: log lines instead
                 return
             self.bar = tqdm(
