@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,6 +176,13 @@ class Recorder:
         """Forget every span (the training loop keeps only the last few steps)."""
         with self._lock:
             self._spans.clear()
+
+
+def maybe_span(
+    recorder: Recorder | None, resource: str, name: str, **args: Any
+) -> AbstractContextManager[None]:
+    """``recorder.span(resource, name, **args)``, or nothing when ``recorder`` is None."""
+    return nullcontext() if recorder is None else recorder.span(resource, name, **args)
 
 
 def _lane_order(resources: Collection[str]) -> list[str]:
@@ -379,6 +386,7 @@ __all__ = [
     "chrome_trace",
     "draw_timeline",
     "gather_spans",
+    "maybe_span",
     "overlap_bound",
     "write_chrome_trace",
 ]

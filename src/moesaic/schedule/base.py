@@ -32,8 +32,9 @@ from typing import ClassVar, Protocol
 import torch
 from torch import nn
 
-from moesaic.checks import check_non_negative
+from moesaic.checks import check_int, check_non_negative, check_positive_int
 from moesaic.comm.collectives import EPGroup
+from moesaic.trace import Recorder, maybe_span
 
 # (logits_BTV, y_BT) -> the scalar mean loss of those tokens. A schedule that cuts the batch
 # into R equal chunks weighs each chunk's loss by 1 / R, so the step's loss is unchanged.
@@ -84,6 +85,13 @@ class StepParts:
         grad_sync: the gradient rules of this rank's layout.
         optimizer: stepped once per step unless the step was non-finite.
         grad_clip: clip the global gradient norm to this before the update (0 = off).
+        pipeline_degree: R, the chunks a pipelined schedule cuts this rank's batch into along
+            the batch dimension (``--pipeline-degree``; must divide the batch; ``vanilla``
+            runs the whole batch at once and needs 1).
+        ar_chunk_bytes: Sp, the size of the gradient all-reduce chunks of the communication
+            pool (``--ar-chunk``); None = tuned online.
+        recorder: where the schedule records its tasks' spans (``moesaic.trace``); None = no
+            timeline.
     """
 
     model: nn.Module
@@ -91,9 +99,15 @@ class StepParts:
     grad_sync: GradientSync
     optimizer: torch.optim.Optimizer
     grad_clip: float = 0.0
+    pipeline_degree: int = 1
+    ar_chunk_bytes: int | None = None
+    recorder: Recorder | None = None
 
     def __post_init__(self) -> None:
         check_non_negative("grad_clip", self.grad_clip)
+        check_int("pipeline_degree", self.pipeline_degree, 1)
+        if self.ar_chunk_bytes is not None:
+            check_positive_int("ar_chunk_bytes", self.ar_chunk_bytes)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -161,11 +175,12 @@ class TrainStep(ABC):
         if nonfinite:
             parts.optimizer.zero_grad(set_to_none=True)
             return StepResult(ce=ce, aux=aux, grad_norm=norm, nonfinite=tuple(nonfinite))
-        if parts.grad_clip > 0 and norm > parts.grad_clip:
-            scale = parts.grad_clip / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        parts.optimizer.step()
-        parts.optimizer.zero_grad(set_to_none=True)
+        with maybe_span(parts.recorder, "optimizer", "optimizer"):  # clip + update
+            if parts.grad_clip > 0 and norm > parts.grad_clip:
+                scale = parts.grad_clip / (norm + 1e-6)
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+            parts.optimizer.step()
+            parts.optimizer.zero_grad(set_to_none=True)
         return StepResult(ce=ce, aux=aux, grad_norm=norm)
