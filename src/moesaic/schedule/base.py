@@ -155,16 +155,17 @@ class TrainStep(ABC):
     def finish(self, ce: torch.Tensor, aux: torch.Tensor) -> StepResult:
         """Steps 4 of the contract, after the gradients are synchronised: check, clip, update."""
         parts = self.parts
-        norm = parts.grad_sync.global_norm(self.params)
-        ce, aux = ce.detach(), aux.detach()
-        local_F = torch.stack(
-            [
-                ~torch.isfinite(ce),
-                ~torch.isfinite(aux),
-                torch.tensor(not math.isfinite(norm), device=ce.device),
-            ]
-        ).to(torch.int64)
-        flags_PF = parts.grad_sync.all_ranks(local_F.view(1, -1))
+        with maybe_span(parts.recorder, "allreduce", "norm"):  # norm + health flags
+            norm = parts.grad_sync.global_norm(self.params)
+            ce, aux = ce.detach(), aux.detach()
+            local_F = torch.stack(
+                [
+                    ~torch.isfinite(ce),
+                    ~torch.isfinite(aux),
+                    torch.tensor(not math.isfinite(norm), device=ce.device),
+                ]
+            ).to(torch.int64)
+            flags_PF = parts.grad_sync.all_ranks(local_F.view(1, -1))
         nonfinite = []
         for i, what in enumerate(HEALTH_FLAGS):
             ranks = [r for r, bad in enumerate(flags_PF[:, i].tolist()) if bad]

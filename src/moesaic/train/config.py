@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import re
 import sys
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -30,6 +32,10 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 NONFINITE_POLICIES = ("stop", "skip")
 
+# --trace / --trace-png keep the spans of the run's last this many steps (one step is a few
+# hundred spans per rank at R = 4, so a trace stays small; earlier steps include warm-up).
+TRACE_STEPS = 3
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
@@ -49,7 +55,18 @@ class TrainConfig:
         warmup_steps: linear warm-up steps.
         weight_decay: AdamW decoupled weight decay of matrices (not of norms).
         grad_clip: clip the global gradient norm to this (0 = off).
-        schedule: the training-step schedule (``moesaic.schedule``): "vanilla".
+        schedule: the training-step schedule (``moesaic.schedule``): "vanilla" (whole batch,
+            all-reduce after the backward), "moe-only" (all-to-alls pipelined with the experts
+            in R chunks), "flowmoe" (attention too, and gradient all-reduce chunks in the
+            gaps).
+        pipeline_degree: R, the chunks a pipelined schedule cuts each rank's batch into; must
+            divide ``batch_size``; ``vanilla`` needs 1.
+        ar_chunk: Sp, the gradient all-reduce chunk of the communication pool: "auto" (tuned
+            online by Bayesian optimisation) or a number of bytes (an int, or a string such
+            as "4MiB" = 4 * 2**20 or "4MB" = 4 * 10**6). ``vanilla`` ignores it.
+        trace: write a Chrome trace (Perfetto, chrome://tracing) of the last ``TRACE_STEPS``
+            steps of every rank here (rank 0 writes it at the end); None = no trace.
+        trace_png: draw the same timeline as a PNG here (needs matplotlib); None = none.
         on_nonfinite: a step whose loss, aux loss or gradients are not finite on some rank is
             never applied; "stop" ends the run with an error naming the step, "skip" goes on.
         nonfinite_skip_limit: with "skip", this many non-finite steps in a row stop the run.
@@ -86,6 +103,10 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     schedule: str = "vanilla"
+    pipeline_degree: int = 1
+    ar_chunk: str | int = "auto"
+    trace: str | None = None
+    trace_png: str | None = None
     on_nonfinite: str = "stop"
     nonfinite_skip_limit: int = 10
     seed: int = 0
@@ -122,6 +143,7 @@ class TrainConfig:
             ("keep_checkpoints", 1),
             ("max_restarts", 0),
             ("nonfinite_skip_limit", 1),
+            ("pipeline_degree", 1),
         ):
             check_int(name, getattr(self, name), minimum)
         for name in ("ep", "threads", "fault_kill_step"):
@@ -139,16 +161,44 @@ class TrainConfig:
         check_number("timeout_s", self.timeout_s, 1e-3)
         check_one_of("backend", self.backend, BACKENDS)
         check_one_of("schedule", self.schedule, schedule_names())
+        self._check_pipeline()
         check_one_of("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         check_bool("resume", self.resume)
         check_bool("progress", self.progress)
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"run_dir must be a non-empty path, got {self.run_dir!r}")
+        for name in ("trace", "trace_png"):
+            path = getattr(self, name)
+            if path is not None and (not isinstance(path, str) or not path):
+                raise ValueError(f"{name} must be a non-empty path or None, got {path!r}")
+        if self.trace_png is not None and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("trace_png needs matplotlib (pip install matplotlib)")
         # One deadline for every collective: the MoE layers' too (they would keep 300 s).
         moe = self.model.moe
         if moe.collective_timeout_s != self.timeout_s:
             moe = dataclasses.replace(moe, collective_timeout_s=float(self.timeout_s))
             self.model = dataclasses.replace(self.model, moe=moe)
+
+    def _check_pipeline(self) -> None:
+        R = self.pipeline_degree
+        if self.batch_size % R:
+            raise ValueError(
+                f"pipeline_degree ({R}) must divide batch_size ({self.batch_size}): "
+                "--pipeline-degree R cuts each rank's batch of sequences into R equal chunks"
+            )
+        if R > 1 and self.schedule == "vanilla":
+            pipelined = [n for n in schedule_names() if n != "vanilla"]
+            raise ValueError(
+                f"pipeline_degree ({R}) needs a pipelined schedule "
+                f"({', '.join(pipelined) or 'none registered'}); --schedule vanilla runs the "
+                "whole batch at once"
+            )
+        self.ar_chunk = parse_ar_chunk(self.ar_chunk)
+
+    @property
+    def ar_chunk_bytes(self) -> int | None:
+        """Sp in bytes, or None for "auto" (tuned online)."""
+        return None if self.ar_chunk == "auto" else int(self.ar_chunk)
 
     def check_world(self, world_size: int) -> int:
         """Validate the EP layout for ``world_size`` ranks; returns the EP size."""
@@ -180,8 +230,11 @@ class TrainConfig:
         out.
         """
         per_node = {"nproc", "threads", "progress", "max_restarts", "run_dir", "data", "model"}
-        per_node |= {"fault_kill_rank", "fault_kill_step"}
+        per_node |= {"fault_kill_rank", "fault_kill_step", "trace", "trace_png"}
         out: dict[str, object] = {f"model.{k}": v for k, v in self.model.fields_flat().items()}
+        # Where a trace goes is per node, whether there is one is not: gathering it is a
+        # collective every rank must take part in.
+        out["tracing"] = self.trace is not None or self.trace_png is not None
         for f in dataclasses.fields(self):
             if f.name not in per_node:
                 out[f.name] = getattr(self, f.name)
@@ -213,6 +266,32 @@ class TrainConfig:
         return cls(model=MoEGPTConfig.from_dict(model), **d)
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_BYTE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_ar_chunk(value: object) -> str | int:
+    """``"auto"``, or a positive number of bytes from an int or a string ("4194304", "4MiB",
+    "4MB", "512 KiB"; units B, KB/MB/GB = powers of 1000, KiB/MiB/GiB = powers of 1024)."""
+    rule = (
+        "must be 'auto' or a positive number of bytes (an int, or a string such as '4MiB' or "
+        "'4MB'): --ar-chunk is Sp, the size of the gradient all-reduce chunks"
+    )
+    if value == "auto":
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"ar_chunk ({value}) {rule}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _BYTE_UNITS:
+            n = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+            if n >= 1 and n == int(n):
+                return int(n)
+    raise ValueError(f"ar_chunk ({value!r}) {rule}")
+
+
 # (flag, field, type) of every option; a model field is a path under [model] ("moe.top_k").
 _MODEL_FLAGS = (
     ("--seq-len", "seq_len", int),
@@ -239,6 +318,10 @@ _RUN_FLAGS = (
     ("--weight-decay", "weight_decay", float),
     ("--grad-clip", "grad_clip", float),
     ("--schedule", "schedule", str),
+    ("--pipeline-degree", "pipeline_degree", int),
+    ("--ar-chunk", "ar_chunk", str),
+    ("--trace", "trace", str),
+    ("--trace-png", "trace_png", str),
     ("--on-nonfinite", "on_nonfinite", str),
     ("--nonfinite-skip-limit", "nonfinite_skip_limit", int),
     ("--seed", "seed", int),
@@ -280,6 +363,11 @@ _HELP = {
     "weight_decay": "AdamW weight decay of matrices",
     "grad_clip": "global gradient-norm clip (0 = off)",
     "schedule": f"training-step schedule: {', '.join(schedule_names())}",
+    "pipeline_degree": "R: chunks of each rank's batch in a pipelined schedule (divides "
+    "--batch-size)",
+    "ar_chunk": "Sp: gradient all-reduce chunk, 'auto' (tuned online) or bytes ('4MiB')",
+    "trace": "write a Chrome trace (Perfetto) of the last steps of every rank to FILE.json",
+    "trace_png": "draw the same timeline to FILE.png (matplotlib)",
     "on_nonfinite": "a non-finite loss or gradient: stop the run, or skip that step",
     "nonfinite_skip_limit": "with --on-nonfinite skip: this many in a row stop the run",
     "seed": "init and data-order seed",

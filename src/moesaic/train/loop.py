@@ -24,6 +24,7 @@ from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.schedule import make_step
 from moesaic.schedule.base import StepParts
+from moesaic.trace import Recorder, draw_timeline, gather_spans, maybe_span, write_chrome_trace
 from moesaic.train.checkpoint import (
     already_has_checkpoints,
     latest_checkpoint,
@@ -31,7 +32,7 @@ from moesaic.train.checkpoint import (
     read_checkpoint_meta,
     save_checkpoint,
 )
-from moesaic.train.config import TrainConfig
+from moesaic.train.config import TRACE_STEPS, TrainConfig
 from moesaic.train.data import PackedData, load_splits
 from moesaic.train.health import NonFiniteError, nonfinite_message
 from moesaic.train.parallel import GradientSync, Layout, build_layout
@@ -190,12 +191,17 @@ def train(cfg: TrainConfig) -> dict:
     # cfg.model.moe.collective_timeout_s is cfg.timeout_s (TrainConfig sets it).
     model = MoEGPT(cfg.model, ep_group=layout.ep_group).to(device)
     optimizer = _make_optimizer(model, cfg)
+    tracing = cfg.trace is not None or cfg.trace_png is not None
+    recorder = Recorder(rank=layout.rank) if tracing else None
     parts = StepParts(
         model=model,
         loss_fn=lm_loss,
         grad_sync=GradientSync(layout),
         optimizer=optimizer,
         grad_clip=cfg.grad_clip,
+        pipeline_degree=cfg.pipeline_degree,
+        ar_chunk_bytes=cfg.ar_chunk_bytes,
+        recorder=recorder,
     )
     train_step = make_step(cfg.schedule, parts)
     start, consumed, resumed_from = _maybe_resume(cfg, model, optimizer, layout)
@@ -222,7 +228,10 @@ def train(cfg: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         x_BT, y_BT = train_data.train_batch(consumed, layout.rank, cfg.batch_size, cfg.seed)
-        result = train_step.run(x_BT.to(device), y_BT.to(device))
+        if recorder is not None and step <= cfg.steps - TRACE_STEPS + 1:
+            recorder.clear()  # keep the last TRACE_STEPS steps only
+        with maybe_span(recorder, "step", f"step{step}", step=step):
+            result = train_step.run(x_BT.to(device), y_BT.to(device))
         consumed += world * cfg.batch_size
         loss, aux_val, loads = _step_stats(model, result.ce, result.aux, layout, device)
         dt = time.perf_counter() - t0
@@ -261,7 +270,31 @@ def train(cfg: TrainConfig) -> dict:
                 keep=cfg.keep_checkpoints,
             )
             reporter.checkpoint(step, path)
+    if recorder is not None:
+        _write_trace(cfg, layout, recorder, start)
     return reporter.finish()
+
+
+def _write_trace(cfg: TrainConfig, layout: Layout, recorder: Recorder, start: int) -> None:
+    """Gather every rank's spans of the last ``TRACE_STEPS`` steps; rank 0 writes the files."""
+    spans_per_rank = gather_spans(layout.world, recorder.events)
+    if layout.rank != 0:
+        return
+    first = max(start + 1, cfg.steps - TRACE_STEPS + 1)
+    title = (
+        f"moesaic train --schedule {cfg.schedule} --pipeline-degree {cfg.pipeline_degree}: "
+        f"steps {first}-{cfg.steps}, {layout.world_size} ranks"
+    )
+    written = []
+    if cfg.trace is not None:
+        written.append(str(write_chrome_trace(cfg.trace, spans_per_rank)))
+    if cfg.trace_png is not None:
+        written.append(str(draw_timeline(cfg.trace_png, spans_per_rank, title=title)))
+    print(
+        f"moesaic train: timeline of steps {first}-{cfg.steps} written to {', '.join(written)}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run_worker(cfg_dict: dict) -> dict:
