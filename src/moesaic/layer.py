@@ -13,6 +13,7 @@ gradient must be all-reduced across all ranks. See docs/architecture.md.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,13 @@ from moesaic.experts import GroupedExperts
 from moesaic.placement import ExpertPlacement
 from moesaic.routing import AuxTerms, Router, RoutingPlan, combine_aux, fold_aux
 from moesaic.strategies import make_strategy
-from moesaic.strategies.base import CommStats, StrategyContext
+from moesaic.strategies.base import (
+    CommStats,
+    DispatchCombineStrategy,
+    ExchangeHandle,
+    Outbound,
+    StrategyContext,
+)
 
 if TYPE_CHECKING:
     from moesaic.cluster.spec import ClusterSpec
@@ -200,6 +207,46 @@ class MoELayer(nn.Module):
         out = self.strategy.forward(x_TH, routed.plan, self.experts)
         self.stats.add(x_TH.shape[0], routed.plan.counts_E, out.stats, routed.aux.loss())
         return out.y_TH.to(x.dtype).view(x.shape)
+
+    # ---- the phases of run_experts, for pipelined schedules ---------------------------------
+
+    def exchange_strategy(self) -> DispatchCombineStrategy:
+        """The strategy, when it splits into the dispatch/combine phases a pipelined schedule
+        runs as separate stages (``DispatchCombineStrategy``); a ValueError naming it if not."""
+        if not isinstance(self.strategy, DispatchCombineStrategy):
+            raise ValueError(
+                f"dispatcher {self.config.dispatcher!r} ({type(self.strategy).__name__}) has no "
+                "dispatch/combine phases (DispatchCombineStrategy), which the pipelined schedules "
+                "(moe-only, flowmoe) need; use the vanilla schedule with it"
+            )
+        return self.strategy
+
+    def send(self, routed: Routed) -> Outbound:
+        """Phase 1 of ``run_experts``: the rows to send for a routed input (statistics added)."""
+        x_TH = routed.x.reshape(-1, self.config.hidden_size)
+        self._check_dtypes_agree(x_TH)
+        out = self.exchange_strategy().dispatch_send(x_TH, routed.plan)
+        self.stats.add(x_TH.shape[0], routed.plan.counts_E, out.stats, routed.aux.loss())
+        return out
+
+    def expert_rows(self, rows: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
+        """Phase 2: received rows -> the experts -> the rows to send back."""
+        strategy = self.exchange_strategy()
+        x_MH, counts_e = strategy.dispatch_recv(rows, handle)
+        return strategy.combine_send(self.experts(x_MH, counts_e), handle)
+
+    def receive(
+        self,
+        rows: torch.Tensor,
+        handle: ExchangeHandle,
+        weights_TK: torch.Tensor,
+        like: torch.Tensor,
+    ) -> torch.Tensor:
+        """Phase 3: rows received back -> the output (shape and dtype of ``like``, the input),
+        weighted by ``weights_TK`` (the plan's top-k weights, or a detached copy of them)."""
+        y_NH = self.exchange_strategy().combine_recv(rows, handle)
+        plan = dataclasses.replace(handle.plan, topk_weights_TK=weights_TK)
+        return plan.unpermute(y_NH).to(like.dtype).view(like.shape)
 
     def _check_dtypes_agree(self, x_TH: torch.Tensor) -> None:
         """Once (on the first forward): every rank runs the same activation and weight dtypes.

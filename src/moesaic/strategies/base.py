@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from moesaic.comm.collectives import EPGroup
+from moesaic.comm.collectives import EPGroup, all_to_all_v
 from moesaic.config import MoEConfig
 from moesaic.placement import ExpertPlacement
 from moesaic.routing import RoutingPlan
@@ -150,25 +150,93 @@ class MoEStrategy(ABC):
         return [0 if p == self.group.rank else nbytes for p in range(self.group.size)]
 
 
-HandleT = TypeVar("HandleT")
+@dataclass(frozen=True, slots=True)
+class ExchangeHandle:
+    """What every dispatch/combine strategy's handle holds: the plan and the row splits.
+
+    Attributes:
+        plan: the routing plan of the dispatched tokens.
+        in_splits_P: rows this rank sent to each rank (the dispatch all-to-all's input splits).
+        out_splits_P: rows this rank received from each rank (its output splits).
+    """
+
+    plan: RoutingPlan
+    in_splits_P: list[int]
+    out_splits_P: list[int]
+
+
+HandleT = TypeVar("HandleT", bound=ExchangeHandle)
+
+
+@dataclass(frozen=True, slots=True)
+class Outbound(Generic[HandleT]):
+    """The local half of a dispatch, before the row all-to-all.
+
+    Attributes:
+        rows: the rows to send ``[sum(handle.in_splits_P), H]``, in destination-rank order.
+        handle: what the later phases need.
+        stats: the forward's communication (dispatch and combine).
+    """
+
+    rows: torch.Tensor
+    handle: HandleT
+    stats: CommStats
 
 
 class DispatchCombineStrategy(MoEStrategy, Generic[HandleT]):
     """A strategy in three steps: ``dispatch`` rows, run the experts, ``combine`` them back.
 
-    ``dispatch`` returns rows grouped by local expert, a typed handle (a frozen dataclass that
-    ``combine`` needs) and the forward's statistics.
+    Each step that communicates is cut at its row all-to-all into phases, so that a pipelined
+    schedule can issue the all-to-alls itself (asynchronously) and run the phases as separate
+    stages; ``dispatch`` and ``combine`` are exactly the phases around a blocking all-to-all:
+
+    * ``dispatch_send(x_TH, plan) -> Outbound``: the rows to send and their splits (any small
+      metadata exchange, e.g. the counts, happens here, synchronously);
+    * the dispatch all-to-all: ``in_splits_P`` rows out, ``out_splits_P`` rows in;
+    * ``dispatch_recv(rows, handle) -> (x_MH, counts_e)``: rows grouped by local expert;
+    * the experts;
+    * ``combine_send(y_MH, handle)``: the expert outputs in the received rows' order;
+    * the combine all-to-all (splits swapped);
+    * ``combine_recv(rows, handle) -> y_NH``: the outputs in the plan's row order, which
+      ``plan.unpermute`` weights and sums per token.
     """
 
+    dispatch_what: ClassVar[str] = "dispatch all_to_all_v"
+    combine_what: ClassVar[str] = "combine all_to_all_v"
+
     @abstractmethod
+    def dispatch_send(self, x_TH: torch.Tensor, plan: RoutingPlan) -> Outbound[HandleT]:
+        """The rows to send, their splits and the statistics (before the row all-to-all)."""
+
+    @abstractmethod
+    def dispatch_recv(self, rows: torch.Tensor, handle: HandleT) -> tuple[torch.Tensor, list[int]]:
+        """Received rows -> ``(x_MH, counts_e)``: rows grouped by local expert."""
+
+    @abstractmethod
+    def combine_send(self, y_MH: torch.Tensor, handle: HandleT) -> torch.Tensor:
+        """Expert outputs [M, H] -> the rows to send back (the received rows' order)."""
+
+    @abstractmethod
+    def combine_recv(self, rows: torch.Tensor, handle: HandleT) -> torch.Tensor:
+        """Rows received back -> ``y_NH``, the outputs in the plan's (expert-grouped) order."""
+
     def dispatch(
         self, x_TH: torch.Tensor, plan: RoutingPlan
     ) -> tuple[torch.Tensor, list[int], HandleT, CommStats]:
         """Returns ``(x_MH, counts_e, handle, stats)``: rows grouped by local expert."""
+        out = self.dispatch_send(x_TH, plan)
+        h = out.handle
+        rows = all_to_all_v(out.rows, self.group, h.in_splits_P, h.out_splits_P, self.dispatch_what)
+        x_MH, counts_e = self.dispatch_recv(rows, h)
+        return x_MH, counts_e, h, out.stats
 
-    @abstractmethod
     def combine(self, y_MH: torch.Tensor, handle: HandleT) -> torch.Tensor:
         """Expert outputs [M, H] -> the weighted sum per token [T, H]."""
+        send = self.combine_send(y_MH, handle)
+        rows = all_to_all_v(
+            send, self.group, handle.out_splits_P, handle.in_splits_P, self.combine_what
+        )
+        return handle.plan.unpermute(self.combine_recv(rows, handle))
 
     def forward(self, x_TH: torch.Tensor, plan: RoutingPlan, experts: ExpertFn) -> StrategyOutput:
         x_MH, counts_e, handle, stats = self.dispatch(x_TH, plan)

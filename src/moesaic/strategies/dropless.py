@@ -12,19 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from moesaic.comm.collectives import all_to_all_v
-from moesaic.routing import RoutingPlan
-from moesaic.strategies.base import CommStats, DispatchCombineStrategy
+from moesaic.strategies.base import CommStats, DispatchCombineStrategy, ExchangeHandle, Outbound
 
 
 @dataclass(frozen=True, slots=True)
-class DroplessHandle:
-    """What combine needs: the plan, the regroup permutation and the two splits."""
+class DroplessHandle(ExchangeHandle):
+    """The plan, the two splits, the regroup permutation and the rows per local expert."""
 
-    plan: RoutingPlan
     regroup_M: torch.Tensor  # received row order (source, expert) -> (expert, source)
-    in_splits_P: list[int]  # rows this rank sent to each rank
-    out_splits_P: list[int]  # rows this rank received from each rank
+    counts_e: list[int]  # rows received per local expert
 
 
 class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
@@ -32,7 +28,7 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
 
     name = "dropless"
 
-    def dispatch(self, x_TH, plan):
+    def dispatch_send(self, x_TH, plan):
         P, e = self.group.size, self.placement.num_local
         x_NH = plan.permute(x_TH)
         send_counts_Pe = plan.counts_Pe
@@ -40,13 +36,11 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
         self.group.all_to_all_single(recv_counts_Pe, send_counts_Pe, what="dispatch counts")
         in_splits = send_counts_Pe.sum(dim=1).tolist()
         out_splits = recv_counts_Pe.sum(dim=1).tolist()
-        x_recv_MH = all_to_all_v(x_NH, self.group, in_splits, out_splits, "dispatch all_to_all_v")
         # Received rows are ordered (source rank, local expert); the experts want them
         # (local expert, source rank): a stable sort of the segment keys.
         seg_keys = torch.arange(e).repeat(P) * P + torch.arange(P).repeat_interleave(e)
         row_keys_M = seg_keys.repeat_interleave(recv_counts_Pe.reshape(-1).cpu())
         regroup_M = torch.sort(row_keys_M, stable=True).indices.to(x_TH.device)
-        x_MH = x_recv_MH.index_select(0, regroup_M)
         row_bytes = x_TH.shape[-1] * x_TH.element_size()
         meta_peer = self.to_every_peer(e * send_counts_Pe.element_size())
         peer_bytes = self.peer_bytes(in_splits, out_splits, row_bytes)
@@ -58,15 +52,23 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
             collectives=3 if P > 1 else 0,
             peer_bytes_P=tuple(a + b for a, b in zip(peer_bytes, meta_peer)),
         )
-        counts_e = recv_counts_Pe.sum(dim=0).tolist()
-        return x_MH, counts_e, DroplessHandle(plan, regroup_M, in_splits, out_splits), stats
+        handle = DroplessHandle(
+            plan=plan,
+            in_splits_P=in_splits,
+            out_splits_P=out_splits,
+            regroup_M=regroup_M,
+            counts_e=recv_counts_Pe.sum(dim=0).tolist(),
+        )
+        return Outbound(x_NH, handle, stats)
 
-    def combine(self, y_MH, handle):
+    def dispatch_recv(self, rows, handle):
+        return rows.index_select(0, handle.regroup_M), handle.counts_e
+
+    def combine_send(self, y_MH, handle):
         regroup_M = handle.regroup_M
         inverse_M = torch.empty_like(regroup_M)
         inverse_M[regroup_M] = torch.arange(regroup_M.numel(), device=regroup_M.device)
-        y_recv_MH = y_MH.index_select(0, inverse_M)
-        y_NH = all_to_all_v(
-            y_recv_MH, self.group, handle.out_splits_P, handle.in_splits_P, "combine all_to_all_v"
-        )
-        return handle.plan.unpermute(y_NH)
+        return y_MH.index_select(0, inverse_M)
+
+    def combine_recv(self, rows, handle):
+        return rows

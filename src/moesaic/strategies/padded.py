@@ -14,16 +14,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moesaic.comm.collectives import all_to_all_v
 from moesaic.routing import RoutingPlan
-from moesaic.strategies.base import CommStats, DispatchCombineStrategy
+from moesaic.strategies.base import CommStats, DispatchCombineStrategy, ExchangeHandle, Outbound
 
 
 @dataclass(frozen=True, slots=True)
-class PaddedHandle:
-    """What combine needs: the plan, the capacity and each kept row's slot in the buffer."""
+class PaddedHandle(ExchangeHandle):
+    """The plan, the (equal) splits, the capacity and each kept row's slot in the buffer."""
 
-    plan: RoutingPlan
     capacity: int
     slots_N: torch.Tensor  # row of the [P*e*C] send buffer holding each kept assignment
 
@@ -32,8 +30,10 @@ class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
     """Equal-split all-to-all of a ``[P*e*C, H]`` zero-padded buffer per rank."""
 
     name = "padded"
+    dispatch_what = "padded all_to_all"
+    combine_what = "padded combine"
 
-    def dispatch(self, x_TH, plan):
+    def dispatch_send(self, x_TH, plan):
         P, e, E = self.group.size, self.placement.num_local, self.placement.num_experts
         H = x_TH.shape[-1]
         meta_peer = self.to_every_peer(0)
@@ -46,9 +46,6 @@ class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
         x_NH = plan.permute(x_TH)
         slots_N = self._slots(plan, C)
         buf_ECH = x_NH.new_zeros(E * C, H).index_copy(0, slots_N, x_NH)
-        recv = all_to_all_v(buf_ECH, self.group, [e * C] * P, [e * C] * P, "padded all_to_all")
-        # (source rank, local expert, slot) -> (local expert, source rank, slot)
-        x_MH = recv.view(P, e, C, H).transpose(0, 1).reshape(e * P * C, H)
         row_bytes = H * x_TH.element_size()
         off_rank_rows = (P - 1) * e * C
         peer_bytes = self.peer_bytes([e * C] * P, [e * C] * P, row_bytes)
@@ -61,14 +58,25 @@ class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
             collectives=(2 if plan.capacity is not None else 3) if P > 1 else 0,
             peer_bytes_P=tuple(a + b for a, b in zip(peer_bytes, meta_peer)),
         )
-        return x_MH, [P * C] * e, PaddedHandle(plan, C, slots_N), stats
+        splits = [e * C] * P
+        handle = PaddedHandle(
+            plan=plan, in_splits_P=splits, out_splits_P=splits, capacity=C, slots_N=slots_N
+        )
+        return Outbound(buf_ECH, handle, stats)
 
-    def combine(self, y_MH, handle):
+    def dispatch_recv(self, rows, handle):
+        # (source rank, local expert, slot) -> (local expert, source rank, slot)
+        P, e, C = self.group.size, self.placement.num_local, handle.capacity
+        H = rows.shape[-1]
+        return rows.view(P, e, C, H).transpose(0, 1).reshape(e * P * C, H), [P * C] * e
+
+    def combine_send(self, y_MH, handle):
         P, e, C = self.group.size, self.placement.num_local, handle.capacity
         H = y_MH.shape[-1]
-        y_send = y_MH.view(e, P, C, H).transpose(0, 1).reshape(P * e * C, H)
-        y_ECH = all_to_all_v(y_send, self.group, [e * C] * P, [e * C] * P, "padded combine")
-        return handle.plan.unpermute(y_ECH.index_select(0, handle.slots_N))
+        return y_MH.view(e, P, C, H).transpose(0, 1).reshape(P * e * C, H)
+
+    def combine_recv(self, rows, handle):
+        return rows.index_select(0, handle.slots_N)
 
     @staticmethod
     def _slots(plan: RoutingPlan, C: int) -> torch.Tensor:
