@@ -1,0 +1,204 @@
+"""CommPool (FlowMoE Alg. 2) on 2-rank gloo worlds: averaged gradients, chunk boundaries, the
+priority rule read from the recorded spans, and deadlines.
+
+Each world runs several checks in one spawn (a spawn costs ~2 s on this machine); the workers
+return plain data and the assertions run here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from moesaic.comm.collectives import CollectiveError
+from moesaic.comm.world import run_world
+from moesaic.schedule.pool import CommPool
+from moesaic.trace import Recorder
+from moesaic.train.parallel import GradientSync, build_layout
+
+TIMEOUT_S = 20.0
+SP_BYTES = (64, 1000, 4096, 1 << 20)  # tiny (many chunks, params split), odd, mid, one chunk
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # same initial weights on every rank
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+    expert = nn.Linear(16, 4)  # stands in for an expert shard (sharded over the EP group)
+    for p in expert.parameters():
+        p._moesaic_expert = True  # type: ignore[attr-defined]
+    model.append(expert)
+    return model
+
+
+def _backward_in_chunks(model: nn.Module, x_BH: torch.Tensor, chunks: int = 2) -> None:
+    """R backward passes (one per batch chunk), as the pipelined schedules run them."""
+    for x in x_BH.chunk(chunks):
+        (model(x).square().mean() / chunks).backward()
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _equivalence_worker(rank: int, world: int) -> dict:
+    layout = build_layout(ep_size=world, timeout_s=TIMEOUT_S)  # experts: no replicas (DP = 1)
+    sync = GradientSync(layout)
+    model = _model()
+    torch.manual_seed(100 + rank)
+    x_BH = torch.randn(8, 8)
+    # reference: the same R backward passes, then the plain bulk all-reduce
+    _backward_in_chunks(model, x_BH)
+    sync.sync(list(model.parameters()))
+    ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    rec = Recorder(rank)
+    pool = CommPool(
+        grad_sync=sync, params=list(model.parameters()), chunk_bytes=SP_BYTES[0],
+        recorder=rec, timeout_s=TIMEOUT_S,
+    )  # fmt: skip
+    out: dict = {"equal": [], "chunks": [], "phases": []}
+    for sp in (SP_BYTES[0], *SP_BYTES):  # the first step learns the hook counts
+        pool.chunk_bytes = sp
+        rec.clear()
+        pool.begin_step()
+        _backward_in_chunks(model, x_BH)
+        time.sleep(0.2)  # let the pool thread issue ready chunks before finish
+        pool.finish()
+        out["equal"].append(all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters())))
+        ars = sorted((s for s in rec.events if s.resource == "allreduce"), key=lambda s: s.start)
+        out["chunks"].append([s.args["bytes"] for s in ars])
+        out["phases"].append([s.args["phase"] for s in ars])
+        model.zero_grad(set_to_none=True)
+    pool.close()
+    replicated = [p for p in model.parameters() if not getattr(p, "_moesaic_expert", False)]
+    out["replicated_bytes"] = sum(p.numel() * 4 for p in replicated)
+    return out
+
+
+def test_pool_grads_equal_plain_all_reduce_and_chunk_boundaries():
+    res = run_world(_equivalence_worker, 2)
+    for r in res:
+        # chunked all-reduce sums the same two values per element as the flat one: bitwise equal
+        assert r["equal"] == [True] * (len(SP_BYTES) + 1)
+        total = r["replicated_bytes"]
+        for sp, sizes in zip((SP_BYTES[0], *SP_BYTES), r["chunks"]):
+            # one bucket (replicated, fp32): full Sp chunks (rounded down to whole floats), the
+            # remainder last; experts have no replicas here and are not reduced
+            step = sp // 4 * 4
+            want = [step] * (total // step) + ([total % step] if total % step else [])
+            assert sorted(sizes, reverse=True) == want, (sp, sizes)
+            assert len(sizes) == math.ceil(total / step)
+        assert set(r["phases"][0]) == {"finish"}  # first step: counts unknown, all at finish
+        for phases in r["phases"][1:]:
+            assert "bwd" in phases  # later steps: chunks leave during the backward
+
+
+def _priority_worker(rank: int, world: int) -> dict:
+    layout = build_layout(ep_size=world, timeout_s=TIMEOUT_S)
+    model = _model()
+    torch.manual_seed(100 + rank)
+    x_BH = torch.randn(8, 8)
+    rec = Recorder(rank)
+    pool = CommPool(
+        grad_sync=GradientSync(layout), params=list(model.parameters()), chunk_bytes=256,
+        recorder=rec, timeout_s=TIMEOUT_S,
+    )  # fmt: skip
+    rows = torch.full((4096, 64), float(rank))
+    for step in range(3):
+        rec.clear()
+        pool.begin_step()
+        if step > 0:
+            # rank 1 joins the all-to-all 0.3 s late, so on rank 0 it stays in flight while
+            # the whole backward runs and every gradient is ready: no chunk may start then
+            if rank == 1:
+                time.sleep(0.3)
+            pending = pool.all_to_all(
+                torch.empty_like(rows), rows, None, None, group=layout.ep, name="D1.1",
+                phase="fwd", block=1, chunk=1,
+            )  # fmt: skip
+            _backward_in_chunks(model, x_BH)
+            received = pending.wait()
+            assert torch.equal(received[2048:], torch.ones(2048, 64))
+            time.sleep(0.1)  # chunks leave after the all-to-all, before finish
+        else:
+            _backward_in_chunks(model, x_BH)
+        pool.finish()
+        model.zero_grad(set_to_none=True)
+    pool.close()
+    return [(s.resource, s.name, s.start, s.end, dict(s.args)) for s in rec.events]
+
+
+def test_pool_priority_all_to_all_first_and_one_chunk_in_flight():
+    res = run_world(_priority_worker, 2)
+    for spans in res:
+        a2a = [s for s in spans if s[0] == "a2a"]
+        ars = sorted((s for s in spans if s[0] == "allreduce"), key=lambda s: s[2])
+        assert len(a2a) == 1 and ars
+        _, _, a_start, a_end, _ = a2a[0]
+        # no chunk starts while the all-to-all is queued or in flight
+        assert not [s for s in ars if a_start <= s[2] <= a_end]
+        # at most one chunk in flight: each starts after the previous one completed
+        for prev, nxt in itertools.pairwise(ars):
+            assert nxt[2] >= prev[3]
+    # rank 0 waited ~0.3 s for its peer with every gradient ready: chunks issued in the backward
+    # phase all start after the all-to-all (the rule held them back, they were not just late)
+    a_end0 = next(s[3] for s in res[0] if s[0] == "a2a")
+    bwd0 = [s for s in res[0] if s[0] == "allreduce" and s[4]["phase"] == "bwd"]
+    assert bwd0 and min(s[2] for s in bwd0) >= a_end0
+
+
+def _deadline_worker(rank: int, world: int) -> str:
+    timeout_s = 1.5
+    layout = build_layout(ep_size=world, timeout_s=timeout_s)
+    model = _model()
+    x_BH = torch.randn(4, 8)
+    pool = CommPool(
+        grad_sync=GradientSync(layout), params=list(model.parameters()), chunk_bytes=128,
+        recorder=Recorder(rank), timeout_s=timeout_s,
+    )  # fmt: skip
+    pool.begin_step()
+    _backward_in_chunks(model, x_BH)
+    pool.finish()
+    msgs = []
+    pool.begin_step()
+    if rank == 0:
+        _backward_in_chunks(model, x_BH)
+        for what in ("finish", "a2a"):
+            try:
+                if what == "finish":
+                    pool.finish()
+                else:
+                    rows = torch.ones(4, 2)
+                    pool.all_to_all(
+                        torch.empty_like(rows), rows, None, None, group=layout.ep, name="C2.3"
+                    ).wait()
+            except CollectiveError as exc:
+                msgs.append(str(exc))
+    else:
+        time.sleep(2 * timeout_s + 1.5)  # no backward, no finish, no all-to-all: never joins
+    return "\n".join(msgs)
+
+
+def test_pool_peer_that_never_joins_is_a_collective_error():
+    msg0, _ = run_world(_deadline_worker, 2)
+    lines = msg0.splitlines()
+    assert len(lines) == 2, msg0
+    assert "all_reduce chunk AR" in lines[0] and "rank 0" in lines[0]
+    assert "all_to_all C2.3" in lines[1] and "collective_timeout_s=1.5" in lines[1]
+
+
+def test_pool_bad_chunk_bytes_names_the_option():
+    model = _model()
+    sync = GradientSync(build_layout(ep_size=1, timeout_s=5.0))
+    for bad in (0, -4, 1.5):
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            CommPool(
+                grad_sync=sync, params=list(model.parameters()), chunk_bytes=bad,
+                recorder=Recorder(), timeout_s=5.0,
+            )  # fmt: skip
