@@ -1,0 +1,430 @@
+"""FlowMoE's block pipeline: a rank's batch in R chunks, each MoE block cut into stages that run
+forward and backward in the order of a schedule (the paper's Eqs. 2-5).
+
+Shape legend: B sequences, T positions, D width, R chunks, N rows this rank sends, M rows it
+receives, K top-k.
+
+Stages of MoE block l and chunk r (``models/gpt.py`` blocks, ``MoELayer`` phases):
+
+* ``AT{r}.{l}`` (compute): the previous MoE block's combine tail (unpermute the received rows
+  with the top-k weights, add the residual) or the embedding, any dense blocks in between,
+  ``attention_stage``, the gate (``route``) and the rows to send (``MoELayer.send``);
+* ``D{r}.{l}`` (communication): the dispatch all-to-all of those rows;
+* ``E{r}.{l}`` (compute): regroup, the experts, the rows to send back (``expert_rows``);
+* ``C{r}.{l}`` (communication): the combine all-to-all;
+* ``head{r}``: the last combine tail, any dense blocks after, the logits and the chunk's loss
+  weighted by its share of the batch (B_r / B, App. H).
+
+Each compute stage's forward runs on detached leaf copies of its inputs and keeps its outputs;
+its backward is ``torch.autograd.backward(outputs, grads)`` at the moment the schedule says, and
+the gradients of its leaves go to the stage before it (GPipe-style manual stage backward). The
+all-to-alls of rows (forward) and of their gradients (backward, splits swapped) are issued
+asynchronously through the communication pool (``CommPool.all_to_all``), so the main thread
+computes one chunk while another chunk's rows travel. Every rank issues every all-to-all, in the
+same order, whatever its number of tokens.
+
+Aux loss: after ``AT{R}.{l}`` all R chunks are routed, and ``MoELayer.take_aux_terms`` gives one
+term per chunk (each in its own chunk's graph) summing to the aux loss of the whole batch; term r
+joins the outputs of ``AT{r}.{l}`` (gradient 1). With the per-chunk loss weights, R = 1, 2, 4
+give the gradients of the vanilla step up to summation order.
+
+Two orders (``overlap_attention``):
+
+* True (FlowMoE): forward ``AT1..ATR`` of block l, each issuing its ``D`` at once, then
+  ``E1..ER`` (each waits its ``D``, then issues its ``C``); ``AT{r}.{l+1}`` waits only
+  ``C{r}.{l}``. Backward: ``AT{R..1}.{l+1}`` (each issues ``C{r}.{l}``'s gradient), ``E{R..1}``
+  (wait it, backward, issue ``D``'s gradient), ``AT{R..1}.{l}`` (wait it, backward).
+* False (moe-only, the Tutel/ScheMoE way): the attention and gate of every chunk run before the
+  block's first ``D`` is issued, and every ``C`` of block l completes before block l + 1 starts;
+  in the backward every ``C`` gradient is issued after the block above is done, and every ``D``
+  gradient completes before the attention backward starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from moesaic.layer import MoELayer
+from moesaic.schedule.base import LossFn
+from moesaic.strategies.base import ExchangeHandle
+
+if TYPE_CHECKING:
+    from moesaic.trace import Recorder
+
+__all__ = ["A2AIssuer", "BlockPipeline", "check_degree"]
+
+
+class PendingRows(Protocol):
+    def wait(self) -> torch.Tensor: ...
+
+
+class A2AIssuer(Protocol):
+    """What the pipeline needs of the communication pool (``CommPool.all_to_all``)."""
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int] | None,
+        input_splits: list[int] | None,
+        *,
+        group: Any,
+        name: str,
+        **args: Any,
+    ) -> PendingRows: ...
+
+
+def check_degree(degree: int, batch: int) -> None:
+    """R must cut the batch into R equal, non-empty chunks."""
+    if batch % degree:
+        raise ValueError(
+            f"pipeline_degree ({degree}) must divide this rank's batch size ({batch}): "
+            "--pipeline-degree cuts the batch into R equal chunks along the batch dimension"
+        )
+
+
+class _Stage:
+    """One compute task's piece of autograd: detached leaf inputs, kept outputs, their grads."""
+
+    __slots__ = ("grads", "leaves", "outputs")
+
+    def __init__(self) -> None:
+        self.leaves: dict[str, torch.Tensor] = {}
+        self.outputs: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor | None] = []
+
+    def leaf(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        leaf = t.detach().requires_grad_(t.is_floating_point())
+        self.leaves[key] = leaf
+        return leaf
+
+    def out(self, t: torch.Tensor, grad: torch.Tensor | None = None) -> int:
+        """Keep ``t`` for the backward, with gradient ``grad`` or one set later through the
+        returned index (``set_grad``); -1 (nothing kept) when ``t`` needs no gradient."""
+        if not t.requires_grad:
+            return -1
+        self.outputs.append(t)
+        self.grads.append(grad)
+        return len(self.outputs) - 1
+
+    def set_grad(self, index: int, grad: torch.Tensor) -> None:
+        if index >= 0:
+            self.grads[index] = grad
+
+    def backward(self) -> dict[str, torch.Tensor]:
+        """Run this stage's backward; the gradients of its leaves (zeros where none reached).
+
+        An output whose gradient never arrived contributes nothing (its consumer did not use
+        it: e.g. the top-k weights of a plan that kept no assignment)."""
+        pairs = [(t, g) for t, g in zip(self.outputs, self.grads) if g is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        grads = {
+            k: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            for k, leaf in self.leaves.items()
+            if leaf.requires_grad
+        }
+        self.leaves, self.outputs, self.grads = {}, [], []  # free the graph's references
+        return grads
+
+
+@dataclass(slots=True)
+class _MoEOut:
+    """What ``AT{r}.{l}`` hands on: its stage and the tensors of its outputs, detached."""
+
+    stage: _Stage
+    x: torch.Tensor  # residual stream after attention
+    weights_TK: torch.Tensor  # top-k combine weights
+    rows: torch.Tensor  # rows to send (input of D)
+    handle: ExchangeHandle
+    # Indices into stage.outputs (for their gradients); -1 when the output needs none.
+    i_x: int = -1
+    i_w: int = -1
+    i_rows: int = -1
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """One chunk's state between stages."""
+
+    r: int  # 1-based
+    x_BT: torch.Tensor
+    y_BT: torch.Tensor
+    weight: float  # B_r / B
+    at: list[_MoEOut] = field(default_factory=list)
+    experts: list[_Stage] = field(default_factory=list)
+    head: _Stage | None = None
+    pending: PendingRows | None = None  # the all-to-all in flight for this chunk
+    received: torch.Tensor | None = None  # rows received by the last wait
+
+
+class BlockPipeline:
+    """Runs the forward and backward of a pipelined step on a block model (``MoEGPT``).
+
+    Args:
+        model: a model with ``embed(idx_BT)``, ``blocks`` (each with ``attention_stage`` and an
+            ``moe`` MoELayer, or a dense block run whole) and ``head(x_BTD)``.
+        degree: R, the number of chunks.
+        overlap_attention: True: FlowMoE's order; False: moe-only's (module docstring).
+        recorder: where the compute stages' spans go (None: nowhere).
+
+    Raises:
+        ValueError: the model is not a block model, or an MoE layer's strategy has no
+            dispatch/combine phases (the error names the dispatcher).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        degree: int,
+        overlap_attention: bool,
+        recorder: Recorder | None = None,
+    ) -> None:
+        blocks = getattr(model, "blocks", None)
+        if not (hasattr(model, "embed") and hasattr(model, "head") and blocks is not None):
+            raise ValueError(
+                f"the pipelined schedules need a block model with embed(), blocks and head() "
+                f"(MoEGPT); got {type(model).__name__}"
+            )
+        self.model = model
+        self.degree = degree
+        self.overlap_attention = overlap_attention
+        self.recorder = recorder
+        # Dense blocks run whole inside the compute stage that precedes them.
+        self.moe_blocks: list[tuple[int, nn.Module]] = []  # (1-based block number, block)
+        self.dense_before: list[list[nn.Module]] = []
+        dense: list[nn.Module] = []
+        for i, block in enumerate(blocks):
+            layer = getattr(block, "moe", None)
+            if isinstance(layer, MoELayer):
+                layer.exchange_strategy()  # a clear error now, not mid-step
+                self.moe_blocks.append((i + 1, block))
+                self.dense_before.append(dense)
+                dense = []
+            else:
+                dense.append(block)
+        self.dense_after = dense
+        layers = [b.moe for _, b in self.moe_blocks]
+        self.timeout_s = min((m.ep.timeout_s for m in layers), default=60.0)
+        self.pool: A2AIssuer | None = None  # set for the duration of run()
+
+    # ---- recording ----------------------------------------------------------------------
+
+    def _span(self, name: str, **args: Any) -> Any:
+        from moesaic.trace import maybe_span
+
+        return maybe_span(self.recorder, "compute", name, **args)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def run(
+        self, x_BT: torch.Tensor, y_BT: torch.Tensor, loss_fn: LossFn, pool: A2AIssuer
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of the batch in R chunks; parameters' ``.grad`` accumulate.
+
+        Returns the loss (the chunks' losses weighted by their share: the batch's mean) and the
+        aux loss (every MoE layer's, of the whole batch), both detached.
+        """
+        B, R = x_BT.shape[0], self.degree
+        check_degree(R, B)
+        chunks = [
+            _Chunk(r=r + 1, x_BT=x, y_BT=y, weight=x.shape[0] / B)
+            for r, (x, y) in enumerate(zip(x_BT.split(B // R), y_BT.split(B // R)))
+        ]
+        self.pool = pool
+        aux = self._forward(chunks)
+        ce = self._heads(chunks, loss_fn)
+        self._backward(chunks)
+        self.pool = None
+        return ce, aux.to(ce.device)
+
+    # ---- forward --------------------------------------------------------------------------
+
+    def _forward(self, chunks: Sequence[_Chunk]) -> torch.Tensor:
+        aux = torch.zeros(())
+        for j, (blk, block) in enumerate(self.moe_blocks):
+            if j > 0 and not self.overlap_attention:
+                for c in chunks:  # barrier: every C of block j - 1 before this block
+                    self._wait(c)
+            for c in chunks:
+                if j > 0 and self.overlap_attention:
+                    self._wait(c)
+                with self._span(f"AT{c.r}.{blk}", phase="fwd", block=blk, chunk=c.r):
+                    c.at.append(self._attention(c, j))
+                if self.overlap_attention:
+                    self._dispatch(c, j)
+            if not self.overlap_attention:
+                for c in chunks:
+                    self._dispatch(c, j)
+            aux = aux + self._aux(chunks, block.moe)
+            for c in chunks:
+                rows = self._wait(c)
+                with self._span(f"E{c.r}.{blk}", phase="fwd", block=blk, chunk=c.r):
+                    stage = _Stage()
+                    y = block.moe.expert_rows(stage.leaf("rows", rows), c.at[j].handle)
+                    stage.out(y)
+                    c.experts.append(stage)
+                self._a2a(c, j, "C", y.detach(), fwd=True)
+        return aux
+
+    def _tail(self, stage: _Stage, c: _Chunk, j: int) -> torch.Tensor:
+        """The stage's input: the embedding (j = 0) or MoE block j - 1's combine tail."""
+        if j == 0:
+            return self.model.embed(c.x_BT)  # type: ignore[operator]
+        prev, layer = c.at[j - 1], self.moe_blocks[j - 1][1].moe
+        assert c.received is not None  # internal: _wait stored the combine's rows
+        x = stage.leaf("x", prev.x)
+        w = stage.leaf("w", prev.weights_TK)
+        rows = stage.leaf("rows", c.received)
+        return x + layer.receive(rows, prev.handle, w, like=x)
+
+    def _attention(self, c: _Chunk, j: int) -> _MoEOut:
+        stage = _Stage()
+        x = self._tail(stage, c, j)
+        for dense in self.dense_before[j]:
+            x = dense(x)
+        block = self.moe_blocks[j][1]
+        x, h = block.attention_stage(x)
+        routed = block.moe.route(h)
+        out = block.moe.send(routed)
+        w = routed.plan.topk_weights_TK
+        return _MoEOut(
+            stage,
+            x.detach(),
+            w.detach(),
+            out.rows.detach(),
+            out.handle,
+            i_x=stage.out(x),
+            i_w=stage.out(w),
+            i_rows=stage.out(out.rows),
+        )
+
+    def _aux(self, chunks: Sequence[_Chunk], layer: MoELayer) -> torch.Tensor:
+        """Each chunk's aux term joins its AT stage (gradient 1); returns their detached sum."""
+        terms = layer.take_aux_terms()
+        R = len(chunks)
+        if len(terms) < R:
+            raise RuntimeError(f"expected {R} pending aux terms (one per chunk), got {len(terms)}")
+        # Forwards left pending before this step (the vanilla step would count them too) go
+        # with the first chunk.
+        extra, own = terms[: len(terms) - R], terms[len(terms) - R :]
+        total = torch.zeros(())
+        for c, term in zip(chunks, own):
+            stage = c.at[-1].stage
+            for t in [*extra, term] if c.r == 1 else [term]:
+                stage.out(t, torch.ones_like(t))
+                total = total + t.detach().cpu()
+        return total
+
+    def _heads(self, chunks: Sequence[_Chunk], loss_fn: LossFn) -> torch.Tensor:
+        J = len(self.moe_blocks)
+        ce = torch.zeros(())
+        if J and not self.overlap_attention:
+            for c in chunks:
+                self._wait(c)
+        for c in chunks:
+            if J and self.overlap_attention:
+                self._wait(c)
+            with self._span(f"head{c.r}", phase="fwd", chunk=c.r):
+                stage = _Stage()
+                x = self._tail(stage, c, J)
+                for dense in self.dense_after:
+                    x = dense(x)
+                loss = loss_fn(self.model.head(x), c.y_BT)  # type: ignore[operator]
+                weighted = loss * c.weight
+                stage.out(weighted, torch.ones_like(weighted))
+                c.head = stage
+            ce = ce.to(loss.device) + weighted.detach()
+        return ce
+
+    # ---- backward -------------------------------------------------------------------------
+
+    def _backward(self, chunks: Sequence[_Chunk]) -> None:
+        J = len(self.moe_blocks)
+        rev = list(reversed(chunks))
+        # The head stages, then for each MoE block from the last: experts, then attention.
+        for c in rev:
+            with self._span(f"head{c.r}", phase="bwd", chunk=c.r):
+                assert c.head is not None
+                grads = c.head.backward()
+                c.head = None
+            if J:
+                self._hand_back(c, J, grads, issue=self.overlap_attention)
+        for j in reversed(range(J)):
+            blk = self.moe_blocks[j][0]
+            if not self.overlap_attention:
+                for c in rev:
+                    self._a2a(c, j, "C", c.received, fwd=False)  # type: ignore[arg-type]
+            for c in rev:
+                g = self._wait(c)
+                with self._span(f"E{c.r}.{blk}", phase="bwd", block=blk, chunk=c.r):
+                    stage = c.experts.pop()
+                    stage.set_grad(0, g)
+                    rows_grad = stage.backward()["rows"]
+                self._a2a(c, j, "D", rows_grad, fwd=False)
+            if not self.overlap_attention:
+                for c in rev:
+                    self._wait(c)
+            for c in rev:
+                if self.overlap_attention:
+                    self._wait(c)
+                at = c.at.pop()
+                at.stage.set_grad(at.i_rows, c.received)  # type: ignore[arg-type]
+                with self._span(f"AT{c.r}.{blk}", phase="bwd", block=blk, chunk=c.r):
+                    grads = at.stage.backward()
+                if j > 0:
+                    self._hand_back(c, j, grads, issue=self.overlap_attention)
+
+    def _hand_back(self, c: _Chunk, j: int, grads: dict[str, torch.Tensor], *, issue: bool):
+        """A stage's leaf gradients to MoE block j - 1: residual and weights to its AT stage,
+        the received rows' gradient to the combine all-to-all back (issued now or later)."""
+        prev = c.at[j - 1]
+        prev.stage.set_grad(prev.i_x, grads["x"])
+        prev.stage.set_grad(prev.i_w, grads["w"])
+        if issue:
+            self._a2a(c, j - 1, "C", grads["rows"], fwd=False)
+        else:
+            c.received = grads["rows"]  # issued by the block's barrier
+
+    # ---- communication --------------------------------------------------------------------
+
+    def _dispatch(self, c: _Chunk, j: int) -> None:
+        self._a2a(c, j, "D", c.at[j].rows, fwd=True)
+
+    def _a2a(self, c: _Chunk, j: int, kind: str, rows: torch.Tensor, *, fwd: bool) -> None:
+        """Issue chunk c's ``kind`` all-to-all of MoE block j: rows forward, or gradients back.
+
+        Dispatch (D) sends ``in_splits`` rows and receives ``out_splits``; combine (C) the
+        reverse; the gradient of either goes the other way.
+        """
+        blk, block = self.moe_blocks[j]
+        h = c.at[j].handle
+        send, recv = (h.in_splits_P, h.out_splits_P)
+        if (kind == "C") == fwd:
+            send, recv = recv, send
+        rows = rows.detach().contiguous()
+        out = rows.new_empty((sum(recv), *rows.shape[1:]))
+        phase = "fwd" if fwd else "bwd"
+        c.pending = self.pool.all_to_all(
+            out,
+            rows,
+            recv,
+            send,
+            group=block.moe.ep,
+            name=f"{kind}{c.r}.{blk}",
+            phase=phase,
+            block=blk,
+            chunk=c.r,
+        )
+
+    def _wait(self, c: _Chunk) -> torch.Tensor:
+        """Wait for chunk c's all-to-all in flight; its rows (also kept in ``c.received``)."""
+        assert c.pending is not None  # internal: the schedule waits only what it issued
+        c.received, c.pending = c.pending.wait(), None
+        return c.received
