@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 # name -> "module:class". "vanilla" first: the default and the reference of the others.
 SCHEDULES = {
     "vanilla": "moesaic.schedule.vanilla:VanillaStep",
+    "moe-only": "moesaic.schedule.flowmoe:MoeOnlyStep",
+    "flowmoe": "moesaic.schedule.flowmoe:FlowMoEStep",
 }
 
 

@@ -197,21 +197,22 @@ class BlockPipeline:
         self.overlap_attention = overlap_attention
         self.recorder = recorder
         # Dense blocks run whole inside the compute stage that precedes them.
-        self.moe_blocks: list[tuple[int, nn.Module]] = []  # (1-based block number, block)
+        # (1-based block number, block, its MoE layer); blocks are duck-typed (Any): any module
+        # with attention_stage and an ``moe`` layer.
+        self.moe_blocks: list[tuple[int, Any, MoELayer]] = []
         self.dense_before: list[list[nn.Module]] = []
         dense: list[nn.Module] = []
         for i, block in enumerate(blocks):
             layer = getattr(block, "moe", None)
             if isinstance(layer, MoELayer):
                 layer.exchange_strategy()  # a clear error now, not mid-step
-                self.moe_blocks.append((i + 1, block))
+                self.moe_blocks.append((i + 1, block, layer))
                 self.dense_before.append(dense)
                 dense = []
             else:
                 dense.append(block)
         self.dense_after = dense
-        layers = [b.moe for _, b in self.moe_blocks]
-        self.timeout_s = min((m.ep.timeout_s for m in layers), default=60.0)
+        self.timeout_s = min((m.ep.timeout_s for _, _, m in self.moe_blocks), default=60.0)
         self.pool: A2AIssuer | None = None  # set for the duration of run()
 
     # ---- recording ----------------------------------------------------------------------
@@ -248,7 +249,7 @@ class BlockPipeline:
 
     def _forward(self, chunks: Sequence[_Chunk]) -> torch.Tensor:
         aux = torch.zeros(())
-        for j, (blk, block) in enumerate(self.moe_blocks):
+        for j, (blk, _, layer) in enumerate(self.moe_blocks):
             if j > 0 and not self.overlap_attention:
                 for c in chunks:  # barrier: every C of block j - 1 before this block
                     self._wait(c)
@@ -262,12 +263,12 @@ class BlockPipeline:
             if not self.overlap_attention:
                 for c in chunks:
                     self._dispatch(c, j)
-            aux = aux + self._aux(chunks, block.moe)
+            aux = aux + self._aux(chunks, layer)
             for c in chunks:
                 rows = self._wait(c)
                 with self._span(f"E{c.r}.{blk}", phase="fwd", block=blk, chunk=c.r):
                     stage = _Stage()
-                    y = block.moe.expert_rows(stage.leaf("rows", rows), c.at[j].handle)
+                    y = layer.expert_rows(stage.leaf("rows", rows), c.at[j].handle)
                     stage.out(y)
                     c.experts.append(stage)
                 self._a2a(c, j, "C", y.detach(), fwd=True)
@@ -277,7 +278,7 @@ class BlockPipeline:
         """The stage's input: the embedding (j = 0) or MoE block j - 1's combine tail."""
         if j == 0:
             return self.model.embed(c.x_BT)  # type: ignore[operator]
-        prev, layer = c.at[j - 1], self.moe_blocks[j - 1][1].moe
+        prev, layer = c.at[j - 1], self.moe_blocks[j - 1][2]
         assert c.received is not None  # internal: _wait stored the combine's rows
         x = stage.leaf("x", prev.x)
         w = stage.leaf("w", prev.weights_TK)
@@ -289,10 +290,10 @@ class BlockPipeline:
         x = self._tail(stage, c, j)
         for dense in self.dense_before[j]:
             x = dense(x)
-        block = self.moe_blocks[j][1]
+        _, block, layer = self.moe_blocks[j]
         x, h = block.attention_stage(x)
-        routed = block.moe.route(h)
-        out = block.moe.send(routed)
+        routed = layer.route(h)
+        out = layer.send(routed)
         w = routed.plan.topk_weights_TK
         return _MoEOut(
             stage,
@@ -403,7 +404,8 @@ class BlockPipeline:
         Dispatch (D) sends ``in_splits`` rows and receives ``out_splits``; combine (C) the
         reverse; the gradient of either goes the other way.
         """
-        blk, block = self.moe_blocks[j]
+        blk, _, layer = self.moe_blocks[j]
+        assert self.pool is not None  # internal: only run() issues
         h = c.at[j].handle
         send, recv = (h.in_splits_P, h.out_splits_P)
         if (kind == "C") == fwd:
@@ -416,7 +418,7 @@ class BlockPipeline:
             rows,
             recv,
             send,
-            group=block.moe.ep,
+            group=layer.ep,
             name=f"{kind}{c.r}.{blk}",
             phase=phase,
             block=blk,
