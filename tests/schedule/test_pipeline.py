@@ -31,7 +31,10 @@ STEPS = 2
 # Small enough that the gradients leave in many chunks (replicated grads are ~60 KB).
 SP = 4096
 STEPS_OF = {"vanilla": VanillaStep, "moe-only": MoeOnlyStep, "flowmoe": FlowMoEStep}
-CASES = [("vanilla", 1)] + [(s, r) for s in ("moe-only", "flowmoe") for r in (1, 2, 3, 4)]
+CASES = [("vanilla", 1, False)]
+CASES += [(s, r, False) for s in ("moe-only", "flowmoe") for r in (1, 2, 3, 4)]
+# Skewed router: every token of both ranks goes to rank 0's experts, so rank 1 receives no rows.
+CASES += [("vanilla", 1, True), ("moe-only", 2, True), ("flowmoe", 2, True)]
 MOE_BLOCKS = (2, 3)  # block numbers of the MoE blocks (block 1 is dense)
 
 
@@ -59,11 +62,23 @@ def _lm_loss(logits_BTV, y_BT):
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
 
 
-def _run_case(layout, dispatcher, name, R, batches, rank):
+@torch.no_grad()
+def _skew(model):
+    """Experts 0 and 1 (rank 0's) win every token: the MoE norms add 100 u to every input and
+    the router scores u at 1, 0.9, -1, -0.9 (the normed input's own part is ~|x| = 6)."""
+    for block in model.blocks[1:]:
+        u = torch.nn.functional.normalize(torch.randn(block.ln2.bias.shape), dim=0)
+        block.ln2.bias.copy_(100 * u)
+        block.moe.router.weight.copy_(torch.outer(torch.tensor([1.0, 0.9, -1.0, -0.9]), u))
+
+
+def _run_case(layout, dispatcher, name, R, skew, batches, rank):
     from moesaic.train.parallel import GradientSync
 
     torch.manual_seed(0)
     model = MoEGPT(_config(dispatcher), ep_group=layout.ep_group)
+    if skew:
+        _skew(model)
     rec = Recorder(rank)
     parts = StepParts(
         model=model,
@@ -96,7 +111,7 @@ def _world(rank, world_size, dispatcher):
     layout = build_layout(2, 60.0)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
     batches = [torch.randint(0, 256, (B, T + 1), generator=gen) for _ in range(STEPS)]
-    return {(name, R): _run_case(layout, dispatcher, name, R, batches, rank) for name, R in CASES}
+    return {case: _run_case(layout, dispatcher, *case, batches, rank) for case in CASES}
 
 
 @functools.cache
@@ -120,9 +135,9 @@ def test_same_parameters_as_vanilla(dispatcher, name):
     step 2 reduces flowmoe's during the backward, so both paths are covered.
     """
     for rank_results in _results(dispatcher):
-        ref = rank_results[("vanilla", 1)]
+        ref = rank_results[("vanilla", 1, False)]
         for R in (1, 2, 4):
-            got = rank_results[(name, R)]
+            got = rank_results[(name, R, False)]
             for s in range(STEPS):
                 ce, aux = got["losses"][s]
                 ref_ce, ref_aux = ref["losses"][s]
@@ -132,6 +147,29 @@ def test_same_parameters_as_vanilla(dispatcher, name):
                 for k, w in got["params"][s].items():
                     torch.testing.assert_close(
                         w, ref["params"][s][k], rtol=1e-5, atol=1e-6, msg=f"R={R} step {s} {k}"
+                    )
+
+
+@pytest.mark.parametrize("dispatcher", strategy_names())
+def test_rank_without_rows_takes_part(dispatcher):
+    """Every token goes to rank 0's experts: rank 1 receives no rows (dropless: its combine
+    sends zero bytes) yet issues every all-to-all, and the parameters still equal vanilla's.
+    (The first SGD step's z-loss gradient, ~2 * 0.01 * 100 * 100 on the router, rebalances
+    the second step.)"""
+    results = _results(dispatcher)
+    for rank, rank_results in enumerate(results):
+        ref = rank_results[("vanilla", 1, True)]
+        for name in ("moe-only", "flowmoe"):
+            got = rank_results[(name, 2, True)]
+            for s in range(STEPS):
+                combine = [x for x in got["spans"][s] if x[1].startswith("C") and x[0] == "a2a"]
+                assert len(combine) == 2 * 2 * len(MOE_BLOCKS)  # R x (fwd, bwd) x blocks
+                if dispatcher == "dropless" and rank == 1 and s == 0:  # (step 1 rebalances)
+                    fwd = [x[4]["bytes"] for x in combine if x[4]["phase"] == "fwd"]
+                    assert fwd == [0] * len(fwd)
+                for k, w in got["params"][s].items():
+                    torch.testing.assert_close(
+                        w, ref["params"][s][k], rtol=1e-5, atol=1e-6, msg=f"{name} {k}"
                     )
 
 
@@ -171,7 +209,7 @@ def test_recorded_orders_match_eqs_2_to_5(dispatcher, name, R):
     """Per rank and step: the compute lane runs Eq. 2 then Eq. 4, the all-to-all lane issues
     Eq. 3 then Eq. 5 (spans sorted by start), and every stage waits for its input."""
     for rank_results in _results(dispatcher):
-        for spans in rank_results[(name, R)]["spans"]:
+        for spans in rank_results[(name, R, False)]["spans"]:
             compute = [(s[1], s[4]["phase"]) for s in _lane(spans, "compute")]
             assert compute == _expected_compute(R)
             a2a = [(s[1], s[4]["phase"]) for s in _lane(spans, "a2a")]
@@ -186,7 +224,7 @@ def test_moe_only_barriers_and_flowmoe_overlap(dispatcher):
     are taken in the main thread, so this does not depend on timing."""
     for rank_results in _results(dispatcher):
         for name in ("moe-only", "flowmoe"):
-            for spans in rank_results[(name, 2)]["spans"]:
+            for spans in rank_results[(name, 2, False)]["spans"]:
                 lanes = [s for s in spans if s[0] in ("compute", "a2a")]
                 start = {(s[1], s[4]["phase"]): s[2] for s in lanes}
                 end = {(s[1], s[4]["phase"]): s[3] for s in lanes}
@@ -279,7 +317,7 @@ def test_no_allreduce_chunk_starts_during_an_all_to_all(dispatcher):
     in_backward = []
     for rank_results in _results(dispatcher):
         for R in (1, 2, 3, 4):
-            spans = rank_results[("flowmoe", R)]["spans"][1]
+            spans = rank_results[("flowmoe", R, False)]["spans"][1]
             a2a = _lane(spans, "a2a")
             ar = _lane(spans, "allreduce")
             ar = [s for s in ar if s[1].startswith("AR")]
