@@ -376,3 +376,45 @@ def test_strategy_without_phases_is_named():
     model.blocks[1].moe.strategy = Opaque(model.blocks[1].moe.strategy.ctx)
     with pytest.raises(ValueError, match=r"\(Opaque\) has no dispatch/combine phases"):
         FlowMoEStep(_parts(model, 2))
+
+
+# ---- online tuning of Sp ------------------------------------------------------------------
+
+
+def _tuning_world(rank, world_size, steps):
+    from moesaic.schedule.tuner import SpTuner
+    from moesaic.train.parallel import GradientSync, build_layout
+
+    layout = build_layout(2, 60.0)
+    torch.manual_seed(0)
+    model = MoEGPT(_config("dropless"), ep_group=layout.ep_group)
+    parts = StepParts(
+        model=model,
+        loss_fn=_lm_loss,
+        grad_sync=GradientSync(layout),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        pipeline_degree=2,
+        ar_chunk_bytes=None,  # tuned
+    )
+    step = FlowMoEStep(parts)
+    assert step.tuner is not None
+    # One iteration per sample, so that the samples change every step.
+    step.tuner = SpTuner(low=step.tuner.low, high=step.tuner.high, iters_per_sample=1)
+    gen = torch.Generator().manual_seed(rank)
+    used = []
+    for _ in range(steps):
+        x_BT = torch.randint(0, 256, (B, T + 1), generator=gen)
+        used.append(int(step.run(x_BT[:, :-1], x_BT[:, 1:]).metrics["ar_chunk_bytes"]))
+    step.close()
+    return used, [sp for sp, _ in step.tuner.history]
+
+
+def test_rank_zero_tunes_sp_and_every_rank_follows():
+    """Sp tuned online: rank 0's tuner observes each step and moves between samples; rank 1's
+    tuner never observes, yet rank 1 uses rank 0's Sp every step (else the ranks would cut
+    different all-reduce chunks and hang)."""
+    (used0, hist0), (used1, hist1) = run_world(_tuning_world, 2, 4, timeout_s=300.0)
+    assert used0 == used1
+    assert used0 == hist0  # step k ran at rank 0's k-th sample
+    assert hist1 == []
+    assert len(set(used0)) >= 2
