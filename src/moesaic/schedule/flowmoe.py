@@ -49,7 +49,9 @@ class _PipelinedStep(TrainStep):
         super().__init__(parts)
         self.degree = check_positive_int("pipeline_degree", parts.pipeline_degree)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.recorder = parts.recorder or Recorder(self.rank, enabled=False)
+        self.recorder = (
+            parts.recorder if parts.recorder is not None else Recorder(self.rank, enabled=False)
+        )
         self.pipeline = BlockPipeline(
             parts.model,
             degree=self.degree,
