@@ -26,7 +26,10 @@ same order, whatever its number of tokens.
 Aux loss: after ``AT{R}.{l}`` all R chunks are routed, and ``MoELayer.take_aux_terms`` gives one
 term per chunk (each in its own chunk's graph) summing to the aux loss of the whole batch; term r
 joins the outputs of ``AT{r}.{l}`` (gradient 1). With the per-chunk loss weights, R = 1, 2, 4
-give the gradients of the vanilla step up to summation order.
+give the gradients of the vanilla step up to summation order. (With a ``capacity_factor`` each
+chunk's capacity comes from its own tokens, as for any microbatch, so what is dropped, and then
+the result, can differ from the whole batch's; without one, nothing is dropped and R does not
+change the mathematics.)
 
 Two orders (``overlap_attention``):
 
