@@ -16,6 +16,7 @@ from moesaic.trace import (
     draw_timeline,
     gather_spans,
     overlap_bound,
+    step_figures,
     write_chrome_trace,
 )
 
@@ -181,3 +182,28 @@ def test_gather_spans_over_the_world():
         [(0, "AT0.1", {"chunk": 0, "note": "é"})],
         [(1, "AT0.1", {"chunk": 0, "note": "é"}), (1, "AT1.1", {"chunk": 1, "note": "é"})],
     ]
+
+
+def test_step_figures_per_rank_and_step():
+    def s(rank, resource, name, start, end):
+        return Span(rank=rank, resource=resource, name=name, start=start, end=end)
+
+    spans = [
+        s(0, "step", "step1", 0.0, 10.0),
+        s(0, "compute", "AT1.1", 0.0, 4.0),
+        s(0, "a2a", "D1.1", 3.0, 7.0),  # overlaps the compute: busy comm 4 + 1
+        s(0, "allreduce", "AR0", 6.0, 8.0),
+        s(0, "optimizer", "optimizer", 9.0, 10.0),  # compute 4 + 1
+        s(0, "step", "step2", 10.0, 14.0),
+        s(0, "compute", "AT1.1", 10.0, 13.0),
+        s(1, "step", "step1", 0.5, 9.5),  # rank 1's step 1: nothing else recorded
+        s(1, "compute", "AT1.1", 20.0, 21.0),  # outside every step of rank 1
+    ]
+    figs = step_figures(spans)
+    got = [(f.name, f.rank, f.time_s, f.compute_s, f.comm_s, f.bound_s) for f in figs]
+    assert got == [
+        ("step1", 0, 10.0, 5.0, 5.0, 5.0),
+        ("step2", 0, 4.0, 3.0, 0.0, 3.0),
+        ("step1", 1, 9.0, 0.0, 0.0, 0.0),
+    ]
+    assert figs[0].ratio == 2.0 and figs[2].ratio == float("inf")

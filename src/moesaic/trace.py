@@ -24,6 +24,7 @@ Torch-free (matplotlib is imported only by ``draw_timeline``; torch only by ``ga
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -355,6 +356,63 @@ def overlap_bound(spans: Sequence[Span]) -> float:
     return max(bounds)
 
 
+@dataclass(frozen=True, slots=True)
+class StepFigures:
+    """One rank's recorded step against its perfect-overlap bound.
+
+    Attributes:
+        name: the step span's name ("step8").
+        rank: the rank.
+        time_s: the step span's length.
+        compute_s: busy time of ``COMPUTE_RESOURCES`` within the step.
+        comm_s: busy time of ``COMM_RESOURCES`` within the step.
+    """
+
+    name: str
+    rank: int
+    time_s: float
+    compute_s: float
+    comm_s: float
+
+    @property
+    def bound_s(self) -> float:
+        """max(compute, communication): no schedule of these tasks can be shorter."""
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def ratio(self) -> float:
+        """``time_s / bound_s`` (1.0 = perfect overlap; inf when nothing was recorded)."""
+        return self.time_s / self.bound_s if self.bound_s > 0 else math.inf
+
+
+def step_figures(spans: Sequence[Span]) -> list[StepFigures]:
+    """Per recorded step (each span on the ``"step"`` lane) of each rank: its time, the busy
+    compute and communication of the tasks of that rank that started within it, and so its
+    distance from the overlap bound. Sorted by (rank, start).
+
+    ``vanilla`` records no separate all-to-all spans (they are inside ``forward`` and
+    ``backward``), so its compute figure includes them and its bound is an over-estimate.
+    """
+    out = []
+    steps = sorted((s for s in spans if s.resource == "step"), key=lambda s: (s.rank, s.start))
+    for st in steps:
+        mine = [
+            s
+            for s in spans
+            if s.rank == st.rank and s.resource != "step" and st.start <= s.start < st.end
+        ]
+        out.append(
+            StepFigures(
+                name=st.name,
+                rank=st.rank,
+                time_s=st.duration,
+                compute_s=busy_time(mine, COMPUTE_RESOURCES),
+                comm_s=busy_time(mine, COMM_RESOURCES),
+            )
+        )
+    return out
+
+
 def gather_spans(group: EPGroup, spans: Sequence[Span]) -> list[list[Span]]:
     """Every rank's spans, in rank order, on every rank of ``group`` (a collective: every rank
     calls it). The spans travel as JSON bytes in two all-gathers (lengths, then padded bytes)
@@ -382,11 +440,13 @@ __all__ = [
     "RESOURCES",
     "Recorder",
     "Span",
+    "StepFigures",
     "busy_time",
     "chrome_trace",
     "draw_timeline",
     "gather_spans",
     "maybe_span",
     "overlap_bound",
+    "step_figures",
     "write_chrome_trace",
 ]

@@ -24,7 +24,15 @@ from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.schedule import make_step
 from moesaic.schedule.base import StepParts
-from moesaic.trace import Recorder, draw_timeline, gather_spans, maybe_span, write_chrome_trace
+from moesaic.trace import (
+    Recorder,
+    StepFigures,
+    draw_timeline,
+    gather_spans,
+    maybe_span,
+    step_figures,
+    write_chrome_trace,
+)
 from moesaic.train.checkpoint import (
     already_has_checkpoints,
     latest_checkpoint,
@@ -290,11 +298,20 @@ def _write_trace(cfg: TrainConfig, layout: Layout, recorder: Recorder, start: in
         written.append(str(write_chrome_trace(cfg.trace, spans_per_rank)))
     if cfg.trace_png is not None:
         written.append(str(draw_timeline(cfg.trace_png, spans_per_rank, title=title)))
-    print(
-        f"moesaic train: timeline of steps {first}-{cfg.steps} written to {', '.join(written)}",
-        file=sys.stderr,
-        flush=True,
-    )
+    lines = [
+        f"moesaic train: timeline of steps {first}-{cfg.steps} written to {', '.join(written)}"
+    ]
+    by_step: dict[str, list[StepFigures]] = {}
+    for fig in step_figures([s for spans in spans_per_rank for s in spans]):
+        by_step.setdefault(fig.name, []).append(fig)
+    for name, figs in by_step.items():  # the slowest rank of each step
+        f = max(figs, key=lambda f: f.time_s)
+        lines.append(
+            f"  {name}: {f.time_s * 1e3:.1f} ms on rank {f.rank}; busy compute "
+            f"{f.compute_s * 1e3:.1f} ms, communication {f.comm_s * 1e3:.1f} ms; "
+            f"{f.ratio:.2f}x the overlap bound"
+        )
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def run_worker(cfg_dict: dict) -> dict:
