@@ -10,6 +10,8 @@ examples:
   moesaic train --nproc 4 --ep 2                # 2 EP groups of 2 ranks, data parallel across
   moesaic train --config examples/train_tiny.toml --steps 50
   moesaic train --resume --ep 1                 # continue, resharding the experts
+  moesaic train --config examples/train_tiny.toml --schedule flowmoe --pipeline-degree 2 \\
+      --trace trace.json --trace-png trace.png  # FlowMoE pipeline, timeline of the last steps
   moesaic train --max-restarts 2                # survive a killed worker
 multi-node (each node):
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\

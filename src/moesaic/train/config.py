@@ -366,8 +366,8 @@ _HELP = {
     "pipeline_degree": "R: chunks of each rank's batch in a pipelined schedule (divides "
     "--batch-size)",
     "ar_chunk": "Sp: gradient all-reduce chunk, 'auto' (tuned online) or bytes ('4MiB')",
-    "trace": "write a Chrome trace (Perfetto) of the last steps of every rank to FILE.json",
-    "trace_png": "draw the same timeline to FILE.png (matplotlib)",
+    "trace": f"write a Chrome trace (Perfetto) of the last {TRACE_STEPS} steps of every rank",
+    "trace_png": "draw the same timeline as a PNG (matplotlib)",
     "on_nonfinite": "a non-finite loss or gradient: stop the run, or skip that step",
     "nonfinite_skip_limit": "with --on-nonfinite skip: this many in a row stop the run",
     "seed": "init and data-order seed",
@@ -389,6 +389,15 @@ _HELP = {
 }
 
 
+_METAVARS = {
+    "pipeline_degree": "R",
+    "ar_chunk": "auto|BYTES",
+    "trace": "FILE.json",
+    "trace_png": "FILE.png",
+    "schedule": "|".join(schedule_names()),
+}
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every training option; unset flags stay absent so that TOML values survive."""
     defaults = TrainConfig()
@@ -401,6 +410,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             dest=name,
             type=typ,
             default=argparse.SUPPRESS,
+            metavar=_METAVARS.get(name),
             help=f"{_HELP[name]} (default: {default})",
         )
     run.add_argument(
