@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 
 import pytest
 
@@ -164,6 +165,10 @@ def test_draw_timeline_writes_a_png(tmp_path):
     path = draw_timeline(tmp_path / "t.png", spans, title="two ranks")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no lanes: no singular-axis warning either
+        empty = draw_timeline(tmp_path / "empty.png", [[], []])
+    assert empty.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _gather_world(rank, world_size):

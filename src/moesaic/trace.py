@@ -282,24 +282,31 @@ def draw_timeline(
     used: dict[str, str] = {}
     fig, ax = plt.subplots(figsize=(12, 0.45 * max(len(lanes), 2) + 1.2))
     try:
+        # One bar collection per (lane, kind, backward): a few dozen artists, not one per span
+        # (a traced FlowMoE step at R = 4 has hundreds of spans per rank).
+        bars: dict[tuple[int, str, bool], list[tuple[float, float]]] = {}
         for spans in spans_per_rank:
             for s in spans:
                 kind = s.kind
                 if kind not in colors:
                     colors[kind] = _OTHER_COLORS[len(colors) % len(_OTHER_COLORS)]
                 used.setdefault(kind, colors[kind])
-                y = lane_of[s.rank, s.resource]
-                ax.broken_barh(
-                    [((s.start - origin) * 1e3, max(s.duration * 1e3, 1e-6))],
-                    (y - 0.4, 0.8),
-                    facecolors=colors[kind],
-                    edgecolor="black",
-                    linewidth=0.3,
-                    hatch="//" if s.args.get("phase") == "bwd" else None,
+                key = (lane_of[s.rank, s.resource], kind, s.args.get("phase") == "bwd")
+                bars.setdefault(key, []).append(
+                    ((s.start - origin) * 1e3, max(s.duration * 1e3, 1e-6))
                 )
+        for (y, kind, bwd), xranges in bars.items():
+            ax.broken_barh(
+                xranges,
+                (y - 0.4, 0.8),
+                facecolors=colors[kind],
+                edgecolor="black",
+                linewidth=0.3,
+                hatch="//" if bwd else None,
+            )
         ax.set_yticks(range(len(lanes)))
         ax.set_yticklabels([f"rank {r} {res}" for r, res in lanes])
-        ax.set_ylim(len(lanes) - 0.5, -0.5)
+        ax.set_ylim(max(len(lanes), 1) - 0.5, -0.5)
         ax.set_xlabel("time (ms)")
         ax.set_title(title or "timeline")
         ax.legend(
