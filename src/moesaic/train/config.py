@@ -61,9 +61,10 @@ class TrainConfig:
             gaps).
         pipeline_degree: R, the chunks a pipelined schedule cuts each rank's batch into; must
             divide ``batch_size``; ``vanilla`` needs 1.
-        ar_chunk: Sp, the gradient all-reduce chunk of the communication pool: "auto" (tuned
-            online by Bayesian optimisation) or a number of bytes (an int, or a string such
-            as "4MiB" = 4 * 2**20 or "4MB" = 4 * 10**6). ``vanilla`` ignores it.
+        ar_chunk: Sp, the gradient all-reduce chunk of the communication pool: "auto"
+            (``flowmoe``: tuned online by Bayesian optimisation; ``moe-only``: one chunk) or a
+            number of bytes (an int, or a string such as "4MiB" = 4 * 2**20 or "4MB" =
+            4 * 10**6). ``vanilla`` ignores it.
         trace: write a Chrome trace (Perfetto, chrome://tracing) of the last ``TRACE_STEPS``
             steps of every rank here (rank 0 writes it at the end); None = no trace.
         trace_png: draw the same timeline as a PNG here (needs matplotlib); None = none.
@@ -365,7 +366,7 @@ _HELP = {
     "schedule": f"training-step schedule: {', '.join(schedule_names())}",
     "pipeline_degree": "R: chunks of each rank's batch in a pipelined schedule (divides "
     "--batch-size)",
-    "ar_chunk": "Sp: gradient all-reduce chunk, 'auto' (tuned online) or bytes ('4MiB')",
+    "ar_chunk": "Sp: gradient all-reduce chunk, 'auto' (flowmoe: tuned online) or bytes ('4MiB')",
     "trace": f"write a Chrome trace (Perfetto) of the last {TRACE_STEPS} steps of every rank",
     "trace_png": "draw the same timeline as a PNG (matplotlib)",
     "on_nonfinite": "a non-finite loss or gradient: stop the run, or skip that step",
