@@ -3,7 +3,7 @@
 Usage (root: the emulated network needs network namespaces)::
 
     python benchmarks/flowmoe_cluster.py [--cluster examples/clusters/flowmoe_2rank.toml]
-        [--steps 12] [--out benchmarks/results/flowmoe_cluster.json] [--loopback]
+        [--steps 15] [--out benchmarks/results/flowmoe_cluster.json] [--loopback]
 
 One world runs every schedule side by side: each has its own copy of the model (same seed),
 and the measured steps go round-robin (one step of each configuration per round, a barrier
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
@@ -37,21 +38,21 @@ from typing import Any
 
 DEFAULT_CLUSTER = "examples/clusters/flowmoe_2rank.toml"
 MODEL = {
-    "d_model": 256,
+    "d_model": 128,
     "n_layers": 4,
     "n_heads": 4,
     "seq_len": 64,
     "moe": {
         "num_experts": 4,
         "top_k": 2,
-        "ffn_hidden_size": 1024,
+        "ffn_hidden_size": 2048,
         "dispatcher": "dropless",
         "aux_loss_coef": 0.01,
     },
 }
 BATCH = 8  # sequences per rank (R = 2, 4 divide it)
 WARMUP = 2  # steps per configuration before measuring (the first learns the pool's counts)
-TUNE_SAMPLES, TUNE_ITERS = 6, 3  # the tuner's budget in the +BO rows (18 steps)
+TUNE_SAMPLES, TUNE_ITERS = 6, 4  # the tuner's budget in the +BO rows (24 steps)
 FIXED_SP_DIVISOR = 16  # +Pipe-AR: Sp = G / 16
 # (label, schedule, R, Sp): Sp "all" = every gradient in one chunk, "fixed" = G / 16,
 # "tuned" = SpTuner, None = not a pool schedule
@@ -273,7 +274,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default=DEFAULT_CLUSTER)
-    parser.add_argument("--steps", type=int, default=12, help="measured rounds")
+    parser.add_argument("--steps", type=int, default=15, help="measured rounds")
     parser.add_argument("--out", default="benchmarks/results/flowmoe_cluster.json")
     parser.add_argument("--loopback", action="store_true", help="no emulated network (sizing)")
     parser.add_argument("--no-memory", action="store_true")
@@ -286,6 +287,7 @@ def main() -> int:
 
     spec = ClusterSpec.from_toml(args.cluster)
     world = spec.world_size
+    load_before = os.getloadavg()
     start = time.perf_counter()
     memory: dict[str, Any] = {}
     if args.loopback:
@@ -313,6 +315,7 @@ def main() -> int:
     result = {
         "meta": run_metadata(),
         "wall_s": wall,
+        "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
         "cluster": None if args.loopback else json.loads(json.dumps(spec.to_dict())),
         "config": {
             "model": MODEL,
