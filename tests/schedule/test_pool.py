@@ -75,6 +75,17 @@ def _equivalence_worker(rank: int, world: int) -> dict:
         out["chunks"].append([s.args["bytes"] for s in ars])
         out["phases"].append([s.args["phase"] for s in ars])
         model.zero_grad(set_to_none=True)
+    # a step with one backward pass more than the first: the third pass reaches parameters
+    # whose chunks already left (0.2 s after the second pass), which must not pass silently
+    pool.begin_step()
+    _backward_in_chunks(model, x_BH[:4])  # passes 1 and 2 (2 rows each)
+    time.sleep(0.2)
+    (model(x_BH[4:]).square().mean()).backward()
+    try:
+        pool.finish()
+        out["late"] = ""
+    except RuntimeError as exc:
+        out["late"] = str(exc)
     pool.close()
     replicated = [p for p in model.parameters() if not getattr(p, "_moesaic_expert", False)]
     out["replicated_bytes"] = sum(p.numel() * 4 for p in replicated)
@@ -97,6 +108,7 @@ def test_pool_grads_equal_plain_all_reduce_and_chunk_boundaries():
         assert set(r["phases"][0]) == {"finish"}  # first step: counts unknown, all at finish
         for phases in r["phases"][1:]:
             assert "bwd" in phases  # later steps: chunks leave during the backward
+        assert "accumulated after its chunk was all-reduced" in r["late"], r["late"]
 
 
 def _priority_worker(rank: int, world: int) -> dict:
