@@ -192,9 +192,17 @@ class CommPool:
                 f"params: every rank must pass the same number of parameters to CommPool, got "
                 f"{n_1.view(-1).tolist()} by rank"
             )
-        mask_1N = torch.tensor([[sum(1 << r for r in ranks) for ranks in self._ranks_N]])
-        masks_PN = world.all_gather_dim0(mask_1N, "all_gather of pool reduction groups")
-        sets = {tuple(r for r in range(W) if m >> r & 1) for m in masks_PN.view(-1).tolist()}
+        # each parameter's rank set as a bit mask in int64 words of 62 bits (any world size)
+        words = -(-W // 62)
+        mask_1NW = torch.tensor(
+            [[[sum(1 << (r - 62 * w) for r in ranks if r // 62 == w) for w in range(words)]
+              for ranks in self._ranks_N]]
+        )  # fmt: skip
+        masks_PNW = world.all_gather_dim0(mask_1NW, "all_gather of pool reduction groups")
+        sets = {
+            tuple(r for r in range(W) if m_W[r // 62] >> (r % 62) & 1)
+            for m_W in masks_PNW.view(-1, words).tolist()
+        }
         sets.add(tuple(range(W)))
         timeout = datetime.timedelta(seconds=self.timeout_s)
         groups: dict[tuple[int, ...], Any] = {}
