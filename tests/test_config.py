@@ -70,3 +70,14 @@ def test_load_full_state_dict_rejects_wrong_keys_and_shapes():
         ValueError, match=r"experts.w1 has shape \(2, 8, 16\), must be \(4, 8, 16\)"
     ):
         layer.load_full_state_dict(bad)
+
+
+def test_semantics_switches_are_validated():
+    with pytest.raises(
+        ValueError, match="balance_loss_choices \\('top1'\\) must be one of 'all', 'first'"
+    ):
+        moesaic.MoEConfig(
+            hidden_size=4, ffn_hidden_size=4, num_experts=2, balance_loss_choices="top1"
+        )
+    with pytest.raises(ValueError, match="renormalize_after_drop must be a bool"):
+        moesaic.MoEConfig(hidden_size=4, ffn_hidden_size=4, num_experts=2, renormalize_after_drop=1)

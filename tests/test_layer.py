@@ -44,6 +44,10 @@ def _compare_with_reference(cfg, x, seed=0):
         (6, 2, 9, {"dispatcher": "padded"}),
         (6, 3, 9, {"capacity_factor": 0.5}),  # drops
         (4, 2, 8, {"score_func": "sigmoid", "activation": "gelu"}),
+        # DeepSpeed-MoE semantics: kept weights renormalised after drops; balance over choice 1
+        (6, 3, 9, {"capacity_factor": 0.5, "renormalize_after_drop": True}),
+        (6, 2, 9, {"capacity_factor": 0.5, "renormalize_after_drop": True, "dispatcher": "padded"}),
+        (5, 2, 10, {"balance_loss_choices": "first", "aux_loss_coef": 1.0}),
     ],
 )
 def test_layer_matches_reference(E, K, T, extra):
@@ -188,3 +192,26 @@ def test_route_then_run_experts_is_forward():
     y_split = layer.run_experts(routed)
     assert torch.equal(y_split, y_fwd) and torch.equal(moesaic.aux_loss(layer), aux_fwd)
     assert layer.take_stats().forwards == 2
+
+
+def test_renormalize_after_drop_rescales_kept_weights_to_their_sum():
+    """Capacity 1 per expert, two tokens on the same two experts: the second loses both or one."""
+    cfg = moesaic.MoEConfig(
+        hidden_size=4,
+        ffn_hidden_size=4,
+        num_experts=4,
+        top_k=2,
+        capacity_factor=0.5,  # ceil(0.5 * 4 * 2 / 4) = 1 slot per expert
+        renormalize_after_drop=True,
+    )
+    router = moesaic.Router(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(4))
+    x = torch.tensor([[3.0, 2.0, 0, 0], [3.0, 0, 2.0, 0], [0, 0, 0, 3.0], [0, 0, 0, 3.0]])
+    plan, _ = router(x)
+    w = plan.topk_weights_TK
+    kept = plan.kept_TK
+    assert kept.tolist() == [[True, True], [False, True], [True, False], [False, False]]
+    torch.testing.assert_close(w.sum(-1)[:3], torch.ones(3))  # kept weights sum to 1 again
+    assert torch.equal(w[~kept], torch.zeros(int((~kept).sum())))
+    assert torch.equal(w[3], torch.zeros(2))  # every choice dropped: nothing, not a NaN

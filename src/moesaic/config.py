@@ -17,6 +17,7 @@ __all__ = ["ACTIVATIONS", "SCORE_FUNCS", "MoEConfig", "check_positive_int"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "gelu")
+BALANCE_CHOICES = ("all", "first")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,6 +43,11 @@ class MoEConfig:
         collective_timeout_s: every collective the layer issues fails with a clear error after
             this many seconds instead of hanging.
         init_std: std of the normal init of the router; experts use 1/sqrt(fan_in). None: 0.02.
+        renormalize_after_drop: after capacity drops, rescale a token's kept top-k weights to
+            their original sum (DeepSpeed-MoE does this); False keeps the original weights
+            (GShard, Megatron, Tutel: a dropped choice just contributes zero).
+        balance_loss_choices: "all" counts all K choices in the load fractions of the balance
+            loss (Switch/Megatron); "first" counts first choices only (DeepSpeed-MoE, GShard).
     """
 
     hidden_size: int
@@ -57,6 +63,8 @@ class MoEConfig:
     dispatcher: str = "dropless"
     collective_timeout_s: float = 300.0
     init_std: float | None = None
+    renormalize_after_drop: bool = False
+    balance_loss_choices: str = "all"
 
     def __post_init__(self) -> None:
         check_positive_int("hidden_size", self.hidden_size)
@@ -82,6 +90,8 @@ class MoEConfig:
             raise ValueError(f"collective_timeout_s ({self.collective_timeout_s}) must be > 0")
         if self.init_std is not None:
             check_non_negative("init_std", self.init_std)
+        check_bool("renormalize_after_drop", self.renormalize_after_drop)
+        check_one_of("balance_loss_choices", self.balance_loss_choices, BALANCE_CHOICES)
 
     def capacity(self, num_tokens: int) -> int | None:
         """Token slots per expert for ``num_tokens`` local tokens; None when dropless."""

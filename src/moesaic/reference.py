@@ -67,8 +67,9 @@ class ReferenceMoE(nn.Module):
             return top_ids, weights, logits.sum() * 0.0
         probs = scores if cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
         # Switch loss, literally: E * sum_e (share of assignments to e) * (mean prob of e).
+        counted = top_ids if cfg.balance_loss_choices == "all" else top_ids[:, :1]
         balance = sum(
-            (top_ids == e).sum().item() / (T * cfg.top_k) * probs[:, e].mean() for e in range(E)
+            (counted == e).sum().item() / counted.numel() * probs[:, e].mean() for e in range(E)
         )
         zloss = torch.logsumexp(logits, -1).pow(2).mean()
         aux = cfg.aux_loss_coef * E * balance + cfg.z_loss_coef * zloss
@@ -94,6 +95,13 @@ class ReferenceMoE(nn.Module):
         x_TH = x.reshape(-1, H)
         top_ids, weights, aux = self.route(x_TH)
         keep = self.kept(top_ids)
+        if self.config.renormalize_after_drop:
+            mask = torch.tensor(keep, dtype=weights.dtype).view(weights.shape)
+            kept_w = weights * mask
+            kept_sum = kept_w.sum(-1, keepdim=True)
+            # A token with every choice dropped keeps zero weights (no 0/0 in the graph).
+            safe = torch.where(kept_sum > 0, kept_sum, torch.ones_like(kept_sum))
+            weights = kept_w * (weights.sum(-1, keepdim=True) / safe)
         rows = [x_TH.new_zeros(H) for _ in range(x_TH.shape[0])]
         for e in range(self.config.num_experts):
             picks = [

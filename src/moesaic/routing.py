@@ -15,6 +15,7 @@ are dropped and contribute zero to the token's output (the kept weights are not 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -292,14 +293,16 @@ class Router(nn.Module):
         if cfg.score_func == "sigmoid":
             probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         T = x_TH.shape[0]
+        # Load fractions over all K choices (Switch/Megatron) or first choices only (DeepSpeed).
+        counted_ids = topk_ids_TK if cfg.balance_loss_choices == "all" else topk_ids_TK[:, :1]
         aux = AuxTerms(
             tokens=T,
-            assign_counts_E=torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
+            assign_counts_E=torch.bincount(counted_ids.reshape(-1), minlength=cfg.num_experts)
             .float()
             .to(probs_TE.device),
             probs_mean_E=probs_TE.mean(dim=0) if T else probs_TE.sum(dim=0) * 0.0,
             z=z_loss(logits_TE),
-            top_k=cfg.top_k,
+            top_k=counted_ids.shape[1],
             aux_coef=cfg.aux_loss_coef,
             z_coef=cfg.z_loss_coef,
         )
@@ -309,4 +312,12 @@ class Router(nn.Module):
             placement if placement is not None else cfg.num_experts,
             capacity=cfg.capacity(x_TH.shape[0]),
         )
+        if cfg.renormalize_after_drop and plan.capacity is not None:
+            # Kept weights rescaled to the token's original top-k sum (DeepSpeed-MoE); a token
+            # with every choice dropped keeps zero weights.
+            kept_TK = weights_TK * plan.kept_TK
+            scale_T = weights_TK.sum(-1, keepdim=True) / kept_TK.sum(-1, keepdim=True).clamp_min(
+                1e-20
+            )
+            plan = dataclasses.replace(plan, topk_weights_TK=kept_TK * scale_T)
         return plan, aux
