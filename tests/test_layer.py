@@ -215,3 +215,29 @@ def test_renormalize_after_drop_rescales_kept_weights_to_their_sum():
     torch.testing.assert_close(w.sum(-1)[:3], torch.ones(3))  # kept weights sum to 1 again
     assert torch.equal(w[~kept], torch.zeros(int((~kept).sum())))
     assert torch.equal(w[3], torch.zeros(2))  # every choice dropped: nothing, not a NaN
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("native", [True, False])
+def test_half_activations_on_cpu_with_and_without_native_matmul(monkeypatch, dtype, native):
+    """Without a native half matmul the experts compute in fp32; either way the result is
+    within the half type's rounding of the fp64 reference (relative rule vs the same-dtype
+    reference), and the output keeps the input's dtype."""
+    from moesaic import experts
+
+    monkeypatch.setattr(experts, "cpu_has_native_matmul", lambda d: native)
+    assert experts.expert_compute_dtype(torch.device("cpu"), dtype) == (
+        dtype if native else torch.float32
+    )
+    cfg = moesaic.MoEConfig(hidden_size=16, ffn_hidden_size=32, num_experts=4, init_std=0.5)
+    torch.manual_seed(0)
+    layer = moesaic.MoELayer(cfg).to(dtype)
+    sd = {k: v.float() for k, v in layer.full_state_dict().items()}
+    x = torch.randn(24, 16).to(dtype)
+    y = layer(x)
+    assert y.dtype == dtype
+    y64, _ = ReferenceMoE.from_full_state_dict(cfg, sd).double()(x.double())
+    yh, _ = ReferenceMoE.from_full_state_dict(cfg, sd).to(dtype)(x)
+    err = (y.double() - y64).abs().max()
+    err_ref = (yh.double() - y64).abs().max()
+    assert err <= 2 * err_ref + 4 * torch.finfo(dtype).eps * y64.abs().max(), (err, err_ref)
