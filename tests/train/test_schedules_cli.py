@@ -204,3 +204,17 @@ def test_step_parts_refuse_bad_settings(kwargs, message):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=message):
         StepParts(model=model, loss_fn=None, grad_sync=None, optimizer=optimizer, **kwargs)
+
+
+def test_pipeline_degree_auto_rule():
+    """'auto' (the default): 1 for vanilla; 2 for a pipelined schedule when it divides the
+    batch, else 1; an explicit R wins; a bad string names the option."""
+    from moesaic.train.config import TrainConfig, parse_pipeline_degree
+
+    assert TrainConfig().pipeline_degree == 1
+    assert TrainConfig(schedule="flowmoe", batch_size=8).pipeline_degree == 2
+    assert TrainConfig(schedule="moe-only", batch_size=7).pipeline_degree == 1
+    assert TrainConfig(schedule="flowmoe", batch_size=8, pipeline_degree=4).pipeline_degree == 4
+    assert parse_pipeline_degree("4") == 4 and parse_pipeline_degree("auto") == "auto"
+    with pytest.raises(ValueError, match=r"pipeline_degree \('two'\) must be 'auto' or an int"):
+        parse_pipeline_degree("two")

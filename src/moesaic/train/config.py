@@ -60,7 +60,8 @@ class TrainConfig:
             in R chunks), "flowmoe" (attention too, and gradient all-reduce chunks in the
             gaps).
         pipeline_degree: R, the chunks a pipelined schedule cuts each rank's batch into; must
-            divide ``batch_size``; ``vanilla`` needs 1.
+            divide ``batch_size``; ``vanilla`` needs 1. "auto" (the default): 1 for
+            ``vanilla``, else ``AUTO_PIPELINE_DEGREE`` when it divides ``batch_size``, else 1.
         ar_chunk: Sp, the gradient all-reduce chunk of the communication pool: "auto"
             (``flowmoe``: tuned online by Bayesian optimisation; ``moe-only``: one chunk) or a
             number of bytes (an int, or a string such as "4MiB" = 4 * 2**20 or "4MB" =
@@ -104,7 +105,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     schedule: str = "vanilla"
-    pipeline_degree: int = 1
+    pipeline_degree: int | str = "auto"
     ar_chunk: str | int = "auto"
     trace: str | None = None
     trace_png: str | None = None
@@ -144,7 +145,6 @@ class TrainConfig:
             ("keep_checkpoints", 1),
             ("max_restarts", 0),
             ("nonfinite_skip_limit", 1),
-            ("pipeline_degree", 1),
         ):
             check_int(name, getattr(self, name), minimum)
         for name in ("ep", "threads", "fault_kill_step"):
@@ -181,7 +181,9 @@ class TrainConfig:
             self.model = dataclasses.replace(self.model, moe=moe)
 
     def _check_pipeline(self) -> None:
-        R = self.pipeline_degree
+        if self.pipeline_degree == "auto":
+            self.pipeline_degree = auto_pipeline_degree(self.schedule, self.batch_size)
+        R = check_int("pipeline_degree", self.pipeline_degree, 1)
         if self.batch_size % R:
             raise ValueError(
                 f"pipeline_degree ({R}) must divide batch_size ({self.batch_size}): "
@@ -271,6 +273,31 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _BYTE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
+# R of a pipelined schedule when not given: 2 measured best on the emulated 2-rank cluster
+# (benchmarks/results/flowmoe_cluster.json: flowmoe 1.36x vanilla at R = 2, 1.34x at R = 4; more
+# chunks mean smaller matmuls and more collectives, each paying the path latency).
+AUTO_PIPELINE_DEGREE = 2
+
+
+def auto_pipeline_degree(schedule: str, batch_size: int) -> int:
+    """The documented rule for ``pipeline_degree = "auto"``."""
+    if schedule == "vanilla" or batch_size % AUTO_PIPELINE_DEGREE:
+        return 1
+    return AUTO_PIPELINE_DEGREE
+
+
+def parse_pipeline_degree(value: object) -> int | str:
+    """``--pipeline-degree``: "auto" or an int (validated with the config)."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"pipeline_degree ({value!r}) must be 'auto' or an int >= 1") from None
+    return value  # type: ignore[return-value]  # ints (and bad types) are checked later
+
+
 def parse_ar_chunk(value: object) -> str | int:
     """``"auto"``, or a positive number of bytes from an int or a string ("4194304", "4MiB",
     "4MB", "512 KiB"; units B, KB/MB/GB = powers of 1000, KiB/MiB/GiB = powers of 1024)."""
@@ -319,7 +346,7 @@ _RUN_FLAGS = (
     ("--weight-decay", "weight_decay", float),
     ("--grad-clip", "grad_clip", float),
     ("--schedule", "schedule", str),
-    ("--pipeline-degree", "pipeline_degree", int),
+    ("--pipeline-degree", "pipeline_degree", parse_pipeline_degree),
     ("--ar-chunk", "ar_chunk", str),
     ("--trace", "trace", str),
     ("--trace-png", "trace_png", str),
@@ -365,7 +392,7 @@ _HELP = {
     "grad_clip": "global gradient-norm clip (0 = off)",
     "schedule": f"training-step schedule: {', '.join(schedule_names())}",
     "pipeline_degree": "R: chunks of each rank's batch in a pipelined schedule (divides "
-    "--batch-size)",
+    "--batch-size); 'auto': 2 for a pipelined schedule when it divides --batch-size, else 1",
     "ar_chunk": "Sp: gradient all-reduce chunk, 'auto' (flowmoe: tuned online) or bytes ('4MiB')",
     "trace": f"write a Chrome trace (Perfetto) of the last {TRACE_STEPS} steps of every rank",
     "trace_png": "draw the same timeline as a PNG (matplotlib)",
@@ -391,7 +418,7 @@ _HELP = {
 
 
 _METAVARS = {
-    "pipeline_degree": "R",
+    "pipeline_degree": "auto|R",
     "ar_chunk": "auto|BYTES",
     "trace": "FILE.json",
     "trace_png": "FILE.png",
@@ -405,7 +432,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML file of options (flags override it)")
     run = parser.add_argument_group("run")
     for flag, name, typ in _RUN_FLAGS:
-        default = getattr(defaults, name)
+        # The declared default ("auto"), not what __post_init__ resolved it to.
+        declared = TrainConfig.__dataclass_fields__[name].default
+        default = declared if declared is not dataclasses.MISSING else getattr(defaults, name)
         run.add_argument(
             flag,
             dest=name,

@@ -207,7 +207,7 @@ def train(cfg: TrainConfig) -> dict:
         grad_sync=GradientSync(layout),
         optimizer=optimizer,
         grad_clip=cfg.grad_clip,
-        pipeline_degree=cfg.pipeline_degree,
+        pipeline_degree=int(cfg.pipeline_degree),  # "auto" is resolved by TrainConfig
         ar_chunk_bytes=cfg.ar_chunk_bytes,
         recorder=recorder,
     )
