@@ -155,14 +155,70 @@ def test_pool_priority_all_to_all_first_and_one_chunk_in_flight():
         _, _, a_start, a_end, _ = a2a[0]
         # no chunk starts while the all-to-all is queued or in flight
         assert not [s for s in ars if a_start <= s[2] <= a_end]
-        # at most one chunk in flight: each starts after the previous one completed
-        for prev, nxt in itertools.pairwise(ars):
+        # at most one chunk in flight during the backward: each starts after the previous one
+        # completed (finish, with no all-to-all left, issues the rest at once)
+        bwd = [s for s in ars if s[4]["phase"] == "bwd"]
+        for prev, nxt in itertools.pairwise(bwd):
             assert nxt[2] >= prev[3]
     # rank 0 waited ~0.3 s for its peer with every gradient ready: chunks issued in the backward
     # phase all start after the all-to-all (the rule held them back, they were not just late)
     a_end0 = next(s[3] for s in res[0] if s[0] == "a2a")
     bwd0 = [s for s in res[0] if s[0] == "allreduce" and s[4]["phase"] == "bwd"]
     assert bwd0 and min(s[2] for s in bwd0) >= a_end0
+
+
+def _tail_worker(rank: int, world: int) -> dict:
+    layout = build_layout(ep_size=world, timeout_s=TIMEOUT_S)
+    sync = GradientSync(layout)
+    model = _model()
+    torch.manual_seed(100 + rank)
+    x_BH = torch.randn(8, 8)
+    _backward_in_chunks(model, x_BH)
+    sync.sync(list(model.parameters()))
+    ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+    rec = Recorder(rank)
+    pool = CommPool(
+        grad_sync=sync, params=list(model.parameters()), chunk_bytes=128, recorder=rec,
+        timeout_s=TIMEOUT_S,
+    )  # fmt: skip
+    rows = torch.full((4096, 64), float(rank))
+    for _ in range(2):  # the first step learns the hook counts
+        rec.clear()
+        pool.begin_step()
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's all-to-all stays in flight through its backward
+        pending = pool.all_to_all(
+            torch.empty_like(rows), rows, None, None, group=layout.ep, name="D1.1",
+            phase="bwd", block=1, chunk=1,
+        )  # fmt: skip
+        pool.end_all_to_alls()  # the step's last all-to-all
+        _backward_in_chunks(model, x_BH)
+        pending.wait()
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's tail chunks wait for rank 1 to join them
+        else:
+            time.sleep(0.1)  # its chunks go before finish
+        pool.finish()
+        equal = all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+        model.zero_grad(set_to_none=True)
+    pool.close()
+    spans = [(s.resource, s.name, s.start, s.end, dict(s.args)) for s in rec.events]
+    return {"spans": spans, "equal": equal}
+
+
+def test_pool_tail_chunks_go_at_once_after_the_last_all_to_all():
+    """After end_all_to_alls and the completion of the last all-to-all, the ready chunks are
+    issued without waiting one by one (several in flight), never while it is in flight."""
+    res = run_world(_tail_worker, 2)
+    assert all(r["equal"] for r in res)
+    spans = res[0]["spans"]
+    a_start, a_end = next((s[2], s[3]) for s in spans if s[0] == "a2a")
+    tail = sorted((s for s in spans if s[0] == "allreduce"), key=lambda s: s[2])
+    assert len(tail) > 2 and {s[4]["phase"] for s in tail} == {"tail"}
+    assert min(s[2] for s in tail) >= a_end > a_start
+    # all issued before the first completed (rank 1 joins them 0.3 s later): several in flight
+    assert max(s[2] for s in tail) < min(s[3] for s in tail)
 
 
 def _deadline_worker(rank: int, world: int) -> str:

@@ -81,6 +81,9 @@ class A2AIssuer(Protocol):
         **args: Any,
     ) -> PendingRows: ...
 
+    def end_all_to_alls(self) -> None:
+        """The step's last all-to-all has been issued."""
+
 
 def check_degree(degree: int, batch: int) -> None:
     """R must cut the batch into R equal, non-empty chunks."""
@@ -352,6 +355,9 @@ class BlockPipeline:
     def _backward(self, chunks: Sequence[_Chunk]) -> None:
         J = len(self.moe_blocks)
         rev = list(reversed(chunks))
+        if not J:
+            assert self.pool is not None  # internal: only run() calls
+            self.pool.end_all_to_alls()
         # The head stages, then for each MoE block from the last: experts, then attention.
         for c in rev:
             with self._span(f"head{c.r}", phase="bwd", chunk=c.r):
@@ -372,6 +378,8 @@ class BlockPipeline:
                     stage.set_grad(0, g)
                     rows_grad = stage.backward()["rows"]
                 self._a2a(c, j, "D", rows_grad, fwd=False)
+            if j == 0:
+                self.pool.end_all_to_alls()  # type: ignore[union-attr]
             if not self.overlap_attention:
                 for c in rev:
                     self._wait(c)

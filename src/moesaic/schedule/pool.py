@@ -18,9 +18,11 @@ step, in one flat staging buffer per (reduction rank set, dtype); the buffers ar
 chunks of ``chunk_bytes`` (Sp), and the chunks form one sequence that every rank issues in the
 same order (so ranks sharing groups never wait on each other in a cycle). A background thread
 issues the next chunk when every parameter it covers is complete, no all-to-all is queued or in
-flight on this rank, and no other chunk is in flight: at most one chunk is in flight. ``finish``
-issues the rest one by one, waits each under the deadline, and writes ``sum / divisor`` back to
-``p.grad``. A parameter whose gradient never arrived on this rank reduces zeros, so every rank
+flight on this rank, and no other chunk is in flight: at most one chunk is in flight during the
+backward. Once the schedule says its last all-to-all of the step has been issued
+(``end_all_to_alls``) and it has completed, there is nothing left to protect: every ready chunk
+goes at once, several in flight (the step's tail). ``finish`` issues the rest at once, waits each
+under the deadline, and writes ``sum / divisor`` back to ``p.grad``. A parameter whose gradient never arrived on this rank reduces zeros, so every rank
 issues the same chunks. Reduction rank sets of one rank (expert shards without replicas) are not
 reduced, only divided.
 """
@@ -139,6 +141,7 @@ class CommPool:
         self._groups = self._make_groups() if self.active else {}
         self._cond = threading.Condition(threading.RLock())
         self._a2a_pending = 0
+        self._a2a_closed = False  # the step's last all-to-all was issued (end_all_to_alls)
         self._stop = False
         self._armed = False
         self._finishing = False
@@ -253,6 +256,13 @@ class CommPool:
         work.get_future().add_done_callback(done)
         return PendingA2A(work, output, what, group.rank, self.timeout_s)
 
+    def end_all_to_alls(self) -> None:
+        """No more all-to-alls this step: once those issued have completed, ready chunks no
+        longer go one at a time (nothing is left for the priority rule to protect)."""
+        with self._cond:
+            self._a2a_closed = True
+            self._cond.notify_all()
+
     # -- gradients --------------------------------------------------------------------------
     def _make_hook(self, i: int):
         def hook(_p: torch.Tensor) -> None:
@@ -290,6 +300,7 @@ class CommPool:
                 c.missing = len({s[0] for s in c.segments})
                 c.issued, c.done, c.work = False, False, None
             self._finishing = False
+            self._a2a_closed = False
             self._armed = True
 
     def _build_layout(self) -> None:
@@ -344,7 +355,7 @@ class CommPool:
             and self._next < len(self._chunks)
             and self._chunks[self._next].missing == 0
             and self._a2a_pending == 0
-            and (self._next == 0 or self._chunks[self._next - 1].done)
+            and (self._a2a_closed or self._next == 0 or self._chunks[self._next - 1].done)
         )
 
     def _loop(self) -> None:
@@ -354,7 +365,7 @@ class CommPool:
                     self._cond.wait()
                 if self._stop:
                     return
-                self._issue(self._chunks[self._next], phase="bwd")
+                self._issue(self._chunks[self._next], phase="tail" if self._a2a_closed else "bwd")
 
     def _issue(self, chunk: _Chunk, *, phase: str) -> None:
         """Copy the chunk's gradients (zeros where none) into its buffer slice and start its
@@ -402,23 +413,26 @@ class CommPool:
         self._order = [i for _, i in seen] + rest
 
     def finish(self) -> None:
-        """Issue every chunk not yet issued, wait each under the deadline, and write the
-        averaged gradients (``sum over group_of(p) / divisor``) back to ``p.grad``."""
+        """Issue every chunk not yet issued (all at once: no all-to-all is left), wait each
+        under the deadline, and write the averaged gradients (``sum over group_of(p) /
+        divisor``) back to ``p.grad``."""
         with self._cond:
             if not self._armed:
                 raise RuntimeError("CommPool.finish() called without begin_step()")
             self._finishing = True
-            last = self._chunks[self._next - 1] if self._next > 0 else None
-        if last is not None:
-            self._wait_chunk(last)
+            issued = self._chunks[: self._next]
+        for chunk in issued:
+            self._wait_chunk(chunk)
         first_step = self._steps == 0
         if first_step and self.reduce_in_backward and self.active:
             self._agree()
             with self._cond:
                 self._build_layout()
-        for chunk in self._chunks[self._next :]:
-            with self._cond:
+        with self._cond:
+            rest = self._chunks[self._next :]
+            for chunk in rest:
                 self._issue(chunk, phase="finish")
+        for chunk in rest:
             self._wait_chunk(chunk)
         self._write_back()
         with self._cond:
