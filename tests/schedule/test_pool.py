@@ -221,6 +221,49 @@ def test_pool_tail_chunks_go_at_once_after_the_last_all_to_all():
     assert max(s[2] for s in tail) < min(s[3] for s in tail)
 
 
+def _clone_worker(rank: int, world: int) -> dict:
+    layout = build_layout(ep_size=world, timeout_s=TIMEOUT_S)
+    rec = Recorder(rank)
+    model = _model()
+    pool = CommPool(
+        grad_sync=GradientSync(layout), params=list(model.parameters()), chunk_bytes=256,
+        recorder=rec, timeout_s=TIMEOUT_S, a2a_groups=[layout.ep],
+    )  # fmt: skip
+    rows = torch.full((64, 8), float(rank))
+    counts = torch.tensor([rank, rank])
+    got = torch.empty_like(counts)
+    if rank == 0:  # rows first, then the counts while the rows are still in flight
+        pending = pool.all_to_all(torch.empty_like(rows), rows, None, None, group=layout.ep,
+                                  name="D1.1", phase="fwd", block=1, chunk=1)  # fmt: skip
+        layout.ep.all_to_all_single(got, counts, what="dispatch counts")
+        counts_done = time.perf_counter()
+        received = pending.wait()
+    else:  # the counts first; the rows 0.3 s later
+        layout.ep.all_to_all_single(got, counts, what="dispatch counts")
+        counts_done = time.perf_counter()
+        time.sleep(0.3)
+        pending = pool.all_to_all(torch.empty_like(rows), rows, None, None, group=layout.ep,
+                                  name="D1.1", phase="fwd", block=1, chunk=1)  # fmt: skip
+        received = pending.wait()
+    rows_done = time.perf_counter()
+    pool.close()
+    return {
+        "early_s": rows_done - counts_done,
+        "counts": got.tolist(),
+        "rows": [received[:32].unique().tolist(), received[32:].unique().tolist()],
+    }
+
+
+def test_pool_all_to_alls_on_their_own_group_do_not_block_the_ep_group():
+    """With a2a_groups, the rows travel on a clone of the EP group: a synchronous exchange on
+    the EP group itself (a strategy's counts) completes while rows are still in flight (on
+    one group, rank 0's counts would be paired with rank 1's rows, or wait behind them)."""
+    res = run_world(_clone_worker, 2)
+    assert res[0]["counts"] == [0, 1] and res[1]["counts"] == [0, 1]
+    assert res[0]["rows"] == res[1]["rows"] == [[0.0], [1.0]]  # rows from rank 0, rank 1
+    assert res[0]["early_s"] > 0.2  # rank 0's counts were done long before its rows
+
+
 def _deadline_worker(rank: int, world: int) -> str:
     timeout_s = 1.5
     layout = build_layout(ep_size=world, timeout_s=timeout_s)

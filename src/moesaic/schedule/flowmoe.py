@@ -78,6 +78,7 @@ class _PipelinedStep(TrainStep):
                 recorder=self.recorder,
                 timeout_s=self.pipeline.timeout_s,
                 reduce_in_backward=self.reduce_in_backward,
+                a2a_groups=[layer.ep for _, _, layer in self.pipeline.moe_blocks],
             )
         return self._pool
 

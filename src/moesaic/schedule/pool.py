@@ -118,6 +118,10 @@ class CommPool:
         recorder: where the all-to-all ("a2a") and chunk ("allreduce") spans go.
         timeout_s: deadline of every wait.
         reduce_in_backward: False: no hooks, every chunk is reduced at ``finish`` (moe-only).
+        a2a_groups: EP groups whose data all-to-alls (``all_to_all``) run on a process group of
+            their own, a clone with the same ranks (same number on every rank; default none:
+            on the group itself). A strategy's small synchronous exchanges on the EP group
+            (the dispatch counts) then never queue behind a chunk's rows in flight.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class CommPool:
         recorder: Recorder,
         timeout_s: float,
         reduce_in_backward: bool = True,
+        a2a_groups: Sequence[EPGroup] = (),
     ) -> None:
         self.chunk_bytes = chunk_bytes  # validated by the property
         check_positive("timeout_s", timeout_s)
@@ -138,6 +143,8 @@ class CommPool:
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self._ranks_N = [self._group_ranks(grad_sync.group_of(p)) for p in self.params]
+        self._a2a_ranks = [self._group_ranks(g) for g in a2a_groups]
+        self._a2a_pgs: dict[tuple[int, ...], Any] = {}  # EP rank set -> its clone for rows
         self._groups = self._make_groups() if self.active else {}
         self._cond = threading.Condition(threading.RLock())
         self._a2a_pending = 0
@@ -189,30 +196,40 @@ class CommPool:
         creates every group, in the same sorted order), plus one of all ranks."""
         W = dist.get_world_size()
         world = EPGroup(None, self.timeout_s)
-        n_1 = world.all_gather_dim0(torch.tensor([[len(self.params)]]), "all_gather of pool sizes")
-        if len(set(n_1.view(-1).tolist())) != 1:
-            raise ValueError(
-                f"params: every rank must pass the same number of parameters to CommPool, got "
-                f"{n_1.view(-1).tolist()} by rank"
-            )
+        sizes_1 = torch.tensor([[len(self.params), len(self._a2a_ranks)]])
+        n_P2 = world.all_gather_dim0(sizes_1, "all_gather of pool sizes")
+        for k, what in enumerate(("params", "a2a_groups")):
+            if len(set(n_P2[:, k].tolist())) != 1:
+                raise ValueError(
+                    f"{what}: every rank must pass the same number to CommPool, got "
+                    f"{n_P2[:, k].tolist()} by rank"
+                )
         # each parameter's rank set as a bit mask in int64 words of 62 bits (any world size)
         words = -(-W // 62)
+        N = len(self.params)
         mask_1NW = torch.tensor(
             [[[sum(1 << (r - 62 * w) for r in ranks if r // 62 == w) for w in range(words)]
-              for ranks in self._ranks_N]]
+              for ranks in [*self._ranks_N, *self._a2a_ranks]]]
         )  # fmt: skip
         masks_PNW = world.all_gather_dim0(mask_1NW, "all_gather of pool reduction groups")
-        sets = {
-            tuple(r for r in range(W) if m_W[r // 62] >> (r % 62) & 1)
-            for m_W in masks_PNW.view(-1, words).tolist()
-        }
-        sets.add(tuple(range(W)))
+
+        def rank_sets(masks_XW: torch.Tensor) -> set[tuple[int, ...]]:
+            return {
+                tuple(r for r in range(W) if m_W[r // 62] >> (r % 62) & 1)
+                for m_W in masks_XW.reshape(-1, words).tolist()
+            }
+
+        sets = rank_sets(masks_PNW[:, :N]) | {tuple(range(W))}
         timeout = datetime.timedelta(seconds=self.timeout_s)
         groups: dict[tuple[int, ...], Any] = {}
         for ranks in sorted(s for s in sets if len(s) > 1):
             pg = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 groups[ranks] = pg
+        for ranks in sorted(s for s in rank_sets(masks_PNW[:, N:]) if len(s) > 1):
+            pg = dist.new_group(list(ranks), timeout=timeout)
+            if self.rank in ranks:
+                self._a2a_pgs[ranks] = pg
         return groups
 
     # -- all-to-alls ------------------------------------------------------------------------
@@ -239,12 +256,14 @@ class CommPool:
         row_bytes = math.prod(input.shape[1:]) * input.element_size()
         rows_P = input_splits or [input.shape[0] // group.size] * group.size
         group._count([rows * row_bytes for rows in rows_P])
+        pg = self._a2a_pgs.get(self._group_ranks(group), group.group) if self._a2a_pgs else None
         with self._cond:
             self._a2a_pending += 1
             start = self.recorder.now()
             work = dist.all_to_all_single(
-                output, input, output_splits, input_splits, group=group.group, async_op=True
-            )
+                output, input, output_splits, input_splits, group=pg or group.group,
+                async_op=True,
+            )  # fmt: skip
 
         def done(_fut: Any) -> None:
             end = self.recorder.now()
