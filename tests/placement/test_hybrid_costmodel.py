@@ -16,6 +16,7 @@ from moesaic.placement.costmodel import (
     evaluate_domains,
     gemm_latency_s,
     latency,
+    measure_gemm_flops,
     optimal_p,
     plan_domains,
     search_p,
@@ -238,3 +239,9 @@ def test_stream_inputs_rejects_an_ep_size_that_does_not_split_the_experts() -> N
     config = MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=6, top_k=2)
     with pytest.raises(ValueError, match="num_experts"):
         stream_inputs(config, tokens_per_rank=4, ep_size=4, flops_per_s=1e9)
+
+
+def test_measure_gemm_flops_is_a_rate() -> None:
+    # a 64 x 64 matmul, twice: microseconds of CPU (the machine is shared)
+    rate = measure_gemm_flops(64, repeats=1)
+    assert math.isfinite(rate) and rate > 1e6

@@ -140,3 +140,19 @@ def test_bad_ranks_and_levels() -> None:
         topo.comm_type(0, 1, 2)
     with pytest.raises(ValueError, match="kind"):
         topo.peers(0, 0, "RS")  # type: ignore[arg-type]
+
+
+def test_from_cluster_takes_the_levels_outermost_first() -> None:
+    from moesaic.cluster.spec import ClusterSpec, Level
+
+    spec = ClusterSpec(
+        levels=(
+            Level(name="dc", size=3, bandwidth_gbps=0.1, latency_ms=5.0),
+            Level(name="node", size=2, bandwidth_gbps=10.0, latency_ms=0.1),
+        )
+    )
+    topo = Topology.from_cluster(spec, [3, 1])
+    assert topo.scaling_factors == (3, 2) and topo.size == spec.world_size == 6
+    assert [topo.locate(m) for m in range(6)] == [spec.coords(m) for m in range(6)]
+    with pytest.raises(ValueError, match=r"^domain_sizes\[0\] "):
+        Topology.from_cluster(spec, [2, 1])

@@ -322,11 +322,7 @@ def evaluate_domains(
     spec: ClusterSpec, inputs: StreamInputs, domain_sizes: tuple[int, ...] | list[int]
 ) -> DomainCandidate:
     """Predicted latency of HybridEP with ``domain_sizes`` on ``spec`` (see module docstring)."""
-    topo = Topology(
-        scaling_factors=tuple(lv.size for lv in spec.levels),
-        domain_sizes=tuple(domain_sizes),
-        world_size=spec.world_size,
-    )
+    topo = Topology.from_cluster(spec, domain_sizes)
     ag_s, a2a_s, ps = [], [], []
     for level, lv in enumerate(spec.levels):
         sf, s = lv.size, topo.domain_sizes[level]

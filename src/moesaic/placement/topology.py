@@ -24,9 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from moesaic.checks import check_positive_int, is_int
+
+if TYPE_CHECKING:
+    from moesaic.cluster.spec import ClusterSpec
 
 __all__ = ["CommType", "Topology"]
 
@@ -74,6 +77,15 @@ class Topology:
                     f"scaling_factors ({' x '.join(map(str, sf))} = {product}) must multiply to "
                     f"world_size ({self.world_size})"
                 )
+
+    @classmethod
+    def from_cluster(cls, spec: ClusterSpec, domain_sizes: Sequence[int]) -> Topology:
+        """The levels of a cluster description (``SF^l`` = ``levels[l].size``), outermost first."""
+        return cls(
+            scaling_factors=tuple(level.size for level in spec.levels),
+            domain_sizes=tuple(domain_sizes),
+            world_size=spec.world_size,
+        )
 
     # ------------------------------------------------------------------------------ geometry
     @property
