@@ -82,6 +82,12 @@ def test_literal_algorithm_1_books_a_cross_datacenter_gather_at_the_inner_level(
     assert topo.comm_type(0, 2, 0) == topo.comm_type(0, 2, 0, literal=True) == "A2A"
     assert 3 in topo.peers(0, 1, "AG", literal=True)
     assert topo.ag_peers(0, 1) == [1]
+    # Fig. 8(b)'s 4 DCs x 4 GPUs, S_ED = (2, 4): taken literally every GPU gathers at level 1
+    # from the 12 GPUs with another level-1 index in *any* DC (16 x 12 = 192), not only its 3
+    # DC-mates (48)
+    fig8 = Topology(scaling_factors=[4, 4], domain_sizes=[2, 4])
+    assert fig8.counts(literal=True)["AG"] == [16, 192]
+    assert fig8.counts() == {"A2A": [16, 0], "AG": [16, 48]}
 
 
 def test_one_level_literal_equals_consistent() -> None:

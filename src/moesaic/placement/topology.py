@@ -193,13 +193,11 @@ class Topology:
             ``AG = G (S - 1)``.
         """
         out: dict[str, list[int]] = {"A2A": [0] * self.num_levels, "AG": [0] * self.num_levels}
-        for level in range(self.num_levels):
-            for m in range(self.size):
-                for n in range(self.size):
-                    if m != n:
-                        kind = self.comm_type(m, n, level, literal=literal)
-                        if kind is not None:
-                            out[kind][level] += 1
+        for kind in ("A2A", "AG"):
+            for level in range(self.num_levels):
+                out[kind][level] = sum(
+                    len(self.peers(m, level, kind, literal=literal)) for m in range(self.size)
+                )
         return out
 
     def _check_rank(self, field: str, m: int) -> None:
