@@ -92,17 +92,18 @@ def _run_case(layout, dispatcher, name, R, skew, batches, rank):
         recorder=rec,
     )
     step = STEPS_OF[name](parts)
-    params, losses, spans = [], [], []
+    params, losses, spans, norms = [], [], [], []
     for x_BT in batches:
         rec.clear()
         result = step.run(x_BT[:, :-1], x_BT[:, 1:])
         assert result.applied
         losses.append((float(result.ce), float(result.aux)))
+        norms.append(result.grad_norm)
         params.append({n: p.detach().clone() for n, p in model.named_parameters()})
         spans.append([(s.resource, s.name, s.start, s.end, dict(s.args)) for s in rec.events])
     if hasattr(step, "close"):
         step.close()
-    return {"params": params, "losses": losses, "spans": spans}
+    return {"params": params, "losses": losses, "spans": spans, "norms": norms}
 
 
 def _world(rank, world_size, dispatcher):
@@ -148,6 +149,20 @@ def test_same_parameters_as_vanilla(dispatcher, name):
                     torch.testing.assert_close(
                         w, ref["params"][s][k], rtol=1e-5, atol=1e-6, msg=f"R={R} step {s} {k}"
                     )
+
+
+@pytest.mark.parametrize("dispatcher", strategy_names())
+def test_global_norm_as_vanilla(dispatcher):
+    """flowmoe gathers the unreduced (expert) part of the global norm with the loss flags
+    while its last chunks travel; the norm equals vanilla's (GradientSync.global_norm) on every
+    rank, the same float on both ranks."""
+    results = _results(dispatcher)
+    for name in ("moe-only", "flowmoe"):
+        for R in (1, 2, 4):
+            for s in range(STEPS):
+                norms = [r[(name, R, False)]["norms"][s] for r in results]
+                ref = results[0][("vanilla", 1, False)]["norms"][s]
+                assert norms[0] == norms[1] == pytest.approx(ref, rel=1e-6), (name, R, s)
 
 
 @pytest.mark.parametrize("dispatcher", strategy_names())

@@ -152,20 +152,25 @@ class TrainStep(ABC):
     def run(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> StepResult:
         """Forward, backward, synchronise and (if all is finite) update on this rank's batch."""
 
+    def norm_and_flags(self, ce: torch.Tensor, aux: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """The global gradient norm and every rank's health flags ``[P, F]`` (``HEALTH_FLAGS``:
+        loss, aux loss, norm not finite); a schedule may compute them earlier (flowmoe)."""
+        norm = self.parts.grad_sync.global_norm(self.params)
+        local_F = torch.stack(
+            [
+                ~torch.isfinite(ce),
+                ~torch.isfinite(aux),
+                torch.tensor(not math.isfinite(norm), device=ce.device),
+            ]
+        ).to(torch.int64)
+        return norm, self.parts.grad_sync.all_ranks(local_F.view(1, -1))
+
     def finish(self, ce: torch.Tensor, aux: torch.Tensor) -> StepResult:
         """Steps 4 of the contract, after the gradients are synchronised: check, clip, update."""
         parts = self.parts
+        ce, aux = ce.detach(), aux.detach()
         with maybe_span(parts.recorder, "allreduce", "norm"):  # norm + health flags
-            norm = parts.grad_sync.global_norm(self.params)
-            ce, aux = ce.detach(), aux.detach()
-            local_F = torch.stack(
-                [
-                    ~torch.isfinite(ce),
-                    ~torch.isfinite(aux),
-                    torch.tensor(not math.isfinite(norm), device=ce.device),
-                ]
-            ).to(torch.int64)
-            flags_PF = parts.grad_sync.all_ranks(local_F.view(1, -1))
+            norm, flags_PF = self.norm_and_flags(ce, aux)
         nonfinite = []
         for i, what in enumerate(HEALTH_FLAGS):
             ranks = [r for r, bad in enumerate(flags_PF[:, i].tolist()) if bad]

@@ -14,6 +14,7 @@ chunks) and send their all-to-alls through a ``CommPool`` (``schedule/pool.py``)
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, ClassVar
 
@@ -24,7 +25,7 @@ from moesaic.checks import check_positive_int
 from moesaic.layer import is_expert_param
 from moesaic.schedule.base import StepParts, StepResult, TrainStep
 from moesaic.schedule.pipeline import BlockPipeline, check_degree
-from moesaic.trace import Recorder
+from moesaic.trace import Recorder, maybe_span
 
 if TYPE_CHECKING:
     from moesaic.schedule.pool import CommPool
@@ -64,6 +65,7 @@ class _PipelinedStep(TrainStep):
             sp = self._default_chunk_bytes()
         self._pool: CommPool | None = None
         self._chunk_bytes = sp
+        self._early: torch.Tensor | None = None  # [P, 3] from _gather_early
 
     @property
     def pool(self) -> CommPool:
@@ -100,11 +102,58 @@ class _PipelinedStep(TrainStep):
         pool.chunk_bytes = self._next_chunk_bytes()
         pool.begin_step()
         ce, aux = self.pipeline.run(x_BT, y_BT, self.parts.loss_fn, pool)
-        pool.finish()
+        self._early = None
+        pool.finish(while_waiting=lambda: self._gather_early(ce.detach(), aux.detach()))
         result = self.finish(ce, aux)
         self._observe(time.perf_counter() - t0)
         result.metrics["ar_chunk_bytes"] = float(pool.chunk_bytes)
         return result
+
+    def _gather_early(self, ce: torch.Tensor, aux: torch.Tensor) -> None:
+        """While the last all-reduce chunks travel: the squared norm of the gradients that are
+        not reduced (expert shards without replicas: final but for the divisor) and the loss
+        flags, in one all-gather (``norm_and_flags`` adds the reduced gradients' part). Only
+        when every reduced gradient is reduced over all ranks (then equal on every rank);
+        otherwise nothing here and ``TrainStep.norm_and_flags`` runs after the reduction."""
+        sets = self.pool.reduction_sets()
+        world = dist.get_world_size() if self.pool.active else 1
+        if any(1 < len(ranks) < world for ranks, _ in sets):
+            return
+        with maybe_span(self.parts.recorder, "allreduce", "norm", part="unreduced"):
+            self._early = self._unreduced_and_flags(sets, ce, aux)
+
+    def _unreduced_and_flags(
+        self, sets: list[tuple[tuple[int, ...], list[torch.nn.Parameter]]], ce: torch.Tensor,
+        aux: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        local = torch.zeros((), dtype=torch.float64)
+        for ranks, params in sets:
+            if len(ranks) == 1:
+                for p in params:
+                    if p.grad is not None:
+                        local += p.grad.detach().double().square().sum()
+        local /= float(self.parts.grad_sync.divisor) ** 2
+        flags = torch.stack(
+            [local, (~torch.isfinite(ce)).double(), (~torch.isfinite(aux)).double()]
+        )
+        return self.parts.grad_sync.all_ranks(flags.view(1, -1))
+
+    def norm_and_flags(self, ce: torch.Tensor, aux: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """The global norm from the early all-gather (every rank's unreduced part) plus the
+        reduced gradients' part (equal on every rank: counted once); the same flags as
+        ``TrainStep.norm_and_flags``, with no collective left here."""
+        early_P3 = self._early
+        if early_P3 is None:
+            return super().norm_and_flags(ce, aux)
+        sq = early_P3[:, 0].sum()
+        for ranks, params in self.pool.reduction_sets():
+            if len(ranks) > 1:
+                for p in params:
+                    if p.grad is not None:
+                        sq = sq + p.grad.detach().double().square().sum()
+        norm = math.sqrt(float(sq))
+        bad_P = torch.full_like(early_P3[:, :1], float(not math.isfinite(norm)))
+        return norm, torch.cat([early_P3[:, 1:], bad_P], dim=1).to(torch.int64)
 
     def _next_chunk_bytes(self) -> int:
         return self._chunk_bytes

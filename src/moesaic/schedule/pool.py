@@ -32,7 +32,7 @@ from __future__ import annotations
 import datetime
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -431,27 +431,30 @@ class CommPool:
         rest = [i for i in reversed(range(N)) if last_N[i] < 0]
         self._order = [i for _, i in seen] + rest
 
-    def finish(self) -> None:
+    def finish(self, *, while_waiting: Callable[[], None] | None = None) -> None:
         """Issue every chunk not yet issued (all at once: no all-to-all is left), wait each
         under the deadline, and write the averaged gradients (``sum over group_of(p) /
-        divisor``) back to ``p.grad``."""
+        divisor``) back to ``p.grad``.
+
+        Args:
+            while_waiting: called once every chunk is issued, before waiting for them (work
+                that needs no reduced gradient: it overlaps the step's last chunks).
+        """
         with self._cond:
             if not self._armed:
                 raise RuntimeError("CommPool.finish() called without begin_step()")
             self._finishing = True
-            issued = self._chunks[: self._next]
-        for chunk in issued:
-            self._wait_chunk(chunk)
-        first_step = self._steps == 0
-        if first_step and self.reduce_in_backward and self.active:
+        if self._steps == 0 and self.reduce_in_backward and self.active:
+            # (no chunk was issued: no hook count was known yet)
             self._agree()
             with self._cond:
                 self._build_layout()
         with self._cond:
-            rest = self._chunks[self._next :]
-            for chunk in rest:
+            for chunk in self._chunks[self._next :]:
                 self._issue(chunk, phase="finish")
-        for chunk in rest:
+        if while_waiting is not None:
+            while_waiting()
+        for chunk in self._chunks:
             self._wait_chunk(chunk)
         self._write_back()
         with self._cond:
@@ -465,6 +468,14 @@ class CommPool:
                 "was all-reduced (more backward passes reached it than in the first step); "
                 "reduce such a schedule's gradients at finish (reduce_in_backward=False)"
             )
+
+    def reduction_sets(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
+        """The pool's parameters by reduction rank set (a set of one rank: not reduced, only
+        divided by the divisor at ``finish``)."""
+        by_ranks: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for i, p in enumerate(self.params):
+            by_ranks.setdefault(self._ranks_N[i], []).append(p)
+        return list(by_ranks.items())
 
     def _wait_chunk(self, chunk: _Chunk) -> None:
         ranks = self._buckets[chunk.bucket].ranks
