@@ -439,3 +439,45 @@ def test_rank_zero_tunes_sp_and_every_rank_follows():
     assert used0 == hist0  # step k ran at rank 0's k-th sample
     assert hist1 == []
     assert len(set(used0)) >= 2
+
+
+# ---- health flags gathered early -----------------------------------------------------------
+
+
+def _nan_world(rank, world_size):
+    from moesaic.train.parallel import GradientSync, build_layout
+
+    layout = build_layout(2, 60.0)
+    torch.manual_seed(0)
+    model = MoEGPT(_config("dropless"), ep_group=layout.ep_group)
+    calls = []
+
+    def loss_fn(logits_BTV, y_BT):
+        calls.append(1)
+        ce = _lm_loss(logits_BTV, y_BT)
+        return ce * float("nan") if rank == 1 and len(calls) == 3 else ce  # step 2, chunk 1
+
+    parts = StepParts(
+        model=model, loss_fn=loss_fn, grad_sync=GradientSync(layout),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), pipeline_degree=2, ar_chunk_bytes=SP,
+    )  # fmt: skip
+    step = FlowMoEStep(parts)
+    x_BT = torch.randint(0, 256, (4, T + 1), generator=torch.Generator().manual_seed(rank))
+    out = []
+    for _ in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        result = step.run(x_BT[:, :-1], x_BT[:, 1:])
+        same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        out.append((result.nonfinite, result.applied, same))
+    step.close()
+    return out
+
+
+def test_flowmoe_nonfinite_loss_on_one_rank_is_skipped_on_all():
+    """flowmoe gathers the loss flags early (with the unreduced norm): a NaN loss on rank 1 in
+    step 2 is named on both ranks, and neither updates; steps 1 and 3 update."""
+    for steps in run_world(_nan_world, 2):
+        (nf1, ok1, same1), (nf2, ok2, same2), (nf3, ok3, same3) = steps
+        assert ok1 and not same1 and ok3 and not same3 and not nf1 and not nf3
+        assert nf2[0] == "loss on rank(s) [1]" and nf2[-1].startswith("gradients")
+        assert not ok2 and same2
