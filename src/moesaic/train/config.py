@@ -274,7 +274,7 @@ _BYTE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 # R of a pipelined schedule when not given: 2 measured best on the emulated 2-rank cluster
-# (benchmarks/results/flowmoe_cluster.json: flowmoe 1.36x vanilla at R = 2, 1.34x at R = 4; more
+# (benchmarks/results/flowmoe_cluster.json: flowmoe 1.49x vanilla at R = 2, 1.45x at R = 4; more
 # chunks mean smaller matmuls and more collectives, each paying the path latency).
 AUTO_PIPELINE_DEGREE = 2
 
