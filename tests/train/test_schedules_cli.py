@@ -209,7 +209,8 @@ def test_step_parts_refuse_bad_settings(kwargs, message):
 def test_pipeline_degree_auto_rule():
     """'auto' (the default): 1 for vanilla; 2 for a pipelined schedule when it divides the
     batch, else 1; an explicit R wins; a bad string names the option."""
-    from moesaic.train.config import TrainConfig, parse_pipeline_degree
+    from moesaic.train.config import TrainConfig
+    from moesaic.train.schedule_options import parse_pipeline_degree
 
     assert TrainConfig().pipeline_degree == 1
     assert TrainConfig(schedule="flowmoe", batch_size=8).pipeline_degree == 2

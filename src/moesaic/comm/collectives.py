@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,26 @@ class Traffic:
 
     def snapshot(self) -> tuple[tuple[int, ...], int]:
         return tuple(self.peer_bytes_P), self.collectives
+
+
+def wait_work(work: Any, failed: str, timeout_s: float) -> None:
+    """``work.wait`` under the deadline; a failure or timeout is a ``CollectiveError``.
+
+    Args:
+        work: an async collective's handle (None: nothing to wait for).
+        failed: the start of the error message, naming the operation and the rank
+            ("dispatch counts failed on rank 0/2 of the expert-parallel group").
+        timeout_s: the deadline in force, named in the message.
+    """
+    if work is None:
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # gloo/NCCL report both timeouts and dead peers as this
+        raise CollectiveError(
+            f"{failed} (collective_timeout_s={timeout_s:g}): a peer died, hung, or skipped "
+            f"this collective. Cause: {str(exc).splitlines()[0][:300]}"
+        ) from exc
 
 
 class EPGroup:
@@ -62,16 +83,11 @@ class EPGroup:
                 self.traffic.peer_bytes_P[p] += b
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
-        if work is None:
-            return
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:  # gloo/NCCL report both timeouts and dead peers as this
-            raise CollectiveError(
-                f"{what} failed on rank {self.rank}/{self.size} of the expert-parallel group "
-                f"(collective_timeout_s={self.timeout_s:g}): a peer died, hung, or skipped this "
-                f"collective. Cause: {str(exc).splitlines()[0][:300]}"
-            ) from exc
+        wait_work(
+            work,
+            f"{what} failed on rank {self.rank}/{self.size} of the expert-parallel group",
+            self.timeout_s,
+        )
 
     def all_to_all_single(
         self,

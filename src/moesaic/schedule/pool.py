@@ -41,24 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from moesaic.checks import check_positive, check_positive_int
-from moesaic.comm.collectives import CollectiveError, EPGroup
+from moesaic.comm.collectives import EPGroup, wait_work
 
 if TYPE_CHECKING:
     from moesaic.schedule.base import GradientSync
     from moesaic.trace import Recorder
 
 __all__ = ["CommPool", "PendingA2A"]
-
-
-def _wait(work: Any, what: str, rank: int, timeout_s: float) -> None:
-    """``work.wait`` under the deadline; a failure or timeout is a ``CollectiveError``."""
-    try:
-        work.wait(datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
-        raise CollectiveError(
-            f"{what} failed on rank {rank} (collective_timeout_s={timeout_s:g}): a peer died, "
-            f"hung, or skipped this collective. Cause: {str(exc).splitlines()[0][:300]}"
-        ) from exc
 
 
 class PendingA2A:
@@ -71,7 +60,7 @@ class PendingA2A:
     def wait(self) -> torch.Tensor:
         """The received rows (a ``CollectiveError`` naming the op if the deadline passes)."""
         if self._work is not None:
-            _wait(self._work, self._what, self._rank, self._timeout_s)
+            wait_work(self._work, f"{self._what} failed on rank {self._rank}", self._timeout_s)
             self._work = None
         return self._output
 
@@ -480,7 +469,7 @@ class CommPool:
     def _wait_chunk(self, chunk: _Chunk) -> None:
         ranks = self._buckets[chunk.bucket].ranks
         what = f"all_reduce chunk AR{chunk.index} ({chunk.nbytes} bytes) over ranks {list(ranks)}"
-        _wait(chunk.work, what, self.rank, self.timeout_s)
+        wait_work(chunk.work, f"{what} failed on rank {self.rank}", self.timeout_s)
 
     def _write_back(self) -> None:
         divisor = self.grad_sync.divisor

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import re
 import sys
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -21,6 +20,11 @@ from typing import Any
 from moesaic.checks import check_bool, check_int, check_number, check_one_of
 from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
+from moesaic.train.schedule_options import (
+    auto_pipeline_degree,
+    parse_ar_chunk,
+    parse_pipeline_degree,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -267,57 +271,6 @@ class TrainConfig:
                 "deadline of every collective, the MoE layers' included: set that instead"
             )
         return cls(model=MoEGPTConfig.from_dict(model), **d)
-
-
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-_BYTE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-# R of a pipelined schedule when not given: 2 measured best on the emulated 2-rank cluster
-# (benchmarks/results/flowmoe_cluster.json: flowmoe 1.49x vanilla at R = 2, 1.45x at R = 4; more
-# chunks mean smaller matmuls and more collectives, each paying the path latency).
-AUTO_PIPELINE_DEGREE = 2
-
-
-def auto_pipeline_degree(schedule: str, batch_size: int) -> int:
-    """The documented rule for ``pipeline_degree = "auto"``."""
-    if schedule == "vanilla" or batch_size % AUTO_PIPELINE_DEGREE:
-        return 1
-    return AUTO_PIPELINE_DEGREE
-
-
-def parse_pipeline_degree(value: object) -> int | str:
-    """``--pipeline-degree``: "auto" or an int (validated with the config)."""
-    if value == "auto":
-        return "auto"
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"pipeline_degree ({value!r}) must be 'auto' or an int >= 1") from None
-    return value  # type: ignore[return-value]  # ints (and bad types) are checked later
-
-
-def parse_ar_chunk(value: object) -> str | int:
-    """``"auto"``, or a positive number of bytes from an int or a string ("4194304", "4MiB",
-    "4MB", "512 KiB"; units B, KB/MB/GB = powers of 1000, KiB/MiB/GiB = powers of 1024)."""
-    rule = (
-        "must be 'auto' or a positive number of bytes (an int, or a string such as '4MiB' or "
-        "'4MB'): --ar-chunk is Sp, the size of the gradient all-reduce chunks"
-    )
-    if value == "auto":
-        return "auto"
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value <= 0:
-            raise ValueError(f"ar_chunk ({value}) {rule}")
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _BYTE_UNITS:
-            n = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
-            if n >= 1 and n == int(n):
-                return int(n)
-    raise ValueError(f"ar_chunk ({value!r}) {rule}")
 
 
 # (flag, field, type) of every option; a model field is a path under [model] ("moe.top_k").
