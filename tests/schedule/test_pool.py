@@ -45,17 +45,22 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def _equivalence_worker(rank: int, world: int) -> dict:
-    layout = build_layout(ep_size=world, timeout_s=TIMEOUT_S)  # experts: no replicas (DP = 1)
-    sync = GradientSync(layout)
+def _reference(rank: int, ep_size: int):
+    """The model, its gradient rules, its input and the plain result: the same R backward
+    passes, then the bulk all-reduce (``GradientSync.sync``); gradients zeroed afterwards."""
+    sync = GradientSync(build_layout(ep_size=ep_size, timeout_s=TIMEOUT_S))
     model = _model()
     torch.manual_seed(100 + rank)
     x_BH = torch.randn(8, 8)
-    # reference: the same R backward passes, then the plain bulk all-reduce
     _backward_in_chunks(model, x_BH)
     sync.sync(list(model.parameters()))
     ref = _grads(model)
     model.zero_grad(set_to_none=True)
+    return sync, model, x_BH, ref
+
+
+def _equivalence_worker(rank: int, world: int) -> dict:
+    sync, model, x_BH, ref = _reference(rank, world)  # experts: no replicas (DP = 1)
 
     rec = Recorder(rank)
     pool = CommPool(
@@ -168,15 +173,7 @@ def test_pool_priority_all_to_all_first_and_one_chunk_in_flight():
 
 
 def _tail_worker(rank: int, world: int) -> dict:
-    layout = build_layout(ep_size=world, timeout_s=TIMEOUT_S)
-    sync = GradientSync(layout)
-    model = _model()
-    torch.manual_seed(100 + rank)
-    x_BH = torch.randn(8, 8)
-    _backward_in_chunks(model, x_BH)
-    sync.sync(list(model.parameters()))
-    ref = _grads(model)
-    model.zero_grad(set_to_none=True)
+    sync, model, x_BH, ref = _reference(rank, world)
     rec = Recorder(rank)
     pool = CommPool(
         grad_sync=sync, params=list(model.parameters()), chunk_bytes=128, recorder=rec,
@@ -189,7 +186,7 @@ def _tail_worker(rank: int, world: int) -> dict:
         if rank == 1:
             time.sleep(0.3)  # rank 0's all-to-all stays in flight through its backward
         pending = pool.all_to_all(
-            torch.empty_like(rows), rows, None, None, group=layout.ep, name="D1.1",
+            torch.empty_like(rows), rows, None, None, group=sync.layout.ep, name="D1.1",
             phase="bwd", block=1, chunk=1,
         )  # fmt: skip
         pool.end_all_to_alls()  # the step's last all-to-all
@@ -318,15 +315,7 @@ def test_pool_bad_chunk_bytes_names_the_option():
 def _replicas_worker(rank: int, world: int) -> list[bool]:
     """EP 2 x DP 2: replicated gradients over all 4 ranks, expert shards over their DP pair
     ({0, 2} and {1, 3}): three reduction rank sets, one chunk sequence."""
-    layout = build_layout(ep_size=2, timeout_s=TIMEOUT_S)
-    sync = GradientSync(layout)
-    model = _model()
-    torch.manual_seed(100 + rank)
-    x_BH = torch.randn(8, 8)
-    _backward_in_chunks(model, x_BH)
-    sync.sync(list(model.parameters()))
-    ref = _grads(model)
-    model.zero_grad(set_to_none=True)
+    sync, model, x_BH, ref = _reference(rank, 2)
     pool = CommPool(
         grad_sync=sync, params=list(model.parameters()), chunk_bytes=96,
         recorder=Recorder(rank), timeout_s=TIMEOUT_S,

@@ -42,3 +42,13 @@ def start_from(reference: Path, step: int, run_dir: Path) -> Path:
     shutil.copytree(reference / "checkpoints" / name, run_dir / "checkpoints" / name)
     (run_dir / "checkpoints" / "latest").write_text(name + "\n")
     return run_dir
+
+
+def fails(args: list[str], capsys) -> str:
+    """Run ``moesaic`` with ``args``; it must exit 2 with one ``moesaic train: error:`` line."""
+    from moesaic.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moesaic train: error: ") and "\n" not in err, err
+    return err

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_helpers import final_weights, start_from, tiny_args, train_losses
+from _train_helpers import fails, final_weights, start_from, tiny_args, train_losses
 
 from moesaic.cli import main
 from moesaic.train.config import TRACE_STEPS, add_train_arguments, config_from_args
@@ -21,13 +21,6 @@ from moesaic.train.config import TRACE_STEPS, add_train_arguments, config_from_a
 # normalisation can amplify where a gradient is near zero. Losses: 1e-5 relative.
 LOSS_RTOL = 1e-5
 WEIGHT_TOL = dict(rtol=1e-4, atol=1e-5)
-
-
-def _fails(args: list[str], capsys) -> str:
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("moesaic train: error: ") and "\n" not in err, err
-    return err
 
 
 @pytest.mark.parametrize(
@@ -49,7 +42,7 @@ def _fails(args: list[str], capsys) -> str:
     ],
 )
 def test_bad_schedule_settings(extra, message, data_file, tmp_path, capsys):
-    err = _fails(tiny_args(data_file, tmp_path / "run", *extra), capsys)
+    err = fails(tiny_args(data_file, tmp_path / "run", *extra), capsys)
     assert message in err, err
     assert not (tmp_path / "run").exists()  # refused before anything was created
 

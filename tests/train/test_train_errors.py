@@ -7,16 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from _train_helpers import start_from, tiny_args
+from _train_helpers import fails, start_from, tiny_args
 
 from moesaic.cli import main
-
-
-def _fails(args: list[str], capsys) -> str:
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("moesaic train: error: ") and "\n" not in err, err
-    return err
 
 
 @pytest.mark.parametrize(
@@ -32,48 +25,48 @@ def _fails(args: list[str], capsys) -> str:
     ],
 )
 def test_bad_layout_or_config(extra, message, data_file, tmp_path, capsys):
-    assert message in _fails(tiny_args(data_file, tmp_path / "run", *extra), capsys)
+    assert message in fails(tiny_args(data_file, tmp_path / "run", *extra), capsys)
 
 
 def test_missing_and_empty_data(tmp_path, capsys):
-    err = _fails(tiny_args(tmp_path / "nope.txt", tmp_path / "run"), capsys)
+    err = fails(tiny_args(tmp_path / "nope.txt", tmp_path / "run"), capsys)
     assert "data path" in err and "does not exist" in err
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("")
-    assert "is empty" in _fails(tiny_args(tmp_path / "empty", tmp_path / "run"), capsys)
+    assert "is empty" in fails(tiny_args(tmp_path / "empty", tmp_path / "run"), capsys)
     (tmp_path / "short.txt").write_text("x" * 20)
-    assert "fewer than seq_len + 1" in _fails(
+    assert "fewer than seq_len + 1" in fails(
         tiny_args(tmp_path / "short.txt", tmp_path / "r"), capsys
     )
 
 
 def test_resume_without_checkpoint(data_file, tmp_path, capsys):
-    assert "no checkpoint" in _fails(tiny_args(data_file, tmp_path / "run", "--resume"), capsys)
+    assert "no checkpoint" in fails(tiny_args(data_file, tmp_path / "run", "--resume"), capsys)
 
 
 def test_corrupt_checkpoints(reference, data_file, tmp_path, capsys):
     # Garbage DCP metadata.
     run = start_from(reference, 8, tmp_path / "a")
     (run / "checkpoints" / "step_00000008" / ".metadata").write_bytes(b"not a pickle")
-    assert "is corrupt" in _fails(tiny_args(data_file, run, "--resume"), capsys)
+    assert "is corrupt" in fails(tiny_args(data_file, run, "--resume"), capsys)
     # A truncated data file.
     run = start_from(reference, 8, tmp_path / "b")
     shard = run / "checkpoints" / "step_00000008" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
-    assert "is corrupt" in _fails(tiny_args(data_file, run, "--resume"), capsys)
+    assert "is corrupt" in fails(tiny_args(data_file, run, "--resume"), capsys)
     # The latest pointer names a checkpoint that is gone.
     run = start_from(reference, 8, tmp_path / "c")
     shutil.rmtree(run / "checkpoints" / "step_00000008")
-    assert "not a directory" in _fails(tiny_args(data_file, run, "--resume"), capsys)
+    assert "not a directory" in fails(tiny_args(data_file, run, "--resume"), capsys)
     # Unreadable meta.json.
     run = start_from(reference, 8, tmp_path / "d")
     (run / "checkpoints" / "step_00000008" / "meta.json").write_text("{")
-    assert "is corrupt" in _fails(tiny_args(data_file, run, "--resume"), capsys)
+    assert "is corrupt" in fails(tiny_args(data_file, run, "--resume"), capsys)
 
 
 def test_incompatible_checkpoint(reference, data_file, tmp_path, capsys):
     run = start_from(reference, 8, tmp_path / "a")
-    err = _fails(tiny_args(data_file, run, "--resume", "--d-model", "64"), capsys)
+    err = fails(tiny_args(data_file, run, "--resume", "--d-model", "64"), capsys)
     assert "incompatible: model d_model is 32 in the checkpoint but 64" in err
 
 
@@ -92,5 +85,5 @@ def test_generate_errors(tmp_path, capsys):
 
 
 def test_fresh_run_into_a_used_run_dir(reference, data_file, capsys):
-    err = _fails(tiny_args(data_file, reference), capsys)
+    err = fails(tiny_args(data_file, reference), capsys)
     assert "already holds checkpoints (latest: step_00000008); pass --resume" in err
