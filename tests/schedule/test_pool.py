@@ -190,11 +190,15 @@ def _tail_worker(rank: int, world: int) -> dict:
             phase="bwd", block=1, chunk=1,
         )  # fmt: skip
         pool.end_all_to_alls()  # the step's last all-to-all
+        if rank == 1:
+            # Rank 1's gradients, hence its chunks, come 0.3 s after rank 0's: none of rank 0's
+            # tail chunks can complete before all of them are issued. (Sleeping after the
+            # backward instead did not hold them back: the pool thread issues them by itself,
+            # and a 128-byte chunk sometimes completed within rank 0's burst of issues.)
+            time.sleep(0.3)
         _backward_in_chunks(model, x_BH)
         pending.wait()
-        if rank == 1:
-            time.sleep(0.3)  # rank 0's tail chunks wait for rank 1 to join them
-        else:
+        if rank == 0:
             time.sleep(0.1)  # its chunks go before finish
         pool.finish()
         equal = all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
@@ -214,7 +218,7 @@ def test_pool_tail_chunks_go_at_once_after_the_last_all_to_all():
     tail = sorted((s for s in spans if s[0] == "allreduce"), key=lambda s: s[2])
     assert len(tail) > 2 and {s[4]["phase"] for s in tail} == {"tail"}
     assert min(s[2] for s in tail) >= a_end > a_start
-    # all issued before the first completed (rank 1 joins them 0.3 s later): several in flight
+    # all issued before the first completed (rank 1 issues its chunks 0.3 s later): several in flight
     assert max(s[2] for s in tail) < min(s[3] for s in tail)
 
 
