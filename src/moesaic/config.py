@@ -48,6 +48,14 @@ class MoEConfig:
             (GShard, Megatron, Tutel: a dropped choice just contributes zero).
         balance_loss_choices: "all" counts all K choices in the load fractions of the balance
             loss (Switch/Megatron); "first" counts first choices only (DeepSpeed-MoE, GShard).
+        domain_sizes: HybridEP expert-domain sizes ``S_ED^l`` per level, outermost first (the
+            ``hybrid`` dispatcher's topology; ``moesaic plan`` chooses them). The levels are
+            those of the layer's cluster description, or one level of the whole expert-parallel
+            group when it has none. None: one domain of the whole group (every expert gathered
+            everywhere, tokens never leave their rank: the paper's p = 0). Other dispatchers
+            ignore it.
+        expert_compression_ratio: CR of the SR compression (``moesaic.placement.compress``) of
+            experts the ``hybrid`` dispatcher gathers; 1.0 gathers them exactly.
     """
 
     hidden_size: int
@@ -65,6 +73,8 @@ class MoEConfig:
     init_std: float | None = None
     renormalize_after_drop: bool = False
     balance_loss_choices: str = "all"
+    domain_sizes: tuple[int, ...] | None = None
+    expert_compression_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         check_positive_int("hidden_size", self.hidden_size)
@@ -92,6 +102,25 @@ class MoEConfig:
             check_non_negative("init_std", self.init_std)
         check_bool("renormalize_after_drop", self.renormalize_after_drop)
         check_one_of("balance_loss_choices", self.balance_loss_choices, BALANCE_CHOICES)
+        if self.domain_sizes is not None:
+            if isinstance(self.domain_sizes, (str, bytes)) or not isinstance(
+                self.domain_sizes, (tuple, list)
+            ):
+                raise ValueError(
+                    f"domain_sizes ({self.domain_sizes!r}) must be a list of positive ints "
+                    "(one per cluster level, outermost first) or None"
+                )
+            self.domain_sizes = tuple(self.domain_sizes)
+            if not self.domain_sizes:
+                raise ValueError("domain_sizes must not be empty (None: not set)")
+            for i, s in enumerate(self.domain_sizes):
+                check_positive_int(f"domain_sizes[{i}]", s)
+        check_non_negative("expert_compression_ratio", self.expert_compression_ratio)
+        if self.expert_compression_ratio < 1:
+            raise ValueError(
+                f"expert_compression_ratio ({self.expert_compression_ratio}) must be >= 1 "
+                "(1: gather experts exactly)"
+            )
 
     def capacity(self, num_tokens: int) -> int | None:
         """Token slots per expert for ``num_tokens`` local tokens; None when dropless."""

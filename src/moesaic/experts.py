@@ -193,12 +193,27 @@ class GroupedExperts(nn.Module):
                 w[i].copy_(block)
 
     def forward(self, x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
-        dtype = x_MH.dtype
-        compute = expert_compute_dtype(x_MH.device, dtype)
-        x_MH = x_MH.to(compute)  # a no-op unless a half type is emulated on this CPU
-        h_MF = grouped_mm(x_MH, self.w1, counts_e)
-        if self.w3 is not None:
-            h_MF = F.silu(h_MF) * grouped_mm(x_MH, self.w3, counts_e)
-        else:
-            h_MF = F.gelu(h_MF)
-        return grouped_mm(h_MF, self.w2, counts_e).to(dtype)
+        return expert_ffn(x_MH, counts_e, self.w1, self.w3, self.w2)
+
+
+def expert_ffn(
+    x_MH: torch.Tensor,
+    counts_e: list[int],
+    w1_eHF: torch.Tensor,
+    w3_eHF: torch.Tensor | None,
+    w2_eFH: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' FFN on expert-grouped rows with the given weights (any e of them).
+
+    ``GroupedExperts.forward`` with its own weights; the ``hybrid`` strategy passes experts it
+    gathered from other ranks. ``w3_eHF`` None means GELU, else SwiGLU.
+    """
+    dtype = x_MH.dtype
+    compute = expert_compute_dtype(x_MH.device, dtype)
+    x_MH = x_MH.to(compute)  # a no-op unless a half type is emulated on this CPU
+    h_MF = grouped_mm(x_MH, w1_eHF, counts_e)
+    if w3_eHF is not None:
+        h_MF = F.silu(h_MF) * grouped_mm(x_MH, w3_eHF, counts_e)
+    else:
+        h_MF = F.gelu(h_MF)
+    return grouped_mm(h_MF, w2_eFH, counts_e).to(dtype)

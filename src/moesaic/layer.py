@@ -195,7 +195,7 @@ class MoELayer(nn.Module):
                 f"hidden_size ({H})"
             )
         x_TH = x.reshape(-1, H)
-        plan, aux = self.router(x_TH, self.placement)
+        plan, aux = self.router(x_TH, self.strategy.routing_placement)
         self._add_aux(aux)
         return Routed(x, plan, aux)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,12 +76,49 @@ class EPGroup:
         self.size = dist.get_world_size(self.group) if self.active else 1
         self.rank = dist.get_rank(self.group) if self.active else 0
         self.traffic = Traffic([0] * self.size)
+        self._parent: tuple[EPGroup, list[int]] | None = None
+
+    @classmethod
+    def solo(cls, timeout_s: float) -> EPGroup:
+        """The trivial group of this process alone (even when torch.distributed is running)."""
+        out = cls.__new__(cls)
+        out.timeout_s, out.active, out.group, out.size, out.rank = timeout_s, False, None, 1, 0
+        out.traffic = Traffic([0])
+        out._parent = None
+        return out
+
+    def subgroup(self, ranks: list[int]) -> EPGroup:
+        """A new group of ``ranks`` (ranks of this group, ascending, this rank among them).
+
+        Only the members call it (``use_local_synchronization``), in the same order; one
+        member alone gives :meth:`solo`. Every call makes a new group (a clone when the ranks
+        repeat), so collectives issued from two threads can each have their own.
+        """
+        if self.rank not in ranks or sorted(set(ranks)) != list(ranks):
+            raise ValueError(f"ranks ({ranks}) must be ascending, unique and include {self.rank}")
+        if len(ranks) == 1:
+            return EPGroup.solo(self.timeout_s)
+        members = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        global_ranks = [members[r] for r in ranks] if members is not None else list(ranks)
+        group = dist.new_group(
+            global_ranks,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+            use_local_synchronization=True,
+        )
+        child = EPGroup(group, self.timeout_s)
+        child._parent = (self, list(ranks))
+        return child
 
     def _count(self, bytes_P: list[int]) -> None:
         self.traffic.collectives += 1
         for p, b in enumerate(bytes_P):
             if p != self.rank:
                 self.traffic.peer_bytes_P[p] += b
+        if self._parent is not None:  # a subgroup's traffic also counts in its parent's ranks
+            parent, ranks = self._parent
+            parent._count(
+                [0 if r not in ranks else bytes_P[ranks.index(r)] for r in range(parent.size)]
+            )
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
         wait_work(
@@ -121,15 +159,23 @@ class EPGroup:
 
     def all_gather_dim0(self, tensor: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
         """Concatenate equal-shaped tensors of all ranks along dim 0, in rank order."""
+        out, finish = self.start_all_gather_dim0(tensor, what)
+        finish()
+        return out
+
+    def start_all_gather_dim0(
+        self, tensor: torch.Tensor, what: str = "all_gather"
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Issue :meth:`all_gather_dim0` without waiting: ``(out, finish)``; ``out`` is valid
+        once ``finish()`` (the wait under the deadline) has returned."""
         if self.size == 1:
-            return tensor.clone()
+            return tensor.clone(), lambda: None
         self._count([tensor.numel() * tensor.element_size()] * self.size)
         out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
         # all_gather_single replaces all_gather_into_tensor in newer torch; both exist in 2.4+.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = gather(out, tensor.contiguous(), group=self.group, async_op=True)
-        self._wait(work, what)
-        return out
+        return out, lambda: self._wait(work, what)
 
 
 class _AllToAllV(torch.autograd.Function):

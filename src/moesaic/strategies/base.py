@@ -49,6 +49,8 @@ class CommStats:
         meta_bytes: counts and other metadata.
         padded_rows: zero rows the experts computed on (padding to a capacity).
         dropped_rows: routed assignments dropped by the capacity.
+        expert_bytes: expert weights sent to other ranks (``hybrid``'s gathers, compressed
+            bytes when compressed) and their gradients sent back to the owners.
         collectives: collectives the forward issued (the backward issues one all-to-all per
             forward all-to-all of rows); each costs at least one path latency on a network.
         peer_bytes_P: bytes sent to each rank of the group (0 for this rank): what a network
@@ -60,12 +62,13 @@ class CommStats:
     meta_bytes: int = 0
     padded_rows: int = 0
     dropped_rows: int = 0
+    expert_bytes: int = 0
     collectives: int = 0
     peer_bytes_P: tuple[int, ...] = ()
 
     @property
     def total_bytes(self) -> int:
-        return self.dispatch_bytes + self.combine_bytes + self.meta_bytes
+        return self.dispatch_bytes + self.combine_bytes + self.meta_bytes + self.expert_bytes
 
     def __add__(self, other: CommStats) -> CommStats:
         if not isinstance(other, CommStats):
@@ -118,6 +121,9 @@ class MoEStrategy(ABC):
 
     name: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
+    # True when experts run on ranks other than their owners (copies moved there): the
+    # ``experts`` callable must then be the layer's GroupedExperts, whose weights it moves.
+    moves_experts: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         unknown = set(self.needs) - set(NEEDS)
@@ -126,6 +132,16 @@ class MoEStrategy(ABC):
         self.ctx = ctx
         self.group = ctx.group
         self.placement = ctx.placement
+
+    @property
+    def routing_placement(self) -> ExpertPlacement:
+        """The placement the layer routes by (its plans' ``counts_Pe`` and row order).
+
+        The layer's own placement, unless the strategy sends tokens elsewhere than to the
+        experts' owners (``hybrid`` routes over its all-to-all group to the ranks that hold
+        gathered copies).
+        """
+        return self.placement
 
     @abstractmethod
     def forward(self, x_TH: torch.Tensor, plan: RoutingPlan, experts: ExpertFn) -> StrategyOutput:

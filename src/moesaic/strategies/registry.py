@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 _TARGETS: dict[str, str | type] = {
     "dropless": "moesaic.strategies.dropless:DroplessStrategy",
     "padded": "moesaic.strategies.padded:PaddedStrategy",
+    "hybrid": "moesaic.strategies.hybrid:HybridStrategy",
 }
 
 

@@ -1,0 +1,247 @@
+"""``hybrid``: HybridEP (§IV) - move experts inside expert domains, tokens only between them.
+
+Shape legend: T tokens on this rank, H hidden, e local experts, P ranks of the expert-parallel
+group, S = prod(S_ED^l) ranks of an expert domain (all levels), Q = P / S domains.
+
+The group is described by a :class:`~moesaic.placement.topology.Topology`: the levels of the
+layer's cluster description (or one level of P ranks), cut into domains of ``config.domain_sizes``
+(None: one domain of the whole group). Every forward:
+
+1. **Gather** (migration): each rank all-gathers the experts of its domain (``S * e`` experts,
+   SR-compressed when ``config.expert_compression_ratio > 1``) over the *domain group*. The
+   gathered copies are cached per weight version (gradient accumulation and evaluation gather
+   once per optimizer step) and can be prefetched (:class:`~moesaic.strategies.migration.
+   ExpertPrefetcher`). Own experts always enter the computation exactly.
+2. **Exchange** (partition): a token for expert ``g`` goes to the one rank that holds ``g``
+   after the gathers and has this rank's offsets at every level (the same rank when ``g`` is in
+   this rank's domain): the members of this rank's *offset group* (one per domain). That is a
+   ``dropless`` all-to-all-v over the offset group, routed by a placement in which offset-group
+   member ``q`` holds every expert of its domain (``routing_placement``).
+3. **Backward**: the exchange's all-to-alls run in reverse; the gradients of the gathered copies
+   are reduced to their owners (an all-to-all over the domain group, summed in source order).
+
+Departure from the paper's multilevel routing: tokens go straight to their destination (one
+all-to-all over the offset group) instead of hopping level by level. The bytes on every link of
+the outer levels are the same; the inner levels carry the traffic once instead of once per hop.
+A compressed gather is a straight-through estimator: the owner receives the gradient of its
+expert's decoded copy as if it were the exact one (exact at ``CR = 1``).
+
+Every rank issues the same collectives in the same order (the gather's cache key, the weights'
+versions, changes on every rank together at the optimizer step).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from moesaic.comm.collectives import EPGroup
+from moesaic.experts import GroupedExperts, expert_ffn
+from moesaic.placement import ExpertPlacement
+from moesaic.placement.topology import Topology
+from moesaic.routing import RoutingPlan, build_plan
+from moesaic.strategies.base import CommStats, MoEStrategy, StrategyContext, StrategyOutput
+from moesaic.strategies.dropless import DroplessStrategy
+from moesaic.strategies.migration import Gathered, PendingGather, Weights, start_gather
+
+if TYPE_CHECKING:
+    from moesaic.strategies.base import ExpertFn
+
+__all__ = ["HybridStrategy", "hybrid_topology"]
+
+
+def hybrid_topology(ctx: StrategyContext) -> Topology:
+    """The expert domains of ``ctx``: cluster levels (or one level) cut by ``domain_sizes``."""
+    P = ctx.group.size
+    if ctx.topology is not None:
+        levels = tuple(level.size for level in ctx.topology.levels)
+        if ctx.topology.world_size != P:
+            raise ValueError(
+                f"the cluster description has {ctx.topology.world_size} ranks; the "
+                f"expert-parallel group has {P} (hybrid needs one rank per cluster rank)"
+            )
+    else:
+        levels = (P,)
+    sizes = ctx.config.domain_sizes if ctx.config.domain_sizes is not None else levels
+    if len(sizes) != len(levels):
+        raise ValueError(
+            f"domain_sizes ({list(sizes)}) must have one entry per cluster level ({len(levels)}: "
+            f"sizes {list(levels)})"
+        )
+    return Topology(scaling_factors=levels, domain_sizes=tuple(sizes), world_size=P)
+
+
+class _GatheredExperts(torch.autograd.Function):
+    """Local experts ``[e, *X]`` + gathered copies ``[S*e, *X]`` -> the domain's experts.
+
+    Forward: the gathered buffer with this rank's slice replaced by its own (exact) weights.
+    Backward: each member's slice of the gradient goes to that member (all-to-all over the
+    domain) and the S received gradients of the local experts are summed in source order.
+    """
+
+    @staticmethod
+    def forward(ctx, w_local, gathered, domain: EPGroup, what: str):
+        ctx.domain, ctx.what = domain, what
+        e, me = w_local.shape[0], domain.rank
+        return torch.cat([gathered[: me * e], w_local.detach(), gathered[(me + 1) * e :]])
+
+    @staticmethod
+    def backward(ctx, grad_SeX):
+        domain = ctx.domain
+        grad_SeX = grad_SeX.contiguous()
+        received = torch.empty_like(grad_SeX)
+        domain.all_to_all_single(received, grad_SeX, what=f"{ctx.what} gradient reduce")
+        S = domain.size
+        parts = received.view(S, -1, *received.shape[1:])
+        total = parts[0].clone()
+        for s in range(1, S):
+            total += parts[s]
+        return total, None, None, None
+
+
+class HybridStrategy(MoEStrategy):
+    """HybridEP: expert all-gathers inside domains, dropless all-to-all between domains."""
+
+    name = "hybrid"
+    moves_experts = True
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        self.topology = topo = hybrid_topology(ctx)
+        me, P = self.group.rank, self.group.size
+        self.compression_ratio = float(ctx.config.expert_compression_ratio)
+        self.domain_ranks = topo.domain_ranks(me)
+        self.offset_ranks = self._offset_group_ranks(topo, me)
+        # Collective creation order is the same on every member: domain, its prefetch clone,
+        # then the offset group.
+        self.domain = self.group.subgroup(self.domain_ranks)
+        self.prefetch_domain = self.group.subgroup(self.domain_ranks)
+        a2a = self.group.subgroup(self.offset_ranks)
+        self._routing = ExpertPlacement(
+            ctx.config.num_experts,
+            tuple(
+                tuple(g for r in topo.domain_ranks(q) for g in ctx.placement.local_experts(r))
+                for q in self.offset_ranks
+            ),
+        )
+        self._exchange = DroplessStrategy(StrategyContext(ctx.config, a2a, self._routing))
+        self._cache: tuple[tuple, Weights] | None = None
+        self._pending: tuple[tuple, Future[Gathered]] | None = None
+        assert len(self.domain_ranks) * len(self.offset_ranks) == P
+
+    @staticmethod
+    def _offset_group_ranks(topo: Topology, m: int) -> list[int]:
+        """Ranks with ``m``'s offset at every level: one per domain, ascending."""
+        offsets = [topo.domain_of(m, level)[1] for level in range(topo.num_levels)]
+        return [
+            n
+            for n in range(topo.size)
+            if all(topo.domain_of(n, lv)[1] == offsets[lv] for lv in range(topo.num_levels))
+        ]
+
+    @property
+    def routing_placement(self) -> ExpertPlacement:
+        return self._routing
+
+    # ---- the gathered experts -----------------------------------------------------------------
+
+    @staticmethod
+    def _local_weights(experts: ExpertFn) -> Weights:
+        if not isinstance(experts, GroupedExperts):
+            raise TypeError(
+                f"hybrid gathers expert weights and needs the layer's GroupedExperts, got "
+                f"{type(experts).__name__}"
+            )
+        return (experts.w1, experts.w3, experts.w2)
+
+    @staticmethod
+    def _key(weights: Weights) -> tuple:
+        return tuple((w.data_ptr(), w._version) if w is not None else None for w in weights)
+
+    def reserve_prefetch(self, experts: GroupedExperts) -> Future[Gathered] | None:
+        """For :class:`ExpertPrefetcher`: a slot for the next gather, None when not needed."""
+        weights = self._local_weights(experts)
+        if self.domain.size == 1:
+            return None
+        key = self._key(weights)
+        if (self._cache is not None and self._cache[0] == key) or self._pending is not None:
+            return None
+        fut: Future[Gathered] = Future()
+        self._pending = (key, fut)
+        return fut
+
+    def start_prefetch(self, experts: GroupedExperts) -> PendingGather:
+        """For :class:`ExpertPrefetcher`'s thread: encode and issue on the prefetch group."""
+        weights = self._local_weights(experts)
+        return start_gather(weights, self.prefetch_domain, self.compression_ratio)
+
+    def _gathered(self, weights: Weights) -> tuple[Weights, CommStats]:
+        """The domain's experts (detached, decoded) for the current weights, and what the
+        gathers sent (nothing when cached)."""
+        key = self._key(weights)
+        stats = CommStats()
+        if self._pending is not None:  # a prefetch was reserved on every rank: consume it
+            pkey, fut = self._pending
+            self._pending = None
+            tensors, pending = fut.result(timeout=self.domain.timeout_s)
+            stats = stats + self._gather_stats(pending)
+            if pkey == key:
+                self._cache = (key, tensors)
+        if self._cache is None or self._cache[0] != key:
+            pending = start_gather(weights, self.domain, self.compression_ratio)
+            self._cache = (key, pending.result())
+            stats = stats + self._gather_stats(pending)
+        return self._cache[1], stats
+
+    def _gather_stats(self, pending: PendingGather) -> CommStats:
+        peers = [
+            pending.nbytes if (r in self.domain_ranks and r != self.group.rank) else 0
+            for r in range(self.group.size)
+        ]
+        return CommStats(
+            expert_bytes=sum(peers), collectives=pending.collectives, peer_bytes_P=tuple(peers)
+        )
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def forward(self, x_TH: torch.Tensor, plan: RoutingPlan, experts: ExpertFn) -> StrategyOutput:
+        weights = self._local_weights(experts)
+        if plan.placement != self._routing:  # a plan routed by the owners: re-route it
+            plan = build_plan(plan.topk_ids_TK, plan.topk_weights_TK, self._routing, plan.capacity)
+        stats = CommStats(peer_bytes_P=(0,) * self.group.size)
+        if self.domain.size > 1:
+            gathered, stats = self._gathered(weights)
+            names = ("w1", "w3", "w2")
+            used = tuple(
+                None
+                if w is None or g is None
+                else _GatheredExperts.apply(w, g, self.domain, f"hybrid experts.{n}")
+                for w, g, n in zip(weights, gathered, names)
+            )
+        else:
+            used = weights
+
+        def run(x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
+            w1, w3, w2 = used
+            assert w1 is not None and w2 is not None
+            return expert_ffn(x_MH, counts_e, w1, w3, w2)
+
+        out = self._exchange.forward(x_TH, plan, run)
+        return StrategyOutput(out.y_TH, stats + self._to_group(out.stats))
+
+    def _to_group(self, stats: CommStats) -> CommStats:
+        """Statistics over the offset group -> over the expert-parallel group."""
+        peers = [0] * self.group.size
+        for q, b in enumerate(stats.peer_bytes_P or (0,) * len(self.offset_ranks)):
+            peers[self.offset_ranks[q]] += b
+        return CommStats(
+            dispatch_bytes=stats.dispatch_bytes,
+            combine_bytes=stats.combine_bytes,
+            meta_bytes=stats.meta_bytes,
+            padded_rows=stats.padded_rows,
+            dropped_rows=stats.dropped_rows,
+            collectives=stats.collectives,
+            peer_bytes_P=tuple(peers),
+        )
