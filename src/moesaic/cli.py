@@ -1,4 +1,4 @@
-"""The ``moesaic`` command line: ``moesaic train | generate | bench | cluster | taskflow ...``.
+"""The ``moesaic`` command line: ``moesaic train | generate | bench | cluster | taskflow | plan ...``.
 
 Each subsystem owns its subcommands in its own module and exposes ``add_subparser(subparsers)``;
 this file only wires them together. Only the module of the command being run is imported: the
@@ -27,6 +27,10 @@ _MODULES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("moesaic.bench.cli", (("bench", "benchmarks (results as JSON)"),)),
     ("moesaic.cluster.cli", (("cluster", "emulated multi-level cluster in network namespaces"),)),
     ("moesaic.taskflow.cli", (("taskflow", "compile, inspect and check static MoE taskflows"),)),
+    (
+        "moesaic.placement.cli",
+        (("plan", "HybridEP expert-domain sizes for a model on a cluster (cost model)"),),
+    ),
 )
 
 # Exit status of a run stopped by Ctrl-C, as a shell reports a SIGINT death (128 + 2).

@@ -11,6 +11,7 @@ to the constructor (``ep_group``); the data-parallel gradient rules live in
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,9 @@ from torch import nn
 
 from moesaic.layer import MoELayer
 from moesaic.models.config import MoEGPTConfig
+
+if TYPE_CHECKING:
+    from moesaic.cluster.spec import ClusterSpec
 
 __all__ = ["Block", "MoEGPT", "MoEGPTConfig"]
 
@@ -63,7 +67,13 @@ class Block(nn.Module):
     combine, or the dense MLP). ``forward`` is exactly ``expert_stage(*attention_stage(x))``.
     """
 
-    def __init__(self, cfg: MoEGPTConfig, dense: bool, ep_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        cfg: MoEGPTConfig,
+        dense: bool,
+        ep_group: dist.ProcessGroup | None,
+        topology: ClusterSpec | None = None,
+    ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
@@ -71,7 +81,7 @@ class Block(nn.Module):
         if dense:
             self.mlp = DenseMLP(cfg.d_model, cfg.dense_hidden or 4 * cfg.d_model)
         else:
-            self.moe = MoELayer(cfg.moe, group=ep_group)
+            self.moe = MoELayer(cfg.moe, group=ep_group, topology=topology)
 
     def attention_stage(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention half: returns the residual stream and the normed input of the FFN stage."""
@@ -94,19 +104,27 @@ class MoEGPT(nn.Module):
         config: the model shape.
         ep_group: the expert-parallel process group of the MoE blocks (None: the default world
             if torch.distributed is initialised, else all experts in this process).
+        topology: the cluster description of the EP group, handed to every MoE block (the
+            ``hybrid`` strategy takes its levels from it); None: none.
 
     Initialisation draws from the default RNG in the same order whatever the EP size (the MoE
     blocks init each expert from its own seed), so seeding every rank alike gives replicated
     weights that agree and experts equal to those of an EP = 1 model.
     """
 
-    def __init__(self, config: MoEGPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: MoEGPTConfig,
+        ep_group: dist.ProcessGroup | None = None,
+        topology: ClusterSpec | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(
-            Block(config, i < config.dense_layers, ep_group) for i in range(config.n_layers)
+            Block(config, i < config.dense_layers, ep_group, topology)
+            for i in range(config.n_layers)
         )
         self.ln_f = nn.LayerNorm(config.d_model)
         self._init_dense_weights()

@@ -28,6 +28,7 @@ run never replaces or prunes the last good checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -437,7 +438,13 @@ def load_checkpoint(
 def load_model_for_inference(path: Path) -> tuple[MoEGPT, dict]:
     """The whole model (all experts, one process) from a checkpoint of any EP size."""
     meta = read_checkpoint_meta(path)
-    model = MoEGPT(MoEGPTConfig.from_dict(meta["model"]))
+    cfg = MoEGPTConfig.from_dict(meta["model"])
+    if cfg.moe.dispatcher == "hybrid":
+        # One process holds every expert: hybrid's domains (sized for the training cluster's
+        # levels) gather nothing here, and at EP 1 it computes what dropless computes.
+        moe = dataclasses.replace(cfg.moe, dispatcher="dropless", domain_sizes=None)
+        cfg = dataclasses.replace(cfg, moe=moe)
+    model = MoEGPT(cfg)
     load_checkpoint(path, model=model, optimizer=None, rank=0)
     model.eval()
     return model, meta

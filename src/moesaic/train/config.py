@@ -20,6 +20,8 @@ from typing import Any
 from moesaic.checks import check_bool, check_int, check_number, check_one_of
 from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
+from moesaic.strategies.registry import strategy_names
+from moesaic.train.domains import check_cluster_and_domains, split_auto_domains
 from moesaic.train.schedule_options import (
     auto_pipeline_degree,
     parse_ar_chunk,
@@ -96,6 +98,13 @@ class TrainConfig:
         fault_kill_rank: fault injection: this rank SIGKILLs itself at ``fault_kill_step``
             (only on the first attempt, so the restarted group runs to the end).
         fault_kill_step: the step at whose start the kill happens.
+        cluster: a cluster description (TOML, ``moesaic.cluster.spec``) of one expert-parallel
+            group, handed to every MoE layer as its topology (the ``hybrid`` strategy's levels);
+            its world size must equal the EP size. None: no topology.
+        auto_domains: ``--domains auto`` (``model.moe.domain_sizes = "auto"``): at the start of
+            the run the ``hybrid`` strategy's domain sizes are chosen by the cost model of
+            ``moesaic plan`` on ``cluster`` (needed), at rank 0's measured GEMM throughput
+            (``moesaic.train.domains``); other strategies ignore it.
     """
 
     model: MoEGPTConfig = field(default_factory=MoEGPTConfig)
@@ -132,6 +141,8 @@ class TrainConfig:
     progress: bool = True
     fault_kill_rank: int | None = None
     fault_kill_step: int | None = None
+    cluster: str | None = None
+    auto_domains: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MoEGPTConfig):
@@ -172,7 +183,8 @@ class TrainConfig:
         check_bool("progress", self.progress)
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"run_dir must be a non-empty path, got {self.run_dir!r}")
-        for name in ("trace", "trace_png"):
+        self._check_domains()
+        for name in ("trace", "trace_png", "cluster"):
             path = getattr(self, name)
             if path is not None and (not isinstance(path, str) or not path):
                 raise ValueError(f"{name} must be a non-empty path or None, got {path!r}")
@@ -202,6 +214,18 @@ class TrainConfig:
             )
         self.ar_chunk = parse_ar_chunk(self.ar_chunk)
 
+    def _check_domains(self) -> None:
+        check_bool("auto_domains", self.auto_domains)
+        if self.auto_domains and self.model.moe.domain_sizes is not None:
+            raise ValueError(
+                f"model.moe.domain_sizes is both 'auto' and {list(self.model.moe.domain_sizes)}"
+            )
+        if self.auto_domains and self.cluster is None:
+            raise ValueError(
+                "domain_sizes 'auto' (--domains auto) needs cluster (--cluster FILE.toml): the "
+                "cost model prices the cluster's links"
+            )
+
     @property
     def ar_chunk_bytes(self) -> int | None:
         """Sp in bytes, or None for "auto" (tuned online)."""
@@ -221,6 +245,7 @@ class TrainConfig:
             raise ValueError(
                 f"fault_kill_rank ({self.fault_kill_rank}) must be < the world size ({world_size})"
             )
+        check_cluster_and_domains(self.cluster, self.model.moe, ep)
         return ep
 
     def to_dict(self) -> dict[str, Any]:
@@ -237,7 +262,7 @@ class TrainConfig:
         out.
         """
         per_node = {"nproc", "threads", "progress", "max_restarts", "run_dir", "data", "model"}
-        per_node |= {"fault_kill_rank", "fault_kill_step", "trace", "trace_png"}
+        per_node |= {"fault_kill_rank", "fault_kill_step", "trace", "trace_png", "cluster"}
         out: dict[str, object] = {f"model.{k}": v for k, v in self.model.fields_flat().items()}
         # Where a trace goes is per node, whether there is one is not: gathering it is a
         # collective every rank must take part in.
@@ -261,7 +286,9 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
-        model = nest_legacy_keys(model)
+        model, auto = split_auto_domains(nest_legacy_keys(model))
+        if auto:
+            d["auto_domains"] = True
         moe = model.get("moe")
         timeout_s = d.get("timeout_s", cls.__dataclass_fields__["timeout_s"].default)
         if isinstance(moe, dict) and moe.get("collective_timeout_s", timeout_s) != timeout_s:
@@ -287,7 +314,11 @@ _MODEL_FLAGS = (
     ("--aux-loss-coef", "moe.aux_loss_coef", float),
     ("--z-loss-coef", "moe.z_loss_coef", float),
     ("--dispatcher", "moe.dispatcher", str),
+    ("--domains", "moe.domain_sizes", str),
+    ("--expert-compression-ratio", "moe.expert_compression_ratio", float),
 )
+# Other spellings of a flag (same option): --strategy is --dispatcher.
+_ALIASES = {"--dispatcher": ("--strategy",)}
 _RUN_FLAGS = (
     ("--nproc", "nproc", int),
     ("--ep", "ep", int),
@@ -320,6 +351,7 @@ _RUN_FLAGS = (
     ("--threads", "threads", int),
     ("--fault-kill-rank", "fault_kill_rank", int),
     ("--fault-kill-step", "fault_kill_step", int),
+    ("--cluster", "cluster", str),
 )
 _HELP = {
     "seq_len": "context length T",
@@ -333,7 +365,12 @@ _HELP = {
     "dense_hidden": "dense MLP width (default 4 * d_model)",
     "moe.aux_loss_coef": "load-balancing loss weight",
     "moe.z_loss_coef": "router z-loss weight",
-    "moe.dispatcher": "MoE execution strategy (moesaic.strategies): dropless or padded",
+    "moe.dispatcher": "MoE execution strategy (moesaic.strategies; --strategy is the same): "
+    + ", ".join(strategy_names()),
+    "moe.domain_sizes": "hybrid's expert-domain sizes S0,S1,... (one per --cluster level, "
+    "outermost first), or 'auto': chosen by the cost model of `moesaic plan` on --cluster",
+    "moe.expert_compression_ratio": "hybrid: SR compression ratio CR of gathered experts "
+    "(1 = exact)",
     "nproc": "worker processes on this node",
     "ep": "expert-parallel group size (default: all ranks); DP = world / EP",
     "steps": "optimizer steps (length of the LR schedule)",
@@ -367,6 +404,7 @@ _HELP = {
     "threads": "torch threads per worker (default: cores / nproc)",
     "fault_kill_rank": "fault injection: this rank SIGKILLs itself (first attempt only)",
     "fault_kill_step": "fault injection: at the start of this step",
+    "cluster": "cluster description (TOML) of one EP group: the MoE layers' topology",
 }
 
 
@@ -376,6 +414,10 @@ _METAVARS = {
     "trace": "FILE.json",
     "trace_png": "FILE.png",
     "schedule": "|".join(schedule_names()),
+    "cluster": "FILE.toml",
+    "moe.domain_sizes": "auto|S0,S1,...",
+    "moe.expert_compression_ratio": "CR",
+    "moe.dispatcher": "|".join(strategy_names()),
 }
 
 
@@ -415,8 +457,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default = attrgetter(name)(defaults.model)
         model.add_argument(
             flag,
+            *_ALIASES.get(flag, ()),
             dest=f"model.{name}",
-            metavar=name.rsplit(".", 1)[-1].upper(),
+            metavar=_METAVARS.get(name, name.rsplit(".", 1)[-1].upper()),
             type=typ,
             default=argparse.SUPPRESS,
             help=f"{_HELP[name]} (default: {default})",

@@ -8,6 +8,7 @@ checkpoint, so a killed worker loses only the steps after it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -42,6 +43,7 @@ from moesaic.train.checkpoint import (
 )
 from moesaic.train.config import TRACE_STEPS, TrainConfig
 from moesaic.train.data import PackedData, load_splits
+from moesaic.train.domains import check_cluster_and_domains, plan_training_domains
 from moesaic.train.health import NonFiniteError, nonfinite_message
 from moesaic.train.parallel import GradientSync, Layout, build_layout
 from moesaic.train.report import Reporter
@@ -110,7 +112,9 @@ def lm_loss(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
 
 
-def check_config_agrees(cfg: TrainConfig, layout: Layout, data: tuple[int, int]) -> None:
+def check_config_agrees(
+    cfg: TrainConfig, layout: Layout, data: tuple[int, int], cluster: dict | None = None
+) -> None:
     """Refuse to go on unless every rank runs the same configuration (a collective).
 
     Compares ``cfg.agreement_fields()`` (the model, MoE fields included, the optimizer
@@ -124,6 +128,7 @@ def check_config_agrees(cfg: TrainConfig, layout: Layout, data: tuple[int, int])
     fields["optimizer"] = f"AdamW(betas={ADAMW_BETAS}, foreach=False)"
     fields["world_size"] = layout.world_size
     fields["data_windows"] = data
+    fields["cluster"] = cluster  # its contents (the path may differ between nodes)
     check_ranks_agree(fields, timeout_s=cfg.timeout_s, what="training config")
 
 
@@ -166,6 +171,42 @@ def _step_stats(model: MoEGPT, ce, aux, layout: Layout, device) -> tuple[float, 
     return float(buf[0]) / W, float(buf[1]) / W, loads
 
 
+def resolve_auto_domains(cfg: TrainConfig, spec, layout: Layout, device) -> TrainConfig:
+    """``--domains auto``: ``cfg`` with the ``hybrid`` domain sizes of the cost model (a collective).
+
+    Rank 0 measures its GEMM throughput (with this worker's threads) and every rank takes rank
+    0's number (an all-gather), so all of them compute the same plan; rank 0 logs it.
+    """
+    moe = cfg.model.moe
+    if not cfg.auto_domains or moe.dispatcher != "hybrid":
+        return cfg
+    if layout.rank == 0:
+        from moesaic.placement.costmodel import measure_gemm_flops
+
+        flops = measure_gemm_flops()
+    else:
+        flops = 0.0
+    mine = torch.tensor([[flops]], dtype=torch.float64, device=device)
+    flops = float(layout.world.all_gather_dim0(mine, "all_gather of the measured FLOP/s")[0, 0])
+    plan = plan_training_domains(
+        cfg.model,
+        spec,
+        batch_size=cfg.batch_size,
+        pipeline_degree=int(cfg.pipeline_degree),
+        flops_per_s=flops,
+    )
+    if layout.rank == 0:
+        print(
+            f"moesaic train: --domains auto on {spec.name} at {flops / 1e9:.3g} GFLOP/s "
+            f"(rank 0, measured): {plan.reason}",
+            file=sys.stderr,
+            flush=True,
+        )
+    sizes = plan.chosen.domain_sizes
+    model = dataclasses.replace(cfg.model, moe=dataclasses.replace(moe, domain_sizes=sizes))
+    return dataclasses.replace(cfg, model=model, auto_domains=False)
+
+
 def _maybe_resume(cfg, model, optimizer, layout) -> tuple[int, int, str | None]:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     path = latest_checkpoint(cfg.run_dir)
@@ -193,11 +234,14 @@ def train(cfg: TrainConfig) -> dict:
     train_data, val_data = load_splits(
         cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len
     )
+    spec = check_cluster_and_domains(cfg.cluster, cfg.model.moe, ep_size)
     # Before any collective depends on it (a model with another num_experts aborts gloo).
-    check_config_agrees(cfg, layout, (train_data.num_windows, val_data.num_windows))
+    windows = (train_data.num_windows, val_data.num_windows)
+    check_config_agrees(cfg, layout, windows, None if spec is None else spec.to_dict())
+    cfg = resolve_auto_domains(cfg, spec, layout, device)
     torch.manual_seed(cfg.seed)  # alike on every rank: replicated weights agree
     # cfg.model.moe.collective_timeout_s is cfg.timeout_s (TrainConfig sets it).
-    model = MoEGPT(cfg.model, ep_group=layout.ep_group).to(device)
+    model = MoEGPT(cfg.model, ep_group=layout.ep_group, topology=spec).to(device)
     optimizer = _make_optimizer(model, cfg)
     tracing = cfg.trace is not None or cfg.trace_png is not None
     recorder = Recorder(rank=layout.rank) if tracing else None

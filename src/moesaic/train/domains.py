@@ -1,0 +1,185 @@
+"""HybridEP expert domains of a training run: ``--domains auto|S0,S1,...`` and ``--cluster``.
+
+``model.moe.domain_sizes`` (``--domains``) is given as sizes (``[1, 2]`` in TOML, ``1,2`` as a
+flag) or as ``"auto"``; ``"auto"`` becomes ``TrainConfig.auto_domains`` and is resolved when the
+run starts with the cost model of ``moesaic plan`` (:func:`plan_training_domains`), from the
+cluster description (``--cluster FILE.toml``) and a measured GEMM throughput.
+
+What the cost model is told about a training run (the same rules for ``moesaic plan --model``):
+
+* ``T``, tokens per rank per MoE forward: ``batch_size x seq_len / pipeline_degree`` (a
+  pipelined schedule runs each MoE layer once per chunk);
+* the priced MoE block is the steady-state one: with several MoE blocks, the second and later
+  ones have only their own attention (and router) in front (``m = 0`` dense blocks before, Eq. 2);
+  with a single MoE block the ``dense_layers`` dense blocks before it count (``m = dense_layers``);
+  the first of several MoE blocks has more cover than the plan assumes, never less;
+* bytes per element: 4 (``moesaic train`` trains in fp32), for tokens and experts alike.
+
+Torch-free: the launcher's validation and ``moesaic plan`` use it without torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moesaic.checks import check_positive_int, is_int
+from moesaic.cluster.spec import ClusterSpec
+from moesaic.config import MoEConfig
+from moesaic.models.config import MoEGPTConfig
+from moesaic.placement.costmodel import DomainPlan, StreamInputs, plan_domains, stream_inputs
+from moesaic.placement.topology import Topology
+
+__all__ = [
+    "AUTO",
+    "TRAIN_DTYPE_BYTES",
+    "check_cluster_and_domains",
+    "dense_blocks_before",
+    "load_cluster",
+    "model_stream_inputs",
+    "parse_domain_sizes",
+    "plan_training_domains",
+    "split_auto_domains",
+    "tokens_per_forward",
+]
+
+AUTO = "auto"
+# moesaic train runs in fp32 (torch's default dtype): bytes of a token element and of a weight.
+TRAIN_DTYPE_BYTES = 4
+
+
+def parse_domain_sizes(value: object) -> str | tuple[int, ...] | None:
+    """``model.moe.domain_sizes`` as given: None, ``"auto"``, ints, or a string ``"S0,S1,..."``.
+
+    Returns ``"auto"``, a tuple of ints, or None; each size is checked to be a positive int.
+    """
+    if value is None or value == AUTO:
+        return value  # type: ignore[return-value]  # None or "auto"
+    rule = "must be 'auto' or positive ints, one per cluster level, outermost first ('1,2')"
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")]
+        if not all(p.isdigit() for p in parts):
+            raise ValueError(f"domain_sizes ({value!r}) {rule}")
+        value = [int(p) for p in parts]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"domain_sizes ({value!r}) {rule}")
+    for i, s in enumerate(value):
+        if not is_int(s) or s < 1:
+            raise ValueError(f"domain_sizes[{i}] ({s!r}) {rule}")
+    return tuple(value)
+
+
+def split_auto_domains(model: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``[model]`` with ``moe.domain_sizes`` parsed; ``"auto"`` is taken out and returned as True.
+
+    ``model`` is a ``[model]`` table after ``nest_legacy_keys`` (not modified).
+    """
+    moe = model.get("moe")
+    if not isinstance(moe, dict) or "domain_sizes" not in moe:
+        return model, False
+    sizes = parse_domain_sizes(moe["domain_sizes"])
+    moe = dict(moe)
+    if sizes == AUTO:
+        del moe["domain_sizes"]
+        return {**model, "moe": moe}, True
+    moe["domain_sizes"] = sizes
+    return {**model, "moe": moe}, False
+
+
+def load_cluster(path: str) -> ClusterSpec:
+    """The cluster description of ``--cluster`` (errors name the option and the file)."""
+    try:
+        return ClusterSpec.from_toml(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"cluster: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"cluster ({path}): {exc}") from None
+
+
+def check_cluster_and_domains(
+    cluster: str | None, moe: MoEConfig, ep_size: int
+) -> ClusterSpec | None:
+    """The run's cluster (None without ``--cluster``), checked against the EP size and the domains.
+
+    Raises ValueError when the cluster's world size is not the expert-parallel size, or when
+    ``hybrid``'s domain sizes do not fit its levels (one per cluster level, each dividing the
+    level's size; without a cluster, one level of the EP size).
+    """
+    spec = None if cluster is None else load_cluster(cluster)
+    if spec is not None and spec.world_size != ep_size:
+        raise ValueError(
+            f"cluster ({cluster}) describes {spec.world_size} ranks but the expert-parallel "
+            f"group has ep = {ep_size}: the cluster file must describe one EP group "
+            "(its world_size must equal --ep, or the number of ranks when --ep is not given)"
+        )
+    if moe.dispatcher == "hybrid" and moe.domain_sizes is not None:
+        levels = [lv.size for lv in spec.levels] if spec is not None else [ep_size]
+        where = f"the levels of cluster {cluster}" if spec is not None else "one level of ep"
+        try:
+            Topology(scaling_factors=tuple(levels), domain_sizes=moe.domain_sizes)
+        except ValueError as exc:
+            raise ValueError(f"model.moe.{exc} ({where}: sizes {levels})") from None
+    return spec
+
+
+def tokens_per_forward(batch_size: int, seq_len: int, pipeline_degree: int) -> int:
+    """``T`` of the cost model: tokens one MoE forward of one rank sees."""
+    check_positive_int("pipeline_degree", pipeline_degree)
+    return batch_size * seq_len // pipeline_degree
+
+
+def dense_blocks_before(model: MoEGPTConfig) -> int:
+    """``m`` of Eq. 2 for the priced MoE block (see the module docstring)."""
+    return model.dense_layers if model.num_moe_layers == 1 else 0
+
+
+def model_stream_inputs(
+    model: MoEGPTConfig,
+    *,
+    tokens_per_rank: int,
+    ep_size: int,
+    flops_per_s: float,
+    compression_ratio: float | None = None,
+    dtype_bytes: int = TRAIN_DTYPE_BYTES,
+) -> StreamInputs:
+    """``stream_inputs`` of ``model``'s MoE block (``compression_ratio``: default the model's)."""
+    moe = model.moe
+    if moe.num_experts % ep_size:
+        raise ValueError(
+            f"num_experts ({moe.num_experts}) must be divisible by the cluster's world size "
+            f"({ep_size}): each rank holds num_experts / world_size experts"
+        )
+    cr = moe.expert_compression_ratio if compression_ratio is None else compression_ratio
+    return stream_inputs(
+        moe,
+        tokens_per_rank=tokens_per_rank,
+        ep_size=ep_size,
+        flops_per_s=flops_per_s,
+        act_bytes=dtype_bytes,
+        param_bytes=dtype_bytes,
+        compression_ratio=cr,
+        seq_len=model.seq_len,
+        dense_blocks_before=dense_blocks_before(model),
+        dense_ffn_hidden_size=model.dense_hidden or 4 * model.d_model,
+    )
+
+
+def plan_training_domains(
+    model: MoEGPTConfig,
+    spec: ClusterSpec,
+    *,
+    batch_size: int,
+    pipeline_degree: int,
+    flops_per_s: float,
+) -> DomainPlan:
+    """``--domains auto``: the cost model's domain sizes for this run on ``spec``.
+
+    A pure function of its arguments: ranks that pass the same ``flops_per_s`` (the training
+    loop broadcasts rank 0's measurement) get the same plan.
+    """
+    inputs = model_stream_inputs(
+        model,
+        tokens_per_rank=tokens_per_forward(batch_size, model.seq_len, pipeline_degree),
+        ep_size=spec.world_size,
+        flops_per_s=flops_per_s,
+    )
+    return plan_domains(spec, inputs)
