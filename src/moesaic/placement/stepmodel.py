@@ -1,0 +1,131 @@
+"""A training step's time under HybridEP: the paper's forward (Eq. 10) plus what training adds.
+
+The paper's ``Lat_final`` is one MoE layer's forward with expert compute hidden under the
+all-to-alls (Eq. 7) and notes (§V) that the backward adds "a constant". The ``hybrid``
+strategy as built computes the experts between the two all-to-alls (nothing hides them), runs
+a backward with the same two all-to-alls and reduces the gathered experts' gradients to their
+owners (dense bytes, whatever the compression), so the prediction compared with measurements is,
+per MoE block::
+
+    forward  = max(PE, AG) + 2 A2A + EXP        (prefetched gathers: Fig. 10)
+             = PE + AG + 2 A2A + EXP            (gathers issued in the layer: Partition only)
+    backward = 2 PE + 2 EXP + 2 A2A + RS        (RS: the gradient reduce, priced as a dense AG)
+    AG      += shared-expert all-reduce          (compressed gathers only)
+
+with PE, EXP from FLOPs at a given throughput (``stream_inputs``) and AG, A2A, RS from
+:func:`moesaic.placement.costmodel.evaluate_domains` on the cluster description. The
+data-parallel all-reduce of replicated weights is the same for every strategy and left out.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from moesaic.checks import check_bool, check_positive_int
+from moesaic.cluster.spec import ClusterSpec
+from moesaic.config import MoEConfig
+from moesaic.placement.compress import kept_entries
+from moesaic.placement.costmodel import evaluate_domains, stream_inputs
+
+__all__ = ["StepPrediction", "predict_step"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StepPrediction:
+    """Predicted seconds of one training step, and its parts (per MoE block, seconds).
+
+    Attributes:
+        domain_sizes: ``S^l`` per level.
+        step_s: ``blocks * (forward_s + backward_s)``.
+        forward_s: one block's forward.
+        backward_s: one block's backward.
+        parts: ``pre_expert``, ``expert``, ``gather``, ``all_to_all`` (one of the two),
+            ``grad_reduce``, ``shared_all_reduce``.
+    """
+
+    domain_sizes: tuple[int, ...]
+    step_s: float
+    forward_s: float
+    backward_s: float
+    parts: dict[str, float]
+
+
+def predict_step(
+    spec: ClusterSpec,
+    config: MoEConfig,
+    domain_sizes: tuple[int, ...] | list[int],
+    *,
+    tokens_per_rank: int,
+    flops_per_s: float,
+    blocks: int = 1,
+    seq_len: int | None = None,
+    act_bytes: int = 4,
+    param_bytes: int = 4,
+    compression_ratio: float = 1.0,
+    prefetch: bool = False,
+) -> StepPrediction:
+    """Predicts a training step of ``blocks`` (attention + MoE) blocks under ``hybrid``.
+
+    Args:
+        spec: The cluster (its world size is the expert-parallel size).
+        config: The MoE layer.
+        domain_sizes: ``S^l`` per level (all 1: classic EP, which ``dropless`` runs).
+        tokens_per_rank: Tokens each rank feeds each layer.
+        flops_per_s: A rank's GEMM throughput, as measured on the running cluster.
+        blocks: MoE blocks in the model.
+        seq_len: Sequence length for the attention FLOPs (default: ``tokens_per_rank``).
+        act_bytes: Bytes per activation element on the wire.
+        param_bytes: Bytes per expert parameter.
+        compression_ratio: SR compression ratio of the gathers (1: none).
+        prefetch: Gathers prefetched under the pre-expert computation (Fig. 10).
+    """
+    check_positive_int("blocks", blocks)
+    check_bool("prefetch", prefetch)
+    common = dict(
+        tokens_per_rank=tokens_per_rank,
+        ep_size=spec.world_size,
+        flops_per_s=flops_per_s,
+        act_bytes=act_bytes,
+        param_bytes=param_bytes,
+        seq_len=seq_len,
+    )
+    sent = stream_inputs(config, compression_ratio=compression_ratio, **common)  # type: ignore[arg-type]
+    dense = stream_inputs(config, **common)  # type: ignore[arg-type]
+    moved = evaluate_domains(spec, sent, domain_sizes)
+    grads = evaluate_domains(spec, dense, domain_sizes)
+    gather_s = sum(moved.ag_s)
+    shared_s = 0.0
+    S = math.prod(moved.domain_sizes)
+    numel = config.hidden_size * config.ffn_hidden_size
+    if S > 1 and kept_entries(numel, compression_ratio) < numel:
+        # The shared experts' all-reduce (one dense expert's bytes) priced as two gathers of
+        # 1/S of it each (reduce-scatter + all-gather).
+        one = dense.expert_bytes / dense.experts_per_rank
+        shared = dataclasses.replace(dense, expert_bytes=2 * one / S)
+        shared_s = sum(evaluate_domains(spec, shared, domain_sizes).ag_s)
+    gather_s += shared_s
+    a2a_s = sum(moved.a2a_s)
+    pe_s = sent.pre_expert_s
+    exp_s = sent.experts_per_rank * sent.expert_s
+    first = max(pe_s, gather_s) if prefetch else pe_s + gather_s
+    forward_s = first + 2 * a2a_s + exp_s
+    reduce_s = sum(grads.ag_s)
+    backward_s = 2 * pe_s + 2 * exp_s + 2 * a2a_s + reduce_s
+    return StepPrediction(
+        domain_sizes=moved.domain_sizes,
+        step_s=blocks * (forward_s + backward_s),
+        forward_s=forward_s,
+        backward_s=backward_s,
+        parts={
+            "pre_expert": pe_s,
+            "expert": exp_s,
+            "gather": gather_s - shared_s,
+            "shared_all_reduce": shared_s,
+            "all_to_all": a2a_s,
+            "grad_reduce": reduce_s,
+        },
+    )
