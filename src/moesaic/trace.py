@@ -40,9 +40,9 @@ if TYPE_CHECKING:
     from moesaic.comm.collectives import EPGroup
 
 # Lane order within a rank (unknown resources follow, alphabetically).
-RESOURCES = ("step", "compute", "a2a", "allreduce", "optimizer")
-COMPUTE_RESOURCES = ("compute", "optimizer")
-COMM_RESOURCES = ("a2a", "allreduce")
+RESOURCES = ("step", "compute", "encode", "a2a", "gather", "allreduce", "optimizer")
+COMPUTE_RESOURCES = ("compute", "encode", "optimizer")
+COMM_RESOURCES = ("a2a", "gather", "allreduce")
 
 # Task kind (the name without its chunk/block numbers) -> colour (matplotlib's tab10/tab20).
 _KIND_COLORS = {
@@ -351,8 +351,8 @@ def busy_time(spans: Sequence[Span], resource: str | Collection[str]) -> float:
 def overlap_bound(spans: Sequence[Span]) -> float:
     """The perfect-overlap bound of one step: max(busy compute, busy communication) seconds.
 
-    Compute is ``COMPUTE_RESOURCES`` ("compute", "optimizer"), communication
-    ``COMM_RESOURCES`` ("a2a", "allreduce"); each is a union of intervals. With spans of several
+    Compute is ``COMPUTE_RESOURCES`` ("compute", "encode", "optimizer"), communication
+    ``COMM_RESOURCES`` ("a2a", "gather", "allreduce"); each is a union of intervals. With spans of several
     ranks, the largest rank's bound (a step ends when its slowest rank does).
     """
     ranks = sorted({s.rank for s in spans})
