@@ -58,13 +58,13 @@ def parse_domain_sizes(value: object) -> str | tuple[int, ...] | None:
     if isinstance(value, str):
         parts = [p.strip() for p in value.split(",")]
         if not all(p.isdigit() for p in parts):
-            raise ValueError(f"domain_sizes ({value!r}) {rule}")
+            raise ValueError(f"model.moe.domain_sizes ({value!r}) {rule}")
         value = [int(p) for p in parts]
     if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"domain_sizes ({value!r}) {rule}")
+        raise ValueError(f"model.moe.domain_sizes ({value!r}) {rule}")
     for i, s in enumerate(value):
         if not is_int(s) or s < 1:
-            raise ValueError(f"domain_sizes[{i}] ({s!r}) {rule}")
+            raise ValueError(f"model.moe.domain_sizes[{i}] ({s!r}) {rule}")
     return tuple(value)
 
 

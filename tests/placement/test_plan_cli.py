@@ -1,0 +1,250 @@
+"""``moesaic plan``: every candidate in the table, ``--json`` equal to ``plan_domains``, the
+inputs derived from the training TOML, torch-free with a given rate, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moesaic.cli import main
+from moesaic.cluster.spec import ClusterSpec
+from moesaic.config import MoEConfig
+from moesaic.placement.costmodel import plan_domains, stream_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTERS = ROOT / "examples" / "clusters"
+TINY = ROOT / "examples" / "train_tiny.toml"  # H 64, F 128, E 4, K 2, batch 8 x seq 64
+SMALL = CLUSTERS / "2dc_2node_small.toml"  # 2 x 2 ranks
+DEEP = CLUSTERS / "2dc_2node_2gpu_small.toml"  # 2 x 2 x 2 ranks
+
+
+def _model(tmp_path: Path, **moe: object) -> Path:
+    """A training TOML (like examples/train_tiny.toml) with the given [model.moe] keys."""
+    lines = ["batch_size = 4", "[model]", "seq_len = 32", "d_model = 64", "n_layers = 3"]
+    lines += ["n_heads = 2", "dense_layers = 1", "[model.moe]"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in moe.items()]
+    path = tmp_path / "model.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _plan(capsys, *argv: str) -> str:
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def _expected(cluster: Path, moe: MoEConfig, *, tokens: int, flops: float, seq: int, **kw):
+    """plan_domains on inputs built here from the documented rules (fp32, dense width 4 H)."""
+    spec = ClusterSpec.from_toml(cluster)
+    inputs = stream_inputs(
+        moe,
+        tokens_per_rank=tokens,
+        ep_size=spec.world_size,
+        flops_per_s=flops,
+        act_bytes=4,
+        param_bytes=4,
+        seq_len=seq,
+        dense_ffn_hidden_size=4 * moe.hidden_size,
+        **kw,
+    )
+    return plan_domains(spec, inputs), inputs
+
+
+# (cluster, extra flags, [model.moe] keys, expected kwargs of stream_inputs): the tiny example
+# on 2 x 2 ranks; 8 experts on 2 x 2 x 2 ranks (8 candidates) with compression; a big-expert
+# model whose experts cost more to move than the tokens (classic EP wins).
+CASES = [
+    (SMALL, ["--model", str(TINY)], None, {"tokens": 512, "seq": 64}),
+    (
+        DEEP,
+        ["--compression-ratio", "20"],
+        {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 128},
+        {"tokens": 128, "seq": 32, "compression_ratio": 20.0},
+    ),
+    (
+        SMALL,
+        ["--tokens-per-rank", "8"],
+        {"num_experts": 4, "top_k": 1, "ffn_hidden_size": 4096},
+        {"tokens": 8, "seq": 32},
+    ),
+]
+
+
+@pytest.mark.parametrize("cluster, flags, moe, expect", CASES, ids=["tiny", "deep-cr", "classic"])
+def test_json_equals_plan_domains(cluster, flags, moe, expect, tmp_path, capsys):
+    flops = 2e10
+    args = ["--cluster", str(cluster), "--flops-per-s", str(flops), "--json", *flags]
+    if moe is not None:
+        args += ["--model", str(_model(tmp_path, **moe))]
+        # n_layers 3, dense_layers 1: two MoE blocks, the priced one has no dense block before
+        config = MoEConfig(hidden_size=64, **moe)
+    else:
+        config = MoEConfig(hidden_size=64, ffn_hidden_size=128, num_experts=4, top_k=2)
+    out = json.loads(_plan(capsys, *args))
+    plan, inputs = _expected(cluster, config, flops=flops, **expect)
+    assert out["chosen"]["domain_sizes"] == list(plan.chosen.domain_sizes)
+    assert out["chosen"]["p"] == list(plan.chosen.p)
+    assert out["chosen"]["predicted_s"] == pytest.approx(plan.chosen.final_s, rel=1e-12)
+    assert out["reason"] == plan.reason
+    assert out["inputs"]["data_bytes"] == inputs.data_bytes
+    assert out["inputs"]["expert_bytes"] == inputs.expert_bytes
+    assert out["inputs"]["pre_expert_s"] == pytest.approx(inputs.pre_expert_s, rel=1e-12)
+    assert out["flops_measured"] is False and out["flops_per_s"] == flops
+    got = {tuple(c["domain_sizes"]): c for c in out["candidates"]}
+    assert len(got) == len(out["candidates"]) == len(plan.candidates)
+    for c in plan.candidates:
+        row = got[c.domain_sizes]
+        assert row["ag_s"] == pytest.approx(list(c.ag_s), rel=1e-12)
+        assert row["a2a_s"] == pytest.approx(list(c.a2a_s), rel=1e-12)
+        assert row["speedup_vs_classic"] == pytest.approx(plan.classic.final_s / c.final_s)
+        assert row["chosen"] == (c is plan.chosen)
+
+
+def test_the_cases_cover_both_answers(tmp_path, capsys):
+    """The cases above are not all one answer: hybrid wins in one, classic EP in another."""
+    chosen = []
+    for cluster, flags, moe, _ in CASES:
+        model = str(TINY) if moe is None else str(_model(tmp_path, **moe))
+        argv = ["--cluster", str(cluster), "--model", model, "--flops-per-s", "2e10", "--json"]
+        chosen.append(json.loads(_plan(capsys, *argv, *flags))["chosen"]["domain_sizes"])
+    assert chosen[0] != [1, 1] and chosen[2] == [1, 1]
+
+
+def test_table_lists_every_candidate(capsys):
+    argv = ["--cluster", str(SMALL), "--model", str(TINY), "--flops-per-s", "2e10"]
+    text = _plan(capsys, *argv)
+    data = json.loads(_plan(capsys, *argv, "--json"))
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["domains", "p"])
+    rows = lines[head + 1 : head + 1 + len(data["candidates"])]
+    for row, cand in zip(rows, data["candidates"]):
+        starred = row.startswith("*")
+        cells = row.lstrip("*").split("  ")
+        cells = [c.strip() for c in cells if c.strip()]
+        assert cells[0] == str(cand["domain_sizes"]) and starred == cand["chosen"]
+        assert cells[-2] == f"{cand['predicted_s']:.3g}"
+        assert cells[-1] == f"{cand['speedup_vs_classic']:.2f}x"
+    assert sum(row.startswith("*") for row in rows) == 1
+    assert lines[head + 1 + len(rows)].startswith("(AG s and A2A s per level")
+    assert f"reason   {data['reason']}" in lines
+    assert f"chosen   domains {data['chosen']['domain_sizes']}" in text
+
+
+def test_dense_blocks_before_the_only_moe_block_count(tmp_path, capsys):
+    """One MoE block after a dense one: Eq. 2's m = 1 (its FFN and attention are pre-expert)."""
+    model = _model(tmp_path, num_experts=4)
+    text = model.read_text().replace("n_layers = 3", "n_layers = 2")
+    model.write_text(text)
+    argv = ["--cluster", str(SMALL), "--model", str(model), "--flops-per-s", "1e9", "--json"]
+    out = json.loads(_plan(capsys, *argv))
+    config = MoEConfig(hidden_size=64, ffn_hidden_size=256, num_experts=4)
+    _, inputs = _expected(SMALL, config, tokens=128, flops=1e9, seq=32, dense_blocks_before=1)
+    assert out["model"]["dense_blocks_before"] == 1
+    assert out["inputs"]["pre_expert_s"] == pytest.approx(inputs.pre_expert_s, rel=1e-12)
+
+
+def test_pipeline_degree_divides_the_tokens(tmp_path, capsys):
+    model = _model(tmp_path, num_experts=4)
+    model.write_text('schedule = "moe-only"\npipeline_degree = 2\n' + model.read_text())
+    argv = ["--cluster", str(SMALL), "--model", str(model), "--flops-per-s", "1e9", "--json"]
+    assert json.loads(_plan(capsys, *argv))["model"]["tokens_per_rank"] == 4 * 32 // 2
+
+
+def test_measures_the_rate_when_not_given(capsys):
+    out = json.loads(_plan(capsys, "--cluster", str(SMALL), "--model", str(TINY), "--json"))
+    assert out["flops_measured"] is True and out["flops_per_s"] > 1e6
+
+
+_PROBE = """
+import json, sys
+from moesaic.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_plan_with_a_given_rate_does_not_import_torch():
+    argv = ["plan", "--cluster", str(SMALL), "--model", str(TINY), "--flops-per-s", "1e10"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 0, "torch": False}
+
+
+def _bad_cluster(tmp_path: Path) -> Path:
+    text = SMALL.read_text().replace("bandwidth_gbps = 0.1 ", "bandwidth_gbps = 0 ")
+    path = tmp_path / "bad_cluster.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make_argv, words",
+    [
+        # missing files: the option and the path
+        (lambda t: ["--cluster", str(t / "nope.toml"), "--model", str(TINY)], ["--cluster"]),
+        (lambda t: ["--cluster", str(SMALL), "--model", str(t / "nope.toml")], ["--model"]),
+        # a level with zero bandwidth: the field
+        (
+            lambda t: ["--cluster", str(_bad_cluster(t)), "--model", str(TINY)],
+            ["--cluster", "levels[0].bandwidth_gbps"],
+        ),
+        # 8 ranks cannot share 4 experts
+        (
+            lambda t: ["--cluster", str(DEEP), "--model", str(TINY)],
+            ["num_experts (4)", "world size (8)"],
+        ),
+        # a model TOML with an unknown key, and one that is not TOML
+        (
+            lambda t: ["--cluster", str(SMALL), "--model", str(_model(t, experts=4))],
+            ["--model", "'experts'"],
+        ),
+        (
+            lambda t: ["--cluster", str(SMALL), "--model", str(_write(t, "x = [1,"))],
+            ["--model", "not valid TOML"],
+        ),
+        (
+            lambda t: ["--cluster", str(SMALL), "--model", str(TINY), "--flops-per-s", "0"],
+            ["flops_per_s"],
+        ),
+        (
+            lambda t: ["--cluster", str(SMALL), "--model", str(TINY), "--tokens-per-rank", "0"],
+            ["tokens_per_rank"],
+        ),
+        (
+            lambda t: ["--cluster", str(SMALL), "--model", str(TINY), "--compression-ratio", "0.5"],
+            ["compression_ratio", ">= 1"],
+        ),
+    ],
+    ids=[
+        "no-cluster",
+        "no-model",
+        "zero-bandwidth",
+        "experts",
+        "unknown-key",
+        "bad-toml",
+        "flops",
+        "tokens",
+        "cr",
+    ],
+)
+def test_errors_are_one_line_naming_the_field(make_argv, words, tmp_path, capsys):
+    argv = make_argv(tmp_path)
+    if "--flops-per-s" not in argv:
+        argv += ["--flops-per-s", "1e10"]
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moesaic plan: error: ") and "\n" not in err, err
+    for word in words:
+        assert word in err, err
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "broken.toml"
+    path.write_text(text)
+    return path
