@@ -35,6 +35,9 @@ _OPTIONS = {
     "iters": "--iters",
     "warmup": "--warmup",
     "cluster": "--cluster",
+    "strategies": "--strategies",
+    "peers": "--peers",
+    "capacity_factor": "--capacity-factor",
 }
 
 
@@ -67,6 +70,23 @@ def _ep_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"must name at least one, got {text!r}")
+    return names
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
 def add_subparser(sub: argparse._SubParsersAction) -> None:
     """Adds ``bench`` and its benchmarks to the top-level ``moesaic`` parser."""
     bench = sub.add_parser("bench", help="benchmarks (results as JSON)")
@@ -96,6 +116,25 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     )
     layer.add_argument(
         "--no-transformers", action="store_true", help="skip the transformers Mixtral peer"
+    )
+    layer.add_argument(
+        "--strategies",
+        type=_names,
+        default=("dropless", "padded"),
+        help="moesaic strategies to time, comma-separated (default dropless,padded)",
+    )
+    layer.add_argument(
+        "--peers",
+        type=_names,
+        default=(),
+        help="other libraries' MoE layers to time beside ours (torchtitan, deepspeed; only when "
+        "installed, see docs/performance.md): same weights, outputs checked before timing",
+    )
+    layer.add_argument(
+        "--capacity-factor",
+        type=_positive_float,
+        default=1.25,
+        help="capacity factor of the padded layer compared with deepspeed (default 1.25)",
     )
     layer.add_argument(
         "--quick",
@@ -145,6 +184,10 @@ def _run_layer(args: argparse.Namespace) -> int:
         allow_oversubscribe=args.allow_oversubscribe,
         option=f"--cluster {args.cluster}" if cluster_world in ep_sizes else None,
     )
+    # Before torch: an unknown strategy or a peer that is not installed is refused at once.
+    from moesaic.bench.peer_names import check_names
+
+    check_names(args.strategies, args.peers)
     # Ctrl-C: one KeyboardInterrupt, no worker tracebacks; entered before torch is imported
     # (moesaic.bench.interrupt says why).
     with interrupts_to_main_thread():
@@ -165,6 +208,9 @@ def _measure_layer(args: argparse.Namespace, ep_sizes: tuple[int, ...]) -> int:
         warmup=_resolved(args, "warmup"),
         with_transformers=not args.no_transformers and _has_transformers(),
         cluster=args.cluster,
+        strategies=args.strategies,
+        peers=args.peers,
+        capacity_factor=args.capacity_factor,
     )
     differences = _differences(bench, LayerBench(), quick=args.quick)
     out = resolve_out(

@@ -1,9 +1,11 @@
 """``moesaic bench layer``: forward+backward throughput and bytes of the dispatchers.
 
-For EP = 1 (one process) the transformers Mixtral block, moesaic dropless and moesaic padded run
-interleaved, round by round, in one process, so their ratio is measured side by side. For
-EP = 2 and 4 each configuration runs on a gloo world of that size (one thread per rank; on a
-2-core machine EP = 4 is oversubscribed and says so in the result). Bytes are what each rank sent
+The moesaic strategies asked for (default dropless and padded), the peers asked for
+(``--peers torchtitan,deepspeed``, see ``moesaic.bench.peers``: same weights, outputs and
+gradients checked against ours before timing) and, at EP = 1, transformers' Mixtral block run
+interleaved, round by round, in one process per rank, so their ratios are measured side by side.
+For EP = 2 and 4 everything runs on a gloo world of that size (one thread per rank; on a 2-core
+machine EP = 4 is oversubscribed and says so in the result). Bytes are what each rank sent
 to other ranks per forward (dispatch + combine payload, plus metadata), at uniform and at skewed
 routing.
 
@@ -21,7 +23,8 @@ import torch
 
 from moesaic.bench.meta import run_metadata, summarize, time_calls
 from moesaic.bench.options import available_cores, write_json
-from moesaic.checks import check_int, check_positive_int
+from moesaic.bench.peers import PEERS, PeerModule, build_peer, compare, counterpart_config
+from moesaic.checks import check_int, check_number, check_one_of, check_positive, check_positive_int
 from moesaic.comm.world import run_world
 from moesaic.config import MoEConfig
 from moesaic.layer import LayerStats, MoELayer, aux_loss
@@ -46,6 +49,14 @@ class LayerBench:
     # by this many logits per expert id (gives a max/mean expert load of ~3 at the defaults).
     skew_logits_per_expert: float = 0.5
     with_transformers: bool = True
+    # moesaic strategies timed (those that run on one machine; "hybrid" needs a plan).
+    strategies: tuple[str, ...] = ("dropless", "padded")
+    # Other libraries' layers timed beside ours (moesaic.bench.peers.PEERS), when installed.
+    peers: tuple[str, ...] = ()
+    # Capacity factor of the padded layer compared with DeepSpeed (and of DeepSpeed's layer).
+    capacity_factor: float = 1.25
+    # Largest relative difference of a peer's output or gradients from ours before timing.
+    check_tolerance: float = 1e-4
     seed: int = 0
     # A cluster description (TOML path): run the EP worlds in its emulated network namespaces.
     # Only EP = its world size then; needs root (see docs/cluster.md).
@@ -56,6 +67,15 @@ class LayerBench:
         check_positive_int("tokens_per_rank", self.tokens_per_rank)
         check_positive_int("iters", self.iters)
         check_int("warmup", self.warmup, minimum=0)
+        if not self.strategies:
+            raise ValueError("strategies must name at least one moesaic strategy")
+        for i, name in enumerate(self.strategies):
+            check_one_of(f"strategies[{i}]", name, strategy_names())
+        for i, name in enumerate(self.peers):
+            check_one_of(f"peers[{i}]", name, PEERS)
+        check_positive("capacity_factor", self.capacity_factor)
+        check_number("check_tolerance", self.check_tolerance)
+        check_positive("check_tolerance", self.check_tolerance)
         if not self.ep_sizes:
             raise ValueError("ep_sizes must name at least one EP size")
         for i, ep in enumerate(self.ep_sizes):
@@ -86,9 +106,10 @@ class LayerBench:
         }
 
 
-def _layer(bench: LayerBench, dispatcher: str, routing: str) -> MoELayer:
+def _layer(bench: LayerBench, dispatcher: str, routing: str, **overrides) -> MoELayer:
     torch.manual_seed(bench.seed)
-    layer = MoELayer(MoEConfig(**bench._layer_fields(dispatcher)))
+    config = MoEConfig(**{**bench._layer_fields(dispatcher), **overrides})
+    layer = MoELayer(config)
     if routing == "skewed":
         with torch.no_grad():
             ids = torch.arange(bench.num_experts, dtype=torch.float32)
@@ -106,14 +127,83 @@ def _inputs(bench: LayerBench, routing: str, rank: int) -> tuple[torch.Tensor, t
 
 
 def _train_step(module, x: torch.Tensor, g: torch.Tensor) -> None:
+    """One timed step: forward, the loss a user of that library writes, backward."""
     x = x.detach().requires_grad_()
     y = module(x)
     y = y[0] if isinstance(y, tuple) else y
     loss = (y * g).sum()
     if isinstance(module, MoELayer):
         loss = loss + aux_loss(module)
+    elif isinstance(module, PeerModule):
+        extra = module.loss_terms()
+        if extra is not None:
+            loss = loss + extra
     loss.backward()
     module.zero_grad(set_to_none=True)
+
+
+def _check_step(module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward+backward of the output alone (no aux loss): returns ``(y, dx)``, keeps grads."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = module(x)
+    (y * g).sum().backward()
+    if isinstance(module, MoELayer):
+        module.take_aux_terms()  # this check's aux terms are not part of any timed step
+    elif isinstance(module, PeerModule):
+        module.loss_terms()
+    assert x.grad is not None
+    return y.detach(), x.grad
+
+
+def _modules(bench: LayerBench, routing: str, world: int) -> tuple[dict, dict]:
+    """Everything timed on this rank for one routing: ``{name: module}`` in timing order, and
+    each peer's agreement with its moesaic counterpart (checked here, before any timing)."""
+    ours: dict[str, MoELayer] = {d: _layer(bench, d, routing) for d in bench.strategies}
+    modules: dict[str, torch.nn.Module] = dict(ours)
+    checks: dict[str, dict] = {}
+    x, g = _inputs(bench, routing, torch.distributed.get_rank() if world > 1 else 0)
+    for name in bench.peers:
+        ours_name = _counterpart_name(name, bench)
+        if ours_name not in ours:
+            base = MoEConfig(**bench._layer_fields("dropless"))
+            cfg = counterpart_config(name, base, bench.capacity_factor)
+            semantics = ("capacity_factor", "renormalize_after_drop", "balance_loss_choices")
+            overrides = {f: getattr(cfg, f) for f in semantics}
+            ours[ours_name] = _layer(bench, cfg.dispatcher, routing, **overrides)
+            modules[ours_name] = ours[ours_name]
+        peer = build_peer(name, ours[ours_name], bench.capacity_factor)
+        agreement = compare(peer, ours[ours_name], x, g, _check_step)
+        checks[name] = {"counterpart": ours_name, **asdict(agreement)}
+        if not agreement.worst <= bench.check_tolerance:
+            raise RuntimeError(
+                f"peer {name} disagrees with moesaic {ours_name} on {routing} routing: "
+                f"{agreement} (tolerance {bench.check_tolerance}); not timing it"
+            )
+        modules[name] = peer
+    if world == 1 and bench.with_transformers:
+        from moesaic.interop.hf import mixtral_block_from_layer
+
+        dropless = ours.get("dropless") or _layer(bench, "dropless", routing)
+        modules["transformers-mixtral"] = mixtral_block_from_layer(dropless).train()
+    return modules, checks
+
+
+def _counterpart_name(peer: str, bench: LayerBench) -> str:
+    """Our impl a peer is compared with: dropless, or padded at the bench's capacity factor."""
+    return "dropless" if peer == "torchtitan" else f"padded-cf{bench.capacity_factor:g}"
+
+
+def _interleaved(bench: LayerBench, modules: dict, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """Step times of every module, round by round (the machine's noise hits all alike)."""
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    for _ in range(bench.warmup):
+        for module in modules.values():
+            _train_step(module, x, g)
+    for _ in range(bench.iters):
+        for name, module in modules.items():
+            times[name] += time_calls(partial(_train_step, module, x, g), 1, 0)
+    return times
 
 
 def _expert_flops(bench: LayerBench, tokens: int) -> float:
@@ -150,23 +240,28 @@ def _load_stats(counts_E: torch.Tensor) -> dict:
 
 
 def ep_worker(rank: int, world: int, bench: LayerBench) -> dict:
-    """One rank of an EP world: every (dispatcher, routing) pair, step times and bytes."""
+    """One rank of an EP world (or the one process at EP = 1): every module of every routing,
+    interleaved round by round; step times, bytes, loads and the peers' agreement checks."""
+    torch.set_num_threads(1)
     out = {}
     for routing in ROUTINGS:
         x, g = _inputs(bench, routing, rank)
-        for dispatcher in strategy_names():
-            layer = _layer(bench, dispatcher, routing)
-            times = time_calls(partial(_train_step, layer, x, g), bench.iters, bench.warmup)
-            counts, stats = _per_forward(layer.take_stats())
-            torch.distributed.all_reduce(counts)
-            collectives = stats.pop("collectives")
-            out[f"{dispatcher}/{routing}"] = {
-                "times": times,
-                **stats,
+        modules, checks = _modules(bench, routing, world)
+        times = _interleaved(bench, modules, x, g)
+        for name, module in modules.items():
+            entry: dict = {"times": times[name]}
+            if isinstance(module, MoELayer):
+                counts, stats = _per_forward(module.take_stats())
+                if world > 1:
+                    torch.distributed.all_reduce(counts)
+                collectives = stats.pop("collectives")
+                entry.update(stats)
                 # the backward repeats the two all-to-alls of rows
-                "collectives_per_step": collectives + 2 if world > 1 else 0,
-                "load": _load_stats(counts),
-            }
+                entry["collectives_per_step"] = collectives + 2 if world > 1 else 0
+                entry["load"] = _load_stats(counts)
+            if name in checks:
+                entry["check"] = checks[name]
+            out[f"{name}/{routing}"] = entry
     return out
 
 
@@ -196,36 +291,6 @@ def _network_bound_ms(per_rank: list[dict], key: str, spec) -> float:
     return traffic_time_s(spec, bytes_PP, collectives=collectives) * 1e3
 
 
-def _single_process(bench: LayerBench) -> dict:
-    """EP = 1: moesaic (both dispatchers) and the transformers block, interleaved round by round."""
-    torch.set_num_threads(1)
-    out = {}
-    for routing in ROUTINGS:
-        x, g = _inputs(bench, routing, 0)
-        layers = {d: _layer(bench, d, routing) for d in strategy_names()}
-        peers: dict[str, torch.nn.Module] = dict(layers)
-        if bench.with_transformers:
-            from moesaic.interop.hf import mixtral_block_from_layer
-
-            peers["transformers-mixtral"] = mixtral_block_from_layer(layers["dropless"]).train()
-        times: dict[str, list[float]] = {name: [] for name in peers}
-        for _ in range(bench.warmup):
-            for module in peers.values():
-                _train_step(module, x, g)
-        for _ in range(bench.iters):  # interleaved: the machine's noise hits all peers alike
-            for name, module in peers.items():
-                times[name] += time_calls(partial(_train_step, module, x, g), 1, 0)
-        for name, module in peers.items():
-            entry: dict = {"times": times[name]}
-            if isinstance(module, MoELayer):
-                counts, stats = _per_forward(module.take_stats())
-                entry["bytes_per_forward"] = stats["bytes_per_forward"]
-                entry["padded_rows"] = stats["padded_rows"]
-                entry["load"] = _load_stats(counts)
-            out[f"{name}/{routing}"] = entry
-    return out
-
-
 def run(bench: LayerBench) -> dict:
     """Measure everything; returns the result document (see ``format_table``)."""
     torch.set_num_threads(1)  # one thread per rank everywhere, so EP sizes compare fairly
@@ -236,7 +301,7 @@ def run(bench: LayerBench) -> dict:
         if bench.cluster is not None:
             per_rank, network = _on_cluster(bench)
         elif ep == 1:
-            per_rank = [_single_process(bench)]
+            per_rank = [ep_worker(0, 1, bench)]
         else:
             per_rank = run_world(ep_worker, ep, bench, timeout_s=600, pg_timeout_s=300)
         for key in per_rank[0]:
@@ -255,7 +320,14 @@ def run(bench: LayerBench) -> dict:
                 "bound_tokens_per_s": tokens
                 / (_expert_flops(bench, tokens) / (gflops * 1e9 * min(ep, _cores()))),
             }
-            for field_name in ("bytes_per_forward", "payload_bytes", "padded_rows", "load"):
+            row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
+            for field_name in (
+                "bytes_per_forward",
+                "payload_bytes",
+                "padded_rows",
+                "load",
+                "check",
+            ):
                 if field_name in per_rank[0][key]:
                     row[field_name] = per_rank[0][key][field_name]
             if "bytes_per_forward" in row:
@@ -265,7 +337,7 @@ def run(bench: LayerBench) -> dict:
             if network is not None:
                 row["network_bound_ms"] = _network_bound_ms(per_rank, key, network)
             rows.append(row)
-    _add_ratios(rows)
+    _add_ratios(rows, bench)
     return {
         "benchmark": "moesaic bench layer",
         "meta": run_metadata(),
@@ -290,9 +362,17 @@ def _cores() -> int:
     return available_cores()
 
 
-def _add_ratios(rows: list[dict]) -> None:
-    """Throughput relative to the transformers block (EP = 1) and padded/dropless bytes."""
+def _add_ratios(rows: list[dict], bench: LayerBench) -> None:
+    """Throughput relative to the transformers block (EP = 1), padded/dropless bytes, and each
+    peer's step time over its moesaic counterpart's (``speedup_vs_<peer>`` on our row: > 1 means
+    ours is faster), same EP size and routing, same run."""
     by_key = {(r["ep"], r["impl"], r["routing"]): r for r in rows}
+    for peer in bench.peers:
+        ours_name = _counterpart_name(peer, bench)
+        for r in rows:
+            theirs = by_key.get((r["ep"], peer, r["routing"]))
+            if r["impl"] == ours_name and theirs:
+                r[f"speedup_vs_{peer}"] = theirs["step"]["median_ms"] / r["step"]["median_ms"]
     for r in rows:
         hf = by_key.get((1, "transformers-mixtral", r["routing"]))
         if hf:
@@ -307,7 +387,7 @@ def _add_ratios(rows: list[dict]) -> None:
 def format_table(result: dict) -> str:
     head = (
         f"{'EP':>3} {'impl':<22} {'routing':<8} {'step ms':>9} {'tok/s':>9} "
-        f"{'vs HF':>6} {'MB/fwd':>8} {'pad/drop':>8} {'load':>5}"
+        f"{'vs HF':>6} {'bound':>6} {'MB/fwd':>8} {'pad/drop':>8} {'load':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
@@ -315,10 +395,18 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{r['ep']:>3} {r['impl']:<22} {r['routing']:<8} {r['step']['median_ms']:>9.1f} "
             f"{r['tokens_per_s']:>9.0f} {r.get('throughput_vs_transformers', float('nan')):>6.2f} "
+            f"{r.get('fraction_of_bound', float('nan')):>6.2f} "
             f"{(mb / 1e6 if mb is not None else float('nan')):>8.2f} "
             f"{r.get('bytes_vs_dropless', float('nan')):>8.2f} "
             f"{r.get('load', {}).get('max_over_mean', float('nan')):>5.2f}"
         )
+    for r in result["rows"]:
+        for key, value in r.items():
+            if key.startswith("speedup_vs_"):
+                lines.append(
+                    f"EP {r['ep']} {r['routing']}: moesaic {r['impl']} is {value:.2f}x "
+                    f"{key.removeprefix('speedup_vs_')} (step time ratio, same run)"
+                )
     for r in result["rows"]:
         if "network_bound_ms" in r:
             lines.append(
