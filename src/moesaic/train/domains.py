@@ -52,8 +52,10 @@ def parse_domain_sizes(value: object) -> str | tuple[int, ...] | None:
 
     Returns ``"auto"``, a tuple of ints, or None; each size is checked to be a positive int.
     """
-    if value is None or value == AUTO:
-        return value  # type: ignore[return-value]  # None or "auto"
+    if value is None:
+        return None
+    if value == AUTO:
+        return AUTO
     rule = "must be 'auto' or positive ints, one per cluster level, outermost first ('1,2')"
     if isinstance(value, str):
         parts = [p.strip() for p in value.split(",")]
