@@ -75,8 +75,18 @@ def test_domains_sizes_auto_and_compression(tmp_path):
         (["--strategy", "hybrid", "--domains", "3"], ["model.moe.domain_sizes[0] (3)", "divide"]),
         (["--strategy", "hybrid", "--domains", "1,1"], ["model.moe.domain_sizes", "one entry"]),
         (["--expert-compression-ratio", "0.5"], ["expert_compression_ratio (0.5)"]),
+        (["--strategy", "hybrid", "--schedule", "flowmoe"], ["schedule ('flowmoe')", "vanilla"]),
     ],
-    ids=["auto-without-cluster", "not-ints", "zero", "cluster-size", "divide", "levels", "cr"],
+    ids=[
+        "auto-without-cluster",
+        "not-ints",
+        "zero",
+        "cluster-size",
+        "divide",
+        "levels",
+        "cr",
+        "pipelined-schedule",
+    ],
 )
 def test_train_errors_are_one_line(flags, words, data_file, tmp_path, capsys):
     err = fails(tiny_args(data_file, tmp_path / "run", *flags), capsys)

@@ -21,7 +21,7 @@ from moesaic.checks import check_bool, check_int, check_number, check_one_of
 from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
 from moesaic.strategies.registry import strategy_names
-from moesaic.train.domains import check_cluster_and_domains, split_auto_domains
+from moesaic.train import domains
 from moesaic.train.schedule_options import (
     auto_pipeline_degree,
     parse_ar_chunk,
@@ -245,7 +245,8 @@ class TrainConfig:
             raise ValueError(
                 f"fault_kill_rank ({self.fault_kill_rank}) must be < the world size ({world_size})"
             )
-        check_cluster_and_domains(self.cluster, self.model.moe, ep)
+        domains.check_cluster_and_domains(self.cluster, self.model.moe, ep)
+        domains.check_schedule_fits(self.schedule, self.model.moe.dispatcher)
         return ep
 
     def to_dict(self) -> dict[str, Any]:
@@ -286,7 +287,7 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
-        model, auto = split_auto_domains(nest_legacy_keys(model))
+        model, auto = domains.split_auto_domains(nest_legacy_keys(model))
         if auto:
             d["auto_domains"] = True
         moe = model.get("moe")

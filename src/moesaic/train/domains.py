@@ -185,3 +185,12 @@ def plan_training_domains(
         flops_per_s=flops_per_s,
     )
     return plan_domains(spec, inputs)
+
+
+def check_schedule_fits(schedule: str, dispatcher: str) -> None:
+    """The pipelined schedules run a strategy's dispatch/combine phases; ``hybrid`` has none."""
+    if dispatcher == "hybrid" and schedule != "vanilla":
+        raise ValueError(
+            f"schedule ({schedule!r}) needs dispatch/combine phases, which the 'hybrid' strategy "
+            "does not have: use --schedule vanilla with --strategy hybrid"
+        )

@@ -25,6 +25,7 @@ from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.schedule import make_step
 from moesaic.schedule.base import StepParts
+from moesaic.strategies.migration import ExpertPrefetcher
 from moesaic.trace import (
     Recorder,
     StepFigures,
@@ -256,6 +257,11 @@ def train(cfg: TrainConfig) -> dict:
         recorder=recorder,
     )
     train_step = make_step(cfg.schedule, parts)
+    # HybridEP's asynchronous communicator: the next step's expert gathers start right after
+    # each optimizer step (a no-op without hybrid layers).
+    prefetcher = ExpertPrefetcher(model, recorder=recorder)
+    if prefetcher.layers:
+        prefetcher.attach(optimizer)
     start, consumed, resumed_from = _maybe_resume(cfg, model, optimizer, layout)
     reporter = Reporter(cfg, layout, start, resumed_from)
     meta = {"model": cfg.model.to_dict(), "train": cfg.to_dict(), "world_size": world}
@@ -322,6 +328,7 @@ def train(cfg: TrainConfig) -> dict:
                 keep=cfg.keep_checkpoints,
             )
             reporter.checkpoint(step, path)
+    prefetcher.close()
     if recorder is not None:
         _write_trace(cfg, layout, recorder, start)
     return reporter.finish()
