@@ -40,7 +40,8 @@ def grouped_mm_reference(
 
 
 class _GroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm`` with an explicit backward (its own backward fails on CPU in 2.13)."""
+    """``torch._grouped_mm`` with an explicit backward, for builds where its own backward fails
+    its self-check (``_fast_path_ok(..., native=True)``)."""
 
     @staticmethod
     def forward(ctx, x_MH, w_eHF, offs_e):
@@ -59,10 +60,17 @@ class _GroupedMM(torch.autograd.Function):
         return dx, dw, None
 
 
+def _grouped_mm_op(x_MH, w_eHF, offs_e, native: bool) -> torch.Tensor:
+    if native:  # torch's own backward: measured 9% faster fwd+bwd of the CPU layer step
+        return torch._grouped_mm(x_MH, w_eHF, offs=offs_e)
+    return _GroupedMM.apply(x_MH, w_eHF, offs_e)
+
+
 @functools.cache
-def _fast_path_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Does torch._grouped_mm exist, run (forward and our backward) and agree with the loop on
-    this device and dtype? Probed once per process; a wrong or failing fast path is never used."""
+def _fast_path_ok(device: torch.device, dtype: torch.dtype, native: bool = False) -> bool:
+    """Does torch._grouped_mm exist, run (forward, and torch's own backward if ``native`` else
+    ours) and agree with the loop on this device and dtype? Probed once per process; a wrong or
+    failing fast path is never used."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
@@ -70,7 +78,7 @@ def _fast_path_ok(device: torch.device, dtype: torch.dtype) -> bool:
         x = torch.randn(13, 16, generator=gen).to(device, dtype).requires_grad_()
         w = torch.randn(3, 16, 8, generator=gen).to(device, dtype).requires_grad_()
         offs = torch.tensor([5, 5, 13], dtype=torch.int32, device=device)
-        fast = _GroupedMM.apply(x, w, offs)
+        fast = _grouped_mm_op(x, w, offs, native)
         gx, gw = torch.autograd.grad(fast.float().square().sum(), (x, w))
         ref = grouped_mm_reference(x, w, [5, 0, 8])
         rx, rw = torch.autograd.grad(ref.float().square().sum(), (x, w))
@@ -104,9 +112,11 @@ def grouped_mm(
     # torch._grouped_mm wants 16-byte-aligned row strides (in both operands, and for the
     # transposed operands of the backward): H and F a multiple of 16 bytes.
     aligned = all((n * x_MH.element_size()) % 16 == 0 for n in w_eHF.shape[1:])
-    if use_fast and aligned and x_MH.shape[0] > 0 and _fast_path_ok(x_MH.device, x_MH.dtype):
-        offs = torch.tensor(counts_e, device=x_MH.device).cumsum(0).to(torch.int32)
-        return _GroupedMM.apply(x_MH, w_eHF.to(x_MH.dtype), offs)
+    if use_fast and aligned and x_MH.shape[0] > 0:
+        native = _fast_path_ok(x_MH.device, x_MH.dtype, native=True)
+        if native or _fast_path_ok(x_MH.device, x_MH.dtype):
+            offs = torch.tensor(counts_e, device=x_MH.device).cumsum(0).to(torch.int32)
+            return _grouped_mm_op(x_MH, w_eHF.to(x_MH.dtype), offs, native)
     return grouped_mm_reference(x_MH, w_eHF.to(x_MH.dtype), counts_e)
 
 

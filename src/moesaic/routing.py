@@ -89,12 +89,16 @@ class RoutingPlan:
         ``sum_k w_k * y_k``).
         """
         T, K = self.topk_ids_TK.shape
-        H = y_NH.shape[-1]
-        # Dropped assignments read a zero row appended at index N.
-        padded_NH = torch.cat([y_NH, y_NH.new_zeros(1, H)])
-        slot_TK = torch.full((T * K,), y_NH.shape[0], dtype=torch.long, device=y_NH.device)
-        slot_TK[self.order_N] = torch.arange(y_NH.shape[0], device=y_NH.device)
-        y_TKH = padded_NH.index_select(0, slot_TK).view(T, K, H)
+        N, H = y_NH.shape
+        if N == T * K:  # nothing dropped: a permutation, read straight from y_NH (no copy)
+            slot_TK = torch.empty_like(self.order_N)
+            slot_TK[self.order_N] = torch.arange(N, device=y_NH.device)
+            y_TKH = y_NH.index_select(0, slot_TK).view(T, K, H)
+        else:  # dropped assignments read a zero row appended at index N
+            padded_NH = torch.cat([y_NH, y_NH.new_zeros(1, H)])
+            slot_TK = torch.full((T * K,), N, dtype=torch.long, device=y_NH.device)
+            slot_TK[self.order_N] = torch.arange(N, device=y_NH.device)
+            y_TKH = padded_NH.index_select(0, slot_TK).view(T, K, H)
         w_TK = self.topk_weights_TK.to(y_NH.dtype)
         return (y_TKH * w_TK.unsqueeze(-1)).sum(dim=1)
 

@@ -19,7 +19,9 @@ from moesaic.strategies.base import CommStats, DispatchCombineStrategy, Exchange
 class DroplessHandle(ExchangeHandle):
     """The plan, the two splits, the regroup permutation and the rows per local expert."""
 
-    regroup_M: torch.Tensor  # received row order (source, expert) -> (expert, source)
+    # received row order (source, expert) -> (expert, source); None when that is the identity
+    # (one rank or one local expert: the rows already arrive grouped by expert)
+    regroup_M: torch.Tensor | None
     counts_e: list[int]  # rows received per local expert
 
 
@@ -38,9 +40,11 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
         out_splits = recv_counts_Pe.sum(dim=1).tolist()
         # Received rows are ordered (source rank, local expert); the experts want them
         # (local expert, source rank): a stable sort of the segment keys.
-        seg_keys = torch.arange(e).repeat(P) * P + torch.arange(P).repeat_interleave(e)
-        row_keys_M = seg_keys.repeat_interleave(recv_counts_Pe.reshape(-1).cpu())
-        regroup_M = torch.sort(row_keys_M, stable=True).indices.to(x_TH.device)
+        regroup_M = None
+        if P > 1 and e > 1:
+            seg_keys = torch.arange(e).repeat(P) * P + torch.arange(P).repeat_interleave(e)
+            row_keys_M = seg_keys.repeat_interleave(recv_counts_Pe.reshape(-1).cpu())
+            regroup_M = torch.sort(row_keys_M, stable=True).indices.to(x_TH.device)
         row_bytes = x_TH.shape[-1] * x_TH.element_size()
         meta_peer = self.to_every_peer(e * send_counts_Pe.element_size())
         peer_bytes = self.peer_bytes(in_splits, out_splits, row_bytes)
@@ -62,10 +66,14 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
         return Outbound(x_NH, handle, stats)
 
     def dispatch_recv(self, rows, handle):
+        if handle.regroup_M is None:  # no copy: the rows are already in expert order
+            return rows, handle.counts_e
         return rows.index_select(0, handle.regroup_M), handle.counts_e
 
     def combine_send(self, y_MH, handle):
         regroup_M = handle.regroup_M
+        if regroup_M is None:
+            return y_MH
         inverse_M = torch.empty_like(regroup_M)
         inverse_M[regroup_M] = torch.arange(regroup_M.numel(), device=regroup_M.device)
         return y_MH.index_select(0, inverse_M)

@@ -3,13 +3,21 @@
 Shape legend: T tokens, H hidden, E experts, e local experts, P ranks, C capacity, N kept rows.
 Every expert gets C rows from every rank: the capacity when ``capacity_factor`` is set (overflow
 already dropped by the plan), else the largest per-expert load in the group (one all-reduce
-MAX), so nothing is dropped. Experts compute on the padding too (a zero row maps to a zero row:
-no biases): that and the padded bytes are the cost this baseline pays.
+MAX), so nothing is dropped. The padded bytes are the cost this baseline pays on the wire.
+
+The experts skip the padding (``skip_padding``, on by default): a zero row maps to a zero row (no
+biases), so only the filled rows are gathered, computed and scattered back into the zero buffer,
+with exactly the outputs and gradients of computing on everything. Which rows are filled is
+known from the plan at EP = 1; at EP > 1 the receiver finds them as the non-zero rows, which is
+exact for SwiGLU experts (an all-zero token row has a zero output, input gradient and weight
+gradient) but not for GELU (GELU'(0) != 0), whose experts then compute on everything
+(``skip_padding = False``, the reference path DeepSpeed and GShard take).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +32,10 @@ class PaddedHandle(ExchangeHandle):
 
     capacity: int
     slots_N: torch.Tensor  # row of the [P*e*C] send buffer holding each kept assignment
+    # Set by dispatch_recv when skipping padding: the received rows the experts computed, in
+    # (local expert, source rank, slot) order, as rows of the [P*e*C] buffer (read by
+    # combine_send, which scatters the outputs back there).
+    live_M: list[torch.Tensor] = field(default_factory=list)
 
 
 class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
@@ -32,6 +44,9 @@ class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
     name = "padded"
     dispatch_what = "padded all_to_all"
     combine_what = "padded combine"
+    # Experts compute on the filled rows only (see the module docstring); False computes on
+    # the padding too (the reference path).
+    skip_padding: ClassVar[bool] = True
 
     def dispatch_send(self, x_TH, plan):
         P, e, E = self.group.size, self.placement.num_local, self.placement.num_experts
@@ -68,12 +83,33 @@ class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
         # (source rank, local expert, slot) -> (local expert, source rank, slot)
         P, e, C = self.group.size, self.placement.num_local, handle.capacity
         H = rows.shape[-1]
-        return rows.view(P, e, C, H).transpose(0, 1).reshape(e * P * C, H), [P * C] * e
+        filled_PeC = self._filled(rows, handle)
+        if filled_PeC is None:
+            return rows.view(P, e, C, H).transpose(0, 1).reshape(e * P * C, H), [P * C] * e
+        filled_ePC = filled_PeC.transpose(0, 1)
+        buffer_row = torch.arange(P * e * C, device=rows.device).view(P, e, C).transpose(0, 1)
+        live_M = buffer_row[filled_ePC]
+        handle.live_M[:] = [live_M]
+        return rows.index_select(0, live_M), filled_ePC.reshape(e, -1).sum(1).tolist()
 
     def combine_send(self, y_MH, handle):
         P, e, C = self.group.size, self.placement.num_local, handle.capacity
         H = y_MH.shape[-1]
+        if handle.live_M:  # the padding's outputs are zero rows
+            return y_MH.new_zeros(P * e * C, H).index_copy(0, handle.live_M[0], y_MH)
         return y_MH.view(e, P, C, H).transpose(0, 1).reshape(P * e * C, H)
+
+    def _filled(self, rows: torch.Tensor, handle: PaddedHandle) -> torch.Tensor | None:
+        """Which received rows hold tokens, [P, e, C] bool; None to compute on everything."""
+        P, e, C = self.group.size, self.placement.num_local, handle.capacity
+        if not self.skip_padding:
+            return None
+        if P == 1:  # this rank's own plan: expert j's first counts_Pe[0, j] slots are filled
+            counts_e = handle.plan.counts_Pe.reshape(e, 1).to(rows.device)
+            return (torch.arange(C, device=rows.device) < counts_e).view(1, e, C)
+        if self.ctx.config.activation != "swiglu":
+            return None
+        return rows.view(P, e, C, -1).ne(0).any(dim=-1)
 
     def combine_recv(self, rows, handle):
         return rows.index_select(0, handle.slots_N)
