@@ -8,7 +8,9 @@ layer's cluster description (or one level of P ranks), cut into domains of ``con
 (None: one domain of the whole group). Every forward:
 
 1. **Gather** (migration): each rank all-gathers the experts of its domain (``S * e`` experts,
-   SR-compressed when ``config.expert_compression_ratio > 1``) over the *domain group*. The
+   SR-compressed when ``config.expert_compression_ratio > 1``) level by level, outermost first
+   (one group per level with a domain size above 1: the slow links carry the smallest
+   bundles, as the cost model prices it). The
    gathered copies are cached per weight version (gradient accumulation and evaluation gather
    once per optimizer step) and can be prefetched (:class:`~moesaic.strategies.migration.
    ExpertPrefetcher`). Own experts always enter the computation exactly.
@@ -16,9 +18,10 @@ layer's cluster description (or one level of P ranks), cut into domains of ``con
    after the gathers and has this rank's offsets at every level (the same rank when ``g`` is in
    this rank's domain): the members of this rank's *offset group* (one per domain). That is a
    ``dropless`` all-to-all-v over the offset group, routed by a placement in which offset-group
-   member ``q`` holds every expert of its domain (``routing_placement``).
+   member ``q`` holds every expert of its domain, in its gathered order (``routing_placement``).
 3. **Backward**: the exchange's all-to-alls run in reverse; the gradients of the gathered copies
-   are reduced to their owners (an all-to-all over the domain group, summed in source order).
+   are reduced to their owners (per level, innermost first: an all-to-all over the level's
+   group, summed in source order).
 
 Departure from the paper's multilevel routing: tokens go straight to their destination (one
 all-to-all over the offset group) instead of hopping level by level. The bytes on every link of
@@ -76,29 +79,52 @@ def hybrid_topology(ctx: StrategyContext) -> Topology:
 class _GatheredExperts(torch.autograd.Function):
     """Local experts ``[e, *X]`` + gathered copies ``[S*e, *X]`` -> the domain's experts.
 
-    Forward: the gathered buffer with this rank's slice replaced by its own (exact) weights.
-    Backward: each member's slice of the gradient goes to that member (all-to-all over the
-    domain) and the S received gradients of the local experts are summed in source order.
+    Forward: the gathered bundle with this rank's slice replaced by its own (exact) weights.
+    Backward: the adjoint of the level-by-level gathers, innermost level first: at each level
+    the bundle's gradient is cut into the members' sub-bundles, each goes to its member (an
+    all-to-all over the level's group) and the received ones are summed in source order.
     """
 
     @staticmethod
-    def forward(ctx, w_local, gathered, domain: EPGroup, what: str):
-        ctx.domain, ctx.what = domain, what
-        e, me = w_local.shape[0], domain.rank
-        return torch.cat([gathered[: me * e], w_local.detach(), gathered[(me + 1) * e :]])
+    def forward(ctx, w_local, gathered, levels: list[EPGroup], position: int, what: str):
+        ctx.levels, ctx.what = levels, what
+        e = w_local.shape[0]
+        return torch.cat(
+            [gathered[: position * e], w_local.detach(), gathered[(position + 1) * e :]]
+        )
 
     @staticmethod
     def backward(ctx, grad_SeX):
-        domain = ctx.domain
-        grad_SeX = grad_SeX.contiguous()
-        received = torch.empty_like(grad_SeX)
-        domain.all_to_all_single(received, grad_SeX, what=f"{ctx.what} gradient reduce")
-        S = domain.size
-        parts = received.view(S, -1, *received.shape[1:])
-        total = parts[0].clone()
-        for s in range(1, S):
-            total += parts[s]
-        return total, None, None, None
+        grad = grad_SeX.contiguous()
+        for group in reversed(ctx.levels):
+            received = torch.empty_like(grad)
+            group.all_to_all_single(received, grad, what=f"{ctx.what} gradient reduce")
+            parts = received.view(group.size, -1, *received.shape[1:])
+            grad = parts[0].clone()
+            for s in range(1, group.size):
+                grad += parts[s]
+        return grad, None, None, None, None
+
+
+def bundle_order(topo: Topology, m: int) -> list[int]:
+    """Owners of the experts rank ``m`` holds after the level-by-level gathers, in order.
+
+    Level ``l``'s gather concatenates its members' bundles (members ascending); a member's
+    bundle is ``m``'s with coordinate ``l`` replaced by the member's.
+    """
+    order = [m]
+    for level in range(topo.num_levels):
+        if topo.domain_sizes[level] == 1:
+            continue
+        new = []
+        for n in sorted([m, *topo.ag_peers(m, level)]):
+            x_n = topo.locate(n)[level]
+            for r in order:
+                loc = list(topo.locate(r))
+                loc[level] = x_n
+                new.append(topo.rank_of(loc))
+        order = new
+    return order
 
 
 class HybridStrategy(MoEStrategy):
@@ -114,21 +140,30 @@ class HybridStrategy(MoEStrategy):
         self.compression_ratio = float(ctx.config.expert_compression_ratio)
         self.domain_ranks = topo.domain_ranks(me)
         self.offset_ranks = self._offset_group_ranks(topo, me)
-        # Collective creation order is the same on every member: domain, its prefetch clone,
-        # then the offset group.
-        self.domain = self.group.subgroup(self.domain_ranks)
-        self.prefetch_domain = self.group.subgroup(self.domain_ranks)
+        self.bundle = bundle_order(topo, me)
+        self.position = self.bundle.index(me)
+        # One group per level with a domain size above 1 (members: this rank's level-l domain,
+        # differing only in coordinate l), a clone of each for the prefetch thread, then the
+        # offset group: the same creation order on every rank.
+        self.level_ranks = [
+            sorted([me, *topo.ag_peers(me, lv)])
+            for lv in range(topo.num_levels)
+            if topo.domain_sizes[lv] > 1
+        ]
+        self.levels = [self.group.subgroup(r) for r in self.level_ranks]
+        self.prefetch_levels = [self.group.subgroup(r) for r in self.level_ranks]
         a2a = self.group.subgroup(self.offset_ranks)
         self._routing = ExpertPlacement(
             ctx.config.num_experts,
             tuple(
-                tuple(g for r in topo.domain_ranks(q) for g in ctx.placement.local_experts(r))
+                tuple(g for r in bundle_order(topo, q) for g in ctx.placement.local_experts(r))
                 for q in self.offset_ranks
             ),
         )
         self._exchange = DroplessStrategy(StrategyContext(ctx.config, a2a, self._routing))
         self._cache: tuple[tuple, Weights] | None = None
         self._pending: tuple[tuple, Future[Gathered]] | None = None
+        assert sorted(self.bundle) == self.domain_ranks
         assert len(self.domain_ranks) * len(self.offset_ranks) == P
 
     @staticmethod
@@ -163,7 +198,7 @@ class HybridStrategy(MoEStrategy):
     def reserve_prefetch(self, experts: GroupedExperts) -> Future[Gathered] | None:
         """For :class:`ExpertPrefetcher`: a slot for the next gather, None when not needed."""
         weights = self._local_weights(experts)
-        if self.domain.size == 1:
+        if not self.levels:
             return None
         key = self._key(weights)
         if (self._cache is not None and self._cache[0] == key) or self._pending is not None:
@@ -175,7 +210,7 @@ class HybridStrategy(MoEStrategy):
     def start_prefetch(self, experts: GroupedExperts) -> PendingGather:
         """For :class:`ExpertPrefetcher`'s thread: encode and issue on the prefetch group."""
         weights = self._local_weights(experts)
-        return start_gather(weights, self.prefetch_domain, self.compression_ratio)
+        return start_gather(weights, self.prefetch_levels, self.compression_ratio)
 
     def _gathered(self, weights: Weights) -> tuple[Weights, CommStats]:
         """The domain's experts (detached, decoded) for the current weights, and what the
@@ -185,21 +220,22 @@ class HybridStrategy(MoEStrategy):
         if self._pending is not None:  # a prefetch was reserved on every rank: consume it
             pkey, fut = self._pending
             self._pending = None
-            tensors, pending = fut.result(timeout=self.domain.timeout_s)
+            tensors, pending = fut.result(timeout=self.group.timeout_s)
             stats = stats + self._gather_stats(pending)
             if pkey == key:
                 self._cache = (key, tensors)
         if self._cache is None or self._cache[0] != key:
-            pending = start_gather(weights, self.domain, self.compression_ratio)
+            pending = start_gather(weights, self.levels, self.compression_ratio)
             self._cache = (key, pending.result())
             stats = stats + self._gather_stats(pending)
         return self._cache[1], stats
 
     def _gather_stats(self, pending: PendingGather) -> CommStats:
-        peers = [
-            pending.nbytes if (r in self.domain_ranks and r != self.group.rank) else 0
-            for r in range(self.group.size)
-        ]
+        peers = [0] * self.group.size
+        for ranks, nbytes in zip(self.level_ranks, pending.level_bytes):
+            for r in ranks:
+                if r != self.group.rank:
+                    peers[r] += nbytes
         return CommStats(
             expert_bytes=sum(peers), collectives=pending.collectives, peer_bytes_P=tuple(peers)
         )
@@ -211,13 +247,13 @@ class HybridStrategy(MoEStrategy):
         if plan.placement != self._routing:  # a plan routed by the owners: re-route it
             plan = build_plan(plan.topk_ids_TK, plan.topk_weights_TK, self._routing, plan.capacity)
         stats = CommStats(peer_bytes_P=(0,) * self.group.size)
-        if self.domain.size > 1:
+        if self.levels:
             gathered, stats = self._gathered(weights)
             names = ("w1", "w3", "w2")
             used = tuple(
                 None
                 if w is None or g is None
-                else _GatheredExperts.apply(w, g, self.domain, f"hybrid experts.{n}")
+                else _GatheredExperts.apply(w, g, self.levels, self.position, f"hybrid experts.{n}")
                 for w, g, n in zip(weights, gathered, names)
             )
         else:

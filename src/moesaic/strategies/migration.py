@@ -22,6 +22,7 @@ other group.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -84,13 +85,17 @@ def decode_experts(
     return out_rN.reshape(rows, *shape_X)
 
 
-def _shared_experts(weights: Weights, group: EPGroup) -> tuple[list[torch.Tensor | None], int]:
-    """The mean expert of the domain per weight matrix (one all-reduce for all of them), and
-    the all-reduce's message bytes."""
+def _shared_experts(
+    weights: Weights, groups: Sequence[EPGroup]
+) -> tuple[list[torch.Tensor | None], int]:
+    """The mean expert of the domain per weight matrix (the sum all-reduced over each level's
+    group in turn covers the domain), and the all-reduce message's bytes."""
     present = [w.detach() for w in weights if w is not None]
     sums = torch.cat([w.sum(dim=0).reshape(-1) for w in present])
-    group.all_reduce(sums, what="hybrid shared-expert all_reduce")
-    count = group.size * present[0].shape[0]
+    count = present[0].shape[0]
+    for g in groups:
+        g.all_reduce(sums, what="hybrid shared-expert all_reduce")
+        count *= g.size
     out: list[torch.Tensor | None] = []
     offset = 0
     for w in weights:
@@ -108,13 +113,13 @@ class PendingGather:
     """Issued all-gathers of one layer's experts; :meth:`result` waits and decodes them.
 
     Attributes:
-        nbytes: bytes this rank sent to each other member of the domain (the encoded experts,
-            and the shared experts' all-reduce message when compressed).
-        collectives: collectives issued (the shared-expert all-reduce and one gather per weight).
+        level_bytes: per level group, the bytes this rank sent to each other member (the
+            encoded bundle so far, plus the shared experts' all-reduce message when compressed).
+        collectives: collectives issued (the shared-expert all-reduces and the gathers).
     """
 
     finish: Callable[[], Weights]
-    nbytes: int
+    level_bytes: list[int]
     collectives: int
 
     def result(self) -> Weights:
@@ -122,13 +127,18 @@ class PendingGather:
 
 
 def start_gather(
-    weights: Weights, group: EPGroup, compression_ratio: float, name: str = "experts"
+    weights: Weights, groups: Sequence[EPGroup], compression_ratio: float, name: str = "experts"
 ) -> PendingGather:
-    """Encode the local experts and issue their all-gathers over the domain ``group``.
+    """Encode the local experts and gather them over the domain, level by level.
+
+    Level ``l``'s group gathers the bundles its members hold after the outer levels, so the
+    slowest (outermost) links carry the smallest bundles (the cost model's rule). The first
+    level's gathers are issued here; :meth:`PendingGather.result` waits them, runs the inner
+    levels (each needs the previous one's result) and decodes.
 
     Args:
         weights: the local expert weights ``[e, *X]`` (w1, w3, w2; None where absent).
-        group: the expert domain (``group.size`` = S); its collectives are issued here, in order.
+        groups: one group per level with a domain size above 1, outermost first.
         compression_ratio: SR compression ratio (1: exact).
         name: names the collectives in errors.
     """
@@ -136,34 +146,41 @@ def start_gather(
         numel = next(w for w in weights if w is not None)[0].numel()
         sparse = kept_entries(numel, compression_ratio) < numel
         shared: list[torch.Tensor | None] = [None] * len(weights)
-        nbytes = 0
+        shared_bytes = 0
         if sparse:
-            shared, nbytes = _shared_experts(weights, group)
-        issued: list[tuple[torch.Tensor, Callable[[], None]] | None] = []
-        for i, (w, sh) in enumerate(zip(weights, shared)):
-            if w is None:
-                issued.append(None)
-                continue
-            payload = encode_experts(w, sh, compression_ratio)
-            nbytes += payload.numel() * payload.element_size()
-            issued.append(group.start_all_gather_dim0(payload, f"hybrid gather of {name}[{i}]"))
+            shared, shared_bytes = _shared_experts(weights, groups)
+        payloads = [
+            None if w is None else encode_experts(w, sh, compression_ratio)
+            for w, sh in zip(weights, shared)
+        ]
+        bundle = sum(p.numel() * p.element_size() for p in payloads if p is not None)
+        level_bytes, factor = [], 1
+        for g in groups:
+            level_bytes.append(bundle * factor + shared_bytes)
+            factor *= g.size
+        first = [
+            None if p is None else groups[0].start_all_gather_dim0(p, f"hybrid gather of {name}")
+            for p in payloads
+        ]
 
     def finish() -> Weights:
         out: list[torch.Tensor | None] = []
         with torch.no_grad():
-            for w, sh, got in zip(weights, shared, issued):
+            for w, sh, got in zip(weights, shared, first):
                 if w is None or got is None:
                     out.append(None)
                     continue
                 buffer, wait = got
                 wait()
+                for g in groups[1:]:
+                    buffer = g.all_gather_dim0(buffer, f"hybrid gather of {name}")
                 out.append(
                     decode_experts(buffer, sh, tuple(w.shape[1:]), w.dtype, compression_ratio)
                 )
         return tuple(out)
 
-    issued_count = sum(g is not None for g in issued) + (1 if sparse else 0)
-    return PendingGather(finish, nbytes if group.size > 1 else 0, issued_count)
+    per_level = sum(p is not None for p in payloads) + (1 if sparse else 0)
+    return PendingGather(finish, level_bytes, per_level * len(groups))
 
 
 class ExpertPrefetcher:
@@ -225,9 +242,8 @@ class ExpertPrefetcher:
         for index, strategy, experts, fut in jobs:  # send queue: encode + issue, layer order
             try:
                 with maybe_span(self.recorder, "encode", f"encode L{index}"):
-                    start_s = self.recorder.now() if self.recorder else 0.0
                     pending = strategy.start_prefetch(experts)
-                issued.append((index, fut, pending, start_s))
+                issued.append((index, fut, pending, time.perf_counter()))
             except BaseException as exc:
                 fut.set_exception(exc)
         for index, fut, pending, start_s in issued:  # receive queue: wait + decode
@@ -239,7 +255,7 @@ class ExpertPrefetcher:
                         f"gather L{index}",
                         start_s,
                         self.recorder.now(),
-                        bytes=pending.nbytes,
+                        bytes=sum(pending.level_bytes),
                     )
                 fut.set_result((result, pending))
             except BaseException as exc:
