@@ -23,6 +23,22 @@ class DroplessHandle(ExchangeHandle):
     # (one rank or one local expert: the rows already arrive grouped by expert)
     regroup_M: torch.Tensor | None
     counts_e: list[int]  # rows received per local expert
+    inverse_M: torch.Tensor | None = None  # the inverse permutation of regroup_M
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, perm)`` for a permutation: its backward is the gather by the inverse
+    permutation (no zero fill and scatter-add as for a general index_select; same values)."""
+
+    @staticmethod
+    def forward(ctx, x_MH, perm_M, inverse_M):
+        ctx.save_for_backward(inverse_M)
+        return x_MH.index_select(0, perm_M)
+
+    @staticmethod
+    def backward(ctx, grad_MH):
+        (inverse_M,) = ctx.saved_tensors
+        return grad_MH.index_select(0, inverse_M), None, None
 
 
 class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
@@ -40,11 +56,13 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
         out_splits = recv_counts_Pe.sum(dim=1).tolist()
         # Received rows are ordered (source rank, local expert); the experts want them
         # (local expert, source rank): a stable sort of the segment keys.
-        regroup_M = None
+        regroup_M = inverse_M = None
         if P > 1 and e > 1:
             seg_keys = torch.arange(e).repeat(P) * P + torch.arange(P).repeat_interleave(e)
             row_keys_M = seg_keys.repeat_interleave(recv_counts_Pe.reshape(-1).cpu())
             regroup_M = torch.sort(row_keys_M, stable=True).indices.to(x_TH.device)
+            inverse_M = torch.empty_like(regroup_M)
+            inverse_M[regroup_M] = torch.arange(regroup_M.numel(), device=regroup_M.device)
         row_bytes = x_TH.shape[-1] * x_TH.element_size()
         meta_peer = self.to_every_peer(e * send_counts_Pe.element_size())
         peer_bytes = self.peer_bytes(in_splits, out_splits, row_bytes)
@@ -62,21 +80,19 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
             out_splits_P=out_splits,
             regroup_M=regroup_M,
             counts_e=recv_counts_Pe.sum(dim=0).tolist(),
+            inverse_M=inverse_M,
         )
         return Outbound(x_NH, handle, stats)
 
     def dispatch_recv(self, rows, handle):
         if handle.regroup_M is None:  # no copy: the rows are already in expert order
             return rows, handle.counts_e
-        return rows.index_select(0, handle.regroup_M), handle.counts_e
+        return _PermuteRows.apply(rows, handle.regroup_M, handle.inverse_M), handle.counts_e
 
     def combine_send(self, y_MH, handle):
-        regroup_M = handle.regroup_M
-        if regroup_M is None:
+        if handle.regroup_M is None:
             return y_MH
-        inverse_M = torch.empty_like(regroup_M)
-        inverse_M[regroup_M] = torch.arange(regroup_M.numel(), device=regroup_M.device)
-        return y_MH.index_select(0, inverse_M)
+        return _PermuteRows.apply(y_MH, handle.inverse_M, handle.regroup_M)
 
     def combine_recv(self, rows, handle):
         return rows
