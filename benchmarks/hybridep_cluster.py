@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -49,6 +50,7 @@ POINTS = {
     "expert": [("expert", 1024, f) for f in (64, 256, 512)],
 }
 VARIANTS = ("classic EP", "Partition", "+Migration")
+COMPUTE = "compute only"  # every expert local, no communication: the step's compute
 
 
 def _moe_config(F: int, dispatcher: str, domains: Any = None, cr: float = 1.0) -> Any:
@@ -66,7 +68,7 @@ def _moe_config(F: int, dispatcher: str, domains: Any = None, cr: float = 1.0) -
     )
 
 
-def _model(cfg: Any, spec: Any, recorder: Any) -> Any:
+def _model(cfg: Any, spec: Any, recorder: Any, group: Any = None) -> Any:
     import torch
     import torch.nn.functional as Fn
     from torch import nn
@@ -80,7 +82,7 @@ def _model(cfg: Any, spec: Any, recorder: Any) -> Any:
             self.index = index
             self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
             self.qkv, self.proj = nn.Linear(H, 3 * H), nn.Linear(H, H)
-            self.moe = MoELayer(cfg, topology=spec)
+            self.moe = MoELayer(cfg, group, topology=spec)
 
         def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
             B, S, _ = x_BSH.shape
@@ -130,11 +132,29 @@ def worker(rank: int, world: int, spec_dict: dict, points: list, steps: int) -> 
     dist.all_reduce(rate, op=dist.ReduceOp.MIN)
     flops = float(rate)
     out: dict[str, Any] = {"flops_per_s": flops, "points": []}
+    # The same model with every expert local and no communication: what the step computes,
+    # timed under the same contention (all ranks at once), calibrates the compute rate.
+    alone = dist.new_group([rank], use_local_synchronization=True)
     for sweep, tokens, F in points:
-        plain, compressed = (
-            _plan(spec, F, tokens, flops, 1.0),
-            _plan(spec, F, tokens, flops, COMPRESSION),
-        )
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(tokens // SEQ, SEQ, H, generator=gen)
+
+        def step(model: Any, opt: Any, x: Any = x) -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            y = model(x)
+            (y.square().mean() + aux_loss(model)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return time.perf_counter() - t0
+
+        local = _model(_moe_config(F, "dropless"), None, None, alone)
+        local_opt = torch.optim.SGD(local.parameters(), lr=1e-3)
+        calib = torch.tensor([statistics.median(step(local, local_opt) for _ in range(4))])
+        dist.all_reduce(calib, op=dist.ReduceOp.MAX)
+        flops_eff = flops * _predicted_compute_s(spec, F, tokens, flops) / float(calib)
+        plain = _plan(spec, F, tokens, flops_eff, 1.0)
+        compressed = _plan(spec, F, tokens, flops_eff, COMPRESSION)
         settings = {
             "classic EP": ("dropless", None, 1.0, False),
             "Partition": ("hybrid", plain.chosen.domain_sizes, 1.0, False),
@@ -148,18 +168,6 @@ def worker(rank: int, world: int, spec_dict: dict, points: list, steps: int) -> 
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             pre = ExpertPrefetcher(model, recorder=recorder).attach(opt) if prefetch else None
             built[name] = (model, opt, pre)
-        gen = torch.Generator().manual_seed(rank)
-        x = torch.randn(tokens // SEQ, SEQ, H, generator=gen)
-
-        def step(model: Any, opt: Any, x: Any = x) -> float:
-            dist.barrier()
-            t0 = time.perf_counter()
-            y = model(x)
-            (y.square().mean() + aux_loss(model)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return time.perf_counter() - t0
-
         for model, opt, _ in built.values():
             for _ in range(WARMUP):
                 step(model, opt)
@@ -167,9 +175,17 @@ def worker(rank: int, world: int, spec_dict: dict, points: list, steps: int) -> 
         for i in range(steps):
             if i == steps - 1:
                 recorder.clear()
-            rounds.append({name: step(model, opt) for name, (model, opt, _) in built.items()})
+            row = {name: step(model, opt) for name, (model, opt, _) in built.items()}
+            row[COMPUTE] = step(local, local_opt)
+            rounds.append(row)
         spans = recorder.events
-        times = torch.tensor([[r[n] for n in VARIANTS] for r in rounds])
+        # The routing the steps actually had: rows each rank sends each rank, per layer
+        # (one more forward, no gradient), for the prediction with the observed traffic.
+        rows_P = {}
+        for name, (model, _, _) in built.items():
+            rows_P[name] = _observed_rows(model, x, world)
+            dist.all_reduce(rows_P[name])  # rank r filled row r: [layers, P, P]
+        times = torch.tensor([[r[n] for n in (*VARIANTS, COMPUTE)] for r in rounds])
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         for _, _, pre in built.values():
             if pre is not None:
@@ -179,16 +195,64 @@ def worker(rank: int, world: int, spec_dict: dict, points: list, steps: int) -> 
                 "sweep": sweep,
                 "tokens_per_rank": tokens,
                 "ffn_hidden_size": F,
+                "flops_per_s_effective": flops_eff,
                 "domains": {n: settings[n][1] for n in VARIANTS},
                 "reason": {"Partition": plain.reason, "+Migration": compressed.reason},
                 "rounds": times.tolist(),
+                "rows_LPP": {n: t.tolist() for n, t in rows_P.items()},
                 "spans": spans,
             }
         )
     return out
 
 
+def _observed_rows(model: Any, x: Any, world: int) -> Any:
+    """``[layers, P, P]`` rows sent by this rank (its row only) in each MoE layer's all-to-all,
+    in EP ranks, read from the plans of one more forward."""
+    import torch
+
+    from moesaic.layer import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    out = torch.zeros(len(layers), world, world)
+    handles = []
+    for i, layer in enumerate(layers):
+
+        def hook(mod: Any, args: Any, i: int = i) -> None:
+            plan = mod.route(args[0]).plan
+            ranks = getattr(mod.strategy, "offset_ranks", list(range(world)))
+            for q, rows in enumerate(plan.send_counts_P.tolist()):
+                out[i, mod.ep.rank, ranks[q]] += rows
+
+        handles.append(layer.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    for layer in layers:
+        layer.take_stats()
+        layer.take_aux_loss()
+    return out
+
+
+def _predicted_compute_s(spec: Any, F: int, tokens: int, flops: float) -> float:
+    """The step's compute (pre-expert and expert, forward and backward) at ``flops``."""
+    from moesaic.placement.stepmodel import predict_step
+
+    pred = predict_step(
+        spec,
+        _moe_config(F, "dropless"),
+        (1,) * len(spec.levels),
+        tokens_per_rank=tokens,
+        flops_per_s=flops,
+        blocks=BLOCKS,
+        seq_len=SEQ,
+    )
+    return BLOCKS * 3 * (pred.parts["pre_expert"] + pred.parts["expert"])
+
+
 def _predictions(spec: Any, point: dict, flops: float) -> dict[str, Any]:
+    from moesaic.cluster.cost import network_time
     from moesaic.placement.stepmodel import predict_step
 
     out = {}
@@ -211,10 +275,18 @@ def _predictions(spec: Any, point: dict, flops: float) -> dict[str, Any]:
         comm = BLOCKS * (
             p["gather"] + p["shared_all_reduce"] + 4 * p["all_to_all"] + p["grad_reduce"]
         )
+        # The same with the all-to-alls priced on the observed rows (not uniform routing).
+        observed_s = pred.step_s
+        if p["all_to_all"] > 0:
+            lat_s = max(level.latency_ms for level in spec.levels) * 1e-3
+            for rows_PP in point["rows_LPP"][name]:
+                bytes_PP = [[r * H * 4 for r in row] for row in rows_PP]
+                a2a_s = network_time(spec, bytes_PP).bandwidth_s + lat_s
+                observed_s += 4 * (a2a_s - p["all_to_all"])
         out[name] = {
             "predicted_s": pred.step_s,
+            "predicted_observed_routing_s": observed_s,
             "parts_per_block_s": p,
-            "overlap_bound_s": max(compute, comm),
             "compute_s": compute,
             "communication_s": comm,
         }
@@ -222,17 +294,18 @@ def _predictions(spec: Any, point: dict, flops: float) -> dict[str, Any]:
 
 
 def summarize(spec: Any, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    flops = per_rank[0]["flops_per_s"]
     rows = []
     for point in per_rank[0]["points"]:
         rounds = point["rounds"]
-        pred = _predictions(spec, point, flops)
+        pred = _predictions(spec, point, point["flops_per_s_effective"])
         row: dict[str, Any] = {
             k: point[k]
             for k in ("sweep", "tokens_per_rank", "ffn_hidden_size", "domains", "reason")
         }
         row["data_mb_per_rank"] = point["tokens_per_rank"] * K * H * 4 / 1e6
         row["expert_mb"] = 3 * H * point["ffn_hidden_size"] * 4 / 1e6
+        row["flops_per_s_effective"] = point["flops_per_s_effective"]
+        row["compute_only_s"] = statistics.median(r[len(VARIANTS)] for r in rounds)
         row["variants"] = {}
         for j, name in enumerate(VARIANTS):
             ts = [r[j] for r in rounds]
@@ -243,12 +316,33 @@ def summarize(spec: Any, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]
                 "p90_s": max(ts),
                 **pred[name],
                 "model_error": pred[name]["predicted_s"] / measured - 1,
+                "model_error_observed_routing": pred[name]["predicted_observed_routing_s"]
+                / measured
+                - 1,
+                # perfect overlap: max(the measured compute-only step, the modelled traffic)
+                "overlap_bound_s": max(row["compute_only_s"], pred[name]["communication_s"]),
             }
         for j, name in enumerate(VARIANTS[1:], start=1):
             row[f"speedup {name} vs classic EP"] = statistics.median(r[0] / r[j] for r in rounds)
         row["speedup +Migration vs Partition"] = statistics.median(r[1] / r[2] for r in rounds)
         rows.append(row)
     return rows
+
+
+def _error_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Geometric-mean error ``exp(mean |ln(predicted / measured)|) - 1`` over every point, per
+    variant and overall, for uniform routing (the paper's assumption) and the observed one."""
+    out: dict[str, Any] = {}
+    for key in ("predicted_s", "predicted_observed_routing_s"):
+        logs: dict[str, list[float]] = {n: [] for n in VARIANTS}
+        for r in rows:
+            for n in VARIANTS:
+                v = r["variants"][n]
+                logs[n].append(abs(math.log(v[key] / v["measured_s"])))
+        every = [x for xs in logs.values() for x in xs]
+        out[key] = {n: math.exp(statistics.mean(xs)) - 1 for n, xs in logs.items()}
+        out[key]["all"] = math.exp(statistics.mean(every)) - 1
+    return out
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -324,7 +418,9 @@ def main() -> int:
         },
         "points": rows,
     }
+    result["model_error_summary"] = _error_summary(rows)
     print(_table(rows))
+    print(json.dumps(result["model_error_summary"]))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
