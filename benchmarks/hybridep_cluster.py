@@ -16,8 +16,10 @@ rank's):
 * ``Partition``: ``hybrid`` with the domain sizes the cost model chooses for exact experts
   (``plan_domains``), gathers issued inside each layer;
 * ``+Migration``: ``hybrid`` with SR compression (``COMPRESSION``, domains chosen for the
-  compressed size) and the asynchronous communicator (``ExpertPrefetcher`` after each
-  optimizer step).
+  compressed size) and the asynchronous communicator (``ExpertPrefetcher.start()`` at the start
+  of each timed step, so that the gathers overlap that step's own pre-expert compute and are
+  charged to it; training attaches it to the optimizer step instead, which would let the
+  gathers run during the other variants' steps of the round-robin).
 
 Every rank first measures its GEMM rate while all ranks run (``measure_gemm_flops``); the
 minimum over ranks is the compute throughput the model uses, so the chosen domains are the same
@@ -139,9 +141,11 @@ def worker(rank: int, world: int, spec_dict: dict, points: list, steps: int) -> 
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(tokens // SEQ, SEQ, H, generator=gen)
 
-        def step(model: Any, opt: Any, x: Any = x) -> float:
+        def step(model: Any, opt: Any, pre: Any = None, x: Any = x) -> float:
             dist.barrier()
             t0 = time.perf_counter()
+            if pre is not None:  # inside the timed step: the gathers overlap its own compute
+                pre.start()
             y = model(x)
             (y.square().mean() + aux_loss(model)).backward()
             opt.step()
@@ -166,16 +170,16 @@ def worker(rank: int, world: int, spec_dict: dict, points: list, steps: int) -> 
             cfg = _moe_config(F, dispatcher, domains, cr)
             model = _model(cfg, spec, recorder if name == "+Migration" else None)
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            pre = ExpertPrefetcher(model, recorder=recorder).attach(opt) if prefetch else None
+            pre = ExpertPrefetcher(model, recorder=recorder) if prefetch else None
             built[name] = (model, opt, pre)
-        for model, opt, _ in built.values():
+        for model, opt, pre in built.values():
             for _ in range(WARMUP):
-                step(model, opt)
+                step(model, opt, pre)
         rounds = []
         for i in range(steps):
             if i == steps - 1:
                 recorder.clear()
-            row = {name: step(model, opt) for name, (model, opt, _) in built.items()}
+            row = {name: step(model, opt, pre) for name, (model, opt, pre) in built.items()}
             row[COMPUTE] = step(local, local_opt)
             rounds.append(row)
         spans = recorder.events
