@@ -177,3 +177,22 @@ def test_cli_times_the_peers_beside_their_counterparts(tmp_path):
         assert rows[("deepspeed", routing)]["check"]["counterpart"] == "padded-cf1.25"
         assert "speedup_vs_torchtitan" in rows[("dropless", routing)]
         assert "speedup_vs_deepspeed" in rows[("padded-cf1.25", routing)]
+
+
+def test_speedups_are_peer_over_counterpart_median_and_paired_per_round():
+    def row(impl, rounds):
+        ordered = sorted(rounds)
+        return {
+            "ep": 2,
+            "impl": impl,
+            "routing": "skewed",
+            "step": {"median_ms": ordered[len(ordered) // 2], "round_ms": rounds},
+        }
+
+    # Per round 1.5x, 6x, 1.5x: the paired median is 1.5; the ratio of medians (60 / 10) is not.
+    rows = [row("dropless", [10.0, 10.0, 40.0]), row("torchtitan", [15.0, 60.0, 60.0])]
+    bench_layer._add_ratios(rows, bench_layer.LayerBench(peers=("torchtitan",)))
+    ours = rows[0]
+    assert ours["speedup_vs_torchtitan"] == pytest.approx(60.0 / 10.0)
+    assert ours["paired_speedup_vs_torchtitan"] == pytest.approx(1.5)
+    assert "speedup_vs_torchtitan" not in rows[1]

@@ -15,6 +15,7 @@ the single-thread fp32 GEMM rate measured in the same run.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -294,6 +295,7 @@ def _network_bound_ms(per_rank: list[dict], key: str, spec) -> float:
 def run(bench: LayerBench) -> dict:
     """Measure everything; returns the result document (see ``format_table``)."""
     torch.set_num_threads(1)  # one thread per rank everywhere, so EP sizes compare fairly
+    load_before = _load_avg()
     gflops = _gemm_gflops(bench)
     rows = []
     network = None
@@ -309,6 +311,8 @@ def run(bench: LayerBench) -> dict:
             # Ranks step in lockstep (the all-to-alls synchronise them): the slowest is the step.
             medians = [summarize(r[key]["times"]) for r in per_rank]
             step = max(medians, key=lambda m: m["median_ms"])
+            # Round by round, the slowest rank's time (rounds are interleaved across modules).
+            step["round_ms"] = [1e3 * max(t) for t in zip(*(r[key]["times"] for r in per_rank))]
             tokens = bench.tokens_per_rank * ep
             row = {
                 "ep": ep,
@@ -341,6 +345,8 @@ def run(bench: LayerBench) -> dict:
     return {
         "benchmark": "moesaic bench layer",
         "meta": run_metadata(),
+        # The machine may be shared: 1/5/15-minute load averages before and after the run.
+        "load_avg_before_after": [load_before, _load_avg()],
         "config": asdict(bench),
         "gemm_gflops_single_thread": gflops,
         "oversubscribed_ep_sizes": [ep for ep in bench.ep_sizes if ep > _cores()],
@@ -358,6 +364,10 @@ def _progress(items, desc: str):
     return tqdm(items, desc=desc, unit="world", leave=False, disable=None)  # None: not a tty
 
 
+def _load_avg() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
 def _cores() -> int:
     return available_cores()
 
@@ -373,6 +383,10 @@ def _add_ratios(rows: list[dict], bench: LayerBench) -> None:
             theirs = by_key.get((r["ep"], peer, r["routing"]))
             if r["impl"] == ours_name and theirs:
                 r[f"speedup_vs_{peer}"] = theirs["step"]["median_ms"] / r["step"]["median_ms"]
+                # Paired: the median over rounds of that round's ratio (both ran back to back
+                # in each round, so a slow spell of the machine hits both): the steadier figure.
+                paired = [a / b for a, b in zip(theirs["step"]["round_ms"], r["step"]["round_ms"])]
+                r[f"paired_speedup_vs_{peer}"] = sorted(paired)[len(paired) // 2]
     for r in rows:
         hf = by_key.get((1, "transformers-mixtral", r["routing"]))
         if hf:
@@ -403,9 +417,11 @@ def format_table(result: dict) -> str:
     for r in result["rows"]:
         for key, value in r.items():
             if key.startswith("speedup_vs_"):
+                peer = key.removeprefix("speedup_vs_")
                 lines.append(
-                    f"EP {r['ep']} {r['routing']}: moesaic {r['impl']} is {value:.2f}x "
-                    f"{key.removeprefix('speedup_vs_')} (step time ratio, same run)"
+                    f"EP {r['ep']} {r['routing']}: moesaic {r['impl']} is {value:.2f}x {peer} "
+                    f"(ratio of median step times; paired per round "
+                    f"{r[f'paired_speedup_vs_{peer}']:.2f}x)"
                 )
     for r in result["rows"]:
         if "network_bound_ms" in r:

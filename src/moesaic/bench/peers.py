@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -143,7 +144,13 @@ def _torchtitan(layer: MoELayer) -> PeerModule:
         mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("ep",))
         module.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
     module.train()
-    return PeerModule(module, lambda x: (module(x.view(1, -1, H)).view(x.shape), None))
+
+    def forward(x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        with warnings.catch_warnings():  # its router's fp32 autocast, a no-op on CPU, warns
+            warnings.filterwarnings("ignore", "In CPU autocast", UserWarning)
+            return module(x.view(1, -1, H)).view(x.shape), None
+
+    return PeerModule(module, forward)
 
 
 class SwiGLUExpert(nn.Module):
