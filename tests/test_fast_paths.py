@@ -4,8 +4,8 @@
 * dropless: no regroup copy where the received rows already arrive in expert order (one rank,
   or one local expert per rank).
 * RoutingPlan.unpermute: the no-drop path (a pure permutation, no zero row) and the drop path.
-* padded: experts skip the padding (filled rows only) with exactly the outputs and gradients of
-  computing on everything (``skip_padding = False``), at EP 1 and 2, SwiGLU and GELU.
+* padded: experts skip the padding (filled rows only; at EP 1 no buffer at all) with the outputs
+  and gradients of computing on everything (``skip_padding = False``), EP 1 and 2, SwiGLU, GELU.
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ def _padded_both_ways(rank: int, world: int, activation: str, skewed: bool) -> l
     x[3] = 0.0  # a real all-zero token: skipping it must still be exact (SwiGLU) or not happen
     fast = _step(layer, x, g)
     assert isinstance(layer.strategy, PaddedStrategy)
+    handle = layer.strategy.dispatch_send(x, layer.route(x).plan).handle
+    layer.take_aux_terms()
+    assert handle.direct == (world == 1)  # the fast path was the one measured
     layer.strategy.skip_padding = False  # the instance attribute shadows the class default
     ref = _step(layer, x, g)
     return [

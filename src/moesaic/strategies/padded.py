@@ -7,11 +7,12 @@ MAX), so nothing is dropped. The padded bytes are the cost this baseline pays on
 
 The experts skip the padding (``skip_padding``, on by default): a zero row maps to a zero row (no
 biases), so only the filled rows are gathered, computed and scattered back into the zero buffer,
-with exactly the outputs and gradients of computing on everything. Which rows are filled is
-known from the plan at EP = 1; at EP > 1 the receiver finds them as the non-zero rows, which is
-exact for SwiGLU experts (an all-zero token row has a zero output, input gradient and weight
-gradient) but not for GELU (GELU'(0) != 0), whose experts then compute on everything
-(``skip_padding = False``, the reference path DeepSpeed and GShard take).
+with exactly the outputs and gradients of computing on everything. At EP = 1 nothing is sent,
+so there is no buffer at all: the kept rows go straight to the experts. At EP > 1 the receiver
+finds the filled rows as the non-zero rows, which is exact for SwiGLU experts (an all-zero token
+row has a zero output, input gradient and weight gradient) but not for GELU (GELU'(0) != 0),
+whose experts then compute on everything (``skip_padding = False``, the reference path, as
+DeepSpeed and GShard do).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class PaddedHandle(ExchangeHandle):
     # (local expert, source rank, slot) order, as rows of the [P*e*C] buffer (read by
     # combine_send, which scatters the outputs back there).
     live_M: list[torch.Tensor] = field(default_factory=list)
+    # One rank skipping the padding: no buffer at all, the kept rows go straight to the experts
+    # (nothing is sent, so the padded buffer would only be filled and emptied again).
+    direct: bool = False
 
 
 class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
@@ -59,8 +63,8 @@ class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
             C = int(self.group.all_reduce(load, dist.ReduceOp.MAX, "padded max load"))
             meta_peer = self.to_every_peer(load.element_size())
         x_NH = plan.permute(x_TH)
-        slots_N = self._slots(plan, C)
-        buf_ECH = x_NH.new_zeros(E * C, H).index_copy(0, slots_N, x_NH)
+        direct = P == 1 and self.skip_padding
+        slots_N = x_NH.new_empty(0, dtype=torch.long) if direct else self._slots(plan, C)
         row_bytes = H * x_TH.element_size()
         off_rank_rows = (P - 1) * e * C
         peer_bytes = self.peer_bytes([e * C] * P, [e * C] * P, row_bytes)
@@ -73,16 +77,26 @@ class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
             collectives=(2 if plan.capacity is not None else 3) if P > 1 else 0,
             peer_bytes_P=tuple(a + b for a, b in zip(peer_bytes, meta_peer)),
         )
-        splits = [e * C] * P
+        splits = [x_NH.shape[0]] if direct else [e * C] * P
         handle = PaddedHandle(
-            plan=plan, in_splits_P=splits, out_splits_P=splits, capacity=C, slots_N=slots_N
+            plan=plan,
+            in_splits_P=splits,
+            out_splits_P=splits,
+            capacity=C,
+            slots_N=slots_N,
+            direct=direct,
         )
+        if direct:
+            return Outbound(x_NH, handle, stats)
+        buf_ECH = x_NH.new_zeros(E * C, H).index_copy(0, slots_N, x_NH)
         return Outbound(buf_ECH, handle, stats)
 
     def dispatch_recv(self, rows, handle):
         # (source rank, local expert, slot) -> (local expert, source rank, slot)
         P, e, C = self.group.size, self.placement.num_local, handle.capacity
         H = rows.shape[-1]
+        if handle.direct:  # the kept rows, already grouped by expert
+            return rows, handle.plan.counts_Pe.reshape(-1).tolist()
         filled_PeC = self._filled(rows, handle)
         if filled_PeC is None:
             return rows.view(P, e, C, H).transpose(0, 1).reshape(e * P * C, H), [P * C] * e
@@ -95,6 +109,8 @@ class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
     def combine_send(self, y_MH, handle):
         P, e, C = self.group.size, self.placement.num_local, handle.capacity
         H = y_MH.shape[-1]
+        if handle.direct:
+            return y_MH
         if handle.live_M:  # the padding's outputs are zero rows
             return y_MH.new_zeros(P * e * C, H).index_copy(0, handle.live_M[0], y_MH)
         return y_MH.view(e, P, C, H).transpose(0, 1).reshape(P * e * C, H)
@@ -102,16 +118,13 @@ class PaddedStrategy(DispatchCombineStrategy[PaddedHandle]):
     def _filled(self, rows: torch.Tensor, handle: PaddedHandle) -> torch.Tensor | None:
         """Which received rows hold tokens, [P, e, C] bool; None to compute on everything."""
         P, e, C = self.group.size, self.placement.num_local, handle.capacity
-        if not self.skip_padding:
-            return None
-        if P == 1:  # this rank's own plan: expert j's first counts_Pe[0, j] slots are filled
-            counts_e = handle.plan.counts_Pe.reshape(e, 1).to(rows.device)
-            return (torch.arange(C, device=rows.device) < counts_e).view(1, e, C)
-        if self.ctx.config.activation != "swiglu":
+        if not self.skip_padding or self.ctx.config.activation != "swiglu":
             return None
         return rows.view(P, e, C, -1).ne(0).any(dim=-1)
 
     def combine_recv(self, rows, handle):
+        if handle.direct:
+            return rows
         return rows.index_select(0, handle.slots_N)
 
     @staticmethod
