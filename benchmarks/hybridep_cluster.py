@@ -16,7 +16,7 @@ rank's):
 * ``Partition``: ``hybrid`` with the domain sizes the cost model chooses for exact experts
   (``plan_domains``), gathers issued inside each layer;
 * ``+Migration``: ``hybrid`` with SR compression (``COMPRESSION``, domains chosen for the
-  compressed size) and the asynchronous communicator (``ExpertPrefetcher.start()`` at the start
+  compressed size; the shared experts' all-reduce every ``SHARED_EVERY`` gathers) and the asynchronous communicator (``ExpertPrefetcher.start()`` at the start
   of each timed step, so that the gathers overlap that step's own pre-expert compute and are
   charged to it; training attaches it to the optimizer step instead, which would let the
   gathers run during the other variants' steps of the round-robin).
@@ -44,7 +44,8 @@ H, E, K = 256, 8, 2
 BLOCKS = 2
 SEQ = 256
 HEADS = 4
-COMPRESSION = 4.0
+COMPRESSION = 16.0
+SHARED_EVERY = 4  # +Migration recomputes the shared experts every 4th gather
 WARMUP = 1
 # (sweep, tokens per rank, expert hidden F)
 POINTS = {
@@ -56,6 +57,7 @@ COMPUTE = "compute only"  # every expert local, no communication: the step's com
 
 
 def _moe_config(F: int, dispatcher: str, domains: Any = None, cr: float = 1.0) -> Any:
+    """The MoE layer; compressed gathers recompute the shared experts every SHARED_EVERY."""
     from moesaic import MoEConfig
 
     return MoEConfig(
@@ -66,6 +68,7 @@ def _moe_config(F: int, dispatcher: str, domains: Any = None, cr: float = 1.0) -
         dispatcher=dispatcher,
         domain_sizes=domains,
         expert_compression_ratio=cr,
+        shared_expert_every=SHARED_EVERY if cr > 1 else 1,
         collective_timeout_s=120.0,
     )
 
@@ -272,6 +275,7 @@ def _predictions(spec: Any, point: dict, flops: float) -> dict[str, Any]:
             blocks=BLOCKS,
             seq_len=SEQ,
             compression_ratio=cr,
+            shared_expert_every=SHARED_EVERY if cr > 1 else 1,
             prefetch=name == "+Migration",
         )
         p = pred.parts

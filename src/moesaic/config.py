@@ -56,6 +56,10 @@ class MoEConfig:
             ignore it.
         expert_compression_ratio: CR of the SR compression (``moesaic.placement.compress``) of
             experts the ``hybrid`` dispatcher gathers; 1.0 gathers them exactly.
+        shared_expert_every: compressed gathers recompute the shared expert (the domain's
+            mean expert: an all-reduce of one expert's size) every this many gathers and reuse
+            it in between (1: every gather, as the paper). Encoder and decoder always use the
+            same one; a stale one only leaves larger residuals for the top-k to keep.
     """
 
     hidden_size: int
@@ -75,6 +79,7 @@ class MoEConfig:
     balance_loss_choices: str = "all"
     domain_sizes: tuple[int, ...] | None = None
     expert_compression_ratio: float = 1.0
+    shared_expert_every: int = 1
 
     def __post_init__(self) -> None:
         check_positive_int("hidden_size", self.hidden_size)
@@ -115,6 +120,7 @@ class MoEConfig:
                 raise ValueError("domain_sizes must not be empty (None: not set)")
             for i, s in enumerate(self.domain_sizes):
                 check_positive_int(f"domain_sizes[{i}]", s)
+        check_positive_int("shared_expert_every", self.shared_expert_every)
         check_non_negative("expert_compression_ratio", self.expert_compression_ratio)
         if self.expert_compression_ratio < 1:
             raise ValueError(

@@ -192,7 +192,16 @@ def _compressed(rank: int) -> dict:
     _, exact, _ = _layer((2,), False)
     exact.load_full_state_dict(sd)
     y_exact = exact(x.detach())
+    # Shared experts recomputed every 2nd gather: the gather after an update reuses them.
+    _, every2, _ = _layer((2,), False, expert_compression_ratio=cr, shared_expert_every=2)
+    sent = []
+    for _ in range(3):
+        every2(x.detach())
+        sent.append(every2.take_stats().comm.expert_bytes)
+        with torch.no_grad():
+            every2.experts.w1.mul_(1.01)
     return {
+        "every2": sent,
         "expert_bytes": stats.expert_bytes,
         "want_bytes": payload + shared,
         "rel_err": float((y - y_exact).norm() / y_exact.norm()),
@@ -247,6 +256,12 @@ def test_compressed_gather_sends_the_compressed_bytes(world_results):
     for res in world_results:
         comp = res["compressed"]
         assert comp["expert_bytes"] == comp["want_bytes"]
+        shared = 3 * H * F * 4
+        assert comp["every2"] == [
+            comp["want_bytes"],
+            comp["want_bytes"] - shared,
+            comp["want_bytes"],
+        ]
         assert 0 < comp["rel_err"] < 1.0 and comp["grad_finite"]
 
 

@@ -66,6 +66,7 @@ def predict_step(
     act_bytes: int = 4,
     param_bytes: int = 4,
     compression_ratio: float = 1.0,
+    shared_expert_every: int = 1,
     prefetch: bool = False,
 ) -> StepPrediction:
     """Predicts a training step of ``blocks`` (attention + MoE) blocks under ``hybrid``.
@@ -81,10 +82,13 @@ def predict_step(
         act_bytes: Bytes per activation element on the wire.
         param_bytes: Bytes per expert parameter.
         compression_ratio: SR compression ratio of the gathers (1: none).
+        shared_expert_every: The shared experts' all-reduce runs every this many gathers
+            (``MoEConfig.shared_expert_every``): its time is spread over them.
         prefetch: Gathers prefetched under the pre-expert computation (Fig. 10).
     """
     check_positive_int("blocks", blocks)
     check_bool("prefetch", prefetch)
+    check_positive_int("shared_expert_every", shared_expert_every)
     common = dict(
         tokens_per_rank=tokens_per_rank,
         ep_size=spec.world_size,
@@ -106,7 +110,7 @@ def predict_step(
         # 1/S of it each (reduce-scatter + all-gather).
         one = dense.expert_bytes / dense.experts_per_rank
         shared = dataclasses.replace(dense, expert_bytes=2 * one / S)
-        shared_s = sum(evaluate_domains(spec, shared, domain_sizes).ag_s)
+        shared_s = sum(evaluate_domains(spec, shared, domain_sizes).ag_s) / shared_expert_every
     gather_s += shared_s
     a2a_s = sum(moved.a2a_s)
     pe_s = sent.pre_expert_s

@@ -162,6 +162,8 @@ class HybridStrategy(MoEStrategy):
         )
         self._exchange = DroplessStrategy(StrategyContext(ctx.config, a2a, self._routing))
         self._cache: tuple[tuple, Weights] | None = None
+        self._shared: list[torch.Tensor | None] | None = None  # of compressed gathers
+        self._gathers = 0
         self._pending: tuple[tuple, Future[Gathered]] | None = None
         assert sorted(self.bundle) == self.domain_ranks
         assert len(self.domain_ranks) * len(self.offset_ranks) == P
@@ -210,7 +212,7 @@ class HybridStrategy(MoEStrategy):
     def start_prefetch(self, experts: GroupedExperts) -> PendingGather:
         """For :class:`ExpertPrefetcher`'s thread: encode and issue on the prefetch group."""
         weights = self._local_weights(experts)
-        return start_gather(weights, self.prefetch_levels, self.compression_ratio)
+        return self._start(weights, self.prefetch_levels)
 
     def _gathered(self, weights: Weights) -> tuple[Weights, CommStats]:
         """The domain's experts (detached, decoded) for the current weights, and what the
@@ -225,10 +227,18 @@ class HybridStrategy(MoEStrategy):
             if pkey == key:
                 self._cache = (key, tensors)
         if self._cache is None or self._cache[0] != key:
-            pending = start_gather(weights, self.levels, self.compression_ratio)
+            pending = self._start(weights, self.levels)
             self._cache = (key, pending.result())
             stats = stats + self._gather_stats(pending)
         return self._cache[1], stats
+
+    def _start(self, weights: Weights, groups: list[EPGroup]) -> PendingGather:
+        """One gather; the shared experts are recomputed every ``shared_expert_every``-th."""
+        every = self.ctx.config.shared_expert_every
+        shared = None if self._gathers % every == 0 else self._shared
+        pending = start_gather(weights, groups, self.compression_ratio, shared=shared)
+        self._shared, self._gathers = pending.shared, self._gathers + 1
+        return pending
 
     def _gather_stats(self, pending: PendingGather) -> CommStats:
         peers = [0] * self.group.size

@@ -116,18 +116,24 @@ class PendingGather:
         level_bytes: per level group, the bytes this rank sent to each other member (the
             encoded bundle so far, plus the shared experts' all-reduce message when compressed).
         collectives: collectives issued (the shared-expert all-reduces and the gathers).
+        shared: the shared experts the bundle was encoded against (None entries: dense).
     """
 
     finish: Callable[[], Weights]
     level_bytes: list[int]
     collectives: int
+    shared: list[torch.Tensor | None]
 
     def result(self) -> Weights:
         return self.finish()
 
 
 def start_gather(
-    weights: Weights, groups: Sequence[EPGroup], compression_ratio: float, name: str = "experts"
+    weights: Weights,
+    groups: Sequence[EPGroup],
+    compression_ratio: float,
+    name: str = "experts",
+    shared: list[torch.Tensor | None] | None = None,
 ) -> PendingGather:
     """Encode the local experts and gather them over the domain, level by level.
 
@@ -141,13 +147,16 @@ def start_gather(
         groups: one group per level with a domain size above 1, outermost first.
         compression_ratio: SR compression ratio (1: exact).
         name: names the collectives in errors.
+        shared: the shared experts to encode against (every member must pass the same); None
+            computes them (an all-reduce per level). Unused when not compressed.
     """
     with torch.no_grad():
         numel = next(w for w in weights if w is not None)[0].numel()
         sparse = kept_entries(numel, compression_ratio) < numel
-        shared: list[torch.Tensor | None] = [None] * len(weights)
         shared_bytes = 0
-        if sparse:
+        if not sparse:
+            shared = [None] * len(weights)
+        elif shared is None:
             shared, shared_bytes = _shared_experts(weights, groups)
         payloads = [
             None if w is None else encode_experts(w, sh, compression_ratio)
@@ -179,8 +188,8 @@ def start_gather(
                 )
         return tuple(out)
 
-    per_level = sum(p is not None for p in payloads) + (1 if sparse else 0)
-    return PendingGather(finish, level_bytes, per_level * len(groups))
+    per_level = sum(p is not None for p in payloads) + (1 if shared_bytes else 0)
+    return PendingGather(finish, level_bytes, per_level * len(groups), shared)
 
 
 class ExpertPrefetcher:
