@@ -16,10 +16,11 @@ rank's):
 * ``Partition``: ``hybrid`` with the domain sizes the cost model chooses for exact experts
   (``plan_domains``), gathers issued inside each layer;
 * ``+Migration``: ``hybrid`` with SR compression (``COMPRESSION``, domains chosen for the
-  compressed size; the shared experts' all-reduce every ``SHARED_EVERY`` gathers) and the asynchronous communicator (``ExpertPrefetcher.start()`` at the start
-  of each timed step, so that the gathers overlap that step's own pre-expert compute and are
-  charged to it; training attaches it to the optimizer step instead, which would let the
-  gathers run during the other variants' steps of the round-robin).
+  compressed size; the shared experts' all-reduce every ``SHARED_EVERY`` gathers) and the
+  asynchronous communicator (``ExpertPrefetcher.start()`` at the start of each timed step, so
+  that the gathers overlap that step's own pre-expert compute and are charged to it; training
+  attaches it to the optimizer step instead, which here would let the gathers run during the
+  other variants' steps of the round-robin).
 
 Every rank first measures its GEMM rate while all ranks run (``measure_gemm_flops``); the
 minimum over ranks is the compute throughput the model uses, so the chosen domains are the same
