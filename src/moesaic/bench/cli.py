@@ -137,6 +137,12 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         help="capacity factor of the padded layer compared with deepspeed (default 1.25)",
     )
     layer.add_argument(
+        "--malloc-default",
+        action="store_true",
+        help="leave glibc's malloc as it is (default: keep freed memory in the processes, "
+        "see moesaic.bench.allocator)",
+    )
+    layer.add_argument(
         "--quick",
         action="store_true",
         help="a fast smoke run: 256 tokens, 3 iters, 1 warmup, EP 1,2 unless given explicitly",
@@ -211,6 +217,7 @@ def _measure_layer(args: argparse.Namespace, ep_sizes: tuple[int, ...]) -> int:
         strategies=args.strategies,
         peers=args.peers,
         capacity_factor=args.capacity_factor,
+        retain_freed_memory=not args.malloc_default,
     )
     differences = _differences(bench, LayerBench(), quick=args.quick)
     out = resolve_out(
@@ -239,6 +246,8 @@ def _differences(bench, default, *, quick: bool) -> str:
             out.append(f"{option} {shown}")
     if bench.with_transformers != default.with_transformers:
         out.append("--no-transformers")
+    if bench.retain_freed_memory != default.retain_freed_memory:
+        out.append("--malloc-default")
     return ", ".join(out)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from moesaic.bench.allocator import retain_freed_memory
 from moesaic.bench.meta import run_metadata, summarize, time_calls
 from moesaic.bench.options import available_cores, write_json
 from moesaic.bench.peers import PEERS, PeerModule, build_peer, compare, counterpart_config
@@ -58,6 +59,10 @@ class LayerBench:
     capacity_factor: float = 1.25
     # Largest relative difference of a peer's output or gradients from ours before timing.
     check_tolerance: float = 1e-4
+    # Keep freed memory in every benchmark process (glibc mallopt, moesaic.bench.allocator):
+    # without it each step page-faults its activations in afresh, and in interleaved rounds a
+    # module pays for the allocation pattern of the one before it.
+    retain_freed_memory: bool = True
     seed: int = 0
     # A cluster description (TOML path): run the EP worlds in its emulated network namespaces.
     # Only EP = its world size then; needs root (see docs/cluster.md).
@@ -244,6 +249,8 @@ def ep_worker(rank: int, world: int, bench: LayerBench) -> dict:
     """One rank of an EP world (or the one process at EP = 1): every module of every routing,
     interleaved round by round; step times, bytes, loads and the peers' agreement checks."""
     torch.set_num_threads(1)
+    if bench.retain_freed_memory:
+        retain_freed_memory()
     out = {}
     for routing in ROUTINGS:
         x, g = _inputs(bench, routing, rank)
@@ -296,6 +303,7 @@ def run(bench: LayerBench) -> dict:
     """Measure everything; returns the result document (see ``format_table``)."""
     torch.set_num_threads(1)  # one thread per rank everywhere, so EP sizes compare fairly
     load_before = _load_avg()
+    retained = retain_freed_memory() if bench.retain_freed_memory else False
     gflops = _gemm_gflops(bench)
     rows = []
     network = None
@@ -347,6 +355,9 @@ def run(bench: LayerBench) -> dict:
         "meta": run_metadata(),
         # The machine may be shared: 1/5/15-minute load averages before and after the run.
         "load_avg_before_after": [load_before, _load_avg()],
+        "allocator": "glibc, freed memory retained (moesaic.bench.allocator)"
+        if retained
+        else "default",
         "config": asdict(bench),
         "gemm_gflops_single_thread": gflops,
         "oversubscribed_ep_sizes": [ep for ep in bench.ep_sizes if ep > _cores()],
