@@ -306,15 +306,25 @@ def summarize(spec: Any, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]
     rows = []
     for point in per_rank[0]["points"]:
         rounds = point["rounds"]
-        pred = _predictions(spec, point, point["flops_per_s_effective"])
+        compute_only_s = statistics.median(r[len(VARIANTS)] for r in rounds)
+        # The domains were planned with the rate calibrated before the rounds; the predictions
+        # use the compute-only step timed in the rounds themselves (same load as the variants).
+        T, F, planned = (
+            point["tokens_per_rank"],
+            point["ffn_hidden_size"],
+            point["flops_per_s_effective"],
+        )
+        rate = planned * _predicted_compute_s(spec, F, T, planned) / compute_only_s
+        pred = _predictions(spec, point, rate)
         row: dict[str, Any] = {
             k: point[k]
             for k in ("sweep", "tokens_per_rank", "ffn_hidden_size", "domains", "reason")
         }
-        row["data_mb_per_rank"] = point["tokens_per_rank"] * K * H * 4 / 1e6
-        row["expert_mb"] = 3 * H * point["ffn_hidden_size"] * 4 / 1e6
-        row["flops_per_s_effective"] = point["flops_per_s_effective"]
-        row["compute_only_s"] = statistics.median(r[len(VARIANTS)] for r in rounds)
+        row["data_mb_per_rank"] = T * K * H * 4 / 1e6
+        row["expert_mb"] = 3 * H * F * 4 / 1e6
+        row["flops_per_s_planned"] = planned
+        row["flops_per_s_rounds"] = rate
+        row["compute_only_s"] = compute_only_s
         row["variants"] = {}
         for j, name in enumerate(VARIANTS):
             ts = [r[j] for r in rounds]
@@ -426,6 +436,10 @@ def main() -> int:
             "flops_per_s_min_over_ranks": per_rank[0]["flops_per_s"],
         },
         "points": rows,
+        # what summarize() read (per point: rounds x [variants..., compute only] seconds, the
+        # observed rows per layer), so the summary can be recomputed from this file
+        "raw": [{k: v for k, v in p.items() if k != "spans"} for p in per_rank[0]["points"]],
+        "flops_per_s": per_rank[0]["flops_per_s"],
     }
     result["model_error_summary"] = _error_summary(rows)
     print(_table(rows))
