@@ -196,3 +196,25 @@ def test_speedups_are_peer_over_counterpart_median_and_paired_per_round():
     assert ours["speedup_vs_torchtitan"] == pytest.approx(60.0 / 10.0)
     assert ours["paired_speedup_vs_torchtitan"] == pytest.approx(1.5)
     assert "speedup_vs_torchtitan" not in rows[1]
+
+
+@_needs("deepspeed")
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_peer_that_disagrees_is_not_timed_and_no_rank_hangs(ep):
+    from moesaic.comm.world import WorkerError
+
+    bench = bench_layer.LayerBench(
+        hidden_size=16,
+        ffn_hidden_size=32,
+        num_experts=4,
+        tokens_per_rank=32,
+        ep_sizes=(ep,),
+        iters=1,
+        warmup=0,
+        strategies=("dropless",),
+        peers=("deepspeed",),
+        with_transformers=False,
+        check_tolerance=1e-30,  # any rounding difference in any gradient is a disagreement
+    )
+    with pytest.raises((RuntimeError, WorkerError), match="disagrees"):
+        bench_layer.run(bench)
