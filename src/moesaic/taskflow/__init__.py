@@ -22,6 +22,16 @@ from moesaic.taskflow.graph import (
     SplitSpec,
     propagate_splits,
 )
+from moesaic.taskflow.layout import (
+    LayoutMemory,
+    LayoutWrite,
+    SymmetricLayout,
+    WriteConflictError,
+    all_to_all_writes,
+    check_write_conflicts,
+    compare_layout_memory,
+    symmetric_layout_bytes,
+)
 from moesaic.taskflow.moe_graphs import TASK_TYPES, backward_graph, forward_graph, task_count
 from moesaic.taskflow.plan import PLAN_VERSION, Plan, Schedule, TaskGraph
 from moesaic.taskflow.plan_io import load_plan, plan_from_dict, plan_to_dict, save_plan
@@ -52,6 +62,8 @@ __all__ = [
     "GraphError",
     "Job",
     "Lane",
+    "LayoutMemory",
+    "LayoutWrite",
     "OperatorGraph",
     "OperatorNode",
     "Plan",
@@ -66,13 +78,18 @@ __all__ = [
     "Schedule",
     "ShapeBucket",
     "SplitSpec",
+    "SymmetricLayout",
     "TaskDescriptor",
     "TaskGraph",
     "TaskType",
     "Timeline",
+    "WriteConflictError",
+    "all_to_all_writes",
     "backward_graph",
     "check_plan",
     "check_world",
+    "check_write_conflicts",
+    "compare_layout_memory",
     "compile_plan",
     "compile_world",
     "ensure_validated",
@@ -84,5 +101,6 @@ __all__ = [
     "save_plan",
     "simulate",
     "slot_rows_for",
+    "symmetric_layout_bytes",
     "task_count",
 ]

@@ -4,11 +4,12 @@
 allocates for the bucket; every task's operator, handler type and queue agree with the ODG and
 its count with split propagation; every region lies inside its buffer, reads only this rank,
 writes only writable buffers (and only the slots a put may write); every row of every written
-buffer has exactly one writer (FlashDMoE's write-conflict freedom); every event's threshold
-equals the number of its producers; the producers of a task's dependent event cover every row it
-reads; every tile is exactly the one the FillConfig generates for its (operator, task_index)
-(handlers derive rows, experts and destinations from the regions, so only the queue order and the
-events are free); the schedule puts every task once on the queue of its type's class; and the
+buffer has exactly one writer (FlashDMoE's write-conflict freedom; the communication buffers
+are also mapped onto the symmetric layout L and checked against Definition 5.3.2 by
+``layout.check_plan_layout``); every event's threshold equals the number of its producers; the
+producers of a task's dependent event cover every row it reads; every tile is exactly the one
+the FillConfig generates for its (operator, task_index) (handlers derive rows, experts and
+destinations from the regions, so only the queue order and the events are free); the schedule puts every task once on the queue of its type's class; and the
 queues cannot deadlock (``simulate`` on the event engine: both queues consume in order and wait on
 their counters; writes of other ranks are assumed to arrive). ``check_world`` adds the cross-rank
 checks on all plans of a world: the same world settings (``Plan.world_settings``) and direction,
@@ -37,6 +38,7 @@ from moesaic.taskflow.engine import (
     Timeline,
 )
 from moesaic.taskflow.graph import propagate_splits
+from moesaic.taskflow.layout import WriteConflictError, check_plan_layout
 from moesaic.taskflow.moe_fills import FILLS, FillContext
 from moesaic.taskflow.moe_graphs import (
     QUEUE_CLASSES,
@@ -359,6 +361,10 @@ def check_plan(plan: Plan) -> None:
     task_num = _check_tasks(plan, mg)
     _check_schedule(plan)
     writers = _writers(plan, mg)
+    try:  # FlashDMoE Def. 5.3.2 on the communication buffers, mapped onto the symmetric layout
+        check_plan_layout(plan)
+    except WriteConflictError as exc:
+        raise PlanRegionError(str(exc)) from None
     _check_coverage(plan, writers)
     _check_events(plan, writers)
     _check_against_fill(plan, task_num, mg)
