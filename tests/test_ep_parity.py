@@ -17,9 +17,13 @@ import torch
 import torch.distributed as dist
 
 import moesaic
-from moesaic.reference import ReferenceMoE
 from moesaic.strategies import strategy_names
-from moesaic.testing import assert_close_to_ref, run_world
+from moesaic.testing import (
+    assert_close_to_ref,
+    reference_world,
+    route_all_to_first_experts,
+    run_world,
+)
 
 H, F, E = 16, 24, 8
 
@@ -66,31 +70,8 @@ def _build(overrides: dict, routing: str | None):
     )
     torch.manual_seed(4321)
     layer = moesaic.MoELayer(cfg)
-    sd = layer.full_state_dict()
-    if routing == "one_rank":
-        sd["router.weight"].zero_()
-        sd["router.weight"][0, 0], sd["router.weight"][1, 0] = 20.0, 10.0
-        layer.load_full_state_dict(sd)
+    sd = route_all_to_first_experts(layer) if routing == "one_rank" else layer.full_state_dict()
     return cfg, layer, sd
-
-
-def _reference_world(cfg, sd, xs, gs):
-    """Reference in fp32 and fp64 over every rank's batch: outputs, aux, grads."""
-    out = {}
-    for dtype in (torch.float32, torch.float64):
-        ref = ReferenceMoE.from_full_state_dict(cfg, sd).to(dtype)
-        xs_d = [x.detach().to(dtype).clone().requires_grad_() for x in xs]
-        loss = 0.0
-        ys, auxes = [], []
-        for x, g in zip(xs_d, gs):
-            y, aux = ref(x)
-            ys.append(y)
-            auxes.append(aux)
-            loss = loss + (y * g.to(dtype)).sum() + aux
-        loss.backward()
-        grads = {name: p.grad for name, p in ref.named_parameters()}
-        out[dtype] = (ys, auxes, [x.grad for x in xs_d], grads)
-    return out
 
 
 def _init_cfg() -> moesaic.MoEConfig:
@@ -130,7 +111,7 @@ def ep_worker(rank: int, world: int) -> dict:
         aux = moesaic.aux_loss(layer)
         ((y * gs[rank]).sum() + aux).backward()
 
-        ref = _reference_world(cfg, sd, xs, gs)
+        ref = reference_world(cfg, sd, xs, gs)
         (y32, a32, gx32, gw32), (y64, a64, gx64, gw64) = ref[torch.float32], ref[torch.float64]
         tag = f"{name} rank {rank}"
         assert_close_to_ref(y.detach(), y32[rank].detach(), y64[rank].detach(), f"{tag} y")

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from moesaic.comm.world import WorkerError, run_world
 
-__all__ = ["WorkerError", "assert_close_to_ref", "run_world"]
+if TYPE_CHECKING:
+    from moesaic.config import MoEConfig
+    from moesaic.layer import MoELayer
+
+__all__ = [
+    "WorkerError",
+    "assert_close_to_ref",
+    "reference_world",
+    "route_all_to_first_experts",
+    "run_world",
+]
 
 
 def assert_close_to_ref(
@@ -31,3 +43,38 @@ def assert_close_to_ref(
             f"{name}: max error {err_fast:.3e} vs float64 reference exceeds "
             f"2 x reference-float32 error ({err_ref:.3e}) + eps ({eps:.1e})"
         )
+
+
+def reference_world(cfg: MoEConfig, sd: dict, xs: list, gs: list) -> dict:
+    """The reference MoE over every rank's batch, in fp32 and fp64.
+
+    Loss: ``sum_r (y_r * g_r).sum() + aux_r``. Returns ``{dtype: (ys, auxes, x_grads,
+    param_grads)}``: per-rank outputs and aux losses, per-rank input gradients, and the
+    gradients of the full (all-expert) parameters by name.
+    """
+    from moesaic.reference import ReferenceMoE
+
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        ref = ReferenceMoE.from_full_state_dict(cfg, sd).to(dtype)
+        xs_d = [x.detach().to(dtype).clone().requires_grad_() for x in xs]
+        ys, auxes, terms = [], [], []
+        for x, g in zip(xs_d, gs):
+            y, aux = ref(x)
+            ys.append(y)
+            auxes.append(aux)
+            terms.append((y * g.to(dtype)).sum() + aux)
+        torch.stack(terms).sum().backward()
+        grads = {name: p.grad for name, p in ref.named_parameters()}
+        out[dtype] = (ys, auxes, [x.grad for x in xs_d], grads)
+    return out
+
+
+def route_all_to_first_experts(layer: MoELayer) -> dict:
+    """Skew ``layer``'s router so that inputs with a large positive feature 0 go to experts 0
+    and 1 (rank 0's); returns the new full state dict."""
+    sd = layer.full_state_dict()
+    sd["router.weight"].zero_()
+    sd["router.weight"][0, 0], sd["router.weight"][1, 0] = 20.0, 10.0
+    layer.load_full_state_dict(sd)
+    return sd

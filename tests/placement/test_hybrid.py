@@ -18,10 +18,14 @@ import torch.distributed as dist
 import moesaic
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.placement.compress import compressed_nbytes, shared_expert, sr_decode, sr_encode
-from moesaic.reference import ReferenceMoE
 from moesaic.strategies.hybrid import HybridStrategy
 from moesaic.strategies.migration import ExpertPrefetcher, decode_experts, encode_experts
-from moesaic.testing import assert_close_to_ref, run_world
+from moesaic.testing import (
+    assert_close_to_ref,
+    reference_world,
+    route_all_to_first_experts,
+    run_world,
+)
 from moesaic.trace import Recorder
 
 H, F, E = 16, 24, 8
@@ -72,28 +76,8 @@ def _layer(domains, two_level: bool, overrides=(), routing=None, **extra):
     )
     torch.manual_seed(4321)
     layer = moesaic.MoELayer(cfg, topology=TWO_BY_TWO if two_level else None)
-    sd = layer.full_state_dict()
-    if routing == "one_rank":
-        sd["router.weight"].zero_()
-        sd["router.weight"][0, 0], sd["router.weight"][1, 0] = 20.0, 10.0
-        layer.load_full_state_dict(sd)
+    sd = route_all_to_first_experts(layer) if routing == "one_rank" else layer.full_state_dict()
     return cfg, layer, sd
-
-
-def _reference(cfg, sd, xs, gs):
-    out = {}
-    for dtype in (torch.float32, torch.float64):
-        ref = ReferenceMoE.from_full_state_dict(cfg, sd).to(dtype)
-        xs_d = [x.to(dtype).clone().requires_grad_() for x in xs]
-        loss = 0.0
-        ys = []
-        for x, g in zip(xs_d, gs):
-            y, aux = ref(x)
-            ys.append(y)
-            loss = loss + (y * g.to(dtype)).sum() + aux
-        loss.backward()
-        out[dtype] = (ys, [x.grad for x in xs_d], {n: p.grad for n, p in ref.named_parameters()})
-    return out
 
 
 def _parity_case(rank, domains, two_level, overrides, tokens, routing) -> dict:
@@ -110,8 +94,8 @@ def _parity_case(rank, domains, two_level, overrides, tokens, routing) -> dict:
     y = layer(x)
     after = layer.ep.traffic.snapshot()
     ((y * gs[rank]).sum() + moesaic.aux_loss(layer)).backward()
-    ref = _reference(cfg, sd, xs, gs)
-    (y32, gx32, gw32), (y64, gx64, gw64) = ref[torch.float32], ref[torch.float64]
+    ref = reference_world(cfg, sd, xs, gs)
+    (y32, _, gx32, gw32), (y64, _, gx64, gw64) = ref[torch.float32], ref[torch.float64]
     tag = f"{domains} {two_level} rank {rank}"
     assert_close_to_ref(y.detach(), y32[rank].detach(), y64[rank].detach(), f"{tag} y")
     assert_close_to_ref(x.grad, gx32[rank], gx64[rank], f"{tag} x.grad")
