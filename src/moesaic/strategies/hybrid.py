@@ -35,6 +35,7 @@ versions, changes on every rank together at the optimizer step).
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -282,12 +283,4 @@ class HybridStrategy(MoEStrategy):
         peers = [0] * self.group.size
         for q, b in enumerate(stats.peer_bytes_P or (0,) * len(self.offset_ranks)):
             peers[self.offset_ranks[q]] += b
-        return CommStats(
-            dispatch_bytes=stats.dispatch_bytes,
-            combine_bytes=stats.combine_bytes,
-            meta_bytes=stats.meta_bytes,
-            padded_rows=stats.padded_rows,
-            dropped_rows=stats.dropped_rows,
-            collectives=stats.collectives,
-            peer_bytes_P=tuple(peers),
-        )
+        return dataclasses.replace(stats, peer_bytes_P=tuple(peers))
