@@ -331,9 +331,9 @@ def test_validator_refuses_puts_into_another_sources_slot():
 @pytest.mark.parametrize(
     "world_size, experts, rows",
     [
-        (1, 4, [16, 0, 0, 0, 0]),  # P = 1: the all-to-alls return their input
-        (2, 4, [16, 16, 16, 16, 16]),  # e = 2: regrouped both ways
-        (4, 4, [16, 16, 0, 0, 16]),  # e = 1: rows arrive grouped by expert
+        (1, 4, [16, 0, 0, 0, 0, 16]),  # P = 1: the all-to-alls return their input
+        (2, 4, [16, 16, 16, 16, 16, 16]),  # e = 2: regrouped both ways
+        (4, 4, [16, 16, 0, 0, 16, 16]),  # e = 1: rows arrive grouped by expert
     ],
 )
 def test_memory_comparison_by_hand(world_size, experts, rows):
@@ -355,6 +355,82 @@ def test_memory_comparison_follows_the_bucket_and_the_hot_rank():
     assert skewed.dropless_rows["recv"] == 3 * 8192 and skewed.dropless_rows["send"] == 8192
     with pytest.raises(ValueError, match=r"num_experts \(64\) must be divisible by world_size"):
         compare_layout_memory(**{**base, "world_size": 6})
+
+
+def _dropless_row_buffers(rank: int, world: int) -> tuple[int, int, int]:
+    """Bytes of the new [rows, H] storages one dropless forward allocates (identity experts,
+    the output y_TH left out), and the rows this rank sent and received."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    import moesaic
+    from moesaic.comm.collectives import EPGroup
+    from moesaic.placement import ExpertPlacement
+    from moesaic.routing import build_plan
+    from moesaic.strategies import make_strategy
+    from moesaic.strategies.base import StrategyContext
+
+    T, E, K, H = 64, 4, 2, 256
+
+    class NewRowStorages(TorchDispatchMode):
+        """Outputs whose storage is none of the op's inputs: the allocations."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.new: list[tuple[int, tuple[int, ...], int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat_in = tree_flatten((args, kwargs or {}))[0]
+            ins = {t.untyped_storage().data_ptr() for t in flat_in if isinstance(t, torch.Tensor)}
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                ptr = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+                if ptr is not None and ptr not in ins and t.dim() == 2 and t.shape[1] == H:
+                    self.new.append((ptr, tuple(t.shape), t.untyped_storage().nbytes()))
+            return out
+
+    cfg = moesaic.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=E, top_k=K)
+    placement = ExpertPlacement.contiguous(E, world)
+    strat = make_strategy("dropless", StrategyContext(cfg, EPGroup(None, 60.0), placement))
+    gen = torch.Generator().manual_seed(rank)
+    ids_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    ids_TK[: 8 * (rank + 1)] = torch.tensor([0, 1])  # skewed: ranks receive different counts
+    plan = build_plan(ids_TK, torch.ones(T, K), placement, None)
+    x_TH = torch.randn(T, H)
+    with NewRowStorages() as mode:
+        y_TH = strat.forward(x_TH, plan, lambda x_MH, counts_e: x_MH).y_TH
+    out = (y_TH.untyped_storage().data_ptr(), (T, H))
+    measured = sum(nbytes for ptr, shape, nbytes in mode.new if (ptr, shape) != out)
+    counts_Pe = plan.counts_Pe
+    if world > 1:
+        import torch.distributed as dist
+
+        all_counts = [torch.empty_like(counts_Pe) for _ in range(world)]
+        dist.all_gather(all_counts, counts_Pe)
+        received = int(sum(c[rank].sum() for c in all_counts))
+    else:
+        received = int(counts_Pe.sum())
+    return measured, int(counts_Pe.sum()), received
+
+
+def test_dropless_model_matches_what_a_forward_allocates():
+    from moesaic.testing import run_world
+
+    results = [(1, _dropless_row_buffers(0, 1))]
+    results += [(2, r) for r in run_world(_dropless_row_buffers, 2, timeout_s=120)]
+    for world, (measured, sent, received) in results:
+        model = compare_layout_memory(
+            tokens=64,
+            num_experts=4,
+            top_k=2,
+            hidden_size=256,
+            dtype_bytes=4,
+            world_size=world,
+            recv_rows=received,
+        )
+        assert sent == 128
+        assert measured == model.dropless_bytes, (world, measured, model.dropless_rows)
 
 
 def test_layout_module_is_torch_free():

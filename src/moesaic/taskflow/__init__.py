@@ -23,15 +23,14 @@ from moesaic.taskflow.graph import (
     propagate_splits,
 )
 from moesaic.taskflow.layout import (
-    LayoutMemory,
     LayoutWrite,
     SymmetricLayout,
     WriteConflictError,
     all_to_all_writes,
     check_write_conflicts,
-    compare_layout_memory,
     symmetric_layout_bytes,
 )
+from moesaic.taskflow.layout_memory import LayoutMemory, compare_layout_memory
 from moesaic.taskflow.moe_graphs import TASK_TYPES, backward_graph, forward_graph, task_count
 from moesaic.taskflow.plan import PLAN_VERSION, Plan, Schedule, TaskGraph
 from moesaic.taskflow.plan_io import load_plan, plan_from_dict, plan_to_dict, save_plan
