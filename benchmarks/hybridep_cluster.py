@@ -14,7 +14,8 @@ rank's):
 
 * ``classic EP``: ``dropless`` (tokens to the experts' owners);
 * ``Partition``: ``hybrid`` with the domain sizes the cost model chooses for exact experts
-  (``plan_domains``), gathers issued inside each layer;
+  (``plan_step``: the paper's forward plus the backward and the gradient reduce a training step
+  adds), gathers issued inside each layer;
 * ``+Migration``: ``hybrid`` with SR compression (``COMPRESSION``, domains chosen for the
   compressed size; the shared experts' all-reduce every ``SHARED_EVERY`` gathers) and the
   asynchronous communicator (``ExpertPrefetcher.start()`` at the start of each timed step, so
@@ -106,19 +107,20 @@ def _model(cfg: Any, spec: Any, recorder: Any, group: Any = None) -> Any:
 
 
 def _plan(spec: Any, F: int, tokens: int, flops: float, cr: float) -> Any:
-    from moesaic.placement.costmodel import plan_domains, stream_inputs
+    """The domains the step model (``plan_step``: forward, backward, gradient reduce) picks."""
+    from moesaic.placement.stepmodel import plan_step
 
-    inputs = stream_inputs(
+    return plan_step(
+        spec,
         _moe_config(F, "dropless"),
         tokens_per_rank=tokens,
-        ep_size=spec.world_size,
         flops_per_s=flops,
-        act_bytes=4,
-        param_bytes=4,
-        compression_ratio=cr,
+        blocks=BLOCKS,
         seq_len=SEQ,
+        compression_ratio=cr,
+        shared_expert_every=SHARED_EVERY if cr > 1 else 1,
+        prefetch=cr > 1,
     )
-    return plan_domains(spec, inputs)
 
 
 def worker(rank: int, world: int, spec_dict: dict, points: list, steps: int) -> dict[str, Any]:

@@ -66,3 +66,18 @@ def test_bad_input_names_the_field():
         predict_step(SPEC, CFG, (1, 1), blocks=0, **KW)
     with pytest.raises(ValueError, match=r"domain_sizes\[1\] \(3\) must divide"):
         predict_step(SPEC, CFG, (1, 3), **KW)
+
+
+def test_plan_step_prices_every_candidate_and_picks_the_fastest():
+    from moesaic.placement.stepmodel import plan_step
+
+    plan = plan_step(SPEC, CFG, **KW)
+    assert [c.domain_sizes for c in plan.candidates] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert plan.classic.domain_sizes == (1, 1)
+    assert plan.chosen.step_s == min(c.step_s for c in plan.candidates)
+    for c in plan.candidates:
+        assert c.step_s == pytest.approx(predict_step(SPEC, CFG, c.domain_sizes, **KW).step_s)
+    assert "classic EP" in plan.reason
+    # Wide experts (F = 4096) make gathering and reducing them dearer than moving the tokens.
+    wide = moesaic.MoEConfig(hidden_size=256, ffn_hidden_size=4096, num_experts=8)
+    assert plan_step(SPEC, wide, **KW).chosen.domain_sizes == (1, 1)

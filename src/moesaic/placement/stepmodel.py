@@ -22,8 +22,10 @@ Torch-free.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from moesaic.checks import check_bool, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
@@ -31,7 +33,7 @@ from moesaic.config import MoEConfig
 from moesaic.placement.compress import kept_entries
 from moesaic.placement.costmodel import evaluate_domains, stream_inputs
 
-__all__ = ["StepPrediction", "predict_step"]
+__all__ = ["StepPlan", "StepPrediction", "plan_step", "predict_step"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -133,3 +135,36 @@ def predict_step(
             "grad_reduce": reduce_s,
         },
     )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StepPlan:
+    """The result of :func:`plan_step`: every candidate's step, the chosen one and why."""
+
+    chosen: StepPrediction
+    classic: StepPrediction
+    candidates: tuple[StepPrediction, ...]
+    reason: str
+
+
+def plan_step(spec: ClusterSpec, config: MoEConfig, **kwargs: Any) -> StepPlan:
+    """Domain sizes for training: every divisor tuple priced by :func:`predict_step`.
+
+    :func:`moesaic.placement.costmodel.plan_domains` ranks candidates by the paper's forward
+    latency; a training step also reduces the gathered experts' gradients (dense, whatever the
+    compression) and runs the two all-to-alls again, which favours smaller domains when experts
+    are large. Ties go to the smaller domains. ``kwargs`` are :func:`predict_step`'s.
+    """
+    divisors = [[d for d in range(1, lv.size + 1) if lv.size % d == 0] for lv in spec.levels]
+    candidates = tuple(
+        predict_step(spec, config, ds, **kwargs) for ds in itertools.product(*divisors)
+    )
+    low = min(c.step_s for c in candidates)
+    ties = [c for c in candidates if c.step_s <= low * (1 + 1e-12)]
+    chosen = min(ties, key=lambda c: (math.prod(c.domain_sizes), c.domain_sizes))
+    classic = candidates[0]
+    reason = (
+        f"domains {list(chosen.domain_sizes)} predict a {chosen.step_s:.3g} s step vs classic EP "
+        f"{classic.step_s:.3g} s ({classic.step_s / chosen.step_s:.2f}x)"
+    )
+    return StepPlan(chosen=chosen, classic=classic, candidates=candidates, reason=reason)
