@@ -288,6 +288,7 @@ class LayoutWrite:
         check_positive_int("rows", self.rows)
 
     def describe(self) -> str:
+        """The writer, its ranks and its coordinates, for error messages."""
         return (f"{self.writer!r} (rank {self.source} -> rank {self.target}: peer {self.peer}, "
                 f"round {self.round}, buffer {self.buffer}, expert {self.expert}, rows "
                 f"{self.slot}..{self.slot + self.rows - 1})")  # fmt: skip
@@ -313,7 +314,8 @@ def check_write_conflicts(
     rank are swept in order: two distinct writers with overlapping bytes are a conflict
     (Definition 5.3.1, for any two writers, not only two ranks: two tasks of one rank on
     different queues race as well). Then, with ``rules``, every write must be a valid index of
-    Definition 5.3.2, which makes the set conflict free for every routing (Theorem 5.3.1).
+    Definition 5.3.2, which rules out conflicts between ranks for every routing, not only this
+    write set (Theorem 5.3.1).
 
     Returns:
         Bytes written per target rank (distinct bytes).
