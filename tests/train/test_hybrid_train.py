@@ -119,9 +119,11 @@ class _Gather:
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("rate0, sizes", [(1e6, (2,)), (1e12, (1,))])
 def test_auto_domains_are_rank_0s_plan_on_every_rank(rank, rate0, sizes, tmp_path, monkeypatch):
-    """At 1 MFLOP/s the pre-expert compute hides the gather ([2]); at 1 TFLOP/s moving these big
-    experts loses ([1]). Only rank 0 measures; every rank plans with rank 0's rate (gathered),
-    so a rank that would have measured 1000x more gets the same sizes."""
+    """The training-step model (plan_step): at 1 MFLOP/s the pre-expert compute hides the
+    prefetched gather and only the gradient reduce is left, cheaper than the tokens' four
+    all-to-alls ([2]); at 1 TFLOP/s gather plus reduce of these experts (F = 48) cost more ([1]).
+    Only rank 0 measures; every rank plans with rank 0's rate (gathered), so a rank that would
+    have measured 1000x more gets the same sizes."""
     import moesaic.placement.costmodel as costmodel
     from moesaic.train.domains import load_cluster
     from moesaic.train.loop import resolve_auto_domains
@@ -136,7 +138,7 @@ def test_auto_domains_are_rank_0s_plan_on_every_rank(rank, rate0, sizes, tmp_pat
     cfg = _cfg(
         *("--strategy", "hybrid", "--domains", "auto", "--cluster", cluster),
         *("--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--seq-len", "32"),
-        *("--experts", "4", "--expert-hidden", "512", "--top-k", "1", "--batch-size", "4"),
+        *("--experts", "4", "--expert-hidden", "48", "--top-k", "1", "--batch-size", "4"),
     )
     layout = argparse.Namespace(rank=rank, world=_Gather(rate0))
     out = resolve_auto_domains(cfg, load_cluster(cluster), layout, torch.device("cpu"))

@@ -99,7 +99,12 @@ def _train_config(path: str):
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The plan of ``args`` as plain data (what ``--json`` prints)."""
     from moesaic.checks import check_positive, check_positive_int
-    from moesaic.train.domains import dense_blocks_before, model_stream_inputs, tokens_per_forward
+    from moesaic.train.domains import (
+        dense_blocks_before,
+        model_stream_inputs,
+        plan_training_domains,
+        tokens_per_forward,
+    )
 
     spec = _load(args.cluster, "cluster", ClusterSpec.from_toml)
     cfg = _load(args.model, "model", _train_config)
@@ -130,6 +135,13 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         dtype_bytes=args.dtype_bytes,
     )
     plan = plan_domains(spec, inputs)
+    step = plan_training_domains(
+        model,
+        spec,
+        batch_size=cfg.batch_size,
+        pipeline_degree=int(cfg.pipeline_degree),
+        flops_per_s=flops,
+    )
     moe = model.moe
     return {
         "cluster": {
@@ -159,6 +171,15 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "classic": _candidate_dict(plan.classic, plan),
         "candidates": [_candidate_dict(c, plan) for c in plan.candidates],
         "reason": plan.reason,
+        # what `moesaic train --domains auto` picks: a whole training step priced (forward,
+        # backward, dense gradient reduce, prefetched gathers), moesaic.placement.stepmodel
+        "training_step": {
+            "domain_sizes": list(step.chosen.domain_sizes),
+            "candidates": [
+                {"domain_sizes": list(c.domain_sizes), "step_s": c.step_s} for c in step.candidates
+            ],
+            "reason": step.reason,
+        },
     }
 
 
@@ -235,6 +256,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         "predicted = max(pre-expert, sum AG) + 2 sum A2A)",
         "",
         f"reason   {plan['reason']}",
+        f"training {plan['training_step']['reason']} (a whole step: what "
+        "`moesaic train --domains auto` uses)",
     ]
     return "\n".join(lines)
 

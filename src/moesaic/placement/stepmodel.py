@@ -70,6 +70,8 @@ def predict_step(
     compression_ratio: float = 1.0,
     shared_expert_every: int = 1,
     prefetch: bool = False,
+    dense_blocks_before: int = 0,
+    dense_ffn_hidden_size: int | None = None,
 ) -> StepPrediction:
     """Predicts a training step of ``blocks`` (attention + MoE) blocks under ``hybrid``.
 
@@ -87,6 +89,8 @@ def predict_step(
         shared_expert_every: The shared experts' all-reduce runs every this many gathers
             (``MoEConfig.shared_expert_every``): its time is spread over them.
         prefetch: Gathers prefetched under the pre-expert computation (Fig. 10).
+        dense_blocks_before: Dense blocks before each MoE block (``stream_inputs``).
+        dense_ffn_hidden_size: Their FFN width (``stream_inputs``).
     """
     check_positive_int("blocks", blocks)
     check_bool("prefetch", prefetch)
@@ -98,6 +102,8 @@ def predict_step(
         act_bytes=act_bytes,
         param_bytes=param_bytes,
         seq_len=seq_len,
+        dense_blocks_before=dense_blocks_before,
+        dense_ffn_hidden_size=dense_ffn_hidden_size,
     )
     sent = stream_inputs(config, compression_ratio=compression_ratio, **common)  # type: ignore[arg-type]
     dense = stream_inputs(config, **common)  # type: ignore[arg-type]

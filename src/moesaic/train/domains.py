@@ -2,8 +2,9 @@
 
 ``model.moe.domain_sizes`` (``--domains``) is given as sizes (``[1, 2]`` in TOML, ``1,2`` as a
 flag) or as ``"auto"``; ``"auto"`` becomes ``TrainConfig.auto_domains`` and is resolved when the
-run starts with the cost model of ``moesaic plan`` (:func:`plan_training_domains`), from the
-cluster description (``--cluster FILE.toml``) and a measured GEMM throughput.
+run starts (:func:`plan_training_domains`): the training-step model
+(:func:`moesaic.placement.stepmodel.plan_step`, the last line of ``moesaic plan``) on the inputs
+below, from the cluster description (``--cluster FILE.toml``) and a measured GEMM throughput.
 
 What the cost model is told about a training run (the same rules for ``moesaic plan --model``):
 
@@ -26,7 +27,8 @@ from moesaic.checks import check_positive_int, is_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.config import MoEConfig
 from moesaic.models.config import MoEGPTConfig
-from moesaic.placement.costmodel import DomainPlan, StreamInputs, plan_domains, stream_inputs
+from moesaic.placement.costmodel import StreamInputs, stream_inputs
+from moesaic.placement.stepmodel import StepPlan, plan_step
 from moesaic.placement.topology import Topology
 
 __all__ = [
@@ -172,19 +174,35 @@ def plan_training_domains(
     batch_size: int,
     pipeline_degree: int,
     flops_per_s: float,
-) -> DomainPlan:
-    """``--domains auto``: the cost model's domain sizes for this run on ``spec``.
+) -> StepPlan:
+    """``--domains auto``: the domain sizes that minimise this run's predicted training step.
 
-    A pure function of its arguments: ranks that pass the same ``flops_per_s`` (the training
-    loop broadcasts rank 0's measurement) get the same plan.
+    :func:`moesaic.placement.stepmodel.plan_step` (the paper's forward plus the backward and
+    the dense gradient reduce of gathered experts, with the prefetcher training attaches), on
+    the inputs ``moesaic plan`` derives. A pure function of its arguments: ranks that pass the
+    same ``flops_per_s`` (the training loop broadcasts rank 0's measurement) get the same plan.
     """
-    inputs = model_stream_inputs(
-        model,
+    moe = model.moe
+    if moe.num_experts % spec.world_size:
+        raise ValueError(
+            f"num_experts ({moe.num_experts}) must be divisible by the cluster's world size "
+            f"({spec.world_size}): each rank holds num_experts / world_size experts"
+        )
+    return plan_step(
+        spec,
+        moe,
         tokens_per_rank=tokens_per_forward(batch_size, model.seq_len, pipeline_degree),
-        ep_size=spec.world_size,
         flops_per_s=flops_per_s,
+        blocks=max(1, model.n_layers - model.dense_layers),
+        seq_len=model.seq_len,
+        act_bytes=TRAIN_DTYPE_BYTES,
+        param_bytes=TRAIN_DTYPE_BYTES,
+        compression_ratio=moe.expert_compression_ratio,
+        shared_expert_every=moe.shared_expert_every,
+        prefetch=True,
+        dense_blocks_before=dense_blocks_before(model),
+        dense_ffn_hidden_size=model.dense_hidden or 4 * model.d_model,
     )
-    return plan_domains(spec, inputs)
 
 
 def check_schedule_fits(schedule: str, dispatcher: str) -> None:
