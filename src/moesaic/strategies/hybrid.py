@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 import torch
 
-from moesaic.comm.collectives import EPGroup
+from moesaic.comm.collectives import CollectiveError, EPGroup
 from moesaic.experts import GroupedExperts, expert_ffn
 from moesaic.placement import ExpertPlacement
 from moesaic.placement.topology import Topology
@@ -223,7 +224,13 @@ class HybridStrategy(MoEStrategy):
         if self._pending is not None:  # a prefetch was reserved on every rank: consume it
             pkey, fut = self._pending
             self._pending = None
-            tensors, pending = fut.result(timeout=self.group.timeout_s)
+            try:
+                tensors, pending = fut.result(timeout=self.group.timeout_s)
+            except FutureTimeout as exc:
+                raise CollectiveError(
+                    f"hybrid: the prefetched expert gather did not arrive on rank "
+                    f"{self.group.rank} (collective_timeout_s={self.group.timeout_s:g})"
+                ) from exc
             stats = stats + self._gather_stats(pending)
             if pkey == key:
                 self._cache = (key, tensors)
