@@ -31,9 +31,18 @@ def _tile(src: int, j: int, n: int = N) -> torch.Tensor:
 def interleaved_worker(rank: int, world: int, tiles: int):
     # region of (source s, tile j) in every rank's buffer: (s * tiles + j) * N; event s per source
     with OneSidedWindow(world * tiles * N, num_events=world, timeout_s=20) as win:
-        for j in range(tiles):
-            for d in [(rank + k) % world for k in range(world)]:  # self included, interleaved
-                win.put_with_signal(_tile(rank, j).view(4, 4), d, ((rank * tiles + j) * N, N), rank)
+
+        def put_tiles(parity: int) -> None:  # two threads put at once: even and odd tiles
+            for j in range(parity, tiles, 2):
+                for d in [(rank + k) % world for k in range(world)]:  # self included
+                    tile = _tile(rank, j).view(4, 4)
+                    win.put_with_signal(tile, d, ((rank * tiles + j) * N, N), rank)
+
+        threads = [threading.Thread(target=put_tiles, args=(p,)) for p in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         for s in range(world):
             win.wait(s, tiles)
         expected = torch.cat([_tile(s, j) for s in range(world) for j in range(tiles)])
@@ -44,7 +53,7 @@ def interleaved_worker(rank: int, world: int, tiles: int):
 
 
 def test_interleaved_puts_from_every_rank_land_in_their_regions():
-    tiles = 6
+    tiles = 8
     results = run_world(interleaved_worker, 3, tiles, timeout_s=60)
     for rank, (ok, counts, traffic) in enumerate(results):
         assert ok, f"rank {rank}: buffer differs from the origin-encoded tiles"

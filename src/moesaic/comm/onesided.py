@@ -231,6 +231,9 @@ class GlooTransport(Transport):
         )
         self._check_symmetric()
         self._pending: list[tuple[Any, torch.Tensor]] = []
+        # A put's header and payload leave back to back: two worker threads putting at once
+        # must not interleave them (the receiver pairs headers and payloads in order).
+        self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(
             target=self._subscribe, name=f"moesaic-onesided-recv-{self.rank}", daemon=True
@@ -270,13 +273,15 @@ class GlooTransport(Transport):
         if self._closed:
             raise ValueError("put after close: the window is closed")
         header = torch.tensor([_PUT, self.rank, offset, src.numel(), event], dtype=torch.int64)
-        self._send(header, dst_rank, _HEADER_TAG)
-        self._send(src, dst_rank, _PAYLOAD_TAG)
-        self.traffic.collectives += 1
-        self.traffic.peer_bytes_P[dst_rank] += src.numel() * src.element_size()
+        with self._lock:
+            self._send(header, dst_rank, _HEADER_TAG)
+            self._send(src, dst_rank, _PAYLOAD_TAG)
+            self.traffic.collectives += 1  # here: puts issued
+            self.traffic.peer_bytes_P[dst_rank] += src.numel() * src.element_size()
 
     def flush(self) -> None:
-        pending, self._pending = self._pending, []
+        with self._lock:
+            pending, self._pending = self._pending, []
         self._wait_sends(pending)
 
     def _subscribe(self) -> None:
@@ -309,9 +314,10 @@ class GlooTransport(Transport):
         self._closed = True
         try:
             stop = torch.tensor([_STOP, self.rank, 0, 0, 0], dtype=torch.int64)
-            for peer in range(self.world_size):
-                if peer != self.rank:
-                    self._send(stop, peer, _HEADER_TAG)
+            with self._lock:
+                for peer in range(self.world_size):
+                    if peer != self.rank:
+                        self._send(stop, peer, _HEADER_TAG)
             self.flush()
         finally:
             self._thread.join(self.timeout_s)
