@@ -181,6 +181,24 @@ def test_event_counters_wait_and_timeout_in_threads():
         counters.wait(3, 1, timeout_s=1)
 
 
+def test_solo_window_copies_locally_and_notifies_listeners():
+    if dist.is_initialized():
+        pytest.skip("needs a process without a torch.distributed world")
+    seen = []
+    with OneSidedWindow(32, num_events=2) as win:  # torch.distributed is not running here
+        win.counters.add_listener(lambda event, count: seen.append((event, count)))
+        win.put_with_signal(_tile(0, 1).view(2, 8), 0, (8, N), 1)
+        win.put_with_signal(_tile(0, 2)[:4], 0, (0, 8), 1)  # a tile smaller than its region
+        assert win.wait(1, 2, timeout_s=1) == 2
+        assert torch.equal(win.buffer.region(8, N), _tile(0, 1))
+        assert torch.equal(win.buffer.region(0, 4), _tile(0, 2)[:4])
+        with pytest.raises(ValueError, match=r"dst_rank \(1\) must be <= 0"):
+            win.put_with_signal(_tile(0, 1), 1, (0, N), 0)
+    assert seen == [(1, 1), (1, 2)]
+    with pytest.raises(ValueError, match="transport must be 'gloo' or 'symmetric_memory'"):
+        OneSidedWindow(8, num_events=1, transport="nvshmem")
+
+
 def test_symmetric_memory_transport_is_an_explicit_stub():
     with pytest.raises(NotImplementedError, match="not implemented"):
         SymmetricMemoryTransport()

@@ -48,7 +48,7 @@ from __future__ import annotations
 import datetime
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ __all__ = [
     "EventCounters",
     "GlooTransport",
     "OneSidedWindow",
+    "SoloTransport",
     "SymmetricBuffer",
     "SymmetricMemoryTransport",
     "Transport",
@@ -123,6 +124,13 @@ class EventCounters:
         self._counts = [0] * num_events
         self._cond = threading.Condition()
         self._error: str | None = None
+        self._listeners: list[Callable[[int, int], None]] = []
+
+    def add_listener(self, callback: Callable[[int, int], None]) -> None:
+        """Call ``callback(event, count)`` after every bump (the Subscriber's notification of
+        a scheduler, FlashDMoE Alg. 2): on the bumping thread, outside the counters' lock, so it
+        must be quick (enqueue a task, nothing more)."""
+        self._listeners.append(callback)
 
     def check_event(self, name: str, event: int) -> int:
         """``event`` is a valid event id; returns it."""
@@ -132,7 +140,10 @@ class EventCounters:
         """Add ``by`` to ``event``'s counter and wake its waiters."""
         with self._cond:
             self._counts[event] += by
+            count = self._counts[event]
             self._cond.notify_all()
+        for callback in self._listeners:
+            callback(event, count)
 
     def count(self, event: int) -> int:
         """The current count of ``event``."""
@@ -312,20 +323,36 @@ class GlooTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        try:
-            stop = torch.tensor([_STOP, self.rank, 0, 0, 0], dtype=torch.int64)
-            with self._lock:
-                for peer in range(self.world_size):
-                    if peer != self.rank:
-                        self._send(stop, peer, _HEADER_TAG)
-            self.flush()
-        finally:
-            self._thread.join(self.timeout_s)
+        # A failed send (dead peer) raises here at once; the receiving thread is a daemon.
+        stop = torch.tensor([_STOP, self.rank, 0, 0, 0], dtype=torch.int64)
+        with self._lock:
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    self._send(stop, peer, _HEADER_TAG)
+        self.flush()
+        self._thread.join(self.timeout_s)
         if self._thread.is_alive():
             raise CollectiveError(
                 f"close on rank {self.rank} timed out after {self.timeout_s:g}s: a peer did not "
                 "close its window (died, hung, or skipped close)"
             )
+
+
+class SoloTransport(Transport):
+    """A world of one process (torch.distributed not running): every put is a self-put, which
+    the window does as a local copy, so nothing ever reaches this transport."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = 0, 1
+
+    def put(self, src: torch.Tensor, dst_rank: int, offset: int, event: int) -> None:
+        raise ValueError(f"dst_rank ({dst_rank}) must be 0 in a world of one process")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class SymmetricMemoryTransport(Transport):
@@ -364,7 +391,8 @@ class OneSidedWindow:
         dtype: element type of the buffer and of every tile.
         timeout_s: deadline of sends, of a started payload and of ``close``; the default
             deadline of :meth:`wait`.
-        transport: ``"gloo"`` (CPU point-to-point) or ``"symmetric_memory"`` (not implemented).
+        transport: ``"gloo"`` (CPU point-to-point; a world of one process when
+            torch.distributed is not running) or ``"symmetric_memory"`` (not implemented).
     """
 
     def __init__(
@@ -380,7 +408,9 @@ class OneSidedWindow:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.counters = EventCounters(num_events, rank)
         self.transport: Transport
-        if transport == "gloo":
+        if transport == "gloo" and not (dist.is_available() and dist.is_initialized()):
+            self.transport = SoloTransport()
+        elif transport == "gloo":
             self.transport = GlooTransport(self.buffer, self.counters, timeout_s)
         elif transport == "symmetric_memory":
             self.transport = SymmetricMemoryTransport()
