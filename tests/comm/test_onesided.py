@@ -179,6 +179,8 @@ def test_event_counters_wait_and_timeout_in_threads():
     assert counters.wait(2, 3, timeout_s=5) == 3  # reached thresholds still pass
     with pytest.raises(ValueError, match="event"):
         counters.wait(3, 1, timeout_s=1)
+    with pytest.raises(ValueError, match=r"by \(0\) must be > 0"):
+        counters.bump(0, by=0)
 
 
 def test_solo_window_copies_locally_and_notifies_listeners():

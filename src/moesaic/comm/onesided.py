@@ -138,6 +138,8 @@ class EventCounters:
 
     def bump(self, event: int, by: int = 1) -> None:
         """Add ``by`` to ``event``'s counter and wake its waiters."""
+        self.check_event("event", event)
+        check_positive_int("by", by)  # counters only go up
         with self._cond:
             self._counts[event] += by
             count = self._counts[event]
@@ -316,8 +318,9 @@ class GlooTransport(Transport):
                     self.timeout_s,
                 )
                 self.counters.bump(event)
-        except (RuntimeError, CollectiveError) as exc:
-            self.counters.fail(f"the receiving thread stopped: {str(exc).splitlines()[0][:300]}")
+        except Exception as exc:  # gloo errors, deadlines, a listener that raised: all fatal
+            cause = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            self.counters.fail(f"the receiving thread stopped: {cause}")
 
     def close(self) -> None:
         if self._closed:
