@@ -36,11 +36,12 @@ Shutdown (``close``, or leaving the ``with`` block) is collective: every rank fl
 and sends a stop message to each peer; a rank's Subscriber ends after the stop of every peer,
 which arrives after all of that peer's puts.
 
-Measured on loopback gloo (2 ranks on 2 shared CPU cores, torch 2.13, fp32 tiles of 16
-elements (64 B); ``python tests/comm/test_onesided.py``, 3 worlds, 2026-11-22): 117-150 us per put
-pipelined (2000 puts, then one wait; two gloo messages per put) and 198-258 us one-way latency
-(put until the peer's wait returns, half a 200-round ping-pong). At these sizes the cost is gloo's
-per-message overhead and the thread hand-off, not bytes: pack small tiles into fewer puts.
+Measured on loopback gloo (2 ranks on 2 shared CPU cores, torch 2.13, fp32 tiles of 16 elements,
+64 B; ``python tests/comm/test_onesided.py``, 6 worlds over two runs, 2026-11-22): 117-200 us per
+put pipelined (2000 puts, then one wait; two gloo messages per put) and 198-300 us one-way
+latency (put until the peer's wait returns, half a 200-round ping-pong). At these sizes the cost
+is gloo's per-message overhead and the thread hand-off, not bytes: pack small tiles into fewer
+puts.
 """
 
 from __future__ import annotations
