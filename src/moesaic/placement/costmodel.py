@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from moesaic.checks import check_int, check_non_negative, check_positive, check_positive_int
 from moesaic.cluster.cost import network_time
@@ -64,6 +66,13 @@ __all__ = [
     "stream_inputs",
 ]
 
+
+class _HasDomains(Protocol):
+    @property
+    def domain_sizes(self) -> tuple[int, ...]: ...
+
+
+T = TypeVar("T", bound=_HasDomains)
 _TIE = 1e-12  # relative: two latencies this close are a tie, broken toward the smaller p
 
 
@@ -352,17 +361,29 @@ def _phase_s(
     return network_time(spec, bytes_PP).bandwidth_s + lat_s
 
 
+def domain_size_choices(spec: ClusterSpec) -> list[tuple[int, ...]]:
+    """Every tuple of domain sizes for ``spec`` (each ``S^l`` a divisor of its level's size),
+    classic EP (all 1) first."""
+    divisors = [[d for d in range(1, lv.size + 1) if lv.size % d == 0] for lv in spec.levels]
+    return list(itertools.product(*divisors))
+
+
+def fastest_smallest(candidates: Sequence[T], time_s: Callable[[T], float]) -> T:
+    """The candidate with the least ``time_s``; ties (within ``_TIE``) go to the smaller domains
+    (fewer gathered experts), then to the smaller outer sizes."""
+    low = min(time_s(c) for c in candidates)
+    ties = [c for c in candidates if time_s(c) <= low * (1 + _TIE)]
+    return min(ties, key=lambda c: (math.prod(c.domain_sizes), c.domain_sizes))
+
+
 def plan_domains(spec: ClusterSpec, inputs: StreamInputs) -> DomainPlan:
     """Evaluates every domain-size tuple (each ``S^l`` a divisor of its level's size).
 
     The fastest wins; ties go to the smaller domains (less gathered state). The classic-EP
     candidate (all ``S^l = 1``) is always among them, so the chosen one is never predicted slower.
     """
-    divisors = [[d for d in range(1, lv.size + 1) if lv.size % d == 0] for lv in spec.levels]
-    candidates = tuple(evaluate_domains(spec, inputs, ds) for ds in itertools.product(*divisors))
-    low = min(c.final_s for c in candidates)
-    ties = [c for c in candidates if c.final_s <= low * (1 + _TIE)]
-    chosen = min(ties, key=lambda c: (math.prod(c.domain_sizes), c.domain_sizes))
+    candidates = tuple(evaluate_domains(spec, inputs, ds) for ds in domain_size_choices(spec))
+    chosen = fastest_smallest(candidates, lambda c: c.final_s)
     classic = candidates[0]
     gather_s = sum(chosen.ag_s)
     if chosen is classic:

@@ -22,7 +22,6 @@ Torch-free.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,12 @@ from moesaic.checks import check_bool, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.config import MoEConfig
 from moesaic.placement.compress import kept_entries
-from moesaic.placement.costmodel import evaluate_domains, stream_inputs
+from moesaic.placement.costmodel import (
+    domain_size_choices,
+    evaluate_domains,
+    fastest_smallest,
+    stream_inputs,
+)
 
 __all__ = ["StepPlan", "StepPrediction", "plan_step", "predict_step"]
 
@@ -161,13 +165,8 @@ def plan_step(spec: ClusterSpec, config: MoEConfig, **kwargs: Any) -> StepPlan:
     compression) and runs the two all-to-alls again, which favours smaller domains when experts
     are large. Ties go to the smaller domains. ``kwargs`` are :func:`predict_step`'s.
     """
-    divisors = [[d for d in range(1, lv.size + 1) if lv.size % d == 0] for lv in spec.levels]
-    candidates = tuple(
-        predict_step(spec, config, ds, **kwargs) for ds in itertools.product(*divisors)
-    )
-    low = min(c.step_s for c in candidates)
-    ties = [c for c in candidates if c.step_s <= low * (1 + 1e-12)]
-    chosen = min(ties, key=lambda c: (math.prod(c.domain_sizes), c.domain_sizes))
+    candidates = tuple(predict_step(spec, config, ds, **kwargs) for ds in domain_size_choices(spec))
+    chosen = fastest_smallest(candidates, lambda c: c.step_s)
     classic = candidates[0]
     reason = (
         f"domains {list(chosen.domain_sizes)} predict a {chosen.step_s:.3g} s step vs classic EP "
