@@ -331,7 +331,14 @@ def train(cfg: TrainConfig) -> dict:
     prefetcher.close()
     if recorder is not None:
         _write_trace(cfg, layout, recorder, start)
-    return reporter.finish()
+    summary = reporter.finish()
+    if dist.is_initialized():
+        # Tear the group down on every rank together, before the interpreter exits with gloo's
+        # threads still running (one rank of a finished torchrun job aborted so, once in CI:
+        # "terminate called without an active exception", SIGABRT after its summary).
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
 
 
 def _write_trace(cfg: TrainConfig, layout: Layout, recorder: Recorder, start: int) -> None:
