@@ -23,7 +23,7 @@ of its slots; a tile with none still completes and fires its events.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import cast
 
@@ -36,7 +36,7 @@ from moesaic.taskflow.engine import EventEngine, Job, Lane, Stall
 from moesaic.taskflow.moe_graphs import TASK_TYPES
 from moesaic.taskflow.plan import Plan
 from moesaic.taskflow.runtime.handlers import HANDLERS, RETURN_LAYOUT, Segment
-from moesaic.taskflow.tasks import Region, TaskDescriptor
+from moesaic.taskflow.tasks import BufferSpec, Region, TaskDescriptor
 from moesaic.taskflow.validate import ensure_validated
 
 SAVED = ("x_recv", "h", "a", "y_ret")
@@ -134,39 +134,15 @@ def _lanes(plan: Plan) -> _Lanes:
     return lanes, thresholds
 
 
-class _Run:
-    """One execution of one plan on this rank."""
+class StepRows:
+    """Valid-row bookkeeping of one step of one plan on this rank (every executor's handlers
+    read it): how many rows of each slot are valid, on this rank and, for puts, on the target."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        bufs: dict[str, torch.Tensor],
-        route: StepRouting,
-        group: EPGroup,
-        timeout_s: float,
-        device: torch.device,
-    ) -> None:
-        self.plan, self.bufs, self.route, self.group = plan, bufs, route, group
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.device = device
+    def __init__(self, plan: Plan, bufs: dict[str, torch.Tensor], route: StepRouting) -> None:
+        self.plan, self.bufs, self.route = plan, bufs, route
         b = plan.bucket
         self.P, self.e, self.S, self.me = b.ep_size, b.local_experts, b.slot_rows, plan.rank
-        self.pending: dict[int, list] = {}
-        self.sends: list[tuple[dist.Work | None, str]] = []
-        self.payloads: list[torch.Tensor] = []  # kept alive until their sends complete
-        self.trace: list[int] = []
-        # the put type of every operator (a remote write names only the sender's operator)
-        self.op_type = {t.op: t.task_type for t in plan.tasks}
-        self.tag_offset = _BACKWARD_TAG_OFFSET if plan.direction == "backward" else 0
-        lanes, thresholds = cast(_Lanes, plan.memo("sequential_lanes", _lanes))
-        self.engine: EventEngine[TaskDescriptor] = EventEngine(
-            lanes,
-            thresholds,
-            launch=self.launch,
-            on_stall=self.on_stall,
-        )
 
-    # -- row bookkeeping -------------------------------------------------------------------------
     def count(self, buffer: str, rank: int, slot: int) -> int:
         """Valid rows of slot ``slot`` of ``buffer`` on ``rank`` (receive or return layout)."""
         if buffer in RETURN_LAYOUT:
@@ -187,6 +163,38 @@ class _Run:
             if v:
                 out.append(Segment(start=a, stop=a + v, slot=slot))
         return out
+
+
+class _Run(StepRows):
+    """One execution of one plan on this rank."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        bufs: dict[str, torch.Tensor],
+        route: StepRouting,
+        group: EPGroup,
+        timeout_s: float,
+        device: torch.device,
+    ) -> None:
+        super().__init__(plan, bufs, route)
+        self.group = group
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device
+        self.pending: dict[int, list] = {}
+        self.sends: list[tuple[dist.Work | None, str]] = []
+        self.payloads: list[torch.Tensor] = []  # kept alive until their sends complete
+        self.trace: list[int] = []
+        # the put type of every operator (a remote write names only the sender's operator)
+        self.op_type = {t.op: t.task_type for t in plan.tasks}
+        self.tag_offset = _BACKWARD_TAG_OFFSET if plan.direction == "backward" else 0
+        lanes, thresholds = cast(_Lanes, plan.memo("sequential_lanes", _lanes))
+        self.engine: EventEngine[TaskDescriptor] = EventEngine(
+            lanes,
+            thresholds,
+            launch=self.launch,
+            on_stall=self.on_stall,
+        )
 
     # -- communication ----------------------------------------------------------------------------
     def _tag(self, op: str, r: Region) -> int:
@@ -281,7 +289,9 @@ def _check_world_plan(plan: Plan, group: EPGroup) -> None:
         )
 
 
-def _execute(plan, inputs, routing, group, timeout_s, direction):
+def check_step(plan: Plan, group: EPGroup | None, timeout_s: float, direction: str) -> EPGroup:
+    """Before a step of any executor: the direction, the plan validated (once per plan object)
+    and every rank of the group on a plan of the same world and direction; returns the group."""
     if plan.direction != direction:
         raise ValueError(
             f"plan is a {plan.direction} plan; run_{direction} needs a {direction} one"
@@ -289,7 +299,17 @@ def _execute(plan, inputs, routing, group, timeout_s, direction):
     ensure_validated(plan)  # never run an unvalidated plan; a validated one is checked once
     group = group or EPGroup(None, timeout_s)
     _check_world_plan(plan, group)
-    ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
+    return group
+
+
+def make_buffers(
+    plan: Plan,
+    inputs: dict[str, torch.Tensor],
+    ref: torch.Tensor,
+    work: Callable[[BufferSpec], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The step's buffers: the inputs (shape-checked, in ``ref``'s dtype) and the work and
+    output buffers (``work(spec)``; default fresh zeros like ``ref``)."""
     bufs = {}
     for spec in plan.buffers:
         if spec.kind == "input":
@@ -301,8 +321,17 @@ def _execute(plan, inputs, routing, group, timeout_s, direction):
                     f"({spec.rows}, {spec.cols})"
                 )
             bufs[spec.name] = t.detach().to(ref.dtype).contiguous()
+        elif work is not None:
+            bufs[spec.name] = work(spec)
         else:
             bufs[spec.name] = ref.new_zeros(spec.rows, spec.cols)
+    return bufs
+
+
+def _execute(plan, inputs, routing, group, timeout_s, direction):
+    group = check_step(plan, group, timeout_s, direction)
+    ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
+    bufs = make_buffers(plan, inputs, ref)
     route = step_routing(plan, routing, group)
     run = _Run(plan, bufs, route, group, timeout_s, ref.device)
     run.run()

@@ -1,0 +1,290 @@
+"""The MoE-FFN plans on the concurrent executors, with one-sided tile puts: ``TaskflowRuntime``.
+
+Shape legend: T tokens per rank, H hidden, F expert hidden, E experts, e local experts, K top-k,
+P ranks, S slot rows.
+
+One runtime per MoE layer (it owns the layer's :class:`~moesaic.comm.channel.PutChannel`, a
+process group made once). Per shape bucket it compiles the forward and backward plans once
+(``compile_plan``, validated) and allocates the **receive window** once: one flat tensor holding
+the plan's incoming buffers (forward ``x_recv`` and ``y_ret``, backward ``g_recv`` and
+``dx_ret``), the same size on every rank (the bucket is agreed by the group), so that a put names
+its destination by an element offset that is the same on every rank: FlashDMoE's symmetric
+layout, its incoming cells ordered (expert, source rank, slot) as the plans' rows are.
+
+A step (``forward`` / ``backward``):
+
+1. the sequential executor's checks (``check_step``: direction, validation, the world's plan
+   fingerprint) and routing offsets (``step_routing``: one all-to-all of slot counts, which also
+   fences steps: no rank puts step n+1 rows before every rank finished step n);
+2. remote writes that carry no valid row this step are signalled locally at once (both sides
+   know it from the counts), and the channel starts receiving exactly the other puts;
+3. the executor (``static``: one worker per queue in compiled order; ``dynamic``: scheduler and
+   processors) runs the task handlers of the sequential executor (``handlers.py``: the same
+   task definitions). A handler's puts to other ranks are collected per task and sent when it
+   ends, per destination in order; the last message to a destination carries that
+   destination's trigger events, so its counters move only once every row has landed.
+
+Only valid rows travel (payload-efficient). Errors: a dead or silent peer is a
+``CollectiveError`` within ``timeout_s`` from the waits, the scheduler or the channel; a step
+whose routing does not fit the bucket is refused before any transfer (``step_routing``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from moesaic.checks import check_one_of, check_positive, check_positive_int
+from moesaic.comm.channel import PutChannel
+from moesaic.comm.collectives import EPGroup
+from moesaic.routing import RoutingPlan
+from moesaic.taskflow.bucket import CompileOptions, ShapeBucket, slot_rows_for
+from moesaic.taskflow.compile import compile_plan
+from moesaic.taskflow.moe_graphs import TASK_TYPES
+from moesaic.taskflow.plan import Plan
+from moesaic.taskflow.runtime.executors import EXECUTORS, make_counters, run_dynamic, run_static
+from moesaic.taskflow.runtime.handlers import HANDLERS
+from moesaic.taskflow.runtime.sequential import (
+    SAVED,
+    BackwardResult,
+    ForwardResult,
+    StepRouting,
+    StepRows,
+    check_step,
+    make_buffers,
+    step_routing,
+)
+from moesaic.taskflow.tasks import Region, TaskDescriptor
+from moesaic.trace import Recorder
+
+__all__ = ["RECEIVE_BUFFERS", "TaskflowRuntime"]
+
+# The buffers other ranks put into: they live in the symmetric receive window.
+RECEIVE_BUFFERS = frozenset({"x_recv", "y_ret", "g_recv", "dx_ret"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """One bucket's receive window for one direction and dtype: flat data, buffer offsets."""
+
+    data: torch.Tensor
+    offsets: dict[str, tuple[int, int, int]]  # name -> (element offset, rows, cols)
+
+    def view(self, name: str) -> torch.Tensor:
+        off, rows, cols = self.offsets[name]
+        return self.data[off : off + rows * cols].view(rows, cols)
+
+
+def _window(plan: Plan, dtype: torch.dtype, device: torch.device) -> _Window:
+    offsets, off = {}, 0
+    for spec in plan.buffers:
+        if spec.name in RECEIVE_BUFFERS:
+            offsets[spec.name] = (off, spec.rows, spec.cols)
+            off += spec.rows * spec.cols
+    return _Window(data=torch.zeros(max(off, 1), dtype=dtype, device=device), offsets=offsets)
+
+
+class _Step(StepRows):
+    """One step of one plan on the concurrent executors: the handlers' ``run`` object."""
+
+    def __init__(self, plan, bufs, route, window: _Window, channel: PutChannel | None) -> None:
+        super().__init__(plan, bufs, route)
+        self.window, self.channel = window, channel
+        self.outbox: dict[int, list[tuple[Region, torch.Tensor]]] = {}
+
+    # -- what the handlers call -------------------------------------------------------------------
+    def put(self, t: TaskDescriptor, r: Region, rows: torch.Tensor) -> None:
+        if r.rank == self.me:
+            self.bufs[r.buffer][r.start : r.start + rows.shape[0]].copy_(rows)
+        else:  # sent when the task ends (one task runs on one thread: no lock needed)
+            self.outbox.setdefault(t.uid, []).append((r, rows))
+
+    # -- what the executor calls ------------------------------------------------------------------
+    def launch(self, t: TaskDescriptor) -> None:
+        HANDLERS[TASK_TYPES[t.task_type].handler](self, t)
+        out = self.outbox.pop(t.uid, None)
+        if not out:
+            return
+        last = {r.rank: k for k, (r, _) in enumerate(out)}
+        assert self.channel is not None  # a group of one never puts to another rank
+        for k, (r, rows) in enumerate(out):
+            events = [ref.event for ref in t.trigger_events if ref.rank == r.rank]
+            off, _, cols = self.window.offsets[r.buffer]
+            flat = rows.reshape(-1).contiguous()
+            self.channel.put(
+                flat, r.rank, off + r.start * cols, events if last[r.rank] == k else ()
+            )
+
+    def expected_puts(self, counters) -> int:
+        """Signal the remote writes that carry no row this step; the messages the rest send."""
+        expected = 0
+        for w in self.plan.remote_writes:
+            n = sum(len(self.segments(r)) for r in w.regions)
+            if n == 0:
+                for ev in w.trigger_events:
+                    counters.bump(ev)
+            expected += n
+        return expected
+
+
+class TaskflowRuntime:
+    """Runs one MoE layer's forward and backward plans on a concurrent executor.
+
+    Construction is collective over the members of ``group`` (the put channel's process group).
+
+    Args:
+        group: the expert-parallel group.
+        executor: ``"static"`` (two-queue workers, compiled order) or ``"dynamic"`` (FlashDMoE's
+            scheduler and processor pool).
+        processors: processor threads of the dynamic executor.
+        tile_m: dispatch tile rows; ``gmm_tile_m``: GMM / activation / combine tile rows.
+        options: compile options (RATR, interleaving).
+        timeout_s: bound on every wait for a peer.
+        recorder: records executed tasks (lanes per queue or processor, and the subscriber).
+    """
+
+    def __init__(
+        self,
+        group: EPGroup,
+        *,
+        executor: str = "static",
+        processors: int = 2,
+        tile_m: int = 128,
+        gmm_tile_m: int | None = None,
+        options: CompileOptions | None = None,
+        timeout_s: float = 60.0,
+        recorder: Recorder | None = None,
+    ) -> None:
+        self.group = group
+        self.executor = check_one_of("executor", executor, EXECUTORS)
+        self.processors = check_positive_int("processors", processors)
+        self.tile_m = check_positive_int("tile_m", tile_m)
+        self.gmm_tile_m = gmm_tile_m
+        self.options = options or CompileOptions()
+        self.timeout_s = check_positive("timeout_s", timeout_s)
+        self.recorder = recorder
+        self.channel = PutChannel(group, timeout_s) if group.size > 1 else None
+        self._plans: dict[ShapeBucket, tuple[Plan, Plan]] = {}
+        self._windows: dict[tuple[ShapeBucket, str, torch.dtype, str], _Window] = {}
+        self._lock = threading.Lock()
+
+    # -- buckets and plans ------------------------------------------------------------------------
+    def bucket(
+        self, routing: RoutingPlan, *, hidden: int, ffn: int, activation: str
+    ) -> ShapeBucket:
+        """The bucket of a step: slot rows for the largest (source rank, expert) load of the
+        whole group (one all-reduce), so every rank picks the same one."""
+        worst = torch.tensor([int(routing.counts_E.max()) if routing.counts_E.numel() else 0])
+        self.group.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, what="taskflow bucket")
+        gmm = self.gmm_tile_m or self.tile_m
+        T, K = routing.topk_ids_TK.shape
+        return ShapeBucket(
+            tokens=T, hidden=hidden, ffn=ffn, experts=routing.counts_E.numel(), top_k=K,
+            ep_size=self.group.size, slot_rows=slot_rows_for(int(worst[0]), gmm),
+            tile_m=self.tile_m, gmm_tile_m=self.gmm_tile_m, activation=activation,
+        )  # fmt: skip
+
+    def plans(self, bucket: ShapeBucket) -> tuple[Plan, Plan]:
+        """The (forward, backward) plans of this rank for ``bucket``, compiled once."""
+        with self._lock:
+            if bucket not in self._plans:
+                rank = self.group.rank
+                self._plans[bucket] = (
+                    compile_plan(bucket, "forward", rank, self.options),
+                    compile_plan(bucket, "backward", rank, self.options),
+                )
+            return self._plans[bucket]
+
+    def window(self, plan: Plan, dtype: torch.dtype, device: torch.device) -> _Window:
+        key = (plan.bucket, plan.direction, dtype, str(device))
+        with self._lock:
+            if key not in self._windows:
+                self._windows[key] = _window(plan, dtype, device)
+            return self._windows[key]
+
+    def window_bytes(self) -> int:
+        """Bytes of every receive window allocated so far."""
+        return sum(w.data.numel() * w.data.element_size() for w in self._windows.values())
+
+    # -- steps ------------------------------------------------------------------------------------
+    def _run(self, plan, inputs, routing, direction) -> dict[str, torch.Tensor]:
+        group = check_step(plan, self.group, self.timeout_s, direction)
+        ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
+        window = self.window(plan, ref.dtype, ref.device)
+
+        def work(spec):
+            if spec.name in RECEIVE_BUFFERS:
+                return window.view(spec.name)
+            return ref.new_zeros(spec.rows, spec.cols)
+
+        bufs = make_buffers(plan, inputs, ref, work)
+        route: StepRouting = step_routing(plan, routing, group)  # also the step fence
+        step = _Step(plan, bufs, route, window, self.channel)
+        counters = make_counters(plan.graph, plan.rank)
+        expected = step.expected_puts(counters)
+        if self.channel is not None:
+            self.channel.begin(window.data, counters, expected, self.recorder)
+        try:
+            if self.executor == "static":
+                run_static(plan.graph, plan.schedule, plan.rank, step.launch, counters,
+                           timeout_s=self.timeout_s, recorder=self.recorder)  # fmt: skip
+            else:
+                run_dynamic(plan.graph, plan.schedule, plan.rank, step.launch, counters,
+                            processors=self.processors, timeout_s=self.timeout_s,
+                            recorder=self.recorder)  # fmt: skip
+        except BaseException as exc:
+            if self.channel is not None:
+                self.channel.fail(f"rank {plan.rank} stopped its step: {exc}")
+                with contextlib.suppress(Exception):  # the executor's error is the one to report
+                    self.channel.finish()
+            raise
+        if self.channel is not None:
+            self.channel.finish()
+        return bufs
+
+    def forward(
+        self,
+        plan: Plan,
+        x_TH: torch.Tensor,
+        routing: RoutingPlan,
+        w1_eHF: torch.Tensor,
+        w2_eFH: torch.Tensor,
+        w3_eHF: torch.Tensor | None = None,
+    ) -> ForwardResult:
+        """One forward step (like ``run_forward``); the saved activations are copies, so the
+        window is free for the next step before this one's backward."""
+        inputs = {"x_TH": x_TH, "w1": w1_eHF, "w2": w2_eFH}
+        if w3_eHF is not None:
+            inputs["w3"] = w3_eHF
+        bufs = self._run(plan, inputs, routing, "forward")
+        saved = {k: bufs[k].clone() if k in RECEIVE_BUFFERS else bufs[k] for k in SAVED}
+        return ForwardResult(y_TH=bufs["y_TH"], saved=saved, trace=[])
+
+    def backward(
+        self,
+        plan: Plan,
+        dy_TH: torch.Tensor,
+        routing: RoutingPlan,
+        saved: dict[str, torch.Tensor],
+        w1_eHF: torch.Tensor,
+        w2_eFH: torch.Tensor,
+        w3_eHF: torch.Tensor | None = None,
+    ) -> BackwardResult:
+        """One backward step (like ``run_backward``)."""
+        inputs = {"dy_TH": dy_TH, "w1": w1_eHF, "w2": w2_eFH, **saved}
+        if w3_eHF is not None:
+            inputs["w3"] = w3_eHF
+        bufs = self._run(plan, inputs, routing, "backward")
+        b = plan.bucket
+        e, H, F = b.local_experts, b.hidden, b.ffn
+        return BackwardResult(
+            dx_TH=bufs["dx_TH"],
+            dtopk_weights_TK=bufs["dtopk_TK"],
+            dw1_eHF=bufs["dw1"].view(e, H, F),
+            dw3_eHF=bufs["dw3"].view(e, H, F) if "dw3" in bufs else None,
+            dw2_eFH=bufs["dw2"].view(e, F, H),
+            trace=[],
+        )
