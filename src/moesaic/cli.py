@@ -31,6 +31,13 @@ _MODULES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         "moesaic.placement.cli",
         (("plan", "HybridEP expert-domain sizes for a model on a cluster (cost model)"),),
     ),
+    (
+        "moesaic.sim.cli",
+        (
+            ("simulate", "simulate a training iteration on a cluster (per strategy)"),
+            ("calibrate", "measure this machine into a simulator profile"),
+        ),
+    ),
 )
 
 # Exit status of a run stopped by Ctrl-C, as a shell reports a SIGINT death (128 + 2).

@@ -1,0 +1,133 @@
+"""``moesaic simulate`` and ``moesaic calibrate``.
+
+``simulate`` reads a cluster TOML (``moesaic cluster``'s format), a model TOML
+(:class:`moesaic.sim.model.ModelSpec`) and optionally a profile (``calibrate``'s JSON), and
+prints one iteration's summary per strategy (``--strategy all``: one row each); ``--json``
+prints one JSON object (a list for ``all``). ``calibrate`` measures this machine's matmul rate
+and op overhead (torch, under a second) and writes a profile; ``--links`` takes the link
+figures from a cluster check result (measured there: this command does not build networks).
+Torch-free but for ``calibrate`` and ``--png`` (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+__all__ = ["add_subparser"]
+
+EPILOG = """\
+examples:
+  moesaic simulate --cluster examples/clusters/flowmoe_2rank.toml \\
+      --model examples/models/flowmoe_small.toml --strategy all
+  moesaic simulate --cluster examples/clusters/hybridep_2dc.toml \\
+      --model examples/models/hybridep_small.toml --strategy hybrid --json --trace t.json
+  moesaic calibrate --out profile.json --links benchmarks/results/cluster_check.json
+"""
+
+
+def add_subparser(subparsers) -> None:
+    """Adds ``simulate`` and ``calibrate`` to the top-level parser (whichever is asked for)."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate a training iteration on a cluster (per strategy)",
+        description="Simulate one training iteration of an MoE model on a cluster.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--cluster", required=True, metavar="FILE.toml", help="cluster description")
+    p.add_argument("--model", required=True, metavar="FILE.toml", help="model and batch")
+    p.add_argument("--strategy", default="all", help="a strategy name or 'all' (default)")
+    p.add_argument("--profile", metavar="FILE.json", help="machine profile (moesaic calibrate)")
+    p.add_argument("--flops-per-s", type=float, metavar="X",
+                   help="matmul FLOP/s when no profile is given (default 1e11)")  # fmt: skip
+    p.add_argument("--degree", type=int, default=2, metavar="R", help="pipeline degree R")
+    p.add_argument("--sp-bytes", type=float, metavar="B", help="FlowMoE Sp (default G/16)")
+    p.add_argument("--domains", metavar="S0,S1,..", help="hybrid domain sizes (default: planned)")
+    p.add_argument("--prefetch", action="store_true", help="hybrid: prefetched gathers")
+    p.add_argument("--trace", metavar="F.json", help="write the timeline as a Chrome trace")
+    p.add_argument("--png", metavar="F.png", help="draw the timeline (Gantt chart)")
+    p.add_argument("--csv", metavar="F.csv", help="write per-layer compute/communication")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run_simulate)
+    c = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine into a simulator profile",
+        description="Measure matmul FLOP/s and op overhead; take links from a cluster check.",
+    )
+    c.add_argument("--out", required=True, metavar="FILE.json", help="profile to write")
+    c.add_argument("--links", metavar="CHECK.json", help="cluster_check result (links)")
+    c.add_argument("--size", type=int, default=512, help="matmul size (default 512)")
+    c.set_defaults(func=run_calibrate)
+
+
+def _load(option: str, path: str, load: Any) -> Any:
+    try:
+        return load(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"--{option}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--{option} {path}: {exc}") from None
+
+
+def _results(args: argparse.Namespace) -> list[Any]:
+    from moesaic.cluster.spec import ClusterSpec
+    from moesaic.sim.model import ModelSpec
+    from moesaic.sim.profile import Profile
+    from moesaic.sim.simulate import STRATEGIES, SimOptions, simulate
+
+    spec = _load("cluster", args.cluster, ClusterSpec.from_toml)
+    model = _load("model", args.model, ModelSpec.from_toml)
+    if args.profile:
+        profile = _load("profile", args.profile, Profile.load)
+    else:
+        profile = Profile(flops_per_s=args.flops_per_s or 1e11, source="--flops-per-s")
+    domains = None
+    if args.domains:
+        try:
+            domains = tuple(int(x) for x in args.domains.split(","))
+        except ValueError:
+            raise ValueError(f"--domains ({args.domains!r}) must be integers: S0,S1,..") from None
+    opts = SimOptions(degree=args.degree, sp_bytes=args.sp_bytes, domain_sizes=domains,
+                      prefetch=args.prefetch)  # fmt: skip
+    names = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    return [simulate(spec, model, name, profile, opts) for name in names]
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from moesaic.sim.simulate import write_layer_csv
+    from moesaic.trace import draw_timeline, write_chrome_trace
+
+    results = _results(args)
+    if args.trace:
+        write_chrome_trace(args.trace, [r.spans for r in results])
+    if args.png:
+        draw_timeline(args.png, [r.spans for r in results[:1]], title=results[0].strategy)
+    if args.csv:
+        write_layer_csv(args.csv, results[0].spans)
+    rows = [r.summary() for r in results]
+    if args.json:
+        print(json.dumps(rows[0] if len(rows) == 1 else rows))
+        return 0
+    cols = ("iteration_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "overlap_ratio",
+            "bound_ms", "wall_s")  # fmt: skip
+    print(f"{'strategy':10s} {'ranks':>6s} " + " ".join(f"{c:>15s}" for c in cols))
+    for row in rows:
+        vals = " ".join(f"{row[c]:15.4g}" for c in cols)
+        print(f"{row['strategy']:10s} {row['ranks']:6d} {vals}")
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from moesaic.sim.profile import Profile, links_from_cluster_check, measure
+
+    measured = measure(args.size)
+    floor_s, scale, source = 0.0, 1.0, f"measured matmul {args.size}^3 here; links as specified"
+    if args.links:
+        floor_s, scale = _load("links", args.links, links_from_cluster_check)
+        source = f"measured matmul {args.size}^3 here; links from {args.links}"
+    profile = Profile(**measured, floor_s=floor_s, bandwidth_scale=scale, source=source)
+    profile.save(args.out)
+    print(json.dumps(profile.to_dict()))
+    return 0

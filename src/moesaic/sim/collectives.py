@@ -1,0 +1,242 @@
+"""Analytical collective models on a :class:`~moesaic.cluster.spec.ClusterSpec`, in closed form.
+
+The same network model as :mod:`moesaic.cluster.cost` (every member of a level sends and receives
+through one uplink of that level's bandwidth; the busiest uplink direction bounds a phase; each
+phase pays a one-way latency), but evaluated per level from the pattern's symmetry instead of
+from a ``P x P`` matrix, so 8,000 ranks cost O(levels) (O(P) for a skewed all-to-all-v) rather
+than O(P^2). Tests check every closed form against ``cluster.cost`` on small clusters.
+
+Like the analytical backends of ASTRA-sim (``analytical`` network: per-dimension
+``latency + bytes / bandwidth`` for each step of a ring/direct/halving-doubling algorithm on a
+multi-dimensional topology, collectives decomposed dimension by dimension) and SimAI's
+``SimAI_analytical`` (busbw-based time per collective and per group type, NVLink vs NIC), a
+collective here is ``steps x (latency + bytes per step over the slowest crossed uplink)``:
+
+* all-to-all (uniform, "direct"): one phase; a level-``j`` member of ``g_j`` ranks sends
+  ``g_j (P - g_j) b`` up its uplink;
+* all-to-all-v from a destination share vector (every source sends ``D s_dst``): one phase;
+  a member ``G`` sends ``g D (1 - S_G)`` up and receives ``(P - g) D S_G`` down;
+* ring all-reduce (gloo's, ``2 (P - 1)`` steps of ``bytes / P``) and ring all-gather
+  (``P - 1`` steps of ``bytes``): every level-``j`` member has one ring edge leaving it;
+* hierarchical all-reduce: reduce-scatter rings inside the innermost level, then each outer
+  level on the shard, then all-gathers back (NCCL-style 2D/tree-free hierarchy);
+* point-to-point: ``bytes / path bandwidth + path latency``;
+* level-local patterns (HybridEP's gathers and hops, :func:`level_exchange_s`): each rank talks to
+  ``n`` peers that differ from it only in the coordinate of one level.
+
+**Latency floor.** Every step pays ``max(link latency, floor_s)``: software and stack overhead
+that no real collective goes below (gloo on this machine's loopback: 0.15-0.2 ms per message,
+``benchmarks/results/cluster_check.json``). ``bandwidth_scale`` multiplies every link's rate
+(a calibrated efficiency; 1.0 = the spec's figures).
+
+Torch-free, standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moesaic.checks import check_int, check_non_negative, check_positive
+from moesaic.cluster.spec import ClusterSpec
+
+__all__ = [
+    "LinkModel",
+    "all_gather_s",
+    "all_to_all_s",
+    "all_to_all_shares_s",
+    "all_to_all_v_s",
+    "hierarchical_all_reduce_s",
+    "level_exchange_s",
+    "p2p_s",
+    "ring_all_reduce_s",
+]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LinkModel:
+    """A cluster and the corrections calibration applies to its links.
+
+    Attributes:
+        spec: The cluster (levels: size, Gbit/s, one-way ms).
+        floor_s: Latency floor per collective step, seconds (>= 0).
+        bandwidth_scale: Multiplier of every level's bandwidth (> 0; 1.0: as specified).
+    """
+
+    spec: ClusterSpec
+    floor_s: float = 0.0
+    bandwidth_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, ClusterSpec):
+            raise ValueError(f"spec must be a ClusterSpec, got {type(self.spec).__name__}")
+        check_non_negative("floor_s", self.floor_s)
+        check_positive("bandwidth_scale", self.bandwidth_scale)
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    def bytes_per_s(self, level: int) -> float:
+        """Rate of a level's uplink, bytes per second per direction."""
+        return self.spec.levels[level].bandwidth_gbps * 1e9 / 8 * self.bandwidth_scale
+
+    def latency_s(self, level: int) -> float:
+        """One-way latency across ``level``, floored."""
+        return max(self.spec.levels[level].latency_ms * 1e-3, self.floor_s)
+
+    def worst_latency_s(self) -> float:
+        """The worst one-way path latency (outermost separating level), floored; 0 for P = 1."""
+        for level, lv in enumerate(self.spec.levels):
+            if lv.size > 1:
+                return self.latency_s(level)
+        return 0.0
+
+    def ranks_per_member(self, level: int) -> int:
+        return self.spec.ranks_per_group(level)
+
+    def members(self, level: int) -> int:
+        return self.spec.num_groups(level)
+
+
+def _bytes(name: str, value: float) -> float:
+    v = check_non_negative(name, value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} ({value!r}) must be finite")
+    return v
+
+
+def all_to_all_s(link: LinkModel, bytes_per_pair: float) -> float:
+    """A uniform all-to-all moving ``bytes_per_pair`` between every ordered pair of ranks."""
+    b = _bytes("bytes_per_pair", bytes_per_pair)
+    P = link.world_size
+    if P < 2:
+        return 0.0
+    worst = 0.0
+    for j in range(link.spec.num_levels):
+        g = link.ranks_per_member(j)
+        if g < P:
+            worst = max(worst, g * (P - g) * b / link.bytes_per_s(j))
+    return worst + link.worst_latency_s()
+
+
+def all_to_all_shares_s(link: LinkModel, bytes_per_rank: float, shares_P: Sequence[float]) -> float:
+    """An all-to-all-v where every rank sends ``bytes_per_rank * shares_P[dst]`` to each rank
+    (its own share stays local): routing with the same expert popularity on every rank.
+
+    O(P) per level: a member ``G`` of ``g`` ranks sends ``g D (1 - S_G)`` up its uplink and
+    receives ``(P - g) D S_G`` down, ``S_G`` the shares of its ranks.
+    """
+    D = _bytes("bytes_per_rank", bytes_per_rank)
+    P = link.world_size
+    if len(shares_P) != P:
+        raise ValueError(f"shares_P must have world_size ({P}) entries, got {len(shares_P)}")
+    total = math.fsum(shares_P)
+    if any(s < 0 for s in shares_P) or not math.isclose(total, 1.0, rel_tol=1e-9):
+        raise ValueError(f"shares_P must be >= 0 and sum to 1 (sum {total})")
+    if P < 2:
+        return 0.0
+    worst = 0.0
+    for j in range(link.spec.num_levels):
+        g = link.ranks_per_member(j)
+        if g == P:
+            continue
+        busiest = 0.0
+        for m in range(P // g):
+            s = math.fsum(shares_P[m * g : (m + 1) * g])
+            busiest = max(busiest, g * D * (1 - s), (P - g) * D * s)
+        worst = max(worst, busiest / link.bytes_per_s(j))
+    return worst + link.worst_latency_s()
+
+
+def all_to_all_v_s(link: LinkModel, bytes_PP: Sequence[Sequence[float]]) -> float:
+    """An all-to-all-v of any traffic matrix (``bytes_PP[src][dst]``): the one cost home,
+    :func:`moesaic.cluster.cost.network_time`, on the scaled links, plus one floored latency.
+
+    O(P^2): for the small worlds measured runs have; use :func:`all_to_all_shares_s` at scale.
+    """
+    from moesaic.cluster.cost import network_time
+
+    P = link.world_size
+    nt = network_time(link.spec, bytes_PP)
+    if P < 2 or nt.busiest_level is None:
+        return 0.0 if P < 2 else link.worst_latency_s()
+    return nt.bandwidth_s / link.bandwidth_scale + link.worst_latency_s()
+
+
+def _ring_step_s(link: LinkModel, chunk: float) -> float:
+    """One ring step over all P ranks: every member of a level with > 1 member in the world has
+    one ring edge leaving it."""
+    worst = 0.0
+    for j in range(link.spec.num_levels):
+        if link.members(j) > 1:
+            worst = max(worst, chunk / link.bytes_per_s(j))
+    return worst + link.worst_latency_s()
+
+
+def ring_all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
+    """gloo's ring all-reduce of ``bytes_per_rank``: ``2 (P - 1)`` steps of ``bytes / P``."""
+    b = _bytes("bytes_per_rank", bytes_per_rank)
+    P = link.world_size
+    return 0.0 if P < 2 else 2 * (P - 1) * _ring_step_s(link, b / P)
+
+
+def all_gather_s(link: LinkModel, bytes_per_rank: float) -> float:
+    """Ring all-gather of ``bytes_per_rank`` from every rank: ``P - 1`` steps of that size."""
+    b = _bytes("bytes_per_rank", bytes_per_rank)
+    P = link.world_size
+    return 0.0 if P < 2 else (P - 1) * _ring_step_s(link, b)
+
+
+def level_exchange_s(link: LinkModel, level: int, peers: int, bytes_per_peer: float) -> float:
+    """Each rank sends ``bytes_per_peer`` to ``peers`` ranks that differ from it only in the
+    coordinate of ``level`` (HybridEP's gathers inside a domain and its token hops): one phase.
+
+    The traffic leaves every member of ``level`` and of each inner level; a level-``j`` member's
+    uplink carries ``g_j x peers x bytes`` each way. Latency: ``level``'s own (floored).
+    """
+    check_int("level", level, 0, link.spec.num_levels - 1)
+    n = check_int("peers", peers, 0, link.spec.levels[level].size - 1)
+    b = _bytes("bytes_per_peer", bytes_per_peer)
+    if n == 0 or b == 0:
+        return 0.0
+    worst = max(
+        link.ranks_per_member(j) * n * b / link.bytes_per_s(j)
+        for j in range(level, link.spec.num_levels)
+    )
+    return worst + link.latency_s(level)
+
+
+def hierarchical_all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
+    """Hierarchical all-reduce: ring reduce-scatter inside each innermost member, then on the
+    shard at each outer level, then all-gathers back (same volume as the reduce-scatters).
+
+    At level ``j`` (``s_j`` members per parent) rings of ``s_j`` run in parallel, one per rank
+    position, on ``bytes / prod_{i>j} s_i``: ``2 (s_j - 1)`` steps of that over ``s_j``.
+    """
+    b = _bytes("bytes_per_rank", bytes_per_rank)
+    total = 0.0
+    shard = b
+    for j in reversed(range(link.spec.num_levels)):
+        s = link.spec.levels[j].size
+        if s < 2:
+            continue
+        chunk = shard / s
+        step = max(
+            link.ranks_per_member(i) * chunk / link.bytes_per_s(i)
+            for i in range(j, link.spec.num_levels)
+        )
+        total += 2 * (s - 1) * (step + link.latency_s(j))
+        shard = chunk
+    return total
+
+
+def p2p_s(link: LinkModel, src: int, dst: int, nbytes: float) -> float:
+    """One message of ``nbytes`` from ``src`` to ``dst`` alone on the network."""
+    b = _bytes("nbytes", nbytes)
+    if src == dst:
+        return 0.0
+    path = link.spec.path(src, dst)
+    rate = path.bandwidth_gbps * 1e9 / 8 * link.bandwidth_scale
+    return b / rate + max(path.latency_ms * 1e-3, link.floor_s)

@@ -1,0 +1,241 @@
+"""Task graphs of the block-pipelined steps: ``vanilla``, ``moe-only`` (R) and ``flowmoe`` (R, Sp).
+
+The orders are those of ``schedule/pipeline.py`` (its module docstring and ``BlockPipeline``'s
+``_forward``/``_heads``/``_backward``), with the same task names; a test runs the real pipeline
+on a small model and checks that its recorded compute and all-to-all order equals this one.
+(``BlockPipeline`` interleaves the order with autograd calls and tensors, so it cannot take its
+order from data without a rewrite of that module; the order test keeps the two in step.)
+
+* forward, FlowMoE: per block, ``AT{r}`` then its ``D{r}`` for every chunk, then ``E{r}`` (after
+  ``D{r}``) and ``C{r}``; ``AT{r}`` of the next block waits ``C{r}`` of this one.
+  moe-only: every ``AT`` of a block, then every ``D``; a block waits for all ``C`` before it.
+* backward in reverse; FlowMoE issues ``C``'s gradient of block l - 1 right after ``AT{r}.{l}``'s
+  backward; moe-only after the whole block.
+* gradients (replicated parameters only; expert shards have no replicas at EP = world): vanilla
+  and moe-only all-reduce everything after the backward; FlowMoE cuts the flat buffer (laid out
+  in the order the gradients complete: block L first) into Sp-byte chunks that the pool
+  (``schedule/pool.py``, Alg. 2) issues while no all-to-all is queued or in flight, one at a
+  time, non-preemptively; after the last all-to-all every chunk left goes.
+
+The pool's rule depends on times, so :func:`run_pipelined` places the chunks one at a time:
+simulate, find the first moment the network is idle, no all-to-all is ready and the next chunk's
+gradients are, put the chunk there, simulate again. Each placement changes nothing before it, so
+the result is the pool's dynamic order.
+"""
+
+from __future__ import annotations
+
+import math
+
+from moesaic.checks import check_positive, check_positive_int
+from moesaic.sim.collectives import LinkModel, all_to_all_shares_s, ring_all_reduce_s
+from moesaic.sim.graph import SimGraph, SimTask
+from moesaic.sim.model import ModelSpec, expert_shares
+from moesaic.sim.profile import Profile
+from moesaic.taskflow.engine import Timeline
+
+__all__ = ["Costs", "build_pipelined", "rank_shares", "run_pipelined"]
+
+NET = "net"  # the engine lane of the rank's network (all-to-alls and all-reduce chunks)
+
+
+def rank_shares(model: ModelSpec, world: int) -> list[float]:
+    """Share of the routed rows each rank's experts receive (contiguous placement), normalised
+    to the rows actually kept."""
+    if model.experts % world:
+        raise ValueError(
+            f"model.experts ({model.experts}) must be a multiple of the ranks ({world})"
+        )
+    shares = expert_shares(model)
+    e = model.experts // world
+    per_rank = [math.fsum(shares[p * e : (p + 1) * e]) for p in range(world)]
+    kept = math.fsum(per_rank)
+    return [s / kept for s in per_rank]
+
+
+class Costs:
+    """Durations of the pipelined tasks of one chunk (seconds) for a model on a world."""
+
+    def __init__(self, model: ModelSpec, link: LinkModel, profile: Profile, degree: int):
+        check_positive_int("degree", degree)
+        if model.batch % degree:
+            raise ValueError(f"degree ({degree}) must divide model.batch ({model.batch})")
+        P = link.world_size
+        self.model, self.link, self.profile = model, link, profile
+        tokens = model.tokens // degree
+        kept = math.fsum(expert_shares(model))
+        shares_P = rank_shares(model, P)
+        rows = tokens * model.top_k * kept * P * max(shares_P)  # the busiest rank's rows
+        self.at_s = profile.compute_s(model.attention_flops(tokens))
+        self.e_s = profile.compute_s(model.expert_flops(rows))
+        self.head_s = profile.compute_s(model.head_flops(tokens))
+        self.a2a_bytes = tokens * model.top_k * kept * model.hidden * model.act_bytes
+        self.a2a_s = all_to_all_shares_s(link, self.a2a_bytes, shares_P) if P > 1 else 0.0
+        # dropless exchanges its counts first: one more collective of a few bytes.
+        self.counts_s = link.worst_latency_s() if P > 1 else 0.0
+        self.block_grad_bytes = model.replicated_params_per_block() * model.param_bytes
+        self.outer_grad_bytes = model.outer_params() * model.param_bytes
+        params = model.layers * model.replicated_params_per_block() + model.outer_params()
+        params += model.layers * model.experts // P * model.mats * model.hidden * model.ffn_hidden
+        self.optimizer_s = profile.compute_s(10.0 * params)  # AdamW: ~10 FLOPs per parameter
+
+    def grad_bytes(self) -> float:
+        return self.model.layers * self.block_grad_bytes + self.outer_grad_bytes
+
+    def all_reduce_s(self, nbytes: float) -> float:
+        return ring_all_reduce_s(self.link, nbytes)
+
+
+def build_pipelined(costs: Costs, *, degree: int, overlap: bool) -> tuple[SimGraph, list[SimTask]]:
+    """The forward and backward of the block pipeline (no gradient reduction yet).
+
+    Returns the graph and, per block (index 0 = block 1), the task after which its replicated
+    gradients are complete (its last ``AT`` backward: chunk 1).
+    """
+    g, R, L = SimGraph(), degree, costs.model.layers
+    c_ = costs
+
+    def comp(name: str, s: float, phase: str, blk: int = 0, r: int = 0) -> SimTask:
+        return SimTask(name, "compute", s, phase, blk, r)
+
+    def net(name: str, s: float, phase: str, blk: int, r: int) -> SimTask:
+        return SimTask(name, "a2a", s, phase, blk, r, c_.a2a_bytes)
+
+    chunks = range(1, R + 1)
+    last_c: dict[int, SimTask] = {}
+    for blk in range(1, L + 1):
+        ats = {}
+        for r in chunks:
+            wait = None
+            if blk > 1:
+                wait = last_c[r] if overlap else last_c[R]
+            ats[r] = g.add("compute", comp(f"AT{r}.{blk}", c_.at_s, "fwd", blk, r), wait)
+            if overlap:
+                d = net(f"D{r}.{blk}", c_.a2a_s + c_.counts_s, "fwd", blk, r)
+                g.add(NET, d, ats[r])
+        if not overlap:
+            for r in chunks:
+                g.add(NET, net(f"D{r}.{blk}", c_.a2a_s + c_.counts_s, "fwd", blk, r), ats[R])
+        for r in chunks:
+            e = g.add("compute", comp(f"E{r}.{blk}", c_.e_s, "fwd", blk, r), f"fwd:D{r}.{blk}")
+            last_c[r] = g.add(NET, net(f"C{r}.{blk}", c_.a2a_s, "fwd", blk, r), e)
+    heads = {}
+    for r in chunks:
+        heads[r] = g.add("compute", comp(f"head{r}", c_.head_s, "fwd", 0, r),
+                         last_c[r] if overlap else last_c[R])  # fmt: skip
+    rev = list(reversed(chunks))
+    done: list[SimTask] = [heads[1]] * L
+    prev: dict[int, SimTask] = {}
+    for r in rev:
+        prev[r] = g.add("compute", comp(f"head{r}", 2 * c_.head_s, "bwd", 0, r))
+    for blk in range(L, 0, -1):
+        cb = {}
+        for r in rev:
+            cb[r] = g.add(NET, net(f"C{r}.{blk}", c_.a2a_s, "bwd", blk, r),
+                          prev[r] if overlap else prev[1])  # fmt: skip
+        db = {}
+        for r in rev:
+            e = g.add("compute", comp(f"E{r}.{blk}", 2 * c_.e_s, "bwd", blk, r), cb[r])
+            db[r] = g.add(NET, net(f"D{r}.{blk}", c_.a2a_s, "bwd", blk, r), e)
+        for r in rev:
+            name = f"AT{r}.{blk}"
+            prev[r] = g.add("compute", comp(name, 2 * c_.at_s, "bwd", blk, r),
+                            db[r] if overlap else db[1])  # fmt: skip
+        done[blk - 1] = prev[1]
+    return g, done
+
+
+def _ar_chunks(costs: Costs, done: list[SimTask], chunk_bytes: float) -> list[tuple[SimTask, str]]:
+    """The gradient buffer cut into chunks, each with the task its last byte waits for."""
+    L = costs.model.layers
+    # Flat layout in completion order: block L, ..., block 1 (with the embeddings).
+    ends, acc = [], 0.0
+    for blk in range(L, 0, -1):
+        acc += costs.block_grad_bytes + (costs.outer_grad_bytes if blk == 1 else 0.0)
+        ends.append((acc, done[blk - 1].key))
+    total = acc
+    out, start, k = [], 0.0, 0
+    while start < total:
+        stop = min(start + chunk_bytes, total)
+        wait = next(key for end, key in ends if end >= stop - 1e-9)
+        k += 1
+        out.append((SimTask(f"AR{k}", "allreduce", costs.all_reduce_s(stop - start), "bwd",
+                            0, 0, stop - start), wait))  # fmt: skip
+        start = stop
+    return out
+
+
+def run_pipelined(
+    costs: Costs, *, degree: int, overlap: bool, chunk_bytes: float | None
+) -> tuple[SimGraph, Timeline]:
+    """Builds and simulates a step; ``chunk_bytes`` None: one all-reduce after the backward
+    (vanilla, moe-only); a number: FlowMoE's pool with Sp = ``chunk_bytes``."""
+    g, done = build_pipelined(costs, degree=degree, overlap=overlap)
+    last = g.lanes["compute"][-1][0]
+    if chunk_bytes is None:
+        total = costs.grad_bytes()
+        ar = SimTask("AR1", "allreduce", costs.all_reduce_s(total), "bwd", 0, 0, total)
+        g.add(NET, ar, last)
+        g.add("compute", SimTask("optimizer", "optimizer", costs.optimizer_s), ar)
+        return g, g.run()
+    check_positive("chunk_bytes", chunk_bytes)
+    chunks = _ar_chunks(costs, done, chunk_bytes)
+    a2a = list(g.lanes[NET])
+    # The pool's all-reduces wait for the backward (hooks) and, in order, for each other.
+    positions: list[int] = []
+    tl = None
+    for k in range(len(chunks) + 1):
+        lanes = dict(g.lanes)
+        lanes[NET] = _merge(a2a, chunks, positions)
+        opt = SimTask("optimizer", "optimizer", costs.optimizer_s)
+        last_net = lanes[NET][-1][0]
+        lanes["compute"] = [*g.lanes["compute"], (opt, last_net.key)]
+        tl = _run_lanes(g, lanes)
+        if k == len(chunks):
+            break
+        pos = _next_gap(tl, a2a, chunks, positions, k)
+        if pos is None:  # no gap left: every remaining chunk after the last all-to-all
+            positions.extend([len(a2a)] * (len(chunks) - k))
+            lanes[NET] = _merge(a2a, chunks, positions)
+            lanes["compute"] = [*g.lanes["compute"], (opt, lanes[NET][-1][0].key)]
+            tl = _run_lanes(g, lanes)
+            break
+        positions.append(pos)
+    assert tl is not None  # internal: the loop runs at least once
+    g.lanes = lanes
+    return g, tl
+
+
+def _run_lanes(g: SimGraph, lanes: dict[str, list[tuple[SimTask, str | None]]]) -> Timeline:
+    return g.run(lanes)
+
+
+def _merge(a2a: list, chunks: list, positions: list[int]) -> list[tuple[SimTask, str | None]]:
+    """The network lane: chunk k before all-to-all ``positions[k]``; unplaced chunks at the end
+    (they run after the last all-to-all and wait for their gradients)."""
+    out: list[tuple[SimTask, str | None]] = []
+    k = 0
+    for i, job in enumerate(a2a):
+        while k < len(positions) and positions[k] == i:
+            out.append(chunks[k])
+            k += 1
+        out.append(job)
+    out.extend(chunks[k:])
+    return out
+
+
+def _next_gap(tl: Timeline, a2a: list, chunks: list, positions: list[int], k: int) -> int | None:
+    """The all-to-all index chunk k goes before under the pool's rule, None if none."""
+    _task, wait = chunks[k]
+    ready_c = tl.end[wait]
+    first = positions[-1] if positions else 0
+    for i in range(first, len(a2a)):
+        _job, a2a_wait = a2a[i]
+        if i == first and positions:
+            free = tl.end[chunks[k - 1][0].key]
+        else:
+            free = tl.end[a2a[i - 1][0].key] if i > 0 else 0.0
+        ready_a = tl.end[a2a_wait] if a2a_wait is not None else 0.0
+        if max(free, ready_c) < ready_a:
+            return i
+    return None

@@ -1,0 +1,142 @@
+"""A machine profile: the rates a simulation turns FLOPs and bytes into seconds.
+
+``moesaic calibrate`` writes one (JSON); ``moesaic simulate --profile FILE`` reads it. What is
+measured and what is taken from elsewhere:
+
+* ``flops_per_s``: measured, the median rate of square fp32 matmuls of the model's width on
+  this machine's CPU (one process, the threads torch uses), or a GPU's when one is present;
+* ``task_overhead_s``: measured, the time of a tiny matmul op times the ops a stage runs
+  (``OPS_PER_TASK``): framework cost a FLOP count does not see;
+* ``floor_s``: the latency floor of one collective step; from a cluster check's measurement
+  (``--links benchmarks/results/cluster_check.json``: the unshaped loopback latency) or 0;
+* ``bandwidth_scale``: the links' measured share of their configured rate (the same file's
+  per-level bandwidth errors, averaged), or 1.0: the spec's figures.
+
+Torch-free but for :func:`measure`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from moesaic.checks import check_non_negative, check_positive
+
+__all__ = ["OPS_PER_TASK", "Profile", "links_from_cluster_check", "measure"]
+
+# Torch ops in one pipeline stage's forward (norm, QKV, split, SDPA, projection, residual,
+# router softmax/top-k, permutation...): counted on models/gpt.py's attention stage (~30).
+OPS_PER_TASK = 30
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Profile:
+    """Rates of one machine (see the module docstring for what each field is and where from).
+
+    Attributes:
+        flops_per_s: Sustained matmul FLOP/s of one rank.
+        task_overhead_s: Fixed seconds added to every compute task.
+        floor_s: Latency floor of every collective step, seconds.
+        bandwidth_scale: Multiplier of every link's configured bandwidth.
+        source: Where the figures come from (free text, kept in results).
+    """
+
+    flops_per_s: float
+    task_overhead_s: float = 0.0
+    floor_s: float = 0.0
+    bandwidth_scale: float = 1.0
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        check_positive("profile.flops_per_s", self.flops_per_s)
+        check_non_negative("profile.task_overhead_s", self.task_overhead_s)
+        check_non_negative("profile.floor_s", self.floor_s)
+        check_positive("profile.bandwidth_scale", self.bandwidth_scale)
+        if not isinstance(self.source, str):
+            raise ValueError("profile.source must be a string")
+
+    def compute_s(self, flops: float) -> float:
+        """Seconds of one compute task of ``flops``."""
+        return flops / self.flops_per_s + self.task_overhead_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise ValueError(f"profile: unknown field(s) {unknown}; allowed are {allowed}")
+        if "flops_per_s" not in data:
+            raise ValueError("profile: missing field 'flops_per_s'")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"profile file {str(path)!r} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"profile file {str(path)!r} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"profile file {str(path)!r} must hold a JSON object")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+
+def links_from_cluster_check(path: str | Path) -> tuple[float, float]:
+    """``(floor_s, bandwidth_scale)`` from a ``benchmarks/cluster_check.py`` result: the
+    unshaped loopback latency (min RTT/2) and 1 + the median bandwidth error of every level."""
+    data = json.loads(Path(path).read_text())
+    try:
+        floor_s = float(data["unshaped"]["latency_min_ms"]) * 1e-3
+        errors = [
+            float(level["bandwidth_error_median"])
+            for cluster in data["clusters"]
+            for level in cluster["summary"]
+        ]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a cluster_check result (missing {exc})") from exc
+    return floor_s, 1.0 + (statistics.median(errors) if errors else 0.0)
+
+
+def measure(size: int = 512, *, repeats: int = 7, device: str | None = None) -> dict[str, float]:
+    """Measures this machine: ``flops_per_s`` (median ``size^3`` fp32 matmul) and
+    ``task_overhead_s`` (``OPS_PER_TASK`` x the median time of a 1 x 1 matmul op).
+
+    Takes well under a second on a CPU. ``device`` defaults to CUDA when available.
+    """
+    import torch
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def timed(fn: Any) -> float:
+        fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    a = torch.randn(size, size, device=dev)
+    b = torch.randn(size, size, device=dev)
+    tiny = torch.randn(1, 1, device=dev)
+    flops = 2.0 * size**3 / timed(lambda: a @ b)
+    op_s = timed(lambda: [tiny @ tiny for _ in range(100)]) / 100
+    return {"flops_per_s": flops, "task_overhead_s": OPS_PER_TASK * op_s}
