@@ -1,0 +1,221 @@
+"""Simulated vs measured iteration times for every committed emulated-cluster run.
+
+Usage::
+
+    python benchmarks/sim_validate.py [--out benchmarks/results/sim_validation.json]
+
+No new measurement: the measured side is the committed results of ``flowmoe_cluster.py``
+(``flowmoe_cluster.json``: vanilla, moe-only R = 1, 2, 4, flowmoe R = 2, 4 with Sp = G, G/16 and
+tuned) and ``hybridep_cluster.py`` (``hybridep_2dc.json``, ``hybridep_2dc2.json``,
+``hybridep_4dc.json``: classic EP and Partition at 7 sizes each). ``+Migration`` (SR-compressed,
+prefetched gathers) is not simulated: the simulator has no compression model yet.
+
+Profiles (what each prediction is allowed to know):
+
+* links: the cluster TOML of the run, scaled by the emulator's measured bandwidth share and
+  floored at its loopback latency (``cluster_check.json``, via ``links_from_cluster_check``);
+* FlowMoE run: compute rate and per-task overhead fitted to the *compute* busy time the run
+  measured for moe-only R = 1 and R = 4 (two equations, two unknowns); iteration times of all
+  ten configurations are then predicted;
+* HybridEP runs: the compute rate the benchmark itself calibrated in each point's rounds
+  (``flops_per_s_rounds``, from its compute-only step), no per-task overhead.
+
+* HybridEP links, calibrated (the headline rows): the emulated all-to-alls run slower than the
+  checked point-to-point rate, so the bandwidth share is fitted, leave one run out: for each of
+  the three runs, the share that best fits the *other two* (``hybridep_cross_validated``) predicts
+  it. ``rows_links_as_checked`` keeps the predictions with the cluster check's share.
+
+Each point's error is ``simulated / measured - 1``; the summary is the geometric mean of
+``|error|`` (and of ``max(ratio, 1/ratio) - 1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "src"))
+
+from moesaic.bench.meta import run_metadata  # noqa: E402
+from moesaic.cluster.spec import ClusterSpec  # noqa: E402
+from moesaic.sim.model import ModelSpec  # noqa: E402
+from moesaic.sim.pipelined import Costs  # noqa: E402
+from moesaic.sim.profile import Profile, links_from_cluster_check  # noqa: E402
+from moesaic.sim.simulate import SimOptions, simulate  # noqa: E402
+
+FLOWMOE = {  # result key -> (strategy, R, Sp: "all" = G, "fixed" = G/16, "tuned" = chosen)
+    "vanilla": ("vanilla", 1),
+    "moe-only R=1 (vanilla, traced)": ("moe-only", 1),
+    "moe-only R=2": ("moe-only", 2),
+    "moe-only R=4": ("moe-only", 4),
+    "flowmoe R=2 Sp=G": ("flowmoe", 2),
+    "flowmoe R=4 Sp=G": ("flowmoe", 4),
+    "flowmoe R=2 Sp=G/16": ("flowmoe", 2),
+    "flowmoe R=4 Sp=G/16": ("flowmoe", 4),
+    "flowmoe R=2 Sp tuned": ("flowmoe", 2),
+    "flowmoe R=4 Sp tuned": ("flowmoe", 4),
+}
+
+
+def _links() -> tuple[float, float]:
+    return links_from_cluster_check(RESULTS / "cluster_check.json")
+
+
+def _fit_compute(
+    spec: ClusterSpec, model: ModelSpec, measured: dict[str, Any]
+) -> tuple[float, float]:
+    """(flops_per_s, task_overhead_s) from moe-only R=1 and R=4's measured compute busy time."""
+    probe = Profile(flops_per_s=1.0)
+    from moesaic.sim.collectives import LinkModel
+
+    link = LinkModel(spec=spec)
+    eqs = []
+    for key, R in (("moe-only R=1 (vanilla, traced)", 1), ("moe-only R=4", 4)):
+        c = Costs(model, link, probe, R)
+        L = model.layers
+        flops = 3 * R * L * (c.at_s + c.e_s) + 3 * R * c.head_s + c.optimizer_s
+        tasks = 2 * R * L * 2 + 2 * R + 1
+        eqs.append((flops, tasks, measured[key]["busy_compute_s"]["median"]))
+    (f1, n1, t1), (f2, n2, t2) = eqs
+    # t = f / rate + n * overhead; solve the 2x2 system
+    det = f1 * n2 - f2 * n1
+    inv_rate = (t1 * n2 - t2 * n1) / det
+    overhead = (f1 * t2 - f2 * t1) / det
+    return 1.0 / inv_rate, max(overhead, 0.0)
+
+
+def flowmoe_points() -> list[dict[str, Any]]:
+    data = json.loads((RESULTS / "flowmoe_cluster.json").read_text())
+    spec = ClusterSpec.from_dict(data["cluster"])
+    model = ModelSpec.from_toml(ROOT / "examples" / "models" / "flowmoe_small.toml")
+    res = data["results"]
+    rate, overhead = _fit_compute(spec, model, res)
+    floor_s, scale = _links()
+    profile = Profile(flops_per_s=rate, task_overhead_s=overhead, floor_s=floor_s,
+                      bandwidth_scale=scale, source="flowmoe_cluster.json compute fit")  # fmt: skip
+    out = []
+    for key, (strategy, R) in FLOWMOE.items():
+        r = res[key]
+        sp = r["sp_bytes"] or None
+        sim = simulate(spec, model, strategy, profile, SimOptions(degree=R, sp_bytes=sp))
+        out.append(_row("flowmoe_cluster.json", spec.name, key, r["step_time_s"]["median"], sim))
+    return out
+
+
+def hybridep_points(name: str, scale: float | None = None) -> list[dict[str, Any]]:
+    """Every point of one HybridEP result; ``scale`` replaces the links' bandwidth share."""
+    data = json.loads((RESULTS / name).read_text())
+    spec = ClusterSpec.from_dict(data["cluster"])
+    cfg = data["config"]
+    floor_s, checked = _links()
+    scale = checked if scale is None else scale
+    out = []
+    for point in data["points"]:
+        T, F = point["tokens_per_rank"], point["ffn_hidden_size"]
+        model = ModelSpec(name=f"hybridep_T{T}_F{F}", layers=cfg["blocks"], batch=T // cfg["seq_len"]
+                          if cfg["seq_len"] <= T else 1, seq_len=min(T, cfg["seq_len"]),
+                          hidden=cfg["hidden_size"], ffn_hidden=F, experts=cfg["num_experts"],
+                          top_k=cfg["top_k"], heads=cfg["heads"])  # fmt: skip
+        profile = Profile(flops_per_s=point["flops_per_s_rounds"], floor_s=floor_s,
+                          bandwidth_scale=scale, source=f"{name} flops_per_s_rounds")  # fmt: skip
+        for variant, strategy in (("classic EP", "ep"), ("Partition", "hybrid")):
+            domains = point["domains"][variant]
+            opts = SimOptions(domain_sizes=tuple(domains) if domains else None)
+            sim = simulate(spec, model, strategy, profile, opts)
+            label = f"{variant} T={T} F={F}"
+            out.append(_row(name, spec.name, label, point["variants"][variant]["measured_s"], sim))
+    return out
+
+
+def _row(source: str, cluster: str, label: str, measured_s: float, sim: Any) -> dict[str, Any]:
+    return {
+        "source": source,
+        "cluster": cluster,
+        "point": label,
+        "strategy": sim.strategy,
+        "measured_ms": measured_s * 1e3,
+        "simulated_ms": sim.iteration_s * 1e3,
+        "error": sim.iteration_s / measured_s - 1,
+        **{k: v for k, v in sim.details.items()},
+    }
+
+
+HYBRIDEP = ("hybridep_2dc.json", "hybridep_2dc2.json", "hybridep_4dc.json")
+SCALES = [0.40 + 0.01 * i for i in range(61)]  # bandwidth shares searched: 0.40 .. 1.00
+
+
+def hybridep_cross_validated() -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Leave one run out: the links' bandwidth share that fits the other two runs best
+    (geometric-mean |error|), then the held-out run predicted with it."""
+    rows: list[dict[str, Any]] = []
+    fitted = {}
+    for held in HYBRIDEP:
+        others = [n for n in HYBRIDEP if n != held]
+
+        def fit_error(scale: float, others: list[str] = others) -> float:
+            errs = [r["error"] for n in others for r in hybridep_points(n, scale)]
+            return geomean_abs(errs)
+
+        best = min(SCALES, key=fit_error)
+        fitted[held] = best
+        for r in hybridep_points(held, best):
+            rows.append({**r, "bandwidth_scale_fitted_on_other_runs": best})
+    return rows, fitted
+
+
+def geomean_abs(errors: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(max(abs(e), 1e-6)) for e in errors))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(RESULTS / "sim_validation.json"))
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    spec_rows = flowmoe_points()
+    for name in HYBRIDEP:
+        spec_rows += hybridep_points(name)
+    cv_rows, fitted = hybridep_cross_validated()
+    rows = flowmoe_points() + cv_rows
+    errors = [r["error"] for r in rows]
+    by_source: dict[str, list[float]] = {}
+    for r in rows:
+        by_source.setdefault(r["source"], []).append(r["error"])
+    summary = {
+        "points": len(rows),
+        "geomean_abs_error": geomean_abs(errors),
+        "geomean_ratio_error": math.exp(statistics.fmean(abs(math.log(1 + e)) for e in errors)) - 1,
+        "mean_signed_error": statistics.fmean(errors),
+        "by_source_geomean_abs_error": {k: geomean_abs(v) for k, v in by_source.items()},
+        "hybridep_bandwidth_scale_fitted": fitted,
+        "links_as_checked_geomean_abs_error": geomean_abs([r["error"] for r in spec_rows]),
+        "links_as_checked_by_source": {
+            n: geomean_abs([r["error"] for r in spec_rows if r["source"] == n])
+            for n in ("flowmoe_cluster.json", *HYBRIDEP)
+        },
+        "wall_s": time.perf_counter() - t0,
+    }
+    out = {
+        "meta": run_metadata(),
+        "summary": summary,
+        "rows": rows,
+        "rows_links_as_checked": spec_rows,
+        "notes": __doc__,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    for r in rows:
+        print(f"{r['source']:28s} {r['point']:34s} meas {r['measured_ms']:8.1f} "
+              f"sim {r['simulated_ms']:8.1f} err {r['error']:+.1%}")  # fmt: skip
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
