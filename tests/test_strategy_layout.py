@@ -62,10 +62,11 @@ class _RecordingExperts:
 
 
 def _row_strategies() -> list[str]:
-    """Strategies that send rows to the experts' owners. Those that move experts instead
-    (``moves_experts``: rows go to copies, computed with real weights) are checked row by row
-    in their own tests (tests/placement/test_hybrid.py)."""
-    return [s for s in strategy_names() if not get_strategy(s).moves_experts]
+    """Strategies that hand rows to the ``experts`` callable. Those that compute with the
+    weights themselves (``needs_expert_weights``: hybrid moves experts, taskflow runs them in tile
+    tasks) are checked row by row in their own tests (tests/placement/test_hybrid.py,
+    tests/taskflow/test_concurrent.py)."""
+    return [s for s in strategy_names() if not get_strategy(s).needs_expert_weights]
 
 
 def _layout_worker(rank: int, world: int) -> list[str]:

@@ -60,6 +60,11 @@ class MoEConfig:
             mean expert: an all-reduce of one expert's size) every this many gathers and reuse
             it in between (1: every gather, as the paper). Encoder and decoder always use the
             same one; a stale one only leaves larger residuals for the top-k to keep.
+        taskflow_executor: how the ``taskflow`` dispatcher runs its compiled tile plans:
+            "static" (one worker per queue in compiled order, HyperParallel-MoE) or "dynamic"
+            (a scheduler and a processor pool deciding at run time, FlashDMoE).
+        taskflow_tile_m: rows of a ``taskflow`` dispatch / GMM tile (the bucket's slot rows
+            are a power-of-two number of tiles).
     """
 
     hidden_size: int
@@ -80,6 +85,8 @@ class MoEConfig:
     domain_sizes: tuple[int, ...] | None = None
     expert_compression_ratio: float = 1.0
     shared_expert_every: int = 1
+    taskflow_executor: str = "static"
+    taskflow_tile_m: int = 128
 
     def __post_init__(self) -> None:
         check_positive_int("hidden_size", self.hidden_size)
@@ -127,6 +134,9 @@ class MoEConfig:
                 f"expert_compression_ratio ({self.expert_compression_ratio}) must be >= 1 "
                 "(1: gather experts exactly)"
             )
+
+        check_one_of("taskflow_executor", self.taskflow_executor, ("static", "dynamic"))
+        check_positive_int("taskflow_tile_m", self.taskflow_tile_m)
 
     def capacity(self, num_tokens: int) -> int | None:
         """Token slots per expert for ``num_tokens`` local tokens; None when dropless."""

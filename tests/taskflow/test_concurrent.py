@@ -39,6 +39,7 @@ def run_case(c: Case, P: int, rank: int, rt: TaskflowRuntime) -> dict[str, torch
     x = d["x"][rows].clone().requires_grad_()
     routing, _ = router(x, ExpertPlacement.contiguous(E, P))
     bucket = rt.bucket(routing, hidden=H, ffn=F, activation=c.activation)
+    assert bucket is not None
     fwd_plan, bwd_plan = rt.plans(bucket)
     w3 = d["w3"][local] if c.activation == "swiglu" else None
     w = (d["w1"][local], d["w2"][local], w3)

@@ -63,6 +63,7 @@ class PutChannel:
         self.timeout_s = check_positive("timeout_s", timeout_s)
         self.rank, self.size = group.rank, group.size
         self.max_events = max_events
+        self.group = group
         self.pg = group.subgroup(list(range(group.size))).group if group.size > 1 else None
         self._lock = threading.Lock()
         self._pending: list[tuple[Any, torch.Tensor]] = []
@@ -70,7 +71,13 @@ class PutChannel:
         self._broken: str | None = None
         self._counters: EventCounters | None = None
         self.puts = 0  # puts issued (messages with a payload or a signal), all steps
+        self.puts_P = [0] * self.size  # puts to each rank, all steps
         self.bytes_P = [0] * self.size  # payload bytes sent to each rank, all steps
+
+    @property
+    def header_bytes(self) -> int:
+        """Bytes of one put's header message."""
+        return (_FIXED + self.max_events) * 8
 
     # -- one step -----------------------------------------------------------------------------
     def begin(
@@ -109,8 +116,12 @@ class PutChannel:
             self._send(header, dst_rank, _HEADER_TAG)
             if src.numel():
                 self._send(src, dst_rank, _PAYLOAD_TAG)
+            nbytes = src.numel() * src.element_size()
             self.puts += 1
-            self.bytes_P[dst_rank] += src.numel() * src.element_size()
+            self.puts_P[dst_rank] += 1
+            self.bytes_P[dst_rank] += nbytes
+            # counted in the EP group's traffic like its collectives (headers included)
+            self.group.count_sent(dst_rank, nbytes + self.header_bytes)
 
     def finish(self) -> None:
         """Wait for every send of this step and for its receiving thread (under the deadline)."""

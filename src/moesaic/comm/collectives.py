@@ -120,6 +120,13 @@ class EPGroup:
                 [0 if r not in ranks else bytes_P[ranks.index(r)] for r in range(parent.size)]
             )
 
+    def count_sent(self, peer: int, nbytes: int) -> None:
+        """Count one point-to-point message of ``nbytes`` to ``peer``, sent outside this
+        class's collectives (the taskflow runtime's one-sided puts), as one collective."""
+        bytes_P = [0] * self.size
+        bytes_P[peer] = nbytes
+        self._count(bytes_P)
+
     def _wait(self, work: dist.Work | None, what: str) -> None:
         wait_work(
             work,

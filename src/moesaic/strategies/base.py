@@ -124,6 +124,9 @@ class MoEStrategy(ABC):
     # True when experts run on ranks other than their owners (copies moved there): the
     # ``experts`` callable must then be the layer's GroupedExperts, whose weights it moves.
     moves_experts: ClassVar[bool] = False
+    # True when the strategy computes with the expert weights itself (moving them, or running
+    # them in its own tile tasks): ``experts`` must be the layer's GroupedExperts.
+    needs_expert_weights: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         unknown = set(self.needs) - set(NEEDS)

@@ -134,6 +134,7 @@ class HybridStrategy(MoEStrategy):
 
     name = "hybrid"
     moves_experts = True
+    needs_expert_weights = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)

@@ -21,6 +21,7 @@ _TARGETS: dict[str, str | type] = {
     "dropless": "moesaic.strategies.dropless:DroplessStrategy",
     "padded": "moesaic.strategies.padded:PaddedStrategy",
     "hybrid": "moesaic.strategies.hybrid:HybridStrategy",
+    "taskflow": "moesaic.strategies.taskflow:TaskflowStrategy",
 }
 
 

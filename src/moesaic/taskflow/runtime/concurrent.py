@@ -174,16 +174,21 @@ class TaskflowRuntime:
     # -- buckets and plans ------------------------------------------------------------------------
     def bucket(
         self, routing: RoutingPlan, *, hidden: int, ffn: int, activation: str
-    ) -> ShapeBucket:
-        """The bucket of a step: slot rows for the largest (source rank, expert) load of the
-        whole group (one all-reduce), so every rank picks the same one."""
-        worst = torch.tensor([int(routing.counts_E.max()) if routing.counts_E.numel() else 0])
-        self.group.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, what="taskflow bucket")
-        gmm = self.gmm_tile_m or self.tile_m
+    ) -> ShapeBucket | None:
+        """The bucket of a step, the same on every rank (one all-reduce of this rank's largest
+        expert load and token count): slot rows for the largest (source rank, expert) load and
+        the most tokens of any rank (a rank with fewer pads, see ``pad_routing``). None when
+        no rank has a token."""
         T, K = routing.topk_ids_TK.shape
+        worst = int(routing.counts_E.max()) if routing.counts_E.numel() else 0
+        agreed = torch.tensor([worst, T], dtype=torch.int64)
+        self.group.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, what="taskflow bucket")
+        if int(agreed[1]) == 0:
+            return None
         return ShapeBucket(
-            tokens=T, hidden=hidden, ffn=ffn, experts=routing.counts_E.numel(), top_k=K,
-            ep_size=self.group.size, slot_rows=slot_rows_for(int(worst[0]), gmm),
+            tokens=int(agreed[1]), hidden=hidden, ffn=ffn, experts=routing.counts_E.numel(),
+            top_k=K, ep_size=self.group.size,
+            slot_rows=slot_rows_for(int(agreed[0]), self.gmm_tile_m or self.tile_m),
             tile_m=self.tile_m, gmm_tile_m=self.gmm_tile_m, activation=activation,
         )  # fmt: skip
 
@@ -210,7 +215,7 @@ class TaskflowRuntime:
         return sum(w.data.numel() * w.data.element_size() for w in self._windows.values())
 
     # -- steps ------------------------------------------------------------------------------------
-    def _run(self, plan, inputs, routing, direction) -> dict[str, torch.Tensor]:
+    def _run(self, plan, inputs, routing, direction):
         group = check_step(plan, self.group, self.timeout_s, direction)
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
         window = self.window(plan, ref.dtype, ref.device)
@@ -243,7 +248,7 @@ class TaskflowRuntime:
             raise
         if self.channel is not None:
             self.channel.finish()
-        return bufs
+        return bufs, route
 
     def forward(
         self,
@@ -259,9 +264,9 @@ class TaskflowRuntime:
         inputs = {"x_TH": x_TH, "w1": w1_eHF, "w2": w2_eFH}
         if w3_eHF is not None:
             inputs["w3"] = w3_eHF
-        bufs = self._run(plan, inputs, routing, "forward")
+        bufs, route = self._run(plan, inputs, routing, "forward")
         saved = {k: bufs[k].clone() if k in RECEIVE_BUFFERS else bufs[k] for k in SAVED}
-        return ForwardResult(y_TH=bufs["y_TH"], saved=saved, trace=[])
+        return ForwardResult(y_TH=bufs["y_TH"], saved=saved, trace=[], route=route)
 
     def backward(
         self,
@@ -277,7 +282,7 @@ class TaskflowRuntime:
         inputs = {"dy_TH": dy_TH, "w1": w1_eHF, "w2": w2_eFH, **saved}
         if w3_eHF is not None:
             inputs["w3"] = w3_eHF
-        bufs = self._run(plan, inputs, routing, "backward")
+        bufs, _ = self._run(plan, inputs, routing, "backward")
         b = plan.bucket
         e, H, F = b.local_experts, b.hidden, b.ffn
         return BackwardResult(

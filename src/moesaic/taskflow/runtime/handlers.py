@@ -128,11 +128,21 @@ def _token_rows(t) -> slice:
     return slice(r.start, r.stop)
 
 
+def _returned(run, buffer: str, rows: slice) -> torch.Tensor:
+    """``[n, K, H]``: the returned rows of choices (t, k) of tokens ``rows``; zeros for
+    choices the capacity dropped."""
+    ret = run.bufs[buffer]
+    ret_nKH = ret[run.route.ret_row_TK[rows].to(ret.device)]
+    if run.route.dropped_TK is not None:
+        ret_nKH = ret_nKH.masked_fill(run.route.dropped_TK[rows].to(ret.device).unsqueeze(-1), 0)
+    return ret_nKH
+
+
 def topk_combine(run, t) -> None:
     """``y_t = sum_k w_tk * y_tk`` in a fixed k order (deterministic)."""
     rows = _token_rows(t)
     y_ret = run.bufs["y_ret"]
-    ret_nKH = y_ret[run.route.ret_row_TK[rows].to(y_ret.device)]
+    ret_nKH = _returned(run, "y_ret", rows)
     w_nK = run.route.weights_TK[rows].to(y_ret.device, y_ret.dtype)
     run.bufs["y_TH"][rows] = (ret_nKH * w_nK.unsqueeze(-1)).sum(dim=1)
 
@@ -191,14 +201,13 @@ def gmm_w1_grad(run, t) -> None:
 
 def sum_combine(run, t) -> None:
     rows = _token_rows(t)
-    dx_ret = run.bufs["dx_ret"]
-    run.bufs["dx_TH"][rows] = dx_ret[run.route.ret_row_TK[rows].to(dx_ret.device)].sum(dim=1)
+    run.bufs["dx_TH"][rows] = _returned(run, "dx_ret", rows).sum(dim=1)
 
 
 def topk_weight_grad(run, t) -> None:
     rows = _token_rows(t)
-    y_ret, dy = run.bufs["y_ret"], run.bufs["dy_TH"]
-    ret_nKH = y_ret[run.route.ret_row_TK[rows].to(y_ret.device)]
+    dy = run.bufs["dy_TH"]
+    ret_nKH = _returned(run, "y_ret", rows)
     run.bufs["dtopk_TK"][rows] = (ret_nKH * dy[rows].unsqueeze(1)).sum(dim=-1)
 
 

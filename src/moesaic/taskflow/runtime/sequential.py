@@ -50,11 +50,13 @@ class StepRouting:
     """Routing-derived offsets of one step on one rank.
 
     Attributes:
-        tokens_E: per global expert, this rank's tokens routed to it, in token order (the rows
+        tokens_E: per expert slot, this rank's tokens routed to it, in token order (the rows
             of the expert's slot on its rank, and of its return slot here).
         weights_E: their combine weights (fp32, detached).
         weights_TK: the combine weights per token and choice (fp32, detached).
         ret_row_TK: row of the return buffer holding the expert output of choice (t, k).
+        dropped_TK: True where the capacity dropped choice (t, k) (it contributes nothing and
+            gets no gradient); None when nothing was dropped.
         send_counts_E: rows this rank sends to each global expert.
         recv_counts_eP: rows this rank receives for local expert j from source rank s.
     """
@@ -63,6 +65,7 @@ class StepRouting:
     weights_E: list[torch.Tensor]
     weights_TK: torch.Tensor
     ret_row_TK: torch.Tensor
+    dropped_TK: torch.Tensor | None
     send_counts_E: list[int]
     recv_counts_eP: list[list[int]]
 
@@ -79,28 +82,30 @@ def step_routing(plan: Plan, routing: RoutingPlan, group: EPGroup) -> StepRoutin
     if routing.counts_E.numel() != E:
         raise ValueError(f"routing has {routing.counts_E.numel()} experts; the plan has {E}")
     placement = routing.placement
-    if not placement.is_contiguous or placement.ep_size != P:
+    if placement.ep_size != P:
         raise ValueError(
-            f"routing places experts over {placement.ep_size} ranks"
-            f"{'' if placement.is_contiguous else ' non-contiguously'}; taskflow plans need the "
-            f"contiguous placement over the bucket's ep_size ({P})"
+            f"routing places experts over {placement.ep_size} ranks; the plan's bucket has "
+            f"ep_size {P}"
         )
-    if not bool(routing.kept_TK.all()):
-        raise ValueError("routing dropped assignments; taskflow plans are dropless (no capacity)")
-    counts = routing.counts_E.cpu()
+    # The plans number experts by dispatch slot (rank r's local expert j is slot r * e + j);
+    # with a non-contiguous placement a global expert id maps to its slot.
+    counts_E = routing.counts_E.cpu()
+    slots = [g for ids in placement.experts_of_rank for g in ids]  # expert of each slot
+    counts = counts_E if placement.is_contiguous else counts_E[slots]
     worst = int(counts.max())
     if worst > S:
         raise ValueError(
             f"routing sends {worst} rows to one expert, more than the bucket's slot_rows ({S}); "
             "compile a plan for a larger bucket (see slot_rows_for)"
         )
-    order_N = routing.order_N.cpu()
+    order_N = routing.order_N.cpu()  # sorted by slot, then token
     token_N, k_N = order_N // K, order_N % K
     weights_N = routing.topk_weights_TK.detach().float().cpu()[token_N, k_N]
     starts = torch.cumsum(counts, 0) - counts
     expert_N = torch.repeat_interleave(torch.arange(E), counts)
-    ret_row_TK = torch.empty(T, K, dtype=torch.long)
+    ret_row_TK = torch.zeros(T, K, dtype=torch.long)  # dropped choices: row 0, masked out
     ret_row_TK[token_N, k_N] = expert_N * S + torch.arange(order_N.numel()) - starts[expert_N]
+    kept_TK = routing.kept_TK.cpu()
     send = counts.view(P, e).clone()
     recv = torch.empty_like(send)
     group.all_to_all_single(recv, send, what="taskflow slot counts")
@@ -109,6 +114,7 @@ def step_routing(plan: Plan, routing: RoutingPlan, group: EPGroup) -> StepRoutin
         weights_E=list(weights_N.split(counts.tolist())),
         weights_TK=routing.topk_weights_TK.detach().float().cpu(),
         ret_row_TK=ret_row_TK,
+        dropped_TK=None if bool(kept_TK.all()) else ~kept_TK,
         send_counts_E=counts.tolist(),
         recv_counts_eP=recv.t().tolist(),
     )
@@ -345,6 +351,7 @@ class ForwardResult:
     y_TH: torch.Tensor
     saved: dict[str, torch.Tensor]
     trace: list[int]
+    route: StepRouting | None = None
 
 
 @dataclass(kw_only=True, slots=True)

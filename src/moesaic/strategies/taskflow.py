@@ -1,0 +1,167 @@
+"""``taskflow``: the MoE-FFN as compiled tile tasks on a concurrent executor (HyperParallel-MoE,
+FlashDMoE).
+
+Shape legend: T tokens on this rank, T' the bucket's tokens (the most of any rank), H hidden,
+F expert hidden, E experts, e local experts, K top-k, P ranks.
+
+Per step the group agrees on a shape bucket (one all-reduce of the largest expert load and token
+count; ``TaskflowRuntime.bucket``), the layer's runtime compiles that bucket's forward and
+backward plans once and runs them on the configured executor (``MoEConfig.taskflow_executor``:
+"static" two-queue workers or "dynamic" scheduler + processors) with one-sided tile puts, only
+valid rows travelling. Autograd: one Function whose forward runs the forward plan and whose
+backward runs the backward plan, returning the gradients of the tokens, of the routing weights
+(the router finishes its backward through autograd) and of this rank's experts.
+
+Any placement (plans number experts by dispatch slot) and capacity drops (a dropped choice
+contributes nothing and gets no gradient) work; a rank with fewer tokens than the bucket pads
+with choices marked dropped, and a rank with none still takes part in every collective and put.
+
+Statistics (the forward): dispatch and combine bytes of the rows that left this rank, and as
+metadata the bucket all-reduce, the plan fingerprint all-gather, the slot-count all-to-all and
+the put headers; each put counts as one collective (one message, one latency).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moesaic.experts import GroupedExperts
+from moesaic.routing import RoutingPlan
+from moesaic.strategies.base import (
+    CommStats,
+    ExpertFn,
+    MoEStrategy,
+    StrategyContext,
+    StrategyOutput,
+)
+from moesaic.taskflow.plan import Plan
+from moesaic.taskflow.runtime.concurrent import TaskflowRuntime
+from moesaic.trace import Recorder
+
+__all__ = ["TaskflowStrategy", "pad_routing"]
+
+
+def pad_routing(plan: RoutingPlan, tokens: int) -> RoutingPlan:
+    """``plan`` extended to ``tokens`` tokens; the added tokens' choices are all dropped."""
+    T, K = plan.topk_ids_TK.shape
+    pad = tokens - T
+    if pad < 0:
+        raise ValueError(f"tokens ({tokens}) must be >= the plan's tokens ({T})")
+    if pad == 0:
+        return plan
+    ids, w, kept = plan.topk_ids_TK, plan.topk_weights_TK, plan.kept_TK
+    return RoutingPlan(
+        topk_ids_TK=torch.cat([ids, ids.new_zeros(pad, K)]),
+        topk_weights_TK=torch.cat([w, w.new_zeros(pad, K)]),
+        kept_TK=torch.cat([kept, kept.new_zeros(pad, K)]),
+        counts_E=plan.counts_E,
+        order_N=plan.order_N,
+        counts_Pe=plan.counts_Pe,
+        placement=plan.placement,
+        capacity=plan.capacity,
+    )
+
+
+class _TaskflowFn(torch.autograd.Function):
+    """y = the forward plan's output; its backward runs the backward plan."""
+
+    @staticmethod
+    def forward(ctx, x_TH, topk_weights_TK, w1, w2, w3, run):
+        strategy, fwd, bwd, routing, box = run
+        out = strategy.runtime.forward(fwd, x_TH, routing, w1, w2, w3)
+        ctx.run, ctx.saved, ctx.weights = (strategy, bwd, routing), out.saved, (w1, w2, w3)
+        box["route"] = out.route  # for the forward's statistics (also without autograd)
+        return out.y_TH
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        strategy, bwd, routing = ctx.run
+        w1, w2, w3 = ctx.weights
+        g = strategy.runtime.backward(bwd, dy_TH, routing, ctx.saved, w1, w2, w3)
+        ctx.saved = None
+        dw3 = g.dw3_eHF.to(w3.dtype) if w3 is not None else None
+        dtopk = g.dtopk_weights_TK.to(routing.topk_weights_TK.dtype)
+        return g.dx_TH, dtopk, g.dw1_eHF.to(w1.dtype), g.dw2_eFH.to(w2.dtype), dw3, None
+
+
+class TaskflowStrategy(MoEStrategy):
+    """Compiled tile plans run by a static or dynamic executor with one-sided puts."""
+
+    name = "taskflow"
+    needs_expert_weights = True
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.config
+        #: Executed tasks per worker lane and the subscriber's puts (``trace.Span``s); off
+        #: until ``recorder.enabled = True``; see ``trace.write_chrome_trace``.
+        self.recorder = Recorder(rank=ctx.group.rank, enabled=False)
+        self.runtime = TaskflowRuntime(
+            ctx.group,
+            executor=cfg.taskflow_executor,
+            tile_m=cfg.taskflow_tile_m,
+            timeout_s=cfg.collective_timeout_s,
+            recorder=self.recorder,
+        )
+
+    def plans(self, plan: RoutingPlan) -> tuple[Plan, Plan] | None:
+        """The step's agreed (forward, backward) plans (a collective), None if no tokens."""
+        cfg = self.ctx.config
+        bucket = self.runtime.bucket(
+            plan, hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size, activation=cfg.activation
+        )
+        return None if bucket is None else self.runtime.plans(bucket)
+
+    def forward(self, x_TH: torch.Tensor, plan: RoutingPlan, experts: ExpertFn) -> StrategyOutput:
+        if not isinstance(experts, GroupedExperts):
+            raise TypeError(
+                "taskflow runs the experts in its own tile tasks and needs the layer's "
+                f"GroupedExperts, got {type(experts).__name__}"
+            )
+        T, H = x_TH.shape
+        before = self.runtime.channel.puts_P[:] if self.runtime.channel else None
+        plans = self.plans(plan)
+        if plans is None:  # no rank has a token: nothing to compute or send
+            return StrategyOutput(y_TH=x_TH.new_zeros(0, H), stats=self._stats(plan, None, None))
+        fwd, bwd = plans
+        tokens = fwd.bucket.tokens
+        x_pad = torch.cat([x_TH, x_TH.new_zeros(tokens - T, H)]) if tokens > T else x_TH
+        routing = pad_routing(plan, tokens)
+        box: dict = {}
+        y = _TaskflowFn.apply(
+            x_pad,
+            routing.topk_weights_TK,
+            experts.w1,
+            experts.w2,
+            experts.w3,
+            (self, fwd, bwd, routing, box),
+        )
+        stats = self._stats(plan, box["route"], before, x_TH.element_size())
+        return StrategyOutput(y_TH=y[:T], stats=stats)
+
+    def _stats(
+        self, plan: RoutingPlan, route, before: list[int] | None, esize: int = 4
+    ) -> CommStats:
+        P, me, row = self.group.size, self.group.rank, self.ctx.config.hidden_size
+        dropped = plan.kept_TK.numel() - plan.order_N.numel()
+        if P == 1:
+            return CommStats(dropped_rows=dropped, peer_bytes_P=(0,))
+        e = self.placement.num_local
+        sent_P = plan.counts_Pe.sum(dim=1).tolist()
+        recv_P = [0] * P
+        if route is not None:
+            recv_P = [sum(route.recv_counts_eP[j][s] for j in range(e)) for s in range(P)]
+        channel = self.runtime.channel
+        assert channel is not None
+        puts_P = [a - b for a, b in zip(channel.puts_P, before or [0] * P)]
+        meta_P = [0 if p == me else 16 + (8 + e * 8 if route is not None else 0) for p in range(P)]
+        meta_P = [m + n * channel.header_bytes for m, n in zip(meta_P, puts_P)]
+        peer = self.peer_bytes(sent_P, recv_P, row * esize)
+        return CommStats(
+            dispatch_bytes=self.off_rank(sent_P) * row * esize,
+            combine_bytes=self.off_rank(recv_P) * row * esize,
+            meta_bytes=sum(meta_P),
+            dropped_rows=dropped,
+            collectives=(3 if route is not None else 1) + sum(puts_P),
+            peer_bytes_P=tuple(a + b for a, b in zip(peer, meta_P)),
+        )
