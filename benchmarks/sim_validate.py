@@ -33,6 +33,7 @@ Each point's error is ``simulated / measured - 1``; the summary is the geometric
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -109,7 +110,8 @@ def flowmoe_points(scale: float | None = None) -> list[dict[str, Any]]:
         r = res[key]
         sp = r["sp_bytes"] or None
         sim = simulate(spec, model, strategy, profile, SimOptions(degree=R, sp_bytes=sp))
-        out.append(_row("flowmoe_cluster.json", spec.name, key, r["step_time_s"]["median"], sim))
+        row = _row("flowmoe_cluster.json", spec.name, key, r["step_time_s"]["median"], sim)
+        out.append({**row, "profile": profile.to_dict(), "model": dataclasses.asdict(model)})
     return out
 
 
@@ -134,7 +136,8 @@ def hybridep_points(name: str, scale: float | None = None) -> list[dict[str, Any
             opts = SimOptions(domain_sizes=tuple(domains) if domains else None)
             sim = simulate(spec, model, strategy, profile, opts)
             label = f"{variant} T={T} F={F}"
-            out.append(_row(name, spec.name, label, point["variants"][variant]["measured_s"], sim))
+            row = _row(name, spec.name, label, point["variants"][variant]["measured_s"], sim)
+            out.append({**row, "profile": profile.to_dict(), "model": dataclasses.asdict(model)})
     return out
 
 

@@ -26,6 +26,7 @@ the result is the pool's dynamic order.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from moesaic.checks import check_positive, check_positive_int
 from moesaic.sim.collectives import LinkModel, all_to_all_shares_s, ring_all_reduce_s
@@ -166,11 +167,31 @@ def _ar_chunks(costs: Costs, done: list[SimTask], chunk_bytes: float) -> list[tu
 
 
 def run_pipelined(
-    costs: Costs, *, degree: int, overlap: bool, chunk_bytes: float | None
+    costs: Costs,
+    *,
+    degree: int,
+    overlap: bool,
+    chunk_bytes: float | None,
+    in_gaps: bool = True,
+    durations: Callable[[SimTask], float] | None = None,
 ) -> tuple[SimGraph, Timeline]:
-    """Builds and simulates a step; ``chunk_bytes`` None: one all-reduce after the backward
-    (vanilla, moe-only); a number: FlowMoE's pool with Sp = ``chunk_bytes``."""
+    """Builds and simulates a step.
+
+    Args:
+        costs: the tasks' durations.
+        degree: R.
+        overlap: FlowMoE's order (True) or moe-only's (False).
+        chunk_bytes: None: one all-reduce after the backward (vanilla, moe-only); a number:
+            Sp-byte all-reduce chunks.
+        in_gaps: the chunks go where the pool puts them (True), or all after the last
+            all-to-all (False: centralized, FlowMoE's ``T*_b``).
+        durations: overrides each compute and all-to-all task's seconds (tests: random times).
+    """
     g, done = build_pipelined(costs, degree=degree, overlap=overlap)
+    if durations is not None:
+        g.lanes = {
+            k: [(t._replace(seconds=durations(t)), w) for t, w in v] for k, v in g.lanes.items()
+        }
     last = g.lanes["compute"][-1][0]
     if chunk_bytes is None:
         total = costs.grad_bytes()
@@ -193,7 +214,7 @@ def run_pipelined(
         tl = _run_lanes(g, lanes)
         if k == len(chunks):
             break
-        pos = _next_gap(tl, a2a, chunks, positions, k)
+        pos = _next_gap(tl, a2a, chunks, positions, k) if in_gaps else None
         if pos is None:  # no gap left: every remaining chunk after the last all-to-all
             positions.extend([len(a2a)] * (len(chunks) - k))
             lanes[NET] = _merge(a2a, chunks, positions)

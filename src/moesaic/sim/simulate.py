@@ -175,7 +175,7 @@ def simulate(
         iteration_s=tl.makespan,
         compute_s=compute,
         comm_s=comm,
-        exposed_comm_s=both - compute,
+        exposed_comm_s=min(max(both - compute, 0.0), comm),
         wall_s=time.perf_counter() - t0,
         spans=spans,
         details=details,

@@ -1,0 +1,171 @@
+"""The simulated pipelined schedules: the same task order and dependencies as the runtime's
+``BlockPipeline``, FlowMoE's Theorem 1 (all-reduce chunks in the gaps never lengthen the
+backward) as a property over random task durations, and Theorem 2's trend (with no start-up
+cost a smaller Sp is never slower)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.models import MoEGPT, MoEGPTConfig
+from moesaic.schedule.pipeline import BlockPipeline
+from moesaic.sim.collectives import LinkModel
+from moesaic.sim.graph import SimTask
+from moesaic.sim.model import ModelSpec
+from moesaic.sim.pipelined import NET, Costs, build_pipelined, run_pipelined
+from moesaic.sim.profile import Profile
+
+L, T = 2, 8
+
+
+class _Log:
+    """A fake pool (all-to-all = copy) and recorder: one sequence of issues, waits, tasks."""
+
+    def __init__(self):
+        self.events = []
+
+    def _tag(self, name, args):
+        return f"{args['phase']}:{name}"
+
+    def all_to_all(self, output, input, output_splits, input_splits, *, group, name, **args):
+        tag = self._tag(name, args)
+        self.events.append((">", tag))
+        output.copy_(input)
+        events = self.events
+
+        class Pending:
+            def wait(self):
+                events.append(("<", tag))
+                return output
+
+        return Pending()
+
+    def end_all_to_alls(self):
+        pass
+
+    @contextlib.contextmanager
+    def span(self, resource, name, **args):
+        self.events.append(("run", self._tag(name, args)))
+        yield
+
+
+def _runtime_log(R: int, overlap: bool) -> list[tuple[str, str]]:
+    cfg = MoEGPTConfig.from_dict(
+        {"d_model": 32, "n_layers": L, "n_heads": 2, "seq_len": T,
+         "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}}
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = MoEGPT(cfg)
+    x_BT = torch.randint(0, 256, (R, T + 1), generator=torch.Generator().manual_seed(0))
+    log = _Log()
+    pipe = BlockPipeline(model, degree=R, overlap_attention=overlap, recorder=log)
+    loss = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())  # noqa: E731
+    pipe.run(x_BT[:, :-1], x_BT[:, 1:], loss, log)
+    return log.events
+
+
+def _costs(R: int, world: int = 2, latency_ms: float = 1.0, flops: float = 1e9) -> Costs:
+    spec = ClusterSpec(levels=(Level(name="n", size=world, bandwidth_gbps=0.1,
+                                     latency_ms=latency_ms),))  # fmt: skip
+    model = ModelSpec(layers=L, batch=4, seq_len=T, hidden=32, ffn_hidden=32, experts=4, top_k=2)
+    return Costs(model, LinkModel(spec=spec), Profile(flops_per_s=flops), R)
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("overlap", [True, False], ids=["flowmoe", "moe-only"])
+def test_order_and_dependencies_equal_the_runtime(R, overlap):
+    """The simulated compute lane runs the runtime's compute tasks in its order; the network
+    lane issues its all-to-alls in its order; each compute task waits for the last all-to-all
+    the runtime waited for before it, and each all-to-all for the compute task issued before it."""
+    events = _runtime_log(R, overlap)
+    g, _ = build_pipelined(_costs(R), degree=R, overlap=overlap)
+    compute = [t.key for t, _ in g.lanes["compute"]]
+    assert compute == [tag for kind, tag in events if kind == "run"]
+    assert [t.key for t, _ in g.lanes[NET]] == [tag for kind, tag in events if kind == ">"]
+    waits = {t.key: w for lane in g.lanes.values() for t, w in lane}
+    last_wait, last_run = None, None
+    for kind, tag in events:
+        if kind == "<":
+            last_wait = tag
+        elif kind == "run":
+            if waits[tag] is not None:  # the sim waits for nothing the runtime did not
+                assert waits[tag] == last_wait, tag
+            last_run = tag
+        else:  # an issue
+            assert waits[tag] == last_run, tag
+
+
+def _random_durations(seed: int):
+    rng = random.Random(seed)
+    memo: dict[str, float] = {}
+
+    def durations(task: SimTask) -> float:
+        if task.key not in memo:
+            memo[task.key] = rng.uniform(0.1, 10.0) * (0.2 if task.resource == "compute" else 1)
+        return memo[task.key]
+
+    return durations
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), R=st.sampled_from([1, 2, 4]))
+def test_theorem_1_chunks_in_gaps_never_lengthen_the_backward(seed, R):
+    """FlowMoE's order with one all-reduce per block (Sp = a block's gradients), placed by the
+    pool's rule, ends no later than the same all-reduces run after the backward (T_b <= T*_b),
+    whatever the durations of the compute and all-to-all tasks."""
+    c = _costs(R)
+    durations = _random_durations(seed)
+    sp = c.block_grad_bytes
+    kw = dict(degree=R, overlap=True, chunk_bytes=sp, durations=durations)
+    _, in_gaps = run_pipelined(c, in_gaps=True, **kw)
+    _, central = run_pipelined(c, in_gaps=False, **kw)
+    assert in_gaps.makespan <= central.makespan + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_theorem_2_smaller_sp_is_never_slower_without_startup_cost(seed, R):
+    """No latency, no floor: halving Sp (G, G/2, ..., G/64) never lengthens the iteration."""
+    c = _costs(R, latency_ms=0.0)
+    durations = _random_durations(seed)
+    G = c.grad_bytes()
+    times = [
+        run_pipelined(c, degree=R, overlap=True, chunk_bytes=G / 2**k, durations=durations)[
+            1
+        ].makespan
+        for k in range(7)
+    ]
+    for big, small in itertools.pairwise(times):
+        assert small <= big + 1e-9, times
+
+
+def test_chunks_fill_gaps():
+    """Not vacuous: with the model's own durations the pool puts chunks between all-to-alls
+    and the step is strictly shorter than with the all-reduces after the backward."""
+    c = _costs(2, latency_ms=2.0, flops=1e8)  # the network idles between all-to-alls
+    kw = dict(degree=2, overlap=True, chunk_bytes=c.grad_bytes() / 8)
+    g, in_gaps = run_pipelined(c, in_gaps=True, **kw)
+    _, central = run_pipelined(c, in_gaps=False, **kw)
+    net = [t.name for t, _ in g.lanes[NET]]
+    last_a2a = max(i for i, n in enumerate(net) if not n.startswith("AR"))
+    assert any(n.startswith("AR") for n in net[:last_a2a])
+    assert in_gaps.makespan < central.makespan
+
+
+def test_startup_cost_makes_tiny_chunks_slower():
+    """With a latency per collective, many tiny chunks cost more than a few (the reason Sp is
+    tuned): the trade-off of Theorem 2's premise."""
+    c = _costs(2, latency_ms=5.0)
+    G = c.grad_bytes()
+    t = {k: run_pipelined(c, degree=2, overlap=True, chunk_bytes=G / k)[1].makespan
+         for k in (1, 256)}  # fmt: skip
+    assert t[256] > t[1]

@@ -1,0 +1,205 @@
+"""``moesaic.sim.simulate`` and the CLI: HybridEP's domain choice as ``plan_step``'s, the
+committed validation table reproduced by ``moesaic simulate``, deterministic output, the JSON
+fields, outputs, and clear errors naming the field for bad files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moesaic.cli import main
+from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.placement.stepmodel import plan_step
+from moesaic.sim.collectives import LinkModel
+from moesaic.sim.hybrid import moe_config, plan_domains_fast
+from moesaic.sim.model import ModelSpec
+from moesaic.sim.profile import Profile
+from moesaic.sim.simulate import STRATEGIES, SimOptions, simulate
+
+ROOT = Path(__file__).resolve().parents[2]
+FLOWMOE_CLUSTER = str(ROOT / "examples/clusters/flowmoe_2rank.toml")
+FLOWMOE_MODEL = str(ROOT / "examples/models/flowmoe_small.toml")
+FIELDS = ("iteration_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "bound_ms", "ranks", "wall_s")
+
+
+def _cli_json(capsys, *args: str):
+    assert main(["simulate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("levels", "T", "F", "flops"),
+    [
+        (((2, 0.1, 2.0),), 2048, 128, 1e11),  # big traffic, small experts: gather
+        (((2, 0.1, 2.0),), 256, 1024, 1e11),  # wide experts: classic EP
+        (((2, 0.1, 2.0), (2, 1.0, 0.1)), 1024, 128, 3e10),
+        (((4, 0.25, 2.0),), 512, 256, 9e10),
+        (((2, 0.05, 5.0), (4, 10.0, 0.05)), 4096, 64, 1e12),
+    ],
+)
+def test_hybrid_domains_are_plan_steps(levels, T, F, flops):
+    spec = ClusterSpec(levels=tuple(Level(name=f"l{i}", size=s, bandwidth_gbps=b, latency_ms=a)
+                                    for i, (s, b, a) in enumerate(levels)))  # fmt: skip
+    model = ModelSpec(layers=2, batch=T // 256 or 1, seq_len=min(T, 256), hidden=256,
+                      ffn_hidden=F, experts=8, top_k=2)  # fmt: skip
+    chosen, _ = plan_domains_fast(LinkModel(spec=spec), model, flops)
+    ref = plan_step(spec, moe_config(model), tokens_per_rank=model.tokens, flops_per_s=flops,
+                    blocks=2, seq_len=model.seq_len)  # fmt: skip
+    assert chosen.domain_sizes == ref.chosen.domain_sizes
+    assert 2 * chosen.step_s == pytest.approx(ref.chosen.step_s)
+
+
+def test_committed_validation_table_is_what_simulate_predicts(capsys, tmp_path):
+    """Every FlowMoE row of benchmarks/results/sim_validation.json, re-simulated by
+    ``moesaic simulate`` with the row's profile, gives the committed prediction; so does every
+    HybridEP row through ``simulate``."""
+    table = json.loads((ROOT / "benchmarks/results/sim_validation.json").read_text())
+    rows = table["rows"]
+    assert {r["source"] for r in rows} >= {"flowmoe_cluster.json", "hybridep_2dc.json"}
+    for i, row in enumerate(rows):
+        if row["source"] == "flowmoe_cluster.json":
+            prof = tmp_path / f"p{i}.json"
+            Profile.from_dict(row["profile"]).save(prof)
+            args = ["--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL, "--profile",
+                    str(prof), "--strategy", row["strategy"], "--degree", str(row["degree"])]  # fmt: skip
+            if "sp_bytes" in row:
+                args += ["--sp-bytes", repr(row["sp_bytes"])]
+            got = _cli_json(capsys, *args)["iteration_ms"]
+        else:
+            name = row["source"].removesuffix(".json")
+            spec = ClusterSpec.from_toml(ROOT / f"examples/clusters/{name}.toml")
+            opts = SimOptions(domain_sizes=tuple(row["domain_sizes"]))
+            sim = simulate(spec, ModelSpec(**row["model"]), row["strategy"],
+                           Profile.from_dict(row["profile"]), opts)  # fmt: skip
+            got = sim.iteration_s * 1e3
+        assert got == pytest.approx(row["simulated_ms"], rel=1e-9), row["point"]
+
+
+def test_deterministic_output(capsys, tmp_path):
+    """Two runs: the same summary (but the wall time) and the same trace, byte for byte."""
+    outs = []
+    for k in range(2):
+        trace = tmp_path / f"t{k}.json"
+        rows = _cli_json(capsys, "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
+                         "--strategy", "all", "--trace", str(trace))  # fmt: skip
+        outs.append(([{k: v for k, v in r.items() if k != "wall_s"} for r in rows],
+                     trace.read_bytes()))  # fmt: skip
+    assert outs[0] == outs[1]
+
+
+def test_json_fields_and_one_row_per_strategy(capsys):
+    rows = _cli_json(capsys, "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
+                     "--strategy", "all")  # fmt: skip
+    assert [r["strategy"] for r in rows] == list(STRATEGIES)
+    for r in rows:
+        assert all(f in r for f in FIELDS)
+        assert r["ranks"] == 2
+        # the iteration is at least the perfect-overlap bound and at most compute + comm
+        assert r["bound_ms"] <= r["iteration_ms"] + 1e-9
+        assert r["iteration_ms"] <= r["compute_ms"] + r["comm_ms"] + 1e-9
+        assert 0 <= r["exposed_comm_ms"] <= r["comm_ms"] + 1e-9
+    one = _cli_json(capsys, "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
+                    "--strategy", "flowmoe")  # fmt: skip
+    assert isinstance(one, dict) and one["strategy"] == "flowmoe"
+    by = {r["strategy"]: r for r in rows}
+    assert by["flowmoe"]["iteration_ms"] < by["vanilla"]["iteration_ms"]
+
+
+def test_trace_png_and_layer_csv(capsys, tmp_path):
+    trace, png, csv = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "l.csv"
+    main(["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL, "--strategy",
+          "flowmoe", "--trace", str(trace), "--png", str(png), "--csv", str(csv)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "flowmoe" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {"AT1.1", "D1.1", "E1.1", "C1.1", "head1", "AR1", "optimizer"} <= names
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    lines = csv.read_text().splitlines()
+    assert lines[0] == "block,phase,compute_ms,comm_ms,tasks"
+    assert any(line.startswith("4,bwd,") for line in lines)
+
+
+def test_skew_slows_the_busiest_rank():
+    spec = ClusterSpec.from_toml(FLOWMOE_CLUSTER)
+    base = ModelSpec.from_toml(FLOWMOE_MODEL)
+    prof = Profile(flops_per_s=1e11)
+    flat = simulate(spec, base, "vanilla", prof).iteration_s
+    import dataclasses
+
+    skewed = dataclasses.replace(base, routing_skew=1.5)
+    assert simulate(spec, skewed, "vanilla", prof).iteration_s > flat
+    capped = dataclasses.replace(skewed, capacity_factor=1.0)
+    assert simulate(spec, capped, "vanilla", prof).iteration_s < flat
+
+
+BAD_MODELS = [
+    ("[model]\nlayers = 2\n", "missing field"),
+    ("[model]\nlayers = 0\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
+     "top_k = 1\n", "model.layers"),
+    ("[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
+     "top_k = 3\n", "model.top_k"),
+    ("[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
+     "top_k = 1\nroutng_skew = 1\n", "routng_skew"),
+    ("[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
+     "top_k = 1\nactivation = 'relu'\n", "model.activation"),
+    ("[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 3\n"
+     "top_k = 1\n", "model.experts"),  # 3 experts on 2 ranks
+    ("layers = [\n", "not valid TOML"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "field"), BAD_MODELS)
+def test_bad_model_file_names_the_field(capsys, tmp_path, text, field):
+    path = tmp_path / "m.toml"
+    path.write_text(text)
+    assert main(["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert field in err and "error" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("[[levels]]\nname = 'a'\nsize = 2\nbandwidth_gbps = -1\nlatency_ms = 1\n",
+         "levels[0].bandwidth_gbps"),
+        ("[[levels]]\nname = 'a'\nsize = 2\nlatency_ms = 1\n", "missing field"),
+        ("levels = []\n", "levels"),
+    ],
+)  # fmt: skip
+def test_bad_cluster_file_names_the_field(capsys, tmp_path, text, field):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert main(["simulate", "--cluster", str(path), "--model", FLOWMOE_MODEL]) == 2
+    err = capsys.readouterr().err
+    assert "--cluster" in err and field in err
+
+
+def test_bad_options_are_clear_errors(capsys):
+    common = ["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL]
+    assert main([*common, "--strategy", "nope"]) == 2
+    assert "strategy" in capsys.readouterr().err
+    assert main([*common, "--degree", "3"]) == 2  # 3 does not divide the batch of 8
+    assert "degree" in capsys.readouterr().err
+    assert main([*common, "--strategy", "hybrid", "--domains", "3"]) == 2
+    assert "domain_sizes" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_profile(capsys, tmp_path):
+    out = tmp_path / "p.json"
+    check = ROOT / "benchmarks/results/cluster_check.json"
+    assert main(["calibrate", "--out", str(out), "--size", "64", "--links", str(check)]) == 0
+    assert json.loads(capsys.readouterr().out)["source"].startswith("measured")
+    prof = Profile.load(out)
+    assert prof.flops_per_s > 1e6 and prof.task_overhead_s > 0
+    assert 0 < prof.floor_s < 1e-2 and 0.5 < prof.bandwidth_scale <= 1.5
+    rows = _cli_json(capsys, "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
+                     "--profile", str(out), "--strategy", "vanilla")  # fmt: skip
+    assert rows["iteration_ms"] > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"flops_per_s": -1}')
+    assert main(["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
+                 "--profile", str(bad)]) == 2  # fmt: skip
+    assert "profile.flops_per_s" in capsys.readouterr().err
