@@ -57,12 +57,14 @@ from moesaic.taskflow.microbench import (
     swiglu_add_schedule,
 )
 from moesaic.taskflow.plan import Schedule, TaskGraph
+from moesaic.taskflow.runtime.executors import make_counters
 from moesaic.taskflow.tasks import TaskDescriptor
 from moesaic.trace import Recorder, write_chrome_trace
 
 OUT = Path(__file__).parent / "results" / "taskflow_sched.json"
 Launch = Callable[[TaskDescriptor], None]
-EXECUTOR_RUNS = (("static", 1), ("dynamic", 1), ("dynamic", 2))  # (executor, processors)
+# (executor, processors); "static_fast" is the prototype below, not a library executor
+EXECUTOR_RUNS = (("static", 1), ("static_fast", 1), ("dynamic", 1), ("dynamic", 2))
 
 
 def machine_facts() -> dict:
@@ -130,6 +132,63 @@ def _stats(xs: list[float], scale: float = 1.0) -> dict:
     return {"median": statistics.median(xs) * scale, "min": min(xs) * scale, "max": max(xs) * scale}
 
 
+RATIOS = (("static", "dynamic_p1"), ("static", "dynamic_p2"), ("static_fast", "dynamic_p1"))
+
+
+def static_fast_prototype(graph: TaskGraph, schedule: Schedule, launch: Launch) -> None:
+    """PROTOTYPE, measured beside ``run_static`` to show what its per-task cost could be: the
+    same loop (one thread per queue, compiled order), but the wait is skipped when the event
+    is already complete (a read of the count list; atomic under the GIL) and the bump is one
+    locked increment plus ``notify_all``, without re-validating event ids and thresholds that
+    the plan's validation already checked. Reads ``EventCounters`` internals (``_counts``,
+    ``_cond``): a benchmark-only sketch of a fast path, without ``run_static``'s error path."""
+    counters = make_counters(graph, 0)
+    counts, cond, tasks = counters._counts, counters._cond, graph.tasks
+    thresholds = [ev.threshold for ev in graph.events]
+
+    def work(uids: tuple[int, ...]) -> None:
+        for uid in uids:
+            t = tasks[uid]
+            ev = t.dependent_event
+            if ev >= 0 and counts[ev] < thresholds[ev]:
+                counters.wait(ev, thresholds[ev], 60.0)
+            launch(t)
+            for ref in t.trigger_events:
+                with cond:
+                    counts[ref.event] += 1
+                    cond.notify_all()
+
+    threads = [threading.Thread(target=work, args=(q,)) for _, q in schedule.queues[1:]]
+    for th in threads:
+        th.start()
+    work(schedule.queues[0][1])
+    for th in threads:
+        th.join()
+
+
+def run_executor(ex: str, p: int, graph: TaskGraph, sched: Schedule, launch: Launch) -> None:
+    if ex == "static_fast":
+        static_fast_prototype(graph, sched, launch)
+    else:
+        run_graph(ex, graph, sched, launch, processors=p)
+
+
+def _name(ex: str, p: int) -> str:
+    return f"{ex}_p{p}" if ex == "dynamic" else ex
+
+
+def _print_overhead(what: str, row: dict) -> None:
+    us = {k: row[k]["overhead_us"]["median"] for k in ("static", "static_fast", "dynamic_p1",
+                                                         "dynamic_p2")}  # fmt: skip
+    print(
+        f"a) {what}: us/task static {us['static']:.2f} (fast {us['static_fast']:.2f}), dynamic "
+        f"p1 {us['dynamic_p1']:.2f}, p2 {us['dynamic_p2']:.2f}; static/dynamic_p1 "
+        f"{row['static_over_dynamic_p1']['median']:.3f}, fast/dynamic_p1 "
+        f"{row['static_fast_over_dynamic_p1']['median']:.3f}",
+        flush=True,
+    )
+
+
 def overhead_point(size: int, tasks: int, rounds: int) -> dict:
     """Part a at one task size (0: no-op launch): every executor run alternating per round."""
     shape = SwigluAddShape(
@@ -145,10 +204,10 @@ def overhead_point(size: int, tasks: int, rounds: int) -> dict:
             ex, p = EXECUTOR_RUNS[(j + k) % len(EXECUTOR_RUNS)]
             launch = TimedLaunch(real) if size else real
             gc.collect()
-            wall = _timed(functools.partial(run_graph, ex, graph, sched, launch, processors=p))
+            wall = _timed(functools.partial(run_executor, ex, p, graph, sched, launch))
             inside = sum(launch.times) if isinstance(launch, TimedLaunch) else 0.0
             if k:
-                d = per.setdefault(f"{ex}_p{p}" if ex == "dynamic" else ex, {})
+                d = per.setdefault(_name(ex, p), {})
                 d.setdefault("wall", []).append(wall)
                 d.setdefault("launch", []).append(inside)
                 d.setdefault("overhead", []).append((wall - inside) / n)
@@ -159,17 +218,10 @@ def overhead_point(size: int, tasks: int, rounds: int) -> dict:
             "launch_us_per_task": statistics.median(d["launch"]) / n * 1e6,
             "wall_ms": _stats(d["wall"], 1e3),
         }
-    for dyn in ("dynamic_p1", "dynamic_p2"):
-        ratios = [s / d for s, d in zip(per["static"]["overhead"], per[dyn]["overhead"])]
-        row[f"static_over_{dyn}"] = _stats(ratios)
-    print(
-        f"a) {row['rows_per_task']!s:>5} rows/task: overhead us/task static "
-        f"{row['static']['overhead_us']['median']:.2f}, dynamic p1 "
-        f"{row['dynamic_p1']['overhead_us']['median']:.2f}, p2 "
-        f"{row['dynamic_p2']['overhead_us']['median']:.2f}; static/dynamic_p1 "
-        f"{row['static_over_dynamic_p1']['median']:.3f}",
-        flush=True,
-    )
+    for st, dyn in RATIOS:
+        ratios = [s / d for s, d in zip(per[st]["overhead"], per[dyn]["overhead"])]
+        row[f"{st}_over_{dyn}"] = _stats(ratios)
+    _print_overhead(f"{row['rows_per_task']!s:>5} rows/task", row)
     return row
 
 
@@ -193,21 +245,15 @@ def chain_point(tasks: int, rounds: int) -> dict:
         for j in range(len(EXECUTOR_RUNS)):
             ex, p = EXECUTOR_RUNS[(j + k) % len(EXECUTOR_RUNS)]
             gc.collect()
-            wall = _timed(functools.partial(run_graph, ex, graph, sched, noop_launch, processors=p))
+            wall = _timed(functools.partial(run_executor, ex, p, graph, sched, noop_launch))
             if k:
-                per.setdefault(f"{ex}_p{p}" if ex == "dynamic" else ex, []).append(wall / tasks)
+                per.setdefault(_name(ex, p), []).append(wall / tasks)
     row: dict = {"graph": "chain", "rows_per_task": "no-op", "tasks": tasks}
     for name, xs in per.items():
         row[name] = {"overhead_us": _stats(xs, 1e6)}
-    for dyn in ("dynamic_p1", "dynamic_p2"):
-        row[f"static_over_{dyn}"] = _stats([s / d for s, d in zip(per["static"], per[dyn])])
-    print(
-        f"a) chain no-op: us/task static {row['static']['overhead_us']['median']:.2f}, dynamic "
-        f"p1 {row['dynamic_p1']['overhead_us']['median']:.2f}, p2 "
-        f"{row['dynamic_p2']['overhead_us']['median']:.2f}; static/dynamic_p1 "
-        f"{row['static_over_dynamic_p1']['median']:.3f}",
-        flush=True,
-    )
+    for st, dyn in RATIOS:
+        row[f"{st}_over_{dyn}"] = _stats([s / d for s, d in zip(per[st], per[dyn])])
+    _print_overhead("chain no-op", row)
     return row
 
 
@@ -350,7 +396,7 @@ def write_trace(path: str, rows: int, tile_m: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tasks", type=int, default=2000, help="tasks per graph in part a")
     ap.add_argument("--tile-m", type=int, default=32, help="rows per tile in part b")
     ap.add_argument("--max-rows", type=int, default=65536)
@@ -374,6 +420,7 @@ def main() -> None:
             "tasks_part_a": tasks,
             "tile_m_part_b": args.tile_m,
             "rows_part_b": rows_list,
+            "tile_sweep_rows": 32768,
             "dtype": "float32",
             "h_in_out_part_b": [4096, 2048],
             "llc_bytes": llc,
@@ -393,6 +440,10 @@ def main() -> None:
     }
     for m in rows_list:  # one M at a time, so only one set of buffers is alive
         result["swiglu_add"].append(swiglu_add_point(m, args.tile_m, rounds, llc))
+        gc.collect()
+    result["tile_sweep"] = []
+    for tile_m in () if args.quick else (8, 128, 512):  # tile height at M = 32K
+        result["tile_sweep"].append(swiglu_add_point(32768, tile_m, rounds, llc))
         gc.collect()
     if args.trace:
         result["trace"] = write_trace(args.trace, 2048, args.tile_m)

@@ -19,7 +19,8 @@ Both are vector tasks in the paper, so a schedule has the two-queue shape with a
 The dynamic executor reads a schedule only for its set of tasks and runs tasks in the order
 they become ready; :func:`order_distance` measures what order an executor actually produced.
 ``make_launch`` runs the real torch ops on tile views of preallocated buffers; ``run_untiled``
-is the two whole-tensor ops the tiles are compared with.
+is the two whole-tensor ops the tiles are compared with. :func:`chain_graph` is the other
+extreme for scheduling overhead: a chain in which no two tasks are ever ready together.
 
 The graph and schedule builders are torch-free; torch is imported by the functions that need it.
 """
@@ -41,20 +42,10 @@ if TYPE_CHECKING:
     from moesaic.trace import Recorder
 
 __all__ = [
-    "ORDERS",
-    "SwigluAddBuffers",
-    "SwigluAddShape",
-    "chain_graph",
-    "make_buffers",
-    "make_launch",
-    "noop_launch",
-    "order_distance",
-    "reference",
-    "run_graph",
-    "run_untiled",
-    "swiglu_add_graph",
+    "ORDERS", "SwigluAddBuffers", "SwigluAddShape", "chain_graph", "make_buffers", "make_launch",
+    "noop_launch", "order_distance", "reference", "run_graph", "run_untiled", "swiglu_add_graph",
     "swiglu_add_schedule",
-]
+]  # fmt: skip
 
 ORDERS = ("serial", "interleaved")
 SWIGLU, ADD = "swiglu", "add"
