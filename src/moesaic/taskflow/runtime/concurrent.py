@@ -169,6 +169,7 @@ class TaskflowRuntime:
         self.channel = PutChannel(group, timeout_s) if group.size > 1 else None
         self._plans: dict[ShapeBucket, tuple[Plan, Plan]] = {}
         self._windows: dict[tuple[ShapeBucket, str, torch.dtype, str], _Window] = {}
+        self._scratch: dict[tuple, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     # -- buckets and plans ------------------------------------------------------------------------
@@ -210,6 +211,14 @@ class TaskflowRuntime:
                 self._windows[key] = _window(plan, dtype, device)
             return self._windows[key]
 
+    def scratch(self, plan: Plan, spec, ref: torch.Tensor) -> torch.Tensor:
+        """A work buffer of ``plan`` that no step keeps: allocated once per bucket."""
+        key = (plan.bucket, spec.name, ref.dtype, str(ref.device))
+        with self._lock:
+            if key not in self._scratch:
+                self._scratch[key] = ref.new_empty(spec.rows, spec.cols)
+            return self._scratch[key]
+
     def window_bytes(self) -> int:
         """Bytes of every receive window allocated so far."""
         return sum(w.data.numel() * w.data.element_size() for w in self._windows.values())
@@ -221,9 +230,15 @@ class TaskflowRuntime:
         window = self.window(plan, ref.dtype, ref.device)
 
         def work(spec):
+            # Every valid row is written before it is read and padding rows are never read,
+            # so nothing needs zeroing. Receive buffers live in the window, scratch that is
+            # neither saved nor returned is kept per bucket (no page faults per step), the
+            # rest (saved activations, outputs) is fresh.
             if spec.name in RECEIVE_BUFFERS:
                 return window.view(spec.name)
-            return ref.new_zeros(spec.rows, spec.cols)
+            if spec.kind == "work" and spec.name not in SAVED:
+                return self.scratch(plan, spec, ref)
+            return ref.new_empty(spec.rows, spec.cols)
 
         bufs = make_buffers(plan, inputs, ref, work)
         route: StepRouting = step_routing(plan, routing, group)  # also the step fence

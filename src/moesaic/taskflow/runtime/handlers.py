@@ -43,10 +43,14 @@ def _w(run, name: str) -> torch.Tensor:
 
 
 def _w_up(run, j: int) -> torch.Tensor:
-    """``[w1 | w3]`` of local expert j ([H, A]); just w1 for GELU."""
-    if "w3" in run.bufs:
-        return torch.cat([_w(run, "w1")[j], _w(run, "w3")[j]], dim=1)
-    return _w(run, "w1")[j]
+    """``[w1 | w3]`` of local expert j ([H, A]); just w1 for GELU. Concatenated once per step
+    (``run.memo``), not once per tile."""
+    if "w3" not in run.bufs:
+        return _w(run, "w1")[j]
+    up = run.memo.get("w_up")
+    if up is None:  # two threads may both build it: same values, one wins
+        up = run.memo["w_up"] = torch.cat([_w(run, "w1"), _w(run, "w3")], dim=2)
+    return up[j]
 
 
 def _row_tiles(run, t):
@@ -55,16 +59,26 @@ def _row_tiles(run, t):
         yield seg.start, seg.stop, seg.slot // run.P
 
 
-def _expert_rows(run, t, buffer: str) -> list[tuple[int, torch.Tensor]]:
-    """(local expert, valid row indices) of a weight-gradient task, over all source slots."""
+def _expert_segments(run, t, buffer: str) -> list[tuple[int, list[Segment]]]:
+    """(local expert, valid row segments over all its source slots) of a weight-gradient task."""
     ES = run.P * run.S
     js = [t.expert - run.me * run.e] if t.expert >= 0 else range(run.e)
-    out = []
-    for j in js:
-        segs = run.segments(Region(buffer=buffer, rank=run.me, start=j * ES, stop=(j + 1) * ES))
-        idx = [torch.arange(s.start, s.stop) for s in segs]
-        out.append((j, torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)))
-    return out
+    return [
+        (j, run.segments(Region(buffer=buffer, rank=run.me, start=j * ES, stop=(j + 1) * ES)))
+        for j in js
+    ]
+
+
+def _weight_grad(a_MX: torch.Tensor, b_MY: torch.Tensor, segs: list[Segment], out_XY) -> None:
+    """``out = sum over segments of a[seg]^T b[seg]`` (zeros without a valid row), summed slot
+    by slot in a fixed order: no gather of the rows into a copy."""
+    if not segs:
+        out_XY.zero_()
+        return
+    first, *rest = segs
+    torch.mm(a_MX[first.start : first.stop].t(), b_MY[first.start : first.stop], out=out_XY)
+    for s in rest:
+        out_XY.addmm_(a_MX[s.start : s.stop].t(), b_MY[s.start : s.stop])
 
 
 def _put_tokens(run, t, *, grad: bool) -> None:
@@ -102,7 +116,7 @@ def put_combine(run, t) -> None:
 def gmm_gate_up(run, t) -> None:
     x, h = run.bufs["x_recv"], run.bufs["h"]
     for a, z, j in _row_tiles(run, t):
-        h[a:z] = x[a:z] @ _w_up(run, j)
+        torch.mm(x[a:z], _w_up(run, j), out=h[a:z])
 
 
 def swiglu(run, t) -> None:
@@ -120,7 +134,7 @@ def gelu(run, t) -> None:
 def gmm_down(run, t) -> None:
     act, y, w2 = run.bufs["a"], run.bufs["y_rows"], _w(run, "w2")
     for a, z, j in _row_tiles(run, t):
-        y[a:z] = act[a:z] @ w2[j]
+        torch.mm(act[a:z], w2[j], out=y[a:z])
 
 
 def _token_rows(t) -> slice:
@@ -150,13 +164,13 @@ def topk_combine(run, t) -> None:
 def gmm_act_grad(run, t) -> None:
     g, da, w2 = run.bufs["g_recv"], run.bufs["da"], _w(run, "w2")
     for a, z, j in _row_tiles(run, t):
-        da[a:z] = g[a:z] @ w2[j].t()
+        torch.mm(g[a:z], w2[j].t(), out=da[a:z])
 
 
 def gmm_w2_grad(run, t) -> None:
     act, g, dw2 = run.bufs["a"], run.bufs["g_recv"], _w(run, "dw2")
-    for j, idx in _expert_rows(run, t, "a"):
-        dw2[j] = act[idx].t() @ g[idx]
+    for j, segs in _expert_segments(run, t, "a"):
+        _weight_grad(act, g, segs, dw2[j])
 
 
 def _dsilu(x: torch.Tensor) -> torch.Tensor:
@@ -185,18 +199,21 @@ def gelu_grad(run, t) -> None:
 def gmm_gate_grad(run, t) -> None:
     dh, dx = run.bufs["dh"], run.bufs["dx_rows"]
     for a, z, j in _row_tiles(run, t):
-        dx[a:z] = dh[a:z] @ _w_up(run, j).t()
+        torch.mm(dh[a:z], _w_up(run, j).t(), out=dx[a:z])
 
 
 def gmm_w1_grad(run, t) -> None:
     x, dh, Fh = run.bufs["x_recv"], run.bufs["dh"], run.plan.bucket.ffn
     dw1 = _w(run, "dw1")
     dw3 = _w(run, "dw3") if "dw3" in run.bufs else None
-    for j, idx in _expert_rows(run, t, "x_recv"):
-        dw = x[idx].t() @ dh[idx]
+    for j, segs in _expert_segments(run, t, "x_recv"):
+        if dw3 is None:
+            _weight_grad(x, dh, segs, dw1[j])
+            continue
+        dw = x.new_empty(x.shape[1], dh.shape[1])
+        _weight_grad(x, dh, segs, dw)
         dw1[j] = dw[:, :Fh]
-        if dw3 is not None:
-            dw3[j] = dw[:, Fh:]
+        dw3[j] = dw[:, Fh:]
 
 
 def sum_combine(run, t) -> None:

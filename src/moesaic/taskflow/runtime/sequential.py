@@ -146,6 +146,7 @@ class StepRows:
 
     def __init__(self, plan: Plan, bufs: dict[str, torch.Tensor], route: StepRouting) -> None:
         self.plan, self.bufs, self.route = plan, bufs, route
+        self.memo: dict[str, torch.Tensor] = {}  # per-step values handlers derive once
         b = plan.bucket
         self.P, self.e, self.S, self.me = b.ep_size, b.local_experts, b.slot_rows, plan.rank
 
