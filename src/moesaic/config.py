@@ -38,8 +38,10 @@ class MoEConfig:
         aux_loss_coef: weight of the GShard/Switch load-balancing loss.
         z_loss_coef: weight of the router z-loss (ST-MoE).
         dispatcher: the execution strategy, a name of ``moesaic.strategies.strategy_names()``:
-            "dropless" (all-to-all-v of routed tokens only) or "padded" (capacity all-to-all
-            with zero padding, the GShard/DeepSpeed baseline) built in.
+            "dropless" (all-to-all-v of routed tokens only), "padded" (capacity all-to-all
+            with zero padding, the GShard/DeepSpeed baseline), "hybrid" (HybridEP: experts
+            move inside domains) and "taskflow" (compiled tile plans on a concurrent executor
+            with one-sided puts) built in.
         collective_timeout_s: every collective the layer issues fails with a clear error after
             this many seconds instead of hanging.
         init_std: std of the normal init of the router; experts use 1/sqrt(fan_in). None: 0.02.
