@@ -7,8 +7,8 @@ Usage::
 No new measurement: the measured side is the committed results of ``flowmoe_cluster.py``
 (``flowmoe_cluster.json``: vanilla, moe-only R = 1, 2, 4, flowmoe R = 2, 4 with Sp = G, G/16 and
 tuned) and ``hybridep_cluster.py`` (``hybridep_2dc.json``, ``hybridep_2dc2.json``,
-``hybridep_4dc.json``: classic EP and Partition at 7 sizes each). ``+Migration`` (SR-compressed,
-prefetched gathers) is not simulated: the simulator has no compression model yet.
+``hybridep_4dc.json``: classic EP, Partition and +Migration (SR compression 16, the shared
+experts' all-reduce every 4 gathers, prefetched gathers) at 7 sizes each).
 
 Profiles (what each prediction is allowed to know):
 
@@ -65,6 +65,15 @@ FLOWMOE = {  # result key -> (strategy, R, Sp: "all" = G, "fixed" = G/16, "tuned
     "flowmoe R=2 Sp tuned": ("flowmoe", 2),
     "flowmoe R=4 Sp tuned": ("flowmoe", 4),
 }
+
+
+# HybridEP variants: (result name, strategy, options as hybridep_cluster.py ran them)
+VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("classic EP", "ep", {}),
+    ("Partition", "hybrid", {}),
+    ("+Migration", "hybrid", {"prefetch": True, "compression_ratio": 16.0,
+                              "shared_expert_every": 4}),
+)  # fmt: skip
 
 
 def _links() -> tuple[float, float]:
@@ -131,13 +140,14 @@ def hybridep_points(name: str, scale: float | None = None) -> list[dict[str, Any
                           top_k=cfg["top_k"], heads=cfg["heads"])  # fmt: skip
         profile = Profile(flops_per_s=point["flops_per_s_rounds"], floor_s=floor_s,
                           bandwidth_scale=scale, source=f"{name} flops_per_s_rounds")  # fmt: skip
-        for variant, strategy in (("classic EP", "ep"), ("Partition", "hybrid")):
+        for variant, strategy, options in VARIANTS:
             domains = point["domains"][variant]
-            opts = SimOptions(domain_sizes=tuple(domains) if domains else None)
+            opts = SimOptions(domain_sizes=tuple(domains) if domains else None, **options)
             sim = simulate(spec, model, strategy, profile, opts)
             label = f"{variant} T={T} F={F}"
             row = _row(name, spec.name, label, point["variants"][variant]["measured_s"], sim)
-            out.append({**row, "profile": profile.to_dict(), "model": dataclasses.asdict(model)})
+            out.append({**row, "profile": profile.to_dict(), "model": dataclasses.asdict(model),
+                        "options": options})  # fmt: skip
     return out
 
 

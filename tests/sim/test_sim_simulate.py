@@ -51,6 +51,30 @@ def test_hybrid_domains_are_plan_steps(levels, T, F, flops):
     assert 2 * chosen.step_s == pytest.approx(ref.chosen.step_s)
 
 
+@pytest.mark.parametrize(("cr", "every", "prefetch"), [(1.0, 1, True), (16.0, 4, True),
+                                                      (50.0, 1, False)])  # fmt: skip
+def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
+    """+Migration (SR compression, shared experts' all-reduce, prefetched gathers): every
+    domain tuple's step equals predict_step's, and the chosen domains are plan_step's."""
+    from moesaic.placement.costmodel import domain_size_choices
+    from moesaic.placement.stepmodel import predict_step
+    from moesaic.sim.hybrid import hybrid_parts
+
+    spec = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
+                               Level(name="r", size=4, bandwidth_gbps=1.0, latency_ms=0.1)))  # fmt: skip
+    model = ModelSpec(layers=2, batch=4, seq_len=256, hidden=256, ffn_hidden=512, experts=8,
+                      top_k=2)  # fmt: skip
+    kw = dict(compression_ratio=cr, shared_expert_every=every, prefetch=prefetch)
+    common = dict(tokens_per_rank=model.tokens, flops_per_s=3e10, blocks=2, seq_len=256)
+    for ds in domain_size_choices(spec):
+        ref = predict_step(spec, moe_config(model), ds, **common, **kw)
+        got = hybrid_parts(LinkModel(spec=spec), model, ds, 3e10, **kw)
+        assert 2 * got.step_s == pytest.approx(ref.step_s), ds
+    chosen, _ = plan_domains_fast(LinkModel(spec=spec), model, 3e10, **kw)
+    ref_plan = plan_step(spec, moe_config(model), **common, **kw)
+    assert chosen.domain_sizes == ref_plan.chosen.domain_sizes
+
+
 def test_committed_validation_table_is_what_simulate_predicts(capsys, tmp_path):
     """Every FlowMoE row of benchmarks/results/sim_validation.json, re-simulated by
     ``moesaic simulate`` with the row's profile, gives the committed prediction; so does every
@@ -70,7 +94,7 @@ def test_committed_validation_table_is_what_simulate_predicts(capsys, tmp_path):
         else:
             name = row["source"].removesuffix(".json")
             spec = ClusterSpec.from_toml(ROOT / f"examples/clusters/{name}.toml")
-            opts = SimOptions(domain_sizes=tuple(row["domain_sizes"]))
+            opts = SimOptions(domain_sizes=tuple(row["domain_sizes"]), **row.get("options", {}))
             sim = simulate(spec, ModelSpec(**row["model"]), row["strategy"],
                            Profile.from_dict(row["profile"]), opts)  # fmt: skip
             got = sim.iteration_s * 1e3

@@ -46,6 +46,10 @@ def add_subparser(subparsers) -> None:
     p.add_argument("--sp-bytes", type=float, metavar="B", help="FlowMoE Sp (default G/16)")
     p.add_argument("--domains", metavar="S0,S1,..", help="hybrid domain sizes (default: planned)")
     p.add_argument("--prefetch", action="store_true", help="hybrid: prefetched gathers")
+    p.add_argument("--compression-ratio", type=float, default=1.0, metavar="CR",
+                   help="hybrid: SR compression of gathered experts (+Migration)")  # fmt: skip
+    p.add_argument("--shared-every", type=int, default=1, metavar="N",
+                   help="hybrid: shared experts' all-reduce every N gathers")  # fmt: skip
     p.add_argument("--trace", metavar="F.json", help="write the timeline as a Chrome trace")
     p.add_argument("--png", metavar="F.png", help="draw the timeline (Gantt chart)")
     p.add_argument("--csv", metavar="F.csv", help="write per-layer compute/communication")
@@ -90,7 +94,8 @@ def _results(args: argparse.Namespace) -> list[Any]:
         except ValueError:
             raise ValueError(f"--domains ({args.domains!r}) must be integers: S0,S1,..") from None
     opts = SimOptions(degree=args.degree, sp_bytes=args.sp_bytes, domain_sizes=domains,
-                      prefetch=args.prefetch)  # fmt: skip
+                      prefetch=args.prefetch, compression_ratio=args.compression_ratio,
+                      shared_expert_every=args.shared_every)  # fmt: skip
     names = STRATEGIES if args.strategy == "all" else (args.strategy,)
     return [simulate(spec, model, name, profile, opts) for name in names]
 

@@ -16,13 +16,22 @@ costs one rank's graph plus O(P) per distinct collective.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from moesaic.checks import check_positive_int
 from moesaic.taskflow.engine import EventEngine, Job, Lane, Timeline
+from moesaic.trace import COMM_RESOURCES
 
 __all__ = ["SimGraph", "SimTask"]
+
+
+def _rank_key(key: str, rank: int) -> str:
+    """A representative task's key as rank ``rank``'s (``SimTask.key`` with that rank)."""
+    if key.startswith("join:"):
+        return "join:" + _rank_key(key[5:], rank)
+    return f"r{rank}/{key}" if rank else key
 
 
 class SimTask(NamedTuple):
@@ -36,6 +45,7 @@ class SimTask(NamedTuple):
         block: 1-based MoE block, 0 when none.
         chunk: 1-based microbatch, 0 when none.
         nbytes: bytes a rank sends (communication), 0 otherwise.
+        rank: the rank that runs it (0 for the representative rank).
     """
 
     name: str
@@ -45,10 +55,12 @@ class SimTask(NamedTuple):
     block: int = 0
     chunk: int = 0
     nbytes: float = 0.0
+    rank: int = 0
 
     @property
     def key(self) -> str:
-        return f"{self.phase}:{self.name}" if self.phase else self.name
+        key = f"{self.phase}:{self.name}" if self.phase else self.name
+        return f"r{self.rank}/{key}" if self.rank else key
 
 
 @dataclass(slots=True)
@@ -74,6 +86,37 @@ class SimGraph:
             key = wait.key if isinstance(wait, SimTask) else wait
         self.lanes.setdefault(lane, []).append((task, key))
         return task
+
+    def replicate(
+        self, world: int, seconds: Callable[[int, SimTask], float] | None = None
+    ) -> SimGraph:
+        """Every rank's copy of this (representative) graph, for a simulation without the rank
+        symmetry: a communication task (a collective) waits until *every* rank has finished the
+        task it waits for (a join of ``world`` bumps), a compute task for its own rank's task.
+        ``seconds(rank, task)`` may give ranks different durations (skewed expert loads).
+        """
+        check_positive_int("world", world)
+        out = SimGraph()
+        for lane, jobs in self.lanes.items():
+            for rank in range(world):
+                for task, wait in jobs:
+                    t = task._replace(rank=rank)
+                    if seconds is not None:
+                        t = t._replace(seconds=seconds(rank, task))
+                    w = None if wait is None else _rank_key(wait, rank)
+                    if wait is not None and task.resource in COMM_RESOURCES and world > 1:
+                        # one join per collective, shared by every rank's copy
+                        w = f"sync:{task.key}"
+                        if rank == 0:
+                            keys = self.joins.get(wait, (wait,))  # a join: its tasks
+                            out.joins[w] = tuple(
+                                _rank_key(k, r) for r in range(world) for k in keys
+                            )
+                    out.lanes.setdefault(f"{rank}/{lane}", []).append((t, w))
+        for join, keys in self.joins.items():  # joins of the representative graph: per rank
+            for rank in range(world):
+                out.joins[_rank_key(join, rank)] = tuple(_rank_key(k, rank) for k in keys)
+        return out
 
     def tasks(self) -> Iterable[SimTask]:
         for jobs in self.lanes.values():

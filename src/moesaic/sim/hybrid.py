@@ -18,10 +18,14 @@ Domain sizes all 1 is classic EP (``dropless``): no gathers, one all-to-all per 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
+from moesaic.checks import check_positive_int
 from moesaic.config import MoEConfig
+from moesaic.placement.compress import kept_entries
 from moesaic.placement.costmodel import (
     StreamInputs,
     domain_size_choices,
@@ -105,18 +109,36 @@ def hybrid_parts(
     flops_per_s: float,
     *,
     prefetch: bool = False,
+    compression_ratio: float = 1.0,
+    shared_expert_every: int = 1,
 ) -> HybridParts:
-    """One block's parts on ``link`` with ``domain_sizes`` (each a divisor of its level)."""
+    """One block's parts on ``link`` with ``domain_sizes`` (each a divisor of its level's size).
+
+    ``compression_ratio`` > 1 is +Migration's SR compression: gathers move compressed experts
+    and, when the domain holds more than one rank, the shared experts' all-reduce (one dense
+    expert, a reduce-scatter and an all-gather of ``1/S`` each, every ``shared_expert_every``
+    gathers); the gradient reduce stays dense (``predict_step``).
+    """
     ds = tuple(domain_sizes)
-    if len(ds) != link.spec.num_levels or any(lv.size % s for s, lv in zip(ds, link.spec.levels)):
+    if len(ds) != link.spec.num_levels or any(
+        not isinstance(s, int) or s < 1 or lv.size % s for s, lv in zip(ds, link.spec.levels)
+    ):
         raise ValueError(f"domain_sizes ({list(ds)}) must give a divisor of each level's size")
-    inputs = _inputs(model, link.world_size, flops_per_s)
-    gather, a2a = _phases(link, inputs, ds)
-    reduce, _ = _phases(link, inputs, ds)  # dense gradients: the gathers' bytes back
+    check_positive_int("shared_expert_every", shared_expert_every)
+    sent = _inputs(model, link.world_size, flops_per_s, compression_ratio)
+    dense = _inputs(model, link.world_size, flops_per_s)
+    gather, a2a = _phases(link, sent, ds)
+    reduce, _ = _phases(link, dense, ds)  # dense gradients: the gathers' bytes back
+    S = math.prod(ds)
+    numel = model.hidden * model.ffn_hidden
+    if S > 1 and kept_entries(numel, compression_ratio) < numel:
+        one = dense.expert_bytes / dense.experts_per_rank
+        shared = dataclasses.replace(dense, expert_bytes=2 * one / S)
+        gather += _phases(link, shared, ds)[0] / shared_expert_every
     return HybridParts(
         domain_sizes=ds,
-        pre_expert=inputs.pre_expert_s,
-        expert=inputs.experts_per_rank * inputs.expert_s,
+        pre_expert=sent.pre_expert_s,
+        expert=sent.experts_per_rank * sent.expert_s,
         gather=gather,
         all_to_all=a2a,
         grad_reduce=reduce,
@@ -125,12 +147,12 @@ def hybrid_parts(
 
 
 def plan_domains_fast(
-    link: LinkModel, model: ModelSpec, flops_per_s: float, *, prefetch: bool = False
+    link: LinkModel, model: ModelSpec, flops_per_s: float, **kwargs: Any
 ) -> tuple[HybridParts, HybridParts]:
     """``(chosen, classic)``: ``plan_step``'s rule (fastest step, ties to smaller domains) over
-    every divisor tuple, with closed-form phases."""
+    every divisor tuple, with closed-form phases; ``kwargs`` are :func:`hybrid_parts`'s."""
     cands = [
-        hybrid_parts(link, model, ds, flops_per_s, prefetch=prefetch)
+        hybrid_parts(link, model, ds, flops_per_s, **kwargs)
         for ds in domain_size_choices(link.spec)
     ]
     return fastest_smallest(cands, lambda c: c.step_s), cands[0]

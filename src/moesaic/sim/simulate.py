@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moesaic.checks import check_one_of, check_positive_int
+from moesaic.checks import check_number, check_one_of, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.sim.collectives import LinkModel
 from moesaic.sim.graph import SimGraph
@@ -42,15 +42,21 @@ class SimOptions:
         sp_bytes: Sp of ``flowmoe``; None: the replicated gradients' bytes / 16.
         domain_sizes: ``hybrid``'s domains; None: chosen by its cost model.
         prefetch: ``hybrid`` gathers prefetched under the pre-expert compute.
+        compression_ratio: ``hybrid``'s SR compression of gathered experts (+Migration: > 1).
+        shared_expert_every: the shared experts' all-reduce every this many gathers.
     """
 
     degree: int = 2
     sp_bytes: float | None = None
     domain_sizes: tuple[int, ...] | None = None
     prefetch: bool = False
+    compression_ratio: float = 1.0
+    shared_expert_every: int = 1
 
     def __post_init__(self) -> None:
         check_positive_int("degree", self.degree)
+        check_number("compression_ratio", self.compression_ratio, 1.0, 1e6)
+        check_positive_int("shared_expert_every", self.shared_expert_every)
         if self.sp_bytes is not None and not self.sp_bytes > 0:
             raise ValueError(f"sp_bytes ({self.sp_bytes}) must be > 0")
 
@@ -111,12 +117,13 @@ def _graph(
         return g, tl, details
     if strategy == "ep":
         parts = hybrid_parts(link, model, (1,) * link.spec.num_levels, profile.flops_per_s)
-    elif opts.domain_sizes is not None:
-        parts = hybrid_parts(
-            link, model, opts.domain_sizes, profile.flops_per_s, prefetch=opts.prefetch
-        )
     else:
-        parts, _ = plan_domains_fast(link, model, profile.flops_per_s, prefetch=opts.prefetch)
+        kw: dict[str, Any] = dict(prefetch=opts.prefetch, compression_ratio=opts.compression_ratio,
+                                  shared_expert_every=opts.shared_expert_every)  # fmt: skip
+        if opts.domain_sizes is not None:
+            parts = hybrid_parts(link, model, opts.domain_sizes, profile.flops_per_s, **kw)
+        else:
+            parts, _ = plan_domains_fast(link, model, profile.flops_per_s, **kw)
     g = build_hybrid(parts, model, profile)
     return g, g.run(), {"domain_sizes": list(parts.domain_sizes)}
 
