@@ -42,19 +42,19 @@ WARMUP = 2
 VARIANTS = ("dropless", "taskflow static", "taskflow dynamic", "compute only", "comm only")
 
 
-def _layer(dispatcher: str, executor: str = "static", group: Any = None) -> Any:
+def _layer(dispatcher: str, executor: str = "static", group: Any = None, tile: int = TILE) -> Any:
     import torch
 
     from moesaic import MoEConfig, MoELayer
 
     cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K,
-                    dispatcher=dispatcher, taskflow_executor=executor, taskflow_tile_m=TILE,
+                    dispatcher=dispatcher, taskflow_executor=executor, taskflow_tile_m=tile,
                     collective_timeout_s=120.0, aux_loss_coef=0.0, z_loss_coef=0.0)  # fmt: skip
     torch.manual_seed(0)
     return MoELayer(cfg, group=group)
 
 
-def worker(rank: int, world: int, steps: int, trace: bool) -> dict[str, Any]:
+def worker(rank: int, world: int, steps: int, trace: bool, tile: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -69,16 +69,19 @@ def worker(rank: int, world: int, steps: int, trace: bool) -> dict[str, Any]:
     alone = dist.new_group([rank], use_local_synchronization=True)
     layers = {
         "dropless": _layer("dropless"),
-        "taskflow static": _layer("taskflow", "static"),
-        "taskflow dynamic": _layer("taskflow", "dynamic"),
+        "taskflow static": _layer("taskflow", "static", tile=tile),
+        "taskflow dynamic": _layer("taskflow", "dynamic", tile=tile),
         "compute only": _layer("dropless", group=alone),
     }
     comm_layer = layers["dropless"]
     identity = DroplessStrategy(StrategyContext(comm_layer.config, EPGroup(None, 120.0),
                                                 comm_layer.placement))  # fmt: skip
 
+    cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
+
     def step(name: str) -> float:
         dist.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         xi = x.clone().requires_grad_()
         if name == "comm only":  # the same exchanges, experts replaced by the identity
@@ -87,7 +90,9 @@ def worker(rank: int, world: int, steps: int, trace: bool) -> dict[str, Any]:
         else:
             y = layers[name](xi)
         y.backward(g)
-        return time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        cpu[name].append(time.process_time() - c0)  # every thread of this process
+        return wall
 
     for name in VARIANTS:
         for _ in range(WARMUP):
@@ -107,6 +112,7 @@ def worker(rank: int, world: int, steps: int, trace: bool) -> dict[str, Any]:
     stats = layers["dropless"].take_stats()
     return {
         "rounds": times.tolist(),
+        "cpu_s_median": {n: statistics.median(v[-steps:]) for n, v in cpu.items()},
         "spans": rec.events,
         "window_bytes": tf.window_bytes(),
         "bucket": fwd.bucket.to_dict(),
@@ -157,6 +163,8 @@ def summarize(gbps: float, world: int, per_rank: list[dict[str, Any]]) -> dict[s
         "rounds_s": col,
         "memory": _memory(per_rank, world),
         "bucket": per_rank[0]["bucket"],
+        # process CPU seconds per step (all threads: workers, subscriber, gloo), per rank
+        "cpu_s_per_rank": [r["cpu_s_median"] for r in per_rank],
         "buckets_compiled": per_rank[0]["buckets_compiled"],
     }
 
@@ -172,7 +180,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"({s['taskflow static']:.2f}) | {m['taskflow dynamic'] * 1e3:.1f} "
             f"({s['taskflow dynamic']:.2f}) | {m['compute only'] * 1e3:.1f} | "
             f"{m['comm only'] * 1e3:.1f} ({r['comm_share_of_dropless']:.0%}) | "
-            f"{r['overlap_bound_s'] * 1e3:.1f} ({r['bound_speedup_vs_dropless']:.2f})"
+            f"{r['overlap_bound_s'] * 1e3:.1f} ({r['bound_speedup_vs_dropless']:.2f}) | "
+            + ", ".join(
+                f"{r['cpu_s_per_rank'][0][n] * 1e3:.0f}"
+                for n in ("dropless", "taskflow static", "taskflow dynamic", "compute only")
+            )
         )
     return "\n".join(out)
 
@@ -186,6 +198,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", default=None, help="Chrome trace of the last static step")
     parser.add_argument("--loopback", action="store_true", help="no emulated network")
+    parser.add_argument("--tile", type=int, default=TILE, help="taskflow_tile_m")
     args = parser.parse_args()
 
     import taskflow_cluster as mod  # workers unpickle the functions by this module name
@@ -202,7 +215,7 @@ def main() -> int:
             "levels": [{"name": "rank", "size": args.ranks, "bandwidth_gbps": gbps,
                         "latency_ms": args.latency_ms}],
         })  # fmt: skip
-        call = (mod.worker, args.ranks, args.steps, bool(args.trace))
+        call = (mod.worker, args.ranks, args.steps, bool(args.trace), args.tile)
         if args.loopback:
             from moesaic.comm.world import run_world
 
@@ -227,7 +240,7 @@ def main() -> int:
             "num_experts": E,
             "top_k": K,
             "tokens_per_rank": TOKENS,
-            "tile_m": TILE,
+            "tile_m": args.tile,
             "dtype": "float32",
             "torch_threads": 1,
             "warmup": WARMUP,

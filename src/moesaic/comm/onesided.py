@@ -141,6 +141,11 @@ class EventCounters:
         """Add ``by`` to ``event``'s counter and wake its waiters."""
         self.check_event("event", event)
         check_positive_int("by", by)  # counters only go up
+        self.bump_unchecked(event, by)
+
+    def bump_unchecked(self, event: int, by: int = 1) -> None:
+        """:meth:`bump` without validating the arguments: for executors whose event ids were
+        validated once with their plan (the per-task hot path)."""
         with self._cond:
             self._counts[event] += by
             count = self._counts[event]
@@ -169,7 +174,13 @@ class EventCounters:
         self.check_event("event", event)
         check_int("threshold", threshold, minimum=0)
         check_positive("timeout_s", timeout_s)
+        return self.wait_unchecked(event, threshold, timeout_s)
+
+    def wait_unchecked(self, event: int, threshold: int, timeout_s: float) -> int:
+        """:meth:`wait` without validating the arguments (see :meth:`bump_unchecked`)."""
         with self._cond:
+            if self._counts[event] >= threshold:  # already there: no predicate machinery
+                return self._counts[event]
             done = self._cond.wait_for(
                 lambda: self._counts[event] >= threshold or self._error is not None, timeout_s
             )

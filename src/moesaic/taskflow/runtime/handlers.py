@@ -173,17 +173,18 @@ def gmm_w2_grad(run, t) -> None:
         _weight_grad(act, g, segs, dw2[j])
 
 
-def _dsilu(x: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(x)
-    return s * (1 + x * (1 - s))
-
-
 def swiglu_grad(run, t) -> None:
+    """``dh1 = da * h3 * silu'(h1)``, ``dh3 = da * silu(h1)``; one sigmoid per element:
+    ``silu(x) = x s``, ``silu'(x) = s (1 + x (1 - s))`` with ``s = sigmoid(x)``."""
     da, h, dh, Fh = run.bufs["da"], run.bufs["h"], run.bufs["dh"], run.plan.bucket.ffn
     for a, z, _ in _row_tiles(run, t):
-        h1, h3 = h[a:z, :Fh], h[a:z, Fh:]
-        dh[a:z, :Fh] = da[a:z] * h3 * _dsilu(h1)
-        dh[a:z, Fh:] = da[a:z] * F.silu(h1)
+        h1, h3, g = h[a:z, :Fh], h[a:z, Fh:], da[a:z]
+        s = torch.sigmoid(h1)
+        silu = h1 * s
+        torch.mul(g, silu, out=dh[a:z, Fh:])
+        # silu'(h1) = s + silu * (1 - s)
+        dsilu = silu.mul_(s.neg().add_(1)).add_(s)
+        torch.mul(g * h3, dsilu, out=dh[a:z, :Fh])
 
 
 def gelu_grad(run, t) -> None:
