@@ -24,7 +24,7 @@ from moesaic.taskflow.runtime.concurrent import TaskflowRuntime
 from moesaic.taskflow.runtime.executors import make_counters, run_dynamic, run_static
 from moesaic.taskflow.tasks import Event, EventRef, ProducerRef, Region, TaskDescriptor
 from moesaic.testing import run_world
-from moesaic.trace import Recorder
+from moesaic.trace import Recorder, chrome_trace
 
 N, H, F, E = 24, 16, 12, 8
 EXECUTORS = ("static", "dynamic")
@@ -129,6 +129,10 @@ def test_ep1_matches_reference(case, executor):
     check_against_reference(case.name, [run_case(case, 1, 0, rt)])
     lanes = {s.resource for s in rec.events}
     assert lanes == ({"matrix", "vector"} if executor == "static" else {"processor0", "processor1"})
+    # the Chrome trace has one track per queue (or processor) of the rank
+    tracks = {e["args"]["name"] for e in chrome_trace([rec.events])["traceEvents"]
+              if e.get("ph") == "M" and e["name"] == "thread_name"}  # fmt: skip
+    assert lanes <= tracks
     plans = rt.plans(next(iter(rt._plans)))
     assert len(rec.events) == sum(len(p.tasks) for p in plans)  # every task ran, once
 
