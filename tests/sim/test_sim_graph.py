@@ -65,3 +65,38 @@ def test_a_task_key_twice_is_refused():
     g.add("compute", t)
     with pytest.raises(ValueError, match="appears twice"):
         g.run()
+
+
+def test_taskflow_layers_are_the_compiled_plans():
+    """The taskflow step runs the compiler's own tiles: every forward and backward tile of rank
+    0's plans appears once per MoE layer, puts on the a2a lane, within the layer's slot."""
+    from moesaic.sim.simulate import simulate
+    from moesaic.taskflow.bucket import ShapeBucket
+    from moesaic.taskflow.compile import compile_plan
+
+    spec = ClusterSpec(levels=(Level(name="n", size=2, bandwidth_gbps=0.1, latency_ms=1.0),))
+    model = ModelSpec(layers=2, batch=2, seq_len=64, hidden=32, ffn_hidden=64, experts=4, top_k=2)
+    r = simulate(spec, model, "taskflow", PROFILE)
+    bucket = ShapeBucket(tokens=128, hidden=32, ffn=64, experts=4, top_k=2, ep_size=2,
+                         slot_rows=64, tile_m=64)  # fmt: skip
+    for direction, phase in (("forward", "fwd"), ("backward", "bwd")):
+        tiles = compile_plan(bucket, direction, 0).tasks
+        for blk in (1, 2):
+            got = [s for s in r.spans if s.args.get("block") == blk and "tile" in s.args
+                   and s.args.get("phase") == phase]  # fmt: skip
+            assert sorted((s.name, s.args["tile"]) for s in got) == sorted(
+                (t.op, t.task_index) for t in tiles
+            )
+    puts = [s for s in r.spans if s.resource == "a2a"]
+    assert puts and all("put" in s.name or s.name.startswith(("dispatch", "combine")) for s in puts)
+    assert r.bound_s <= r.iteration_s + 1e-12 <= r.compute_s + r.comm_s + 1e-9
+
+
+def test_taskflow_refuses_a_world_too_big_to_compile():
+    from moesaic.sim.simulate import simulate
+
+    spec = ClusterSpec(levels=(Level(name="n", size=128, bandwidth_gbps=1.0, latency_ms=1.0),))
+    model = ModelSpec(layers=1, batch=1, seq_len=64, hidden=32, ffn_hidden=64, experts=128,
+                      top_k=2)  # fmt: skip
+    with pytest.raises(ValueError, match="taskflow"):
+        simulate(spec, model, "taskflow", PROFILE)

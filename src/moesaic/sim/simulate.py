@@ -1,6 +1,7 @@
 """Simulate one training iteration of a model on a cluster under a strategy; summary and outputs.
 
 Strategies (``STRATEGIES``): ``vanilla`` (one forward, one backward, one all-reduce),
+``taskflow`` (each MoE layer runs its compiled tile plans, ``sim.taskflow``),
 ``moe-only`` (R chunks, MoE layer pipelined), ``flowmoe`` (R chunks, attention pipelined too,
 Sp-byte all-reduce chunks in the gaps), ``ep`` (classic expert parallelism as HybridEP's
 benchmark runs it: no data-parallel all-reduce) and ``hybrid`` (HybridEP with the domain sizes
@@ -30,7 +31,7 @@ from moesaic.trace import COMM_RESOURCES, COMPUTE_RESOURCES, Span, busy_time
 
 __all__ = ["STRATEGIES", "SimOptions", "SimResult", "simulate", "write_layer_csv"]
 
-STRATEGIES = ("vanilla", "moe-only", "flowmoe", "ep", "hybrid")
+STRATEGIES = ("vanilla", "moe-only", "flowmoe", "ep", "hybrid", "taskflow")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -115,6 +116,11 @@ def _graph(
         if sp is not None:
             details["sp_bytes"] = sp
         return g, tl, details
+    if strategy == "taskflow":
+        from moesaic.sim.taskflow import build_taskflow
+
+        g, plans = build_taskflow(model, link, profile)
+        return g, g.run(), {"plans": plans}
     if strategy == "ep":
         parts = hybrid_parts(link, model, (1,) * link.spec.num_levels, profile.flops_per_s)
     else:
@@ -151,6 +157,7 @@ def simulate(
         )
     link = LinkModel(spec=spec, floor_s=profile.floor_s, bandwidth_scale=profile.bandwidth_scale)
     g, tl, details = _graph(strategy, model, link, profile, opts)
+    plans = details.pop("plans", None)
     spans = [
         Span(
             rank=0,
@@ -172,6 +179,8 @@ def simulate(
         for t in g.tasks()
         if t.key in tl.end
     ]
+    if plans is not None:  # each layer task expanded into its plan's tiles
+        spans = _expand(spans, plans)
     spans.sort(key=lambda s: (s.start, s.resource))
     compute = busy_time(spans, COMPUTE_RESOURCES)
     comm = busy_time(spans, COMM_RESOURCES)
@@ -187,6 +196,19 @@ def simulate(
         spans=spans,
         details=details,
     )
+
+
+def _expand(spans: list[Span], plans: dict[str, Any]) -> list[Span]:
+    out = []
+    for s in spans:
+        if s.resource != "taskflow":
+            out.append(s)
+            continue
+        plan = plans["forward" if s.args.get("phase") == "fwd" else "backward"]
+        for t in plan.spans:
+            out.append(Span(rank=s.rank, resource=t.resource, name=t.name, start=s.start + t.start,
+                            end=s.start + t.end, args={**t.args, **s.args}))  # fmt: skip
+    return out
 
 
 def write_layer_csv(path: str | Path, spans: Sequence[Span]) -> Path:
