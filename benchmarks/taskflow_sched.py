@@ -136,12 +136,12 @@ RATIOS = (("static", "dynamic_p1"), ("static", "dynamic_p2"), ("static_fast", "d
 
 
 def static_fast_prototype(graph: TaskGraph, schedule: Schedule, launch: Launch) -> None:
-    """PROTOTYPE, measured beside ``run_static`` to show what its per-task cost could be: the
-    same loop (one thread per queue, compiled order), but the wait is skipped when the event
-    is already complete (a read of the count list; atomic under the GIL) and the bump is one
-    locked increment plus ``notify_all``, without re-validating event ids and thresholds that
-    the plan's validation already checked. Reads ``EventCounters`` internals (``_counts``,
-    ``_cond``): a benchmark-only sketch of a fast path, without ``run_static``'s error path."""
+    """PROTOTYPE, measured beside ``run_static`` for what its per-task cost could still lose:
+    the same loop (one thread per queue, compiled order, unchecked bump), but a complete
+    event is seen without taking the counters' lock (a read of the count list: atomic under
+    the GIL, and counts only go up, so a stale read only sends the task to the locked wait),
+    and no per-task clock read or helper call. Reads ``EventCounters`` internals (``_counts``,
+    ``_cond``); no error path: a benchmark-only sketch, not an executor."""
     counters = make_counters(graph, 0)
     counts, cond, tasks = counters._counts, counters._cond, graph.tasks
     thresholds = [ev.threshold for ev in graph.events]
@@ -425,6 +425,15 @@ def main() -> None:
             "h_in_out_part_b": [4096, 2048],
             "llc_bytes": llc,
             "quick": args.quick,
+        },
+        "notes": {
+            "overhead": "(wall - time inside the launches) / tasks; no-op and chain: wall / tasks",
+            "dynamic_p2": "2 processors run launches at once on the 2 cores, so wall - launch "
+            "time is not an overhead there (it goes negative); its wall time is in wall_ms",
+            "static_fast": "a prototype loop in this script (static_fast_prototype), not an "
+            "executor of the library",
+            "order_distance": "mean positions between SwiGLU tile i and Add tile i in the "
+            "executed order: 1 = interleaved, tiles = serial",
         },
         "paper": {
             "static_us_per_task": 0.1,
