@@ -227,3 +227,18 @@ def test_calibrate_writes_a_profile(capsys, tmp_path):
     assert main(["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
                  "--profile", str(bad)]) == 2  # fmt: skip
     assert "profile.flops_per_s" in capsys.readouterr().err
+
+
+def test_simulate_is_torch_free():
+    """``moesaic simulate`` (every strategy, taskflow's compiler included) never imports torch:
+    a simulation costs no 3-4 s torch import on a 2-core machine."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from moesaic.cli import main; "
+        f"main(['simulate', '--cluster', {FLOWMOE_CLUSTER!r}, '--model', {FLOWMOE_MODEL!r}, "
+        "'--json']); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
