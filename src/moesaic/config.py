@@ -67,6 +67,9 @@ class MoEConfig:
             (a scheduler and a processor pool deciding at run time, FlashDMoE).
         taskflow_tile_m: rows of a ``taskflow`` dispatch / GMM tile (the bucket's slot rows
             are a power-of-two number of tiles).
+        taskflow_pipeline: compile ``taskflow`` plans with the list-scheduled queue order
+            (``CompileOptions.pipeline``: GMM2 and combine tiles start while GMM1 tiles remain)
+            instead of the kernel-by-kernel order.
     """
 
     hidden_size: int
@@ -89,6 +92,7 @@ class MoEConfig:
     shared_expert_every: int = 1
     taskflow_executor: str = "static"
     taskflow_tile_m: int = 128
+    taskflow_pipeline: bool = True
 
     def __post_init__(self) -> None:
         check_positive_int("hidden_size", self.hidden_size)
@@ -139,6 +143,7 @@ class MoEConfig:
 
         check_one_of("taskflow_executor", self.taskflow_executor, ("static", "dynamic"))
         check_positive_int("taskflow_tile_m", self.taskflow_tile_m)
+        check_bool("taskflow_pipeline", self.taskflow_pipeline)
 
     def capacity(self, num_tokens: int) -> int | None:
         """Token slots per expert for ``num_tokens`` local tokens; None when dropless."""

@@ -18,7 +18,7 @@ from test_taskflow_exec import CASES, Case, _cfg, _data, check_against_reference
 from moesaic.comm.collectives import CollectiveError, EPGroup
 from moesaic.placement import ExpertPlacement
 from moesaic.routing import Router
-from moesaic.taskflow import ShapeBucket, compile_plan
+from moesaic.taskflow import CompileOptions, ShapeBucket, compile_plan
 from moesaic.taskflow.plan import Schedule, TaskGraph
 from moesaic.taskflow.runtime.concurrent import TaskflowRuntime
 from moesaic.taskflow.runtime.executors import make_counters, run_dynamic, run_static
@@ -56,8 +56,12 @@ def run_case(c: Case, P: int, rank: int, rt: TaskflowRuntime) -> dict[str, torch
 
 
 def _runtime(c: Case, group: EPGroup, executor: str, recorder=None) -> TaskflowRuntime:
+    # the static executor runs the pipelined order (the strategy's default); the dynamic one
+    # decides the order itself (the cases' per-direction unsplit options are the sequential
+    # executor's tests' business: a runtime has one set of options for both directions)
+    options = CompileOptions(pipeline=executor == "static")
     return TaskflowRuntime(group, executor=executor, tile_m=c.tile_m, gmm_tile_m=c.gmm_tile_m,
-                           timeout_s=30, recorder=recorder)  # fmt: skip
+                           options=options, timeout_s=30, recorder=recorder)  # fmt: skip
 
 
 def concurrent_world(rank: int, world: int) -> dict:

@@ -178,6 +178,9 @@ class EventCounters:
 
     def wait_unchecked(self, event: int, threshold: int, timeout_s: float) -> int:
         """:meth:`wait` without validating the arguments (see :meth:`bump_unchecked`)."""
+        count = self._counts[event]  # counts only go up: a reached threshold stays reached
+        if count >= threshold:
+            return count
         with self._cond:
             if self._counts[event] >= threshold:  # already there: no predicate machinery
                 return self._counts[event]

@@ -34,6 +34,7 @@ from moesaic.strategies.base import (
     StrategyContext,
     StrategyOutput,
 )
+from moesaic.taskflow.bucket import CompileOptions
 from moesaic.taskflow.plan import Plan
 from moesaic.taskflow.runtime.concurrent import TaskflowRuntime
 from moesaic.trace import Recorder
@@ -100,6 +101,7 @@ class TaskflowStrategy(MoEStrategy):
             ctx.group,
             executor=cfg.taskflow_executor,
             tile_m=cfg.taskflow_tile_m,
+            options=CompileOptions(pipeline=cfg.taskflow_pipeline),
             timeout_s=cfg.collective_timeout_s,
             recorder=self.recorder,
         )

@@ -121,20 +121,29 @@ class CompileOptions:
         interleave: cache-guided interleaving of the independent backward GMMs by expert.
         unsplit: operator names forced to one task (debugging, and Alg. 1's fall-back: their
             consumers that inherit a partition then fall back to one task too).
+        pipeline: re-order each queue by a list schedule with nominal costs (puts first, then
+            depth first; ``listsched.py``), so that GMM2 and combine tiles run while GMM1 tiles
+            remain instead of after all of them. Applied after RATR and interleaving, whose
+            orders break its ties.
     """
 
     ratr: bool = True
     interleave: bool = True
     unsplit: tuple[str, ...] = ()
+    pipeline: bool = False
 
     def __post_init__(self) -> None:
         check_bool("ratr", self.ratr)
         check_bool("interleave", self.interleave)
+        check_bool("pipeline", self.pipeline)
         if not isinstance(self.unsplit, tuple) or not all(isinstance(o, str) for o in self.unsplit):
             raise ValueError(f"unsplit must be a tuple of operator names, got {self.unsplit!r}")
 
     def to_dict(self) -> dict:
-        return {"ratr": self.ratr, "interleave": self.interleave, "unsplit": list(self.unsplit)}
+        out = {"ratr": self.ratr, "interleave": self.interleave, "unsplit": list(self.unsplit)}
+        if self.pipeline:  # only when set: plans compiled without it keep their fingerprints
+            out["pipeline"] = True
+        return out
 
 
 def slot_rows_for(max_count: int, tile_m: int, *, power_of_two_tiles: bool = True) -> int:
@@ -166,12 +175,15 @@ def options_from_dict(d: object) -> CompileOptions:
     """Rebuild (and re-validate) compile options from their ``to_dict`` form."""
     if not isinstance(d, dict):
         raise ValueError(f"options must be an object, got {type(d).__name__}")
-    unknown = set(d) - {"ratr", "interleave", "unsplit"}
+    unknown = set(d) - {"ratr", "interleave", "unsplit", "pipeline"}
     if unknown:
         raise ValueError(f"options have unknown fields {sorted(unknown)}")
     unsplit = d.get("unsplit", [])
     if not isinstance(unsplit, list):
         raise ValueError(f"options.unsplit must be a list, got {type(unsplit).__name__}")
     return CompileOptions(
-        ratr=d.get("ratr", True), interleave=d.get("interleave", True), unsplit=tuple(unsplit)
+        ratr=d.get("ratr", True),
+        interleave=d.get("interleave", True),
+        unsplit=tuple(unsplit),
+        pipeline=d.get("pipeline", False),
     )

@@ -24,6 +24,7 @@ have on this rank. ``validate.check_world`` verifies that claim on a whole world
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from collections import defaultdict
 from collections.abc import Sequence
@@ -267,6 +268,15 @@ def compile_plan(
     options = options or CompileOptions()
     if direction not in DIRECTIONS:
         raise ValueError(f"direction ({direction!r}) must be one of {DIRECTIONS}")
+    if options.pipeline:  # the pipelined order comes from a simulation of the whole world
+        if not is_int(rank) or not 0 <= rank < bucket.ep_size:
+            raise ValueError(f"rank ({rank}) must be in [0, {bucket.ep_size})")
+        plan = _pipelined_world(bucket, direction, options)[rank]
+        if validate:
+            from moesaic.taskflow.validate import check_plan
+
+            check_plan(plan)
+        return plan
     if not is_int(rank) or not 0 <= rank < bucket.ep_size:
         raise ValueError(f"rank ({rank!r}) must be an int in [0, ep_size={bucket.ep_size})")
     mg = moe_graph(direction, bucket.activation)
@@ -314,7 +324,8 @@ def schedule_two_queue(
     direction: str,
 ) -> Schedule:
     """The two-queue executor's schedule: each task on the queue of its type's class, in
-    operator-topological order, then RATR and (backward) GMM interleaving."""
+    operator-topological order, then RATR and (backward) GMM interleaving. The pipelined order
+    (``options.pipeline``) needs the whole world: ``compile_plan`` applies it."""
     queues = {name: [t.uid for t in tasks if TASK_TYPES[t.task_type].queue_class == name]
               for name in QUEUE_CLASSES}  # fmt: skip
     if options.ratr:
@@ -332,12 +343,42 @@ def compile_world(
     validate: bool = True,
 ) -> list[Plan]:
     """Plans of every rank, and (with ``validate``) the cross-rank check of all of them."""
-    plans = [
-        compile_plan(bucket, direction, r, options, validate=validate)
-        for r in range(bucket.ep_size)
-    ]
+    options = options or CompileOptions()
+    if options.pipeline:
+        plans = _pipelined_world(bucket, direction, options)
+        if validate:
+            from moesaic.taskflow.validate import check_plan
+
+            for plan in plans:
+                check_plan(plan)
+    else:
+        plans = [
+            compile_plan(bucket, direction, r, options, validate=validate)
+            for r in range(bucket.ep_size)
+        ]
     if validate:
         from moesaic.taskflow.validate import check_world
 
         check_world(plans)
     return plans
+
+
+def _pipelined_world(bucket: ShapeBucket, direction: str, options: CompileOptions) -> list[Plan]:
+    """Every rank's plan with the list-scheduled order (``listsched.pipeline_world``), unchecked:
+    compiled without it, re-ordered, and marked with ``options``."""
+    from moesaic.taskflow.listsched import pipeline_world
+
+    base = dataclasses.replace(options, pipeline=False)
+    plans = [
+        compile_plan(bucket, direction, r, base, validate=False) for r in range(bucket.ep_size)
+    ]
+    orders = pipeline_world(plans)
+    return [
+        dataclasses.replace(p, options=options, schedule=_reordered(p.schedule, order))
+        for p, order in zip(plans, orders)
+    ]
+
+
+def _reordered(schedule: Schedule, order: dict[str, list[int]]) -> Schedule:
+    queues = tuple((name, tuple(order[name])) for name, _ in schedule.queues)
+    return Schedule(executor=schedule.executor, queues=queues)
