@@ -12,7 +12,8 @@ before each step; a step's time is the slowest rank's):
 
 * ``dropless``: all-to-all-v dispatch, grouped experts, all-to-all-v combine (and the backward
   all-to-alls): communication and compute one after the other;
-* ``taskflow static`` / ``taskflow dynamic``: the compiled tile plans with one-sided puts;
+* ``taskflow static`` / ``taskflow dynamic``: the compiled tile plans with one-sided puts (the
+  static executor with the pipelined order, and with the kernel-by-kernel order for contrast);
 * ``compute only``: the same layer with every expert on this rank (a solo group), so no byte
   moves: the step's compute;
 * ``comm only``: ``dropless``'s exact row exchange (dispatch, combine and their backward) with
@@ -39,16 +40,30 @@ H, F, E, K = 256, 512, 8, 2
 TOKENS = 1024  # per rank
 TILE = 128
 WARMUP = 2
-VARIANTS = ("dropless", "taskflow static", "taskflow dynamic", "compute only", "comm only")
+VARIANTS = (
+    "dropless",
+    "taskflow static",
+    "taskflow static, kernel order",
+    "taskflow dynamic",
+    "compute only",
+    "comm only",
+)
 
 
-def _layer(dispatcher: str, executor: str = "static", group: Any = None, tile: int = TILE) -> Any:
+def _layer(
+    dispatcher: str,
+    executor: str = "static",
+    group: Any = None,
+    tile: int = TILE,
+    pipe: bool = True,
+) -> Any:
     import torch
 
     from moesaic import MoEConfig, MoELayer
 
     cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K,
                     dispatcher=dispatcher, taskflow_executor=executor, taskflow_tile_m=tile,
+                    taskflow_pipeline=pipe,
                     collective_timeout_s=120.0, aux_loss_coef=0.0, z_loss_coef=0.0)  # fmt: skip
     torch.manual_seed(0)
     return MoELayer(cfg, group=group)
@@ -58,11 +73,13 @@ def worker(rank: int, world: int, steps: int, trace: bool, tile: int) -> dict[st
     import torch
     import torch.distributed as dist
 
+    from moesaic.bench.allocator import retain_freed_memory
     from moesaic.comm.collectives import EPGroup
     from moesaic.strategies.base import StrategyContext
     from moesaic.strategies.dropless import DroplessStrategy
 
     torch.set_num_threads(1)
+    retain_freed_memory()  # no page faults per step for any variant (bench/allocator.py)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(TOKENS, H, generator=gen)
     g = torch.randn(TOKENS, H, generator=gen)
@@ -70,6 +87,7 @@ def worker(rank: int, world: int, steps: int, trace: bool, tile: int) -> dict[st
     layers = {
         "dropless": _layer("dropless"),
         "taskflow static": _layer("taskflow", "static", tile=tile),
+        "taskflow static, kernel order": _layer("taskflow", "static", tile=tile, pipe=False),
         "taskflow dynamic": _layer("taskflow", "dynamic", tile=tile),
         "compute only": _layer("dropless", group=alone),
     }
@@ -150,7 +168,7 @@ def summarize(gbps: float, world: int, per_rank: list[dict[str, Any]]) -> dict[s
     bound = max(med["compute only"], med["comm only"])
     ratios = {
         n: statistics.median(d / t for d, t in zip(col["dropless"], col[n]))
-        for n in ("taskflow static", "taskflow dynamic")
+        for n in ("taskflow static", "taskflow static, kernel order", "taskflow dynamic")
     }
     return {
         "gbps": gbps,
@@ -177,7 +195,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
         m, s = r["median_s"], r["speedup_vs_dropless"]
         out.append(
             f"{r['gbps']:g} | {m['dropless'] * 1e3:.1f} | {m['taskflow static'] * 1e3:.1f} "
-            f"({s['taskflow static']:.2f}) | {m['taskflow dynamic'] * 1e3:.1f} "
+            f"({s['taskflow static']:.2f}) | {m['taskflow static, kernel order'] * 1e3:.1f} "
+            f"({s['taskflow static, kernel order']:.2f}) | {m['taskflow dynamic'] * 1e3:.1f} "
             f"({s['taskflow dynamic']:.2f}) | {m['compute only'] * 1e3:.1f} | "
             f"{m['comm only'] * 1e3:.1f} ({r['comm_share_of_dropless']:.0%}) | "
             f"{r['overlap_bound_s'] * 1e3:.1f} ({r['bound_speedup_vs_dropless']:.2f}) | "

@@ -203,3 +203,33 @@ def test_executors_order_and_errors(run):
     with pytest.raises(CollectiveError):
         run(graph, lost, 0, lambda t: None, counters, timeout_s=0.5)
     assert time.perf_counter() - start < 5
+
+
+def layer_world(rank: int, world: int) -> list[str]:
+    """The taskflow strategy's byte accounting equals the group's traffic on a bucket's first
+    step (which runs the fingerprint check) and on the next ones (which do not)."""
+    import moesaic
+
+    torch.set_num_threads(1)
+    cfg = moesaic.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E,
+                            dispatcher="taskflow", taskflow_tile_m=64)  # fmt: skip
+    torch.manual_seed(0)
+    layer = moesaic.MoELayer(cfg)
+    x = torch.randn(16, H, generator=torch.Generator().manual_seed(rank))
+    seen = []
+    for step in range(3):
+        before = layer.ep.traffic.snapshot()
+        y = layer(x.clone().requires_grad_())
+        after = layer.ep.traffic.snapshot()
+        y.sum().backward()
+        stats = layer.take_stats().comm
+        assert list(stats.peer_bytes_P) == [b - a for a, b in zip(before[0], after[0])], step
+        assert stats.collectives == after[1] - before[1], step
+        seen.append(f"{step}:{stats.collectives}")
+    return seen
+
+
+def test_layer_accounting_on_first_and_later_steps():
+    per_rank = run_world(layer_world, 2, timeout_s=120)
+    first, second, third = (int(s.split(":")[1]) for s in per_rank[0])
+    assert first == second + 1 == third + 1  # only the first step runs the fingerprint check

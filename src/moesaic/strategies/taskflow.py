@@ -124,8 +124,10 @@ class TaskflowStrategy(MoEStrategy):
         before = self.runtime.channel.puts_P[:] if self.runtime.channel else None
         plans = self.plans(plan)
         if plans is None:  # no rank has a token: nothing to compute or send
-            return StrategyOutput(y_TH=x_TH.new_zeros(0, H), stats=self._stats(plan, None, None))
+            stats = self._stats(plan, None, None, checked=False)
+            return StrategyOutput(y_TH=x_TH.new_zeros(0, H), stats=stats)
         fwd, bwd = plans
+        checked = not self.runtime.world_checked(fwd)  # this step runs the fingerprint check
         tokens = fwd.bucket.tokens
         x_pad = torch.cat([x_TH, x_TH.new_zeros(tokens - T, H)]) if tokens > T else x_TH
         routing = pad_routing(plan, tokens)
@@ -138,11 +140,11 @@ class TaskflowStrategy(MoEStrategy):
             experts.w3,
             (self, fwd, bwd, routing, box),
         )
-        stats = self._stats(plan, box["route"], before, x_TH.element_size())
+        stats = self._stats(plan, box["route"], before, checked, x_TH.element_size())
         return StrategyOutput(y_TH=y[:T], stats=stats)
 
     def _stats(
-        self, plan: RoutingPlan, route, before: list[int] | None, esize: int = 4
+        self, plan: RoutingPlan, route, before: list[int] | None, checked: bool, esize: int = 4
     ) -> CommStats:
         P, me, row = self.group.size, self.group.rank, self.ctx.config.hidden_size
         dropped = plan.kept_TK.numel() - plan.order_N.numel()
@@ -156,7 +158,9 @@ class TaskflowStrategy(MoEStrategy):
         channel = self.runtime.channel
         assert channel is not None
         puts_P = [a - b for a, b in zip(channel.puts_P, before or [0] * P)]
-        meta_P = [0 if p == me else 16 + (8 + e * 8 if route is not None else 0) for p in range(P)]
+        meta_P = [0 if p == me else 16 + (e * 8 if route is not None else 0) for p in range(P)]
+        if checked:  # this step also ran the plan fingerprint all-gather
+            meta_P = [m + (0 if p == me else 8) for p, m in enumerate(meta_P)]
         meta_P = [m + n * channel.header_bytes for m, n in zip(meta_P, puts_P)]
         peer = self.peer_bytes(sent_P, recv_P, row * esize)
         return CommStats(
@@ -164,6 +168,6 @@ class TaskflowStrategy(MoEStrategy):
             combine_bytes=self.off_rank(recv_P) * row * esize,
             meta_bytes=sum(meta_P),
             dropped_rows=dropped,
-            collectives=(3 if route is not None else 1) + sum(puts_P),
+            collectives=(2 if route is not None else 1) + int(checked) + sum(puts_P),
             peer_bytes_P=tuple(a + b for a, b in zip(peer, meta_P)),
         )

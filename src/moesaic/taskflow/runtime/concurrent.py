@@ -13,8 +13,8 @@ layout, its incoming cells ordered (expert, source rank, slot) as the plans' row
 
 A step (``forward`` / ``backward``):
 
-1. the sequential executor's checks (``check_step``: direction, validation, the world's plan
-   fingerprint) and routing offsets (``step_routing``: one all-to-all of slot counts, which also
+1. the sequential executor's checks (``check_step``: direction, validation, and on a bucket's
+   first step the world's plan fingerprint) and routing offsets (``step_routing``: one all-to-all of slot counts, which also
    fences steps: no rank puts step n+1 rows before every rank finished step n);
 2. remote writes that carry no valid row this step are signalled locally at once (both sides
    know it from the counts), and the channel starts receiving exactly the other puts;
@@ -170,6 +170,7 @@ class TaskflowRuntime:
         self._plans: dict[ShapeBucket, tuple[Plan, Plan]] = {}
         self._windows: dict[tuple[ShapeBucket, str, torch.dtype, str], _Window] = {}
         self._scratch: dict[tuple, torch.Tensor] = {}
+        self._checked: set[tuple[ShapeBucket, str]] = set()
         self._lock = threading.Lock()
 
     # -- buckets and plans ------------------------------------------------------------------------
@@ -219,13 +220,22 @@ class TaskflowRuntime:
                 self._scratch[key] = ref.new_empty(spec.rows, spec.cols)
             return self._scratch[key]
 
+    def world_checked(self, plan: Plan) -> bool:
+        """Whether ``plan``'s world check (fingerprint all-gather) already ran on every rank."""
+        return (plan.bucket, plan.direction) in self._checked
+
     def window_bytes(self) -> int:
         """Bytes of every receive window allocated so far."""
         return sum(w.data.numel() * w.data.element_size() for w in self._windows.values())
 
     # -- steps ------------------------------------------------------------------------------------
     def _run(self, plan, inputs, routing, direction):
-        group = check_step(plan, self.group, self.timeout_s, direction)
+        # The world check (an all-gather of plan fingerprints) runs on a bucket's first step
+        # only: every rank reaches that step together (the bucket is agreed by all of them).
+        key = (plan.bucket, direction)
+        group = check_step(plan, self.group, self.timeout_s, direction,
+                           world_checked=key in self._checked)  # fmt: skip
+        self._checked.add(key)
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
         window = self.window(plan, ref.dtype, ref.device)
 

@@ -296,16 +296,26 @@ def _check_world_plan(plan: Plan, group: EPGroup) -> None:
         )
 
 
-def check_step(plan: Plan, group: EPGroup | None, timeout_s: float, direction: str) -> EPGroup:
+def check_step(
+    plan: Plan,
+    group: EPGroup | None,
+    timeout_s: float,
+    direction: str,
+    *,
+    world_checked: bool = False,
+) -> EPGroup:
     """Before a step of any executor: the direction, the plan validated (once per plan object)
-    and every rank of the group on a plan of the same world and direction; returns the group."""
+    and, unless ``world_checked`` (the caller already ran this check for this plan on every
+    rank at the same step), every rank of the group on a plan of the same world and direction
+    (one all-gather); returns the group."""
     if plan.direction != direction:
         raise ValueError(
             f"plan is a {plan.direction} plan; run_{direction} needs a {direction} one"
         )
     ensure_validated(plan)  # never run an unvalidated plan; a validated one is checked once
     group = group or EPGroup(None, timeout_s)
-    _check_world_plan(plan, group)
+    if not world_checked:
+        _check_world_plan(plan, group)
     return group
 
 
