@@ -57,14 +57,14 @@ from moesaic.taskflow.microbench import (
     swiglu_add_schedule,
 )
 from moesaic.taskflow.plan import Schedule, TaskGraph
-from moesaic.taskflow.runtime.executors import make_counters
+from moesaic.taskflow.runtime.executors import static_program
 from moesaic.taskflow.tasks import TaskDescriptor
 from moesaic.trace import Recorder, write_chrome_trace
 
 OUT = Path(__file__).parent / "results" / "taskflow_sched.json"
 Launch = Callable[[TaskDescriptor], None]
-# (executor, processors); "static_fast" is the prototype below, not a library executor
-EXECUTOR_RUNS = (("static", 1), ("static_fast", 1), ("dynamic", 1), ("dynamic", 2))
+# (executor, processors)
+EXECUTOR_RUNS = (("static", 1), ("dynamic", 1), ("dynamic", 2))
 
 
 def machine_facts() -> dict:
@@ -132,45 +132,13 @@ def _stats(xs: list[float], scale: float = 1.0) -> dict:
     return {"median": statistics.median(xs) * scale, "min": min(xs) * scale, "max": max(xs) * scale}
 
 
-RATIOS = (("static", "dynamic_p1"), ("static", "dynamic_p2"), ("static_fast", "dynamic_p1"))
+RATIOS = (("static", "dynamic_p1"), ("static", "dynamic_p2"))
 
 
-def static_fast_prototype(graph: TaskGraph, schedule: Schedule, launch: Launch) -> None:
-    """PROTOTYPE, measured beside ``run_static`` for what its per-task cost could still lose:
-    the same loop (one thread per queue, compiled order, unchecked bump), but a complete
-    event is seen without taking the counters' lock (a read of the count list: atomic under
-    the GIL, and counts only go up, so a stale read only sends the task to the locked wait),
-    and no per-task clock read or helper call. Reads ``EventCounters`` internals (``_counts``,
-    ``_cond``); no error path: a benchmark-only sketch, not an executor."""
-    counters = make_counters(graph, 0)
-    counts, cond, tasks = counters._counts, counters._cond, graph.tasks
-    thresholds = [ev.threshold for ev in graph.events]
-
-    def work(uids: tuple[int, ...]) -> None:
-        for uid in uids:
-            t = tasks[uid]
-            ev = t.dependent_event
-            if ev >= 0 and counts[ev] < thresholds[ev]:
-                counters.wait(ev, thresholds[ev], 60.0)
-            launch(t)
-            for ref in t.trigger_events:
-                with cond:
-                    counts[ref.event] += 1
-                    cond.notify_all()
-
-    threads = [threading.Thread(target=work, args=(q,)) for _, q in schedule.queues[1:]]
-    for th in threads:
-        th.start()
-    work(schedule.queues[0][1])
-    for th in threads:
-        th.join()
-
-
-def run_executor(ex: str, p: int, graph: TaskGraph, sched: Schedule, launch: Launch) -> None:
-    if ex == "static_fast":
-        static_fast_prototype(graph, sched, launch)
-    else:
-        run_graph(ex, graph, sched, launch, processors=p)
+def run_executor(
+    ex: str, p: int, graph: TaskGraph, sched: Schedule, launch: Launch, program: object = None
+) -> None:
+    run_graph(ex, graph, sched, launch, processors=p, program=program)
 
 
 def _name(ex: str, p: int) -> str:
@@ -178,13 +146,11 @@ def _name(ex: str, p: int) -> str:
 
 
 def _print_overhead(what: str, row: dict) -> None:
-    us = {k: row[k]["overhead_us"]["median"] for k in ("static", "static_fast", "dynamic_p1",
-                                                         "dynamic_p2")}  # fmt: skip
+    us = {k: row[k]["overhead_us"]["median"] for k in ("static", "dynamic_p1", "dynamic_p2")}
     print(
-        f"a) {what}: us/task static {us['static']:.2f} (fast {us['static_fast']:.2f}), dynamic "
-        f"p1 {us['dynamic_p1']:.2f}, p2 {us['dynamic_p2']:.2f}; static/dynamic_p1 "
-        f"{row['static_over_dynamic_p1']['median']:.3f}, fast/dynamic_p1 "
-        f"{row['static_fast_over_dynamic_p1']['median']:.3f}",
+        f"a) {what}: us/task static {us['static']:.2f}, dynamic p1 {us['dynamic_p1']:.2f}, "
+        f"p2 {us['dynamic_p2']:.2f}; static/dynamic_p1 "
+        f"{row['static_over_dynamic_p1']['median']:.3f}",
         flush=True,
     )
 
@@ -198,13 +164,14 @@ def overhead_point(size: int, tasks: int, rounds: int) -> dict:
     sched = swiglu_add_schedule(graph, "interleaved")
     real = make_launch(graph, make_buffers(shape)) if size else noop_launch
     n = len(graph.tasks)
+    program = static_program(graph, sched, 0)  # compiled once, as a plan's is
     per: dict[str, dict[str, list[float]]] = {}
     for k in range(rounds + 1):  # round 0 warms up
         for j in range(len(EXECUTOR_RUNS)):
             ex, p = EXECUTOR_RUNS[(j + k) % len(EXECUTOR_RUNS)]
             launch = TimedLaunch(real) if size else real
             gc.collect()
-            wall = _timed(functools.partial(run_executor, ex, p, graph, sched, launch))
+            wall = _timed(functools.partial(run_executor, ex, p, graph, sched, launch, program))
             inside = sum(launch.times) if isinstance(launch, TimedLaunch) else 0.0
             if k:
                 d = per.setdefault(_name(ex, p), {})
@@ -240,12 +207,15 @@ def chain_point(tasks: int, rounds: int) -> dict:
     """Part a on a dependency chain with a no-op launch: every task is released by the one
     before it, so the dynamic executor pays its Scheduler and Processor hand-offs per task."""
     graph, sched = chain_graph(tasks)
+    program = static_program(graph, sched, 0)
     per: dict[str, list[float]] = {}
     for k in range(rounds + 1):  # round 0 warms up
         for j in range(len(EXECUTOR_RUNS)):
             ex, p = EXECUTOR_RUNS[(j + k) % len(EXECUTOR_RUNS)]
             gc.collect()
-            wall = _timed(functools.partial(run_executor, ex, p, graph, sched, noop_launch))
+            wall = _timed(
+                functools.partial(run_executor, ex, p, graph, sched, noop_launch, program)
+            )
             if k:
                 per.setdefault(_name(ex, p), []).append(wall / tasks)
     row: dict = {"graph": "chain", "rows_per_task": "no-op", "tasks": tasks}
@@ -430,8 +400,8 @@ def main() -> None:
             "overhead": "(wall - time inside the launches) / tasks; no-op and chain: wall / tasks",
             "dynamic_p2": "2 processors run launches at once on the 2 cores, so wall - launch "
             "time is not an overhead there (it goes negative); its wall time is in wall_ms",
-            "static_fast": "a prototype loop in this script (static_fast_prototype), not an "
-            "executor of the library",
+            "static_program": "the static executor reads a per-queue program built once per "
+            "graph (static_program), as the layer's runtime keeps one per plan",
             "order_distance": "mean positions between SwiGLU tile i and Add tile i in the "
             "executed order: 1 = interleaved, tiles = serial",
         },

@@ -153,6 +153,12 @@ class EventCounters:
         for callback in self._listeners:
             callback(event, count)
 
+    @property
+    def counts_view(self) -> list[int]:
+        """The live counts (read-only by contract): executors read a count without the lock,
+        which is safe because counts only go up; wait with :meth:`wait` when it is short."""
+        return self._counts
+
     def count(self, event: int) -> int:
         """The current count of ``event``."""
         with self._cond:

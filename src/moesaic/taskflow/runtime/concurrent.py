@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -45,7 +46,14 @@ from moesaic.taskflow.bucket import CompileOptions, ShapeBucket, slot_rows_for
 from moesaic.taskflow.compile import compile_plan
 from moesaic.taskflow.moe_graphs import TASK_TYPES
 from moesaic.taskflow.plan import Plan
-from moesaic.taskflow.runtime.executors import EXECUTORS, make_counters, run_dynamic, run_static
+from moesaic.taskflow.runtime.executors import (
+    EXECUTORS,
+    StaticProgram,
+    make_counters,
+    run_dynamic,
+    run_static,
+    static_program,
+)
 from moesaic.taskflow.runtime.handlers import HANDLERS
 from moesaic.taskflow.runtime.sequential import (
     SAVED,
@@ -171,6 +179,7 @@ class TaskflowRuntime:
         self._windows: dict[tuple[ShapeBucket, str, torch.dtype, str], _Window] = {}
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._checked: set[tuple[ShapeBucket, str]] = set()
+        self._up: tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor] | None = None
         self._lock = threading.Lock()
 
     # -- buckets and plans ------------------------------------------------------------------------
@@ -220,6 +229,18 @@ class TaskflowRuntime:
                 self._scratch[key] = ref.new_empty(spec.rows, spec.cols)
             return self._scratch[key]
 
+    def _w_up(self, w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[w1 | w3]`` ([e, H, 2F]), rebuilt only when a weight changed (in-place optimizer
+        steps bump the version counters)."""
+        key = (w1._version, w3._version, dtype)
+        with self._lock:
+            up = self._up
+            # the tensors themselves are kept (not their addresses), so identity is exact
+            if up is None or up[0] is not w1 or up[1] is not w3 or up[2] != key:
+                cat = torch.cat([w1.detach(), w3.detach()], dim=2).to(dtype)
+                up = self._up = (w1, w3, key, cat)
+            return up[3]
+
     def world_checked(self, plan: Plan) -> bool:
         """Whether ``plan``'s world check (fingerprint all-gather) already ran on every rank."""
         return (plan.bucket, plan.direction) in self._checked
@@ -253,14 +274,19 @@ class TaskflowRuntime:
         bufs = make_buffers(plan, inputs, ref, work)
         route: StepRouting = step_routing(plan, routing, group)  # also the step fence
         step = _Step(plan, bufs, route, window, self.channel)
+        if "w3" in inputs:  # [w1 | w3] once per weight version, shared by forward and backward
+            step.memo["w_up"] = self._w_up(inputs["w1"], inputs["w3"], ref.dtype)
         counters = make_counters(plan.graph, plan.rank)
         expected = step.expected_puts(counters)
         if self.channel is not None:
             self.channel.begin(window.data, counters, expected, self.recorder)
         try:
             if self.executor == "static":
+                program = plan.memo("static_program", lambda p: static_program(
+                    p.graph, p.schedule, p.rank))  # fmt: skip
                 run_static(plan.graph, plan.schedule, plan.rank, step.launch, counters,
-                           timeout_s=self.timeout_s, recorder=self.recorder)  # fmt: skip
+                           timeout_s=self.timeout_s, recorder=self.recorder,
+                           program=cast(StaticProgram, program))  # fmt: skip
             else:
                 run_dynamic(plan.graph, plan.schedule, plan.rank, step.launch, counters,
                             processors=self.processors, timeout_s=self.timeout_s,

@@ -38,7 +38,7 @@ from moesaic.taskflow.plan import Schedule, TaskGraph
 from moesaic.taskflow.tasks import TaskDescriptor
 from moesaic.trace import Recorder
 
-__all__ = ["EXECUTORS", "make_counters", "run_dynamic", "run_static"]
+__all__ = ["EXECUTORS", "make_counters", "run_dynamic", "run_static", "static_program"]
 
 EXECUTORS = ("static", "dynamic")
 Launch = Callable[[TaskDescriptor], None]
@@ -77,6 +77,26 @@ def _bump_local(counters: EventCounters, task: TaskDescriptor, rank: int) -> Non
             counters.bump_unchecked(ref.event)
 
 
+StaticProgram = tuple[tuple[str, tuple[tuple[TaskDescriptor, int, int, tuple[int, ...]], ...]], ...]
+
+
+def static_program(graph: TaskGraph, schedule: Schedule, rank: int) -> StaticProgram:
+    """What the static workers read, per queue: ``(task, waited event, its threshold, this
+    rank's triggered events)`` in order. Built once per plan (``Plan.memo``) and passed to
+    :func:`run_static`, so the per-task loop does no lookups."""
+    thresholds = [ev.threshold for ev in graph.events]
+    out = []
+    for name, uids in schedule.queues:
+        steps = []
+        for uid in uids:
+            t = graph.tasks[uid]
+            ev = t.dependent_event
+            trig = tuple(r.event for r in t.trigger_events if r.rank == rank)
+            steps.append((t, ev, thresholds[ev] if ev >= 0 else 0, trig))
+        out.append((name, tuple(steps)))
+    return tuple(out)
+
+
 def run_static(
     graph: TaskGraph,
     schedule: Schedule,
@@ -86,6 +106,7 @@ def run_static(
     *,
     timeout_s: float = 60.0,
     recorder: Recorder | None = None,
+    program: StaticProgram | None = None,
 ) -> None:
     """Run every queue of ``schedule`` on its own worker, each in its compiled order.
 
@@ -97,35 +118,45 @@ def run_static(
         counters: the run's event counters (fresh, or reset, per run).
         timeout_s: bound on every wait for an event.
         recorder: records one span per task on the lane named after its queue.
+        program: ``static_program(graph, schedule, rank)``, when the caller keeps it.
     """
     check_positive("timeout_s", timeout_s)
-    tasks, thresholds = graph.tasks, [ev.threshold for ev in graph.events]
+    program = program or static_program(graph, schedule, rank)
     failures = _Failures(counters)
     record = recorder is not None and recorder.enabled
+    counts = counters.counts_view  # read without the lock: counts only go up
+    wait, bump = counters.wait_unchecked, counters.bump_unchecked
 
-    def work(name: str, uids: tuple[int, ...]) -> None:
+    def work(name: str, steps) -> None:
         try:
-            for uid in uids:
-                t = tasks[uid]
-                if t.dependent_event >= 0:
-                    ev = t.dependent_event
-                    counters.wait_unchecked(ev, thresholds[ev], timeout_s)
-                start = time.perf_counter()
+            if record:
+                clock = time.perf_counter
+                for t, ev, thr, trig in steps:
+                    if ev >= 0 and counts[ev] < thr:
+                        wait(ev, thr, timeout_s)
+                    start = clock()
+                    launch(t)
+                    recorder.add(name, t.label, start, clock(), uid=t.uid)  # type: ignore[union-attr]
+                    for e in trig:
+                        bump(e)
+                return
+            for t, ev, thr, trig in steps:  # the hot loop: a list read, the task, the bumps
+                if ev >= 0 and counts[ev] < thr:
+                    wait(ev, thr, timeout_s)
                 launch(t)
-                if record:
-                    recorder.add(name, t.label, start, time.perf_counter(), uid=uid)  # type: ignore[union-attr]
-                _bump_local(counters, t, rank)
+                for e in trig:
+                    bump(e)
         except BaseException as exc:
             failures.add(f"the {name} worker", exc)
 
     threads = [
-        threading.Thread(target=work, args=(name, uids), name=f"moesaic-{name}-{rank}")
-        for name, uids in schedule.queues[1:]
+        threading.Thread(target=work, args=queue, name=f"moesaic-{queue[0]}-{rank}")
+        for queue in program[1:]
     ]
     for th in threads:
         th.start()
-    if schedule.queues:
-        work(*schedule.queues[0])
+    if program:
+        work(*program[0])
     for th in threads:
         th.join()
     failures.raise_first()

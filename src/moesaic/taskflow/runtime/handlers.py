@@ -44,7 +44,7 @@ def _w(run, name: str) -> torch.Tensor:
 
 def _w_up(run, j: int) -> torch.Tensor:
     """``[w1 | w3]`` of local expert j ([H, A]); just w1 for GELU. Concatenated once per step
-    (``run.memo``), not once per tile."""
+    (``run.memo``; a runtime may seed it with a copy it keeps across steps), not per tile."""
     if "w3" not in run.bufs:
         return _w(run, "w1")[j]
     up = run.memo.get("w_up")
@@ -210,11 +210,9 @@ def gmm_w1_grad(run, t) -> None:
     for j, segs in _expert_segments(run, t, "x_recv"):
         if dw3 is None:
             _weight_grad(x, dh, segs, dw1[j])
-            continue
-        dw = x.new_empty(x.shape[1], dh.shape[1])
-        _weight_grad(x, dh, segs, dw)
-        dw1[j] = dw[:, :Fh]
-        dw3[j] = dw[:, Fh:]
+        else:  # straight into each gradient (strided columns of dh): no [H, 2F] copy
+            _weight_grad(x, dh[:, :Fh], segs, dw1[j])
+            _weight_grad(x, dh[:, Fh:], segs, dw3[j])
 
 
 def sum_combine(run, t) -> None:
