@@ -80,6 +80,8 @@ def worker(rank: int, world: int, steps: int, trace: bool, tile: int) -> dict[st
 
     torch.set_num_threads(1)
     retain_freed_memory()  # no page faults per step for any variant (bench/allocator.py)
+    if os.environ.get("MOESAIC_SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["MOESAIC_SWITCH_INTERVAL"]))
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(TOKENS, H, generator=gen)
     g = torch.randn(TOKENS, H, generator=gen)
@@ -189,7 +191,9 @@ def summarize(gbps: float, world: int, per_rank: list[dict[str, Any]]) -> dict[s
 
 def _table(rows: list[dict[str, Any]]) -> str:
     out = [
-        "Gbit/s | dropless ms | static ms (x) | dynamic ms (x) | compute | comm (share) | bound ms (x)"
+        "Gbit/s | dropless ms | static ms (x) | static kernel-order ms (x) | dynamic ms (x) | "
+        "compute | comm (share) | bound ms (x) | CPU ms/step rank 0: dropless, static, dynamic, "
+        "compute"
     ]
     for r in rows:
         m, s = r["median_s"], r["speedup_vs_dropless"]

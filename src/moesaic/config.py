@@ -69,7 +69,8 @@ class MoEConfig:
             are a power-of-two number of tiles).
         taskflow_pipeline: compile ``taskflow`` plans with the list-scheduled queue order
             (``CompileOptions.pipeline``: GMM2 and combine tiles start while GMM1 tiles remain)
-            instead of the kernel-by-kernel order.
+            instead of the kernel-by-kernel order. Off by default: on the emulated CPU cluster
+            it measured 3-5% slower (benchmarks/results/taskflow_cluster.json).
     """
 
     hidden_size: int
@@ -92,7 +93,7 @@ class MoEConfig:
     shared_expert_every: int = 1
     taskflow_executor: str = "static"
     taskflow_tile_m: int = 128
-    taskflow_pipeline: bool = True
+    taskflow_pipeline: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int("hidden_size", self.hidden_size)

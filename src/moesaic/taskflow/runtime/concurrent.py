@@ -89,7 +89,7 @@ class _Window:
 def _window(plan: Plan, dtype: torch.dtype, device: torch.device) -> _Window:
     offsets, off = {}, 0
     for spec in plan.buffers:
-        if spec.name in RECEIVE_BUFFERS:
+        if spec.name in RECEIVE_BUFFERS and spec.kind != "input":  # not the saved copies
             offsets[spec.name] = (off, spec.rows, spec.cols)
             off += spec.rows * spec.cols
     return _Window(data=torch.zeros(max(off, 1), dtype=dtype, device=device), offsets=offsets)
