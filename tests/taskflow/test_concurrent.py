@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from test_taskflow_exec import CASES, Case, _cfg, _data, check_against_reference
+from test_taskflow_exec import CASES, Case, _cfg, _data, check_against_reference, two_rank_inputs
 
 from moesaic.comm.collectives import CollectiveError, EPGroup
 from moesaic.placement import ExpertPlacement
@@ -84,15 +84,7 @@ def error_world(rank: int, world: int) -> dict[str, str]:
     """A step that does not fit the bucket; then a peer that dies in the middle of a plan."""
     torch.set_num_threads(1)
     group = EPGroup(None, timeout_s=60)
-    c = CASES[0]
-    d = _data(c)
-    x = d["x"][rank * 12 : (rank + 1) * 12]
-    router = Router(_cfg(c))
-    with torch.no_grad():
-        router.weight.copy_(d["router"])
-    routing, _ = router(x, ExpertPlacement.contiguous(E, 2))
-    w = (d["w1"][rank * 4 : rank * 4 + 4], d["w2"][rank * 4 : rank * 4 + 4],
-         d["w3"][rank * 4 : rank * 4 + 4])  # fmt: skip
+    x, routing, w = two_rank_inputs(CASES[0], rank)
     rt = TaskflowRuntime(group, tile_m=1, timeout_s=2.0)
     out = {}
     small = ShapeBucket(tokens=12, hidden=H, ffn=F, experts=E, top_k=2, ep_size=2, slot_rows=1,

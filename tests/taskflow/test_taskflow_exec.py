@@ -170,12 +170,8 @@ def taskflow_world(rank: int, world: int) -> dict:
     return results
 
 
-def _error_paths(rank: int, group: EPGroup, tmp: Path) -> dict[str, str]:
-    """Plans compiled with different options on the two ranks; then a peer that never sends."""
-    c = CASES[0]
-    b = ShapeBucket(tokens=N // 2, hidden=H, ffn=F, experts=E, top_k=2, ep_size=2,
-                    slot_rows=N, tile_m=4)  # fmt: skip
-    plan = compile_plan(b, "forward", rank, CompileOptions(ratr=rank == 0))
+def two_rank_inputs(c: Case, rank: int):
+    """This rank's half of case ``c``'s tokens at EP = 2: tokens, routing, local weights."""
     d = _data(c)
     x = d["x"][rank * 12 : (rank + 1) * 12]
     router = Router(_cfg(c))
@@ -184,6 +180,16 @@ def _error_paths(rank: int, group: EPGroup, tmp: Path) -> dict[str, str]:
     routing, _ = router(x, ExpertPlacement.contiguous(E, 2))
     w = (d["w1"][rank * 4 : rank * 4 + 4], d["w2"][rank * 4 : rank * 4 + 4],
          d["w3"][rank * 4 : rank * 4 + 4])  # fmt: skip
+    return x, routing, w
+
+
+def _error_paths(rank: int, group: EPGroup, tmp: Path) -> dict[str, str]:
+    """Plans compiled with different options on the two ranks; then a peer that never sends."""
+    c = CASES[0]
+    b = ShapeBucket(tokens=N // 2, hidden=H, ffn=F, experts=E, top_k=2, ep_size=2,
+                    slot_rows=N, tile_m=4)  # fmt: skip
+    plan = compile_plan(b, "forward", rank, CompileOptions(ratr=rank == 0))
+    x, routing, w = two_rank_inputs(c, rank)
     out = {}
     try:
         run_forward(plan, x, routing, *w, group=group)

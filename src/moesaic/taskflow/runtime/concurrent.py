@@ -62,6 +62,7 @@ from moesaic.taskflow.runtime.sequential import (
     StepRouting,
     StepRows,
     check_step,
+    expert_inputs,
     make_buffers,
     step_routing,
 )
@@ -312,9 +313,7 @@ class TaskflowRuntime:
     ) -> ForwardResult:
         """One forward step (like ``run_forward``); the saved activations are copies, so the
         window is free for the next step before this one's backward."""
-        inputs = {"x_TH": x_TH, "w1": w1_eHF, "w2": w2_eFH}
-        if w3_eHF is not None:
-            inputs["w3"] = w3_eHF
+        inputs = {"x_TH": x_TH, **expert_inputs(plan, w1_eHF, w2_eFH, w3_eHF)}
         bufs, route = self._run(plan, inputs, routing, "forward")
         saved = {k: bufs[k].clone() if k in RECEIVE_BUFFERS else bufs[k] for k in SAVED}
         return ForwardResult(y_TH=bufs["y_TH"], saved=saved, trace=[], route=route)
@@ -330,17 +329,6 @@ class TaskflowRuntime:
         w3_eHF: torch.Tensor | None = None,
     ) -> BackwardResult:
         """One backward step (like ``run_backward``)."""
-        inputs = {"dy_TH": dy_TH, "w1": w1_eHF, "w2": w2_eFH, **saved}
-        if w3_eHF is not None:
-            inputs["w3"] = w3_eHF
+        inputs = {"dy_TH": dy_TH, **expert_inputs(plan, w1_eHF, w2_eFH, w3_eHF), **saved}
         bufs, _ = self._run(plan, inputs, routing, "backward")
-        b = plan.bucket
-        e, H, F = b.local_experts, b.hidden, b.ffn
-        return BackwardResult(
-            dx_TH=bufs["dx_TH"],
-            dtopk_weights_TK=bufs["dtopk_TK"],
-            dw1_eHF=bufs["dw1"].view(e, H, F),
-            dw3_eHF=bufs["dw3"].view(e, H, F) if "dw3" in bufs else None,
-            dw2_eFH=bufs["dw2"].view(e, F, H),
-            trace=[],
-        )
+        return BackwardResult.from_buffers(plan, bufs, [])

@@ -376,8 +376,25 @@ class BackwardResult:
     dw2_eFH: torch.Tensor
     trace: list[int]
 
+    @classmethod
+    def from_buffers(
+        cls, plan: Plan, bufs: dict[str, torch.Tensor], trace: list[int]
+    ) -> BackwardResult:
+        """The gradients in a backward plan's output buffers, shaped per expert."""
+        b = plan.bucket
+        e, H, F = b.local_experts, b.hidden, b.ffn
+        return cls(
+            dx_TH=bufs["dx_TH"],
+            dtopk_weights_TK=bufs["dtopk_TK"],
+            dw1_eHF=bufs["dw1"].view(e, H, F),
+            dw3_eHF=bufs["dw3"].view(e, H, F) if "dw3" in bufs else None,
+            dw2_eFH=bufs["dw2"].view(e, F, H),
+            trace=trace,
+        )
 
-def _weights(plan, w1_eHF, w2_eFH, w3_eHF):
+
+def expert_inputs(plan, w1_eHF, w2_eFH, w3_eHF):
+    """The plan's weight inputs by buffer name (w3 required for a SwiGLU plan)."""
     ws = {"w1": w1_eHF, "w2": w2_eFH}
     if plan.bucket.activation == "swiglu":
         if w3_eHF is None:
@@ -408,7 +425,7 @@ def run_forward(
         group: the expert-parallel group (None: a single process).
         timeout_s: bound on every wait for a peer.
     """
-    inputs = {"x_TH": x_TH, **_weights(plan, w1_eHF, w2_eFH, w3_eHF)}
+    inputs = {"x_TH": x_TH, **expert_inputs(plan, w1_eHF, w2_eFH, w3_eHF)}
     bufs, trace = _execute(plan, inputs, routing, group, timeout_s, "forward")
     return ForwardResult(y_TH=bufs["y_TH"], saved={k: bufs[k] for k in SAVED}, trace=trace)
 
@@ -431,15 +448,6 @@ def run_backward(
     lets the caller finish the router's backward with autograd
     (``topk_weights_TK.backward(dtopk_weights_TK)``).
     """
-    inputs = {"dy_TH": dy_TH, **_weights(plan, w1_eHF, w2_eFH, w3_eHF), **saved}
+    inputs = {"dy_TH": dy_TH, **expert_inputs(plan, w1_eHF, w2_eFH, w3_eHF), **saved}
     bufs, trace = _execute(plan, inputs, routing, group, timeout_s, "backward")
-    b = plan.bucket
-    e, H, F = b.local_experts, b.hidden, b.ffn
-    return BackwardResult(
-        dx_TH=bufs["dx_TH"],
-        dtopk_weights_TK=bufs["dtopk_TK"],
-        dw1_eHF=bufs["dw1"].view(e, H, F),
-        dw3_eHF=bufs["dw3"].view(e, H, F) if "dw3" in bufs else None,
-        dw2_eFH=bufs["dw2"].view(e, F, H),
-        trace=trace,
-    )
+    return BackwardResult.from_buffers(plan, bufs, trace)
