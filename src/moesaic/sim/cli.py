@@ -4,8 +4,9 @@
 (:class:`moesaic.sim.model.ModelSpec`) and optionally a profile (``calibrate``'s JSON), and
 prints one iteration's summary per strategy (``--strategy all``: one row each); ``--json``
 prints one JSON object (a list for ``all``). ``calibrate`` measures this machine's matmul rate
-and op overhead (torch, under a second) and writes a profile; ``--links`` takes the link
-figures from a cluster check result (measured there: this command does not build networks).
+and op overhead (torch, under a second) and writes a profile; ``--cluster`` brings the emulated
+cluster up and measures its links (:mod:`moesaic.sim.calibrate`, needs root), ``--links`` takes
+the link figures from a committed cluster check result instead (no network is built).
 Torch-free but for ``calibrate`` and ``--png`` (matplotlib).
 """
 
@@ -24,6 +25,7 @@ examples:
   moesaic simulate --cluster examples/clusters/hybridep_2dc.toml \\
       --model examples/models/hybridep_small.toml --strategy hybrid --json --trace t.json
   moesaic calibrate --out profile.json --links benchmarks/results/cluster_check.json
+  sudo moesaic calibrate --out profile.json --cluster examples/clusters/flowmoe_2rank.toml
 """
 
 
@@ -58,10 +60,18 @@ def add_subparser(subparsers) -> None:
     c = subparsers.add_parser(
         "calibrate",
         help="measure this machine into a simulator profile",
-        description="Measure matmul FLOP/s and op overhead; take links from a cluster check.",
+        description="Measure matmul FLOP/s and op overhead, and the links of an emulated "
+        "cluster (--cluster, needs root) or take them from a cluster check result (--links).",
     )
     c.add_argument("--out", required=True, metavar="FILE.json", help="profile to write")
-    c.add_argument("--links", metavar="CHECK.json", help="cluster_check result (links)")
+    links = c.add_mutually_exclusive_group()
+    links.add_argument("--cluster", metavar="FILE.toml",
+                       help="emulate this cluster and measure its links (root)")  # fmt: skip
+    links.add_argument("--links", metavar="CHECK.json", help="cluster_check result (links)")
+    c.add_argument("--duration-s", type=float, default=0.3,
+                   help="--cluster: seconds per bandwidth transfer (default 0.3)")  # fmt: skip
+    c.add_argument("--no-floor", action="store_true",
+                   help="--cluster: skip the unshaped pair (floor_s = 0)")  # fmt: skip
     c.add_argument("--size", type=int, default=512, help="matmul size (default 512)")
     c.set_defaults(func=run_calibrate)
 
@@ -129,10 +139,28 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     measured = measure(args.size)
     floor_s, scale, source = 0.0, 1.0, f"measured matmul {args.size}^3 here; links as specified"
+    links: tuple[Any, ...] = ()
     if args.links:
         floor_s, scale = _load("links", args.links, links_from_cluster_check)
         source = f"measured matmul {args.size}^3 here; links from {args.links}"
-    profile = Profile(**measured, floor_s=floor_s, bandwidth_scale=scale, source=source)
+    elif args.cluster:
+        from moesaic.cluster.spec import ClusterSpec
+        from moesaic.sim.calibrate import measure_links
+
+        spec = _load("cluster", args.cluster, ClusterSpec.from_toml)
+        cal = measure_links(spec, duration_s=args.duration_s, floor=not args.no_floor)
+        floor_s, scale, links = cal.floor_s, cal.bandwidth_scale, cal.links
+        floor = "no floor" if args.no_floor else "floor from an unshaped pair"
+        source = (
+            f"measured matmul {args.size}^3 here; links measured on the emulated "
+            f"{args.cluster} ({floor})"
+        )
+        for name, c in cal.collectives.items():
+            print(f"{name}: median {c['median_s'] * 1e3:.2f} ms, link-load bound "
+                  f"{c['bound_s'] * 1e3:.2f} ms ({c['bound_s'] / c['median_s']:.2f} of it)")  # fmt: skip
+    profile = Profile(
+        **measured, floor_s=floor_s, bandwidth_scale=scale, source=source, links=links
+    )
     profile.save(args.out)
     print(json.dumps(profile.to_dict()))
     return 0

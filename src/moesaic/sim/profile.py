@@ -7,10 +7,13 @@ measured and what is taken from elsewhere:
   this machine's CPU (one process, the threads torch uses), or a GPU's when one is present;
 * ``task_overhead_s``: measured, the time of a tiny matmul op times the ops a stage runs
   (``OPS_PER_TASK``): framework cost a FLOP count does not see;
-* ``floor_s``: the latency floor of one collective step; from a cluster check's measurement
-  (``--links benchmarks/results/cluster_check.json``: the unshaped loopback latency) or 0;
-* ``bandwidth_scale``: the links' measured share of their configured rate (the same file's
-  per-level bandwidth errors, averaged), or 1.0: the spec's figures.
+* ``floor_s``: the latency floor of one collective step: the one-way latency of an unshaped
+  pair of emulated ranks (100 Gbit/s, 0 ms), measured by ``calibrate --cluster`` (see
+  :mod:`moesaic.sim.calibrate`) or read from a cluster check result (``--links``), else 0;
+* ``bandwidth_scale``: the links' measured share of their configured rate (the median over the
+  levels of measured / configured bandwidth), or 1.0: the spec's figures;
+* ``links``: with ``--cluster``, every level's configured and measured bandwidth and latency
+  (:class:`LinkLevel`), kept as measured; the simulation uses their median share and the floor.
 
 Torch-free but for :func:`measure`.
 """
@@ -26,11 +29,43 @@ from typing import Any
 
 from moesaic.checks import check_non_negative, check_positive
 
-__all__ = ["OPS_PER_TASK", "Profile", "links_from_cluster_check", "measure"]
+__all__ = ["OPS_PER_TASK", "LinkLevel", "Profile", "links_from_cluster_check", "measure"]
 
 # Torch ops in one pipeline stage's forward (norm, QKV, split, SDPA, projection, residual,
 # router softmax/top-k, permutation...): counted on models/gpt.py's attention stage (~30).
 OPS_PER_TASK = 30
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LinkLevel:
+    """One level of an emulated cluster as ``calibrate --cluster`` measured it (one rank pair).
+
+    Attributes:
+        level_name: The level's name in the cluster file.
+        configured_bandwidth_gbps: The spec's rate, Gbit/s.
+        measured_bandwidth_gbps: Measured point-to-point rate (two sizes differenced), Gbit/s.
+        configured_latency_ms: The spec's one-way latency, ms.
+        measured_latency_ms: Measured one-way latency (fastest round trip halved), ms.
+    """
+
+    level_name: str
+    configured_bandwidth_gbps: float
+    measured_bandwidth_gbps: float
+    configured_latency_ms: float
+    measured_latency_ms: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.level_name, str) or not self.level_name:
+            raise ValueError("links.level_name must be a non-empty string")
+        check_positive("links.configured_bandwidth_gbps", self.configured_bandwidth_gbps)
+        check_positive("links.measured_bandwidth_gbps", self.measured_bandwidth_gbps)
+        check_non_negative("links.configured_latency_ms", self.configured_latency_ms)
+        check_non_negative("links.measured_latency_ms", self.measured_latency_ms)
+
+    @property
+    def bandwidth_share(self) -> float:
+        """Measured / configured bandwidth."""
+        return self.measured_bandwidth_gbps / self.configured_bandwidth_gbps
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -43,6 +78,7 @@ class Profile:
         floor_s: Latency floor of every collective step, seconds.
         bandwidth_scale: Multiplier of every link's configured bandwidth.
         source: Where the figures come from (free text, kept in results).
+        links: Per-level measurements behind ``bandwidth_scale`` (empty unless measured).
     """
 
     flops_per_s: float
@@ -50,6 +86,7 @@ class Profile:
     floor_s: float = 0.0
     bandwidth_scale: float = 1.0
     source: str = "given"
+    links: tuple[LinkLevel, ...] = ()
 
     def __post_init__(self) -> None:
         check_positive("profile.flops_per_s", self.flops_per_s)
@@ -58,6 +95,10 @@ class Profile:
         check_positive("profile.bandwidth_scale", self.bandwidth_scale)
         if not isinstance(self.source, str):
             raise ValueError("profile.source must be a string")
+        if not isinstance(self.links, tuple) or not all(
+            isinstance(x, LinkLevel) for x in self.links
+        ):
+            raise ValueError("profile.links must be a tuple of LinkLevel")
 
     def compute_s(self, flops: float) -> float:
         """Seconds of one compute task of ``flops``."""
@@ -74,7 +115,16 @@ class Profile:
             raise ValueError(f"profile: unknown field(s) {unknown}; allowed are {allowed}")
         if "flops_per_s" not in data:
             raise ValueError("profile: missing field 'flops_per_s'")
-        return cls(**data)
+        data = dict(data)
+        links = data.pop("links", [])
+        if not isinstance(links, list) or not all(isinstance(x, dict) for x in links):
+            raise ValueError("profile.links must be a list of objects")
+        try:
+            parsed = tuple(LinkLevel(**x) for x in links)
+        except TypeError as exc:
+            allowed = [f.name for f in fields(LinkLevel)]
+            raise ValueError(f"profile.links: {exc}; fields are {allowed}") from None
+        return cls(**data, links=parsed)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

@@ -1,0 +1,102 @@
+"""``moesaic calibrate``'s link figures: the profile's per-level measurements, and a real
+calibration of an emulated pair (marker ``netns``: needs root, ``ip`` and ``tc``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moesaic.cli import main
+from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.cluster.system import support_problem
+from moesaic.sim.calibrate import measure_links
+from moesaic.sim.profile import LinkLevel, Profile
+
+PAIR_TOML = """
+[[levels]]
+name = "node"
+size = 2
+bandwidth_gbps = 0.1
+latency_ms = 2.0
+"""
+
+
+def _link(**kw: object) -> LinkLevel:
+    base = dict(level_name="node", configured_bandwidth_gbps=0.1, measured_bandwidth_gbps=0.09,
+                configured_latency_ms=2.0, measured_latency_ms=2.1)  # fmt: skip
+    return LinkLevel(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_profile_links_round_trip(tmp_path):
+    p = Profile(flops_per_s=1e10, bandwidth_scale=0.9, links=(_link(), _link(level_name="dc")))
+    assert p.links[0].bandwidth_share == pytest.approx(0.9)
+    back = Profile.load(p.save(tmp_path / "p.json"))
+    assert back == p
+    # A profile written before links existed still loads.
+    assert Profile.from_dict({"flops_per_s": 1.0}).links == ()
+
+
+@pytest.mark.parametrize(
+    "links, field",
+    [
+        ({"level_name": "x"}, "profile.links"),  # missing fields
+        ([{"level_name": "n", "bogus": 1}], "profile.links"),  # unknown field
+        (
+            [
+                {
+                    "level_name": "n",
+                    "configured_bandwidth_gbps": 0.0,
+                    "measured_bandwidth_gbps": 1.0,
+                    "configured_latency_ms": 1.0,
+                    "measured_latency_ms": 1.0,
+                }
+            ],
+            "links.configured_bandwidth_gbps",
+        ),  # a zero rate
+    ],
+)
+def test_bad_profile_links_name_the_field(links, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        Profile.from_dict({"flops_per_s": 1.0, "links": links})
+
+
+def test_measure_links_refuses_a_single_rank():
+    one = ClusterSpec(levels=(Level(name="node", size=1, bandwidth_gbps=1.0, latency_ms=1.0),))
+    with pytest.raises(ValueError, match="world_size"):
+        measure_links(one)
+
+
+def test_cluster_and_links_are_exclusive(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--out", str(tmp_path / "p.json"), "--cluster", "a.toml",
+              "--links", "b.json"])  # fmt: skip
+    assert "not allowed with" in capsys.readouterr().err
+
+
+PROBLEM = support_problem(probe=True)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.timeout(120)
+def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
+    """Brings a 100 Mbit/s, 2 ms pair up and measures it (~10 s): the profile holds the level as
+    configured and as measured, and the scale and floor derive from those measurements."""
+    toml = tmp_path / "pair.toml"
+    toml.write_text(PAIR_TOML)
+    out = tmp_path / "p.json"
+    args = ["calibrate", "--out", str(out), "--size", "64", "--cluster", str(toml)]
+    assert main([*args, "--duration-s", "0.2"]) == 0
+    p = Profile.load(out)
+    assert [x.level_name for x in p.links] == ["node"]
+    (link,) = p.links
+    assert (link.configured_bandwidth_gbps, link.configured_latency_ms) == (0.1, 2.0)
+    # The emulator holds 100 Mbit/s and 2 ms within 15% (tests/cluster's accuracy test).
+    assert 0.8 < link.bandwidth_share < 1.2, link
+    assert 1.8 < link.measured_latency_ms < 3.0, link
+    assert p.bandwidth_scale == link.bandwidth_share
+    # The unshaped pair's latency: above 0, well below the shaped 2 ms.
+    assert 0.0 < p.floor_s < 1.5e-3, p.floor_s
+    assert "measured on the emulated" in p.source
+    assert json.loads(out.read_text())["links"][0]["level_name"] == "node"
