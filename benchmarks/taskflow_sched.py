@@ -57,7 +57,7 @@ from moesaic.taskflow.microbench import (
     swiglu_add_schedule,
 )
 from moesaic.taskflow.plan import Schedule, TaskGraph
-from moesaic.taskflow.runtime.executors import static_program
+from moesaic.taskflow.runtime.executors import engine_lanes
 from moesaic.taskflow.tasks import TaskDescriptor
 from moesaic.trace import Recorder, write_chrome_trace
 
@@ -136,9 +136,9 @@ RATIOS = (("static", "dynamic_p1"), ("static", "dynamic_p2"))
 
 
 def run_executor(
-    ex: str, p: int, graph: TaskGraph, sched: Schedule, launch: Launch, program: object = None
+    ex: str, p: int, graph: TaskGraph, sched: Schedule, launch: Launch, lanes: object = None
 ) -> None:
-    run_graph(ex, graph, sched, launch, processors=p, program=program)
+    run_graph(ex, graph, sched, launch, processors=p, lanes=lanes)
 
 
 def _name(ex: str, p: int) -> str:
@@ -164,7 +164,7 @@ def overhead_point(size: int, tasks: int, rounds: int) -> dict:
     sched = swiglu_add_schedule(graph, "interleaved")
     real = make_launch(graph, make_buffers(shape)) if size else noop_launch
     n = len(graph.tasks)
-    program = static_program(graph, sched, 0)  # compiled once, as a plan's is
+    program = engine_lanes(graph, sched, 0)  # compiled once, as a plan's is
     per: dict[str, dict[str, list[float]]] = {}
     for k in range(rounds + 1):  # round 0 warms up
         for j in range(len(EXECUTOR_RUNS)):
@@ -207,7 +207,7 @@ def chain_point(tasks: int, rounds: int) -> dict:
     """Part a on a dependency chain with a no-op launch: every task is released by the one
     before it, so the dynamic executor pays its Scheduler and Processor hand-offs per task."""
     graph, sched = chain_graph(tasks)
-    program = static_program(graph, sched, 0)
+    program = engine_lanes(graph, sched, 0)
     per: dict[str, list[float]] = {}
     for k in range(rounds + 1):  # round 0 warms up
         for j in range(len(EXECUTOR_RUNS)):
@@ -400,8 +400,8 @@ def main() -> None:
             "overhead": "(wall - time inside the launches) / tasks; no-op and chain: wall / tasks",
             "dynamic_p2": "2 processors run launches at once on the 2 cores, so wall - launch "
             "time is not an overhead there (it goes negative); its wall time is in wall_ms",
-            "static_program": "the static executor reads a per-queue program built once per "
-            "graph (static_program), as the layer's runtime keeps one per plan",
+            "engine_lanes": "the static executor runs the event engine's lanes (engine_lanes), "
+            "built once per graph, as the layer's runtime keeps them per plan",
             "order_distance": "mean positions between SwiGLU tile i and Add tile i in the "
             "executed order: 1 = interleaved, tiles = serial",
         },

@@ -269,7 +269,7 @@ def run_graph(
     processors: int = 1,
     timeout_s: float = 60.0,
     recorder: Recorder | None = None,
-    program: object = None,
+    lanes: object = None,
 ) -> None:
     """One run of ``graph`` on the "static" or "dynamic" executor with fresh counters.
 
@@ -281,8 +281,8 @@ def run_graph(
         processors: size of the dynamic executor's processor pool (ignored by "static").
         timeout_s: bound on every wait.
         recorder: records one span per task.
-        program: the static executor's ``static_program(graph, schedule, 0)``, built once by
-            the caller as a compiled plan's is (None: built in this call).
+        lanes: the static executor's ``engine_lanes(graph, schedule, 0)``, built once by the
+            caller as a compiled plan's are (None: built in this call).
     """
     from moesaic.taskflow.runtime.executors import (
         EXECUTORS,
@@ -295,7 +295,7 @@ def run_graph(
     counters = make_counters(graph, 0)
     if executor == "static":
         run_static(graph, schedule, 0, launch, counters, timeout_s=timeout_s, recorder=recorder,
-                   program=program)  # type: ignore[arg-type]  # fmt: skip
+                   lanes=lanes)  # type: ignore[arg-type]  # fmt: skip
     else:
         run_dynamic(graph, schedule, 0, launch, counters, processors=processors,
                     timeout_s=timeout_s, recorder=recorder)  # fmt: skip

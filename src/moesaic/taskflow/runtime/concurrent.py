@@ -48,11 +48,11 @@ from moesaic.taskflow.moe_graphs import TASK_TYPES
 from moesaic.taskflow.plan import Plan
 from moesaic.taskflow.runtime.executors import (
     EXECUTORS,
-    StaticProgram,
+    EngineLanes,
+    engine_lanes,
     make_counters,
     run_dynamic,
     run_static,
-    static_program,
 )
 from moesaic.taskflow.runtime.handlers import HANDLERS
 from moesaic.taskflow.runtime.sequential import (
@@ -283,11 +283,11 @@ class TaskflowRuntime:
             self.channel.begin(window.data, counters, expected, self.recorder)
         try:
             if self.executor == "static":
-                program = plan.memo("static_program", lambda p: static_program(
-                    p.graph, p.schedule, p.rank))  # fmt: skip
+                # the same lanes the sequential executor hands the event engine, kept per plan
+                lanes = plan.memo("lanes", lambda p: engine_lanes(p.graph, p.schedule, p.rank))
                 run_static(plan.graph, plan.schedule, plan.rank, step.launch, counters,
                            timeout_s=self.timeout_s, recorder=self.recorder,
-                           program=cast(StaticProgram, program))  # fmt: skip
+                           lanes=cast(EngineLanes, lanes))  # fmt: skip
             else:
                 run_dynamic(plan.graph, plan.schedule, plan.rank, step.launch, counters,
                             processors=self.processors, timeout_s=self.timeout_s,

@@ -29,16 +29,17 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from moesaic.checks import check_positive, check_positive_int
 from moesaic.comm.collectives import CollectiveError
 from moesaic.comm.onesided import EventCounters
+from moesaic.taskflow.engine import Job, Lane
 from moesaic.taskflow.plan import Schedule, TaskGraph
 from moesaic.taskflow.tasks import TaskDescriptor
 from moesaic.trace import Recorder
 
-__all__ = ["EXECUTORS", "make_counters", "run_dynamic", "run_static", "static_program"]
+__all__ = ["EXECUTORS", "engine_lanes", "make_counters", "run_dynamic", "run_static"]
 
 EXECUTORS = ("static", "dynamic")
 Launch = Callable[[TaskDescriptor], None]
@@ -77,24 +78,26 @@ def _bump_local(counters: EventCounters, task: TaskDescriptor, rank: int) -> Non
             counters.bump_unchecked(ref.event)
 
 
-StaticProgram = tuple[tuple[str, tuple[tuple[TaskDescriptor, int, int, tuple[int, ...]], ...]], ...]
+EngineLanes = tuple[list[Lane[TaskDescriptor]], dict[Hashable, int]]
 
 
-def static_program(graph: TaskGraph, schedule: Schedule, rank: int) -> StaticProgram:
-    """What the static workers read, per queue: ``(task, waited event, its threshold, this
-    rank's triggered events)`` in order. Built once per plan (``Plan.memo``) and passed to
-    :func:`run_static`, so the per-task loop does no lookups."""
-    thresholds = [ev.threshold for ev in graph.events]
-    out = []
+def engine_lanes(graph: TaskGraph, schedule: Schedule, rank: int) -> EngineLanes:
+    """The event engine's lanes of ``graph`` on ``rank`` (``taskflow.engine``): one ``Lane`` per
+    schedule queue, a ``Job`` per task keyed by its uid (``wait``: its dependent event or None;
+    ``triggers``: its events on this rank; other ranks count their own receives), and the
+    thresholds by event id. The sequential executor hands them to ``EventEngine``; the static
+    executor runs each lane on its own thread. Build once per plan (``Plan.memo``)."""
+    lanes = []
     for name, uids in schedule.queues:
-        steps = []
+        jobs = []
         for uid in uids:
             t = graph.tasks[uid]
-            ev = t.dependent_event
+            wait = t.dependent_event if t.dependent_event >= 0 else None
             trig = tuple(r.event for r in t.trigger_events if r.rank == rank)
-            steps.append((t, ev, thresholds[ev] if ev >= 0 else 0, trig))
-        out.append((name, tuple(steps)))
-    return tuple(out)
+            jobs.append(Job(key=uid, task=t, wait=wait, triggers=trig))
+        lanes.append(Lane(name=name, jobs=jobs))
+    thresholds: dict[Hashable, int] = {ev.id: ev.threshold for ev in graph.events}
+    return lanes, thresholds
 
 
 def run_static(
@@ -106,7 +109,7 @@ def run_static(
     *,
     timeout_s: float = 60.0,
     recorder: Recorder | None = None,
-    program: StaticProgram | None = None,
+    lanes: EngineLanes | None = None,
 ) -> None:
     """Run every queue of ``schedule`` on its own worker, each in its compiled order.
 
@@ -118,45 +121,48 @@ def run_static(
         counters: the run's event counters (fresh, or reset, per run).
         timeout_s: bound on every wait for an event.
         recorder: records one span per task on the lane named after its queue.
-        program: ``static_program(graph, schedule, rank)``, when the caller keeps it.
+        lanes: ``engine_lanes(graph, schedule, rank)``, when the caller keeps them.
     """
     check_positive("timeout_s", timeout_s)
-    program = program or static_program(graph, schedule, rank)
+    queues, thresholds = lanes or engine_lanes(graph, schedule, rank)
     failures = _Failures(counters)
     record = recorder is not None and recorder.enabled
     counts = counters.counts_view  # read without the lock: counts only go up
     wait, bump = counters.wait_unchecked, counters.bump_unchecked
 
-    def work(name: str, steps) -> None:
+    def work(lane: Lane[TaskDescriptor]) -> None:
+        name = str(lane.name)
         try:
             if record:
                 clock = time.perf_counter
-                for t, ev, thr, trig in steps:
-                    if ev >= 0 and counts[ev] < thr:
-                        wait(ev, thr, timeout_s)
+                for job in lane.jobs:
+                    ev = job.wait
+                    if ev is not None and counts[ev] < thresholds[ev]:  # type: ignore[call-overload]
+                        wait(ev, thresholds[ev], timeout_s)  # type: ignore[arg-type]
                     start = clock()
-                    launch(t)
-                    recorder.add(name, t.label, start, clock(), uid=t.uid)  # type: ignore[union-attr]
-                    for e in trig:
-                        bump(e)
+                    launch(job.task)
+                    recorder.add(name, job.task.label, start, clock(), uid=job.key)  # type: ignore[union-attr]
+                    for e in job.triggers:
+                        bump(e)  # type: ignore[arg-type]
                 return
-            for t, ev, thr, trig in steps:  # the hot loop: a list read, the task, the bumps
-                if ev >= 0 and counts[ev] < thr:
-                    wait(ev, thr, timeout_s)
-                launch(t)
-                for e in trig:
-                    bump(e)
+            for job in lane.jobs:  # the hot loop: a list read, the task, the bumps
+                ev = job.wait
+                if ev is not None and counts[ev] < thresholds[ev]:  # type: ignore[call-overload]
+                    wait(ev, thresholds[ev], timeout_s)  # type: ignore[arg-type]
+                launch(job.task)
+                for e in job.triggers:
+                    bump(e)  # type: ignore[arg-type]
         except BaseException as exc:
             failures.add(f"the {name} worker", exc)
 
     threads = [
-        threading.Thread(target=work, args=queue, name=f"moesaic-{queue[0]}-{rank}")
-        for queue in program[1:]
+        threading.Thread(target=work, args=(lane,), name=f"moesaic-{lane.name}-{rank}")
+        for lane in queues[1:]
     ]
     for th in threads:
         th.start()
-    if program:
-        work(*program[0])
+    if queues:
+        work(queues[0])
     for th in threads:
         th.join()
     failures.raise_first()

@@ -23,7 +23,7 @@ of its slots; a tile with none still completes and fires its events.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -32,9 +32,10 @@ import torch.distributed as dist
 
 from moesaic.comm.collectives import CollectiveError, EPGroup
 from moesaic.routing import RoutingPlan
-from moesaic.taskflow.engine import EventEngine, Job, Lane, Stall
+from moesaic.taskflow.engine import EventEngine, Stall
 from moesaic.taskflow.moe_graphs import TASK_TYPES
 from moesaic.taskflow.plan import Plan
+from moesaic.taskflow.runtime.executors import EngineLanes, engine_lanes
 from moesaic.taskflow.runtime.handlers import HANDLERS, RETURN_LAYOUT, Segment
 from moesaic.taskflow.tasks import BufferSpec, Region, TaskDescriptor
 from moesaic.taskflow.validate import ensure_validated
@@ -120,26 +121,6 @@ def step_routing(plan: Plan, routing: RoutingPlan, group: EPGroup) -> StepRoutin
     )
 
 
-_Lanes = tuple[list[Lane[TaskDescriptor]], dict[Hashable, int]]
-
-
-def _lanes(plan: Plan) -> _Lanes:
-    """The engine's lanes (one per schedule queue; jobs keyed by uid, bumping only this rank's
-    counters, as other ranks count their own receives) and thresholds. Built once per plan."""
-    tasks, me = plan.tasks, plan.rank
-    lanes = []
-    for name, uids in plan.schedule.queues:
-        jobs = []
-        for uid in uids:
-            t = tasks[uid]
-            wait = t.dependent_event if t.dependent_event >= 0 else None
-            trig = tuple(r.event for r in t.trigger_events if r.rank == me)
-            jobs.append(Job(key=uid, task=t, wait=wait, triggers=trig))
-        lanes.append(Lane(name=name, jobs=jobs))
-    thresholds: dict[Hashable, int] = {ev.id: ev.threshold for ev in plan.events}
-    return lanes, thresholds
-
-
 class StepRows:
     """Valid-row bookkeeping of one step of one plan on this rank (every executor's handlers
     read it): how many rows of each slot are valid, on this rank and, for puts, on the target."""
@@ -195,7 +176,9 @@ class _Run(StepRows):
         # the put type of every operator (a remote write names only the sender's operator)
         self.op_type = {t.op: t.task_type for t in plan.tasks}
         self.tag_offset = _BACKWARD_TAG_OFFSET if plan.direction == "backward" else 0
-        lanes, thresholds = cast(_Lanes, plan.memo("sequential_lanes", _lanes))
+        lanes, thresholds = cast(
+            EngineLanes, plan.memo("lanes", lambda p: engine_lanes(p.graph, p.schedule, p.rank))
+        )
         self.engine: EventEngine[TaskDescriptor] = EventEngine(
             lanes,
             thresholds,
