@@ -19,6 +19,9 @@ Profiles (what each prediction is allowed to know):
   ten configurations are then predicted;
 * HybridEP runs: the compute rate the benchmark itself calibrated in each point's rounds
   (``flops_per_s_rounds``, from its compute-only step), no per-task overhead.
+* taskflow runs: likewise the compute rate of each point's ``compute only`` variant (the same
+  layer with every expert local: no byte moves), no per-task overhead; the bucket (tile and slot
+  rows) the run recorded.
 
 * links, calibrated (the headline rows): the emulated all-to-alls run slower than the checked
   point-to-point rate (gloo all-to-alls through tbf and the delay line), so the bandwidth share
@@ -47,7 +50,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "src"))
 
 from moesaic.bench.meta import run_metadata  # noqa: E402
-from moesaic.cluster.spec import ClusterSpec  # noqa: E402
+from moesaic.cluster.spec import ClusterSpec, Level  # noqa: E402
 from moesaic.sim.model import ModelSpec  # noqa: E402
 from moesaic.sim.pipelined import Costs  # noqa: E402
 from moesaic.sim.profile import Profile, links_from_cluster_check  # noqa: E402
@@ -164,12 +167,66 @@ def _row(source: str, cluster: str, label: str, measured_s: float, sim: Any) -> 
     }
 
 
+# taskflow_cluster.py variants: (result name, strategy, SimOptions fields)
+TASKFLOW_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("dropless", "vanilla", {"degree": 1}),
+    ("taskflow static", "taskflow", {"taskflow_pipeline": True}),
+    ("taskflow static, kernel order", "taskflow", {"taskflow_pipeline": False}),
+)
+
+
+def taskflow_points(name: str, scale: float | None = None) -> list[dict[str, Any]]:
+    """Every bandwidth of one ``taskflow_cluster.py`` result: dropless and the static executor
+    in both queue orders; ``scale`` replaces the links' bandwidth share."""
+    data = json.loads((RESULTS / name).read_text())
+    cfg = data["config"]
+    model = ModelSpec.from_toml(ROOT / "examples" / "models" / "taskflow_layer.toml")
+    want = (model.hidden, model.ffn_hidden, model.experts, model.top_k, model.tokens)
+    got = tuple(cfg[k] for k in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k",
+                                 "tokens_per_rank"))  # fmt: skip
+    if want != got:
+        raise ValueError(f"{name}: config {got} is not taskflow_layer.toml's {want}")
+    floor_s, checked = _links()
+    scale = checked if scale is None else scale
+    # One torch thread per rank: its compute-only FLOPs (gate and experts, forward + backward).
+    flops = 3 * (model.attention_flops(model.tokens) + model.expert_flops(model.tokens * 2))
+    out = []
+    for point in data["points"]:
+        spec = ClusterSpec(levels=(Level(name="node", size=point["ranks"],
+                                         bandwidth_gbps=point["gbps"],
+                                         latency_ms=cfg["latency_ms"]),),
+                           name=f"taskflow_{point['gbps']:g}gbps")  # fmt: skip
+        rate = flops / point["median_s"]["compute only"]
+        profile = Profile(flops_per_s=rate, floor_s=floor_s, bandwidth_scale=scale,
+                          source=f"{name} compute only")  # fmt: skip
+        bucket = point["bucket"]
+        tiles = {"taskflow_tile_m": bucket["tile_m"], "taskflow_slot_rows": bucket["slot_rows"]}
+        for variant, strategy, options in TASKFLOW_VARIANTS:
+            opts = {**options, **(tiles if strategy == "taskflow" else {})}
+            sim = simulate(spec, model, strategy, profile, SimOptions(**opts))
+            label = f"{variant} {point['gbps']:g} Gbit/s tile {bucket['tile_m']}"
+            row = _row(name, spec.name, label, point["median_s"][variant], sim)
+            row.pop("plans", None)
+            # Not used by the prediction: the CPU the step needed on its busiest rank (the
+            # measured step cannot be shorter on 2 ranks sharing 2 cores), and the sim's parts.
+            cpu_ms = max(r[variant] for r in point["cpu_s_per_rank"]) * 1e3
+            out.append({**row, "profile": profile.to_dict(), "model": dataclasses.asdict(model),
+                        "options": opts, "cluster_spec": spec.to_dict(),
+                        "measured_cpu_ms_busiest_rank": cpu_ms,
+                        "simulated_compute_ms": sim.compute_s * 1e3,
+                        "simulated_comm_ms": sim.comm_s * 1e3})  # fmt: skip
+    return out
+
+
 HYBRIDEP = ("hybridep_2dc.json", "hybridep_2dc2.json", "hybridep_4dc.json")
-RUNS = ("flowmoe_cluster.json", *HYBRIDEP)
+TASKFLOW = ("taskflow_cluster.json", "taskflow_cluster_tile128.json")
+RUNS = ("flowmoe_cluster.json", *HYBRIDEP, *TASKFLOW)
 SCALES = [0.40 + 0.01 * i for i in range(61)]  # bandwidth shares searched: 0.40 .. 1.00
 
 
 def run_points(name: str, scale: float | None = None) -> list[dict[str, Any]]:
+    if name in TASKFLOW:
+        return taskflow_points(name, scale)
     return flowmoe_points(scale) if name == RUNS[0] else hybridep_points(name, scale)
 
 
@@ -190,6 +247,16 @@ def cross_validated() -> tuple[list[dict[str, Any]], dict[str, float]]:
             {**r, "bandwidth_scale_fitted_on_other_runs": best} for r in run_points(held, best)
         ]
     return rows, fitted
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    errors = [r["error"] for r in rows]
+    return {
+        "points": len(rows),
+        "geomean_abs_error": geomean_abs(errors),
+        "geomean_ratio_error": math.exp(statistics.fmean(abs(math.log(1 + e)) for e in errors)) - 1,
+        "mean_signed_error": statistics.fmean(errors),
+    }
 
 
 def geomean_abs(errors: list[float]) -> float:
@@ -215,6 +282,12 @@ def main() -> None:
         "median_abs_error": statistics.median(abs(e) for e in errors),
         "max_abs_error": max(abs(e) for e in errors),
         "by_source_geomean_abs_error": {k: geomean_abs(v) for k, v in by_source.items()},
+        "without_taskflow": _summary([r for r in rows if r["source"] not in TASKFLOW]),
+        "taskflow_runs": _summary([r for r in rows if r["source"] in TASKFLOW]),
+        "taskflow_runs_by_variant": {
+            v: _summary([r for r in rows if r["source"] in TASKFLOW and r["point"].startswith(v)])
+            for v in ("dropless", "taskflow static ", "taskflow static, kernel order")
+        },
         "bandwidth_scale_fitted_leave_one_run_out": fitted,
         "links_as_checked_geomean_abs_error": geomean_abs([r["error"] for r in spec_rows]),
         "links_as_checked_by_source": {

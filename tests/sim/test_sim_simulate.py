@@ -78,10 +78,11 @@ def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
 def test_committed_validation_table_is_what_simulate_predicts(capsys, tmp_path):
     """Every FlowMoE row of benchmarks/results/sim_validation.json, re-simulated by
     ``moesaic simulate`` with the row's profile, gives the committed prediction; so does every
-    HybridEP row through ``simulate``."""
+    HybridEP and taskflow-cluster row through ``simulate``."""
     table = json.loads((ROOT / "benchmarks/results/sim_validation.json").read_text())
     rows = table["rows"]
-    assert {r["source"] for r in rows} >= {"flowmoe_cluster.json", "hybridep_2dc.json"}
+    assert {r["source"] for r in rows} >= {"flowmoe_cluster.json", "hybridep_2dc.json",
+                                           "taskflow_cluster.json"}  # fmt: skip
     for i, row in enumerate(rows):
         if row["source"] == "flowmoe_cluster.json":
             prof = tmp_path / f"p{i}.json"
@@ -91,6 +92,11 @@ def test_committed_validation_table_is_what_simulate_predicts(capsys, tmp_path):
             if "sp_bytes" in row:
                 args += ["--sp-bytes", repr(row["sp_bytes"])]
             got = _cli_json(capsys, *args)["iteration_ms"]
+        elif row["source"].startswith("taskflow_cluster"):
+            spec = ClusterSpec.from_dict(row["cluster_spec"])
+            sim = simulate(spec, ModelSpec(**row["model"]), row["strategy"],
+                           Profile.from_dict(row["profile"]), SimOptions(**row["options"]))  # fmt: skip
+            got = sim.iteration_s * 1e3
         else:
             name = row["source"].removesuffix(".json")
             spec = ClusterSpec.from_toml(ROOT / f"examples/clusters/{name}.toml")

@@ -18,6 +18,11 @@ A model file is TOML with one ``[model]`` table::
     activation = "swiglu"   # or "gelu"
     act_bytes = 4           # bytes per activation element on the wire
     param_bytes = 4         # bytes per parameter (gradients are reduced in this width)
+    layer_only = false      # true: MoE layers alone (below)
+
+With ``layer_only`` a block is the MoE layer alone, as ``benchmarks/taskflow_cluster.py`` and
+``bench_layer.py`` time it: the router's gate is its only compute besides the experts, and there
+is no attention, head, embedding, replicated gradient (so no all-reduce) or optimizer step.
 
 FLOPs follow the models of ``models/gpt.py`` (pre-norm attention with fused QKV and an output
 projection, SwiGLU or GELU experts without biases, a byte-level head) at 2 FLOPs per MAC;
@@ -33,7 +38,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from moesaic.checks import check_number, check_one_of, check_positive_int
+from moesaic.checks import check_bool, check_number, check_one_of, check_positive_int
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,6 +67,7 @@ class ModelSpec:
     activation: str = "swiglu"
     act_bytes: int = 4
     param_bytes: int = 4
+    layer_only: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -77,6 +83,7 @@ class ModelSpec:
         check_number("model.capacity_factor", self.capacity_factor, 0.0, 1e3)
         check_number("model.routing_skew", self.routing_skew, 0.0, 10.0)
         check_one_of("model.activation", self.activation, ("swiglu", "gelu"))
+        check_bool("model.layer_only", self.layer_only)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> ModelSpec:
@@ -122,11 +129,14 @@ class ModelSpec:
         return 3 if self.activation == "swiglu" else 2
 
     def attention_flops(self, tokens: int) -> float:
-        """Forward FLOPs of one block's attention stage and gate for ``tokens`` tokens."""
+        """Forward FLOPs of one block's attention stage and gate for ``tokens`` tokens (the gate
+        alone when ``layer_only``)."""
         H = self.hidden
+        gate = 2.0 * tokens * H * self.experts
+        if self.layer_only:
+            return gate
         qkv_o = 2.0 * tokens * H * 4 * H
         scores = 2.0 * 2 * tokens * self.seq_len * H / 2  # causal: half the square
-        gate = 2.0 * tokens * H * self.experts
         return qkv_o + scores + gate
 
     def expert_flops(self, rows: float) -> float:
@@ -134,16 +144,25 @@ class ModelSpec:
         return self.mats * 2.0 * rows * self.hidden * self.ffn_hidden
 
     def head_flops(self, tokens: int) -> float:
-        """Forward FLOPs of the output head for ``tokens`` tokens."""
+        """Forward FLOPs of the output head for ``tokens`` tokens (0 when ``layer_only``)."""
+        if self.layer_only:
+            return 0.0
         return 2.0 * tokens * self.hidden * self.vocab
 
     def replicated_params_per_block(self) -> int:
-        """Parameters of a block that every rank holds: QKV, output, two norms, the router."""
+        """Parameters of a block that every rank holds: QKV, output, two norms, the router
+        (none reduced when ``layer_only``: the layer is timed alone, without a data-parallel
+        step)."""
+        if self.layer_only:
+            return 0
         H = self.hidden
         return 4 * H * H + 4 * H + H * self.experts
 
     def outer_params(self) -> int:
-        """Embeddings (tokens, positions), final norm: reduced after the first block's."""
+        """Embeddings (tokens, positions), final norm: reduced after the first block's (0 when
+        ``layer_only``)."""
+        if self.layer_only:
+            return 0
         return (self.vocab + self.seq_len) * self.hidden + 2 * self.hidden
 
     def head_params(self) -> int:

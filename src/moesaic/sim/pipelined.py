@@ -69,7 +69,7 @@ class Costs:
         rows = tokens * model.top_k * kept * P * max(shares_P)  # the busiest rank's rows
         self.at_s = profile.compute_s(model.attention_flops(tokens))
         self.e_s = profile.compute_s(model.expert_flops(rows))
-        self.head_s = profile.compute_s(model.head_flops(tokens))
+        self.head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(tokens))
         self.a2a_bytes = tokens * model.top_k * kept * model.hidden * model.act_bytes
         self.a2a_s = all_to_all_shares_s(link, self.a2a_bytes, shares_P) if P > 1 else 0.0
         # dropless exchanges its counts first: one more collective of a few bytes.
@@ -78,7 +78,8 @@ class Costs:
         self.outer_grad_bytes = model.outer_params() * model.param_bytes
         params = model.layers * model.replicated_params_per_block() + model.outer_params()
         params += model.layers * model.experts // P * model.mats * model.hidden * model.ffn_hidden
-        self.optimizer_s = profile.compute_s(10.0 * params)  # AdamW: ~10 FLOPs per parameter
+        # AdamW: ~10 FLOPs per parameter; a layer timed alone takes no optimizer step.
+        self.optimizer_s = 0.0 if model.layer_only else profile.compute_s(10.0 * params)
 
     def grad_bytes(self) -> float:
         return self.model.layers * self.block_grad_bytes + self.outer_grad_bytes
@@ -195,6 +196,8 @@ def run_pipelined(
     last = g.lanes["compute"][-1][0]
     if chunk_bytes is None:
         total = costs.grad_bytes()
+        if total == 0:  # layer_only: no replicated gradient, no optimizer step
+            return g, g.run()
         ar = SimTask("AR1", "allreduce", costs.all_reduce_s(total), "bwd", 0, 0, total)
         g.add(NET, ar, last)
         g.add("compute", SimTask("optimizer", "optimizer", costs.optimizer_s), ar)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moesaic.checks import check_number, check_one_of, check_positive_int
+from moesaic.checks import check_bool, check_number, check_one_of, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.sim.collectives import LinkModel
 from moesaic.sim.graph import SimGraph
@@ -45,6 +45,12 @@ class SimOptions:
         prefetch: ``hybrid`` gathers prefetched under the pre-expert compute.
         compression_ratio: ``hybrid``'s SR compression of gathered experts (+Migration: > 1).
         shared_expert_every: the shared experts' all-reduce every this many gathers.
+        taskflow_tile_m: ``taskflow``'s tile rows (``MoEConfig.taskflow_tile_m``); None: the
+            simulator's size-based default (``sim.taskflow.default_tiles``).
+        taskflow_slot_rows: ``taskflow``'s bucket slot rows (rows per source rank and expert,
+            a multiple of the tile); None: the mean load rounded up as the runtime rounds.
+        taskflow_pipeline: ``taskflow`` plans in the list-scheduled (pipelined) queue order
+            (``MoEConfig.taskflow_pipeline``) rather than kernel order.
     """
 
     degree: int = 2
@@ -53,6 +59,9 @@ class SimOptions:
     prefetch: bool = False
     compression_ratio: float = 1.0
     shared_expert_every: int = 1
+    taskflow_tile_m: int | None = None
+    taskflow_slot_rows: int | None = None
+    taskflow_pipeline: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int("degree", self.degree)
@@ -60,6 +69,11 @@ class SimOptions:
         check_positive_int("shared_expert_every", self.shared_expert_every)
         if self.sp_bytes is not None and not self.sp_bytes > 0:
             raise ValueError(f"sp_bytes ({self.sp_bytes}) must be > 0")
+        if self.taskflow_tile_m is not None:
+            check_positive_int("taskflow_tile_m", self.taskflow_tile_m)
+        if self.taskflow_slot_rows is not None:
+            check_positive_int("taskflow_slot_rows", self.taskflow_slot_rows)
+        check_bool("taskflow_pipeline", self.taskflow_pipeline)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,7 +123,7 @@ def _graph(
         R = 1 if strategy == "vanilla" else opts.degree
         costs = Costs(model, link, profile, R)
         sp = None
-        if strategy == "flowmoe":
+        if strategy == "flowmoe" and costs.grad_bytes() > 0:  # layer_only: nothing to reduce
             sp = opts.sp_bytes if opts.sp_bytes is not None else costs.grad_bytes() / 16
         g, tl = run_pipelined(costs, degree=R, overlap=strategy == "flowmoe", chunk_bytes=sp)
         details: dict[str, Any] = {"degree": R}
@@ -119,7 +133,10 @@ def _graph(
     if strategy == "taskflow":
         from moesaic.sim.taskflow import build_taskflow
 
-        g, plans = build_taskflow(model, link, profile)
+        g, plans = build_taskflow(
+            model, link, profile, tile_m=opts.taskflow_tile_m,
+            slot_rows=opts.taskflow_slot_rows, pipeline=opts.taskflow_pipeline,
+        )  # fmt: skip
         return g, g.run(), {"plans": plans}
     if strategy == "ep":
         parts = hybrid_parts(link, model, (1,) * link.spec.num_levels, profile.flops_per_s)

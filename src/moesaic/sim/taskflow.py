@@ -6,6 +6,8 @@ every rank, simulated by ``taskflow.validate.simulate`` (the same event engine, 
 puts bump their target ranks' counters) with costs from the profile and the cluster instead of
 the nominal ones the plan drawing uses:
 
+* every tile handles its valid rows only (:func:`valid_rows`, uniform routing: each slot of
+  the bucket holds ``T K / E`` rows; padding costs nothing, an empty put sends nothing);
 * GMM tiles: ``2 x rows x H x F`` FLOPs (twice that for SwiGLU's gate-and-up GMMs and their
   gradients) at ``flops_per_s``;
 * elementwise and reduction tiles: ``10`` FLOPs per element of their rows;
@@ -26,9 +28,10 @@ from moesaic.sim.collectives import LinkModel, p2p_s, ring_all_reduce_s
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import OPS_PER_TASK, Profile
+from moesaic.taskflow.tasks import Region
 from moesaic.trace import Span
 
-__all__ = ["MAX_RANKS", "LayerPlan", "build_taskflow", "layer_plan"]
+__all__ = ["MAX_RANKS", "LayerPlan", "build_taskflow", "default_tiles", "layer_plan", "valid_rows"]
 
 MAX_RANKS = 64
 
@@ -41,9 +44,55 @@ class LayerPlan:
         self.spans = spans
 
 
-def layer_plan(model: ModelSpec, link: LinkModel, profile: Profile, direction: str) -> LayerPlan:
-    """Compiles and simulates one MoE layer's ``direction`` plans on every rank; rank 0's tiles."""
-    from moesaic.taskflow.bucket import ShapeBucket, slot_rows_for
+def valid_rows(region: Region, slot_rows: int, load: float) -> float:
+    """Rows of ``region`` a handler touches when every slot holds ``load`` valid rows: all of a
+    token-layout buffer (``*_TH``, ``*_TK``), else each slot's first ``load`` rows (the count
+    rule of ``taskflow.runtime.sequential.StepRows.segments``)."""
+    if region.buffer.endswith(("_TH", "_TK")):
+        return float(region.rows)
+    total = 0.0
+    for k in range(region.start // slot_rows, (region.stop - 1) // slot_rows + 1):
+        a, z = max(region.start, k * slot_rows), min(region.stop, (k + 1) * slot_rows)
+        total += max(0.0, min(z - a, load - (a - k * slot_rows)))
+    return total
+
+
+def default_tiles(
+    model: ModelSpec, tile_m: int | None = None, slot_rows: int | None = None
+) -> tuple[int, int]:
+    """``(tile_m, slot_rows)`` of the model's bucket: ``tile_m`` defaults to the mean rows per
+    (rank, expert) as a power of two, at most 128 (the runtime's default); the slot
+    holds the mean load rounded as the runtime rounds (``slot_rows_for``). Given values are
+    kept (a slot must be a multiple of the tile)."""
+    from moesaic.taskflow.bucket import slot_rows_for
+
+    rows = model.tokens * model.top_k
+    if tile_m is None:
+        tile_m = min(128, 1 << max(rows // model.experts - 1, 0).bit_length())
+    if slot_rows is None:
+        slot_rows = slot_rows_for(math.ceil(rows / model.experts), tile_m)
+    if slot_rows % tile_m:
+        raise ValueError(f"taskflow_slot_rows ({slot_rows}) must be a multiple of "
+                         f"taskflow_tile_m ({tile_m})")  # fmt: skip
+    return tile_m, slot_rows
+
+
+def layer_plan(
+    model: ModelSpec,
+    link: LinkModel,
+    profile: Profile,
+    direction: str,
+    *,
+    tile_m: int | None = None,
+    slot_rows: int | None = None,
+    pipeline: bool = False,
+) -> LayerPlan:
+    """Compiles and simulates one MoE layer's ``direction`` plans on every rank; rank 0's tiles.
+
+    ``tile_m``, ``slot_rows``: the bucket's (:func:`default_tiles`); ``pipeline``: the
+    list-scheduled queue order (``CompileOptions.pipeline``) instead of kernel order.
+    """
+    from moesaic.taskflow.bucket import CompileOptions, ShapeBucket
     from moesaic.taskflow.compile import compile_world
     from moesaic.taskflow.moe_graphs import TASK_TYPES
     from moesaic.taskflow.tasks import TaskDescriptor
@@ -53,27 +102,33 @@ def layer_plan(model: ModelSpec, link: LinkModel, profile: Profile, direction: s
     if P > MAX_RANKS:
         raise ValueError(f"the taskflow strategy simulates worlds of <= {MAX_RANKS} ranks, got {P}")
     T, H, F = model.tokens, model.hidden, model.ffn_hidden
-    tile_m = min(128, 1 << max(T * model.top_k // model.experts - 1, 0).bit_length())
-    slot = slot_rows_for(math.ceil(T * model.top_k / model.experts), tile_m)
+    tile_m, slot = default_tiles(model, tile_m, slot_rows)
     bucket = ShapeBucket(tokens=T, hidden=H, ffn=F, experts=model.experts, top_k=model.top_k,
                          ep_size=P, slot_rows=slot, tile_m=tile_m,
                          activation=model.activation)  # fmt: skip
-    plans = compile_world(bucket, direction)
+    plans = compile_world(bucket, direction, CompileOptions(pipeline=pipeline))
     launch_s = profile.task_overhead_s / OPS_PER_TASK
     swiglu = model.activation == "swiglu"
+
+    load = T * model.top_k / model.experts  # valid rows of every slot (uniform routing)
 
     def cost(t: TaskDescriptor) -> float:
         kind = TASK_TYPES[t.task_type]
         if kind.put:
-            rows = sum(r.rows for r in t.outputs)
+            rows = sum(valid_rows(r, slot, load) for r in t.outputs)
+            if rows == 0:  # signalled locally, nothing travels (runtime/concurrent.py)
+                return launch_s
             dst = t.peer if t.peer >= 0 else t.outputs[0].rank
             src = t.inputs[0].rank if t.inputs else dst
             return launch_s + p2p_s(link, src, dst, rows * H * model.act_bytes)
+        # Handlers compute on the valid rows only: the tile's share of them.
+        region = t.outputs[0] if kind.cost_class == "reduce" else t.inputs[0]
+        m = t.split_value * valid_rows(region, slot, load) / region.rows
         if kind.cost_class == "gmm":
             wide = swiglu and ("gate" in t.task_type or "w1" in t.task_type)
-            return launch_s + 2.0 * t.split_value * H * F * (2 if wide else 1) / profile.flops_per_s
+            return launch_s + 2.0 * m * H * F * (2 if wide else 1) / profile.flops_per_s
         width = F if kind.cost_class == "act" else H
-        return launch_s + 10.0 * t.split_value * width / profile.flops_per_s
+        return launch_s + 10.0 * m * width / profile.flops_per_s
 
     tl = simulate(plans, world=True, cost=cost)
     plan = plans[0]
@@ -87,25 +142,39 @@ def layer_plan(model: ModelSpec, link: LinkModel, profile: Profile, direction: s
 
 
 def build_taskflow(
-    model: ModelSpec, link: LinkModel, profile: Profile
+    model: ModelSpec,
+    link: LinkModel,
+    profile: Profile,
+    *,
+    tile_m: int | None = None,
+    slot_rows: int | None = None,
+    pipeline: bool = False,
 ) -> tuple[SimGraph, dict[str, LayerPlan]]:
     """The step's graph: per block ``AT`` then the layer's plan (one task standing for it,
     expanded into its tiles afterwards), the head, the backward in reverse, one all-reduce of the
-    replicated gradients and the optimizer."""
-    plans = {d: layer_plan(model, link, profile, d) for d in ("forward", "backward")}
+    replicated gradients and the optimizer (neither for a ``layer_only`` model). The plan's
+    knobs are :func:`layer_plan`'s."""
+    knobs = {"tile_m": tile_m, "slot_rows": slot_rows}
+    plans = {
+        d: layer_plan(model, link, profile, d, pipeline=pipeline, **knobs)
+        for d in ("forward", "backward")
+    }
     T = model.tokens
     at_s = profile.compute_s(model.attention_flops(T))
     g = SimGraph()
     for blk in range(1, model.layers + 1):
         g.add("compute", SimTask(f"AT1.{blk}", "compute", at_s, "fwd", blk, 1))
         g.add("compute", SimTask(f"MoE{blk}", "taskflow", plans["forward"].makespan, "fwd", blk))
-    g.add("compute", SimTask("head1", "compute", profile.compute_s(model.head_flops(T)), "fwd"))
-    g.add("compute", SimTask("head1", "compute", 2 * profile.compute_s(model.head_flops(T)), "bwd"))
+    head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(T))
+    g.add("compute", SimTask("head1", "compute", head_s, "fwd"))
+    g.add("compute", SimTask("head1", "compute", 2 * head_s, "bwd"))
     for blk in range(model.layers, 0, -1):
         g.add("compute", SimTask(f"MoE{blk}", "taskflow", plans["backward"].makespan, "bwd", blk))
         last = g.add("compute", SimTask(f"AT1.{blk}", "compute", 2 * at_s, "bwd", blk, 1))
     grad = model.layers * model.replicated_params_per_block() + model.outer_params()
     nbytes = grad * model.param_bytes
+    if nbytes == 0:  # layer_only: no replicated gradient, no optimizer step
+        return g, plans
     ar = g.add("net", SimTask("AR1", "allreduce", ring_all_reduce_s(link, nbytes), "bwd", 0, 0,
                               nbytes), last)  # fmt: skip
     g.add("compute", SimTask("optimizer", "optimizer", profile.task_overhead_s), ar)
