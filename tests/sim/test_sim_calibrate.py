@@ -100,3 +100,25 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     assert 0.0 < p.floor_s < 1.5e-3, p.floor_s
     assert "measured on the emulated" in p.source
     assert json.loads(out.read_text())["links"][0]["level_name"] == "node"
+
+
+def test_measured_levels_run_at_their_measured_rate():
+    """A level the profile measured (same name, rate and latency) runs at its measured rate;
+    the other levels at the profile's median share; a cluster with no measured level at it."""
+    from moesaic.sim.model import ModelSpec
+    from moesaic.sim.simulate import simulate
+
+    spec = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
+                               Level(name="node", size=2, bandwidth_gbps=0.4, latency_ms=1.0)))  # fmt: skip
+    model = ModelSpec(layers=2, batch=2, seq_len=64, hidden=64, ffn_hidden=128, experts=4, top_k=2)
+    dc = _link(level_name="dc", measured_bandwidth_gbps=0.05)  # share 0.5 (0.1 configured)
+    prof = Profile(flops_per_s=1e10, bandwidth_scale=0.8, links=(dc,))
+    by_hand = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.05, latency_ms=2.0),
+                                  Level(name="node", size=2, bandwidth_gbps=0.32,
+                                        latency_ms=1.0)))  # fmt: skip
+    got = simulate(spec, model, "vanilla", prof)
+    want = simulate(by_hand, model, "vanilla", Profile(flops_per_s=1e10))
+    assert got.iteration_s == pytest.approx(want.iteration_s, rel=1e-12)
+    # The same level name at another rate was not measured: the median share applies.
+    other = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.2, latency_ms=2.0),))
+    assert prof.link_spec(other) == (other, 0.8)

@@ -13,7 +13,9 @@ measured and what is taken from elsewhere:
 * ``bandwidth_scale``: the links' measured share of their configured rate (the median over the
   levels of measured / configured bandwidth), or 1.0: the spec's figures;
 * ``links``: with ``--cluster``, every level's configured and measured bandwidth and latency
-  (:class:`LinkLevel`), kept as measured; the simulation uses their median share and the floor.
+  (:class:`LinkLevel`). A simulation of a cluster whose level has the same name, bandwidth and
+  latency as a measured one runs that level at its measured bandwidth; other levels run at
+  ``bandwidth_scale`` (:meth:`Profile.link_spec`).
 
 Torch-free but for :func:`measure`.
 """
@@ -99,6 +101,31 @@ class Profile:
             isinstance(x, LinkLevel) for x in self.links
         ):
             raise ValueError("profile.links must be a tuple of LinkLevel")
+
+    def link_spec(self, spec: Any) -> tuple[Any, float]:
+        """``(spec, bandwidth_scale)`` to simulate ``spec`` (a ``ClusterSpec``) with: each level
+        matching a measured one in ``links`` (same name, configured bandwidth and latency) at
+        its measured bandwidth, every other level at ``bandwidth_scale`` of its own; unchanged
+        (with ``bandwidth_scale``) when none matches."""
+        import dataclasses
+
+        measured = {
+            (x.level_name, x.configured_bandwidth_gbps, x.configured_latency_ms): x
+            for x in self.links
+        }
+        keys = [(lv.name, lv.bandwidth_gbps, lv.latency_ms) for lv in spec.levels]
+        if not any(k in measured for k in keys):
+            return spec, self.bandwidth_scale
+        levels = tuple(
+            dataclasses.replace(
+                lv,
+                bandwidth_gbps=measured[k].measured_bandwidth_gbps
+                if k in measured
+                else lv.bandwidth_gbps * self.bandwidth_scale,
+            )
+            for lv, k in zip(spec.levels, keys)
+        )
+        return dataclasses.replace(spec, levels=levels), 1.0
 
     def compute_s(self, flops: float) -> float:
         """Seconds of one compute task of ``flops``."""

@@ -172,7 +172,8 @@ def simulate(
             f"model.experts ({model.experts}) must be a multiple of the cluster's world_size "
             f"({spec.world_size})"
         )
-    link = LinkModel(spec=spec, floor_s=profile.floor_s, bandwidth_scale=profile.bandwidth_scale)
+    link_spec, scale = profile.link_spec(spec)  # measured levels at their measured rates
+    link = LinkModel(spec=link_spec, floor_s=profile.floor_s, bandwidth_scale=scale)
     g, tl, details = _graph(strategy, model, link, profile, opts)
     plans = details.pop("plans", None)
     spans = [
