@@ -25,8 +25,8 @@ Profiles (what each prediction is allowed to know):
 
 * links, calibrated (the headline rows): the emulated all-to-alls run slower than the checked
   point-to-point rate (gloo all-to-alls through tbf and the delay line), so the bandwidth share
-  is fitted, leave one run out: for each of the four runs, the share that best fits the *other
-  three* (``cross_validated``) predicts it. ``rows_links_as_checked`` keeps the predictions with
+  is fitted, leave one run out: for each of the six runs, the share that best fits the *other
+  five* (``cross_validated``) predicts it. ``rows_links_as_checked`` keeps the predictions with
   the cluster check's share (0.96).
 
 Each point's error is ``simulated / measured - 1``; the summary is the geometric mean of
@@ -231,7 +231,7 @@ def run_points(name: str, scale: float | None = None) -> list[dict[str, Any]]:
 
 
 def cross_validated() -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Leave one run out: the links' bandwidth share that fits the other three runs best
+    """Leave one run out: the links' bandwidth share that fits the other runs best
     (geometric-mean |error|), then the held-out run predicted with it."""
     rows: list[dict[str, Any]] = []
     fitted = {}
