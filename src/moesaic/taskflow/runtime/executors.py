@@ -145,12 +145,12 @@ def run_static(
                     for e in job.triggers:
                         bump(e)  # type: ignore[arg-type]
                 return
-            for job in lane.jobs:  # the hot loop: a list read, the task, the bumps
-                ev = job.wait
+            # the hot loop: a list read, the task, the bumps (a Job unpacks like a tuple)
+            for _, task, ev, triggers in lane.jobs:
                 if ev is not None and counts[ev] < thresholds[ev]:  # type: ignore[call-overload]
                     wait(ev, thresholds[ev], timeout_s)  # type: ignore[arg-type]
-                launch(job.task)
-                for e in job.triggers:
+                launch(task)
+                for e in triggers:
                     bump(e)  # type: ignore[arg-type]
         except BaseException as exc:
             failures.add(f"the {name} worker", exc)
