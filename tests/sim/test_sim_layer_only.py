@@ -4,6 +4,7 @@ and the taskflow tiles' valid rows: padding of the bucket's slots costs nothing.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,20 @@ def test_layer_only_step_is_the_layer_alone():
     )
     # flowmoe on a layer-only model has no gradient to chunk (and does not fail).
     assert simulate(PAIR, LAYER, "flowmoe", PROFILE, SimOptions(degree=1)).iteration_s > 0
+
+
+def test_layer_only_refused_by_hybridep_strategies(capsys):
+    for strategy in ("ep", "hybrid"):
+        with pytest.raises(ValueError, match=r"model\.layer_only"):
+            simulate(PAIR, LAYER, strategy, PROFILE)
+    # --strategy all leaves them out for a layer-only model.
+    from moesaic.cli import main
+
+    cluster = str(ROOT / "examples/clusters/flowmoe_2rank.toml")
+    model = str(ROOT / "examples/models/taskflow_layer.toml")
+    assert main(["simulate", "--cluster", cluster, "--model", model, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["strategy"] for r in rows] == ["vanilla", "moe-only", "flowmoe", "taskflow"]
 
 
 def test_layer_only_must_be_a_bool():

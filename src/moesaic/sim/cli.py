@@ -89,7 +89,7 @@ def _results(args: argparse.Namespace) -> list[Any]:
     from moesaic.cluster.spec import ClusterSpec
     from moesaic.sim.model import ModelSpec
     from moesaic.sim.profile import Profile
-    from moesaic.sim.simulate import STRATEGIES, SimOptions, simulate
+    from moesaic.sim.simulate import LAYER_ONLY_UNSUPPORTED, STRATEGIES, SimOptions, simulate
 
     spec = _load("cluster", args.cluster, ClusterSpec.from_toml)
     model = _load("model", args.model, ModelSpec.from_toml)
@@ -106,7 +106,9 @@ def _results(args: argparse.Namespace) -> list[Any]:
     opts = SimOptions(degree=args.degree, sp_bytes=args.sp_bytes, domain_sizes=domains,
                       prefetch=args.prefetch, compression_ratio=args.compression_ratio,
                       shared_expert_every=args.shared_every)  # fmt: skip
-    names = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    names: tuple[str, ...] = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    if args.strategy == "all" and model.layer_only:  # ep, hybrid: no layer-only cost model
+        names = tuple(n for n in names if n not in LAYER_ONLY_UNSUPPORTED)
     return [simulate(spec, model, name, profile, opts) for name in names]
 
 

@@ -29,9 +29,17 @@ from moesaic.sim.profile import Profile
 from moesaic.taskflow.engine import Timeline
 from moesaic.trace import COMM_RESOURCES, COMPUTE_RESOURCES, Span, busy_time
 
-__all__ = ["STRATEGIES", "SimOptions", "SimResult", "simulate", "write_layer_csv"]
+__all__ = [
+    "LAYER_ONLY_UNSUPPORTED",
+    "STRATEGIES",
+    "SimOptions",
+    "SimResult",
+    "simulate",
+    "write_layer_csv",
+]
 
 STRATEGIES = ("vanilla", "moe-only", "flowmoe", "ep", "hybrid", "taskflow")
+LAYER_ONLY_UNSUPPORTED = ("ep", "hybrid")  # HybridEP's step model has no layer-only mode
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -171,6 +179,11 @@ def simulate(
         raise ValueError(
             f"model.experts ({model.experts}) must be a multiple of the cluster's world_size "
             f"({spec.world_size})"
+        )
+    if model.layer_only and strategy in LAYER_ONLY_UNSUPPORTED:
+        raise ValueError(
+            f"strategy {strategy!r} cannot simulate a model with model.layer_only: its costs are "
+            "placement.stepmodel's, which always include the block's attention"
         )
     link_spec, scale = profile.link_spec(spec)  # measured levels at their measured rates
     link = LinkModel(spec=link_spec, floor_s=profile.floor_s, bandwidth_scale=scale)
