@@ -78,7 +78,8 @@ class Profile:
         flops_per_s: Sustained matmul FLOP/s of one rank.
         task_overhead_s: Fixed seconds added to every compute task.
         floor_s: Latency floor of every collective step, seconds.
-        bandwidth_scale: Multiplier of every link's configured bandwidth.
+        bandwidth_scale: Multiplier of every link's configured bandwidth (but a level measured
+            in ``links``, which runs at its measured rate).
         source: Where the figures come from (free text, kept in results).
         links: Per-level measurements behind ``bandwidth_scale`` (empty unless measured).
     """
