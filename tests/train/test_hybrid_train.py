@@ -76,6 +76,7 @@ def test_domains_sizes_auto_and_compression(tmp_path):
         (["--strategy", "hybrid", "--domains", "1,1"], ["model.moe.domain_sizes", "one entry"]),
         (["--expert-compression-ratio", "0.5"], ["expert_compression_ratio (0.5)"]),
         (["--strategy", "hybrid", "--schedule", "flowmoe"], ["schedule ('flowmoe')", "vanilla"]),
+        (["--strategy", "taskflow", "--schedule", "moe-only"], ["'taskflow'", "vanilla"]),
     ],
     ids=[
         "auto-without-cluster",
@@ -86,6 +87,7 @@ def test_domains_sizes_auto_and_compression(tmp_path):
         "levels",
         "cr",
         "pipelined-schedule",
+        "taskflow-pipelined-schedule",
     ],
 )
 def test_train_errors_are_one_line(flags, words, data_file, tmp_path, capsys):

@@ -206,9 +206,15 @@ def plan_training_domains(
 
 
 def check_schedule_fits(schedule: str, dispatcher: str) -> None:
-    """The pipelined schedules run a strategy's dispatch/combine phases; ``hybrid`` has none."""
-    if dispatcher == "hybrid" and schedule != "vanilla":
+    """The pipelined schedules run a strategy's dispatch/combine phases (a
+    ``DispatchCombineStrategy``); ``hybrid`` and ``taskflow`` have none."""
+    if schedule == "vanilla":
+        return
+    from moesaic.strategies import get_strategy
+    from moesaic.strategies.base import DispatchCombineStrategy
+
+    if not issubclass(get_strategy(dispatcher), DispatchCombineStrategy):
         raise ValueError(
-            f"schedule ({schedule!r}) needs dispatch/combine phases, which the 'hybrid' strategy "
-            "does not have: use --schedule vanilla with --strategy hybrid"
+            f"schedule ({schedule!r}) needs dispatch/combine phases, which the {dispatcher!r} "
+            f"strategy does not have: use --schedule vanilla with --strategy {dispatcher}"
         )
