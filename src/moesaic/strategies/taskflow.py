@@ -158,9 +158,10 @@ class TaskflowStrategy(MoEStrategy):
         channel = self.runtime.channel
         assert channel is not None
         puts_P = [a - b for a, b in zip(channel.puts_P, before or [0] * P)]
-        meta_P = [0 if p == me else 16 + (e * 8 if route is not None else 0) for p in range(P)]
-        if checked:  # this step also ran the plan fingerprint all-gather
-            meta_P = [m + (0 if p == me else 8) for p, m in enumerate(meta_P)]
+        # int64 metadata to each peer: the bucket all-reduce (max load, tokens), the slot-count
+        # all-to-all (e counts) and, on a bucket's first step, the fingerprint all-gather (1)
+        words = 2 + (e if route is not None else 0) + int(checked)
+        meta_P = [0 if p == me else 8 * words for p in range(P)]
         meta_P = [m + n * channel.header_bytes for m, n in zip(meta_P, puts_P)]
         peer = self.peer_bytes(sent_P, recv_P, row * esize)
         return CommStats(
