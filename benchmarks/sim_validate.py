@@ -23,11 +23,17 @@ Profiles (what each prediction is allowed to know):
   layer with every expert local: no byte moves), no per-task overhead; the bucket (tile and slot
   rows) the run recorded.
 
-* links, calibrated (the headline rows): the emulated all-to-alls run slower than the checked
-  point-to-point rate (gloo all-to-alls through tbf and the delay line), so the bandwidth share
-  is fitted, leave one run out: for each of the six runs, the share that best fits the *other
-  five* (``cross_validated``) predicts it. ``rows_links_as_checked`` keeps the predictions with
-  the cluster check's share (0.96).
+* links, measured (the headline, ``rows``): ``moesaic calibrate --cluster`` on each
+  run's cluster (``sim_profile_<cluster>.json``; the taskflow runs' 2-rank links as
+  ``sim_cluster_taskflow_<G>gbps.toml``): point-to-point bandwidth and latency per level, the
+  latency floor, the all-to-all's and the all-reduce's shares of the links at three sizes, the
+  CPU of a one-sided put (per put and per byte) and the cores per rank; the per-tile CPU of the
+  taskflow runtime is the static executor's measured overhead (``taskflow_sched.json``).
+  Nothing is fitted to the iteration times predicted. ``rows_measured_without_taskflow_cpu_model``
+  drops the CPU figures (before/after of the taskflow CPU model);
+* links, fitted (secondary, ``rows_fitted``): the bandwidth share fitted leave one run out: for
+  each of the six runs, the share that best fits the *other five* (``cross_validated``)
+  predicts it; ``rows_links_as_checked`` keeps the predictions with the cluster check's share.
 
 Each point's error is ``simulated / measured - 1``; the summary is the geometric mean of
 ``|error|`` (and of ``max(ratio, 1/ratio) - 1``).
@@ -83,6 +89,39 @@ def _links() -> tuple[float, float]:
     return links_from_cluster_check(RESULTS / "cluster_check.json")
 
 
+# The ``scale`` values that ask for the run's own calibrated profile: with the taskflow CPU
+# model (the headline), and without it (the links alone).
+MEASURED = "measured"
+MEASURED_NO_CPU = "measured, no CPU model"
+
+
+def static_task_overhead_s() -> float:
+    """The static executor's measured per-task overhead (no-op tasks, median;
+    ``taskflow_sched.json``, ``benchmarks/taskflow_sched.py``): the profile's ``tile_cpu_s``."""
+    data = json.loads((RESULTS / "taskflow_sched.json").read_text())
+    row = next(r for r in data["overhead"] if r["rows_per_task"] == "no-op")
+    return row["static"]["overhead_us"]["median"] * 1e-6
+
+
+def _link_fields(cluster: str, scale: float | str | None) -> dict[str, Any]:
+    """The link fields of a point's profile: ``MEASURED``: the links, floor, collective shares,
+    put CPU and cores ``moesaic calibrate --cluster`` measured on the run's cluster
+    (``sim_profile_<cluster>.json``) and the static executor's per-task overhead;
+    ``MEASURED_NO_CPU``: the same links without the CPU figures; else the cluster check's
+    floor with ``scale`` as the bandwidth share (``None``: the check's)."""
+    if scale in (MEASURED, MEASURED_NO_CPU):
+        measured = Profile.load(RESULTS / f"sim_profile_{cluster}.json")
+        links = {"floor_s": measured.floor_s, "bandwidth_scale": measured.bandwidth_scale,
+                 "links": measured.links, "collectives": measured.collectives}  # fmt: skip
+        if scale == MEASURED_NO_CPU:
+            return links
+        return {**links, "tile_cpu_s": static_task_overhead_s(), "put_cpu_s": measured.put_cpu_s,
+                "put_cpu_per_byte_s": measured.put_cpu_per_byte_s, "cores": measured.cores,
+                "ranks_per_machine": measured.ranks_per_machine}  # fmt: skip
+    floor_s, checked = _links()
+    return {"floor_s": floor_s, "bandwidth_scale": checked if scale is None else scale}
+
+
 def _fit_compute(
     spec: ClusterSpec, model: ModelSpec, measured: dict[str, Any]
 ) -> tuple[float, float]:
@@ -106,17 +145,16 @@ def _fit_compute(
     return 1.0 / inv_rate, max(overhead, 0.0)
 
 
-def flowmoe_points(scale: float | None = None) -> list[dict[str, Any]]:
-    """Every schedule of the FlowMoE run; ``scale`` replaces the links' bandwidth share."""
+def flowmoe_points(scale: float | str | None = None) -> list[dict[str, Any]]:
+    """Every schedule of the FlowMoE run; ``scale``: the links' bandwidth share, or
+    ``MEASURED`` (:func:`_link_fields`)."""
     data = json.loads((RESULTS / "flowmoe_cluster.json").read_text())
     spec = ClusterSpec.from_dict(data["cluster"])
     model = ModelSpec.from_toml(ROOT / "examples" / "models" / "flowmoe_small.toml")
     res = data["results"]
     rate, overhead = _fit_compute(spec, model, res)
-    floor_s, checked = _links()
-    scale = checked if scale is None else scale
-    profile = Profile(flops_per_s=rate, task_overhead_s=overhead, floor_s=floor_s,
-                      bandwidth_scale=scale, source="flowmoe_cluster.json compute fit")  # fmt: skip
+    profile = Profile(flops_per_s=rate, task_overhead_s=overhead, **_link_fields(spec.name, scale),
+                      source="flowmoe_cluster.json compute fit")  # fmt: skip
     out = []
     for key, (strategy, R) in FLOWMOE.items():
         r = res[key]
@@ -127,13 +165,12 @@ def flowmoe_points(scale: float | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def hybridep_points(name: str, scale: float | None = None) -> list[dict[str, Any]]:
-    """Every point of one HybridEP result; ``scale`` replaces the links' bandwidth share."""
+def hybridep_points(name: str, scale: float | str | None = None) -> list[dict[str, Any]]:
+    """Every point of one HybridEP result; ``scale`` as :func:`flowmoe_points`'."""
     data = json.loads((RESULTS / name).read_text())
     spec = ClusterSpec.from_dict(data["cluster"])
     cfg = data["config"]
-    floor_s, checked = _links()
-    scale = checked if scale is None else scale
+    link_fields = _link_fields(spec.name, scale)
     out = []
     for point in data["points"]:
         T, F = point["tokens_per_rank"], point["ffn_hidden_size"]
@@ -141,8 +178,8 @@ def hybridep_points(name: str, scale: float | None = None) -> list[dict[str, Any
                           if cfg["seq_len"] <= T else 1, seq_len=min(T, cfg["seq_len"]),
                           hidden=cfg["hidden_size"], ffn_hidden=F, experts=cfg["num_experts"],
                           top_k=cfg["top_k"], heads=cfg["heads"])  # fmt: skip
-        profile = Profile(flops_per_s=point["flops_per_s_rounds"], floor_s=floor_s,
-                          bandwidth_scale=scale, source=f"{name} flops_per_s_rounds")  # fmt: skip
+        profile = Profile(flops_per_s=point["flops_per_s_rounds"], **link_fields,
+                          source=f"{name} flops_per_s_rounds")  # fmt: skip
         for variant, strategy, options in VARIANTS:
             domains = point["domains"][variant]
             opts = SimOptions(domain_sizes=tuple(domains) if domains else None, **options)
@@ -175,9 +212,10 @@ TASKFLOW_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
-def taskflow_points(name: str, scale: float | None = None) -> list[dict[str, Any]]:
+def taskflow_points(name: str, scale: float | str | None = None) -> list[dict[str, Any]]:
     """Every bandwidth of one ``taskflow_cluster.py`` result: dropless and the static executor
-    in both queue orders; ``scale`` replaces the links' bandwidth share."""
+    in both queue orders; ``scale`` as :func:`flowmoe_points`' (``MEASURED``: the profile of
+    a 2-rank cluster of the point's bandwidth and latency, ``sim_profile_taskflow_<G>gbps``)."""
     data = json.loads((RESULTS / name).read_text())
     cfg = data["config"]
     model = ModelSpec.from_toml(ROOT / "examples" / "models" / "taskflow_layer.toml")
@@ -186,8 +224,6 @@ def taskflow_points(name: str, scale: float | None = None) -> list[dict[str, Any
                                  "tokens_per_rank"))  # fmt: skip
     if want != got:
         raise ValueError(f"{name}: config {got} is not taskflow_layer.toml's {want}")
-    floor_s, checked = _links()
-    scale = checked if scale is None else scale
     # One torch thread per rank: its compute-only FLOPs (gate and experts, forward + backward).
     flops = 3 * (model.attention_flops(model.tokens) + model.expert_flops(model.tokens * 2))
     out = []
@@ -197,7 +233,7 @@ def taskflow_points(name: str, scale: float | None = None) -> list[dict[str, Any
                                          latency_ms=cfg["latency_ms"]),),
                            name=f"taskflow_{point['gbps']:g}gbps")  # fmt: skip
         rate = flops / point["median_s"]["compute only"]
-        profile = Profile(flops_per_s=rate, floor_s=floor_s, bandwidth_scale=scale,
+        profile = Profile(flops_per_s=rate, **_link_fields(spec.name, scale),
                           source=f"{name} compute only")  # fmt: skip
         bucket = point["bucket"]
         tiles = {"taskflow_tile_m": bucket["tile_m"], "taskflow_slot_rows": bucket["slot_rows"]}
@@ -224,7 +260,7 @@ RUNS = ("flowmoe_cluster.json", *HYBRIDEP, *TASKFLOW)
 SCALES = [0.40 + 0.01 * i for i in range(61)]  # bandwidth shares searched: 0.40 .. 1.00
 
 
-def run_points(name: str, scale: float | None = None) -> list[dict[str, Any]]:
+def run_points(name: str, scale: float | str | None = None) -> list[dict[str, Any]]:
     if name in TASKFLOW:
         return taskflow_points(name, scale)
     return flowmoe_points(scale) if name == RUNS[0] else hybridep_points(name, scale)
@@ -249,6 +285,26 @@ def cross_validated() -> tuple[list[dict[str, Any]], dict[str, float]]:
     return rows, fitted
 
 
+def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Overall, per run, without the taskflow runs, the taskflow runs and their variants."""
+    by_source: dict[str, list[float]] = {}
+    for r in rows:
+        by_source.setdefault(r["source"], []).append(r["error"])
+    errors = [r["error"] for r in rows]
+    return {
+        **_summary(rows),
+        "median_abs_error": statistics.median(abs(e) for e in errors),
+        "max_abs_error": max(abs(e) for e in errors),
+        "by_source_geomean_abs_error": {k: geomean_abs(v) for k, v in by_source.items()},
+        "without_taskflow": _summary([r for r in rows if r["source"] not in TASKFLOW]),
+        "taskflow_runs": _summary([r for r in rows if r["source"] in TASKFLOW]),
+        "taskflow_runs_by_variant": {
+            v: _summary([r for r in rows if r["source"] in TASKFLOW and r["point"].startswith(v)])
+            for v in ("dropless", "taskflow static ", "taskflow static, kernel order")
+        },
+    }
+
+
 def _summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     errors = [r["error"] for r in rows]
     return {
@@ -269,44 +325,39 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     spec_rows = [r for name in RUNS for r in run_points(name)]
+    measured = [r for name in RUNS for r in run_points(name, MEASURED)]
+    measured_no_cpu = [r for name in RUNS for r in run_points(name, MEASURED_NO_CPU)]
     rows, fitted = cross_validated()
-    errors = [r["error"] for r in rows]
-    by_source: dict[str, list[float]] = {}
-    for r in rows:
-        by_source.setdefault(r["source"], []).append(r["error"])
     summary = {
-        "points": len(rows),
-        "geomean_abs_error": geomean_abs(errors),
-        "geomean_ratio_error": math.exp(statistics.fmean(abs(math.log(1 + e)) for e in errors)) - 1,
-        "mean_signed_error": statistics.fmean(errors),
-        "median_abs_error": statistics.median(abs(e) for e in errors),
-        "max_abs_error": max(abs(e) for e in errors),
-        "by_source_geomean_abs_error": {k: geomean_abs(v) for k, v in by_source.items()},
-        "without_taskflow": _summary([r for r in rows if r["source"] not in TASKFLOW]),
-        "taskflow_runs": _summary([r for r in rows if r["source"] in TASKFLOW]),
-        "taskflow_runs_by_variant": {
-            v: _summary([r for r in rows if r["source"] in TASKFLOW and r["point"].startswith(v)])
-            for v in ("dropless", "taskflow static ", "taskflow static, kernel order")
+        "measured_calibration": report(measured),
+        "measured_calibration_without_taskflow_cpu_model": report(measured_no_cpu),
+        "fitted_share_leave_one_run_out": {
+            **report(rows),
+            "bandwidth_scale_fitted_leave_one_run_out": fitted,
         },
-        "bandwidth_scale_fitted_leave_one_run_out": fitted,
-        "links_as_checked_geomean_abs_error": geomean_abs([r["error"] for r in spec_rows]),
-        "links_as_checked_by_source": {
-            n: geomean_abs([r["error"] for r in spec_rows if r["source"] == n]) for n in RUNS
-        },
+        "links_as_checked": report(spec_rows),
         "wall_s": time.perf_counter() - t0,
     }
     out = {
         "meta": run_metadata(),
         "summary": summary,
-        "rows": rows,
+        "rows": measured,
+        "rows_measured_without_taskflow_cpu_model": measured_no_cpu,
+        "rows_fitted": rows,
         "rows_links_as_checked": spec_rows,
         "notes": __doc__,
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    for r in rows:
-        print(f"{r['source']:28s} {r['point']:34s} meas {r['measured_ms']:8.1f} "
-              f"sim {r['simulated_ms']:8.1f} err {r['error']:+.1%}")  # fmt: skip
-    print(json.dumps(summary, indent=1))
+    fit = {(r["source"], r["point"]): r for r in rows}
+    for r in measured:
+        f = fit[(r["source"], r["point"])]
+        print(f"{r['source']:28s} {r['point']:44s} meas {r['measured_ms']:8.1f} "
+              f"sim {r['simulated_ms']:8.1f} err {r['error']:+.1%} (fitted {f['error']:+.1%})")  # fmt: skip
+    brief = {k: {kk: v[kk] for kk in ("geomean_abs_error", "geomean_ratio_error",
+                                       "by_source_geomean_abs_error", "without_taskflow",
+                                       "taskflow_runs_by_variant")}
+             for k, v in summary.items() if isinstance(v, dict)}  # fmt: skip
+    print(json.dumps(brief, indent=1))
 
 
 if __name__ == "__main__":

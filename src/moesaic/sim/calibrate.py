@@ -8,7 +8,12 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    differenced) and one-way latency (fastest ping-pong halved). Each becomes a
    :class:`~moesaic.sim.profile.LinkLevel`; ``bandwidth_scale`` is the median over the levels of
    measured / configured bandwidth;
-2. an unshaped pair (100 Gbit/s, 0 ms: far above what tbf, the delay line and gloo sustain):
+2. the same cluster, still up: its all-to-all (``all_to_all_single``) and all-reduce timed at
+   ``COLLECTIVE_SIZES`` x the check's collective size (:func:`collective_shares`), each turned
+   into the bandwidth share under which the simulator's closed form gives the measured time
+   (:class:`~moesaic.sim.profile.CollectiveShare`);
+3. still on that cluster, the CPU one-sided puts cost (:func:`put_cpu`): per put and per byte;
+4. an unshaped pair (100 Gbit/s, 0 ms: far above what tbf, the delay line and gloo sustain):
    its measured one-way latency is ``floor_s``, the least a message costs on this machine, as
    ``benchmarks/cluster_check.py``'s ``unshaped`` entry.
 
@@ -19,14 +24,26 @@ above the floor) is the cluster file's. Torch is used by the workers only.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from moesaic.checks import check_positive
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.sim.profile import LinkLevel
+from moesaic.sim.profile import CollectiveShare, LinkLevel, Profile
 
-__all__ = ["UNSHAPED", "LinkCalibration", "measure_links"]
+__all__ = [
+    "COLLECTIVE_SIZES",
+    "UNSHAPED",
+    "LinkCalibration",
+    "collective_share",
+    "collective_shares",
+    "measure_links",
+]
+
+# Sizes the collectives are timed at, as fractions of the check's collective size (what the
+# slowest level moves in half a bandwidth transfer): the validated runs' messages span them.
+COLLECTIVE_SIZES = (1 / 16, 1 / 4, 1.0)
 
 # The emulator's floor: a link shaped far above what this machine moves (cluster_check.py's).
 UNSHAPED = ClusterSpec(
@@ -43,12 +60,18 @@ class LinkCalibration:
         bandwidth_scale: Median measured / configured bandwidth over ``links``.
         floor_s: One-way latency of the unshaped pair, seconds (0 when not measured).
         collectives: The check's all-to-all and all-reduce medians and bounds (for the record).
+        shares: The collectives timed at ``COLLECTIVE_SIZES``, as shares of the links.
+        put_cpu_s: CPU seconds per one-sided put (sender and receiver; :func:`put_cpu`).
+        put_cpu_per_byte_s: CPU seconds per byte put.
     """
 
     links: tuple[LinkLevel, ...]
     bandwidth_scale: float
     floor_s: float
     collectives: dict[str, Any]
+    shares: tuple[CollectiveShare, ...] = ()
+    put_cpu_s: float = 0.0
+    put_cpu_per_byte_s: float = 0.0
 
 
 def links_from_report(report: Any) -> tuple[LinkLevel, ...]:
@@ -63,6 +86,123 @@ def links_from_report(report: Any) -> tuple[LinkLevel, ...]:
         )
         for m in report.levels
     )
+
+
+def _worker_collectives(rank: int, world: int, sizes: list[int], reps: int) -> dict[str, Any]:
+    """Times ``all_to_all_single`` and ``all_reduce`` at every size (after one warm-up)."""
+    import torch
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    for nbytes in sizes:
+        send = torch.full((nbytes // 4,), float(rank), dtype=torch.float32)
+        recv = torch.empty_like(send)
+        for name in ("all_to_all", "all_reduce"):
+            times = []
+            for i in range(1 + reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if name == "all_to_all":
+                    dist.all_to_all_single(recv, send)
+                else:
+                    dist.all_reduce(send)
+                if i:
+                    times.append(time.perf_counter() - t0)
+            out[f"{name}:{nbytes}"] = times
+    dist.barrier()
+    return out
+
+
+# Put sizes of the put-CPU measurement: a tiny tile (the per-message cost) and a large one
+# (the per-byte cost: the kernel's TCP stack and the emulator), 200 and 16 puts.
+PUT_SIZES = ((64, 200), (256 * 1024, 16))
+
+
+def _worker_put_cpu(rank: int, world: int, sizes: list[tuple[int, int]]) -> list[float]:
+    """Ranks 0 and 1: process CPU seconds (every thread) while 0 puts ``n`` tiles of ``nbytes``
+    to 1 (one flush, then 1 waits for all), per size; the other ranks only join the window."""
+    import torch
+    import torch.distributed as dist
+
+    from moesaic.comm.onesided import OneSidedWindow
+
+    out = []
+    numel = max(nbytes * n for nbytes, n in sizes) // 4
+    with OneSidedWindow(numel, num_events=len(sizes), timeout_s=120) as win:
+        for event, (nbytes, n) in enumerate(sizes):
+            tile = torch.ones(nbytes // 4)
+            dist.barrier()
+            t0 = time.process_time()
+            if rank == 0:
+                for j in range(n):
+                    win.put_with_signal(tile, 1, (j * tile.numel(), tile.numel()), event)
+                win.flush()
+            elif rank == 1:
+                win.wait(event, n)
+            out.append(time.process_time() - t0)
+            dist.barrier()
+    return out
+
+
+def put_cpu(cluster: Any = None, *, timeout_s: float = 120.0) -> tuple[float, float]:
+    """``(seconds per put, seconds per byte)`` of CPU that one-sided puts (``GlooTransport``)
+    cost, sender and receiver together, from ``PUT_SIZES`` between ranks 0 and 1 of a started
+    emulated ``cluster`` (its first level's link), or a loopback pair without one."""
+    sizes = list(PUT_SIZES)
+    if cluster is None:
+        from moesaic.comm.world import run_world
+
+        per_rank = run_world(_worker_put_cpu, 2, sizes, timeout_s=timeout_s)
+    else:
+        per_rank = cluster.run(_worker_put_cpu, cluster.spec.world_size, sizes, timeout_s=timeout_s)
+    per_put = [(a + b) / n for a, b, (_, n) in zip(per_rank[0], per_rank[1], sizes)]
+    (small, _), (big, _) = sizes
+    per_byte = max(0.0, (per_put[1] - per_put[0]) / (big - small))
+    return max(0.0, per_put[0] - small * per_byte), per_byte
+
+
+def collective_share(
+    spec: ClusterSpec, profile: Profile, kind: str, bytes_per_rank: float, measured_s: float
+) -> float | None:
+    """The share of the link rates (as ``profile`` models ``spec``'s links for point-to-point)
+    under which the simulator's ``kind`` collective of ``bytes_per_rank`` takes ``measured_s``:
+    its bandwidth term at share 1 over the measured time less its latency term. ``None`` when
+    the measured time does not exceed the latency term (nothing to attribute to bandwidth)."""
+    from moesaic.sim.collectives import LinkModel, all_to_all_s, ring_all_reduce_s
+
+    link_spec, scale = profile.link_spec(spec)
+    link = LinkModel(spec=link_spec, floor_s=profile.floor_s, bandwidth_scale=scale)
+    P = link.world_size
+    if kind == "all_to_all":
+        full, latency = all_to_all_s(link, bytes_per_rank / P), link.worst_latency_s()
+    else:
+        full = ring_all_reduce_s(link, bytes_per_rank)
+        latency = 2 * (P - 1) * link.worst_latency_s()
+    if measured_s <= latency or full <= latency:
+        return None
+    return (full - latency) / (measured_s - latency)
+
+
+def collective_shares(
+    cluster: Any, profile: Profile, base_bytes: int, *, reps: int = 3, timeout_s: float = 300.0
+) -> tuple[CollectiveShare, ...]:
+    """Times a started cluster's all-to-all and all-reduce at ``COLLECTIVE_SIZES`` x
+    ``base_bytes`` per rank (slowest rank, median of ``reps``) and converts each into a
+    :class:`CollectiveShare` relative to ``profile``'s links (:func:`collective_share`)."""
+    spec: ClusterSpec = cluster.spec
+    unit = 4 * spec.world_size  # all_to_all_single splits evenly
+    sizes = sorted({max(unit, int(base_bytes * f) // unit * unit) for f in COLLECTIVE_SIZES})
+    per_rank = cluster.run(_worker_collectives, spec.world_size, sizes, reps, timeout_s=timeout_s)
+    out = []
+    for nbytes in sizes:
+        for kind in ("all_to_all", "all_reduce"):
+            key = f"{kind}:{nbytes}"
+            measured = statistics.median(max(t) for t in zip(*(r[key] for r in per_rank)))
+            share = collective_share(spec, profile, kind, nbytes, measured)
+            if share is not None:
+                out.append(CollectiveShare(kind=kind, bytes_per_rank=float(nbytes),
+                                           share=share, measured_s=measured))  # fmt: skip
+    return tuple(out)
 
 
 def measure_links(
@@ -92,19 +232,30 @@ def measure_links(
     if spec.world_size < 2:
         raise ValueError(f"cluster world_size ({spec.world_size}) must be >= 2 to measure links")
     check_positive("duration_s", duration_s)
-    with EmulatedCluster(spec) as cluster:
-        report = check(cluster, duration_s=duration_s, timeout_s=timeout_s)
-    links = links_from_report(report)
-    scale = statistics.median(x.bandwidth_share for x in links)
     floor_s = 0.0
     if floor:
         with EmulatedCluster(UNSHAPED) as cluster:
             unshaped = check(cluster, duration_s=duration_s, timeout_s=timeout_s)
         floor_s = unshaped.levels[0].measured_latency_ms * 1e-3
+    with EmulatedCluster(spec) as cluster:
+        report = check(cluster, duration_s=duration_s, timeout_s=timeout_s)
+        links = links_from_report(report)
+        scale = statistics.median(x.bandwidth_share for x in links)
+        # Shares relative to the links as a profile of these measurements models them.
+        probe = Profile(flops_per_s=1.0, floor_s=floor_s, bandwidth_scale=scale, links=links)
+        nbytes = next(iter(report.collectives.values()))["bytes_per_rank"]
+        shares = collective_shares(cluster, probe, nbytes, timeout_s=timeout_s)
+        per_put, per_byte = put_cpu(cluster, timeout_s=timeout_s)
     collectives = {
         name: {k: c[k] for k in ("bytes_per_rank", "median_s", "bound_s")}
         for name, c in report.collectives.items()
     }
     return LinkCalibration(
-        links=links, bandwidth_scale=scale, floor_s=floor_s, collectives=collectives
+        links=links,
+        bandwidth_scale=scale,
+        floor_s=floor_s,
+        collectives=collectives,
+        shares=shares,
+        put_cpu_s=per_put,
+        put_cpu_per_byte_s=per_byte,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 __all__ = ["add_subparser"]
@@ -142,6 +143,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     measured = measure(args.size)
     floor_s, scale, source = 0.0, 1.0, f"measured matmul {args.size}^3 here; links as specified"
     links: tuple[Any, ...] = ()
+    shares: tuple[Any, ...] = ()
+    cpu: dict[str, Any] = {}
     if args.links:
         floor_s, scale = _load("links", args.links, links_from_cluster_check)
         source = f"measured matmul {args.size}^3 here; links from {args.links}"
@@ -151,7 +154,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
         spec = _load("cluster", args.cluster, ClusterSpec.from_toml)
         cal = measure_links(spec, duration_s=args.duration_s, floor=not args.no_floor)
-        floor_s, scale, links = cal.floor_s, cal.bandwidth_scale, cal.links
+        floor_s, scale, links, shares = cal.floor_s, cal.bandwidth_scale, cal.links, cal.shares
+        # The emulated ranks all run on this machine and share its cores.
+        cpu = {"put_cpu_s": cal.put_cpu_s, "put_cpu_per_byte_s": cal.put_cpu_per_byte_s,
+               "cores": os.cpu_count() or 0, "ranks_per_machine": spec.world_size}  # fmt: skip
         floor = "no floor" if args.no_floor else "floor from an unshaped pair"
         source = (
             f"measured matmul {args.size}^3 here; links measured on the emulated "
@@ -160,8 +166,20 @@ def run_calibrate(args: argparse.Namespace) -> int:
         for name, c in cal.collectives.items():
             print(f"{name}: median {c['median_s'] * 1e3:.2f} ms, link-load bound "
                   f"{c['bound_s'] * 1e3:.2f} ms ({c['bound_s'] / c['median_s']:.2f} of it)")  # fmt: skip
+        print(f"one-sided puts: {cal.put_cpu_s * 1e6:.0f} us CPU per put + "
+              f"{cal.put_cpu_per_byte_s * 1e9:.2f} ns per byte")  # fmt: skip
+        for x in shares:
+            print(f"{x.kind} {x.bytes_per_rank / 1e3:.0f} kB/rank: {x.measured_s * 1e3:.2f} ms, "
+                  f"share {x.share:.2f} of the links")  # fmt: skip
     profile = Profile(
-        **measured, floor_s=floor_s, bandwidth_scale=scale, source=source, links=links
+        flops_per_s=measured["flops_per_s"],
+        task_overhead_s=measured["task_overhead_s"],
+        floor_s=floor_s,
+        bandwidth_scale=scale,
+        source=source,
+        links=links,
+        collectives=shares,
+        **cpu,
     )
     profile.save(args.out)
     print(json.dumps(profile.to_dict()))

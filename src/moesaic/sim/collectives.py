@@ -29,11 +29,19 @@ that no real collective goes below (gloo on this machine's loopback: 0.15-0.2 ms
 ``benchmarks/results/cluster_check.json``). ``bandwidth_scale`` multiplies every link's rate
 (a calibrated efficiency; 1.0 = the spec's figures).
 
+**Measured collective shares.** ``a2a_shares`` and ``allreduce_shares`` (``(bytes_per_rank,
+share)`` points from ``calibrate --cluster``, :class:`moesaic.sim.profile.CollectiveShare`)
+further divide the bandwidth term of the all-to-all(-v)s and of the all-reduces / all-gathers
+(:meth:`LinkModel.share`: log-linear in the collective's bytes per rank, clamped to the measured
+range; 1.0 with none). Point-to-point messages use the link rates alone. Level-local exchanges
+(:func:`level_exchange_s`) use the all-to-all share, or the all-reduce one for gathers.
+
 Torch-free, standard library only.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,17 +70,48 @@ class LinkModel:
         spec: The cluster (levels: size, Gbit/s, one-way ms).
         floor_s: Latency floor per collective step, seconds (>= 0).
         bandwidth_scale: Multiplier of every level's bandwidth (> 0; 1.0: as specified).
+        a2a_shares: ``(bytes_per_rank, share)`` points: the all-to-alls' measured share of the
+            link rates (empty: 1.0).
+        allreduce_shares: The same for all-reduces and all-gathers.
     """
 
     spec: ClusterSpec
     floor_s: float = 0.0
     bandwidth_scale: float = 1.0
+    a2a_shares: tuple[tuple[float, float], ...] = ()
+    allreduce_shares: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, ClusterSpec):
             raise ValueError(f"spec must be a ClusterSpec, got {type(self.spec).__name__}")
         check_non_negative("floor_s", self.floor_s)
         check_positive("bandwidth_scale", self.bandwidth_scale)
+        for name in ("a2a_shares", "allreduce_shares"):
+            points = getattr(self, name)
+            if not isinstance(points, tuple) or any(len(p) != 2 for p in points):
+                raise ValueError(f"{name} must be a tuple of (bytes_per_rank, share) pairs")
+            for nbytes, share in points:
+                check_positive(f"{name} bytes_per_rank", nbytes)
+                check_positive(f"{name} share", share)
+            if list(points) != sorted(points):
+                raise ValueError(f"{name} must be sorted by bytes_per_rank")
+
+    def share(self, kind: str, bytes_per_rank: float) -> float:
+        """The measured share of ``kind`` (``"all_to_all"`` or ``"all_reduce"``) at
+        ``bytes_per_rank``: linear in log bytes between measured sizes, the nearest one outside
+        them, 1.0 when none was measured."""
+        points = self.a2a_shares if kind == "all_to_all" else self.allreduce_shares
+        if kind not in ("all_to_all", "all_reduce"):
+            raise ValueError(f"kind ({kind!r}) must be 'all_to_all' or 'all_reduce'")
+        if not points:
+            return 1.0
+        if bytes_per_rank <= points[0][0]:
+            return points[0][1]
+        for (b0, s0), (b1, s1) in itertools.pairwise(points):
+            if bytes_per_rank <= b1:
+                w = math.log(bytes_per_rank / b0) / math.log(b1 / b0) if b1 > b0 else 1.0
+                return s0 + w * (s1 - s0)
+        return points[-1][1]
 
     @property
     def world_size(self) -> int:
@@ -118,7 +157,7 @@ def all_to_all_s(link: LinkModel, bytes_per_pair: float) -> float:
         g = link.ranks_per_member(j)
         if g < P:
             worst = max(worst, g * (P - g) * b / link.bytes_per_s(j))
-    return worst + link.worst_latency_s()
+    return worst / link.share("all_to_all", P * b) + link.worst_latency_s()
 
 
 def all_to_all_shares_s(link: LinkModel, bytes_per_rank: float, shares_P: Sequence[float]) -> float:
@@ -147,7 +186,7 @@ def all_to_all_shares_s(link: LinkModel, bytes_per_rank: float, shares_P: Sequen
             s = math.fsum(shares_P[m * g : (m + 1) * g])
             busiest = max(busiest, g * D * (1 - s), (P - g) * D * s)
         worst = max(worst, busiest / link.bytes_per_s(j))
-    return worst + link.worst_latency_s()
+    return worst / link.share("all_to_all", D) + link.worst_latency_s()
 
 
 def all_to_all_v_s(link: LinkModel, bytes_PP: Sequence[Sequence[float]]) -> float:
@@ -162,39 +201,51 @@ def all_to_all_v_s(link: LinkModel, bytes_PP: Sequence[Sequence[float]]) -> floa
     nt = network_time(link.spec, bytes_PP)
     if P < 2 or nt.busiest_level is None:
         return 0.0 if P < 2 else link.worst_latency_s()
-    return nt.bandwidth_s / link.bandwidth_scale + link.worst_latency_s()
+    sent = max(math.fsum(row) for row in bytes_PP)
+    share = link.share("all_to_all", sent)
+    return nt.bandwidth_s / (link.bandwidth_scale * share) + link.worst_latency_s()
 
 
-def _ring_step_s(link: LinkModel, chunk: float) -> float:
+def _ring_step_s(link: LinkModel, chunk: float, share: float) -> float:
     """One ring step over all P ranks: every member of a level with > 1 member in the world has
-    one ring edge leaving it."""
+    one ring edge leaving it; ``share`` divides the bandwidth term."""
     worst = 0.0
     for j in range(link.spec.num_levels):
         if link.members(j) > 1:
             worst = max(worst, chunk / link.bytes_per_s(j))
-    return worst + link.worst_latency_s()
+    return worst / share + link.worst_latency_s()
 
 
 def ring_all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
     """gloo's ring all-reduce of ``bytes_per_rank``: ``2 (P - 1)`` steps of ``bytes / P``."""
     b = _bytes("bytes_per_rank", bytes_per_rank)
     P = link.world_size
-    return 0.0 if P < 2 else 2 * (P - 1) * _ring_step_s(link, b / P)
+    if P < 2:
+        return 0.0
+    return 2 * (P - 1) * _ring_step_s(link, b / P, link.share("all_reduce", b))
 
 
 def all_gather_s(link: LinkModel, bytes_per_rank: float) -> float:
-    """Ring all-gather of ``bytes_per_rank`` from every rank: ``P - 1`` steps of that size."""
+    """Ring all-gather of ``bytes_per_rank`` from every rank: ``P - 1`` steps of that size.
+
+    Priced with the all-reduce share of the all-reduce that moves as much (``P b / 2``)."""
     b = _bytes("bytes_per_rank", bytes_per_rank)
     P = link.world_size
-    return 0.0 if P < 2 else (P - 1) * _ring_step_s(link, b)
+    if P < 2:
+        return 0.0
+    return (P - 1) * _ring_step_s(link, b, link.share("all_reduce", P * b / 2))
 
 
-def level_exchange_s(link: LinkModel, level: int, peers: int, bytes_per_peer: float) -> float:
+def level_exchange_s(
+    link: LinkModel, level: int, peers: int, bytes_per_peer: float, *, gather: bool = False
+) -> float:
     """Each rank sends ``bytes_per_peer`` to ``peers`` ranks that differ from it only in the
     coordinate of ``level`` (HybridEP's gathers inside a domain and its token hops): one phase.
 
     The traffic leaves every member of ``level`` and of each inner level; a level-``j`` member's
-    uplink carries ``g_j x peers x bytes`` each way. Latency: ``level``'s own (floored).
+    uplink carries ``g_j x peers x bytes`` each way. Latency: ``level``'s own (floored). Priced
+    as an all-to-all of ``(peers + 1) x bytes`` per rank, or with ``gather`` as the all-gather
+    it is (the all-reduce share at half that, as :func:`all_gather_s`).
     """
     check_int("level", level, 0, link.spec.num_levels - 1)
     n = check_int("peers", peers, 0, link.spec.levels[level].size - 1)
@@ -205,7 +256,9 @@ def level_exchange_s(link: LinkModel, level: int, peers: int, bytes_per_peer: fl
         link.ranks_per_member(j) * n * b / link.bytes_per_s(j)
         for j in range(level, link.spec.num_levels)
     )
-    return worst + link.latency_s(level)
+    volume = (n + 1) * b
+    share = link.share("all_reduce", volume / 2) if gather else link.share("all_to_all", volume)
+    return worst / share + link.latency_s(level)
 
 
 def hierarchical_all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
@@ -218,6 +271,7 @@ def hierarchical_all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
     b = _bytes("bytes_per_rank", bytes_per_rank)
     total = 0.0
     shard = b
+    share = link.share("all_reduce", b)
     for j in reversed(range(link.spec.num_levels)):
         s = link.spec.levels[j].size
         if s < 2:
@@ -227,7 +281,7 @@ def hierarchical_all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
             link.ranks_per_member(i) * chunk / link.bytes_per_s(i)
             for i in range(j, link.spec.num_levels)
         )
-        total += 2 * (s - 1) * (step + link.latency_s(j))
+        total += 2 * (s - 1) * (step / share + link.latency_s(j))
         shard = chunk
     return total
 

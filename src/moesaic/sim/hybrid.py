@@ -96,7 +96,7 @@ def _phases(link: LinkModel, inputs: StreamInputs, domain_sizes: tuple[int, ...]
         s = domain_sizes[level]
         if s > 1:
             bundle = inputs.expert_bytes * math.prod(domain_sizes[:level])
-            ag += level_exchange_s(link, level, s - 1, bundle)
+            ag += level_exchange_s(link, level, s - 1, bundle, gather=True)
         if s < lv.size:
             a2a += level_exchange_s(link, level, lv.size // s - 1, inputs.data_bytes * s / lv.size)
     return ag, a2a

@@ -12,6 +12,20 @@ measured and what is taken from elsewhere:
   :mod:`moesaic.sim.calibrate`) or read from a cluster check result (``--links``), else 0;
 * ``bandwidth_scale``: the links' measured share of their configured rate (the median over the
   levels of measured / configured bandwidth), or 1.0: the spec's figures;
+* ``collectives``: with ``--cluster``, the emulated cluster's all-to-all and all-reduce timed at
+  a few sizes, each as the bandwidth share (:class:`CollectiveShare`) that makes the simulator's
+  own closed form (:mod:`moesaic.sim.collectives`, on the point-to-point links above) reproduce
+  the measured time: what the collective loses beyond its links. The simulation prices
+  all-to-all(-v)s and all-reduces / all-gathers with them (interpolated in log size),
+  point-to-point messages with the link share only;
+* ``tile_cpu_s``, ``put_cpu_s``, ``put_cpu_per_byte_s``: CPU seconds the taskflow runtime
+  spends per tile beyond its FLOPs (the static executor's per-task overhead; not measured by
+  ``calibrate``: ``benchmarks/results/taskflow_sched.json`` has it) and per remote put and
+  byte (gloo's header and payload messages, the kernel's stack, the receiver's subscriber
+  thread; ``calibrate --cluster`` measures them on the emulated link), charged to the rank's
+  queues (:mod:`moesaic.sim.taskflow`);
+* ``cores``, ``ranks_per_machine``: when both are > 0, a taskflow step takes at least its
+  rank's CPU time / (cores / ranks_per_machine) (its queues' threads share those cores);
 * ``links``: with ``--cluster``, every level's configured and measured bandwidth and latency
   (:class:`LinkLevel`). A simulation of a cluster whose level has the same name, bandwidth and
   latency as a measured one runs that level at its measured bandwidth; other levels run at
@@ -29,13 +43,49 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from moesaic.checks import check_non_negative, check_positive
+from moesaic.checks import check_int, check_non_negative, check_one_of, check_positive
 
-__all__ = ["OPS_PER_TASK", "LinkLevel", "Profile", "links_from_cluster_check", "measure"]
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "OPS_PER_TASK",
+    "CollectiveShare",
+    "LinkLevel",
+    "Profile",
+    "links_from_cluster_check",
+    "measure",
+]
 
 # Torch ops in one pipeline stage's forward (norm, QKV, split, SDPA, projection, residual,
 # router softmax/top-k, permutation...): counted on models/gpt.py's attention stage (~30).
 OPS_PER_TASK = 30
+
+# Collectives whose measured efficiency a profile may hold.
+COLLECTIVE_KINDS = ("all_to_all", "all_reduce")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CollectiveShare:
+    """One collective measured at one size on an emulated cluster.
+
+    Attributes:
+        kind: ``"all_to_all"`` or ``"all_reduce"``.
+        bytes_per_rank: Bytes every rank contributed (``all_to_all_single``'s send buffer, the
+            all-reduced tensor).
+        share: Multiplier of the point-to-point link rates under which the simulator's closed
+            form gives the measured time (its latencies unchanged).
+        measured_s: The measured median time (slowest rank), for the record.
+    """
+
+    kind: str
+    bytes_per_rank: float
+    share: float
+    measured_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_one_of("collectives.kind", self.kind, COLLECTIVE_KINDS)
+        check_positive("collectives.bytes_per_rank", self.bytes_per_rank)
+        check_positive("collectives.share", self.share)
+        check_non_negative("collectives.measured_s", self.measured_s)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -82,6 +132,12 @@ class Profile:
             in ``links``, which runs at its measured rate).
         source: Where the figures come from (free text, kept in results).
         links: Per-level measurements behind ``bandwidth_scale`` (empty unless measured).
+        collectives: Measured collective shares (empty: collectives run at the link rates).
+        tile_cpu_s: CPU seconds per taskflow tile beyond its FLOPs and launch.
+        put_cpu_s: CPU seconds per remote taskflow put (sender and receiver together).
+        put_cpu_per_byte_s: CPU seconds per byte of a remote put.
+        cores: CPU cores of one machine (0: not modelled).
+        ranks_per_machine: Ranks sharing those cores (0: not modelled).
     """
 
     flops_per_s: float
@@ -90,8 +146,19 @@ class Profile:
     bandwidth_scale: float = 1.0
     source: str = "given"
     links: tuple[LinkLevel, ...] = ()
+    collectives: tuple[CollectiveShare, ...] = ()
+    tile_cpu_s: float = 0.0
+    put_cpu_s: float = 0.0
+    put_cpu_per_byte_s: float = 0.0
+    cores: int = 0
+    ranks_per_machine: int = 0
 
     def __post_init__(self) -> None:
+        check_non_negative("profile.tile_cpu_s", self.tile_cpu_s)
+        check_non_negative("profile.put_cpu_s", self.put_cpu_s)
+        check_non_negative("profile.put_cpu_per_byte_s", self.put_cpu_per_byte_s)
+        check_int("profile.cores", self.cores, 0)
+        check_int("profile.ranks_per_machine", self.ranks_per_machine, 0)
         check_positive("profile.flops_per_s", self.flops_per_s)
         check_non_negative("profile.task_overhead_s", self.task_overhead_s)
         check_non_negative("profile.floor_s", self.floor_s)
@@ -102,6 +169,24 @@ class Profile:
             isinstance(x, LinkLevel) for x in self.links
         ):
             raise ValueError("profile.links must be a tuple of LinkLevel")
+        if not isinstance(self.collectives, tuple) or not all(
+            isinstance(x, CollectiveShare) for x in self.collectives
+        ):
+            raise ValueError("profile.collectives must be a tuple of CollectiveShare")
+
+    @property
+    def cores_per_rank(self) -> float | None:
+        """``cores / ranks_per_machine``; None when either is 0 (not modelled)."""
+        if self.cores == 0 or self.ranks_per_machine == 0:
+            return None
+        return self.cores / self.ranks_per_machine
+
+    def collective_shares(self, kind: str) -> tuple[tuple[float, float], ...]:
+        """``(bytes_per_rank, share)`` points of one collective kind, by size."""
+        check_one_of("kind", kind, COLLECTIVE_KINDS)
+        return tuple(
+            sorted((x.bytes_per_rank, x.share) for x in self.collectives if x.kind == kind)
+        )
 
     def link_spec(self, spec: Any) -> tuple[Any, float]:
         """``(spec, bandwidth_scale)`` to simulate ``spec`` (a ``ClusterSpec``) with: each level
@@ -152,7 +237,15 @@ class Profile:
         except TypeError as exc:
             allowed = [f.name for f in fields(LinkLevel)]
             raise ValueError(f"profile.links: {exc}; fields are {allowed}") from None
-        return cls(**data, links=parsed)
+        coll = data.pop("collectives", [])
+        if not isinstance(coll, list) or not all(isinstance(x, dict) for x in coll):
+            raise ValueError("profile.collectives must be a list of objects")
+        try:
+            shares = tuple(CollectiveShare(**x) for x in coll)
+        except TypeError as exc:
+            allowed = [f.name for f in fields(CollectiveShare)]
+            raise ValueError(f"profile.collectives: {exc}; fields are {allowed}") from None
+        return cls(**data, links=parsed, collectives=shares)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

@@ -139,13 +139,17 @@ def _graph(
             details["sp_bytes"] = sp
         return g, tl, details
     if strategy == "taskflow":
-        from moesaic.sim.taskflow import build_taskflow
+        from moesaic.sim.taskflow import build_taskflow, step_cpu_s
 
         g, plans = build_taskflow(
             model, link, profile, tile_m=opts.taskflow_tile_m,
             slot_rows=opts.taskflow_slot_rows, pipeline=opts.taskflow_pipeline,
         )  # fmt: skip
-        return g, g.run(), {"plans": plans}
+        cpu_s = step_cpu_s(model, profile, plans)
+        # A rank's queues share its cores: a step takes at least its CPU time over them.
+        cores = profile.cores_per_rank
+        floor = 0.0 if cores is None else cpu_s / cores
+        return g, g.run(), {"plans": plans, "cpu_ms": cpu_s * 1e3, "cpu_floor_ms": floor * 1e3}
     if strategy == "ep":
         parts = hybrid_parts(link, model, (1,) * link.spec.num_levels, profile.flops_per_s)
     else:
@@ -186,7 +190,13 @@ def simulate(
             "placement.stepmodel's, which always include the block's attention"
         )
     link_spec, scale = profile.link_spec(spec)  # measured levels at their measured rates
-    link = LinkModel(spec=link_spec, floor_s=profile.floor_s, bandwidth_scale=scale)
+    link = LinkModel(
+        spec=link_spec,
+        floor_s=profile.floor_s,
+        bandwidth_scale=scale,
+        a2a_shares=profile.collective_shares("all_to_all"),
+        allreduce_shares=profile.collective_shares("all_reduce"),
+    )
     g, tl, details = _graph(strategy, model, link, profile, opts)
     plans = details.pop("plans", None)
     spans = [
@@ -219,7 +229,7 @@ def simulate(
     return SimResult(
         strategy=strategy,
         ranks=spec.world_size,
-        iteration_s=tl.makespan,
+        iteration_s=max(tl.makespan, details.get("cpu_floor_ms", 0.0) * 1e-3),
         compute_s=compute,
         comm_s=comm,
         exposed_comm_s=min(max(both - compute, 0.0), comm),

@@ -13,7 +13,15 @@ the nominal ones the plan drawing uses:
 * elementwise and reduction tiles: ``10`` FLOPs per element of their rows;
 * puts: the rows' bytes from this rank to the destination as one message
   (:func:`moesaic.sim.collectives.p2p_s`); a put to itself is a copy and costs no network time;
-* every tile: ``task_overhead_s / OPS_PER_TASK`` (one launch, where a pipeline stage has ~30).
+* every tile: ``task_overhead_s / OPS_PER_TASK`` (one launch, where a pipeline stage has ~30)
+  plus the profile's ``tile_cpu_s`` (the runtime's own per-task cost);
+* every remote put: the profile's ``put_cpu_s`` + ``put_cpu_per_byte_s`` x its bytes of CPU
+  on its queue, before the wire time.
+
+**CPU.** A rank's CPU time in a plan is its tiles' and puts' costs but the wire time
+(:attr:`LayerPlan.cpu_s`); the step's (:func:`step_cpu_s`) adds the attention, head and
+optimizer. When the profile knows the cores per rank (``Profile.cores_per_rank``) the
+strategy's iteration is at least the step's CPU time over them (``simulate``).
 
 The layer's forward (backward) plan runs between the attention forward (backward) stages; its
 tiles appear in the timeline ("compute" for matrix and elementwise tiles, "a2a" for puts).
@@ -31,17 +39,27 @@ from moesaic.sim.profile import OPS_PER_TASK, Profile
 from moesaic.taskflow.tasks import Region
 from moesaic.trace import Span
 
-__all__ = ["MAX_RANKS", "LayerPlan", "build_taskflow", "default_tiles", "layer_plan", "valid_rows"]
+__all__ = [
+    "MAX_RANKS",
+    "LayerPlan",
+    "build_taskflow",
+    "default_tiles",
+    "layer_plan",
+    "step_cpu_s",
+    "valid_rows",
+]
 
 MAX_RANKS = 64
 
 
 class LayerPlan:
-    """One direction's simulated plan: its makespan and its tiles' spans (from time 0)."""
+    """One direction's simulated plan: its makespan, its tiles' spans (from time 0) and rank
+    0's CPU seconds (every task's cost but the puts' wire time)."""
 
-    def __init__(self, makespan: float, spans: list[Span]):
+    def __init__(self, makespan: float, spans: list[Span], cpu_s: float = 0.0):
         self.makespan = makespan
         self.spans = spans
+        self.cpu_s = cpu_s
 
 
 def valid_rows(region: Region, slot_rows: int, load: float) -> float:
@@ -112,15 +130,30 @@ def layer_plan(
 
     load = T * model.top_k / model.experts  # valid rows of every slot (uniform routing)
 
+    launch_s += profile.tile_cpu_s
+
+    def put_bytes(t: TaskDescriptor) -> float:
+        """Bytes a put sends over the network (0 when empty or to itself)."""
+        rows = sum(valid_rows(r, slot, load) for r in t.outputs)
+        dst = t.peer if t.peer >= 0 else t.outputs[0].rank
+        src = t.inputs[0].rank if t.inputs else dst
+        return rows * H * model.act_bytes if src != dst else 0.0
+
+    def wire(t: TaskDescriptor) -> float:
+        """A put's network seconds (0 for every other task and for empty or self puts)."""
+        nbytes = put_bytes(t)
+        dst = t.peer if t.peer >= 0 else t.outputs[0].rank
+        src = t.inputs[0].rank if t.inputs else dst
+        return p2p_s(link, src, dst, nbytes) if nbytes else 0.0
+
     def cost(t: TaskDescriptor) -> float:
         kind = TASK_TYPES[t.task_type]
         if kind.put:
-            rows = sum(valid_rows(r, slot, load) for r in t.outputs)
-            if rows == 0:  # signalled locally, nothing travels (runtime/concurrent.py)
+            nbytes = put_bytes(t)  # 0: signalled locally or a copy (runtime/concurrent.py)
+            if nbytes == 0:
                 return launch_s
-            dst = t.peer if t.peer >= 0 else t.outputs[0].rank
-            src = t.inputs[0].rank if t.inputs else dst
-            return launch_s + p2p_s(link, src, dst, rows * H * model.act_bytes)
+            cpu = profile.put_cpu_s + nbytes * profile.put_cpu_per_byte_s
+            return launch_s + cpu + wire(t)
         # Handlers compute on the valid rows only: the tile's share of them.
         region = t.outputs[0] if kind.cost_class == "reduce" else t.inputs[0]
         m = t.split_value * valid_rows(region, slot, load) / region.rows
@@ -132,13 +165,28 @@ def layer_plan(
 
     tl = simulate(plans, world=True, cost=cost)
     plan = plans[0]
+    cpu_s = math.fsum(
+        cost(t) - (wire(t) if TASK_TYPES[t.task_type].put else 0.0) for t in plan.tasks
+    )
     spans = []
     for t in plan.tasks:
         kind = TASK_TYPES[t.task_type]
         spans.append(Span(rank=0, resource="a2a" if kind.put else "compute", name=t.op,
                           start=tl.start[(0, t.uid)], end=tl.end[(0, t.uid)],
                           args={"tile": t.task_index}))  # fmt: skip
-    return LayerPlan(tl.makespan, spans)
+    return LayerPlan(tl.makespan, spans, cpu_s)
+
+
+def step_cpu_s(model: ModelSpec, profile: Profile, plans: dict[str, LayerPlan]) -> float:
+    """A rank's CPU seconds in one taskflow step: every block's attention (forward and twice
+    that backward) and its layer's plans, the head and the optimizer; none of the wire time."""
+    T = model.tokens
+    at_s = profile.compute_s(model.attention_flops(T))
+    head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(T))
+    grad = model.layers * model.replicated_params_per_block() + model.outer_params()
+    optimizer_s = profile.task_overhead_s if grad * model.param_bytes else 0.0
+    per_block = 3 * at_s + plans["forward"].cpu_s + plans["backward"].cpu_s
+    return model.layers * per_block + 3 * head_s + optimizer_s
 
 
 def build_taskflow(

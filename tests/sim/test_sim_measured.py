@@ -1,0 +1,184 @@
+"""Measured calibration in the simulator: the collectives' measured shares (each applied to its
+own collective only) and the taskflow runtime's CPU (per tile, per put, the cores floor)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.sim.calibrate import collective_share, put_cpu
+from moesaic.sim.collectives import (
+    LinkModel,
+    all_gather_s,
+    all_to_all_s,
+    all_to_all_shares_s,
+    all_to_all_v_s,
+    hierarchical_all_reduce_s,
+    level_exchange_s,
+    p2p_s,
+    ring_all_reduce_s,
+)
+from moesaic.sim.model import ModelSpec
+from moesaic.sim.profile import CollectiveShare, Profile
+from moesaic.sim.simulate import SimOptions, simulate
+from moesaic.sim.taskflow import layer_plan
+from moesaic.taskflow.bucket import CompileOptions, ShapeBucket
+from moesaic.taskflow.compile import compile_world
+from moesaic.taskflow.moe_graphs import TASK_TYPES
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYER = ModelSpec.from_toml(ROOT / "examples/models/taskflow_layer.toml")
+SPEC = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
+                           Level(name="node", size=2, bandwidth_gbps=0.4, latency_ms=1.0)))  # fmt: skip
+PAIR = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=1.0, latency_ms=0.1),))
+ONE = ((1.0, 1.0),)
+HALF = ((1.0, 0.5),)
+
+
+def test_share_interpolates_in_log_size_and_clamps():
+    link = LinkModel(spec=SPEC, a2a_shares=((1e5, 0.5), (1e7, 1.0)))
+    assert link.share("all_to_all", 1e3) == 0.5  # below the measured sizes: the smallest
+    assert link.share("all_to_all", 1e5) == 0.5
+    assert link.share("all_to_all", 1e6) == pytest.approx(0.75)  # halfway in log size
+    assert link.share("all_to_all", 1e9) == 1.0
+    assert link.share("all_reduce", 1e6) == 1.0  # none measured
+    with pytest.raises(ValueError, match="a2a_shares"):
+        LinkModel(spec=SPEC, a2a_shares=((1e7, 1.0), (1e5, 0.5)))  # unsorted
+    with pytest.raises(ValueError, match="share"):
+        LinkModel(spec=SPEC, allreduce_shares=((1e5, 0.0),))
+
+
+def _bandwidth_term(fn, shares_kw: dict) -> float:
+    """The bandwidth term of ``fn(link)`` with the shares: it halves when the links' rates double
+    (``bandwidth_scale`` 2) and the latency term does not, so it is twice the difference."""
+    one = fn(LinkModel(spec=SPEC, **shares_kw))
+    return 2 * (one - fn(LinkModel(spec=SPEC, bandwidth_scale=2.0, **shares_kw)))
+
+
+A2A = {
+    "all_to_all": lambda link: all_to_all_s(link, 1e5),
+    "all_to_all_shares": lambda link: all_to_all_shares_s(link, 4e5, [0.4, 0.3, 0.2, 0.1]),
+    "all_to_all_v": lambda link: all_to_all_v_s(
+        link, [[0.0 if i == j else 1e5 for j in range(4)] for i in range(4)]
+    ),
+    "level_exchange": lambda link: level_exchange_s(link, 0, 1, 1e5),
+}
+AR = {
+    "ring_all_reduce": lambda link: ring_all_reduce_s(link, 1e6),
+    "all_gather": lambda link: all_gather_s(link, 1e5),
+    "hierarchical_all_reduce": lambda link: hierarchical_all_reduce_s(link, 1e6),
+    "gather (level_exchange)": lambda link: level_exchange_s(link, 0, 1, 1e5, gather=True),
+}
+
+
+@pytest.mark.parametrize("name", [*A2A, *AR])
+def test_each_share_prices_its_own_collective_only(name):
+    """A share of 0.5 doubles the bandwidth term of its collectives and leaves the others (and
+    point-to-point messages) as they were; latencies never change."""
+    fn = A2A.get(name) or AR[name]
+    own, other = ("a2a_shares", "allreduce_shares") if name in A2A else ("allreduce_shares",
+                                                                         "a2a_shares")  # fmt: skip
+    base = _bandwidth_term(fn, {})
+    assert base > 0
+    assert _bandwidth_term(fn, {own: HALF}) == pytest.approx(2 * base, rel=1e-9)
+    assert _bandwidth_term(fn, {other: HALF}) == pytest.approx(base, rel=1e-12)
+    plain = p2p_s(LinkModel(spec=SPEC), 0, 3, 1e6)
+    assert p2p_s(LinkModel(spec=SPEC, a2a_shares=HALF, allreduce_shares=HALF), 0, 3, 1e6) == plain
+
+
+def test_profile_collectives_reach_the_simulation_and_round_trip(tmp_path):
+    model = ModelSpec(layers=2, batch=2, seq_len=64, hidden=64, ffn_hidden=128, experts=4, top_k=2)
+    base = Profile(flops_per_s=1e10)
+    slow_a2a = Profile(flops_per_s=1e10, collectives=(
+        CollectiveShare(kind="all_to_all", bytes_per_rank=1e5, share=0.5),))  # fmt: skip
+    a = simulate(SPEC, model, "vanilla", base)
+    b = simulate(SPEC, model, "vanilla", slow_a2a)
+    a2a = [s for s in b.spans if s.resource == "a2a"]
+    ar = [s for s in b.spans if s.resource == "allreduce"]
+    assert a2a and ar
+    base_a2a = [s for s in a.spans if s.resource == "a2a"]
+    assert a2a[0].duration > 1.5 * base_a2a[0].duration
+    base_ar = next(s for s in a.spans if s.resource == "allreduce")
+    assert ar[0].duration == pytest.approx(base_ar.duration)
+    assert Profile.load(slow_a2a.save(tmp_path / "p.json")) == slow_a2a
+    with pytest.raises(ValueError, match=r"collectives\.kind"):
+        Profile.from_dict({"flops_per_s": 1.0, "collectives": [
+            {"kind": "broadcast", "bytes_per_rank": 1.0, "share": 1.0}]})  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["all_to_all", "all_reduce"])
+def test_collective_share_inverts_the_closed_form(kind):
+    """The share calibrate derives from a time is the one under which the simulator gives it."""
+    nbytes = 4e5
+    kw = "a2a_shares" if kind == "all_to_all" else "allreduce_shares"
+    link = LinkModel(spec=SPEC, **{kw: ((nbytes, 0.6),)})
+    t = all_to_all_s(link, nbytes / 4) if kind == "all_to_all" else ring_all_reduce_s(link, nbytes)
+    assert collective_share(SPEC, Profile(flops_per_s=1.0), kind, nbytes, t) == pytest.approx(0.6)
+    # Faster than the latencies alone: nothing to attribute to bandwidth.
+    assert collective_share(SPEC, Profile(flops_per_s=1.0), kind, nbytes, 1e-4) is None
+
+
+def _remote_puts(direction: str, tile_m: int) -> int:
+    bucket = ShapeBucket(tokens=LAYER.tokens, hidden=LAYER.hidden, ffn=LAYER.ffn_hidden,
+                         experts=LAYER.experts, top_k=LAYER.top_k, ep_size=2, slot_rows=512,
+                         tile_m=tile_m, activation=LAYER.activation)  # fmt: skip
+    plan = compile_world(bucket, direction, CompileOptions())[0]
+    return sum(
+        1 for t in plan.tasks
+        if TASK_TYPES[t.task_type].put and (t.peer if t.peer >= 0 else t.outputs[0].rank) != 0
+    )  # fmt: skip
+
+
+def test_put_and_tile_cpu_are_charged_per_put_and_per_tile():
+    link = LinkModel(spec=PAIR)
+    base = Profile(flops_per_s=1e10)
+    plain = layer_plan(LAYER, link, base, "forward", tile_m=512, slot_rows=512)
+    puts = _remote_puts("forward", 512)
+    assert puts > 0
+    per_put = layer_plan(LAYER, link, Profile(flops_per_s=1e10, put_cpu_s=1e-3), "forward",
+                         tile_m=512, slot_rows=512)  # fmt: skip
+    assert per_put.cpu_s - plain.cpu_s == pytest.approx(puts * 1e-3)
+    assert per_put.makespan > plain.makespan  # the queues carry it
+    tiles = len(plain.spans)
+    per_tile = layer_plan(LAYER, link, Profile(flops_per_s=1e10, tile_cpu_s=1e-4), "forward",
+                          tile_m=512, slot_rows=512)  # fmt: skip
+    assert per_tile.cpu_s - plain.cpu_s == pytest.approx(tiles * 1e-4)
+    # Bytes: every remote put carries rows x H x 4 B; 1 ns per byte adds their total.
+    per_byte = layer_plan(LAYER, link, Profile(flops_per_s=1e10, put_cpu_per_byte_s=1e-9),
+                          "forward", tile_m=512, slot_rows=512)  # fmt: skip
+    # The forward's dispatch sends half of the T K rows to the peer, the combine returns as many.
+    sent = 2 * LAYER.tokens * LAYER.top_k / 2 * LAYER.hidden * LAYER.act_bytes
+    assert per_byte.cpu_s - plain.cpu_s == pytest.approx(sent * 1e-9, rel=1e-6)
+
+
+def test_cores_floor_the_taskflow_iteration():
+    """With one core for two ranks a step takes at least twice its CPU time; without cores in
+    the profile there is no floor; the other strategies are not floored."""
+    opts = SimOptions(taskflow_tile_m=512, taskflow_slot_rows=512)
+    cpu = dict(flops_per_s=1e9, put_cpu_s=2e-3)
+    free = simulate(PAIR, LAYER, "taskflow", Profile(**cpu), opts)
+    assert free.details["cpu_floor_ms"] == 0.0
+    assert free.iteration_s < 2 * free.details["cpu_ms"] * 1e-3
+    shared = simulate(PAIR, LAYER, "taskflow", Profile(**cpu, cores=1, ranks_per_machine=2), opts)
+    assert shared.details["cpu_ms"] == pytest.approx(free.details["cpu_ms"])
+    assert shared.details["cpu_floor_ms"] == pytest.approx(2 * free.details["cpu_ms"])
+    assert shared.iteration_s == pytest.approx(2 * free.details["cpu_ms"] * 1e-3)
+    roomy = simulate(PAIR, LAYER, "taskflow", Profile(**cpu, cores=8, ranks_per_machine=2), opts)
+    assert roomy.iteration_s == pytest.approx(free.iteration_s)
+    v = simulate(PAIR, LAYER, "vanilla", Profile(**cpu, cores=1, ranks_per_machine=2))
+    assert v.iteration_s == simulate(PAIR, LAYER, "vanilla", Profile(**cpu)).iteration_s
+    with pytest.raises(ValueError, match=r"profile\.cores"):
+        Profile(flops_per_s=1.0, cores=-1)
+
+
+@pytest.mark.timeout(60)
+def test_put_cpu_is_measured_on_a_loopback_pair():
+    """Two ranks, real one-sided puts (~2 s): a positive cost per put, a non-negative per byte,
+    both in a plausible range for gloo on a CPU (us per put, below 1 us per KB)."""
+    per_put, per_byte = put_cpu()
+    assert 1e-6 < per_put < 0.05, per_put
+    assert 0.0 <= per_byte < 1e-6, per_byte
+    assert math.isfinite(per_put + per_byte)
