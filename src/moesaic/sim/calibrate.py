@@ -3,19 +3,20 @@
 Two emulated clusters are brought up, one after the other, in network namespaces
 (:class:`moesaic.cluster.netns.EmulatedCluster`, needs root, ``ip`` and ``tc``):
 
-1. the cluster of the TOML file: :func:`moesaic.cluster.verify.check` measures, per level that
+1. an unshaped pair (100 Gbit/s, 0 ms: far above what tbf, the delay line and gloo sustain):
+   its measured one-way latency is ``floor_s``, the least a message costs on this machine, as
+   ``benchmarks/cluster_check.py``'s ``unshaped`` entry (skipped with ``floor=False``);
+2. the cluster of the TOML file: :func:`moesaic.cluster.verify.check` measures, per level that
    separates some ranks, one rank pair's point-to-point bandwidth (two transfer sizes
    differenced) and one-way latency (fastest ping-pong halved). Each becomes a
    :class:`~moesaic.sim.profile.LinkLevel`; ``bandwidth_scale`` is the median over the levels of
    measured / configured bandwidth;
-2. the same cluster, still up: its all-to-all (``all_to_all_single``) and all-reduce timed at
+3. the same cluster, still up: its all-to-all (``all_to_all_single``) and all-reduce timed at
    ``COLLECTIVE_SIZES`` x the check's collective size (:func:`collective_shares`), each turned
-   into the bandwidth share under which the simulator's closed form gives the measured time
-   (:class:`~moesaic.sim.profile.CollectiveShare`);
-3. still on that cluster, the CPU one-sided puts cost (:func:`put_cpu`): per put and per byte;
-4. an unshaped pair (100 Gbit/s, 0 ms: far above what tbf, the delay line and gloo sustain):
-   its measured one-way latency is ``floor_s``, the least a message costs on this machine, as
-   ``benchmarks/cluster_check.py``'s ``unshaped`` entry.
+   into the bandwidth share under which the simulator's closed form, on the links of step 2
+   and the floor of step 1, gives the measured time (:class:`~moesaic.sim.profile.CollectiveShare`);
+4. still on that cluster, the CPU one-sided puts cost between ranks 0 and 1 (:func:`put_cpu`):
+   per put and per byte.
 
 Everything else about the links (sizes, the configured rates the scale multiplies, latencies
 above the floor) is the cluster file's. Torch is used by the workers only.

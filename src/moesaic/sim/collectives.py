@@ -100,9 +100,9 @@ class LinkModel:
         """The measured share of ``kind`` (``"all_to_all"`` or ``"all_reduce"``) at
         ``bytes_per_rank``: linear in log bytes between measured sizes, the nearest one outside
         them, 1.0 when none was measured."""
-        points = self.a2a_shares if kind == "all_to_all" else self.allreduce_shares
         if kind not in ("all_to_all", "all_reduce"):
             raise ValueError(f"kind ({kind!r}) must be 'all_to_all' or 'all_reduce'")
+        points = self.a2a_shares if kind == "all_to_all" else self.allreduce_shares
         if not points:
             return 1.0
         if bytes_per_rank <= points[0][0]:
