@@ -12,9 +12,10 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    :class:`~moesaic.sim.profile.LinkLevel`; ``bandwidth_scale`` is the median over the levels of
    measured / configured bandwidth;
 3. the same cluster, still up: its all-to-all (``all_to_all_single``) and all-reduce timed at
-   ``COLLECTIVE_SIZES`` x the check's collective size (:func:`collective_shares`), each turned
-   into the bandwidth share under which the simulator's closed form, on the links of step 2
-   and the floor of step 1, gives the measured time (:class:`~moesaic.sim.profile.CollectiveShare`);
+   ``COLLECTIVE_SIZES`` x the check's collective size (:func:`collective_shares`, the mean of
+   8 calls), each turned into the bandwidth share under which the simulator's closed form, on
+   the links of step 2 and the floor of step 1, gives the measured time
+   (:class:`~moesaic.sim.profile.CollectiveShare`);
 4. still on that cluster, the CPU one-sided puts cost between ranks 0 and 1 (:func:`put_cpu`):
    per put and per byte.
 
@@ -185,10 +186,12 @@ def collective_share(
 
 
 def collective_shares(
-    cluster: Any, profile: Profile, base_bytes: int, *, reps: int = 3, timeout_s: float = 300.0
+    cluster: Any, profile: Profile, base_bytes: int, *, reps: int = 8, timeout_s: float = 300.0
 ) -> tuple[CollectiveShare, ...]:
     """Times a started cluster's all-to-all and all-reduce at ``COLLECTIVE_SIZES`` x
-    ``base_bytes`` per rank (slowest rank, median of ``reps``) and converts each into a
+    ``base_bytes`` per rank (slowest rank, *mean* of ``reps``: a step sums many collectives,
+    and on a shaped 2-rank link an all-to-all takes either its bound or twice it, at random
+    from one call to the next, so a median reports one mode) and converts each into a
     :class:`CollectiveShare` relative to ``profile``'s links (:func:`collective_share`)."""
     spec: ClusterSpec = cluster.spec
     unit = 4 * spec.world_size  # all_to_all_single splits evenly
@@ -198,7 +201,7 @@ def collective_shares(
     for nbytes in sizes:
         for kind in ("all_to_all", "all_reduce"):
             key = f"{kind}:{nbytes}"
-            measured = statistics.median(max(t) for t in zip(*(r[key] for r in per_rank)))
+            measured = statistics.fmean(max(t) for t in zip(*(r[key] for r in per_rank)))
             share = collective_share(spec, profile, kind, nbytes, measured)
             if share is not None:
                 out.append(CollectiveShare(kind=kind, bytes_per_rank=float(nbytes),

@@ -73,7 +73,7 @@ class CollectiveShare:
             all-reduced tensor).
         share: Multiplier of the point-to-point link rates under which the simulator's closed
             form gives the measured time (its latencies unchanged).
-        measured_s: The measured median time (slowest rank), for the record.
+        measured_s: The measured mean time (slowest rank), for the record.
     """
 
     kind: str
