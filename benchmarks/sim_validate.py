@@ -8,12 +8,14 @@ No new measurement: the measured side is the committed results of ``flowmoe_clus
 (``flowmoe_cluster.json``: vanilla, moe-only R = 1, 2, 4, flowmoe R = 2, 4 with Sp = G, G/16 and
 tuned) and ``hybridep_cluster.py`` (``hybridep_2dc.json``, ``hybridep_2dc2.json``,
 ``hybridep_4dc.json``: classic EP, Partition and +Migration (SR compression 16, the shared
-experts' all-reduce every 4 gathers, prefetched gathers) at 7 sizes each).
+experts' all-reduce every 4 gathers, prefetched gathers) at 7 sizes each) and
+``taskflow_cluster.py`` (``taskflow_cluster.json``, ``taskflow_cluster_tile128.json``: dropless
+and the static executor in both queue orders).
 
 Profiles (what each prediction is allowed to know):
 
-* links: the cluster TOML of the run, scaled by the emulator's measured bandwidth share and
-  floored at its loopback latency (``cluster_check.json``, via ``links_from_cluster_check``);
+* links: the cluster of the run (its result's ``cluster``, or the taskflow point's 2-rank link),
+  with the link figures of one of the three modes below;
 * FlowMoE run: compute rate and per-task overhead fitted to the *compute* busy time the run
   measured for moe-only R = 1 and R = 4 (two equations, two unknowns); iteration times of all
   ten configurations are then predicted;
