@@ -8,7 +8,15 @@ need another exception type (a plan file's format error) catch and re-raise.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
 
 
 def is_int(value: object) -> bool:
@@ -93,3 +101,19 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
     return value
+
+
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """The parsed TOML file at ``path``; errors name ``what`` it is ("cluster file", ...).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: the file is not valid TOML.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{what} {str(p)!r} is not valid TOML: {exc}") from exc

@@ -41,18 +41,12 @@ without the emulator (which needs root) or torch.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moesaic.checks import check_int, check_number, is_int
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+from moesaic.checks import check_int, check_number, is_int, read_toml
 
 __all__ = [
     "MAX_BANDWIDTH_GBPS",
@@ -157,14 +151,7 @@ class ClusterSpec:
             ValueError: If the file is not valid TOML or breaks a rule (the message names the
                 field and the rule).
         """
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"cluster file {str(path)!r} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"cluster file {str(path)!r} is not valid TOML: {exc}") from exc
-        return cls.from_dict(data, default_name=path.stem)
+        return cls.from_dict(read_toml(path, "cluster file"), default_name=Path(path).stem)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, default_name: str = "cluster") -> ClusterSpec:

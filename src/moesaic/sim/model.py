@@ -32,18 +32,12 @@ backward is twice the forward. Torch-free.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from moesaic.checks import check_bool, check_number, check_one_of, check_positive_int
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 only
-    import tomli as tomllib
+from moesaic.checks import check_bool, check_number, check_one_of, check_positive_int, read_toml
 
 __all__ = ["ModelSpec", "expert_shares"]
 
@@ -89,12 +83,7 @@ class ModelSpec:
     def from_toml(cls, path: str | Path) -> ModelSpec:
         """Reads a model file; errors name the file and the field."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"model file {str(path)!r} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"model file {str(path)!r} is not valid TOML: {exc}") from exc
+        data = read_toml(path, "model file")
         try:
             return cls.from_dict(data, default_name=path.stem)
         except ValueError as exc:

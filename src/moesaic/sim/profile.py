@@ -41,7 +41,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from moesaic.checks import check_int, check_non_negative, check_one_of, check_positive
 
@@ -229,23 +229,9 @@ class Profile:
         if "flops_per_s" not in data:
             raise ValueError("profile: missing field 'flops_per_s'")
         data = dict(data)
-        links = data.pop("links", [])
-        if not isinstance(links, list) or not all(isinstance(x, dict) for x in links):
-            raise ValueError("profile.links must be a list of objects")
-        try:
-            parsed = tuple(LinkLevel(**x) for x in links)
-        except TypeError as exc:
-            allowed = [f.name for f in fields(LinkLevel)]
-            raise ValueError(f"profile.links: {exc}; fields are {allowed}") from None
-        coll = data.pop("collectives", [])
-        if not isinstance(coll, list) or not all(isinstance(x, dict) for x in coll):
-            raise ValueError("profile.collectives must be a list of objects")
-        try:
-            shares = tuple(CollectiveShare(**x) for x in coll)
-        except TypeError as exc:
-            allowed = [f.name for f in fields(CollectiveShare)]
-            raise ValueError(f"profile.collectives: {exc}; fields are {allowed}") from None
-        return cls(**data, links=parsed, collectives=shares)
+        links = _records(data.pop("links", []), "links", LinkLevel)
+        shares = _records(data.pop("collectives", []), "collectives", CollectiveShare)
+        return cls(**data, links=links, collectives=shares)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -264,6 +250,20 @@ class Profile:
         path = Path(path)
         path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         return path
+
+
+_R = TypeVar("_R")
+
+
+def _records(items: object, key: str, record: type[_R]) -> tuple[_R, ...]:
+    """``profile.<key>``: a list of objects, each the fields of ``record``."""
+    if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+        raise ValueError(f"profile.{key} must be a list of objects")
+    try:
+        return tuple(record(**x) for x in items)
+    except TypeError as exc:
+        allowed = [f.name for f in fields(record)]  # type: ignore[arg-type]
+        raise ValueError(f"profile.{key}: {exc}; fields are {allowed}") from None
 
 
 def links_from_cluster_check(path: str | Path) -> tuple[float, float]:

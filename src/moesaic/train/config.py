@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import sys
 from dataclasses import dataclass, field
 from operator import attrgetter
-from pathlib import Path
 from typing import Any
 
-from moesaic.checks import check_bool, check_int, check_number, check_one_of
+from moesaic.checks import check_bool, check_int, check_number, check_one_of, read_toml
 from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
 from moesaic.strategies.registry import strategy_names
@@ -27,11 +25,6 @@ from moesaic.train.schedule_options import (
     parse_ar_chunk,
     parse_pipeline_degree,
 )
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -469,14 +462,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_toml(path: str) -> dict[str, Any]:
     """Read a TOML config file (run keys at top level, model keys under ``[model]``)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
-    try:
-        with p.open("rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {path} is not valid TOML: {exc}") from exc
+    return read_toml(path, "config file")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
