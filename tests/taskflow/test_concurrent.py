@@ -225,3 +225,29 @@ def test_layer_accounting_on_first_and_later_steps():
     per_rank = run_world(layer_world, 2, timeout_s=120)
     first, second, third = (int(s.split(":")[1]) for s in per_rank[0])
     assert first == second + 1 == third + 1  # only the first step runs the fingerprint check
+
+
+def test_inference_keeps_no_activations(monkeypatch):
+    """Under no_grad the forward plan keeps nothing for a backward that cannot run (no copy of
+    the window); with autograd on it keeps them, and the output is the same bit for bit."""
+    import moesaic
+    from moesaic.taskflow.runtime import concurrent
+
+    kept: list[int] = []
+    real = concurrent.TaskflowRuntime.forward
+
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        kept.append(len(out.saved))
+        return out
+
+    monkeypatch.setattr(concurrent.TaskflowRuntime, "forward", spy)
+    cfg = moesaic.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E,
+                            dispatcher="taskflow", taskflow_tile_m=4)  # fmt: skip
+    torch.manual_seed(0)
+    layer = moesaic.MoELayer(cfg)
+    x = torch.randn(10, H)
+    with torch.no_grad():
+        y0 = layer(x)
+    y1 = layer(x)
+    assert kept == [0, 4] and torch.equal(y0, y1.detach())

@@ -68,8 +68,8 @@ class _TaskflowFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, topk_weights_TK, w1, w2, w3, run):
-        strategy, fwd, bwd, routing, box = run
-        out = strategy.runtime.forward(fwd, x_TH, routing, w1, w2, w3)
+        strategy, fwd, bwd, routing, box, save = run
+        out = strategy.runtime.forward(fwd, x_TH, routing, w1, w2, w3, save=save)
         ctx.run, ctx.saved, ctx.weights = (strategy, bwd, routing), out.saved, (w1, w2, w3)
         box["route"] = out.route  # for the forward's statistics (also without autograd)
         return out.y_TH
@@ -132,14 +132,10 @@ class TaskflowStrategy(MoEStrategy):
         x_pad = torch.cat([x_TH, x_TH.new_zeros(tokens - T, H)]) if tokens > T else x_TH
         routing = pad_routing(plan, tokens)
         box: dict = {}
-        y = _TaskflowFn.apply(
-            x_pad,
-            routing.topk_weights_TK,
-            experts.w1,
-            experts.w2,
-            experts.w3,
-            (self, fwd, bwd, routing, box),
-        )
+        inputs = (x_pad, routing.topk_weights_TK, experts.w1, experts.w2, experts.w3)
+        # keep activations only when a backward can run (not under no_grad / inference)
+        save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+        y = _TaskflowFn.apply(*inputs, (self, fwd, bwd, routing, box, save))
         stats = self._stats(plan, box["route"], before, checked, x_TH.element_size())
         return StrategyOutput(y_TH=y[:T], stats=stats)
 

@@ -310,12 +310,17 @@ class TaskflowRuntime:
         w1_eHF: torch.Tensor,
         w2_eFH: torch.Tensor,
         w3_eHF: torch.Tensor | None = None,
+        *,
+        save: bool = True,
     ) -> ForwardResult:
-        """One forward step (like ``run_forward``); the saved activations are copies, so the
-        window is free for the next step before this one's backward."""
+        """One forward step (like ``run_forward``). With ``save`` the activations the backward
+        plan needs are kept, those in the window as copies, so the window is free for the next
+        step before this one's backward; without it (no backward will run) nothing is kept."""
         inputs = {"x_TH": x_TH, **expert_inputs(plan, w1_eHF, w2_eFH, w3_eHF)}
         bufs, route = self._run(plan, inputs, routing, "forward")
-        saved = {k: bufs[k].clone() if k in RECEIVE_BUFFERS else bufs[k] for k in SAVED}
+        saved = {}
+        if save:
+            saved = {k: bufs[k].clone() if k in RECEIVE_BUFFERS else bufs[k] for k in SAVED}
         return ForwardResult(y_TH=bufs["y_TH"], saved=saved, trace=[], route=route)
 
     def backward(
