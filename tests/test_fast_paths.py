@@ -40,6 +40,24 @@ def test_grouped_mm_backwards_agree_with_the_loop(native, counts):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_fast_path_probe_is_not_disabled_by_a_first_call_without_grad(context):
+    """The probe runs a backward; a first forward under no_grad / inference_mode (evaluation
+    before training) must not cache "no fast path" for the whole process (it did: every later
+    training step then ran the per-group loop, measured ~9% slower)."""
+    cpu = torch.device("cpu")
+    _fast_path_ok.cache_clear()
+    with_grad = [_fast_path_ok(cpu, torch.float32, native) for native in (True, False)]
+    _fast_path_ok.cache_clear()
+    try:
+        with context():
+            assert [_fast_path_ok(cpu, torch.float32, native) for native in (True, False)] == (
+                with_grad
+            )
+    finally:
+        _fast_path_ok.cache_clear()
+
+
 def test_unpermute_without_drops_equals_the_zero_row_path():
     torch.manual_seed(0)
     T, K, E, H = 9, 2, 4, 5

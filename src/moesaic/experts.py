@@ -70,9 +70,15 @@ def _grouped_mm_op(x_MH, w_eHF, offs_e, native: bool) -> torch.Tensor:
 def _fast_path_ok(device: torch.device, dtype: torch.dtype, native: bool = False) -> bool:
     """Does torch._grouped_mm exist, run (forward, and torch's own backward if ``native`` else
     ours) and agree with the loop on this device and dtype? Probed once per process; a wrong or
-    failing fast path is never used."""
+    failing fast path is never used. The probe runs with autograd on whatever the caller's
+    mode (a first forward under ``no_grad`` or ``inference_mode`` must not cache "no")."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    with torch.inference_mode(False), torch.enable_grad():
+        return _probe(device, dtype, native)
+
+
+def _probe(device: torch.device, dtype: torch.dtype, native: bool) -> bool:
     try:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(13, 16, generator=gen).to(device, dtype).requires_grad_()
