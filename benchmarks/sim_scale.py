@@ -15,6 +15,16 @@ Pinned to one CPU core (``os.sched_setaffinity``). Sections:
 * ``fig17``: EP / HybridEP(+Migration) iteration ratio for 10 ... 1,000 DCs and DC uplinks of
   1, 10, 100 Gbit/s: case 1 a fixed domain (10 DCs x 8 ranks), case 2 a fixed share
   ``p = 0.9`` at the DC level (domain N/10 DCs), case 3 the domains the cost model picks.
+* ``fig17_bounds``: what the paper's own equations allow at 1,000 DCs: with a fixed domain of
+  ``S`` DCs a gathered expert removes only the chunk bound for its owner (§III-B), so
+  EP / HybridEP <= (G - 1) / (G - S) (the ``S`` that 1.05x and 1.45x need), and with a fixed
+  ``p`` <= 1 / p (the ``p`` that 1.31x and 3.76x need).
+* ``fig17_scan``: 1,000 DCs x 8, fixed domains of 10 and 100 DCs (+Migration), over tokens per
+  rank, expert width (expert bytes), SR compression ratio and WAN bandwidth: the simulated
+  training-step speedup, the paper's forward-only Eq. 10 speedup from the same phases, and the
+  two closed-form signs: Eq. 12's ``2D / (G P_E')`` (forward; ``P_E'`` the compressed expert
+  bytes) and the training step's ``4D / (G (P_E' + P_E))`` (the gathered experts' gradients go
+  back dense); > 1 means HybridEP wins while its gathers are exposed.
 * ``table5``: FlowMoE's ablation on its Cluster 1 (2 nodes x 8 GPUs, 100 Gbit/s between
   nodes): vanillaEP, Tutel (Pipe-MoE), FlowMoE-AT, FlowMoE-AR (Sp = 1 MB), FlowMoE-AR with
   the best Sp of a sweep (the BO's job), FlowMoE (all three).
@@ -37,8 +47,14 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from moesaic.bench.meta import run_metadata  # noqa: E402
 from moesaic.cluster.spec import ClusterSpec, Level  # noqa: E402
+from moesaic.placement.costmodel import stream_inputs  # noqa: E402
 from moesaic.sim.collectives import LinkModel  # noqa: E402
-from moesaic.sim.hybrid import build_hybrid, hybrid_parts, plan_domains_fast  # noqa: E402
+from moesaic.sim.hybrid import (  # noqa: E402
+    build_hybrid,
+    hybrid_parts,
+    moe_config,
+    plan_domains_fast,
+)
 from moesaic.sim.model import ModelSpec  # noqa: E402
 from moesaic.sim.pipelined import Costs, run_pipelined  # noqa: E402
 from moesaic.sim.profile import Profile  # noqa: E402
@@ -133,6 +149,101 @@ def fig17() -> list[dict[str, Any]]:
                 row["planned_domains"] = list(chosen.domain_sizes)
                 rows.append(row)
     return rows
+
+
+PAPER_FIG17 = {"fixed domain": (1.05, 1.45), "fixed p": (1.31, 3.76)}  # at 1,000 DCs
+
+
+def fig17_bounds(G: int = 1000) -> dict[str, Any]:
+    """Ceilings from Eqs. 3 and 10: a fixed ``S`` gives EP / HybridEP <= (G-1) / (G-S); a
+    fixed ``p`` (Definition 1: the all-to-all keeps the share p) gives <= 1 / p."""
+    lo, hi = PAPER_FIG17["fixed domain"]
+    need = {f"{x:g}x": next(S for S in range(1, G) if x <= (G - 1) / (G - S)) for x in (lo, hi)}
+    lo_p, hi_p = PAPER_FIG17["fixed p"]
+    return {
+        "datacenters": G,
+        "fixed domain: ceiling at S = 10, 100 DCs": {S: (G - 1) / (G - S) for S in (10, 100)},
+        "fixed domain: least S (DCs) for the paper's speedups": need,
+        "fixed p: ceiling at p = 0.9": 1 / 0.9,
+        "fixed p: largest p for the paper's speedups": {f"{x:g}x": 1 / x for x in (lo_p, hi_p)},
+    }
+
+
+SCAN = {
+    "batch": (8, 32, 128),
+    "ffn_hidden": (64, 256, 1024),
+    "compression_ratio": (1.0, 16.0, 64.0, 256.0),
+    "wan_gbps": (1.0, 10.0, 100.0),
+    "domain_dcs": (10, 100),
+}
+
+
+def fig17_scan(dcs: int = 1000) -> dict[str, Any]:
+    """Fixed-domain HybridEP(+Migration) vs EP at ``dcs`` DCs x 8 over the :data:`SCAN` grid."""
+    profile, rows = Profile(flops_per_s=FLOPS), []
+    for wan in SCAN["wan_gbps"]:
+        spec = cluster(dcs, wan)
+        link = LinkModel(spec=spec)
+        for batch in SCAN["batch"]:
+            for F in SCAN["ffn_hidden"]:
+                model = model_for(dcs, batch=batch, ffn_hidden=F)
+                ep_parts = hybrid_parts(link, model, (1, 1), FLOPS)
+                ep = build_hybrid(ep_parts, model, profile).run().makespan
+                for cr in SCAN["compression_ratio"]:
+                    kw = {**MIGRATION, "compression_ratio": cr}
+                    x = {
+                        c: stream_inputs(
+                            moe_config(model),
+                            tokens_per_rank=model.tokens,
+                            ep_size=spec.world_size,
+                            flops_per_s=FLOPS,
+                            act_bytes=model.act_bytes,
+                            param_bytes=model.param_bytes,
+                            seq_len=model.seq_len,
+                            compression_ratio=c,
+                        )
+                        for c in (1.0, cr)
+                    }
+                    D, PE_sent, PE = x[1.0].data_bytes, x[cr].expert_bytes, x[1.0].expert_bytes
+                    for S in SCAN["domain_dcs"]:
+                        parts = hybrid_parts(link, model, (S, 8), FLOPS, **kw)  # type: ignore[arg-type]
+                        t = build_hybrid(parts, model, profile).run().makespan
+                        rows.append(
+                            {
+                                "wan_gbps": wan,
+                                "tokens_per_rank": model.tokens,
+                                "ffn_hidden": F,
+                                "compression_ratio": cr,
+                                "domain_dcs": S,
+                                "data_mb": D / 1e6,
+                                "expert_mb": PE / 1e6,
+                                "expert_sent_mb": PE_sent / 1e6,
+                                "eq12_2D_over_G_PE": 2 * D / (dcs * PE_sent),
+                                "step_4D_over_G_PE": 4 * D / (dcs * (PE_sent + PE)),
+                                "gathers_hidden": parts.gather <= parts.pre_expert,
+                                "speedup_step": ep / t,
+                                "speedup_eq10": ep_parts.paper_latency_s / parts.paper_latency_s,
+                                "dc_level_ceiling": (dcs - 1) / (dcs - S),
+                            }
+                        )
+    wins = [r for r in rows if r["speedup_step"] > 1]
+    agree = sum((r["speedup_step"] > 1) == (r["step_4D_over_G_PE"] > 1) for r in rows)
+    # Eq. 11 (case 1, gathers hidden under the pre-expert compute): HybridEP always gains
+    agree10 = sum(
+        (r["speedup_eq10"] > 1) == (r["eq12_2D_over_G_PE"] > 1 or r["gathers_hidden"]) for r in rows
+    )
+    return {
+        "datacenters": dcs,
+        "grid": {k: list(v) for k, v in SCAN.items()},
+        "points": len(rows),
+        "step wins": len(wins),
+        "eq10 wins": sum(r["speedup_eq10"] > 1 for r in rows),
+        "step sign agrees with 4D > G (P_E' + P_E)": agree,
+        "eq10 sign agrees with 2D > G P_E' or gathers hidden": agree10,
+        "best step speedup": max(r["speedup_step"] for r in rows),
+        "best eq10 speedup": max(r["speedup_eq10"] for r in rows),
+        "rows": rows,
+    }
 
 
 def table5() -> dict[str, Any]:
@@ -236,6 +347,10 @@ def main() -> None:
     out: dict[str, Any] = {"meta": run_metadata(), "cores": len(os.sched_getaffinity(0))}
     out["runtime"] = runtime()
     out["fig17"] = fig17()
+    t1 = time.perf_counter()
+    out["fig17_bounds"] = fig17_bounds()
+    out["fig17_scan"] = fig17_scan()
+    out["fig17_scan"]["wall_s"] = time.perf_counter() - t1
     out["table5"] = table5()
     out["wall_s"] = time.perf_counter() - t0
     out["notes"] = __doc__
@@ -251,6 +366,8 @@ def main() -> None:
     print("speedups", rt["speedup hybrid Partition vs ep"], rt["speedup hybrid +Migration vs ep"])
     for r in out["fig17"]:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+    print(json.dumps(out["fig17_bounds"], indent=1))
+    print({k: v for k, v in out["fig17_scan"].items() if k != "rows"})
     print(json.dumps(out["table5"]["rows"], indent=1), out["table5"]["same_order_as_paper"])
     print(f"total {out['wall_s']:.1f} s")
 

@@ -74,6 +74,13 @@ class HybridParts:
         backward = 2 * self.pre_expert + 2 * self.expert + 2 * self.all_to_all + self.grad_reduce
         return forward + backward
 
+    @property
+    def paper_latency_s(self) -> float:
+        """The paper's ``Lat_final`` (Eq. 10): ``max(Lat_PE, Lat_AG) + 2 Lat_A2A``, one block's
+        forward with the gathers overlapping the pre-expert compute (Eq. 7, case 1) and the
+        expert compute hidden; no backward and so no gradient reduce (for Fig. 17)."""
+        return max(self.pre_expert, self.gather) + 2 * self.all_to_all
+
 
 def _inputs(model: ModelSpec, world: int, flops_per_s: float, cr: float = 1.0) -> StreamInputs:
     return stream_inputs(
