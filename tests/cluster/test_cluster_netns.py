@@ -6,6 +6,7 @@ latencies are ones this 2-core machine drives accurately (100-400 Mbit/s, 1-10 m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -165,9 +166,21 @@ def test_exception_inside_the_context_tears_down(root_state) -> None:
     _assert_gone(run_id, [pid])
 
 
-def _start_child(mode: str, out_dir: Path) -> tuple[subprocess.Popen, dict]:
+# Starts a command with SIGINT ignored, as a non-interactive shell starts `cmd &` (and CI scripts
+# and tool wrappers that do so): an ignored signal survives exec, and Python then installs no
+# KeyboardInterrupt handler.
+_SIGINT_IGNORED = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
+def _start_child(
+    mode: str, out_dir: Path, *, sigint_ignored: bool = False
+) -> tuple[subprocess.Popen, dict]:
+    prefix = ["-c", _SIGINT_IGNORED] if sigint_ignored else []
     proc = subprocess.Popen(
-        [sys.executable, str(CHILD), mode, str(out_dir)],
+        [sys.executable, *prefix, str(CHILD), mode, str(out_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -195,11 +208,57 @@ def _wait_for_workers(out_dir: Path, count: int, timeout_s: float = 60.0) -> lis
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_to_the_harness_tears_down(root_state, tmp_path: Path, sig: int) -> None:
     proc, info = _start_child("workers", tmp_path)
-    workers = _wait_for_workers(tmp_path, 2)
-    proc.send_signal(sig)
-    proc.wait(timeout=30)
+    try:
+        workers = _wait_for_workers(tmp_path, 2)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:
+        _kill_child(proc)  # a failed test must not leave a cluster up under the next ones
     assert proc.returncode != 0
     _assert_gone(info["run_id"], [info["delayline_pid"], *workers])
+
+
+def test_sigint_tears_down_a_harness_started_with_sigint_ignored(
+    root_state, tmp_path: Path
+) -> None:
+    # The CI flake: pytest started in the background (`... &` in a script) passes SIGINT's
+    # SIG_IGN on to the harness, which then dropped the SIGINT and kept its cluster up.
+    proc, info = _start_child("idle", tmp_path, sigint_ignored=True)
+    try:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        _kill_child(proc)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr.read()
+    _assert_gone(info["run_id"], [info["delayline_pid"]])
+
+
+def test_sigint_disposition_while_the_cluster_is_up(root_state) -> None:
+    # Inherited SIG_IGN: SIGINT raises KeyboardInterrupt while the cluster is up, and is ignored
+    # again afterwards. Blocked as well (someone takes it with sigwait, as moesaic.bench.interrupt
+    # does): left alone.
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with EmulatedCluster(PAIR):
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            with EmulatedCluster(PAIR):
+                assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _kill_child(proc: subprocess.Popen) -> None:
+    """Stops a child the test left running: SIGTERM (it tears its cluster down), then SIGKILL."""
+    for stop, wait_s in ((proc.terminate, 30), (proc.kill, 10)):
+        if proc.poll() is None:
+            stop()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=wait_s)
 
 
 def test_sigkill_leaves_namespaces_that_cluster_down_removes(root_state, tmp_path: Path) -> None:

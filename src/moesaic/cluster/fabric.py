@@ -12,9 +12,10 @@ it and :class:`~moesaic.cluster.netns.EmulatedCluster` is the two together.
 
 Teardown is guaranteed as far as a process can guarantee it: leaving the ``with`` block (normally
 or by an exception), ``close()``, interpreter exit (atexit), SIGTERM and SIGHUP (turned into
-``SystemExit`` so the ``with`` block unwinds) and SIGINT (``KeyboardInterrupt``) all remove every
-namespace; the delay line also exits when the owner dies (parent-death signal and a stdin pipe
-that reaches EOF). The owner is recorded before anything is built
+``SystemExit`` so the ``with`` block unwinds) and SIGINT (``KeyboardInterrupt``, also in a
+process started with SIGINT ignored, as ``cmd &`` in a script is) all remove every namespace;
+the delay line also exits when the owner dies (parent-death signal and a stdin pipe that reaches
+EOF). The owner is recorded before anything is built
 (:mod:`moesaic.cluster.lifecycle`), so after a SIGKILL ``moesaic cluster down`` knows the cluster
 is stale and removes its namespaces and temporary directory, and never removes a live one.
 """
@@ -331,6 +332,10 @@ class NetworkFabric:
             return  # signals can only be handled on the main thread; atexit still applies
         for sig in (signal.SIGTERM, signal.SIGHUP):
             self._prev_handlers[sig] = signal.signal(sig, _raise_system_exit)
+        if _sigint_dropped():
+            self._prev_handlers[signal.SIGINT] = signal.signal(
+                signal.SIGINT, signal.default_int_handler
+            )
 
     def _stop_delayline(self) -> None:
         proc = self._delayline
@@ -341,6 +346,23 @@ class NetworkFabric:
                 stream.close()
         stop_process_group(proc)
         self._delayline = None
+
+
+def _sigint_dropped() -> bool:
+    """Whether a SIGINT would be silently dropped: ignored and not blocked in this thread.
+
+    A process started with SIGINT ignored (``cmd &`` in a non-interactive shell, as CI scripts
+    and tool wrappers run things) keeps it ignored across exec, and Python then installs no
+    ``KeyboardInterrupt`` handler: ``kill -INT`` would leave the cluster up until the job ends.
+    While a cluster is up, SIGINT tears it down like SIGTERM, however the process was started.
+    Ignored *and* blocked means someone takes it with ``sigwait`` (as
+    :func:`moesaic.bench.interrupt.interrupts_to_main_thread` does): left alone.
+    """
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        return False
+    if hasattr(signal, "pthread_sigmask"):
+        return signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    return True
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:
