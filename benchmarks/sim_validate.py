@@ -92,9 +92,14 @@ def _links() -> tuple[float, float]:
 
 
 # The ``scale`` values that ask for the run's own calibrated profile: with the taskflow CPU
-# model (the headline), and without it (the links alone).
+# model and the collectives' loaded shares (the headline), without the CPU model, and with the
+# idle shares instead of the loaded ones (the calibration before the loaded regime). Suffixed
+# with ``@`` and a calibration's file suffix (``CALIBRATIONS``), they read that calibration.
 MEASURED = "measured"
 MEASURED_NO_CPU = "measured, no CPU model"
+MEASURED_IDLE = "measured, idle collectives"
+# Independent calibrations of every cluster: ``sim_profile_<cluster><suffix>.json``.
+CALIBRATIONS = ("", "_cal2", "_cal3")
 
 
 def static_task_overhead_s() -> float:
@@ -109,13 +114,19 @@ def _link_fields(cluster: str, scale: float | str | None) -> dict[str, Any]:
     """The link fields of a point's profile: ``MEASURED``: the links, floor, collective shares,
     put CPU and cores ``moesaic calibrate --cluster`` measured on the run's cluster
     (``sim_profile_<cluster>.json``) and the static executor's per-task overhead;
-    ``MEASURED_NO_CPU``: the same links without the CPU figures; else the cluster check's
-    floor with ``scale`` as the bandwidth share (``None``: the check's)."""
-    if scale in (MEASURED, MEASURED_NO_CPU):
-        measured = Profile.load(RESULTS / f"sim_profile_{cluster}.json")
+    ``MEASURED_NO_CPU``: the same links without the CPU figures; ``MEASURED_IDLE``: with the
+    collectives' idle shares only; each with ``@<suffix>`` reads calibration ``<suffix>``;
+    else the cluster check's floor with ``scale`` as the bandwidth share (``None``: the
+    check's)."""
+    mode, _, suffix = scale.partition("@") if isinstance(scale, str) else ("", "", "")
+    if mode in (MEASURED, MEASURED_NO_CPU, MEASURED_IDLE):
+        measured = Profile.load(RESULTS / f"sim_profile_{cluster}{suffix}.json")
+        shares = measured.collectives
+        if mode == MEASURED_IDLE:
+            shares = tuple(x for x in shares if x.regime == "idle")
         links = {"floor_s": measured.floor_s, "bandwidth_scale": measured.bandwidth_scale,
-                 "links": measured.links, "collectives": measured.collectives}  # fmt: skip
-        if scale == MEASURED_NO_CPU:
+                 "links": measured.links, "collectives": shares}  # fmt: skip
+        if mode == MEASURED_NO_CPU:
             return links
         return {**links, "tile_cpu_s": static_task_overhead_s(), "put_cpu_s": measured.put_cpu_s,
                 "put_cpu_per_byte_s": measured.put_cpu_per_byte_s, "cores": measured.cores,
@@ -329,9 +340,28 @@ def main() -> None:
     spec_rows = [r for name in RUNS for r in run_points(name)]
     measured = [r for name in RUNS for r in run_points(name, MEASURED)]
     measured_no_cpu = [r for name in RUNS for r in run_points(name, MEASURED_NO_CPU)]
+    measured_idle = [r for name in RUNS for r in run_points(name, MEASURED_IDLE)]
+    per_cal: dict[str, dict[str, float]] = {}
+    for suffix in CALIBRATIONS:
+        per_cal[suffix or "_cal1"] = {
+            regime: _summary([r for n in RUNS for r in run_points(n, f"{mode}@{suffix}")])[
+                "geomean_abs_error"
+            ]
+            for regime, mode in (("loaded", MEASURED), ("idle", MEASURED_IDLE))
+        }
+    spread = {
+        regime: {
+            f: fn(c[regime] for c in per_cal.values())
+            for f, fn in (("min", min), ("median", statistics.median), ("max", max))
+        }
+        for regime in ("loaded", "idle")
+    }
     rows, fitted = cross_validated()
     summary = {
         "measured_calibration": report(measured),
+        "measured_calibration_idle_collectives": report(measured_idle),
+        "calibrations_geomean_abs_error": per_cal,
+        "calibrations_spread": spread,
         "measured_calibration_without_taskflow_cpu_model": report(measured_no_cpu),
         "fitted_share_leave_one_run_out": {
             **report(rows),
@@ -345,21 +375,25 @@ def main() -> None:
         "summary": summary,
         "rows": measured,
         "rows_measured_without_taskflow_cpu_model": measured_no_cpu,
+        "rows_measured_idle_collectives": measured_idle,
         "rows_fitted": rows,
         "rows_links_as_checked": spec_rows,
         "notes": __doc__,
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     fit = {(r["source"], r["point"]): r for r in rows}
+    idle = {(r["source"], r["point"]): r for r in measured_idle}
     for r in measured:
-        f = fit[(r["source"], r["point"])]
+        f, i = fit[(r["source"], r["point"])], idle[(r["source"], r["point"])]
         print(f"{r['source']:28s} {r['point']:44s} meas {r['measured_ms']:8.1f} "
-              f"sim {r['simulated_ms']:8.1f} err {r['error']:+.1%} (fitted {f['error']:+.1%})")  # fmt: skip
+              f"sim {r['simulated_ms']:8.1f} err {r['error']:+.1%} (idle {i['error']:+.1%}, "
+              f"fitted {f['error']:+.1%})")  # fmt: skip
     brief = {k: {kk: v[kk] for kk in ("geomean_abs_error", "geomean_ratio_error",
                                        "by_source_geomean_abs_error", "without_taskflow",
                                        "taskflow_runs_by_variant")}
-             for k, v in summary.items() if isinstance(v, dict)}  # fmt: skip
+             for k, v in summary.items() if isinstance(v, dict) and "geomean_abs_error" in v}  # fmt: skip
     print(json.dumps(brief, indent=1))
+    print(json.dumps({"per_calibration": per_cal, "spread": spread}, indent=1))
 
 
 if __name__ == "__main__":

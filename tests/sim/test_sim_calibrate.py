@@ -87,7 +87,7 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     toml.write_text(PAIR_TOML)
     out = tmp_path / "p.json"
     args = ["calibrate", "--out", str(out), "--size", "64", "--cluster", str(toml)]
-    assert main([*args, "--duration-s", "0.2"]) == 0
+    assert main([*args, "--duration-s", "0.2", "--sustain-s", "0.2"]) == 0
     p = Profile.load(out)
     assert [x.level_name for x in p.links] == ["node"]
     (link,) = p.links
@@ -101,9 +101,12 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     # The unshaped pair's latency: above 0, well below the shaped 2 ms.
     assert 0.0 < p.floor_s < 1.9e-3, p.floor_s
     assert "measured on the emulated" in p.source
-    # The collectives at three sizes each, the puts' CPU, the cores the two ranks share.
-    assert sorted(x.kind for x in p.collectives) == ["all_reduce"] * 3 + ["all_to_all"] * 3
-    assert all(0.1 < x.share < 3.0 and x.measured_s > 0 for x in p.collectives), p.collectives
+    # The collectives at three sizes each, idle and loaded, the puts' CPU, the cores the two
+    # ranks share.
+    for regime in ("idle", "loaded"):
+        kinds = sorted(x.kind for x in p.collectives if x.regime == regime)
+        assert kinds == ["all_reduce"] * 3 + ["all_to_all"] * 3, (regime, p.collectives)
+    assert all(0.05 < x.share < 3.0 and x.measured_s > 0 for x in p.collectives), p.collectives
     assert 0.0 < p.put_cpu_s < 0.05 and p.put_cpu_per_byte_s >= 0.0
     assert p.cores >= 1 and p.ranks_per_machine == 2
     assert json.loads(out.read_text())["links"][0]["level_name"] == "node"

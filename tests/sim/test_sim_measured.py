@@ -182,3 +182,45 @@ def test_put_cpu_is_measured_on_a_loopback_pair():
     assert 1e-6 < per_put < 0.05, per_put
     assert 0.0 <= per_byte < 1e-6, per_byte
     assert math.isfinite(per_put + per_byte)
+
+
+def test_loaded_shares_price_the_collectives_and_old_profiles_stay_idle(tmp_path):
+    """A profile's ``"loaded"`` shares (collectives timed while the ranks compute) price the
+    simulation when present: half the idle share makes the all-to-alls slower than the idle
+    shares alone would; a profile written before the regime existed loads as idle."""
+    model = ModelSpec(layers=2, batch=2, seq_len=64, hidden=64, ffn_hidden=128, experts=4, top_k=2)
+    idle = CollectiveShare(kind="all_to_all", bytes_per_rank=1e5, share=0.8)
+    loaded = CollectiveShare(kind="all_to_all", bytes_per_rank=1e5, share=0.4, regime="loaded")
+    both = Profile(flops_per_s=1e10, collectives=(idle, loaded))
+    assert both.collective_shares("all_to_all") == ((1e5, 0.4),)
+    assert both.collective_shares("all_to_all", "idle") == ((1e5, 0.8),)
+    # No loaded all-reduce points: the all-reduce falls back to its idle ones (none here).
+    assert both.collective_shares("all_reduce") == ()
+
+    def a2a_s(profile: Profile) -> float:
+        sim = simulate(SPEC, model, "vanilla", profile)
+        return sum(s.duration for s in sim.spans if s.resource == "a2a")
+
+    t_idle = a2a_s(Profile(flops_per_s=1e10, collectives=(idle,)))
+    t_loaded = a2a_s(both)
+    assert t_loaded > 1.5 * t_idle
+    # Backwards compatible: an old file's record has no regime, and is idle.
+    old = {"flops_per_s": 1e10, "collectives": [
+        {"kind": "all_to_all", "bytes_per_rank": 1e5, "share": 0.8, "measured_s": 0.01}]}  # fmt: skip
+    assert Profile.from_dict(old).collectives == (idle.__class__(**old["collectives"][0]),)
+    assert Profile.from_dict(old).collectives[0].regime == "idle"
+    assert Profile.load(both.save(tmp_path / "p.json")) == both
+    with pytest.raises(ValueError, match=r"collectives\.regime"):
+        CollectiveShare(kind="all_to_all", bytes_per_rank=1.0, share=1.0, regime="busy")
+
+
+def test_warmup_calls_last_the_sustain_time():
+    """A loaded stream's warm-up lasts ``sustain_s`` at the closed form's share-1 time, within
+    its bounds; 0 s still warms up with the fewest calls."""
+    from moesaic.sim import calibrate as cal
+
+    probe = Profile(flops_per_s=1.0)
+    full, _ = cal.closed_form_s(PAIR, probe, "all_to_all", 1e6)
+    assert cal.warmup_calls(PAIR, probe, "all_to_all", 1e6, 1.0) == math.ceil(1.0 / full)
+    assert cal.warmup_calls(PAIR, probe, "all_to_all", 1e6, 0.0) == cal.MIN_WARMUP_CALLS
+    assert cal.warmup_calls(PAIR, probe, "all_reduce", 8.0, 1e3) == cal.MAX_WARMUP_CALLS

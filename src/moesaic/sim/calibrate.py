@@ -12,10 +12,21 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    :class:`~moesaic.sim.profile.LinkLevel`; ``bandwidth_scale`` is the median over the levels of
    measured / configured bandwidth;
 3. the same cluster, still up: its all-to-all (``all_to_all_single``) and all-reduce timed at
-   ``COLLECTIVE_SIZES`` x the check's collective size (:func:`collective_shares`, the mean of
-   8 calls), each turned into the bandwidth share under which the simulator's closed form, on
-   the links of step 2 and the floor of step 1, gives the measured time
-   (:class:`~moesaic.sim.profile.CollectiveShare`);
+   ``COLLECTIVE_SIZES`` x the check's collective size (:func:`collective_shares`), each turned
+   into the bandwidth share under which the simulator's closed form, on the links of step 2
+   and the floor of step 1, gives the measured time
+   (:class:`~moesaic.sim.profile.CollectiveShare`), in two regimes: ``"idle"``, the mean of 8
+   isolated calls (a barrier before each) on an otherwise idle machine, and ``"loaded"``, the
+   mean of 8 calls at the end of an unbroken stream of the same call (``sustain_s`` of warm-up
+   at the links' rate) while every rank also runs fp32 matmuls in a thread of its own, as a
+   training step computes while its collectives are in flight. The difference is physical, not
+   noise: on a shaped link whose ranks are starved of CPU, TCP falls into a mode where a 2-rank
+   exchange runs at about half its idle rate and stays there while the stream lasts. Measured
+   on hybridep_2dc, 0.5 MB per rank all-to-all streams of 25 calls: 25-26 ms every call on
+   the idle machine (with or without a 1 ms gap between calls), 45 ms from the first or the
+   fifth call on with two busy processes beside the ranks; 2 MB: 88-99 ms vs 168 ms. The
+   validated runs ran on a loaded machine (load average 3-5 on 2 cores during the HybridEP
+   runs, recorded in their results) with ranks that compute beside their collectives;
 4. still on that cluster, the CPU one-sided puts cost between ranks 0 and 1 (:func:`put_cpu`):
    per put and per byte.
 
@@ -25,12 +36,13 @@ above the floor) is the cluster file's. Torch is used by the workers only.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from moesaic.checks import check_positive
+from moesaic.checks import check_non_negative, check_positive
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.sim.profile import CollectiveShare, LinkLevel, Profile
 
@@ -38,14 +50,23 @@ __all__ = [
     "COLLECTIVE_SIZES",
     "UNSHAPED",
     "LinkCalibration",
+    "closed_form_s",
     "collective_share",
     "collective_shares",
     "measure_links",
+    "warmup_calls",
 ]
 
 # Sizes the collectives are timed at, as fractions of the check's collective size (what the
 # slowest level moves in half a bandwidth transfer): the validated runs' messages span them.
 COLLECTIVE_SIZES = (1 / 16, 1 / 4, 1.0)
+
+# Calls timed per size and regime, and the fewest and most warm-up calls of a loaded stream.
+COLLECTIVE_REPS = 8
+MIN_WARMUP_CALLS = 3
+MAX_WARMUP_CALLS = 400
+# Side of the square matmuls each rank's load thread runs during the loaded stream (~1 ms).
+LOAD_MATMUL = 384
 
 # The emulator's floor: a link shaped far above what this machine moves (cluster_check.py's).
 UNSHAPED = ClusterSpec(
@@ -90,10 +111,24 @@ def links_from_report(report: Any) -> tuple[LinkLevel, ...]:
     )
 
 
-def _worker_collectives(rank: int, world: int, sizes: list[int], reps: int) -> dict[str, Any]:
-    """Times ``all_to_all_single`` and ``all_reduce`` at every size (after one warm-up)."""
+def _worker_collectives(
+    rank: int, world: int, sizes: list[int], reps: int, warmup: dict[str, int]
+) -> dict[str, Any]:
+    """Times ``all_to_all_single`` and ``all_reduce`` at every size: idle (a barrier before
+    each call, after one warm-up; keys ``kind:nbytes``), then, when ``warmup`` has the key,
+    loaded: in one unbroken stream (``warmup[key]`` untimed calls, then ``reps`` timed, no
+    barrier in between, sizes ascending; keys ``loaded:kind:nbytes``) while a thread of this
+    rank runs ``LOAD_MATMUL`` fp32 matmuls; ``"load_flops_per_s"``: that thread's rate."""
+    import threading
+
     import torch
     import torch.distributed as dist
+
+    def call(name: str, send: Any, recv: Any) -> None:
+        if name == "all_to_all":
+            dist.all_to_all_single(recv, send)
+        else:
+            dist.all_reduce(send)
 
     out: dict[str, Any] = {}
     for nbytes in sizes:
@@ -104,13 +139,44 @@ def _worker_collectives(rank: int, world: int, sizes: list[int], reps: int) -> d
             for i in range(1 + reps):
                 dist.barrier()
                 t0 = time.perf_counter()
-                if name == "all_to_all":
-                    dist.all_to_all_single(recv, send)
-                else:
-                    dist.all_reduce(send)
+                call(name, send, recv)
                 if i:
                     times.append(time.perf_counter() - t0)
             out[f"{name}:{nbytes}"] = times
+    dist.barrier()
+    if not warmup:
+        return out
+    a = torch.randn(LOAD_MATMUL, LOAD_MATMUL)
+    stop = threading.Event()
+    done = [0]
+
+    def compute() -> None:
+        while not stop.is_set():
+            torch.mm(a, a)
+            done[0] += 1
+
+    loader = threading.Thread(target=compute, daemon=True)
+    t_load = time.perf_counter()
+    loader.start()
+    try:
+        for nbytes in sizes:
+            send = torch.zeros(nbytes // 4)  # all-reduced in place: zeros stay finite
+            recv = torch.empty_like(send)
+            for name in ("all_to_all", "all_reduce"):
+                key = f"{name}:{nbytes}"
+                if key not in warmup:
+                    continue
+                times = []
+                for i in range(warmup[key] + reps):
+                    t0 = time.perf_counter()
+                    call(name, send, recv)
+                    if i >= warmup[key]:
+                        times.append(time.perf_counter() - t0)
+                out[f"loaded:{key}"] = times
+    finally:
+        stop.set()
+        loader.join()
+    out["load_flops_per_s"] = 2.0 * LOAD_MATMUL**3 * done[0] / (time.perf_counter() - t_load)
     dist.barrier()
     return out
 
@@ -163,6 +229,21 @@ def put_cpu(cluster: Any = None, *, timeout_s: float = 120.0) -> tuple[float, fl
     return max(0.0, per_put[0] - small * per_byte), per_byte
 
 
+def closed_form_s(
+    spec: ClusterSpec, profile: Profile, kind: str, bytes_per_rank: float
+) -> tuple[float, float]:
+    """``(time, latency term)`` of the simulator's ``kind`` collective of ``bytes_per_rank``
+    at share 1 on ``spec``'s links as ``profile`` models them for point-to-point."""
+    from moesaic.sim.collectives import LinkModel, all_to_all_s, ring_all_reduce_s
+
+    link_spec, scale = profile.link_spec(spec)
+    link = LinkModel(spec=link_spec, floor_s=profile.floor_s, bandwidth_scale=scale)
+    P = link.world_size
+    if kind == "all_to_all":
+        return all_to_all_s(link, bytes_per_rank / P), link.worst_latency_s()
+    return ring_all_reduce_s(link, bytes_per_rank), 2 * (P - 1) * link.worst_latency_s()
+
+
 def collective_share(
     spec: ClusterSpec, profile: Profile, kind: str, bytes_per_rank: float, measured_s: float
 ) -> float | None:
@@ -170,42 +251,64 @@ def collective_share(
     under which the simulator's ``kind`` collective of ``bytes_per_rank`` takes ``measured_s``:
     its bandwidth term at share 1 over the measured time less its latency term. ``None`` when
     the measured time does not exceed the latency term (nothing to attribute to bandwidth)."""
-    from moesaic.sim.collectives import LinkModel, all_to_all_s, ring_all_reduce_s
-
-    link_spec, scale = profile.link_spec(spec)
-    link = LinkModel(spec=link_spec, floor_s=profile.floor_s, bandwidth_scale=scale)
-    P = link.world_size
-    if kind == "all_to_all":
-        full, latency = all_to_all_s(link, bytes_per_rank / P), link.worst_latency_s()
-    else:
-        full = ring_all_reduce_s(link, bytes_per_rank)
-        latency = 2 * (P - 1) * link.worst_latency_s()
+    full, latency = closed_form_s(spec, profile, kind, bytes_per_rank)
     if measured_s <= latency or full <= latency:
         return None
     return (full - latency) / (measured_s - latency)
 
 
+def warmup_calls(
+    spec: ClusterSpec, profile: Profile, kind: str, bytes_per_rank: float, sustain_s: float
+) -> int:
+    """Untimed calls that precede the timed ones of a loaded stream: enough to last
+    ``sustain_s`` at the closed form's share-1 time (at least ``MIN_WARMUP_CALLS``, at most
+    ``MAX_WARMUP_CALLS``)."""
+    full, _ = closed_form_s(spec, profile, kind, bytes_per_rank)
+    calls = math.ceil(sustain_s / full) if full > 0 else MAX_WARMUP_CALLS
+    return min(MAX_WARMUP_CALLS, max(MIN_WARMUP_CALLS, calls))
+
+
 def collective_shares(
-    cluster: Any, profile: Profile, base_bytes: int, *, reps: int = 8, timeout_s: float = 300.0
+    cluster: Any,
+    profile: Profile,
+    base_bytes: int,
+    *,
+    reps: int = COLLECTIVE_REPS,
+    sustain_s: float = 1.0,
+    timeout_s: float = 300.0,
 ) -> tuple[CollectiveShare, ...]:
     """Times a started cluster's all-to-all and all-reduce at ``COLLECTIVE_SIZES`` x
     ``base_bytes`` per rank (slowest rank, *mean* of ``reps``: a step sums many collectives,
-    and on a shaped 2-rank link an all-to-all takes either its bound or twice it, at random
-    from one call to the next, so a median reports one mode) and converts each into a
-    :class:`CollectiveShare` relative to ``profile``'s links (:func:`collective_share`)."""
+    and on a shaped 2-rank link an all-to-all takes either its bound or twice it, so a median
+    reports one mode), idle and, unless ``sustain_s`` is 0, loaded (module docstring), and
+    converts each into a :class:`CollectiveShare` relative to ``profile``'s links
+    (:func:`collective_share`)."""
+    check_non_negative("sustain_s", sustain_s)
     spec: ClusterSpec = cluster.spec
     unit = 4 * spec.world_size  # all_to_all_single splits evenly
     sizes = sorted({max(unit, int(base_bytes * f) // unit * unit) for f in COLLECTIVE_SIZES})
-    per_rank = cluster.run(_worker_collectives, spec.world_size, sizes, reps, timeout_s=timeout_s)
+    warmup = {
+        f"{kind}:{nbytes}": warmup_calls(spec, profile, kind, nbytes, sustain_s)
+        for nbytes in sizes
+        for kind in ("all_to_all", "all_reduce")
+        if sustain_s > 0
+    }
+    per_rank = cluster.run(
+        _worker_collectives, spec.world_size, sizes, reps, warmup, timeout_s=timeout_s
+    )
     out = []
-    for nbytes in sizes:
-        for kind in ("all_to_all", "all_reduce"):
-            key = f"{kind}:{nbytes}"
-            measured = statistics.fmean(max(t) for t in zip(*(r[key] for r in per_rank)))
-            share = collective_share(spec, profile, kind, nbytes, measured)
-            if share is not None:
-                out.append(CollectiveShare(kind=kind, bytes_per_rank=float(nbytes),
-                                           share=share, measured_s=measured))  # fmt: skip
+    for regime, prefix in (("idle", ""), ("loaded", "loaded:")):
+        for nbytes in sizes:
+            for kind in ("all_to_all", "all_reduce"):
+                key = f"{prefix}{kind}:{nbytes}"
+                if key not in per_rank[0]:
+                    continue
+                measured = statistics.fmean(max(t) for t in zip(*(r[key] for r in per_rank)))
+                share = collective_share(spec, profile, kind, nbytes, measured)
+                if share is not None:
+                    out.append(CollectiveShare(kind=kind, bytes_per_rank=float(nbytes),
+                                               share=share, measured_s=measured,
+                                               regime=regime))  # fmt: skip
     return tuple(out)
 
 
@@ -214,6 +317,7 @@ def measure_links(
     *,
     duration_s: float = 0.3,
     floor: bool = True,
+    sustain_s: float = 1.0,
     timeout_s: float = 300.0,
 ) -> LinkCalibration:
     """Brings up ``spec`` (and the unshaped pair when ``floor``) and measures their links.
@@ -222,6 +326,8 @@ def measure_links(
         spec: The cluster to emulate; at least two ranks.
         duration_s: Target time of each bandwidth transfer at the configured rate.
         floor: Also measure the unshaped pair for ``floor_s`` (one more cluster, a few seconds).
+        sustain_s: Warm-up of each loaded collective stream, seconds at the links' rate
+            (0: idle shares only).
         timeout_s: Bound on each cluster's measurement.
 
     Raises:
@@ -248,7 +354,7 @@ def measure_links(
         # Shares relative to the links as a profile of these measurements models them.
         probe = Profile(flops_per_s=1.0, floor_s=floor_s, bandwidth_scale=scale, links=links)
         nbytes = next(iter(report.collectives.values()))["bytes_per_rank"]
-        shares = collective_shares(cluster, probe, nbytes, timeout_s=timeout_s)
+        shares = collective_shares(cluster, probe, nbytes, sustain_s=sustain_s, timeout_s=timeout_s)
         per_put, per_byte = put_cpu(cluster, timeout_s=timeout_s)
     collectives = {
         name: {k: c[k] for k in ("bytes_per_rank", "median_s", "bound_s")}

@@ -71,6 +71,9 @@ def add_subparser(subparsers) -> None:
     links.add_argument("--links", metavar="CHECK.json", help="cluster_check result (links)")
     c.add_argument("--duration-s", type=float, default=0.3,
                    help="--cluster: seconds per bandwidth transfer (default 0.3)")  # fmt: skip
+    c.add_argument("--sustain-s", type=float, default=1.0,
+                   help="--cluster: warm-up of each loaded collective stream, seconds "
+                   "(default 1.0; 0: idle collective shares only)")  # fmt: skip
     c.add_argument("--no-floor", action="store_true",
                    help="--cluster: skip the unshaped pair (floor_s = 0)")  # fmt: skip
     c.add_argument("--size", type=int, default=512, help="matmul size (default 512)")
@@ -153,7 +156,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         from moesaic.sim.calibrate import measure_links
 
         spec = _load("cluster", args.cluster, ClusterSpec.from_toml)
-        cal = measure_links(spec, duration_s=args.duration_s, floor=not args.no_floor)
+        cal = measure_links(
+            spec, duration_s=args.duration_s, floor=not args.no_floor, sustain_s=args.sustain_s
+        )
         floor_s, scale, links, shares = cal.floor_s, cal.bandwidth_scale, cal.links, cal.shares
         # The emulated ranks all run on this machine and share its cores.
         cpu = {"put_cpu_s": cal.put_cpu_s, "put_cpu_per_byte_s": cal.put_cpu_per_byte_s,
@@ -169,7 +174,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(f"one-sided puts: {cal.put_cpu_s * 1e6:.0f} us CPU per put + "
               f"{cal.put_cpu_per_byte_s * 1e9:.2f} ns per byte")  # fmt: skip
         for x in shares:
-            print(f"{x.kind} {x.bytes_per_rank / 1e3:.0f} kB/rank: {x.measured_s * 1e3:.2f} ms, "
+            print(f"{x.kind} {x.regime} {x.bytes_per_rank / 1e3:.0f} kB/rank: "
+                  f"{x.measured_s * 1e3:.2f} ms, "
                   f"share {x.share:.2f} of the links")  # fmt: skip
     profile = Profile(
         flops_per_s=measured["flops_per_s"],

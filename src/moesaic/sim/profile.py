@@ -15,9 +15,14 @@ measured and what is taken from elsewhere:
 * ``collectives``: with ``--cluster``, the emulated cluster's all-to-all and all-reduce timed at
   a few sizes, each as the bandwidth share (:class:`CollectiveShare`) that makes the simulator's
   own closed form (:mod:`moesaic.sim.collectives`, on the point-to-point links above) reproduce
-  the measured time: what the collective loses beyond its links. The simulation prices
-  all-to-all(-v)s and all-reduces / all-gathers with them (interpolated in log size),
-  point-to-point messages with the link share only;
+  the measured time: what the collective loses beyond its links. Two regimes: ``"idle"``
+  (isolated calls after a barrier on an otherwise idle machine) and ``"loaded"`` (an unbroken
+  stream of calls after a warm-up while every rank computes in a thread, as a training step
+  does: CPU-starved ranks push TCP on a shaped link into a mode about half as fast; see
+  :mod:`moesaic.sim.calibrate`). The simulation prices all-to-all(-v)s and all-reduces /
+  all-gathers with the loaded shares when the profile has them, else the idle ones (profiles
+  written before the regime existed), interpolated in log size; point-to-point messages with
+  the link share only;
 * ``tile_cpu_s``, ``put_cpu_s``, ``put_cpu_per_byte_s``: CPU seconds the taskflow runtime
   spends per tile beyond its FLOPs (the static executor's per-task overhead; not measured by
   ``calibrate``: ``benchmarks/results/taskflow_sched.json`` has it) and per remote put and
@@ -47,6 +52,7 @@ from moesaic.checks import check_int, check_non_negative, check_one_of, check_po
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "COLLECTIVE_REGIMES",
     "OPS_PER_TASK",
     "CollectiveShare",
     "LinkLevel",
@@ -62,6 +68,11 @@ OPS_PER_TASK = 30
 # Collectives whose measured efficiency a profile may hold.
 COLLECTIVE_KINDS = ("all_to_all", "all_reduce")
 
+# How a collective was timed: isolated calls after a barrier on an idle machine ("idle", the
+# only regime of profiles from before it was recorded), or in an unbroken stream while every
+# rank computes ("loaded", what a training step sees). A simulation prefers "loaded".
+COLLECTIVE_REGIMES = ("idle", "loaded")
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class CollectiveShare:
@@ -74,15 +85,19 @@ class CollectiveShare:
         share: Multiplier of the point-to-point link rates under which the simulator's closed
             form gives the measured time (its latencies unchanged).
         measured_s: The measured mean time (slowest rank), for the record.
+        regime: ``"idle"`` (isolated calls) or ``"loaded"`` (an unbroken stream while the
+            ranks compute); see ``COLLECTIVE_REGIMES``.
     """
 
     kind: str
     bytes_per_rank: float
     share: float
     measured_s: float = 0.0
+    regime: str = "idle"
 
     def __post_init__(self) -> None:
         check_one_of("collectives.kind", self.kind, COLLECTIVE_KINDS)
+        check_one_of("collectives.regime", self.regime, COLLECTIVE_REGIMES)
         check_positive("collectives.bytes_per_rank", self.bytes_per_rank)
         check_positive("collectives.share", self.share)
         check_non_negative("collectives.measured_s", self.measured_s)
@@ -181,11 +196,23 @@ class Profile:
             return None
         return self.cores / self.ranks_per_machine
 
-    def collective_shares(self, kind: str) -> tuple[tuple[float, float], ...]:
-        """``(bytes_per_rank, share)`` points of one collective kind, by size."""
+    def collective_shares(
+        self, kind: str, regime: str | None = None
+    ) -> tuple[tuple[float, float], ...]:
+        """``(bytes_per_rank, share)`` points of one collective kind, by size, of one regime:
+        ``regime`` if given, else ``"loaded"`` where the profile has points of that kind
+        measured so (what a training step sees), else ``"idle"``."""
         check_one_of("kind", kind, COLLECTIVE_KINDS)
+        if regime is None:
+            loaded = any(x.kind == kind and x.regime == "loaded" for x in self.collectives)
+            regime = "loaded" if loaded else "idle"
+        check_one_of("regime", regime, COLLECTIVE_REGIMES)
         return tuple(
-            sorted((x.bytes_per_rank, x.share) for x in self.collectives if x.kind == kind)
+            sorted(
+                (x.bytes_per_rank, x.share)
+                for x in self.collectives
+                if x.kind == kind and x.regime == regime
+            )
         )
 
     def link_spec(self, spec: Any) -> tuple[Any, float]:
