@@ -68,7 +68,8 @@ class TiledFFN(torch.autograd.Function):
         x_MH, w1, w3, w2, a_MF, b_MF = ctx.saved_tensors
         dy_MH = dy_MH.contiguous()
         dx = torch.empty_like(x_MH)
-        dw1, dw3, dw2 = torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
+        # Every slice is written by an ``out=`` GEMM (zeros for an expert with no rows).
+        dw1, dw3, dw2 = torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2)
         for i, (r0, r1) in enumerate(_bounds(ctx.counts_e)):
             xi, ai, bi, dyi = x_MH[r0:r1], a_MF[r0:r1], b_MF[r0:r1], dy_MH[r0:r1]
             silu = F.silu(ai)
