@@ -21,6 +21,7 @@ from moesaic.sim.collectives import (
     p2p_s,
     ring_all_reduce_s,
 )
+from moesaic.sim.hybrid import hybrid_parts
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import CollectiveShare, Profile
 from moesaic.sim.simulate import SimOptions, simulate
@@ -65,12 +66,15 @@ A2A = {
         link, [[0.0 if i == j else 1e5 for j in range(4)] for i in range(4)]
     ),
     "level_exchange": lambda link: level_exchange_s(link, 0, 1, 1e5),
+    # HybridEP's gradient reduce: the runtime's adjoint of the gathers is an all-to-all per level
+    "hybrid gradient reduce": lambda link: hybrid_parts(link, LAYER, (2, 2), 1e12).grad_reduce,
 }
 AR = {
     "ring_all_reduce": lambda link: ring_all_reduce_s(link, 1e6),
     "all_gather": lambda link: all_gather_s(link, 1e5),
     "hierarchical_all_reduce": lambda link: hierarchical_all_reduce_s(link, 1e6),
     "gather (level_exchange)": lambda link: level_exchange_s(link, 0, 1, 1e5, gather=True),
+    "hybrid expert gathers": lambda link: hybrid_parts(link, LAYER, (2, 2), 1e12).gather,
 }
 
 

@@ -95,15 +95,20 @@ def _inputs(model: ModelSpec, world: int, flops_per_s: float, cr: float = 1.0) -
     )
 
 
-def _phases(link: LinkModel, inputs: StreamInputs, domain_sizes: tuple[int, ...]):
-    """(gather seconds, one all-to-all's seconds): every level's phase, summed."""
+def _phases(
+    link: LinkModel, inputs: StreamInputs, domain_sizes: tuple[int, ...], *, reduce: bool = False
+):
+    """(gather seconds, one all-to-all's seconds): every level's phase, summed. With ``reduce``
+    the first is the gathers' adjoint, the gradient reduce, which the runtime issues as one
+    all-to-all per level (``strategies.hybrid._GatheredExperts.backward``) and which is priced
+    as one (the all-to-all's measured share, not the all-gather's)."""
     ag = a2a = 0.0
     levels = link.spec.levels
     for level, lv in enumerate(levels):
         s = domain_sizes[level]
         if s > 1:
             bundle = inputs.expert_bytes * math.prod(domain_sizes[:level])
-            ag += level_exchange_s(link, level, s - 1, bundle, gather=True)
+            ag += level_exchange_s(link, level, s - 1, bundle, gather=not reduce)
         if s < lv.size:
             a2a += level_exchange_s(link, level, lv.size // s - 1, inputs.data_bytes * s / lv.size)
     return ag, a2a
@@ -135,7 +140,7 @@ def hybrid_parts(
     sent = _inputs(model, link.world_size, flops_per_s, compression_ratio)
     dense = _inputs(model, link.world_size, flops_per_s)
     gather, a2a = _phases(link, sent, ds)
-    reduce, _ = _phases(link, dense, ds)  # dense gradients: the gathers' bytes back
+    reduce, _ = _phases(link, dense, ds, reduce=True)  # dense gradients: the gathers' bytes back
     S = math.prod(ds)
     numel = model.hidden * model.ffn_hidden
     if S > 1 and kept_entries(numel, compression_ratio) < numel:
