@@ -260,7 +260,7 @@ def table5() -> dict[str, Any]:
                       ffn_hidden=8192, experts=16, top_k=2, heads=16, capacity_factor=1.2,
                       act_bytes=2, param_bytes=2)  # fmt: skip
     profile = Profile(flops_per_s=3.5e13, task_overhead_s=50e-6, floor_s=20e-6)
-    link = LinkModel(spec=spec, floor_s=profile.floor_s)
+    link = LinkModel(spec=spec, floor_s=profile.floor_s, all_reduce="best")  # NCCL-like
     R = 2
     costs = Costs(model, link, profile, R)
     G = costs.grad_bytes()

@@ -14,6 +14,7 @@ from moesaic.placement.costmodel import evaluate_domains, stream_inputs
 from moesaic.sim.collectives import (
     LinkModel,
     all_gather_s,
+    all_reduce_s,
     all_to_all_s,
     all_to_all_shares_s,
     all_to_all_v_s,
@@ -126,6 +127,26 @@ def test_hierarchical_all_reduce_two_levels():
     outer = 2 * 1 * (4 * (n / 4 / 2) / B_out + 1e-2)
     assert hierarchical_all_reduce_s(link, n) == pytest.approx(inner + outer)
     assert hierarchical_all_reduce_s(link, n) < ring_all_reduce_s(link, n)
+
+
+@pytest.mark.parametrize("n", [0.0, 1e3, 1e6, 1e8])
+def test_all_reduce_algorithm_choice(n):
+    """``ring`` is gloo's ring, ``hierarchical`` the hierarchical one, ``best`` the faster at
+    each size (NCCL-like); all three are one collective on a one-level cluster."""
+    two = _spec((2, 1.0, 10.0), (4, 10.0, 0.1))
+    ring, hier = (
+        ring_all_reduce_s(LinkModel(spec=two), n),
+        hierarchical_all_reduce_s(LinkModel(spec=two), n),
+    )
+    assert all_reduce_s(LinkModel(spec=two), n) == ring  # the default: what gloo runs
+    assert all_reduce_s(LinkModel(spec=two, all_reduce="hierarchical"), n) == hier
+    assert all_reduce_s(LinkModel(spec=two, all_reduce="best"), n) == min(ring, hier)
+    assert hier < ring  # 2 x 4 ranks, 10 ms between DCs: 2 slow steps instead of 14
+    one = _spec((8, 1.0, 5.0))
+    got = {a: all_reduce_s(LinkModel(spec=one, all_reduce=a), n) for a in ("ring", "best")}
+    assert got["best"] == pytest.approx(got["ring"], rel=1e-12)
+    with pytest.raises(ValueError, match="all_reduce"):
+        LinkModel(spec=one, all_reduce="tree")
 
 
 def test_latency_floor_and_bandwidth_scale():

@@ -53,6 +53,9 @@ def add_subparser(subparsers) -> None:
                    help="hybrid: SR compression of gathered experts (+Migration)")  # fmt: skip
     p.add_argument("--shared-every", type=int, default=1, metavar="N",
                    help="hybrid: shared experts' all-reduce every N gathers")  # fmt: skip
+    p.add_argument("--all-reduce", choices=("ring", "hierarchical", "best"), default="best",
+                   help="gradient all-reduce algorithm: the faster of ring and hierarchical per "
+                   "size, as NCCL picks (default), or gloo's ring")  # fmt: skip
     p.add_argument("--trace", metavar="F.json", help="write the timeline as a Chrome trace")
     p.add_argument("--png", metavar="F.png", help="draw the timeline (Gantt chart)")
     p.add_argument("--csv", metavar="F.csv", help="write per-layer compute/communication")
@@ -109,7 +112,8 @@ def _results(args: argparse.Namespace) -> list[Any]:
             raise ValueError(f"--domains ({args.domains!r}) must be integers: S0,S1,..") from None
     opts = SimOptions(degree=args.degree, sp_bytes=args.sp_bytes, domain_sizes=domains,
                       prefetch=args.prefetch, compression_ratio=args.compression_ratio,
-                      shared_expert_every=args.shared_every)  # fmt: skip
+                      shared_expert_every=args.shared_every,
+                      all_reduce=args.all_reduce)  # fmt: skip
     names: tuple[str, ...] = STRATEGIES if args.strategy == "all" else (args.strategy,)
     if args.strategy == "all" and model.layer_only:  # ep, hybrid: no layer-only cost model
         names = tuple(n for n in names if n not in LAYER_ONLY_UNSUPPORTED)

@@ -46,12 +46,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moesaic.checks import check_int, check_non_negative, check_positive
+from moesaic.checks import check_int, check_non_negative, check_one_of, check_positive
 from moesaic.cluster.spec import ClusterSpec
 
 __all__ = [
+    "ALL_REDUCE_ALGORITHMS",
     "LinkModel",
     "all_gather_s",
+    "all_reduce_s",
     "all_to_all_s",
     "all_to_all_shares_s",
     "all_to_all_v_s",
@@ -60,6 +62,11 @@ __all__ = [
     "p2p_s",
     "ring_all_reduce_s",
 ]
+
+
+# How a simulated gradient all-reduce runs: gloo's ring, the hierarchical one, or the faster
+# of the two at each message size, as NCCL's tuner chooses between its algorithms.
+ALL_REDUCE_ALGORITHMS = ("ring", "hierarchical", "best")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -73,6 +80,7 @@ class LinkModel:
         a2a_shares: ``(bytes_per_rank, share)`` points: the all-to-alls' measured share of the
             link rates (empty: 1.0).
         allreduce_shares: The same for all-reduces and all-gathers.
+        all_reduce: The algorithm of :func:`all_reduce_s` (``ALL_REDUCE_ALGORITHMS``).
     """
 
     spec: ClusterSpec
@@ -80,8 +88,10 @@ class LinkModel:
     bandwidth_scale: float = 1.0
     a2a_shares: tuple[tuple[float, float], ...] = ()
     allreduce_shares: tuple[tuple[float, float], ...] = ()
+    all_reduce: str = "ring"
 
     def __post_init__(self) -> None:
+        check_one_of("all_reduce", self.all_reduce, ALL_REDUCE_ALGORITHMS)
         if not isinstance(self.spec, ClusterSpec):
             raise ValueError(f"spec must be a ClusterSpec, got {type(self.spec).__name__}")
         check_non_negative("floor_s", self.floor_s)
@@ -284,6 +294,18 @@ def hierarchical_all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
         total += 2 * (s - 1) * (step / share + link.latency_s(j))
         shard = chunk
     return total
+
+
+def all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
+    """A gradient all-reduce of ``bytes_per_rank`` by ``link.all_reduce``: the ring, the
+    hierarchical one, or (``"best"``) the faster of the two at this size. On a one-level cluster
+    they are the same collective."""
+    if link.all_reduce == "ring":
+        return ring_all_reduce_s(link, bytes_per_rank)
+    hier = hierarchical_all_reduce_s(link, bytes_per_rank)
+    if link.all_reduce == "hierarchical":
+        return hier
+    return min(ring_all_reduce_s(link, bytes_per_rank), hier)
 
 
 def p2p_s(link: LinkModel, src: int, dst: int, nbytes: float) -> float:

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable
 
 from moesaic.checks import check_positive, check_positive_int
-from moesaic.sim.collectives import LinkModel, all_to_all_shares_s, ring_all_reduce_s
+from moesaic.sim.collectives import LinkModel, all_reduce_s, all_to_all_shares_s
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, expert_shares
 from moesaic.sim.profile import Profile
@@ -85,7 +85,7 @@ class Costs:
         return self.model.layers * self.block_grad_bytes + self.outer_grad_bytes
 
     def all_reduce_s(self, nbytes: float) -> float:
-        return ring_all_reduce_s(self.link, nbytes)
+        return all_reduce_s(self.link, nbytes)
 
 
 def build_pipelined(costs: Costs, *, degree: int, overlap: bool) -> tuple[SimGraph, list[SimTask]]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from moesaic.checks import check_bool, check_number, check_one_of, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.sim.collectives import LinkModel
+from moesaic.sim.collectives import ALL_REDUCE_ALGORITHMS, LinkModel
 from moesaic.sim.graph import SimGraph
 from moesaic.sim.hybrid import build_hybrid, hybrid_parts, plan_domains_fast
 from moesaic.sim.model import ModelSpec
@@ -59,6 +59,9 @@ class SimOptions:
             a multiple of the tile); None: the mean load rounded up as the runtime rounds.
         taskflow_pipeline: ``taskflow`` plans in the list-scheduled (pipelined) queue order
             (``MoEConfig.taskflow_pipeline``) rather than kernel order.
+        all_reduce: the gradient all-reduce's algorithm (``collectives.ALL_REDUCE_ALGORITHMS``):
+            ``"best"`` (default) the faster of ring and hierarchical at each size, as NCCL's
+            tuner picks; ``"ring"`` what gloo runs. The same on a one-level cluster.
     """
 
     degree: int = 2
@@ -70,6 +73,7 @@ class SimOptions:
     taskflow_tile_m: int | None = None
     taskflow_slot_rows: int | None = None
     taskflow_pipeline: bool = False
+    all_reduce: str = "best"
 
     def __post_init__(self) -> None:
         check_positive_int("degree", self.degree)
@@ -82,6 +86,7 @@ class SimOptions:
         if self.taskflow_slot_rows is not None:
             check_positive_int("taskflow_slot_rows", self.taskflow_slot_rows)
         check_bool("taskflow_pipeline", self.taskflow_pipeline)
+        check_one_of("all_reduce", self.all_reduce, ALL_REDUCE_ALGORITHMS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,6 +201,7 @@ def simulate(
         bandwidth_scale=scale,
         a2a_shares=profile.collective_shares("all_to_all"),
         allreduce_shares=profile.collective_shares("all_reduce"),
+        all_reduce=opts.all_reduce,
     )
     g, tl, details = _graph(strategy, model, link, profile, opts)
     plans = details.pop("plans", None)

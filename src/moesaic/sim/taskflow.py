@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from moesaic.sim.collectives import LinkModel, p2p_s, ring_all_reduce_s
+from moesaic.sim.collectives import LinkModel, all_reduce_s, p2p_s
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import OPS_PER_TASK, Profile
@@ -223,7 +223,7 @@ def build_taskflow(
     nbytes = grad * model.param_bytes
     if nbytes == 0:  # layer_only: no replicated gradient, no optimizer step
         return g, plans
-    ar = g.add("net", SimTask("AR1", "allreduce", ring_all_reduce_s(link, nbytes), "bwd", 0, 0,
+    ar = g.add("net", SimTask("AR1", "allreduce", all_reduce_s(link, nbytes), "bwd", 0, 0,
                               nbytes), last)  # fmt: skip
     g.add("compute", SimTask("optimizer", "optimizer", profile.task_overhead_s), ar)
     return g, plans
