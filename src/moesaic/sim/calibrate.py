@@ -17,8 +17,9 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    and the floor of step 1, gives the measured time
    (:class:`~moesaic.sim.profile.CollectiveShare`), in two regimes: ``"idle"``, the mean of 8
    isolated calls (a barrier before each) on an otherwise idle machine, and ``"loaded"``, the
-   mean of 8 calls at the end of an unbroken stream of the same call (``sustain_s`` of warm-up
-   at the links' rate) while every rank also runs fp32 matmuls in a thread of its own, as a
+   time per call of the last 8 calls of an unbroken stream of the same call (``sustain_s`` of
+   warm-up at the links' rate; their elapsed time over 8, slowest rank) while every rank also
+   runs fp32 matmuls in a thread of its own, as a
    training step computes while its collectives are in flight. The difference is physical, not
    noise: on a shaped link whose ranks are starved of CPU, TCP falls into a mode where a 2-rank
    exchange runs at about half its idle rate and stays there while the stream lasts. Measured
@@ -117,8 +118,9 @@ def _worker_collectives(
     """Times ``all_to_all_single`` and ``all_reduce`` at every size: idle (a barrier before
     each call, after one warm-up; keys ``kind:nbytes``), then, when ``warmup`` has the key,
     loaded: in one unbroken stream (``warmup[key]`` untimed calls, then ``reps`` timed, no
-    barrier in between, sizes ascending; keys ``loaded:kind:nbytes``) while a thread of this
-    rank runs ``LOAD_MATMUL`` fp32 matmuls; ``"load_flops_per_s"``: that thread's rate."""
+    barrier in between, sizes ascending; keys ``loaded:kind:nbytes``: one value, the timed
+    calls' elapsed time over ``reps``) while a thread of this rank runs ``LOAD_MATMUL`` fp32
+    matmuls; ``"load_flops_per_s"``: that thread's rate."""
     import threading
 
     import torch
@@ -166,13 +168,15 @@ def _worker_collectives(
                 key = f"{name}:{nbytes}"
                 if key not in warmup:
                     continue
-                times = []
-                for i in range(warmup[key] + reps):
-                    t0 = time.perf_counter()
+                for _ in range(warmup[key]):
                     call(name, send, recv)
-                    if i >= warmup[key]:
-                        times.append(time.perf_counter() - t0)
-                out[f"loaded:{key}"] = times
+                # A stream's cost per call is its elapsed time over its calls: per-call times
+                # also hold a rank's wait for the others' previous call, so their per-call
+                # maximum over ranks overstates it (14% on 4 ranks, 0% on 2: measured).
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    call(name, send, recv)
+                out[f"loaded:{key}"] = [(time.perf_counter() - t0) / reps]
     finally:
         stop.set()
         loader.join()
@@ -278,7 +282,8 @@ def collective_shares(
     timeout_s: float = 300.0,
 ) -> tuple[CollectiveShare, ...]:
     """Times a started cluster's all-to-all and all-reduce at ``COLLECTIVE_SIZES`` x
-    ``base_bytes`` per rank (slowest rank, *mean* of ``reps``: a step sums many collectives,
+    ``base_bytes`` per rank (slowest rank, *mean* of ``reps``, a stream's elapsed time over
+    its ``reps`` timed calls when loaded: a step sums many collectives,
     and on a shaped 2-rank link an all-to-all takes either its bound or twice it, so a median
     reports one mode), idle and, unless ``sustain_s`` is 0, loaded (module docstring), and
     converts each into a :class:`CollectiveShare` relative to ``profile``'s links
