@@ -1,0 +1,400 @@
+"""The layer, the simulator and training on a GPU: correctness, speed against the GEMM bound,
+the simulator's prediction from a GPU profile, and a short NCCL training run.
+
+``PYTHONPATH=src python3 benchmarks/gpu_check.py --device cuda --out OUT.json
+[--profile sim_profile.json] [--train-steps 40 --train-log train_log.txt]``
+
+``--device cpu --quick`` runs every part at toy sizes (the CPU smoke test uses it).
+
+1. ``correctness``: every strategy that builds at EP = 1, fp32 and bf16, forward output and the
+   gradients of the input and every parameter against ``moesaic.reference`` on the same device
+   (fp64 truth, same-dtype reference), by the relative rule ``err <= 2 * err_ref + 4 eps
+   scale`` (``moesaic.testing.assert_close_to_ref``, with eps of the dtype); records whether
+   ``torch._grouped_mm`` (the fast path) passed its self-check and was used. Exit 1 on a miss.
+2. ``speed``: forward + backward (loss = (y * g).sum() + aux) of ``dropless`` and ``padded``,
+   median of ``--iters`` after warm-up, synchronised; the hot-GEMM bound = the step's expert
+   GEMM FLOPs at the rate of one dense ``rows x H x F`` GEMM (rows = the mean expert load) of
+   the same dtype measured in the same run, and the fraction of that bound reached.
+3. ``simulator``: the vanilla schedule of the same layer alone (``layer_only``) on a one-rank
+   cluster under the given profile (``moesaic calibrate``'s, else ``sim.profile.measure``),
+   predicted step vs measured ``dropless`` step. Nothing is tuned to the measurement.
+4. ``train``: ``torchrun --standalone --nproc_per_node 1 -m moesaic.train`` (backend auto), loss
+   first / last and step time from its metrics.jsonl; a failure is recorded, not raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moesaic import MoEConfig, MoELayer, aux_loss
+from moesaic import experts as experts_module
+from moesaic.bench.meta import run_metadata
+from moesaic.bench.options import write_json
+from moesaic.reference import ReferenceMoE
+from moesaic.strategies import strategy_names
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Speed configs: the bench_layer default and two GPU-sized layers (Mixtral-like: few wide
+# experts; DeepSeek-like: many narrow ones), bf16 as GPUs train.
+SPEED_FULL = [
+    {"name": "bench_default", "H": 256, "F": 512, "E": 8, "K": 2, "T": 1024, "dtype": "fp32"},
+    {"name": "bench_default", "H": 256, "F": 512, "E": 8, "K": 2, "T": 1024, "dtype": "bf16"},
+    {"name": "mixtral_like", "H": 2048, "F": 4096, "E": 8, "K": 2, "T": 8192, "dtype": "bf16"},
+    {"name": "fine_grained", "H": 2048, "F": 1408, "E": 64, "K": 2, "T": 16384, "dtype": "bf16"},
+]
+SPEED_QUICK = [
+    {"name": "tiny", "H": 64, "F": 128, "E": 4, "K": 2, "T": 128, "dtype": "fp32"},
+]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
+    """Seconds of ``iters`` synchronised calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _stats_ms(times: list[float]) -> dict:
+    ordered = sorted(times)
+    return {
+        "median_ms": 1e3 * statistics.median(ordered),
+        "min_ms": 1e3 * ordered[0],
+        "max_ms": 1e3 * ordered[-1],
+        "n": len(ordered),
+    }
+
+
+def _fast_path(device: torch.device, dtype: torch.dtype) -> dict:
+    """Whether torch._grouped_mm passed its self-check here (torch's backward / ours)."""
+    return {
+        "native_backward": experts_module._fast_path_ok(device, dtype, True),
+        "explicit_backward": experts_module._fast_path_ok(device, dtype, False),
+    }
+
+
+# ------------------------------------------------------------------------------ 1. correctness
+def _rel_errors(fast, ref, truth, eps: float) -> dict:
+    """Errors of ``fast`` and of the same-dtype reference against the fp64 truth, and the rule."""
+    truth = truth.double()
+    err = (fast.double() - truth).abs().max().item() if truth.numel() else 0.0
+    err_ref = (ref.double() - truth).abs().max().item() if truth.numel() else 0.0
+    scale = truth.abs().max().item() if truth.numel() else 0.0
+    allowed = 2 * err_ref + 4 * eps * max(scale, 1e-30)
+    return {
+        "max_abs_err": err,
+        "max_rel_err": err / max(scale, 1e-30),
+        "ref_same_dtype_abs_err": err_ref,
+        "allowed_abs_err": allowed,
+        "ok": bool(err <= allowed),
+    }
+
+
+def _layer_step(layer: MoELayer, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    (y * g).sum().backward()
+    layer.take_aux_terms()  # the aux loss is the router's own business, compared elsewhere
+    out = {"y": y.detach(), "x.grad": x.grad}
+    out.update({f"{n}.grad": p.grad for n, p in layer.named_parameters()})
+    return out
+
+
+def _ref_step(cfg, sd, x, g, dtype) -> dict[str, torch.Tensor]:
+    ref = ReferenceMoE.from_full_state_dict(cfg, sd).to(x.device, dtype)
+    xr = x.detach().to(dtype).requires_grad_()
+    yr, _ = ref(xr)
+    (yr * g.to(dtype)).sum().backward()
+    out = {"y": yr.detach(), "x.grad": xr.grad}
+    out.update({f"{n}.grad": p.grad for n, p in ref.named_parameters()})
+    return out
+
+
+def check_one(dispatcher: str, dtype_name: str, device: torch.device, quick: bool) -> dict:
+    """One strategy and dtype: the layer's output and gradients vs the reference."""
+    dtype = DTYPES[dtype_name]
+    T = 64 if quick else 256
+    extra = {"capacity_factor": 1.0} if dispatcher == "padded" else {}  # some tokens dropped
+    cfg = MoEConfig(
+        hidden_size=64, ffn_hidden_size=128, num_experts=8, top_k=2, init_std=0.5,
+        dispatcher=dispatcher, **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    try:
+        layer = MoELayer(cfg)
+    except ValueError as exc:  # needs a plan or a cluster it was not given: not an EP = 1 layer
+        return {"dispatcher": dispatcher, "dtype": dtype_name, "skipped": str(exc)}
+    layer = layer.to(device, dtype)
+    sd = {k: v.double() for k, v in layer.full_state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, 64, generator=gen).to(device, dtype)
+    g = torch.randn(T, 64, generator=gen).to(device, dtype)
+    got = _layer_step(layer, x, g)
+    ref = _ref_step(cfg, sd, x, g, dtype)
+    truth = _ref_step(cfg, sd, x, g, torch.float64)
+    eps = torch.finfo(dtype).eps
+    errors = {name: _rel_errors(got[name], ref[name], truth[name], eps) for name in truth}
+    return {
+        "dispatcher": dispatcher,
+        "dtype": dtype_name,
+        "tokens": T,
+        "config": {"H": 64, "F": 128, "E": 8, "K": 2, **extra},
+        "grouped_mm_fast_path": _fast_path(device, dtype),
+        "errors": errors,
+        "ok": all(e["ok"] for e in errors.values()),
+    }
+
+
+# ------------------------------------------------------------------------------------ 2. speed
+def _expert_flops(c: dict) -> float:
+    """fwd+bwd FLOPs of the SwiGLU experts: 3 GEMMs of 2*H*F per routed row, x3 with backward."""
+    return 9 * 2.0 * c["H"] * c["F"] * c["T"] * c["K"]
+
+
+def _gemm_rate(c: dict, device: torch.device, dtype: torch.dtype, iters: int) -> float:
+    """FLOP/s of one dense ``rows x H @ H x F`` GEMM, rows = the mean expert load."""
+    rows = max(c["T"] * c["K"] // c["E"], 1)
+    a = torch.randn(rows, c["H"], device=device, dtype=dtype)
+    b = torch.randn(c["H"], c["F"], device=device, dtype=dtype)
+    reps = 20  # several back-to-back GEMMs per timed call: a single small one is launch-bound
+    times = _timed(lambda: [a @ b for _ in range(reps)], device, iters, 3)
+    return reps * 2.0 * rows * c["H"] * c["F"] / statistics.median(times)
+
+
+def _train_step(layer: MoELayer, x: torch.Tensor, g: torch.Tensor) -> None:
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    ((y * g).sum() + aux_loss(layer)).backward()
+    layer.zero_grad(set_to_none=True)
+
+
+def speed_one(c: dict, device: torch.device, iters: int, warmup: int) -> dict:
+    """Step times of dropless and padded at one config, with the hot-GEMM bound beside them."""
+    dtype = DTYPES[c["dtype"]]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(c["T"], c["H"], generator=gen).to(device, dtype)
+    g = torch.randn(c["T"], c["H"], generator=gen).to(device, dtype)
+    rate = _gemm_rate(c, device, dtype, iters)
+    bound_ms = 1e3 * _expert_flops(c) / rate
+    row = {
+        **c,
+        "gemm_rows": max(c["T"] * c["K"] // c["E"], 1),
+        "expert_gflop_per_step": _expert_flops(c) / 1e9,
+        "dense_gemm_tflops": rate / 1e12,
+        "hot_gemm_bound_ms": bound_ms,
+        "grouped_mm_fast_path": _fast_path(device, dtype),
+        "strategies": {},
+    }
+    for dispatcher in ("dropless", "padded"):
+        torch.manual_seed(0)
+        cfg = MoEConfig(
+            hidden_size=c["H"], ffn_hidden_size=c["F"], num_experts=c["E"], top_k=c["K"],
+            dispatcher=dispatcher,
+        )  # fmt: skip
+        layer = MoELayer(cfg).to(device, dtype)
+        times = _timed(lambda layer=layer: _train_step(layer, x, g), device, iters, warmup)
+        s = _stats_ms(times)
+        s["fraction_of_bound"] = bound_ms / s["median_ms"]
+        s["expert_tflops_achieved"] = _expert_flops(c) / (s["median_ms"] * 1e-3) / 1e12
+        if device.type == "cuda":
+            s["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
+        row["strategies"][dispatcher] = s
+        del layer
+    return row
+
+
+# -------------------------------------------------------------------------------- 3. simulator
+def simulated(c: dict, profile) -> dict:
+    """The vanilla schedule of the layer alone on one rank under ``profile``."""
+    from moesaic.cluster.spec import ClusterSpec, Level
+    from moesaic.sim.model import ModelSpec
+    from moesaic.sim.simulate import simulate
+
+    width = 4 if c["dtype"] == "fp32" else 2
+    model = ModelSpec(
+        name=f"{c['name']}_{c['dtype']}", layers=1, batch=1, seq_len=c["T"], hidden=c["H"],
+        ffn_hidden=c["F"], experts=c["E"], top_k=c["K"], act_bytes=width, param_bytes=width,
+        layer_only=True,
+    )  # fmt: skip
+    spec = ClusterSpec(levels=(Level(name="gpu", size=1, bandwidth_gbps=100.0, latency_ms=0.0),))
+    return simulate(spec, model, "vanilla", profile).summary()
+
+
+def sim_rows(speed: list[dict], profile) -> list[dict]:
+    rows = []
+    for c in speed:
+        pred = simulated(c, profile)
+        measured = c["strategies"]["dropless"]["median_ms"]
+        rows.append(
+            {
+                "name": c["name"],
+                "dtype": c["dtype"],
+                "predicted_ms": pred["iteration_ms"],
+                "predicted_compute_ms": pred["compute_ms"],
+                "measured_dropless_ms": measured,
+                "error": pred["iteration_ms"] / measured - 1.0,
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------ 4. train
+def train_run(steps: int, device: torch.device, log_path: Path | None, quick: bool) -> dict:
+    """A short ``moesaic.train`` under torchrun on one process; its losses and step time."""
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_train_"))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+        "-m", "moesaic.train", "--config", "examples/train_tiny.toml", "--ep", "1",
+        "--steps", str(steps), "--warmup-steps", str(min(10, steps)), "--eval-every", "0",
+        "--ckpt-every", "0", "--run-dir", str(run_dir), "--no-progress", "--backend", "auto",
+    ]  # fmt: skip
+    if quick:
+        cmd += ["--data-max-bytes", "200000", "--eval-batches", "1", "--threads", "1"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        rc, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, log = 124, f"timed out after {exc.timeout} s"
+    wall = time.perf_counter() - t0
+    if log_path is not None:
+        log_path.write_text(log[-20000:])
+    out: dict = {"command": " ".join(cmd[1:]), "rc": rc, "wall_s": wall, "log_tail": log[-1500:]}
+    metrics = run_dir / "metrics.jsonl"
+    if rc != 0 or not metrics.is_file():
+        return out
+    lines = [json.loads(s) for s in metrics.read_text().splitlines() if s.strip()]
+    train = [r for r in lines if r.get("kind") == "train"]
+    vals = [r for r in lines if r.get("kind") == "val"]
+    cfg = {"batch_size": 8, "seq_len": 64}  # examples/train_tiny.toml
+    tok_s = [r["tokens_per_s"] for r in train[len(train) // 2 :] if r.get("tokens_per_s")]
+    step_ms = 1e3 * cfg["batch_size"] * cfg["seq_len"] / statistics.median(tok_s)
+    out.update(
+        {
+            "steps": len(train),
+            "loss_first": train[0]["loss"],
+            "loss_last": train[-1]["loss"],
+            "val_loss_last": vals[-1]["val_loss"] if vals else None,
+            "median_step_ms_second_half": step_ms,
+            "backend": "nccl" if device.type == "cuda" else "gloo",
+            "model": "examples/train_tiny.toml (d_model 64, 2 layers, E 4, K 2, F 128)",
+        }
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--quick", action="store_true", help="toy sizes (CPU smoke test)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--profile", type=Path, help="moesaic calibrate's profile (else measured)")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--train-steps", type=int, default=0, help="0: no training run")
+    p.add_argument("--train-log", type=Path)
+    p.add_argument("--skip", default="", help="comma list of parts to skip: speed,sim")
+    p.add_argument("--commit", default="", help="commit of the copy (no .git on a device)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    skip = set(filter(None, args.skip.split(",")))
+    meta = run_metadata()
+    if args.commit:
+        meta["commit"] = args.commit
+    result: dict = {"meta": meta, "argv": sys.argv[1:]}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        result["meta"]["cuda"] = torch.version.cuda
+        result["meta"]["gpu_memory_gib"] = props.total_memory / 2**30
+        result["meta"]["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+
+    checks = [
+        check_one(d, dt, device, args.quick) for d in strategy_names() for dt in ("fp32", "bf16")
+    ]
+    result["correctness"] = checks
+    for c in checks:
+        state = "skipped" if "skipped" in c else ("ok" if c["ok"] else "FAIL")
+        worst = max((e["max_rel_err"] for e in c.get("errors", {}).values()), default=0.0)
+        print(f"correctness {c['dispatcher']:9s} {c['dtype']}: {state} (worst rel {worst:.2e})")
+    write_json(result, args.out)
+
+    if "speed" not in skip:
+        configs = SPEED_QUICK if args.quick else SPEED_FULL
+        iters, warmup = (3, 1) if args.quick else (args.iters, args.warmup)
+        result["speed"] = []
+        for c in configs:
+            row = speed_one(c, device, iters, warmup)
+            result["speed"].append(row)
+            for name, s in row["strategies"].items():
+                print(
+                    f"speed {c['name']:13s} {c['dtype']} {name:8s}: {s['median_ms']:8.3f} ms, "
+                    f"bound {row['hot_gemm_bound_ms']:.3f} ms ({s['fraction_of_bound']:.0%})"
+                )
+            write_json(result, args.out)
+        if "sim" not in skip:
+            from moesaic.sim.profile import Profile, measure
+
+            if args.profile is not None:
+                profile = Profile.load(args.profile)
+                source = str(args.profile)
+            else:
+                profile = Profile(**measure(device=args.device), source="gpu_check measure")
+                source = "moesaic.sim.profile.measure"
+            result["simulator"] = {
+                "profile": {
+                    "source": source,
+                    "flops_per_s": profile.flops_per_s,
+                    "task_overhead_s": profile.task_overhead_s,
+                },
+                "rows": sim_rows(result["speed"], profile),
+            }
+            for r in result["simulator"]["rows"]:
+                print(
+                    f"sim {r['name']:13s} {r['dtype']}: predicted {r['predicted_ms']:.3f} ms vs "
+                    f"measured {r['measured_dropless_ms']:.3f} ms ({r['error']:+.0%})"
+                )
+            write_json(result, args.out)
+
+    if args.train_steps > 0:
+        result["train"] = train_run(args.train_steps, device, args.train_log, args.quick)
+        t = result["train"]
+        print(f"train rc {t['rc']}: loss {t.get('loss_first')} -> {t.get('loss_last')}")
+        write_json(result, args.out)
+
+    failed = [f"{c['dispatcher']}/{c['dtype']}" for c in checks if c.get("ok") is False]
+    if failed:
+        print(f"gpu_check: outside tolerance: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

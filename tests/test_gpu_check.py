@@ -1,0 +1,53 @@
+"""benchmarks/gpu_check.py's correctness part on CPU (``--device cpu --quick``): it passes on the
+real layer and exits 1 when the layer is wrong, so a GPU run that says "ok" means something."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from moesaic.experts import GroupedExperts
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_correctness_passes_on_cpu(gpu_check, tmp_path):
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--skip", "speed", "--out", str(out)]) == 0
+    checks = json.loads(out.read_text())["correctness"]
+    ran = {(c["dispatcher"], c["dtype"]) for c in checks if "skipped" not in c}
+    assert {
+        ("dropless", "fp32"),
+        ("dropless", "bf16"),
+        ("padded", "fp32"),
+        ("padded", "bf16"),
+    } <= ran
+    for c in checks:
+        if "skipped" not in c:
+            assert c["ok"] and {"y", "x.grad", "router.weight.grad", "experts.w2.grad"} <= set(
+                c["errors"]
+            )
+
+
+def test_a_wrong_expert_output_fails_loudly(gpu_check, tmp_path, monkeypatch):
+    forward = GroupedExperts.forward
+    # 1% off: beyond fp32's rounding by 4 orders (inside bf16's allowance of 4 ulps of the
+    # scale, 3%). hybrid and taskflow run their own expert kernels, so only these two see it.
+    monkeypatch.setattr(GroupedExperts, "forward", lambda self, x, c: forward(self, x, c) * 1.01)
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--skip", "speed", "--out", str(out)]) == 1
+    checks = json.loads(out.read_text())["correctness"]
+    failed = {c["dispatcher"] for c in checks if c["dtype"] == "fp32" and c.get("ok") is False}
+    assert {"dropless", "padded"} <= failed
