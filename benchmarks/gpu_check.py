@@ -151,7 +151,14 @@ def check_one(dispatcher: str, dtype_name: str, device: torch.device, quick: boo
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(T, 64, generator=gen).to(device, dtype)
     g = torch.randn(T, 64, generator=gen).to(device, dtype)
-    got = _layer_step(layer, x, g)
+    fast_path = _fast_path(device, dtype)  # the self-check's probe runs before the count
+    calls = []
+    fast_op = experts_module._grouped_mm_op
+    experts_module._grouped_mm_op = lambda *a: calls.append(1) or fast_op(*a)
+    try:
+        got = _layer_step(layer, x, g)
+    finally:
+        experts_module._grouped_mm_op = fast_op
     ref = _ref_step(cfg, sd, x, g, dtype)
     truth = _ref_step(cfg, sd, x, g, torch.float64)
     eps = torch.finfo(dtype).eps
@@ -161,7 +168,8 @@ def check_one(dispatcher: str, dtype_name: str, device: torch.device, quick: boo
         "dtype": dtype_name,
         "tokens": T,
         "config": {"H": 64, "F": 128, "E": 8, "K": 2, **extra},
-        "grouped_mm_fast_path": _fast_path(device, dtype),
+        "grouped_mm_fast_path": fast_path,
+        "grouped_mm_fast_calls": len(calls),  # torch._grouped_mm forwards in the checked step
         "errors": errors,
         "ok": all(e["ok"] for e in errors.values()),
     }
@@ -173,9 +181,8 @@ def _expert_flops(c: dict) -> float:
     return 9 * 2.0 * c["H"] * c["F"] * c["T"] * c["K"]
 
 
-def _gemm_rate(c: dict, device: torch.device, dtype: torch.dtype, iters: int) -> float:
-    """FLOP/s of one dense ``rows x H @ H x F`` GEMM, rows = the mean expert load."""
-    rows = max(c["T"] * c["K"] // c["E"], 1)
+def _gemm_rate(c: dict, device, dtype, iters: int, rows: int) -> float:
+    """FLOP/s of one dense ``rows x H @ H x F`` GEMM."""
     a = torch.randn(rows, c["H"], device=device, dtype=dtype)
     b = torch.randn(c["H"], c["F"], device=device, dtype=dtype)
     reps = 20  # several back-to-back GEMMs per timed call: a single small one is launch-bound
@@ -196,14 +203,21 @@ def speed_one(c: dict, device: torch.device, iters: int, warmup: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(c["T"], c["H"], generator=gen).to(device, dtype)
     g = torch.randn(c["T"], c["H"], generator=gen).to(device, dtype)
-    rate = _gemm_rate(c, device, dtype, iters)
+    rows = max(c["T"] * c["K"] // c["E"], 1)
+    rate = _gemm_rate(c, device, dtype, iters, rows)
     bound_ms = 1e3 * _expert_flops(c) / rate
+    # All routed rows in one GEMM: the rate a perfect grouped GEMM approaches (no launch or
+    # tail cost per expert); on a GPU the per-expert GEMM can be launch-bound and slower.
+    dense_rate = _gemm_rate(c, device, dtype, iters, c["T"] * c["K"])
     row = {
         **c,
-        "gemm_rows": max(c["T"] * c["K"] // c["E"], 1),
+        "gemm_rows": rows,
         "expert_gflop_per_step": _expert_flops(c) / 1e9,
-        "dense_gemm_tflops": rate / 1e12,
+        "hot_gemm_tflops": rate / 1e12,
         "hot_gemm_bound_ms": bound_ms,
+        "dense_gemm_rows": c["T"] * c["K"],
+        "dense_gemm_tflops": dense_rate / 1e12,
+        "dense_gemm_bound_ms": 1e3 * _expert_flops(c) / dense_rate,
         "grouped_mm_fast_path": _fast_path(device, dtype),
         "strategies": {},
     }
@@ -217,6 +231,12 @@ def speed_one(c: dict, device: torch.device, iters: int, warmup: int) -> dict:
         times = _timed(lambda layer=layer: _train_step(layer, x, g), device, iters, warmup)
         s = _stats_ms(times)
         s["fraction_of_bound"] = bound_ms / s["median_ms"]
+        s["fraction_of_dense_bound"] = row["dense_gemm_bound_ms"] / s["median_ms"]
+        if device.type == "cuda":
+            try:
+                s["gpu_kernel_ms"] = _kernel_ms(lambda layer=layer: _train_step(layer, x, g))
+            except (RuntimeError, AttributeError) as exc:  # a profiler without CUPTI
+                s["gpu_kernel_error"] = repr(exc)
         s["expert_tflops_achieved"] = _expert_flops(c) / (s["median_ms"] * 1e-3) / 1e12
         if device.type == "cuda":
             s["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -224,6 +244,19 @@ def speed_one(c: dict, device: torch.device, iters: int, warmup: int) -> dict:
         row["strategies"][dispatcher] = s
         del layer
     return row
+
+
+def _kernel_ms(step, steps: int = 3) -> float:
+    """GPU kernel time of one step (torch.profiler, summed over kernels, mean of ``steps``):
+    well under the step's wall time means the step waits on the host (launches, syncs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e3 / steps
 
 
 # -------------------------------------------------------------------------------- 3. simulator
@@ -244,18 +277,26 @@ def simulated(c: dict, profile) -> dict:
 
 
 def sim_rows(speed: list[dict], profile) -> list[dict]:
+    """Predicted vs measured dropless step: under ``profile`` as given, and with its matmul
+    rate replaced by the dense GEMM rate of the layer's own dtype and shape (measured in this
+    run, apart from the layer) to separate the rate from the rest of the model."""
+    from dataclasses import replace
+
     rows = []
     for c in speed:
-        pred = simulated(c, profile)
         measured = c["strategies"]["dropless"]["median_ms"]
+        pred = simulated(c, profile)
+        gemm_profile = replace(profile, flops_per_s=c["dense_gemm_tflops"] * 1e12)
+        pred_gemm = simulated(c, gemm_profile)
         rows.append(
             {
                 "name": c["name"],
                 "dtype": c["dtype"],
-                "predicted_ms": pred["iteration_ms"],
-                "predicted_compute_ms": pred["compute_ms"],
                 "measured_dropless_ms": measured,
+                "predicted_ms": pred["iteration_ms"],
                 "error": pred["iteration_ms"] / measured - 1.0,
+                "predicted_ms_dense_gemm_rate": pred_gemm["iteration_ms"],
+                "error_dense_gemm_rate": pred_gemm["iteration_ms"] / measured - 1.0,
             }
         )
     return rows
@@ -355,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, s in row["strategies"].items():
                 print(
                     f"speed {c['name']:13s} {c['dtype']} {name:8s}: {s['median_ms']:8.3f} ms, "
-                    f"bound {row['hot_gemm_bound_ms']:.3f} ms ({s['fraction_of_bound']:.0%})"
+                    f"bound {row['hot_gemm_bound_ms']:.3f} ms ({s['fraction_of_bound']:.0%}), "
+                    f"dense bound {row['dense_gemm_bound_ms']:.3f} ms "
+                    f"({s['fraction_of_dense_bound']:.0%}), kernels {s.get('gpu_kernel_ms', -1):.3f} ms"
                 )
             write_json(result, args.out)
         if "sim" not in skip:
@@ -377,8 +420,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             for r in result["simulator"]["rows"]:
                 print(
-                    f"sim {r['name']:13s} {r['dtype']}: predicted {r['predicted_ms']:.3f} ms vs "
-                    f"measured {r['measured_dropless_ms']:.3f} ms ({r['error']:+.0%})"
+                    f"sim {r['name']:13s} {r['dtype']}: measured {r['measured_dropless_ms']:.3f} "
+                    f"ms, predicted {r['predicted_ms']:.3f} ms ({r['error']:+.0%}), with the "
+                    f"dense GEMM rate {r['predicted_ms_dense_gemm_rate']:.3f} ms "
+                    f"({r['error_dense_gemm_rate']:+.0%})"
                 )
             write_json(result, args.out)
 
