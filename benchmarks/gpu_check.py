@@ -89,7 +89,7 @@ def _stats_ms(times: list[float]) -> dict:
 def _fast_path(device: torch.device, dtype: torch.dtype) -> dict:
     """Whether torch._grouped_mm passed its self-check here (torch's backward / ours)."""
     return {
-        "native_backward": experts_module._fast_path_ok(device, dtype, True),
+        "native_backward": experts_module._fast_path_ok(device, dtype, native=True),
         "explicit_backward": experts_module._fast_path_ok(device, dtype, False),
     }
 
