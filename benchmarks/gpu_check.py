@@ -287,7 +287,8 @@ def sim_rows(speed: list[dict], profile) -> list[dict]:
     for c in speed:
         measured = c["strategies"]["dropless"]["median_ms"]
         pred = simulated(c, profile)
-        gemm_profile = replace(profile, flops_per_s=c["dense_gemm_tflops"] * 1e12)
+        rate = c["dense_gemm_tflops"] * 1e12
+        gemm_profile = replace(profile, flops_per_s=rate, half_flops_per_s=rate)
         pred_gemm = simulated(c, gemm_profile)
         rows.append(
             {
@@ -415,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                 "profile": {
                     "source": source,
                     "flops_per_s": profile.flops_per_s,
+                    "half_flops_per_s": profile.half_flops_per_s,
                     "task_overhead_s": profile.task_overhead_s,
                 },
                 "rows": sim_rows(result["speed"], profile),

@@ -132,3 +132,37 @@ def test_measured_levels_run_at_their_measured_rate():
     # The same level name at another rate was not measured: the median share applies.
     other = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.2, latency_ms=2.0),))
     assert prof.link_spec(other) == (other, 0.8)
+
+
+def test_a_16_bit_model_computes_at_the_measured_bf16_rate():
+    """``half_flops_per_s`` prices a model with 2-byte activations; fp32 models keep
+    ``flops_per_s``; an unmeasured (0) bf16 rate falls back to fp32; bad values name the field."""
+    from moesaic.sim.model import ModelSpec
+    from moesaic.sim.simulate import simulate
+
+    both = Profile(flops_per_s=1e10, half_flops_per_s=4e10)
+    assert both.for_model(2).flops_per_s == 4e10
+    assert both.for_model(4) is both
+    assert Profile(flops_per_s=1e10).for_model(2).flops_per_s == 1e10
+    assert Profile.from_dict({"flops_per_s": 1.0}).half_flops_per_s == 0.0  # old profiles load
+    with pytest.raises(ValueError, match=r"profile\.half_flops_per_s"):
+        Profile(flops_per_s=1.0, half_flops_per_s=-1.0)
+    spec = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=1.0, latency_ms=0.1),))
+    base = dict(name="m", layers=1, batch=2, seq_len=64, hidden=64, ffn_hidden=128, experts=4,
+                top_k=2, heads=4)  # fmt: skip
+    for act_bytes, rate in ((4, 1e10), (2, 4e10)):
+        model = ModelSpec(**base, act_bytes=act_bytes)  # type: ignore[arg-type]
+        got = simulate(spec, model, "vanilla", both).compute_s
+        want = simulate(spec, model, "vanilla", Profile(flops_per_s=rate)).compute_s
+        assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_measure_times_fp32_and_bf16_matmuls():
+    from moesaic.sim.profile import default_matmul_size, measure
+
+    got = measure(64, repeats=2, device="cpu")
+    assert set(got) == {"flops_per_s", "half_flops_per_s", "task_overhead_s"}
+    assert all(v > 0 for v in got.values())
+    assert default_matmul_size("cpu") == 512 and default_matmul_size("cuda:0") == 4096
+    with pytest.raises(ValueError, match="size"):
+        measure(0, device="cpu")

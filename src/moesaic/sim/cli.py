@@ -79,7 +79,8 @@ def add_subparser(subparsers) -> None:
                    "(default 1.0; 0: idle collective shares only)")  # fmt: skip
     c.add_argument("--no-floor", action="store_true",
                    help="--cluster: skip the unshaped pair (floor_s = 0)")  # fmt: skip
-    c.add_argument("--size", type=int, default=512, help="matmul size (default 512)")
+    c.add_argument("--size", type=int, default=None,
+                   help="matmul size (default 512 on a CPU, 4096 on a GPU)")  # fmt: skip
     c.set_defaults(func=run_calibrate)
 
 
@@ -145,16 +146,24 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from moesaic.sim.profile import Profile, links_from_cluster_check, measure
+    import torch
 
-    measured = measure(args.size)
-    floor_s, scale, source = 0.0, 1.0, f"measured matmul {args.size}^3 here; links as specified"
+    from moesaic.sim.profile import (
+        Profile,
+        default_matmul_size,
+        links_from_cluster_check,
+        measure,
+    )
+
+    size = args.size or default_matmul_size("cuda" if torch.cuda.is_available() else "cpu")
+    measured = measure(size)
+    floor_s, scale, source = 0.0, 1.0, f"measured matmul {size}^3 here; links as specified"
     links: tuple[Any, ...] = ()
     shares: tuple[Any, ...] = ()
     cpu: dict[str, Any] = {}
     if args.links:
         floor_s, scale = _load("links", args.links, links_from_cluster_check)
-        source = f"measured matmul {args.size}^3 here; links from {args.links}"
+        source = f"measured matmul {size}^3 here; links from {args.links}"
     elif args.cluster:
         from moesaic.cluster.spec import ClusterSpec
         from moesaic.sim.calibrate import measure_links
@@ -169,7 +178,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                "cores": os.cpu_count() or 0, "ranks_per_machine": spec.world_size}  # fmt: skip
         floor = "no floor" if args.no_floor else "floor from an unshaped pair"
         source = (
-            f"measured matmul {args.size}^3 here; links measured on the emulated "
+            f"measured matmul {size}^3 here; links measured on the emulated "
             f"{args.cluster} ({floor})"
         )
         for name, c in cal.collectives.items():
@@ -183,6 +192,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                   f"share {x.share:.2f} of the links")  # fmt: skip
     profile = Profile(
         flops_per_s=measured["flops_per_s"],
+        half_flops_per_s=measured["half_flops_per_s"],
         task_overhead_s=measured["task_overhead_s"],
         floor_s=floor_s,
         bandwidth_scale=scale,

@@ -3,8 +3,10 @@
 ``moesaic calibrate`` writes one (JSON); ``moesaic simulate --profile FILE`` reads it. What is
 measured and what is taken from elsewhere:
 
-* ``flops_per_s``: measured, the median rate of square fp32 matmuls of the model's width on
-  this machine's CPU (one process, the threads torch uses), or a GPU's when one is present;
+* ``flops_per_s``, ``half_flops_per_s``: measured, the median rate of square fp32 and bf16
+  matmuls (512 on a CPU, 4096 on a GPU) on this machine's CPU (one process, the threads torch
+  uses), or a GPU's when one is present; a model with 2-byte activations is simulated at the
+  bf16 rate (:meth:`Profile.for_model`);
 * ``task_overhead_s``: measured, the time of a tiny matmul op times the ops a stage runs
   (``OPS_PER_TASK``): framework cost a FLOP count does not see;
 * ``floor_s``: the latency floor of one collective step: the one-way latency of an unshaped
@@ -41,6 +43,7 @@ Torch-free but for :func:`measure`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -48,7 +51,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from moesaic.checks import check_int, check_non_negative, check_one_of, check_positive
+from moesaic.checks import (
+    check_int,
+    check_non_negative,
+    check_one_of,
+    check_positive,
+    check_positive_int,
+)
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -140,7 +149,10 @@ class Profile:
     """Rates of one machine (see the module docstring for what each field is and where from).
 
     Attributes:
-        flops_per_s: Sustained matmul FLOP/s of one rank.
+        flops_per_s: Sustained matmul FLOP/s of one rank (fp32).
+        half_flops_per_s: The same for 16-bit (bf16) matmuls, which a model with 2-byte
+            activations (``act_bytes = 2``) computes at (``for_model``); 0: not measured, the
+            fp32 rate stands in.
         task_overhead_s: Fixed seconds added to every compute task.
         floor_s: Latency floor of every collective step, seconds.
         bandwidth_scale: Multiplier of every link's configured bandwidth (but a level measured
@@ -156,6 +168,7 @@ class Profile:
     """
 
     flops_per_s: float
+    half_flops_per_s: float = 0.0
     task_overhead_s: float = 0.0
     floor_s: float = 0.0
     bandwidth_scale: float = 1.0
@@ -175,6 +188,7 @@ class Profile:
         check_int("profile.cores", self.cores, 0)
         check_int("profile.ranks_per_machine", self.ranks_per_machine, 0)
         check_positive("profile.flops_per_s", self.flops_per_s)
+        check_non_negative("profile.half_flops_per_s", self.half_flops_per_s)
         check_non_negative("profile.task_overhead_s", self.task_overhead_s)
         check_non_negative("profile.floor_s", self.floor_s)
         check_positive("profile.bandwidth_scale", self.bandwidth_scale)
@@ -220,8 +234,6 @@ class Profile:
         matching a measured one in ``links`` (same name, configured bandwidth and latency) at
         its measured bandwidth, every other level at ``bandwidth_scale`` of its own; unchanged
         (with ``bandwidth_scale``) when none matches."""
-        import dataclasses
-
         measured = {
             (x.level_name, x.configured_bandwidth_gbps, x.configured_latency_ms): x
             for x in self.links
@@ -239,6 +251,13 @@ class Profile:
             for lv, k in zip(spec.levels, keys)
         )
         return dataclasses.replace(spec, levels=levels), 1.0
+
+    def for_model(self, act_bytes: int) -> Profile:
+        """This profile with the matmul rate of a model whose activations take ``act_bytes``:
+        ``half_flops_per_s`` for 2 bytes when measured, else unchanged."""
+        if act_bytes == 2 and self.half_flops_per_s > 0:
+            return dataclasses.replace(self, flops_per_s=self.half_flops_per_s)
+        return self
 
     def compute_s(self, flops: float) -> float:
         """Seconds of one compute task of ``flops``."""
@@ -309,15 +328,27 @@ def links_from_cluster_check(path: str | Path) -> tuple[float, float]:
     return floor_s, 1.0 + (statistics.median(errors) if errors else 0.0)
 
 
-def measure(size: int = 512, *, repeats: int = 7, device: str | None = None) -> dict[str, float]:
-    """Measures this machine: ``flops_per_s`` (median ``size^3`` fp32 matmul) and
-    ``task_overhead_s`` (``OPS_PER_TASK`` x the median time of a 1 x 1 matmul op).
+def default_matmul_size(device: str) -> int:
+    """``measure``'s matmul size on ``device``: 512 on a CPU, 4096 on a GPU."""
+    return 4096 if device.startswith("cuda") else 512
 
-    Takes well under a second on a CPU. ``device`` defaults to CUDA when available.
+
+def measure(
+    size: int | None = None, *, repeats: int = 7, device: str | None = None
+) -> dict[str, float]:
+    """Measures this machine: ``flops_per_s`` and ``half_flops_per_s`` (median ``size^3`` fp32
+    and bf16 matmuls) and ``task_overhead_s`` (``OPS_PER_TASK`` x the median time of a 1 x 1
+    matmul op).
+
+    ``size`` defaults to 512 on a CPU and 4096 on a GPU, where a 512^3 matmul is bound by its
+    launch, not its math (measured on an H100: 7.3 TFLOP/s fp32 at 512). Takes about a second.
+    ``device`` defaults to CUDA when available.
     """
     import torch
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    size = size if size is not None else default_matmul_size(dev)
+    check_positive_int("size", size)
 
     def timed(fn: Any) -> float:
         fn()
@@ -336,5 +367,7 @@ def measure(size: int = 512, *, repeats: int = 7, device: str | None = None) -> 
     b = torch.randn(size, size, device=dev)
     tiny = torch.randn(1, 1, device=dev)
     flops = 2.0 * size**3 / timed(lambda: a @ b)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    half = 2.0 * size**3 / timed(lambda: a16 @ b16)
     op_s = timed(lambda: [tiny @ tiny for _ in range(100)]) / 100
-    return {"flops_per_s": flops, "task_overhead_s": OPS_PER_TASK * op_s}
+    return {"flops_per_s": flops, "half_flops_per_s": half, "task_overhead_s": OPS_PER_TASK * op_s}
