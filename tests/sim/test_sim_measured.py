@@ -136,6 +136,23 @@ def _remote_puts(direction: str, tile_m: int) -> int:
     )  # fmt: skip
 
 
+def test_taskflow_puts_take_the_all_to_all_share():
+    """A layer's puts are its exchange cut into tiles: their wire time is divided by the
+    all-to-all's share at T K H bytes per rank; the all-reduce's share leaves them alone."""
+    zero = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=1.0, latency_ms=0.0),))
+    prof = Profile(flops_per_s=1e10)
+
+    def put_seconds(**shares) -> float:
+        plan = layer_plan(LAYER, LinkModel(spec=zero, **shares), prof, "forward", tile_m=512,
+                          slot_rows=512)  # fmt: skip
+        return math.fsum(s.end - s.start for s in plan.spans if s.resource == "a2a")
+
+    base = put_seconds()
+    assert base > 0
+    assert put_seconds(a2a_shares=HALF) == pytest.approx(2 * base, rel=1e-9)
+    assert put_seconds(allreduce_shares=HALF) == pytest.approx(base, rel=1e-12)
+
+
 def test_put_and_tile_cpu_are_charged_per_put_and_per_tile():
     link = LinkModel(spec=PAIR)
     base = Profile(flops_per_s=1e10)

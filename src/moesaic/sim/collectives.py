@@ -33,7 +33,8 @@ that no real collective goes below (gloo on this machine's loopback: 0.15-0.2 ms
 share)`` points from ``calibrate --cluster``, :class:`moesaic.sim.profile.CollectiveShare`)
 further divide the bandwidth term of the all-to-all(-v)s and of the all-reduces / all-gathers
 (:meth:`LinkModel.share`: log-linear in the collective's bytes per rank, clamped to the measured
-range; 1.0 with none). Point-to-point messages use the link rates alone. Level-local exchanges
+range; 1.0 with none). :func:`p2p_s` uses the link rates alone (the taskflow strategy prices
+its puts, an all-to-all cut into tiles, at the all-to-all's share: ``sim.taskflow``). Level-local exchanges
 (:func:`level_exchange_s`) use the all-to-all share, or the all-reduce one for gathers.
 
 Torch-free, standard library only.

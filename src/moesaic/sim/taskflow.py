@@ -12,7 +12,10 @@ the nominal ones the plan drawing uses:
   gradients) at ``flops_per_s``;
 * elementwise and reduction tiles: ``10`` FLOPs per element of their rows;
 * puts: the rows' bytes from this rank to the destination as one message
-  (:func:`moesaic.sim.collectives.p2p_s`); a put to itself is a copy and costs no network time;
+  (:func:`moesaic.sim.collectives.p2p_s`), at the all-to-all's measured share of the links at
+  the layer's exchange (``T K H`` bytes per rank): a layer's puts are its dispatch and combine
+  cut into tiles, every rank sending and receiving at once; a put to itself is a copy and
+  costs no network time;
 * every tile: ``task_overhead_s / OPS_PER_TASK`` (one launch, where a pipeline stage has ~30)
   plus the profile's ``tile_cpu_s`` (the runtime's own per-task cost);
 * every remote put: the profile's ``put_cpu_s`` + ``put_cpu_per_byte_s`` x its bytes of CPU
@@ -139,12 +142,17 @@ def layer_plan(
         src = t.inputs[0].rank if t.inputs else dst
         return rows * H * model.act_bytes if src != dst else 0.0
 
+    # The puts of a layer are its dispatch (or combine) exchange cut into tiles: every rank
+    # sends and receives at once, as in an all-to-all of T K H bytes per rank, so their bytes
+    # run at the all-to-all's measured share of the links (1.0 when none was measured).
+    share = link.share("all_to_all", T * model.top_k * H * model.act_bytes)
+
     def wire(t: TaskDescriptor) -> float:
         """A put's network seconds (0 for every other task and for empty or self puts)."""
         nbytes = put_bytes(t)
         dst = t.peer if t.peer >= 0 else t.outputs[0].rank
         src = t.inputs[0].rank if t.inputs else dst
-        return p2p_s(link, src, dst, nbytes) if nbytes else 0.0
+        return p2p_s(link, src, dst, nbytes / share) if nbytes else 0.0
 
     def cost(t: TaskDescriptor) -> float:
         kind = TASK_TYPES[t.task_type]
