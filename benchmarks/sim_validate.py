@@ -30,7 +30,9 @@ Profiles (what each prediction is allowed to know):
   ``sim_cluster_taskflow_<G>gbps.toml``): point-to-point bandwidth and latency per level, the
   latency floor, the all-to-all's and the all-reduce's shares of the links at three sizes, the
   CPU of a one-sided put (per put and per byte) and the cores per rank; the per-tile CPU of the
-  taskflow runtime is the static executor's measured overhead (``taskflow_sched.json``).
+  taskflow runtime is the static executor's measured overhead (``taskflow_sched.json``) and
+  its handlers' CPU per element of a non-GMM tile, measured on one rank with no network
+  (``taskflow_handler_cpu.json``, ``python -m moesaic.sim.cpucal``).
   Nothing is fitted to the iteration times predicted. ``rows_measured_without_taskflow_cpu_model``
   drops the CPU figures (before/after of the taskflow CPU model);
 * links, fitted (secondary, ``rows_fitted``): the bandwidth share fitted leave one run out: for
@@ -108,6 +110,17 @@ def static_task_overhead_s() -> float:
     data = json.loads((RESULTS / "taskflow_sched.json").read_text())
     row = next(r for r in data["overhead"] if r["rows_per_task"] == "no-op")
     return row["static"]["overhead_us"]["median"] * 1e-6
+
+
+def handler_elem_cpu_s(tile_m: int) -> float:
+    """The taskflow handlers' CPU seconds per element of their non-GMM tiles at ``tile_m``,
+    measured on one rank with no network (``taskflow_handler_cpu.json``,
+    ``python -m moesaic.sim.cpucal``): the profile's ``tile_elem_cpu_s``."""
+    data = json.loads((RESULTS / "taskflow_handler_cpu.json").read_text())
+    row = next((r for r in data["points"] if r["tile_m"] == tile_m), None)
+    if row is None:
+        raise ValueError(f"taskflow_handler_cpu.json has no point of tile_m {tile_m}")
+    return float(row["tile_elem_cpu_s"])
 
 
 def _link_fields(cluster: str, scale: float | str | None) -> dict[str, Any]:
@@ -246,9 +259,11 @@ def taskflow_points(name: str, scale: float | str | None = None) -> list[dict[st
                                          latency_ms=cfg["latency_ms"]),),
                            name=f"taskflow_{point['gbps']:g}gbps")  # fmt: skip
         rate = flops / point["median_s"]["compute only"]
-        profile = Profile(flops_per_s=rate, **_link_fields(spec.name, scale),
-                          source=f"{name} compute only")  # fmt: skip
         bucket = point["bucket"]
+        fields = _link_fields(spec.name, scale)
+        if "tile_cpu_s" in fields:  # the CPU model: the handlers' measured per-element CPU
+            fields["tile_elem_cpu_s"] = handler_elem_cpu_s(bucket["tile_m"])
+        profile = Profile(flops_per_s=rate, **fields, source=f"{name} compute only")
         tiles = {"taskflow_tile_m": bucket["tile_m"], "taskflow_slot_rows": bucket["slot_rows"]}
         for variant, strategy, options in TASKFLOW_VARIANTS:
             opts = {**options, **(tiles if strategy == "taskflow" else {})}

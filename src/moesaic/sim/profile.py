@@ -30,7 +30,8 @@ measured and what is taken from elsewhere:
   ``calibrate``: ``benchmarks/results/taskflow_sched.json`` has it) and per remote put and
   byte (gloo's header and payload messages, the kernel's stack, the receiver's subscriber
   thread; ``calibrate --cluster`` measures them on the emulated link), charged to the rank's
-  queues (:mod:`moesaic.sim.taskflow`);
+  queues (:mod:`moesaic.sim.taskflow`); ``tile_elem_cpu_s``: the handlers' CPU per element of
+  an elementwise, reduction or put tile (:mod:`moesaic.sim.cpucal`, one rank, no network);
 * ``cores``, ``ranks_per_machine``: when both are > 0, a taskflow step takes at least its
   rank's CPU time / (cores / ranks_per_machine) (its queues' threads share those cores);
 * ``links``: with ``--cluster``, every level's configured and measured bandwidth and latency
@@ -164,6 +165,9 @@ class Profile:
         put_cpu_s: CPU seconds per remote taskflow put (sender and receiver together).
         put_cpu_per_byte_s: CPU seconds per byte of a remote put.
         cores: CPU cores of one machine (0: not modelled).
+        tile_elem_cpu_s: CPU seconds per element of a taskflow elementwise, reduction or put
+            tile's handler (memory-bound torch calls on a tile; ``moesaic.sim.cpucal``); 0: not
+            measured, such tiles cost 10 FLOPs per element at ``flops_per_s``.
         ranks_per_machine: Ranks sharing those cores (0: not modelled).
     """
 
@@ -180,9 +184,11 @@ class Profile:
     put_cpu_per_byte_s: float = 0.0
     cores: int = 0
     ranks_per_machine: int = 0
+    tile_elem_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_non_negative("profile.tile_cpu_s", self.tile_cpu_s)
+        check_non_negative("profile.tile_elem_cpu_s", self.tile_elem_cpu_s)
         check_non_negative("profile.put_cpu_s", self.put_cpu_s)
         check_non_negative("profile.put_cpu_per_byte_s", self.put_cpu_per_byte_s)
         check_int("profile.cores", self.cores, 0)

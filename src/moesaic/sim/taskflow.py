@@ -10,7 +10,9 @@ the nominal ones the plan drawing uses:
   the bucket holds ``T K / E`` rows; padding costs nothing, an empty put sends nothing);
 * GMM tiles: ``2 x rows x H x F`` FLOPs (twice that for SwiGLU's gate-and-up GMMs and their
   gradients) at ``flops_per_s``;
-* elementwise and reduction tiles: ``10`` FLOPs per element of their rows;
+* elementwise and reduction tiles: their elements (:func:`tile_elements`) x the profile's
+  measured ``tile_elem_cpu_s`` (memory-bound torch calls; puts pay it for their row copies
+  too), or, when it is 0 (not measured), ``10`` FLOPs per element at ``flops_per_s``;
 * puts: the rows' bytes from this rank to the destination as one message
   (:func:`moesaic.sim.collectives.p2p_s`), at the all-to-all's measured share of the links at
   the layer's exchange (``T K H`` bytes per rank): a layer's puts are its dispatch and combine
@@ -39,7 +41,7 @@ from moesaic.sim.collectives import LinkModel, all_reduce_s, p2p_s
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import OPS_PER_TASK, Profile
-from moesaic.taskflow.tasks import Region
+from moesaic.taskflow.tasks import Region, TaskDescriptor
 from moesaic.trace import Span
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "default_tiles",
     "layer_plan",
     "step_cpu_s",
+    "tile_elements",
     "valid_rows",
 ]
 
@@ -76,6 +79,22 @@ def valid_rows(region: Region, slot_rows: int, load: float) -> float:
         a, z = max(region.start, k * slot_rows), min(region.stop, (k + 1) * slot_rows)
         total += max(0.0, min(z - a, load - (a - k * slot_rows)))
     return total
+
+
+def tile_elements(t: TaskDescriptor, model: ModelSpec, slot_rows: int, load: float) -> float:
+    """Elements a non-GMM task's handler touches when every slot holds ``load`` valid rows: a
+    put's valid rows (its outputs) x H; an elementwise or reduction tile's share of its
+    region's valid rows x its width (F for activations, else H). 0 for GMM tiles."""
+    from moesaic.taskflow.moe_graphs import TASK_TYPES
+
+    kind = TASK_TYPES[t.task_type]
+    if kind.put:
+        return sum(valid_rows(r, slot_rows, load) for r in t.outputs) * model.hidden
+    if kind.cost_class == "gmm":
+        return 0.0
+    region = t.outputs[0] if kind.cost_class == "reduce" else t.inputs[0]
+    m = t.split_value * valid_rows(region, slot_rows, load) / region.rows
+    return m * (model.ffn_hidden if kind.cost_class == "act" else model.hidden)
 
 
 def default_tiles(
@@ -116,7 +135,6 @@ def layer_plan(
     from moesaic.taskflow.bucket import CompileOptions, ShapeBucket
     from moesaic.taskflow.compile import compile_world
     from moesaic.taskflow.moe_graphs import TASK_TYPES
-    from moesaic.taskflow.tasks import TaskDescriptor
     from moesaic.taskflow.validate import simulate
 
     P = link.world_size
@@ -135,12 +153,13 @@ def layer_plan(
 
     launch_s += profile.tile_cpu_s
 
+    elem_s = profile.tile_elem_cpu_s
+
     def put_bytes(t: TaskDescriptor) -> float:
         """Bytes a put sends over the network (0 when empty or to itself)."""
-        rows = sum(valid_rows(r, slot, load) for r in t.outputs)
         dst = t.peer if t.peer >= 0 else t.outputs[0].rank
         src = t.inputs[0].rank if t.inputs else dst
-        return rows * H * model.act_bytes if src != dst else 0.0
+        return tile_elements(t, model, slot, load) * model.act_bytes if src != dst else 0.0
 
     # The puts of a layer are its dispatch (or combine) exchange cut into tiles: every rank
     # sends and receives at once, as in an all-to-all of T K H bytes per rank, so their bytes
@@ -156,20 +175,23 @@ def layer_plan(
 
     def cost(t: TaskDescriptor) -> float:
         kind = TASK_TYPES[t.task_type]
+        if kind.cost_class == "gmm" and not kind.put:
+            # Handlers compute on the valid rows only: the tile's share of them.
+            m = t.split_value * valid_rows(t.inputs[0], slot, load) / t.inputs[0].rows
+            wide = swiglu and ("gate" in t.task_type or "w1" in t.task_type)
+            return launch_s + 2.0 * m * H * F * (2 if wide else 1) / profile.flops_per_s
+        elems = tile_elements(t, model, slot, load)
+        # measured memory-bound handler CPU per element, else 10 FLOPs per element (puts: none)
+        handler = (
+            elems * elem_s if elem_s else (0.0 if kind.put else 10.0 * elems / profile.flops_per_s)
+        )
         if kind.put:
             nbytes = put_bytes(t)  # 0: signalled locally or a copy (runtime/concurrent.py)
             if nbytes == 0:
-                return launch_s
+                return launch_s + handler
             cpu = profile.put_cpu_s + nbytes * profile.put_cpu_per_byte_s
-            return launch_s + cpu + wire(t)
-        # Handlers compute on the valid rows only: the tile's share of them.
-        region = t.outputs[0] if kind.cost_class == "reduce" else t.inputs[0]
-        m = t.split_value * valid_rows(region, slot, load) / region.rows
-        if kind.cost_class == "gmm":
-            wide = swiglu and ("gate" in t.task_type or "w1" in t.task_type)
-            return launch_s + 2.0 * m * H * F * (2 if wide else 1) / profile.flops_per_s
-        width = F if kind.cost_class == "act" else H
-        return launch_s + 10.0 * m * width / profile.flops_per_s
+            return launch_s + handler + cpu + wire(t)
+        return launch_s + handler
 
     tl = simulate(plans, world=True, cost=cost)
     plan = plans[0]

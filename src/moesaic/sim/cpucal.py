@@ -1,0 +1,169 @@
+"""The taskflow handlers' CPU, measured on one rank with no network: ``tile_elem_cpu_s``.
+
+The simulator priced a taskflow elementwise, reduction or put tile at 10 FLOPs per element at
+the profile's matmul rate (``flops_per_s``, ~90 GFLOP/s here): 0.1 ms for the 16 SwiGLU tiles
+of a step. Their handlers (``taskflow.runtime.handlers``) are memory-bound torch calls on a
+tile (SwiGLU: split, silu, multiply, write; its gradient: five passes; puts: a row gather or
+copy), measured at ~14 ms of thread CPU per step on one rank.
+
+:func:`measure` runs, in a world of one process (every put is a copy: no gloo, no subscriber),
+the ``taskflow_cluster.py`` layer as ``compute only`` (dropless) and as the static taskflow
+executor (pipelined order), with every handler call timed by its thread's CPU clock
+(``time.thread_time``, so the other queue's thread and the GIL hand-offs are not counted), and
+returns per step the medians of the wall and process CPU seconds and the handlers' thread CPU
+seconds per task type. :func:`elem_cpu_s` divides the non-GMM handlers' CPU by the elements the
+simulator counts for them (:func:`moesaic.sim.taskflow.tile_elements`): the profile's
+``tile_elem_cpu_s``. Nothing here reads an emulated-cluster iteration time.
+
+Usage: ``python -m moesaic.sim.cpucal [--tile 512 128] [--steps 9] [--out F.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from moesaic.checks import check_positive_int
+
+__all__ = ["VARIANTS", "elem_cpu_s", "measure", "non_gmm_elements"]
+
+VARIANTS = ("compute only", "taskflow static")
+WARMUP = 3
+
+
+def _layer(dispatcher: str, tile: int, model: Any) -> Any:
+    import torch
+
+    from moesaic import MoEConfig, MoELayer
+
+    cfg = MoEConfig(hidden_size=model.hidden, ffn_hidden_size=model.ffn_hidden,
+                    num_experts=model.experts, top_k=model.top_k, dispatcher=dispatcher,
+                    taskflow_executor="static", taskflow_tile_m=tile,
+                    aux_loss_coef=0.0, z_loss_coef=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    return MoELayer(cfg)
+
+
+def _worker(rank: int, world: int, model: Any, tile: int, steps: int) -> dict[str, Any]:
+    import torch
+
+    from moesaic.taskflow.runtime import concurrent
+
+    torch.set_num_threads(1)
+    handler_s: dict[str, float] = defaultdict(float)
+    lock = threading.Lock()
+    launch = concurrent._Step.launch
+
+    def timed(self: Any, t: Any) -> None:  # this spawned process only
+        c0 = time.thread_time()
+        launch(self, t)
+        c = time.thread_time() - c0
+        with lock:
+            handler_s[t.task_type] += c
+
+    concurrent._Step.launch = timed  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(model.tokens, model.hidden, generator=gen)
+    g = torch.randn(model.tokens, model.hidden, generator=gen)
+    layers = {"compute only": _layer("dropless", tile, model),
+              "taskflow static": _layer("taskflow", tile, model)}  # fmt: skip
+    wall: dict[str, list[float]] = {n: [] for n in VARIANTS}
+    cpu: dict[str, list[float]] = {n: [] for n in VARIANTS}
+    per_type: dict[str, list[float]] = defaultdict(list)
+    for i in range(WARMUP + steps):
+        for name in VARIANTS:  # round-robin: drift on the shared machine hits both alike
+            handler_s.clear()
+            c0, t0 = time.process_time(), time.perf_counter()
+            xi = x.clone().requires_grad_()
+            layers[name](xi).backward(g)
+            if i >= WARMUP:
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+                for k, v in handler_s.items():
+                    per_type[k].append(v)
+    bucket = next(iter(layers["taskflow static"].strategy.runtime._plans))
+    return {
+        "wall_s": {n: statistics.median(v) for n, v in wall.items()},
+        "cpu_s": {n: statistics.median(v) for n, v in cpu.items()},
+        "handler_cpu_s": {k: statistics.median(v) for k, v in sorted(per_type.items())},
+        "slot_rows": bucket.slot_rows,
+        "tile_m": bucket.tile_m,
+    }
+
+
+def measure(model: Any, tile: int, steps: int = 9) -> dict[str, Any]:
+    """One rank (a world of one, one torch thread) running ``model``'s layer (a layer-only
+    ``ModelSpec``) at ``taskflow_tile_m`` = ``tile``, forward and backward, ``steps`` times
+    after a warm-up: per-step medians of the wall and process CPU seconds of
+    :data:`VARIANTS`, of the static executor's handlers' thread CPU seconds per task type
+    (``handler_cpu_s``), and the bucket's ``slot_rows`` and ``tile_m``."""
+    from moesaic.comm.world import run_world
+
+    check_positive_int("tile", tile)
+    check_positive_int("steps", steps)
+    return run_world(_worker, 1, model, tile, steps, timeout_s=600.0)[0]
+
+
+def non_gmm_elements(model: Any, tile_m: int, slot_rows: int) -> dict[str, float]:
+    """Per task type, the elements the simulator counts for one rank's non-GMM tasks of one
+    forward and one backward in a world of one (``tile_elements``, uniform routing)."""
+    from moesaic.sim.taskflow import tile_elements
+    from moesaic.taskflow.bucket import CompileOptions, ShapeBucket
+    from moesaic.taskflow.compile import compile_world
+    from moesaic.taskflow.moe_graphs import TASK_TYPES
+
+    bucket = ShapeBucket(tokens=model.tokens, hidden=model.hidden, ffn=model.ffn_hidden,
+                         experts=model.experts, top_k=model.top_k, ep_size=1,
+                         slot_rows=slot_rows, tile_m=tile_m,
+                         activation=model.activation)  # fmt: skip
+    load = model.tokens * model.top_k / model.experts
+    out: dict[str, float] = defaultdict(float)
+    for d in ("forward", "backward"):
+        for t in compile_world(bucket, d, CompileOptions(pipeline=True))[0].tasks:
+            kind = TASK_TYPES[t.task_type]
+            if kind.put or kind.cost_class != "gmm":
+                out[t.task_type] += tile_elements(t, model, slot_rows, load)
+    return dict(out)
+
+
+def elem_cpu_s(model: Any, measured: dict[str, Any]) -> float:
+    """CPU seconds per element of the non-GMM handlers of ``measured`` (:func:`measure`):
+    their thread CPU over the elements the simulator counts for them."""
+    elems = non_gmm_elements(model, measured["tile_m"], measured["slot_rows"])
+    cpu = sum(measured["handler_cpu_s"].get(k, 0.0) for k in elems)
+    return cpu / sum(elems.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tile", type=int, nargs="+", default=[512, 128])
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--model", default="examples/models/taskflow_layer.toml")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from moesaic.bench.meta import run_metadata
+    from moesaic.sim.model import ModelSpec
+
+    model = ModelSpec.from_toml(args.model)
+    rows = []
+    for tile in args.tile:
+        m = measure(model, tile, args.steps)
+        m["non_gmm_elements"] = non_gmm_elements(model, m["tile_m"], m["slot_rows"])
+        m["tile_elem_cpu_s"] = elem_cpu_s(model, m)
+        rows.append(m)
+        print(json.dumps(m, indent=1), flush=True)
+    if args.out:
+        out = {"meta": run_metadata(), "config": {"model": args.model, "steps": args.steps,
+               "warmup": WARMUP, "world": 1, "torch_threads": 1}, "points": rows}  # fmt: skip
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
