@@ -34,12 +34,7 @@ def run_simpy(graph: Any) -> float:
     import simpy
 
     env = simpy.Environment()
-    thresholds: dict[Hashable, int] = {}
-    extra: dict[str, list[str]] = {}
-    for join, keys in graph.joins.items():
-        thresholds[join] = len(keys)
-        for k in keys:
-            extra.setdefault(k, []).append(join)
+    thresholds, extra = graph.join_counters()
     for jobs in graph.lanes.values():
         for task, _ in jobs:
             thresholds[task.key] = 1

@@ -123,15 +123,21 @@ class SimGraph:
             for task, _ in jobs:
                 yield task
 
-    def run(self, lanes: dict[str, list[tuple[SimTask, str | None]]] | None = None) -> Timeline:
-        """Simulates the graph (or the given lanes, another order of the same tasks)."""
-        lanes = self.lanes if lanes is None else lanes
+    def join_counters(self) -> tuple[dict[Hashable, int], dict[str, list[str]]]:
+        """``(thresholds, extra)``: each join's count to reach (its tasks), and for a task key
+        the joins its completion also bumps."""
         thresholds: dict[Hashable, int] = {}
         extra: dict[str, list[str]] = {}
         for join, keys in self.joins.items():
             thresholds[join] = len(keys)
             for k in keys:
                 extra.setdefault(k, []).append(join)
+        return thresholds, extra
+
+    def run(self, lanes: dict[str, list[tuple[SimTask, str | None]]] | None = None) -> Timeline:
+        """Simulates the graph (or the given lanes, another order of the same tasks)."""
+        lanes = self.lanes if lanes is None else lanes
+        thresholds, extra = self.join_counters()
         engine_lanes = []
         for name, jobs in lanes.items():
             out = []
