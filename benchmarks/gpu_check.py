@@ -38,10 +38,11 @@ import torch
 
 from moesaic import MoEConfig, MoELayer, aux_loss
 from moesaic import experts as experts_module
-from moesaic.bench.meta import run_metadata
+from moesaic.bench.meta import run_metadata, summarize, time_calls
 from moesaic.bench.options import write_json
 from moesaic.reference import ReferenceMoE
 from moesaic.strategies import strategy_names
+from moesaic.testing import ref_errors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Speed configs: the bench_layer default and two GPU-sized layers (Mixtral-like: few wide
@@ -64,26 +65,7 @@ def _sync(device: torch.device) -> None:
 
 def _timed(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
     """Seconds of ``iters`` synchronised calls of ``fn`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def _stats_ms(times: list[float]) -> dict:
-    ordered = sorted(times)
-    return {
-        "median_ms": 1e3 * statistics.median(ordered),
-        "min_ms": 1e3 * ordered[0],
-        "max_ms": 1e3 * ordered[-1],
-        "n": len(ordered),
-    }
+    return time_calls(lambda: (fn(), _sync(device)), iters, warmup)
 
 
 def _fast_path(device: torch.device, dtype: torch.dtype) -> dict:
@@ -95,22 +77,6 @@ def _fast_path(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 # ------------------------------------------------------------------------------ 1. correctness
-def _rel_errors(fast, ref, truth, eps: float) -> dict:
-    """Errors of ``fast`` and of the same-dtype reference against the fp64 truth, and the rule."""
-    truth = truth.double()
-    err = (fast.double() - truth).abs().max().item() if truth.numel() else 0.0
-    err_ref = (ref.double() - truth).abs().max().item() if truth.numel() else 0.0
-    scale = truth.abs().max().item() if truth.numel() else 0.0
-    allowed = 2 * err_ref + 4 * eps * max(scale, 1e-30)
-    return {
-        "max_abs_err": err,
-        "max_rel_err": err / max(scale, 1e-30),
-        "ref_same_dtype_abs_err": err_ref,
-        "allowed_abs_err": allowed,
-        "ok": bool(err <= allowed),
-    }
-
-
 def _layer_step(layer: MoELayer, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
     layer.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
@@ -162,8 +128,7 @@ def check_one(dispatcher: str, dtype_name: str, device: torch.device, quick: boo
         experts_module._grouped_mm_op = fast_op
     ref = _ref_step(cfg, sd, x, g, dtype)
     truth = _ref_step(cfg, sd, x, g, torch.float64)
-    eps = torch.finfo(dtype).eps
-    errors = {name: _rel_errors(got[name], ref[name], truth[name], eps) for name in truth}
+    errors = {name: ref_errors(got[name], ref[name], truth[name], dtype) for name in truth}
     return {
         "dispatcher": dispatcher,
         "dtype": dtype_name,
@@ -230,7 +195,7 @@ def speed_one(c: dict, device: torch.device, iters: int, warmup: int) -> dict:
         )  # fmt: skip
         layer = MoELayer(cfg).to(device, dtype)
         times = _timed(lambda layer=layer: _train_step(layer, x, g), device, iters, warmup)
-        s = _stats_ms(times)
+        s = summarize(times)
         s["fraction_of_bound"] = bound_ms / s["median_ms"]
         s["fraction_of_dense_bound"] = row["dense_gemm_bound_ms"] / s["median_ms"]
         if device.type == "cuda":

@@ -19,6 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from sim_validate import geomean_abs  # the validation's own summary statistic
+
 RESULTS = Path(__file__).resolve().parent / "results"
 CLUSTERS = ("flowmoe_2rank", "hybridep_2dc", "hybridep_2dc2", "hybridep_4dc",
             "taskflow_0.5gbps", "taskflow_1gbps", "taskflow_2gbps")  # fmt: skip
@@ -57,10 +59,6 @@ def calibration() -> str:
     return "\n".join(lines)
 
 
-def _geo(errors: list[float]) -> float:
-    return math.exp(math.fsum(math.log(max(abs(e), 1e-6)) for e in errors) / len(errors))
-
-
 def summary() -> str:
     data = json.loads((RESULTS / "sim_validation.json").read_text())
     cals = data["summary"]["calibrations_geomean_abs_error"]
@@ -79,7 +77,7 @@ def summary() -> str:
         for key, _ in modes:
             errs = [r["error"] for r in data[key] if run in ("all", r["source"])]
             signed = math.fsum(errs) / len(errs)
-            cells.append(f"{100 * _geo(errs):.1f}% ({100 * signed:+.1f}%)")
+            cells.append(f"{100 * geomean_abs(errs):.1f}% ({100 * signed:+.1f}%)")
         n = sum(1 for r in data["rows"] if run in ("all", r["source"]))
         lines.append(f"| {run} ({n}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)

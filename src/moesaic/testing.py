@@ -15,10 +15,28 @@ if TYPE_CHECKING:
 __all__ = [
     "WorkerError",
     "assert_close_to_ref",
+    "ref_errors",
     "reference_world",
     "route_all_to_first_experts",
     "run_world",
 ]
+
+
+def ref_errors(
+    fast: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor, eps_dtype: torch.dtype
+) -> dict[str, float | bool]:
+    """The relative rule's figures: ``fast``'s and the same-dtype reference ``ref``'s max error
+    against the float64 reference ``ref64``, the allowance ``2 * err(ref) + 4 ulps of
+    eps_dtype at the tensor's scale``, and whether ``fast`` is within it (``ok``)."""
+    truth = ref64.double()
+    err_fast = (fast.double() - truth).abs().max().item() if truth.numel() else 0.0
+    err_ref = (ref.double() - truth).abs().max().item() if truth.numel() else 0.0
+    scale = max(truth.abs().max().item() if truth.numel() else 0.0, 1e-30)
+    eps = 4 * torch.finfo(eps_dtype).eps * scale
+    allowed = 2 * err_ref + eps
+    return {"max_abs_err": err_fast, "max_rel_err": err_fast / scale,
+            "ref_same_dtype_abs_err": err_ref, "eps": eps, "allowed_abs_err": allowed,
+            "ok": bool(err_fast <= allowed)}  # fmt: skip
 
 
 def assert_close_to_ref(
@@ -33,15 +51,12 @@ def assert_close_to_ref(
     """
     if fast.shape != ref64.shape:
         raise AssertionError(f"{name}: shape {tuple(fast.shape)} != {tuple(ref64.shape)}")
-    truth = ref64.double()
-    err_fast = (fast.double() - truth).abs().max().item() if truth.numel() else 0.0
-    err_ref = (ref32.double() - truth).abs().max().item() if truth.numel() else 0.0
-    scale = truth.abs().max().item() if truth.numel() else 0.0
-    eps = 4 * torch.finfo(torch.float32).eps * max(scale, 1e-30)
-    if not err_fast <= 2 * err_ref + eps:
+    e = ref_errors(fast, ref32, ref64, torch.float32)
+    if not e["ok"]:
         raise AssertionError(
-            f"{name}: max error {err_fast:.3e} vs float64 reference exceeds "
-            f"2 x reference-float32 error ({err_ref:.3e}) + eps ({eps:.1e})"
+            f"{name}: max error {e['max_abs_err']:.3e} vs float64 reference exceeds "
+            f"2 x reference-float32 error ({e['ref_same_dtype_abs_err']:.3e}) + eps "
+            f"({e['eps']:.1e})"
         )
 
 

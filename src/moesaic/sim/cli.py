@@ -155,7 +155,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         measure,
     )
 
-    size = args.size or default_matmul_size("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    size = default_matmul_size(device) if args.size is None else args.size
     measured = measure(size)
     floor_s, scale, source = 0.0, 1.0, f"measured matmul {size}^3 here; links as specified"
     links: tuple[Any, ...] = ()

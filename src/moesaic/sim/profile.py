@@ -165,10 +165,10 @@ class Profile:
         put_cpu_s: CPU seconds per remote taskflow put (sender and receiver together).
         put_cpu_per_byte_s: CPU seconds per byte of a remote put.
         cores: CPU cores of one machine (0: not modelled).
+        ranks_per_machine: Ranks sharing those cores (0: not modelled).
         tile_elem_cpu_s: CPU seconds per element of a taskflow elementwise, reduction or put
             tile's handler (memory-bound torch calls on a tile; ``moesaic.sim.cpucal``); 0: not
             measured, such tiles cost 10 FLOPs per element at ``flops_per_s``.
-        ranks_per_machine: Ranks sharing those cores (0: not modelled).
     """
 
     flops_per_s: float

@@ -152,13 +152,16 @@ def layer_plan(
     load = T * model.top_k / model.experts  # valid rows of every slot (uniform routing)
 
     launch_s += profile.tile_cpu_s
-
     elem_s = profile.tile_elem_cpu_s
+
+    def ends(t: TaskDescriptor) -> tuple[int, int]:
+        """A put's source and destination ranks."""
+        dst = t.peer if t.peer >= 0 else t.outputs[0].rank
+        return (t.inputs[0].rank if t.inputs else dst), dst
 
     def put_bytes(t: TaskDescriptor) -> float:
         """Bytes a put sends over the network (0 when empty or to itself)."""
-        dst = t.peer if t.peer >= 0 else t.outputs[0].rank
-        src = t.inputs[0].rank if t.inputs else dst
+        src, dst = ends(t)
         return tile_elements(t, model, slot, load) * model.act_bytes if src != dst else 0.0
 
     # The puts of a layer are its dispatch (or combine) exchange cut into tiles: every rank
@@ -169,9 +172,7 @@ def layer_plan(
     def wire(t: TaskDescriptor) -> float:
         """A put's network seconds (0 for every other task and for empty or self puts)."""
         nbytes = put_bytes(t)
-        dst = t.peer if t.peer >= 0 else t.outputs[0].rank
-        src = t.inputs[0].rank if t.inputs else dst
-        return p2p_s(link, src, dst, nbytes / share) if nbytes else 0.0
+        return p2p_s(link, *ends(t), nbytes / share) if nbytes else 0.0
 
     def cost(t: TaskDescriptor) -> float:
         kind = TASK_TYPES[t.task_type]
