@@ -166,3 +166,9 @@ def test_measure_times_fp32_and_bf16_matmuls():
     assert default_matmul_size("cpu") == 512 and default_matmul_size("cuda:0") == 4096
     with pytest.raises(ValueError, match="size"):
         measure(0, device="cpu")
+
+
+def test_calibrate_refuses_a_non_positive_size(tmp_path, capsys):
+    assert main(["calibrate", "--out", str(tmp_path / "p.json"), "--size", "0"]) == 2
+    assert "--size (0) must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

@@ -17,6 +17,8 @@ import json
 import os
 from typing import Any
 
+from moesaic.checks import check_positive_int
+
 __all__ = ["add_subparser"]
 
 EPILOG = """\
@@ -157,6 +159,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = default_matmul_size(device) if args.size is None else args.size
+    check_positive_int("--size", size)
     measured = measure(size)
     floor_s, scale, source = 0.0, 1.0, f"measured matmul {size}^3 here; links as specified"
     links: tuple[Any, ...] = ()
