@@ -429,11 +429,12 @@ def gather_spans(group: EPGroup, spans: Sequence[Span]) -> list[list[Span]]:
     payload = json.dumps([s.to_dict() for s in spans]).encode()
     if group.size == 1:
         return [list(spans)]
-    n = torch.tensor([len(payload)], dtype=torch.int64)
+    n = group.control_tensor([len(payload)])
     lengths = group.all_gather_dim0(n, what="all_gather of trace sizes").tolist()
     buf_U = torch.zeros(max(lengths), dtype=torch.uint8)
     buf_U[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    all_PU = group.all_gather_dim0(buf_U, what="all_gather of trace spans").view(group.size, -1)
+    all_PU = group.all_gather_dim0(buf_U.to(group.control_device), "all_gather of trace spans")
+    all_PU = all_PU.view(group.size, -1).cpu()
     out = []
     for p, length in enumerate(lengths):
         rows = json.loads(all_PU[p, :length].numpy().tobytes())

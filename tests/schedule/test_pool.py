@@ -1,5 +1,5 @@
 """CommPool (FlowMoE Alg. 2) on 2-rank gloo worlds: averaged gradients, chunk boundaries, the
-priority rule read from the recorded spans, and deadlines.
+priority rule (read from the recorded spans and the recorded issue order), and deadlines.
 
 Each world runs several checks in one spawn (a spawn costs ~2 s on this machine); the workers
 return plain data and the assertions run here.
@@ -7,7 +7,6 @@ return plain data and the assertions run here.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from moesaic.comm.collectives import CollectiveError
+from moesaic.comm.collectives import CollectiveError, record_collectives
 from moesaic.comm.world import run_world
 from moesaic.schedule.pool import CommPool
 from moesaic.trace import Recorder
@@ -73,18 +72,17 @@ def _equivalence_worker(rank: int, world: int) -> dict:
         rec.clear()
         pool.begin_step()
         _backward_in_chunks(model, x_BH)
-        time.sleep(0.2)  # let the pool thread issue ready chunks before finish
         pool.finish()
         out["equal"].append(all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters())))
         ars = sorted((s for s in rec.events if s.resource == "allreduce"), key=lambda s: s.start)
         out["chunks"].append([s.args["bytes"] for s in ars])
         out["phases"].append([s.args["phase"] for s in ars])
         model.zero_grad(set_to_none=True)
-    # a step with one backward pass more than the first: the third pass reaches parameters
-    # whose chunks already left (0.2 s after the second pass), which must not pass silently
+    # a step with one backward pass more than the first: the third pass reaches a parameter
+    # whose chunk already left (the first ready chunk goes in the step's opening gap), which
+    # must not pass silently
     pool.begin_step()
     _backward_in_chunks(model, x_BH[:4])  # passes 1 and 2 (2 rows each)
-    time.sleep(0.2)
     (model(x_BH[4:]).square().mean()).backward()
     try:
         pool.finish()
@@ -127,49 +125,50 @@ def _priority_worker(rank: int, world: int) -> dict:
         recorder=rec, timeout_s=TIMEOUT_S,
     )  # fmt: skip
     rows = torch.full((4096, 64), float(rank))
+    logs = []
     for step in range(3):
         rec.clear()
         pool.begin_step()
-        if step > 0:
-            # rank 1 joins the all-to-all 0.3 s late, so on rank 0 it stays in flight while
-            # the whole backward runs and every gradient is ready: no chunk may start then
-            if rank == 1:
-                time.sleep(0.3)
-            pending = pool.all_to_all(
-                torch.empty_like(rows), rows, None, None, group=layout.ep, name="D1.1",
-                phase="fwd", block=1, chunk=1,
-            )  # fmt: skip
-            _backward_in_chunks(model, x_BH)
-            received = pending.wait()
-            assert torch.equal(received[2048:], torch.ones(2048, 64))
-            time.sleep(0.1)  # chunks leave after the all-to-all, before finish
-        else:
-            _backward_in_chunks(model, x_BH)
-        pool.finish()
+        with record_collectives() as log:
+            if step > 0:
+                # rank 1 joins the all-to-all 0.3 s late, so on rank 0 it stays in flight
+                # while the whole backward runs and every gradient is ready: the all-to-all
+                # closed the step's opening gap, so no chunk may start before it is waited
+                if rank == 1:
+                    time.sleep(0.3)
+                pending = pool.all_to_all(
+                    torch.empty_like(rows), rows, None, None, group=layout.ep, name="D1.1",
+                    phase="fwd", block=1, chunk=1,
+                )  # fmt: skip
+                _backward_in_chunks(model, x_BH)
+                received = pending.wait()  # opens a gap: one chunk
+                assert torch.equal(received[2048:], torch.ones(2048, 64))
+            else:
+                _backward_in_chunks(model, x_BH)
+            pool.finish()
+        logs.append([what for _, _, _, what in log])
         model.zero_grad(set_to_none=True)
     pool.close()
-    return [(s.resource, s.name, s.start, s.end, dict(s.args)) for s in rec.events]
+    spans = [(s.resource, s.name, s.start, s.end, dict(s.args)) for s in rec.events]
+    return {"spans": spans, "logs": logs}
 
 
-def test_pool_priority_all_to_all_first_and_one_chunk_in_flight():
+def test_pool_priority_all_to_all_first_and_one_chunk_per_gap():
     res = run_world(_priority_worker, 2)
-    for spans in res:
+    assert res[0]["logs"] == res[1]["logs"]  # one issue order on both ranks
+    for r in res:
+        spans = r["spans"]
         a2a = [s for s in spans if s[0] == "a2a"]
         ars = sorted((s for s in spans if s[0] == "allreduce"), key=lambda s: s[2])
         assert len(a2a) == 1 and ars
         _, _, a_start, a_end, _ = a2a[0]
         # no chunk starts while the all-to-all is queued or in flight
         assert not [s for s in ars if a_start <= s[2] <= a_end]
-        # at most one chunk in flight during the backward: each starts after the previous one
-        # completed (finish, with no all-to-all left, issues the rest at once)
-        bwd = [s for s in ars if s[4]["phase"] == "bwd"]
-        for prev, nxt in itertools.pairwise(bwd):
-            assert nxt[2] >= prev[3]
-    # rank 0 waited ~0.3 s for its peer with every gradient ready: chunks issued in the backward
-    # phase all start after the all-to-all (the rule held them back, they were not just late)
-    a_end0 = next(s[3] for s in res[0] if s[0] == "a2a")
-    bwd0 = [s for s in res[0] if s[0] == "allreduce" and s[4]["phase"] == "bwd"]
-    assert bwd0 and min(s[2] for s in bwd0) >= a_end0
+        # exactly one chunk in the gap the wait opened; finish issues the rest
+        assert [s[4]["phase"] for s in ars].count("bwd") == 1
+    # the issue order: the all-to-all, then one chunk, then the rest at finish
+    last = res[0]["logs"][-1]
+    assert last[0] == "all_to_all D1.1" and last[1].startswith("all_reduce chunk AR0")
 
 
 def _tail_worker(rank: int, world: int) -> dict:
@@ -192,14 +191,10 @@ def _tail_worker(rank: int, world: int) -> dict:
         pool.end_all_to_alls()  # the step's last all-to-all
         if rank == 1:
             # Rank 1's gradients, hence its chunks, come 0.3 s after rank 0's: none of rank 0's
-            # tail chunks can complete before all of them are issued. (Sleeping after the
-            # backward instead did not hold them back: the pool thread issues them by itself,
-            # and a 128-byte chunk sometimes completed within rank 0's burst of issues.)
+            # tail chunks can complete before all of them are issued.
             time.sleep(0.3)
         _backward_in_chunks(model, x_BH)
-        pending.wait()
-        if rank == 0:
-            time.sleep(0.1)  # its chunks go before finish
+        pending.wait()  # the last all-to-all waited: every ready chunk goes now
         pool.finish()
         equal = all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
         model.zero_grad(set_to_none=True)

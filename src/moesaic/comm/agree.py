@@ -58,7 +58,7 @@ def check_ranks_agree(
         return
     names = list(fields)
     # First the set of names (so the per-field tensors have one length everywhere), then values.
-    head = torch.tensor([digest(names), len(names)], dtype=torch.int64)
+    head = ep.control_tensor([digest(names), len(names)])
     heads = ep.all_gather_dim0(head.view(1, 2), f"{what}: rank agreement (field names)")
     differ = [r for r in range(ep.size) if not torch.equal(heads[r], heads[ep.rank])]
     if differ:
@@ -66,7 +66,7 @@ def check_ranks_agree(
             f"{what}: rank {ep.rank} and rank(s) {differ} were given different sets of "
             f"fields (rank {ep.rank} has {names}); every rank must build the same thing"
         )
-    mine = torch.tensor([digest(fields[n]) for n in names], dtype=torch.int64)
+    mine = ep.control_tensor([digest(fields[n]) for n in names])
     all_PF = ep.all_gather_dim0(mine.view(1, -1), f"{what}: rank agreement (values)")
     for i, name in enumerate(names):
         column = all_PF[:, i]

@@ -50,7 +50,8 @@ _MAX_PENDING = 512
 class PutChannel:
     """One-sided puts with multi-event signals over a dedicated clone of an EP group.
 
-    Constructing it is collective over the members of ``group`` (a new process group).
+    Constructing it is a collective of the whole world (its group comes from the registry,
+    ``comm.groups``, shared with every other layer's channel).
 
     Args:
         group: the expert-parallel group; ranks are its ranks. A group of one process needs no
@@ -64,7 +65,8 @@ class PutChannel:
         self.rank, self.size = group.rank, group.size
         self.max_events = max_events
         self.group = group
-        self.pg = group.subgroup(list(range(group.size))).group if group.size > 1 else None
+        # the group's ranks in the registry's "puts" lane: one group shared by every layer
+        self.pg = group.in_lane("puts").group if group.size > 1 else None
         self._lock = threading.Lock()
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._thread: threading.Thread | None = None

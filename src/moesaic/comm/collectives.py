@@ -38,19 +38,26 @@ class Traffic:
         return tuple(self.peer_bytes_P), self.collectives
 
 
-def wait_work(work: Any, failed: str, timeout_s: float) -> None:
-    """``work.wait`` under the deadline; a failure or timeout is a ``CollectiveError``.
+def wait_work(work: Any, failed: str, timeout_s: float, *, on_stream: bool = False) -> None:
+    """Wait for ``work`` under the deadline; a failure or timeout is a ``CollectiveError``.
 
     Args:
         work: an async collective's handle (None: nothing to wait for).
         failed: the start of the error message, naming the operation and the rank
             ("dispatch counts failed on rank 0/2 of the expert-parallel group").
         timeout_s: the deadline in force, named in the message.
+        on_stream: the work runs on a device stream (NCCL): make the current stream wait and
+            return at once. A ``wait(timeout)`` there would busy-wait the host until the GPU
+            finished, so the deadline is the process group's own (its watchdog aborts a
+            collective that outlives ``timeout``, which every moesaic group is created with).
     """
     if work is None:
         return
     try:
-        work.wait(datetime.timedelta(seconds=timeout_s))
+        if on_stream:
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:  # gloo/NCCL report both timeouts and dead peers as this
         raise CollectiveError(
             f"{failed} (collective_timeout_s={timeout_s:g}): a peer died, hung, or skipped "
@@ -58,16 +65,103 @@ def wait_work(work: Any, failed: str, timeout_s: float) -> None:
         ) from exc
 
 
+def device_backends(backend: str) -> dict[str, str]:
+    """Device type -> backend name of a process group's backend string: ``"gloo"`` ->
+    ``{"cpu": "gloo", "cuda": "gloo"}``, ``"cpu:gloo,cuda:nccl"`` -> the pairs as given."""
+    backend = str(backend).lower()
+    if ":" in backend:
+        return dict(part.split(":", 1) for part in backend.split(","))
+    caps = dist.Backend.backend_capability.get(backend, ["cpu"])
+    return {device: backend for device in caps}
+
+
+def control_device_for(backend: str) -> torch.device:
+    """Where a group's control-plane tensors (counts, digests, flags) must live: the CPU when
+    the group has a CPU backend, else the current accelerator (pure NCCL takes CUDA tensors
+    only: a CPU tensor there raises)."""
+    devices = device_backends(backend)
+    if "cpu" in devices:
+        return torch.device("cpu")
+    kind = next(iter(devices))
+    module = getattr(torch, kind, None)
+    index = module.current_device() if module is not None and module.is_available() else 0
+    return torch.device(kind, index)
+
+
+def record_collectives() -> _CollectiveRecording:
+    """``with record_collectives() as log:`` every collective this process issues through
+    ``EPGroup`` (any thread) is appended to ``log`` as ``(global ranks, lane, op, what)``, in
+    issue order: what a test compares across ranks (NCCL needs one order on every rank)."""
+    return _CollectiveRecording()
+
+
+class _CollectiveRecording:
+    def __enter__(self) -> list[tuple[Any, ...]]:
+        from moesaic.comm.groups import registry
+
+        self._registry = registry()
+        self._saved = self._registry.log
+        self._registry.log = []
+        return self._registry.log
+
+    def __exit__(self, *exc: object) -> None:
+        self._registry.log = self._saved
+
+
+class Pending:
+    """A collective in flight: ``wait()`` (under the deadline; on a device stream: the
+    current stream waits and the host goes on) returns its output; ``done()`` asks without
+    blocking (the work's completion event on a device)."""
+
+    __slots__ = ("_failed", "_on_stream", "_output", "_timeout_s", "_work")
+
+    def __init__(
+        self, work: Any, output: torch.Tensor, failed: str, timeout_s: float, on_stream: bool
+    ) -> None:
+        self._work, self._output, self._failed = work, output, failed
+        self._timeout_s, self._on_stream = timeout_s, on_stream
+
+    @property
+    def on_stream(self) -> bool:
+        return self._on_stream
+
+    def done(self) -> bool:
+        return self._work is None or bool(self._work.is_completed())
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """``fn()`` once the transfer has completed (host-side works only: a device work's
+        future completes at enqueue, so its time is not the transfer's)."""
+        if self._work is None or self._on_stream:
+            fn()
+        else:
+            self._work.get_future().add_done_callback(lambda _fut: fn())
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            wait_work(self._work, self._failed, self._timeout_s, on_stream=self._on_stream)
+            self._work = None
+        return self._output
+
+
 class EPGroup:
-    """An expert-parallel process group (or the trivial group of one process) with a deadline.
+    """A process group (or the trivial group of one process) with a deadline: the one place
+    moesaic issues collectives (a test scans the package for any other).
+
+    It knows where tensors must live (``control_device`` for control-plane tensors: the CPU on
+    gloo or a ``cpu:gloo,cuda:nccl`` world, the current GPU on a pure NCCL group) and how to
+    wait (host wait with the deadline on gloo; a stream wait on NCCL), counts traffic, and
+    records the issue order when asked (``record_collectives``).
 
     Args:
         group: a torch.distributed group; None means the default world when torch.distributed
             is initialised, else a single process.
         timeout_s: deadline of every collective issued through this object.
+        lane: the registry lane the group belongs to (``comm.groups.LANES``), for the record.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, timeout_s: float, *, lane: str = "main"
+    ) -> None:
         self.timeout_s = timeout_s
         self.active = dist.is_available() and dist.is_initialized()
         if not self.active and group is not None:
@@ -75,40 +169,79 @@ class EPGroup:
         self.group = group if self.active else None
         self.size = dist.get_world_size(self.group) if self.active else 1
         self.rank = dist.get_rank(self.group) if self.active else 0
+        self.lane = lane
+        self.global_ranks: tuple[int, ...] = (
+            tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD))
+            if self.active
+            else (0,)
+        )
         self.traffic = Traffic([0] * self.size)
         self._parent: tuple[EPGroup, list[int]] | None = None
+        self._backends: dict[str, str] | None = None
 
     @classmethod
     def solo(cls, timeout_s: float) -> EPGroup:
         """The trivial group of this process alone (even when torch.distributed is running)."""
         out = cls.__new__(cls)
         out.timeout_s, out.active, out.group, out.size, out.rank = timeout_s, False, None, 1, 0
+        out.lane = "main"
+        out.global_ranks = (
+            (dist.get_rank(),) if dist.is_available() and dist.is_initialized() else (0,)
+        )
         out.traffic = Traffic([0])
         out._parent = None
+        out._backends = None
         return out
 
-    def subgroup(self, ranks: list[int]) -> EPGroup:
-        """A new group of ``ranks`` (ranks of this group, ascending, this rank among them).
+    # ---- devices and waits ------------------------------------------------------------------
+    def _backend_map(self) -> dict[str, str]:
+        if self._backends is None:
+            self._backends = device_backends(dist.get_backend(self.group)) if self.active else {}
+        return self._backends
 
-        Only the members call it (``use_local_synchronization``), in the same order; one
-        member alone gives :meth:`solo`. Every call makes a new group (a clone when the ranks
-        repeat), so collectives issued from two threads can each have their own.
-        """
-        if self.rank not in ranks or sorted(set(ranks)) != list(ranks):
-            raise ValueError(f"ranks ({ranks}) must be ascending, unique and include {self.rank}")
-        if len(ranks) == 1:
-            return EPGroup.solo(self.timeout_s)
-        members = dist.get_process_group_ranks(self.group) if self.group is not None else None
-        global_ranks = [members[r] for r in ranks] if members is not None else list(ranks)
-        group = dist.new_group(
-            global_ranks,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-            use_local_synchronization=True,
-        )
-        child = EPGroup(group, self.timeout_s)
-        child._parent = (self, list(ranks))
-        return child
+    @property
+    def control_device(self) -> torch.device:
+        """Where this group's control-plane tensors live (see the class docstring)."""
+        if not self.active:
+            return torch.device("cpu")
+        return control_device_for(dist.get_backend(self.group))
 
+    def control_tensor(self, data: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """``torch.tensor(data)`` on ``control_device`` (created on the host, copied once)."""
+        return torch.tensor(data, dtype=dtype).to(self.control_device)
+
+    def on_stream(self, tensor: torch.Tensor) -> bool:
+        """Whether a collective of ``tensor`` runs on a device stream (NCCL and the like):
+        then waits are stream waits and completion is an event, not a host callback."""
+        kind = tensor.device.type
+        return kind != "cpu" and self._backend_map().get(kind, "gloo") != "gloo"
+
+    # ---- groups -------------------------------------------------------------------------------
+    def subgroups(self, rank_lists: list[list[int]], lane: str = "main") -> list[EPGroup]:
+        """Groups of ``rank_lists`` (ranks of this group, each holding this rank), from the
+        world's registry (``comm.groups``): one per distinct rank set and lane, shared by every
+        layer. A collective of the whole world (every rank calls it at the same point, with its
+        own lists; the union is created once, in one order): see ``comm.groups``."""
+        for ranks in rank_lists:
+            if self.rank not in ranks or sorted(set(ranks)) != list(ranks):
+                raise ValueError(
+                    f"ranks ({ranks}) must be ascending, unique and include {self.rank}"
+                )
+        if not self.active:
+            return [EPGroup.solo(self.timeout_s) for _ in rank_lists]
+        sets = [tuple(self.global_ranks[r] for r in ranks) for ranks in rank_lists]
+        out = shared_groups(sets, lane, self.timeout_s)
+        for child, ranks in zip(out, rank_lists):
+            if child.size > 1:
+                child._parent = (self, list(ranks))
+        return out
+
+    def in_lane(self, lane: str) -> EPGroup:
+        """This group's ranks in another lane (a collective of the whole world); traffic
+        counts in this group's."""
+        return in_lanes([self], lane)[0]
+
+    # ---- accounting ----------------------------------------------------------------------------
     def _count(self, bytes_P: list[int]) -> None:
         self.traffic.collectives += 1
         for p, b in enumerate(bytes_P):
@@ -120,6 +253,13 @@ class EPGroup:
                 [0 if r not in ranks else bytes_P[ranks.index(r)] for r in range(parent.size)]
             )
 
+    def _note(self, op: str, what: str) -> None:
+        from moesaic.comm.groups import registry
+
+        log = registry().log
+        if log is not None:
+            log.append((self.global_ranks, self.lane, op, what))
+
     def count_sent(self, peer: int, nbytes: int) -> None:
         """Count one point-to-point message of ``nbytes`` to ``peer``, sent outside this
         class's collectives (the taskflow runtime's one-sided puts), as one collective."""
@@ -127,12 +267,33 @@ class EPGroup:
         bytes_P[peer] = nbytes
         self._count(bytes_P)
 
-    def _wait(self, work: dist.Work | None, what: str) -> None:
-        wait_work(
-            work,
-            f"{what} failed on rank {self.rank}/{self.size} of the expert-parallel group",
-            self.timeout_s,
+    def _failed(self, what: str) -> str:
+        return f"{what} failed on rank {self.rank}/{self.size} of the expert-parallel group"
+
+    def _wait(self, work: dist.Work | None, what: str, tensor: torch.Tensor) -> None:
+        wait_work(work, self._failed(what), self.timeout_s, on_stream=self.on_stream(tensor))
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def start_all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int] | None = None,
+        input_splits: list[int] | None = None,
+        what: str = "all_to_all",
+    ) -> Pending:
+        """Issue ``all_to_all_single`` (rows split per rank along dim 0) without waiting."""
+        if self.size == 1:
+            output.copy_(input)
+            return Pending(None, output, what, self.timeout_s, False)
+        row_bytes = math.prod(input.shape[1:]) * input.element_size()
+        rows_P = input_splits or [input.shape[0] // self.size] * self.size
+        self._count([rows * row_bytes for rows in rows_P])
+        self._note("all_to_all", what)
+        work = dist.all_to_all_single(
+            output, input, output_splits, input_splits, group=self.group, async_op=True
         )
+        return Pending(work, output, self._failed(what), self.timeout_s, self.on_stream(input))
 
     def all_to_all_single(
         self,
@@ -143,26 +304,29 @@ class EPGroup:
         what: str = "all_to_all",
     ) -> torch.Tensor:
         """``dist.all_to_all_single`` under the deadline; rows split per rank along dim 0."""
+        return self.start_all_to_all(output, input, output_splits, input_splits, what).wait()
+
+    def start_all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, what: str = ""
+    ) -> Pending:
+        """Issue an in-place all-reduce of ``tensor`` without waiting."""
+        what = what or "all_reduce"
         if self.size == 1:
-            output.copy_(input)
-            return output
-        row_bytes = math.prod(input.shape[1:]) * input.element_size()
-        rows_P = input_splits or [input.shape[0] // self.size] * self.size
-        self._count([rows * row_bytes for rows in rows_P])
-        work = dist.all_to_all_single(
-            output, input, output_splits, input_splits, group=self.group, async_op=True
-        )
-        self._wait(work, what)
-        return output
+            return Pending(None, tensor, what, self.timeout_s, False)
+        self._count([tensor.numel() * tensor.element_size()] * self.size)
+        self._note("all_reduce", what)
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        return Pending(work, tensor, self._failed(what), self.timeout_s, self.on_stream(tensor))
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, what: str = ""
     ) -> torch.Tensor:
-        if self.size > 1:
-            self._count([tensor.numel() * tensor.element_size()] * self.size)
-            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-            self._wait(work, what or "all_reduce")
-        return tensor
+        return self.start_all_reduce(tensor, op, what).wait()
+
+    def barrier(self, what: str = "barrier") -> None:
+        """Every rank of the group reaches this point (a one-element all-reduce: unlike
+        ``dist.barrier`` it waits with the deadline)."""
+        self.all_reduce(torch.zeros(1, device=self.control_device), what=what)
 
     def all_gather_dim0(self, tensor: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
         """Concatenate equal-shaped tensors of all ranks along dim 0, in rank order."""
@@ -178,11 +342,85 @@ class EPGroup:
         if self.size == 1:
             return tensor.clone(), lambda: None
         self._count([tensor.numel() * tensor.element_size()] * self.size)
+        self._note("all_gather", what)
         out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
         # all_gather_single replaces all_gather_into_tensor in newer torch; both exist in 2.4+.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = gather(out, tensor.contiguous(), group=self.group, async_op=True)
-        return out, lambda: self._wait(work, what)
+        return out, lambda: self._wait(work, what, tensor)
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "send") -> Pending:
+        """Point-to-point send of ``tensor`` to rank ``peer`` of this group (counted)."""
+        self.count_sent(peer, tensor.numel() * tensor.element_size())
+        work = dist.isend(tensor, dst=self._global(peer), tag=tag, group=self.group)
+        return Pending(work, tensor, self._failed(what), self.timeout_s, self.on_stream(tensor))
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "recv") -> Pending:
+        """Point-to-point receive into ``tensor`` from rank ``peer`` of this group."""
+        work = dist.irecv(tensor, src=self._global(peer), tag=tag, group=self.group)
+        return Pending(work, tensor, self._failed(what), self.timeout_s, self.on_stream(tensor))
+
+    def _global(self, rank: int) -> int:
+        """torch's point-to-point calls take global ranks, also on a subgroup."""
+        return self.global_ranks[rank]
+
+
+def shared_groups(global_sets: list[tuple[int, ...]], lane: str, timeout_s: float) -> list[EPGroup]:
+    """The registry's groups (``comm.groups``) of ``global_sets`` (global ranks, each holding
+    this rank) in ``lane``: a collective of the whole world, every rank with its own sets."""
+    from moesaic.comm.groups import registry
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [EPGroup.solo(timeout_s) for _ in global_sets]
+    reg = registry()
+    world = EPGroup(None, timeout_s)
+    reg.create(_gather_rank_sets(world, global_sets, lane), lane, timeout_s)
+    return [
+        EPGroup(reg.lookup(s, lane), timeout_s, lane=lane)
+        if len(set(s)) > 1
+        else EPGroup.solo(timeout_s)
+        for s in global_sets
+    ]
+
+
+def in_lanes(groups: list[EPGroup], lane: str) -> list[EPGroup]:
+    """Each of ``groups``' ranks in ``lane`` (one world collective for all of them); a group's
+    traffic in its lane counts in the group's own."""
+    out = shared_groups(
+        [g.global_ranks for g in groups], lane, min((g.timeout_s for g in groups), default=60.0)
+    )
+    for child, g in zip(out, groups):
+        if child.size > 1:
+            child.timeout_s = g.timeout_s
+            child._parent = (g, list(range(g.size)))
+    return out
+
+
+def _gather_rank_sets(
+    world: EPGroup, sets: list[tuple[int, ...]], lane: str
+) -> list[tuple[int, ...]]:
+    """Every rank's ``sets`` (global ranks), gathered over the world: each set is a bit mask
+    in int64 words of 62 bits (any world size), padded to the longest list."""
+    if world.size == 1:
+        return sets
+    W = world.size
+    words = -(-W // 62)
+    n = world.all_gather_dim0(world.control_tensor([[len(sets)]]), f"{lane} group counts")
+    longest = int(n.max())
+
+    def mask(ranks: tuple[int, ...]) -> list[int]:
+        return [sum(1 << (r - 62 * w) for r in ranks if r // 62 == w) for w in range(words)]
+
+    mask_SW = [mask(ranks) for ranks in sets] + [[0] * words] * (longest - len(sets))
+    masks = world.all_gather_dim0(
+        world.control_tensor([mask_SW]).view(1, longest, words), f"{lane} group rank sets"
+    )
+    out = set()
+    for m_W in masks.reshape(-1, words).tolist():
+        ranks = tuple(r for r in range(W) if m_W[r // 62] >> (r % 62) & 1)
+        if ranks:
+            out.add(ranks)
+    return sorted(out)
 
 
 class _AllToAllV(torch.autograd.Function):

@@ -126,7 +126,7 @@ class _PipelinedStep(TrainStep):
         self, sets: list[tuple[tuple[int, ...], list[torch.nn.Parameter]]], ce: torch.Tensor,
         aux: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        local = torch.zeros((), dtype=torch.float64)
+        local = torch.zeros((), dtype=torch.float64, device=ce.device)
         for ranks, params in sets:
             if len(ranks) == 1:
                 for p in params:
@@ -162,7 +162,7 @@ class _PipelinedStep(TrainStep):
         """Hook for the online tuner (flowmoe)."""
 
     def close(self) -> None:
-        """Stop the pool's thread and remove its gradient hooks."""
+        """Remove the pool's gradient hooks."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None

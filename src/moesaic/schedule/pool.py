@@ -5,32 +5,43 @@ Shape legend: N parameters, P ranks.
 
 Two kinds of collective share the network of a rank:
 
-* all-to-alls (the pipeline's D and C stages) are issued at once, on their EP group, when the
-  schedule asks (``all_to_all``); the pool only counts them while they are queued or in flight;
-* gradient all-reduces run on process groups of their own (one ``dist.new_group`` per distinct
-  reduction rank set, created in the same order on every rank), so that a rank whose all-reduce
-  chunks go out earlier or later than a peer's never mismatches a collective of the EP group.
+* all-to-alls (the pipeline's D and C stages) are issued at once, when the schedule asks
+  (``all_to_all``), on their EP group's ranks in the registry's ``rows`` lane (``comm.groups``),
+  so that a strategy's small synchronous exchanges on the ``main`` lane (the dispatch counts)
+  never queue behind rows in flight;
+* gradient all-reduces run in the ``grad`` lane: one group per distinct reduction rank set,
+  shared with every other user of that set and lane.
 
 A gradient enters the pool from a per-parameter post-accumulate hook once its backward over all
 R chunks is complete (its hook count reaches the count learned in the first step, which reduces
 everything at ``finish``). Parameters are laid out, in the ready order rank 0 saw in the first
 step, in one flat staging buffer per (reduction rank set, dtype); the buffers are cut into
 chunks of ``chunk_bytes`` (Sp), and the chunks form one sequence that every rank issues in the
-same order (so ranks sharing groups never wait on each other in a cycle). A background thread
-issues the next chunk when every parameter it covers is complete, no all-to-all is queued or in
-flight on this rank, and no other chunk is in flight: at most one chunk is in flight during the
-backward. Once the schedule says its last all-to-all of the step has been issued
-(``end_all_to_alls``) and it has completed, there is nothing left to protect: every ready chunk
-goes at once, several in flight (the step's tail). ``finish`` issues the rest at once, waits each
-under the deadline, and writes ``sum / divisor`` back to ``p.grad``. A parameter whose gradient never arrived on this rank reduces zeros, so every rank
-issues the same chunks. Reduction rank sets of one rank (expert shards without replicas) are not
-reduced, only divided.
+same order.
+
+**Every collective is issued from the schedule's thread, at points of its program order, so
+every rank issues the same sequence** (NCCL requires one order on every rank and
+communicator; a thread deciding by timing would interleave differently on each rank). The
+priority rule of Alg. 2 ("an all-reduce chunk only while no all-to-all is in flight") is
+expressed in that order: the schedule waiting for an all-to-all opens a *gap* (the network is
+free of that transfer), issuing the next all-to-all closes it, and in each gap at most one
+chunk is issued, at its start or at the hook that completes it. On a device the chunk is
+enqueued after the stream waited for the all-to-all, so it also starts after it on the GPU.
+Once the schedule says its last all-to-all of the step has been issued (``end_all_to_alls``)
+and has waited for all of them, nothing is left to protect: every ready chunk goes at once (the
+step's tail). ``finish`` issues the rest, waits each under the deadline, and writes
+``sum / divisor`` back to ``p.grad``. A parameter whose gradient never arrived on this rank
+reduces zeros, so every rank issues the same chunks. Reduction rank sets of one rank (expert
+shards without replicas) are not reduced, only divided.
+
+Trace spans: on gloo a transfer's span ends when its work completes (the work's future); on a
+device stream the future completes at enqueue, so spans are timed by CUDA events recorded around
+the transfer and resolved at ``finish`` (one host synchronisation per step, only when the
+recorder is enabled).
 """
 
 from __future__ import annotations
 
-import datetime
-import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moesaic.checks import check_positive, check_positive_int
-from moesaic.comm.collectives import EPGroup, wait_work
+from moesaic.comm.collectives import EPGroup, Pending, in_lanes
 
 if TYPE_CHECKING:
     from moesaic.schedule.base import GradientSync
@@ -50,19 +61,59 @@ if TYPE_CHECKING:
 __all__ = ["CommPool", "PendingA2A"]
 
 
-class PendingA2A:
-    """An all-to-all issued by the pool; ``wait()`` returns its output once it has arrived."""
+class _DeviceSpans:
+    """Spans of transfers on a device stream, timed by CUDA events: each transfer records a
+    start event before it is issued and an end event once the stream waited for it; at
+    ``resolve`` the events are turned into host times through one anchor (event, host time)
+    taken at the start of the step."""
 
-    def __init__(self, work: Any, output: torch.Tensor, what: str, rank: int, timeout_s: float):
-        self._work, self._output, self._what = work, output, what
-        self._rank, self._timeout_s = rank, timeout_s
+    def __init__(self) -> None:
+        self._anchor: tuple[Any, float] | None = None
+        self._open: list[tuple[str, str, Any, Any, dict[str, Any]]] = []
+
+    def begin(self, now: float) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self._anchor, self._open = (ev, now), []
+
+    def start(self) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def end(self, resource: str, name: str, start: Any, args: dict[str, Any]) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self._open.append((resource, name, start, ev, args))
+
+    def resolve(self, recorder: Recorder) -> None:
+        if self._anchor is None:
+            return
+        anchor, t0 = self._anchor
+        for resource, name, start, end, args in self._open:
+            end.synchronize()
+            a = t0 + anchor.elapsed_time(start) / 1e3
+            recorder.add(resource, name, a, t0 + anchor.elapsed_time(end) / 1e3, **args)
+        self._anchor, self._open = None, []
+
+
+class PendingA2A:
+    """An all-to-all issued by the pool; ``wait()`` returns its output once it has arrived (on
+    a device: once the current stream waits for it) and tells the pool a gap opened."""
+
+    def __init__(self, pool: CommPool, pending: Pending, span: Callable[[], None] | None):
+        self._pool, self._pending, self._span = pool, pending, span
+        self._waited = False
 
     def wait(self) -> torch.Tensor:
         """The received rows (a ``CollectiveError`` naming the op if the deadline passes)."""
-        if self._work is not None:
-            wait_work(self._work, f"{self._what} failed on rank {self._rank}", self._timeout_s)
-            self._work = None
-        return self._output
+        out = self._pending.wait()
+        if not self._waited:
+            self._waited = True
+            if self._span is not None:
+                self._span()
+            self._pool._a2a_waited()
+        return out
 
 
 @dataclass(kw_only=True, slots=True)
@@ -88,8 +139,7 @@ class _Chunk:
     segments: list[tuple[int, int, int, int]]  # (param index, param lo, param hi, buffer lo)
     missing: int = 0  # covered params not yet complete this step
     issued: bool = False
-    work: Any = None
-    done: bool = False  # set by the completion callback
+    pending: Pending | None = None
     start: float = 0.0
     nbytes: int = field(default=0)
 
@@ -97,8 +147,8 @@ class _Chunk:
 class CommPool:
     """Priority pool of all-to-alls and chunked gradient all-reduces (see the module docstring).
 
-    Constructing it is a collective (every rank builds its pool with the same parameter list, at
-    the same point): it creates the all-reduce process groups.
+    Constructing it is a collective of the whole world (every rank builds its pool with the
+    same parameter list, at the same point): it takes its groups from the registry.
 
     Args:
         grad_sync: the gradient rules (``group_of(p)``: over which ranks; ``divisor``).
@@ -107,10 +157,8 @@ class CommPool:
         recorder: where the all-to-all ("a2a") and chunk ("allreduce") spans go.
         timeout_s: deadline of every wait.
         reduce_in_backward: False: no hooks, every chunk is reduced at ``finish`` (moe-only).
-        a2a_groups: EP groups whose data all-to-alls (``all_to_all``) run on a process group of
-            their own, a clone with the same ranks (same number on every rank; default none:
-            on the group itself). A strategy's small synchronous exchanges on the EP group
-            (the dispatch counts) then never queue behind a chunk's rows in flight.
+        a2a_groups: EP groups whose row all-to-alls (``all_to_all``) run in the ``rows`` lane
+            (the same number on every rank; default none: on the group itself).
     """
 
     def __init__(
@@ -131,14 +179,24 @@ class CommPool:
         self.params = [p for p in params if p.requires_grad]
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
-        self._ranks_N = [self._group_ranks(grad_sync.group_of(p)) for p in self.params]
-        self._a2a_ranks = [self._group_ranks(g) for g in a2a_groups]
-        self._a2a_pgs: dict[tuple[int, ...], Any] = {}  # EP rank set -> its clone for rows
-        self._groups = self._make_groups() if self.active else {}
-        self._cond = threading.Condition(threading.RLock())
-        self._a2a_pending = 0
+        reduce_groups = [grad_sync.group_of(p) for p in self.params]
+        self._ranks_N = [g.global_ranks if g.active else (0,) for g in reduce_groups]
+        self._groups: dict[tuple[int, ...], EPGroup] = {}
+        self._rows: dict[tuple[int, ...], EPGroup] = {}  # EP rank set -> its rows-lane group
+        if self.active:
+            self._check_sizes(len(a2a_groups))
+            distinct = {g.global_ranks: g for g in reduce_groups}
+            distinct.setdefault(tuple(range(dist.get_world_size())), EPGroup(None, timeout_s))
+            keys = sorted(distinct)
+            lanes = in_lanes([distinct[k] for k in keys], "grad")
+            self._groups = dict(zip(keys, lanes))
+            rows = {g.global_ranks: g for g in a2a_groups}
+            self._rows = dict(zip(rows, in_lanes(list(rows.values()), "rows")))
+        self._lock = threading.RLock()  # hooks may run on autograd's device threads
+        self._device_spans = _DeviceSpans()
+        self._a2a_unwaited = 0
+        self._gap = False  # an all-to-all was waited and no other issued since: a gap is open
         self._a2a_closed = False  # the step's last all-to-all was issued (end_all_to_alls)
-        self._stop = False
         self._armed = False
         self._finishing = False
         self._steps = 0
@@ -159,8 +217,6 @@ class CommPool:
                 p.register_post_accumulate_grad_hook(self._make_hook(i))
                 for i, p in enumerate(self.params)
             ]
-        self._thread = threading.Thread(target=self._loop, name="moesaic-comm-pool", daemon=True)
-        self._thread.start()
 
     # -- settings ---------------------------------------------------------------------------
     @property
@@ -172,54 +228,22 @@ class CommPool:
     def chunk_bytes(self, value: int) -> None:
         self._chunk_bytes = check_positive_int("chunk_bytes", value)
 
-    # -- groups -----------------------------------------------------------------------------
-    def _group_ranks(self, group: EPGroup) -> tuple[int, ...]:
-        if not group.active:
-            return (0,)
-        if group.group is None:
-            return tuple(range(dist.get_world_size()))
-        return tuple(dist.get_process_group_ranks(group.group))
-
-    def _make_groups(self) -> dict[tuple[int, ...], Any]:
-        """One new process group per distinct reduction rank set of any rank (every rank
-        creates every group, in the same sorted order), plus one of all ranks."""
-        W = dist.get_world_size()
+    def _check_sizes(self, a2a_groups: int) -> None:
+        """Every rank passes as many parameters and all-to-all groups (one all-gather)."""
         world = EPGroup(None, self.timeout_s)
-        sizes_1 = torch.tensor([[len(self.params), len(self._a2a_ranks)]])
-        n_P2 = world.all_gather_dim0(sizes_1, "all_gather of pool sizes")
+        mine = world.control_tensor([[len(self.params), a2a_groups]])
+        n_P2 = world.all_gather_dim0(mine, "all_gather of pool sizes")
         for k, what in enumerate(("params", "a2a_groups")):
             if len(set(n_P2[:, k].tolist())) != 1:
                 raise ValueError(
                     f"{what}: every rank must pass the same number to CommPool, got "
                     f"{n_P2[:, k].tolist()} by rank"
                 )
-        # each parameter's rank set as a bit mask in int64 words of 62 bits (any world size)
-        words = -(-W // 62)
-        N = len(self.params)
-        mask_1NW = torch.tensor(
-            [[[sum(1 << (r - 62 * w) for r in ranks if r // 62 == w) for w in range(words)]
-              for ranks in [*self._ranks_N, *self._a2a_ranks]]]
-        )  # fmt: skip
-        masks_PNW = world.all_gather_dim0(mask_1NW, "all_gather of pool reduction groups")
 
-        def rank_sets(masks_XW: torch.Tensor) -> set[tuple[int, ...]]:
-            return {
-                tuple(r for r in range(W) if m_W[r // 62] >> (r % 62) & 1)
-                for m_W in masks_XW.reshape(-1, words).tolist()
-            }
-
-        sets = rank_sets(masks_PNW[:, :N]) | {tuple(range(W))}
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        groups: dict[tuple[int, ...], Any] = {}
-        for ranks in sorted(s for s in sets if len(s) > 1):
-            pg = dist.new_group(list(ranks), timeout=timeout)
-            if self.rank in ranks:
-                groups[ranks] = pg
-        for ranks in sorted(s for s in rank_sets(masks_PNW[:, N:]) if len(s) > 1):
-            pg = dist.new_group(list(ranks), timeout=timeout)
-            if self.rank in ranks:
-                self._a2a_pgs[ranks] = pg
-        return groups
+    @property
+    def groups(self) -> dict[tuple[int, ...], EPGroup]:
+        """The gradient groups by global reduction rank set (the ``grad`` lane)."""
+        return dict(self._groups)
 
     # -- all-to-alls ------------------------------------------------------------------------
     def all_to_all(
@@ -233,48 +257,53 @@ class CommPool:
         name: str,
         **args: Any,
     ) -> PendingA2A:
-        """Issue ``all_to_all_single`` on ``group`` now; its span ("a2a", ``name``) ends when it
-        completes. No all-reduce chunk starts on this rank while it is queued or in flight."""
-        nbytes = input.numel() * input.element_size()
-        what = f"all_to_all {name}"
-        if group.size == 1:
-            t = self.recorder.now()
-            output.copy_(input)
-            self.recorder.add("a2a", name, t, self.recorder.now(), bytes=nbytes, **args)
-            return PendingA2A(None, output, what, group.rank, self.timeout_s)
-        row_bytes = math.prod(input.shape[1:]) * input.element_size()
-        rows_P = input_splits or [input.shape[0] // group.size] * group.size
-        group._count([rows * row_bytes for rows in rows_P])
-        pg = self._a2a_pgs.get(self._group_ranks(group), group.group) if self._a2a_pgs else None
-        with self._cond:
-            self._a2a_pending += 1
-            start = self.recorder.now()
-            work = dist.all_to_all_single(
-                output, input, output_splits, input_splits, group=pg or group.group,
-                async_op=True,
-            )  # fmt: skip
+        """Issue ``all_to_all_single`` on ``group``'s rows lane now (this closes the open gap,
+        if any); its span ("a2a", ``name``) ends when it completes."""
+        args = {"bytes": input.numel() * input.element_size(), **args}
+        rows = self._rows.get(group.global_ranks, group) if group.active else group
+        if rows is not group and rows._parent is None:
+            rows._parent = (group, list(range(group.size)))
+        on_stream = group.size > 1 and rows.on_stream(input)
+        with self._lock:
+            self._gap = False
+            self._a2a_unwaited += 1
+            start = self._device_spans.start() if on_stream and self.recorder.enabled else None
+            t0 = self.recorder.now()
+            pending = rows.start_all_to_all(
+                output, input, output_splits, input_splits, f"all_to_all {name}"
+            )
+        span: Callable[[], None] | None = None
+        if on_stream:
+            if start is not None:
 
-        def done(_fut: Any) -> None:
-            end = self.recorder.now()
-            with self._cond:
-                self._a2a_pending -= 1
-                self._cond.notify_all()
-            self.recorder.add("a2a", name, start, end, bytes=nbytes, **args)
+                def span() -> None:
+                    self._device_spans.end("a2a", name, start, args)
 
-        work.get_future().add_done_callback(done)
-        return PendingA2A(work, output, what, group.rank, self.timeout_s)
+        else:
+
+            def done() -> None:
+                self.recorder.add("a2a", name, t0, self.recorder.now(), **args)
+
+            pending.add_done_callback(done)
+        return PendingA2A(self, pending, span)
+
+    def _a2a_waited(self) -> None:
+        with self._lock:
+            self._a2a_unwaited -= 1
+            self._gap = True
+            self._pump()
 
     def end_all_to_alls(self) -> None:
-        """No more all-to-alls this step: once those issued have completed, ready chunks no
-        longer go one at a time (nothing is left for the priority rule to protect)."""
-        with self._cond:
+        """No more all-to-alls this step: once the schedule has waited for those issued, ready
+        chunks no longer go one per gap (nothing is left for the priority rule to protect)."""
+        with self._lock:
             self._a2a_closed = True
-            self._cond.notify_all()
+            self._pump()
 
     # -- gradients --------------------------------------------------------------------------
     def _make_hook(self, i: int):
         def hook(_p: torch.Tensor) -> None:
-            with self._cond:
+            with self._lock:
                 if not self._armed:
                     return
                 self._counts_N[i] += 1
@@ -287,18 +316,15 @@ class CommPool:
                     if any(self._chunks[c].issued for c in self._chunks_of_N[i]):
                         self._late.append(i)
                 elif self._counts_N[i] == expected:
-                    self._complete(i)
-                    self._cond.notify_all()
+                    for c in self._chunks_of_N[i]:
+                        self._chunks[c].missing -= 1
+                    self._pump()
 
         return hook
 
-    def _complete(self, i: int) -> None:
-        for c in self._chunks_of_N[i]:
-            self._chunks[c].missing -= 1
-
     def begin_step(self) -> None:
         """Reset the hook counts and arm the hooks for this step's backward."""
-        with self._cond:
+        with self._lock:
             if self._chunk_bytes != self._layout_bytes:
                 self._build_layout()
             self._counts_N = [0] * len(self.params)
@@ -306,10 +332,22 @@ class CommPool:
             self._seq, self._next, self._late = 0, 0, []
             for c in self._chunks:
                 c.missing = len({s[0] for s in c.segments})
-                c.issued, c.done, c.work = False, False, None
+                c.issued, c.pending = False, None
             self._finishing = False
             self._a2a_closed = False
+            self._a2a_unwaited = 0
+            self._gap = True  # the network is free until the step's first all-to-all
+            if self.recorder.enabled and self._on_device():
+                self._device_spans.begin(self.recorder.now())
             self._armed = True
+
+    def _on_device(self) -> bool:
+        """Whether the gradients' collectives run on a device stream."""
+        return any(
+            self._groups[b.ranks].on_stream(b.staging)
+            for b in self._buckets
+            if b.staging is not None
+        )
 
     def _build_layout(self) -> None:
         """Buckets in the agreed order, cut into ``chunk_bytes`` chunks, one global sequence."""
@@ -324,16 +362,17 @@ class CommPool:
             offsets = [0]
             for i in members:
                 offsets.append(offsets[-1] + self.params[i].numel())
-            b = _Bucket(ranks=ranks, dtype=dtype, params=members, offsets=offsets[:-1],
-                        numel=offsets[-1])  # fmt: skip
+            b = _Bucket(
+                ranks=ranks, dtype=dtype, params=members, offsets=offsets[:-1], numel=offsets[-1]
+            )
             self._buckets.append(b)
             if len(ranks) == 1:
                 continue  # no replicas: divided at finish, never reduced
             staging = old.get((ranks, dtype))
-            b.staging = staging if staging is not None and staging.numel() == b.numel else (
-                torch.empty(b.numel, dtype=dtype, device=self.params[members[0]].device)
-            )  # fmt: skip
-            esize = torch.tensor([], dtype=dtype).element_size()
+            if staging is None or staging.numel() != b.numel:
+                staging = torch.empty(b.numel, dtype=dtype, device=self.params[members[0]].device)
+            b.staging = staging
+            esize = staging.element_size()
             step = max(1, self._chunk_bytes // esize)
             for lo in range(0, b.numel, step):
                 hi = min(lo + step, b.numel)
@@ -356,24 +395,20 @@ class CommPool:
         self._layout_bytes = self._chunk_bytes
 
     # -- issuing ----------------------------------------------------------------------------
-    def _can_issue(self) -> bool:
-        return (
-            self._armed
-            and not self._finishing
-            and self._next < len(self._chunks)
-            and self._chunks[self._next].missing == 0
-            and self._a2a_pending == 0
-            and (self._a2a_closed or self._next == 0 or self._chunks[self._next - 1].done)
-        )
+    def _ready(self) -> bool:
+        return self._next < len(self._chunks) and self._chunks[self._next].missing == 0
 
-    def _loop(self) -> None:
-        with self._cond:
-            while True:
-                while not (self._stop or self._can_issue()):
-                    self._cond.wait()
-                if self._stop:
-                    return
-                self._issue(self._chunks[self._next], phase="tail" if self._a2a_closed else "bwd")
+    def _pump(self) -> None:
+        """Issue what the rule allows at this point of the program order (lock held): in the
+        tail every ready chunk, before it at most one per open gap."""
+        if not self._armed or self._finishing:
+            return
+        if self._a2a_closed and self._a2a_unwaited == 0:
+            while self._ready():
+                self._issue(self._chunks[self._next], phase="tail")
+        elif self._gap and self._ready():
+            self._gap = False
+            self._issue(self._chunks[self._next], phase="bwd")
 
     def _issue(self, chunk: _Chunk, *, phase: str) -> None:
         """Copy the chunk's gradients (zeros where none) into its buffer slice and start its
@@ -389,64 +424,70 @@ class CommPool:
                 dst.copy_(grad.reshape(-1)[plo:phi])
         self._next = chunk.index + 1
         chunk.issued = True
-        chunk.start = self.recorder.now()
-        chunk.work = dist.all_reduce(
-            bucket.staging[chunk.lo : chunk.hi], group=self._groups[bucket.ranks], async_op=True
-        )
+        group = self._groups[bucket.ranks]
+        what = f"all_reduce chunk AR{chunk.index} ({chunk.nbytes} bytes) over ranks {list(bucket.ranks)}"
+        data = bucket.staging[chunk.lo : chunk.hi]
         args = {"bytes": chunk.nbytes, "phase": phase, "ranks": len(bucket.ranks)}
+        if group.on_stream(data):
+            start = self._device_spans.start() if self.recorder.enabled else None
+            chunk.pending = group.start_all_reduce(data, what=what)
+            if start is not None:
+                self._device_spans.end("allreduce", f"AR{chunk.index}", start, args)
+            return
+        chunk.start = self.recorder.now()
+        chunk.pending = group.start_all_reduce(data, what=what)
 
-        def done(_fut: Any, chunk: _Chunk = chunk) -> None:
-            end = self.recorder.now()
-            with self._cond:
-                chunk.done = True
-                self._cond.notify_all()
-            self.recorder.add("allreduce", f"AR{chunk.index}", chunk.start, end, **args)
+        def done(chunk: _Chunk = chunk) -> None:
+            self.recorder.add(
+                "allreduce", f"AR{chunk.index}", chunk.start, self.recorder.now(), **args
+            )
 
-        chunk.work.get_future().add_done_callback(done)
+        chunk.pending.add_done_callback(done)
 
     def _agree(self) -> None:
         """After the first step's backward: every rank learns rank 0's ready order and which
         parameters had the same hook count on every rank (those complete early from now on)."""
-        world = EPGroup(self._groups[tuple(range(dist.get_world_size()))], self.timeout_s)
-        row_1X = torch.tensor([self._counts_N + self._last_N], dtype=torch.int64)
+        world = self._groups[tuple(range(dist.get_world_size()))]
+        row_1X = world.control_tensor([self._counts_N + self._last_N])
         all_PX = world.all_gather_dim0(row_1X, "all_gather of gradient hook counts (CommPool)")
         N = len(self.params)
-        counts_PN, last_N = all_PX[:, :N], all_PX[0, N:].tolist()
+        counts_PN, last_N = all_PX[:, :N].cpu(), all_PX[0, N:].tolist()
         same_N = (counts_PN == counts_PN[:1]).all(dim=0).tolist()
-        self._expected_N = [
-            int(counts_PN[0, i]) if same_N[i] else 0 for i in range(N)
-        ]  # fmt: skip
+        self._expected_N = [int(counts_PN[0, i]) if same_N[i] else 0 for i in range(N)]
         seen = sorted((last, i) for i, last in enumerate(last_N) if last >= 0)
         rest = [i for i in reversed(range(N)) if last_N[i] < 0]
         self._order = [i for _, i in seen] + rest
 
     def finish(self, *, while_waiting: Callable[[], None] | None = None) -> None:
-        """Issue every chunk not yet issued (all at once: no all-to-all is left), wait each
-        under the deadline, and write the averaged gradients (``sum over group_of(p) /
+        """Issue every chunk not yet issued, wait each under the deadline (on a device: the
+        current stream waits), and write the averaged gradients (``sum over group_of(p) /
         divisor``) back to ``p.grad``.
 
         Args:
             while_waiting: called once every chunk is issued, before waiting for them (work
                 that needs no reduced gradient: it overlaps the step's last chunks).
         """
-        with self._cond:
+        with self._lock:
             if not self._armed:
                 raise RuntimeError("CommPool.finish() called without begin_step()")
             self._finishing = True
         if self._steps == 0 and self.reduce_in_backward and self.active:
             # (no chunk was issued: no hook count was known yet)
             self._agree()
-            with self._cond:
+            with self._lock:
                 self._build_layout()
-        with self._cond:
+        with self._lock:
             for chunk in self._chunks[self._next :]:
                 self._issue(chunk, phase="finish")
         if while_waiting is not None:
             while_waiting()
         for chunk in self._chunks:
-            self._wait_chunk(chunk)
+            assert chunk.pending is not None  # internal: every chunk was issued above
+            chunk.pending.wait()
         self._write_back()
-        with self._cond:
+        if self.recorder.enabled:
+            self._device_spans.resolve(self.recorder)
+        with self._lock:
             self._armed = False
             self._steps += 1
             late, self._late = self._late, []
@@ -466,11 +507,6 @@ class CommPool:
             by_ranks.setdefault(self._ranks_N[i], []).append(p)
         return list(by_ranks.items())
 
-    def _wait_chunk(self, chunk: _Chunk) -> None:
-        ranks = self._buckets[chunk.bucket].ranks
-        what = f"all_reduce chunk AR{chunk.index} ({chunk.nbytes} bytes) over ranks {list(ranks)}"
-        wait_work(chunk.work, f"{what} failed on rank {self.rank}", self.timeout_s)
-
     def _write_back(self) -> None:
         divisor = self.grad_sync.divisor
         for b in self._buckets:
@@ -488,11 +524,7 @@ class CommPool:
                     p.grad.copy_(avg)
 
     def close(self) -> None:
-        """Remove the hooks and stop the pool thread."""
+        """Remove the gradient hooks."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join(timeout=5.0)

@@ -146,16 +146,18 @@ class HybridStrategy(MoEStrategy):
         self.bundle = bundle_order(topo, me)
         self.position = self.bundle.index(me)
         # One group per level with a domain size above 1 (members: this rank's level-l domain,
-        # differing only in coordinate l), a clone of each for the prefetch thread, then the
-        # offset group: the same creation order on every rank.
+        # differing only in coordinate l), the same sets in the prefetch lane, then the offset
+        # group.
         self.level_ranks = [
             sorted([me, *topo.ag_peers(me, lv)])
             for lv in range(topo.num_levels)
             if topo.domain_sizes[lv] > 1
         ]
-        self.levels = [self.group.subgroup(r) for r in self.level_ranks]
-        self.prefetch_levels = [self.group.subgroup(r) for r in self.level_ranks]
-        a2a = self.group.subgroup(self.offset_ranks)
+        # From the world's registry: one group per distinct rank set and lane, shared by every
+        # hybrid layer (NCCL spends hundreds of MB per communicator).
+        self.levels = self.group.subgroups(self.level_ranks, "main")
+        self.prefetch_levels = self.group.subgroups(self.level_ranks, "prefetch")
+        (a2a,) = self.group.subgroups([self.offset_ranks], "main")
         self._routing = ExpertPlacement(
             ctx.config.num_experts,
             tuple(

@@ -14,7 +14,6 @@ Every collective goes through ``EPGroup``, which waits with a deadline.
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moesaic.comm.collectives import EPGroup
+from moesaic.comm.groups import registry
 from moesaic.layer import is_expert_param
 
 
@@ -54,25 +54,26 @@ def build_layout(ep_size: int, timeout_s: float) -> Layout:
     W, r = dist.get_world_size(), dist.get_rank()
     if W % ep_size:
         raise ValueError(f"ep ({ep_size}) must divide the world size ({W})")
-    timeout = datetime.timedelta(seconds=timeout_s)
     dp_size = W // ep_size
-    ep_group = dp_group = None
-    for d in range(dp_size):
-        g = dist.new_group(list(range(d * ep_size, (d + 1) * ep_size)), timeout=timeout)
-        if r // ep_size == d:
-            ep_group = g
-    for j in range(ep_size):
-        g = dist.new_group(list(range(j, W, ep_size)), timeout=timeout)
-        if r % ep_size == j:
-            dp_group = g
+    ep_sets = [list(range(d * ep_size, (d + 1) * ep_size)) for d in range(dp_size)]
+    dp_sets = [list(range(j, W, ep_size)) for j in range(ep_size)]
+    # From the world's registry (every rank creates every group, in one order): the same
+    # communicators as any layer or schedule that asks for these rank sets later.
+    reg = registry()
+    # An EP size of 1 still gets a group of its own rank: the model's layers take a process
+    # group, and None would mean the whole world.
+    reg.create([*ep_sets, *dp_sets], "main", timeout_s, singletons=ep_size == 1)
+    ep_ranks, dp_ranks = ep_sets[r // ep_size], dp_sets[r % ep_size]
+    ep_group = reg.lookup(ep_ranks)
+    world = EPGroup(None, timeout_s)
     return Layout(
         rank=r,
         world_size=W,
         ep_size=ep_size,
         ep_group=ep_group,
-        world=EPGroup(None, timeout_s),
+        world=world,
         ep=EPGroup(ep_group, timeout_s),
-        dp=EPGroup(dp_group, timeout_s),
+        dp=EPGroup(reg.lookup(dp_ranks), timeout_s) if dp_size > 1 else EPGroup.solo(timeout_s),
     )
 
 
@@ -143,7 +144,10 @@ class GradientSync:
 
     def all_ranks(self, flags_F: torch.Tensor) -> torch.Tensor:
         """Every rank's ``flags_F`` ([1, F]) stacked in rank order, ``[P, F]``."""
-        return self.layout.world.all_gather_dim0(flags_F, "all_gather of step health flags")
+        world = self.layout.world
+        return world.all_gather_dim0(
+            flags_F.to(world.control_device), "all_gather of step health flags"
+        )
 
 
 def sync_gradients(model: nn.Module, layout: Layout) -> None:

@@ -193,7 +193,7 @@ class TaskflowRuntime:
         no rank has a token."""
         T, K = routing.topk_ids_TK.shape
         worst = int(routing.counts_E.max()) if routing.counts_E.numel() else 0
-        agreed = torch.tensor([worst, T], dtype=torch.int64)
+        agreed = self.group.control_tensor([worst, T])
         self.group.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, what="taskflow bucket")
         if int(agreed[1]) == 0:
             return None

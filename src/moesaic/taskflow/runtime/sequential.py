@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.distributed as dist
 
-from moesaic.comm.collectives import CollectiveError, EPGroup
+from moesaic.comm.collectives import CollectiveError, EPGroup, Pending
 from moesaic.routing import RoutingPlan
 from moesaic.taskflow.engine import EventEngine, Stall
 from moesaic.taskflow.moe_graphs import TASK_TYPES
@@ -170,7 +169,7 @@ class _Run(StepRows):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
         self.pending: dict[int, list] = {}
-        self.sends: list[tuple[dist.Work | None, str]] = []
+        self.sends: list[tuple[Pending, str]] = []
         self.payloads: list[torch.Tensor] = []  # kept alive until their sends complete
         self.trace: list[int] = []
         # the put type of every operator (a remote write names only the sender's operator)
@@ -199,7 +198,7 @@ class _Run(StepRows):
             self.bufs[r.buffer][r.start : r.start + rows.shape[0]].copy_(rows)
             return
         payload = rows.contiguous()
-        work = dist.isend(payload, dst=r.rank, tag=self._tag(t.op, r), group=self.group.group)
+        work = self.group.isend(payload, r.rank, self._tag(t.op, r), what=f"{t.label} put")
         self.sends.append((work, f"{t.label} -> rank {r.rank}"))
         self.payloads.append(payload)
 
@@ -211,20 +210,20 @@ class _Run(StepRows):
                 if rows:
                     view = self.bufs[r.buffer][r.start : r.start + rows]
                     tag = self._tag(w.op, r)
-                    works.append(dist.irecv(view, src=w.rank, tag=tag, group=self.group.group))
+                    works.append(self.group.irecv(view, w.rank, tag, what=f"{w.op} receive"))
             if works:
                 self.pending[k] = works
             else:  # nothing to carry: the write is complete as far as this rank can tell
                 self._fire(w.trigger_events)
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work: Pending, what: str) -> None:
         try:
-            work.wait(self.timeout)
-        except RuntimeError as exc:
+            work.wait()
+        except CollectiveError as exc:
             raise CollectiveError(
                 f"taskflow {what} failed on rank {self.me}/{self.P} within "
                 f"{self.timeout.total_seconds():g}s: a peer died, hung or runs another plan. "
-                f"Cause: {str(exc).splitlines()[0][:300]}"
+                f"Cause: {str(exc.__cause__ or exc).splitlines()[0][:300]}"
             ) from exc
 
     def complete_remote(self, k: int) -> None:
@@ -270,7 +269,7 @@ def _check_world_plan(plan: Plan, group: EPGroup) -> None:
             f"plan is for rank {plan.rank} of {plan.bucket.ep_size}; this process is rank "
             f"{group.rank} of an expert-parallel group of {group.size}"
         )
-    mine = torch.tensor([int(plan.fingerprint[:15], 16)], dtype=torch.int64)
+    mine = group.control_tensor([int(plan.fingerprint[:15], 16)])
     every = group.all_gather_dim0(mine, what="taskflow plan fingerprints")
     if bool((every != mine).any()):
         raise ValueError(
