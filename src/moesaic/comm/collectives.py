@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,6 +179,11 @@ class EPGroup:
         self.traffic = Traffic([0] * self.size)
         self._parent: tuple[EPGroup, list[int]] | None = None
         self._backends: dict[str, str] | None = None
+        # MOESAIC_NO_SHORTCUTS=1: a group of one initialised process still issues its
+        # collectives (a one-GPU NCCL run then exercises every communication path).
+        self.trivial = self.size == 1 and (
+            not self.active or os.environ.get("MOESAIC_NO_SHORTCUTS", "0") in ("", "0")
+        )
 
     @classmethod
     def solo(cls, timeout_s: float) -> EPGroup:
@@ -191,6 +197,7 @@ class EPGroup:
         out.traffic = Traffic([0])
         out._parent = None
         out._backends = None
+        out.trivial = True
         return out
 
     # ---- devices and waits ------------------------------------------------------------------
@@ -283,7 +290,7 @@ class EPGroup:
         what: str = "all_to_all",
     ) -> Pending:
         """Issue ``all_to_all_single`` (rows split per rank along dim 0) without waiting."""
-        if self.size == 1:
+        if self.trivial:
             output.copy_(input)
             return Pending(None, output, what, self.timeout_s, False)
         row_bytes = math.prod(input.shape[1:]) * input.element_size()
@@ -311,7 +318,7 @@ class EPGroup:
     ) -> Pending:
         """Issue an in-place all-reduce of ``tensor`` without waiting."""
         what = what or "all_reduce"
-        if self.size == 1:
+        if self.trivial:
             return Pending(None, tensor, what, self.timeout_s, False)
         self._count([tensor.numel() * tensor.element_size()] * self.size)
         self._note("all_reduce", what)
@@ -339,7 +346,7 @@ class EPGroup:
     ) -> tuple[torch.Tensor, Callable[[], None]]:
         """Issue :meth:`all_gather_dim0` without waiting: ``(out, finish)``; ``out`` is valid
         once ``finish()`` (the wait under the deadline) has returned."""
-        if self.size == 1:
+        if self.trivial:
             return tensor.clone(), lambda: None
         self._count([tensor.numel() * tensor.element_size()] * self.size)
         self._note("all_gather", what)
@@ -450,6 +457,6 @@ def all_to_all_v(
     what: str = "all_to_all_v",
 ) -> torch.Tensor:
     """Autograd all-to-all-v: ``in_splits[p]`` rows go to rank p, ``out_splits[p]`` come back."""
-    if group.size == 1:
+    if group.trivial:
         return x_MH
     return _AllToAllV.apply(x_MH, group, list(in_splits), list(out_splits), what)
