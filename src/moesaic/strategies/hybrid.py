@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -170,6 +170,8 @@ class HybridStrategy(MoEStrategy):
         self._shared: list[torch.Tensor | None] | None = None  # of compressed gathers
         self._gathers = 0
         self._pending: tuple[tuple, Future[Gathered]] | None = None
+        # set by ExpertPrefetcher when the prefetch was enqueued on a device side stream
+        self.prefetch_ready: Any = None
         assert sorted(self.bundle) == self.domain_ranks
         assert len(self.domain_ranks) * len(self.offset_ranks) == P
 
@@ -227,6 +229,9 @@ class HybridStrategy(MoEStrategy):
         if self._pending is not None:  # a prefetch was reserved on every rank: consume it
             pkey, fut = self._pending
             self._pending = None
+            ready, self.prefetch_ready = self.prefetch_ready, None
+            if ready is not None:  # enqueued on a device side stream: this stream waits for it
+                torch.cuda.current_stream().wait_event(ready)
             try:
                 tensors, pending = fut.result(timeout=self.group.timeout_s)
             except FutureTimeout as exc:

@@ -197,9 +197,12 @@ class ExpertPrefetcher:
 
     :meth:`start` (called on every rank at the same point, e.g. right after the optimizer step:
     :meth:`attach` registers it as a step post-hook) reserves one pending gather per layer whose
-    weights changed, in layer order, then returns at once. A background thread then runs the
-    send queue (encode each layer's experts and issue its all-gather on the layer's own
-    prefetch group) and the receive queue (wait each gather and decode it); each layer's next
+    weights changed, in layer order, then returns at once. The send queue (encode each layer's
+    experts and issue its all-gather in the ``prefetch`` lane) and the receive queue (wait each
+    gather and decode it) then run: on gloo in a background thread (gloo lets communicators
+    run concurrently, each in one order on every rank); on device streams (NCCL, which needs
+    one issue order across communicators) enqueued from the calling thread on a side stream,
+    the forward's stream waiting for it only where it takes the experts. Each layer's next
     forward takes its experts from there, waiting only if they have not arrived. The gathers
     thus overlap the forward's pre-expert computation (embedding, attention, earlier layers) and
     the encoding overlaps whatever runs between the optimizer step and the forward.
@@ -220,6 +223,7 @@ class ExpertPrefetcher:
         ]
         self.recorder = recorder
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moesaic-prefetch")
+        self._stream: Any = None  # the side stream of device gathers
         self._lock = threading.Lock()
         self._last: Future[None] | None = None
 
@@ -239,9 +243,45 @@ class ExpertPrefetcher:
             fut = strategy.reserve_prefetch(experts)
             if fut is not None:
                 jobs.append((index, strategy, experts, fut))
-        if jobs:
+        if jobs and self._on_device(jobs):
+            self._run_on_stream(jobs)
+        elif jobs:
             with self._lock:
                 self._last = self._pool.submit(self._run, jobs)
+
+    @staticmethod
+    def _on_device(
+        jobs: list[tuple[int, HybridStrategy, GroupedExperts, Future[Gathered]]],
+    ) -> bool:
+        """Whether the gathers run on device streams (NCCL): then a thread issuing them while
+        the main thread issues its own would give each rank another order across
+        communicators, which NCCL does not allow."""
+        _, strategy, experts, _ = jobs[0]
+        return any(g.on_stream(experts.w1) for g in strategy.prefetch_levels)
+
+    def _run_on_stream(
+        self, jobs: list[tuple[int, HybridStrategy, GroupedExperts, Future[Gathered]]]
+    ) -> None:
+        """The send and receive queues enqueued from this thread, in layer order, on a side
+        stream: encoding, gathers (stream waits) and decoding all run on the device while the
+        host goes on to the forward, which waits for the side stream only where it takes the
+        experts (``HybridStrategy._gathered``)."""
+        main = torch.cuda.current_stream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(main)  # the optimizer's update comes first
+        with torch.cuda.stream(self._stream):
+            self._run(jobs)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        for _, strategy, _, fut in jobs:
+            if not fut.done() or fut.exception() is not None:
+                continue
+            tensors, _pending = fut.result()
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(main)  # allocated on the side stream, used on the main one
+            strategy.prefetch_ready = ready
 
     def _run(
         self, jobs: list[tuple[int, HybridStrategy, GroupedExperts, Future[Gathered]]]

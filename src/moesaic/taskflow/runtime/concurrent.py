@@ -259,6 +259,13 @@ class TaskflowRuntime:
                            world_checked=key in self._checked)  # fmt: skip
         self._checked.add(key)
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
+        if self.channel is not None and self.group.on_stream(ref):
+            raise ValueError(
+                "dispatcher 'taskflow' cannot run on an NCCL group: its runtime moves tiles "
+                "with host threads per queue and point-to-point receives from any source, "
+                "which NCCL does not support. Run it on gloo (CPU or CUDA tensors: "
+                "init_process_group('gloo')) or use dispatcher 'dropless'"
+            )
         window = self.window(plan, ref.dtype, ref.device)
 
         def work(spec):
