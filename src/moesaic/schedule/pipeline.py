@@ -254,7 +254,7 @@ class BlockPipeline:
     # ---- forward --------------------------------------------------------------------------
 
     def _forward(self, chunks: Sequence[_Chunk]) -> torch.Tensor:
-        aux = torch.zeros(())
+        aux = torch.zeros((), device=chunks[0].x_BT.device)
         for j, (blk, _, layer) in enumerate(self.moe_blocks):
             if j > 0 and not self.overlap_attention:
                 for c in chunks:  # barrier: every C of block j - 1 before this block
@@ -269,7 +269,7 @@ class BlockPipeline:
             if not self.overlap_attention:
                 for c in chunks:
                     self._dispatch(c, j)
-            aux = aux + self._aux(chunks, layer)
+            aux = aux + self._aux(chunks, layer).to(aux.device)
             for c in chunks:
                 rows = self._wait(c)
                 with self._span(f"E{c.r}.{blk}", phase="fwd", block=blk, chunk=c.r):
@@ -319,19 +319,19 @@ class BlockPipeline:
         if len(terms) < R:
             raise RuntimeError(f"expected {R} pending aux terms (one per chunk), got {len(terms)}")
         # Forwards left pending before this step (the vanilla step would count them too) go
-        # with the first chunk.
+        # with the first chunk. The sum stays on the terms' device (no host sync per chunk).
         extra, own = terms[: len(terms) - R], terms[len(terms) - R :]
-        total = torch.zeros(())
+        total = torch.zeros((), device=own[0].device) if own else torch.zeros(())
         for c, term in zip(chunks, own):
             stage = c.at[-1].stage
             for t in [*extra, term] if c.r == 1 else [term]:
                 stage.out(t, torch.ones_like(t))
-                total = total + t.detach().cpu()
+                total = total + t.detach().to(total.device)
         return total
 
     def _heads(self, chunks: Sequence[_Chunk], loss_fn: LossFn) -> torch.Tensor:
         J = len(self.moe_blocks)
-        ce = torch.zeros(())
+        ce = torch.zeros((), device=chunks[0].x_BT.device)
         if J and not self.overlap_attention:
             for c in chunks:
                 self._wait(c)
