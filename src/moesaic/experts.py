@@ -15,13 +15,42 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moesaic.config import MoEConfig
+
+
+class GroupCounts(list[int]):
+    """Rows per group on the host (this list) and, when the caller has them, on the device too.
+
+    The grouped matmul's offsets are then a cumsum on the device; from the list alone they
+    would be a copy of host memory to the device (on CUDA a blocking one) every forward. A
+    list, so that code written for ``list[int]`` counts takes it unchanged.
+
+    Attributes:
+        on_device: the same counts, int64 [e] on the rows' device, or None.
+    """
+
+    __slots__ = ("on_device",)
+
+    def __init__(self, counts: Iterable[int], on_device: torch.Tensor | None = None) -> None:
+        super().__init__(counts)
+        self.on_device = on_device
+
+
+def group_offsets(counts_e: Sequence[int], device: torch.device) -> torch.Tensor:
+    """End row of each group, int32 [e] on ``device`` (what ``torch._grouped_mm`` takes).
+
+    From ``GroupCounts.on_device`` when given (no host data moves), else from the host list.
+    """
+    on_device = getattr(counts_e, "on_device", None)
+    if on_device is not None:
+        return torch.cumsum(on_device.to(device), 0, dtype=torch.int32)
+    return torch.tensor(list(counts_e), device=device).cumsum(0).to(torch.int32)
 
 
 def grouped_mm_reference(
@@ -97,32 +126,49 @@ def _probe(device: torch.device, dtype: torch.dtype, native: bool) -> bool:
     )
 
 
+def _fast_mode(x_MH: torch.Tensor, w_eHF: torch.Tensor, use_fast: bool = True) -> bool | None:
+    """How ``grouped_mm`` runs: None the loop, True ``torch._grouped_mm`` with torch's own
+    backward, False with ours (``_GroupedMM``)."""
+    # torch._grouped_mm wants 16-byte-aligned row strides (in both operands, and for the
+    # transposed operands of the backward): H and F a multiple of 16 bytes.
+    aligned = all((n * x_MH.element_size()) % 16 == 0 for n in w_eHF.shape[1:])
+    if not (use_fast and aligned and x_MH.shape[0] > 0):
+        return None
+    if _fast_path_ok(x_MH.device, x_MH.dtype, native=True):
+        return True
+    return False if _fast_path_ok(x_MH.device, x_MH.dtype) else None
+
+
 def grouped_mm(
-    x_MH: torch.Tensor, w_eHF: torch.Tensor, counts_e: list[int], *, use_fast: bool = True
+    x_MH: torch.Tensor,
+    w_eHF: torch.Tensor,
+    counts_e: list[int],
+    *,
+    use_fast: bool = True,
+    offs_e: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped matmul: rows of group i times ``w_eHF[i]``; returns [M, F].
 
     Args:
         x_MH: expert-grouped rows, group i first ``counts_e[i]`` rows after group i-1.
         w_eHF: one weight per group.
-        counts_e: rows per group; must sum to M.
+        counts_e: rows per group; must sum to M (a ``GroupCounts`` carries them on the device
+            too).
         use_fast: allow ``torch._grouped_mm`` (False forces the loop). It is used only when
             it exists, the strides are aligned and it passed its self-check for this device and
             dtype. On CPU (torch 2.13, H=256, F=512, 8 groups of 256 rows) it measured 1.6x the
             loop's fwd+bwd speed, interleaved in one run.
+        offs_e: ``group_offsets(counts_e, device)`` when the caller made them already (the
+            experts share one per forward between their three weights and the backward).
     """
     if sum(counts_e) != x_MH.shape[0]:
         raise ValueError(f"counts_e sums to {sum(counts_e)}, but x_MH has {x_MH.shape[0]} rows")
     if len(counts_e) != w_eHF.shape[0]:
         raise ValueError(f"counts_e has {len(counts_e)} groups, but w_eHF has {w_eHF.shape[0]}")
-    # torch._grouped_mm wants 16-byte-aligned row strides (in both operands, and for the
-    # transposed operands of the backward): H and F a multiple of 16 bytes.
-    aligned = all((n * x_MH.element_size()) % 16 == 0 for n in w_eHF.shape[1:])
-    if use_fast and aligned and x_MH.shape[0] > 0:
-        native = _fast_path_ok(x_MH.device, x_MH.dtype, native=True)
-        if native or _fast_path_ok(x_MH.device, x_MH.dtype):
-            offs = torch.tensor(counts_e, device=x_MH.device).cumsum(0).to(torch.int32)
-            return _grouped_mm_op(x_MH, w_eHF.to(x_MH.dtype), offs, native)
+    native = _fast_mode(x_MH, w_eHF, use_fast)
+    if native is not None:
+        offs = offs_e if offs_e is not None else group_offsets(counts_e, x_MH.device)
+        return _grouped_mm_op(x_MH, w_eHF.to(x_MH.dtype), offs, native)
     return grouped_mm_reference(x_MH, w_eHF.to(x_MH.dtype), counts_e)
 
 
@@ -222,14 +268,18 @@ def expert_ffn(
     """The experts' FFN on expert-grouped rows with the given weights (any e of them).
 
     ``GroupedExperts.forward`` with its own weights; the ``hybrid`` strategy passes experts it
-    gathered from other ranks. ``w3_eHF`` None means GELU, else SwiGLU.
+    gathered from other ranks. ``w3_eHF`` None means GELU, else SwiGLU. The grouped matmuls'
+    offsets are made once (on the device from a ``GroupCounts``) for the three weights.
     """
     dtype = x_MH.dtype
     compute = expert_compute_dtype(x_MH.device, dtype)
     x_MH = x_MH.to(compute)  # a no-op unless a half type is emulated on this CPU
-    h_MF = grouped_mm(x_MH, w1_eHF, counts_e)
+    # w1, w3 [e, H, F] and w2 [e, F, H] have the same strides to align: one decision for all
+    fast = _fast_mode(x_MH, w1_eHF) is not None
+    offs_e = group_offsets(counts_e, x_MH.device) if fast else None
+    h_MF = grouped_mm(x_MH, w1_eHF, counts_e, offs_e=offs_e)
     if w3_eHF is not None:
-        h_MF = F.silu(h_MF) * grouped_mm(x_MH, w3_eHF, counts_e)
+        h_MF = F.silu(h_MF) * grouped_mm(x_MH, w3_eHF, counts_e, offs_e=offs_e)
     else:
         h_MF = F.gelu(h_MF)
-    return grouped_mm(h_MF, w2_eFH, counts_e).to(dtype)
+    return grouped_mm(h_MF, w2_eFH, counts_e, offs_e=offs_e).to(dtype)

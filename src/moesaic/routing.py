@@ -1,7 +1,14 @@
 """Router and RoutingPlan: which expert each token goes to, as pure data.
 
 Shape legend: T tokens (this rank), H hidden, E experts (global), e experts per rank, K top-k,
-N routed assignments that survive the capacity (N <= T*K), P ranks in the expert-parallel group.
+N routed assignments that survive the capacity (N <= T*K), P ranks in the expert-parallel group,
+R a leading part of the sorted assignments (R = N: the kept ones; R = T*K: all of them).
+
+Host syncs: routing reads nothing on the host. Counts are scatter-adds, not ``bincount`` (CUDA
+reads the largest id to size its output), drops are masks, not boolean indexing, and N stays on
+the device: with a capacity it is data-dependent, so ``RoutingPlan.order_N`` (N entries) reads it
+only when asked; the strategies take N from the split sizes they read anyway, or work on all
+T*K sorted assignments (``order_TK``, a static shape).
 
 The router computes in fp32 whatever the activation dtype: the top-k choice is discontinuous, and
 bf16 logits flip ties between ranks and runs (the reason Mixtral, DeepSeek-V3 and Megatron all
@@ -26,33 +33,72 @@ from moesaic.config import MoEConfig
 from moesaic.placement import ExpertPlacement
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class RoutingPlan:
     """Where each token goes. Pure data: building or reading it never communicates.
+
+    Build it with ``build_plan``; the constructor takes ``order_TK`` (with ``num_kept`` when
+    known) or, as before, just the kept assignments' ``order_N``.
 
     Attributes:
         topk_ids_TK: chosen global expert ids (int64), in descending score order.
         topk_weights_TK: their combine weights (fp32, in the autograd graph).
         kept_TK: False where the assignment was dropped by the capacity.
         counts_E: kept assignments per global expert (int64); sums to N.
-        order_N: flat assignment indices ``t * K + k`` of the kept assignments, sorted by
-            dispatch slot (destination rank, then local expert; see ``ExpertPlacement``) and,
-            within an expert, by token (a stable sort). ``x_TH[order_N // K]`` is the
-            expert-grouped input.
+        order_TK: flat assignment indices ``t * K + k`` sorted by dispatch slot (destination
+            rank, then local expert; see ``ExpertPlacement``) and, within an expert, by token (a
+            stable sort), the kept ones first: its first N entries are ``order_N``, the dropped
+            ones follow (``build_plan``: T*K entries; a plan made from ``order_N`` holds only
+            the kept ones). ``x_TH[order_TK[:N] // K]`` is the expert-grouped input.
         counts_Pe: kept assignments per (destination rank, local expert), the order of
             ``order_N``; ``counts_Pe.sum(1)`` are the rows sent to each rank.
         placement: which rank holds which expert.
         capacity: slots per expert, or None when dropless.
+        num_kept: N when the host knows it (T*K without a capacity), else None until
+            ``order_N`` reads it.
     """
 
     topk_ids_TK: torch.Tensor
     topk_weights_TK: torch.Tensor
     kept_TK: torch.Tensor
     counts_E: torch.Tensor
-    order_N: torch.Tensor
+    order_TK: torch.Tensor
     counts_Pe: torch.Tensor
     placement: ExpertPlacement
     capacity: int | None
+    num_kept: int | None
+
+    def __init__(
+        self,
+        *,
+        topk_ids_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+        kept_TK: torch.Tensor,
+        counts_E: torch.Tensor,
+        counts_Pe: torch.Tensor,
+        placement: ExpertPlacement,
+        capacity: int | None,
+        order_TK: torch.Tensor | None = None,
+        num_kept: int | None = None,
+        order_N: torch.Tensor | None = None,
+    ) -> None:
+        if (order_TK is None) == (order_N is None):
+            raise TypeError("RoutingPlan takes exactly one of order_TK and order_N")
+        if order_N is not None:
+            order_TK, num_kept = order_N, order_N.numel()
+        values = {
+            "topk_ids_TK": topk_ids_TK,
+            "topk_weights_TK": topk_weights_TK,
+            "kept_TK": kept_TK,
+            "counts_E": counts_E,
+            "order_TK": order_TK,
+            "counts_Pe": counts_Pe,
+            "placement": placement,
+            "capacity": capacity,
+            "num_kept": num_kept,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)  # frozen: the dataclass' own __init__ does so
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +107,14 @@ class RoutingPlan:
     @property
     def top_k(self) -> int:
         return self.topk_ids_TK.shape[1]
+
+    @property
+    def order_N(self) -> torch.Tensor:
+        """The kept assignments, the first N of ``order_TK``. With a capacity N is known only
+        on the device: the first use reads it (one host sync; remembered in ``num_kept``)."""
+        if self.num_kept is None:
+            object.__setattr__(self, "num_kept", int(self.counts_E.sum()))
+        return self.order_TK[: self.num_kept]
 
     @property
     def send_counts_P(self) -> torch.Tensor:
@@ -77,30 +131,54 @@ class RoutingPlan:
         """Source token of each expert-grouped row."""
         return self.order_N // self.top_k
 
-    def permute(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """Gather tokens into expert-grouped rows: [T, H] -> [N, H]."""
-        return x_TH.index_select(0, self.token_idx_N)
+    def permute(self, x_TH: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """Gather tokens into expert-grouped rows: [T, H] -> [R, H].
 
-    def unpermute(self, y_NH: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of expert outputs back per token: [N, H] -> [T, H].
+        Args:
+            x_TH: the tokens.
+            rows: R, how many of the sorted assignments (``order_TK``) to gather: N (the
+                default: pass it when the host knows it, e.g. from the split sizes, else it is
+                read) or ``order_TK.numel()`` (all of them, the dropped after the kept: a
+                static shape).
+        """
+        order_R = self.order_N if rows is None else self.order_TK[:rows]
+        return x_TH.index_select(0, order_R // self.top_k)
+
+    def unpermute(self, y_RH: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of expert outputs back per token: [R, H] -> [T, H].
+
+        Row r of ``y_RH`` is the output of assignment ``order_TK[r]``: R = N gives the kept
+        ones (the dropped contribute zero), R = T*K all of them (a dropped one's row must then
+        be zero).
 
         A gather over the inverse permutation rather than a scatter-add, so the sum over the K
         choices runs in a fixed order (bitwise deterministic, and equal to the reference's
         ``sum_k w_k * y_k``).
         """
         T, K = self.topk_ids_TK.shape
-        N, H = y_NH.shape
-        if N == T * K:  # nothing dropped: a permutation, read straight from y_NH (no copy)
-            slot_TK = torch.empty_like(self.order_N)
-            slot_TK[self.order_N] = torch.arange(N, device=y_NH.device)
-            y_TKH = y_NH.index_select(0, slot_TK).view(T, K, H)
-        else:  # dropped assignments read a zero row appended at index N
-            padded_NH = torch.cat([y_NH, y_NH.new_zeros(1, H)])
-            slot_TK = torch.full((T * K,), N, dtype=torch.long, device=y_NH.device)
-            slot_TK[self.order_N] = torch.arange(N, device=y_NH.device)
-            y_TKH = padded_NH.index_select(0, slot_TK).view(T, K, H)
-        w_TK = self.topk_weights_TK.to(y_NH.dtype)
+        R, H = y_RH.shape
+        order_R = self.order_TK[:R]
+        if R == T * K:  # every assignment: a permutation, read straight from y_RH (no copy)
+            slot_TK = torch.empty_like(order_R)
+            slot_TK[order_R] = torch.arange(R, device=y_RH.device)
+            y_TKH = y_RH.index_select(0, slot_TK).view(T, K, H)
+        else:  # the assignments past R (dropped) read a zero row appended at index R
+            padded_RH = torch.cat([y_RH, y_RH.new_zeros(1, H)])
+            slot_TK = torch.full((T * K,), R, dtype=torch.long, device=y_RH.device)
+            slot_TK[order_R] = torch.arange(R, device=y_RH.device)
+            y_TKH = padded_RH.index_select(0, slot_TK).view(T, K, H)
+        w_TK = self.topk_weights_TK.to(y_RH.dtype)
         return (y_TKH * w_TK.unsqueeze(-1)).sum(dim=1)
+
+
+def count_ids(ids: torch.Tensor, num: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """How often each id in ``[0, num)`` occurs in ``ids`` (int64 [num]), where ``mask`` holds.
+
+    ``torch.bincount`` without its host sync: CUDA reads the largest id to size bincount's
+    output, a scatter-add into ``num`` zeros does not. Integer sums: exact in any order.
+    """
+    ones = mask.to(torch.long) if mask is not None else torch.ones_like(ids)
+    return torch.zeros(num, dtype=torch.long, device=ids.device).scatter_add_(0, ids, ones)
 
 
 def build_plan(
@@ -128,25 +206,25 @@ def build_plan(
         # Admission order: choice rank first, then token (k-major flattening).
         ids_KT = topk_ids_TK.t().reshape(-1)
         sorted_ids, perm = torch.sort(ids_KT, stable=True)
-        counts_all = torch.bincount(ids_KT, minlength=num_experts)
+        counts_all = count_ids(ids_KT, num_experts)
         starts_E = torch.cumsum(counts_all, 0) - counts_all
         rank_in_expert = torch.arange(T * K, device=device) - starts_E[sorted_ids]
         kept_KT = torch.empty_like(kept_flat)
         kept_KT[perm] = rank_in_expert < capacity
         kept_flat = kept_KT.view(K, T).t().reshape(-1)
     # Sort by dispatch slot (the expert id itself when experts sit contiguously); dropped
-    # assignments sort to the end (key E) and are cut off.
+    # assignments sort to the end (key E), after the N kept ones.
     slots = flat_ids if placement.is_contiguous else placement.slot_tensor(device)[flat_ids]
     keys = torch.where(kept_flat, slots, torch.full_like(flat_ids, num_experts))
-    order = torch.sort(keys, stable=True).indices
-    counts_E = torch.bincount(flat_ids[kept_flat], minlength=num_experts)
-    order_N = order[: int(counts_E.sum())]
+    order_TK = torch.sort(keys, stable=True).indices
+    counts_E = count_ids(flat_ids, num_experts, kept_flat)
     return RoutingPlan(
         topk_ids_TK=topk_ids_TK,
         topk_weights_TK=topk_weights_TK,
         kept_TK=kept_flat.view(T, K),
         counts_E=counts_E,
-        order_N=order_N,
+        order_TK=order_TK,
+        num_kept=T * K if capacity is None else None,  # with a capacity: on the device only
         counts_Pe=placement.counts_Pe(counts_E),
         placement=placement,
         capacity=capacity,
@@ -248,7 +326,7 @@ def load_balancing_loss(probs_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> to
     T, E = probs_TE.shape
     if T == 0:
         return probs_TE.sum() * 0.0
-    f_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=E).to(probs_TE.dtype)
+    f_E = count_ids(topk_ids_TK.reshape(-1), E).to(probs_TE.dtype)
     f_E = f_E / topk_ids_TK.numel()
     return E * torch.dot(f_E, probs_TE.mean(dim=0))
 
@@ -301,9 +379,7 @@ class Router(nn.Module):
         counted_ids = topk_ids_TK if cfg.balance_loss_choices == "all" else topk_ids_TK[:, :1]
         aux = AuxTerms(
             tokens=T,
-            assign_counts_E=torch.bincount(counted_ids.reshape(-1), minlength=cfg.num_experts)
-            .float()
-            .to(probs_TE.device),
+            assign_counts_E=count_ids(counted_ids.reshape(-1), cfg.num_experts).float(),
             probs_mean_E=probs_TE.mean(dim=0) if T else probs_TE.sum(dim=0) * 0.0,
             z=z_loss(logits_TE),
             top_k=counted_ids.shape[1],

@@ -121,10 +121,24 @@ class ExpertPlacement:
     # ---- tensors for the routing plan -------------------------------------------------------
 
     def slot_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """``slot_of_expert`` as an int64 tensor [E]."""
+        """``slot_of_expert`` as an int64 tensor [E] (shared: do not modify it).
+
+        Made once per device: building it from the tuple is a copy of host memory to the device
+        (on CUDA a blocking one), which routing must not pay every step.
+        """
         import torch
 
-        return torch.tensor(self.slot_of_expert, dtype=torch.int64, device=device)
+        key = str(torch.device(device) if device is not None else torch.get_default_device())
+        cached = self._slot_tensors.get(key)
+        if cached is None:
+            cached = torch.tensor(self.slot_of_expert, dtype=torch.int64, device=device)
+            self._slot_tensors[key] = cached
+        return cached
+
+    @cached_property
+    def _slot_tensors(self) -> dict[str, torch.Tensor]:
+        """``slot_tensor`` by device (filled on first use; a cache, not part of the value)."""
+        return {}
 
     def counts_Pe(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Per-expert counts [E] rearranged to (rank, local expert) [P, e]."""

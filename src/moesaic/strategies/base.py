@@ -49,6 +49,9 @@ class CommStats:
         meta_bytes: counts and other metadata.
         padded_rows: zero rows the experts computed on (padding to a capacity).
         dropped_rows: routed assignments dropped by the capacity.
+            Both are ints, or 0-d int64 tensors on the device where counting them on the host
+            would be a host sync (``padded`` with a capacity: how many rows a rank kept is
+            known only on the device); ``int()`` reads them when wanted.
         expert_bytes: expert weights sent to other ranks (``hybrid``'s gathers, compressed
             bytes when compressed) and their gradients sent back to the owners.
         collectives: collectives the forward issued (the backward issues one all-to-all per
@@ -60,8 +63,8 @@ class CommStats:
     dispatch_bytes: int = 0
     combine_bytes: int = 0
     meta_bytes: int = 0
-    padded_rows: int = 0
-    dropped_rows: int = 0
+    padded_rows: int | torch.Tensor = 0
+    dropped_rows: int | torch.Tensor = 0
     expert_bytes: int = 0
     collectives: int = 0
     peer_bytes_P: tuple[int, ...] = ()

@@ -4,6 +4,11 @@ Shape legend: T tokens, H hidden, e local experts, P ranks, N rows this rank sen
 receives. Counts go first (one small all-to-all of ``[P, e]`` int64), then the rows with exact
 splits; the backward of each row all-to-all is the all-to-all of the gradients with the splits
 swapped.
+
+Host syncs: one per forward and none in the backward. The split sizes must be on the host (they
+size the all-to-all), so the send counts and the received counts are read in one ``tolist``;
+N, M and the rows per local expert are sums of those. The regroup permutation and the grouped
+matmul's offsets are computed on the device from the count tensors.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moesaic.experts import GroupCounts
 from moesaic.strategies.base import CommStats, DispatchCombineStrategy, ExchangeHandle, Outbound
 
 
@@ -22,7 +28,7 @@ class DroplessHandle(ExchangeHandle):
     # received row order (source, expert) -> (expert, source); None when that is the identity
     # (one rank or one local expert: the rows already arrive grouped by expert)
     regroup_M: torch.Tensor | None
-    counts_e: list[int]  # rows received per local expert
+    counts_e: GroupCounts  # rows received per local expert (host list and device tensor)
     inverse_M: torch.Tensor | None = None  # the inverse permutation of regroup_M
 
 
@@ -41,6 +47,27 @@ class _PermuteRows(torch.autograd.Function):
         return grad_MH.index_select(0, inverse_M), None, None
 
 
+def _regroup(recv_counts_Pe: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(regroup_M, inverse_M)``: the permutation taking received rows from (source rank,
+    local expert) order to (local expert, source rank) order, and its inverse, on the device.
+
+    Equal to a stable sort of the rows' segment keys, without the sort: received row m of
+    segment (p, j), i rows into it, goes to the start of (j, p) in expert-major order plus i.
+    ``output_size`` (M, from the host splits) keeps ``repeat_interleave`` from reading its sum.
+    """
+    P, e = recv_counts_Pe.shape
+    device = recv_counts_Pe.device
+    counts_S = recv_counts_Pe.reshape(-1)  # segments in arrival order (p, j)
+    src_start_S = torch.cumsum(counts_S, 0) - counts_S
+    counts_eP = recv_counts_Pe.t().reshape(-1)  # the same segments in expert order (j, p)
+    dst_start_S = (torch.cumsum(counts_eP, 0) - counts_eP).view(e, P).t().reshape(-1)
+    seg_M = torch.repeat_interleave(torch.arange(P * e, device=device), counts_S, output_size=M)
+    rows_M = torch.arange(M, device=device)
+    inverse_M = rows_M + (dst_start_S - src_start_S).index_select(0, seg_M)
+    regroup_M = torch.empty_like(inverse_M).scatter_(0, inverse_M, rows_M)
+    return regroup_M, inverse_M
+
+
 class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
     """All-to-all-v of the kept rows, no padding; experts see (local expert, source rank) order."""
 
@@ -48,21 +75,22 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
 
     def dispatch_send(self, x_TH, plan):
         P, e = self.group.size, self.placement.num_local
-        x_NH = plan.permute(x_TH)
         send_counts_Pe = plan.counts_Pe
-        recv_counts_Pe = torch.empty_like(send_counts_Pe)
-        self.group.all_to_all_single(recv_counts_Pe, send_counts_Pe, what="dispatch counts")
-        in_splits = send_counts_Pe.sum(dim=1).tolist()
-        out_splits = recv_counts_Pe.sum(dim=1).tolist()
+        recv_counts_Pe = send_counts_Pe
+        if P > 1:
+            recv_counts_Pe = torch.empty_like(send_counts_Pe)
+            self.group.all_to_all_single(recv_counts_Pe, send_counts_Pe, what="dispatch counts")
+        # The forward's one host read: rows to each rank, and from each rank per local expert.
+        host = torch.cat([send_counts_Pe.sum(dim=1), recv_counts_Pe.reshape(-1)]).tolist()
+        in_splits, recv_Pe = host[:P], [host[P + p * e : P + (p + 1) * e] for p in range(P)]
+        out_splits = [sum(row) for row in recv_Pe]
+        counts_e = GroupCounts([sum(col) for col in zip(*recv_Pe)], recv_counts_Pe.sum(dim=0))
+        x_NH = plan.permute(x_TH, sum(in_splits))
         # Received rows are ordered (source rank, local expert); the experts want them
-        # (local expert, source rank): a stable sort of the segment keys.
+        # (local expert, source rank).
         regroup_M = inverse_M = None
         if P > 1 and e > 1:
-            seg_keys = torch.arange(e).repeat(P) * P + torch.arange(P).repeat_interleave(e)
-            row_keys_M = seg_keys.repeat_interleave(recv_counts_Pe.reshape(-1).cpu())
-            regroup_M = torch.sort(row_keys_M, stable=True).indices.to(x_TH.device)
-            inverse_M = torch.empty_like(regroup_M)
-            inverse_M[regroup_M] = torch.arange(regroup_M.numel(), device=regroup_M.device)
+            regroup_M, inverse_M = _regroup(recv_counts_Pe, sum(out_splits))
         row_bytes = x_TH.shape[-1] * x_TH.element_size()
         meta_peer = self.to_every_peer(e * send_counts_Pe.element_size())
         peer_bytes = self.peer_bytes(in_splits, out_splits, row_bytes)
@@ -70,7 +98,7 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
             dispatch_bytes=self.off_rank(in_splits) * row_bytes,
             combine_bytes=self.off_rank(out_splits) * row_bytes,
             meta_bytes=sum(meta_peer),
-            dropped_rows=plan.kept_TK.numel() - plan.order_N.numel(),
+            dropped_rows=plan.kept_TK.numel() - x_NH.shape[0],
             collectives=3 if P > 1 else 0,
             peer_bytes_P=tuple(a + b for a, b in zip(peer_bytes, meta_peer)),
         )
@@ -79,7 +107,7 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
             in_splits_P=in_splits,
             out_splits_P=out_splits,
             regroup_M=regroup_M,
-            counts_e=recv_counts_Pe.sum(dim=0).tolist(),
+            counts_e=counts_e,
             inverse_M=inverse_M,
         )
         return Outbound(x_NH, handle, stats)

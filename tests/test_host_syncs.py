@@ -1,0 +1,263 @@
+"""Host syncs: the counter itself, and the budget of one MoE layer step per strategy (issue 21).
+
+A host sync is an operation after which the host waits for the device (a value read on the
+host, an output shape that depends on the data, a copy to the CPU, a blocking copy to the
+device). On a GPU each one stalls the pipeline, so a layer step must issue few, and the budget
+tests below count them on CPU with ``moesaic.testing.HostSyncCounter``: each rank of a spawned
+gloo world counts its own, over the forward and backward of one layer step (after a first step,
+which runs the one-time rank agreement, grouped-matmul probe and plan compilation).
+
+Budgets per layer forward + backward at EP 2 and 4:
+
+* dropless: 1, the split exchange. The split sizes size the row all-to-all, so the host must
+  read them: the send counts and the received counts go into one ``tolist`` after the count
+  all-to-all; everything else (N, M, rows per expert) is a sum of those, the regroup
+  permutation and grouped-matmul offsets are built on the device, and the backward reuses the
+  forward's splits. (Issue 21 allows 2.)
+* padded on the path a GPU runs (the experts compute on the whole buffer): 0 with a capacity,
+  every shape is static; 1 without, where C is the group's largest expert load (one all-reduce
+  MAX whose result sizes the buffer, so the host must read it).
+* padded on the CPU's default path (``skip_padding``: compute only the filled rows): one more
+  read, which rows are filled. Free without a device, so the CPU keeps its faster path.
+* hybrid: 1, the split read of the dropless exchange it runs over its offset group; its expert
+  gathers move weights of static shapes and read nothing.
+* taskflow: 19 (measured; the runtime is not this change's): per forward the shape bucket (4
+  reads of the all-reduced max load and token count, ``taskflow/runtime/concurrent.py``), the
+  step's routing tables on the host (7 in ``sequential.step_routing``: worst load, the
+  expert of each row, splits, dropped mask) and the statistics' send counts (1,
+  ``strategies/taskflow.py``), and the backward recomputes the step's routing (7 more).
+  Another 10 copies to the CPU (``.cpu()`` of counts, order, weights twice and kept mask in
+  each ``step_routing``) are invisible on a CPU, and the executor threads' work is not counted
+  (another thread).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import moesaic
+from moesaic.experts import GroupCounts, group_offsets
+from moesaic.routing import build_plan, count_ids
+from moesaic.strategies.dropless import _regroup
+from moesaic.testing import HostSyncCounter, run_world
+
+# ---- the counter ------------------------------------------------------------------------------
+
+x6 = torch.arange(6)
+mask6 = x6 > 2
+floats = torch.randn(6)
+
+# (what, the operation, the kind it must count as): each counted exactly once
+SYNCS = [
+    ("item", lambda: x6.sum().item(), "read"),
+    ("int()", lambda: int(x6[0]), "read"),
+    ("bool()", lambda: bool(x6[0]), "read"),
+    ("float()", lambda: float(floats[0]), "read"),
+    ("tolist", lambda: x6.tolist(), "read"),
+    ("torch.equal", lambda: torch.equal(x6, x6), "read"),
+    ("nonzero", lambda: torch.nonzero(mask6), "shape"),
+    ("where(mask)", lambda: torch.where(mask6), "shape"),
+    ("masked_select", lambda: x6.masked_select(mask6), "shape"),
+    ("bool-mask index", lambda: x6[mask6], "shape"),
+    ("bool-mask assign", lambda: x6.clone().__setitem__(mask6, 0), "shape"),
+    ("unique", lambda: torch.unique(x6), "shape"),
+    ("bincount", lambda: torch.bincount(x6), "shape"),
+    ("repeat_interleave", lambda: torch.arange(3).repeat_interleave(x6[:3]), "shape"),
+    ("copy to a device", lambda: x6.to("meta"), "to_device"),
+    ("torch.tensor(list, device)", lambda: torch.tensor([1, 2], device="meta"), "to_device"),
+    ("torch.as_tensor(list, device)", lambda: torch.as_tensor([1, 2], device="meta"), "to_device"),
+]
+# Sync-free: static shapes, no reads (nonzero_static has its size given; repeat_interleave its
+# output_size; .cpu() of a CPU tensor is a no-op; a non-blocking copy does not wait).
+FREE = [
+    ("matmul", lambda: floats[:4].view(2, 2) @ floats[:4].view(2, 2)),
+    ("sort", lambda: torch.sort(x6, stable=True)),
+    ("topk", lambda: torch.topk(floats, 2)),
+    ("cumsum", lambda: x6.cumsum(0)),
+    ("scatter_add", lambda: torch.zeros(6, dtype=torch.long).scatter_add_(0, x6, x6)),
+    ("long index", lambda: x6[x6.flip(0)]),
+    ("where(mask, a, b)", lambda: torch.where(mask6, x6, 0)),
+    ("nonzero_static", lambda: torch.nonzero_static(mask6, size=3)),
+    ("repeat_interleave(output_size)", lambda: x6[:3].repeat_interleave(x6[:3], output_size=3)),
+    (".cpu() on the CPU", lambda: x6.cpu()),
+    ("non-blocking copy", lambda: x6.to("meta", non_blocking=True)),
+    ("torch.tensor(list)", lambda: torch.tensor([1, 2])),
+]
+
+
+@pytest.mark.parametrize(("what", "op", "kind"), SYNCS, ids=[s[0] for s in SYNCS])
+def test_each_kind_of_sync_is_counted_once(what, op, kind):
+    with HostSyncCounter() as syncs:
+        op()
+    assert [e.kind for e in syncs.events] == [kind], syncs.report()
+    assert syncs.events[0].where.startswith(__file__), syncs.events[0]  # the line that did it
+
+
+@pytest.mark.parametrize(("what", "op"), FREE, ids=[f[0] for f in FREE])
+def test_sync_free_ops_are_not_counted(what, op):
+    with HostSyncCounter() as syncs:
+        op()
+    assert syncs.count == 0, syncs.report()
+
+
+def test_copy_to_the_host_is_counted():
+    # On CPU the only other device is meta, which cannot be read: the copy is counted, then fails.
+    with HostSyncCounter() as syncs, pytest.raises(NotImplementedError):
+        torch.empty(2, device="meta").cpu()
+    assert [(e.kind, e.op) for e in syncs.events] == [("to_host", "aten._to_copy")]
+
+
+def test_strict_constructors_count_host_data_given_any_device():
+    """``torch.tensor(list, device=x.device)`` copies to the GPU on a GPU run: counted on CPU
+    only when asked (``strict_constructors``), and never for data already a tensor."""
+    for strict, want in ((False, 0), (True, 1)):
+        with HostSyncCounter(strict_constructors=strict) as syncs:
+            torch.tensor([1, 2], device=x6.device)
+            torch.as_tensor(x6, device=x6.device)
+        assert syncs.count == want, syncs.report()
+
+
+def test_backward_syncs_name_their_autograd_node():
+    x = torch.randn(6, requires_grad=True)
+    with HostSyncCounter() as syncs:
+        x[mask6].sum().backward()
+    assert [(e.op, e.backward) for e in syncs.events] == [
+        ("aten.index", None),
+        ("aten.index_put", "IndexBackward0"),
+    ]
+
+
+def test_report_names_the_moesaic_line():
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1]])
+    plan = build_plan(ids, torch.ones(3, 2), 4, capacity=2)  # N is data-dependent: not read
+    with HostSyncCounter() as syncs:
+        plan.order_N  # noqa: B018 (the read is the point)
+    event = syncs.events[0]
+    assert event.op == "aten._local_scalar_dense" and "moesaic/routing.py:" in event.where
+    assert event.where.endswith(" order_N")
+    with pytest.raises(AssertionError, match=r"1 host syncs, budget 0:\n1 x .*routing.py"):
+        syncs.check(at_most=0, what="order_N")
+    syncs.check(at_most=1)
+
+
+def test_only_the_entering_thread_is_counted_and_patches_are_undone():
+    original = torch.Tensor.tolist
+    seen = []
+    with HostSyncCounter() as outer, HostSyncCounter() as inner:
+        worker = threading.Thread(target=lambda: seen.append((x6.tolist(), x6.sum().item())))
+        worker.start()
+        worker.join()
+        x6.tolist()
+    assert seen and outer.count == inner.count == 1  # nested counters both count
+    assert torch.Tensor.tolist is original and "tolist" not in torch.Tensor.__dict__
+    with HostSyncCounter() as again:
+        x6.tolist()
+    assert again.count == 1
+
+
+# ---- the sync-free replacements equal what they replace -----------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_count_ids_equals_bincount(seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 7, (40,), generator=gen)
+    mask = torch.rand(40, generator=gen) < 0.6
+    assert torch.equal(count_ids(ids, 9), torch.bincount(ids, minlength=9))
+    assert torch.equal(count_ids(ids, 9, mask), torch.bincount(ids[mask], minlength=9))
+
+
+# received rows per (source rank, local expert): empty segments, an empty source, nothing at all
+REGROUP_COUNTS = [[[2, 0, 3], [1, 4, 0]], [[0, 0, 0], [3, 1, 2]], [[0, 0], [0, 0]], [[5, 1]]]
+
+
+@pytest.mark.parametrize("counts", REGROUP_COUNTS)
+def test_regroup_equals_the_stable_sort_of_segment_keys(counts):
+    """The device permutation of dropless equals the host sort it replaced, exactly."""
+    recv_Pe = torch.tensor(counts)
+    P, e = recv_Pe.shape
+    seg_keys = torch.arange(e).repeat(P) * P + torch.arange(P).repeat_interleave(e)
+    want = torch.sort(seg_keys.repeat_interleave(recv_Pe.reshape(-1)), stable=True).indices
+    M = int(recv_Pe.sum())  # dropless has it from the host splits
+    with HostSyncCounter() as syncs:
+        regroup_M, inverse_M = _regroup(recv_Pe, M)
+    assert syncs.count == 0, syncs.report()
+    assert torch.equal(regroup_M, want)
+    assert torch.equal(inverse_M[regroup_M], torch.arange(regroup_M.numel()))
+
+
+def test_group_offsets_from_the_device_counts_equal_the_lists():
+    counts = GroupCounts([5, 0, 8], torch.tensor([5, 0, 8]))
+    with HostSyncCounter(strict_constructors=True) as syncs:
+        offs = group_offsets(counts, torch.device("cpu"))
+    assert syncs.count == 0, syncs.report()
+    assert torch.equal(offs, group_offsets([5, 0, 8], torch.device("cpu")))
+    assert offs.dtype == torch.int32 and offs.tolist() == [5, 5, 13]
+
+
+# ---- the layer's budget -------------------------------------------------------------------------
+
+H, F, E = 16, 24, 8
+# (name, MoEConfig overrides, run padded on the GPU's path (no skip_padding), budget at EP 2, 4)
+CASES = [
+    ("dropless", {}, False, 1),
+    ("dropless capacity", {"capacity_factor": 0.75}, False, 1),
+    ("padded capacity", {"dispatcher": "padded", "capacity_factor": 0.75}, True, 0),
+    ("padded", {"dispatcher": "padded"}, True, 1),
+    ("padded capacity (CPU path)", {"dispatcher": "padded", "capacity_factor": 0.75}, False, 1),
+    ("padded (CPU path)", {"dispatcher": "padded"}, False, 2),
+    ("hybrid", {"dispatcher": "hybrid", "domain_sizes": (2,)}, False, 1),
+    ("taskflow", {"dispatcher": "taskflow"}, False, 19),
+]
+
+
+def _step(layer: moesaic.MoELayer, x: torch.Tensor, g: torch.Tensor) -> None:
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    ((y * g).sum() + moesaic.aux_loss(layer)).backward()
+
+
+def budget_worker(rank: int, world: int) -> dict[tuple[str, int], tuple[int, str]]:
+    """Each case's host syncs on this rank over one counted step, with this rank's tokens:
+    ``{(name, tokens): (count, report)}``. Rank 1 has no tokens in the second counted step of
+    each case without a capacity (it must still take part alike; with a capacity the ranks
+    need equal batches: ``padded`` sizes its buffers by the local capacity)."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, overrides, device_path, _ in CASES:
+        cfg = moesaic.MoEConfig(
+            hidden_size=H, ffn_hidden_size=F, num_experts=E, init_std=0.5, **overrides
+        )
+        torch.manual_seed(0)
+        layer = moesaic.MoELayer(cfg)
+        if device_path:
+            layer.strategy.skip_padding = False  # the GPU path: compute on the whole buffer
+        opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(rank)
+        empty = rank == 1 and "capacity_factor" not in overrides
+        for tokens in (12, 0 if empty else 12):
+            x, g = torch.randn(tokens, H, generator=gen), torch.randn(tokens, H, generator=gen)
+            _step(layer, x, g)  # first: agreement, probes, plans; then (new weights) counted
+            opt.step()
+            opt.zero_grad()
+            with HostSyncCounter() as syncs:
+                _step(layer, x, g)
+            out[name, tokens] = (syncs.count, syncs.report())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_step_host_sync_budget(world):
+    per_rank = run_world(budget_worker, world, timeout_s=240)
+    budgets = {name: budget for name, _, _, budget in CASES}
+    failures = [
+        f"EP {world} rank {rank} {name} ({tokens} tokens): {count} host syncs, budget "
+        f"{budgets[name]}:\n{report}"
+        for rank, result in enumerate(per_rank)
+        for (name, tokens), (count, report) in result.items()
+        if count > budgets[name]
+    ]
+    assert not failures, "\n".join(failures)
