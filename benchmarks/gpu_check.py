@@ -6,6 +6,11 @@ the simulator's prediction from a GPU profile, and a short NCCL training run.
 
 ``--device cpu --quick`` runs every part at toy sizes (the CPU smoke test uses it).
 
+0. ``tests``: ``pytest tests/gpu -m gpu`` in a subprocess (NCCL at world size 1 with the
+   single-rank shortcuts off, several ranks sharing the GPU over gloo, the host-sync check, a
+   few ``moesaic train`` steps on NCCL per schedule), before the benchmark: counts per
+   outcome, the failed tests and the output's tail. Exit 1 if any failed. Without CUDA every
+   one skips.
 1. ``correctness``: every strategy that builds at EP = 1, fp32 and bf16, forward output and the
    gradients of the input and every parameter against ``moesaic.reference`` on the same device
    (fp64 truth, same-dtype reference), by the relative rule ``err <= 2 * err_ref + 4 eps
@@ -74,6 +79,62 @@ def _fast_path(device: torch.device, dtype: torch.dtype) -> dict:
         "native_backward": experts_module._fast_path_ok(device, dtype, native=True),
         "explicit_backward": experts_module._fast_path_ok(device, dtype, False),
     }
+
+
+# ------------------------------------------------------------------------------------ 0. tests
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpu_tests(timeout_s: float) -> dict:
+    """``pytest tests/gpu -m gpu`` in a subprocess (the CPU twins there run in the normal
+    suite); its outcome counts from a JUnit report, the failed tests, the output's tail."""
+    path = [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_tests_") as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rs"]
+        cmd += ["-p", "no:cacheprovider", f"--junitxml={junit}"]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+            rc, log = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, log = 124, f"timed out after {exc.timeout} s"
+        out: dict = {"command": " ".join(cmd[1:-1]), "rc": rc, "wall_s": time.perf_counter() - t0}
+        out.update(_junit_counts(junit))
+    lines = log.strip().splitlines()
+    out["summary"] = lines[-1] if lines else ""
+    out["log_tail"] = log[-4000:]
+    return out
+
+
+def _junit_counts(path: Path) -> dict:
+    """Passed / failed / errors / skipped and the failed tests' ids of a JUnit report."""
+    import xml.etree.ElementTree as ET
+
+    if not path.is_file():
+        return {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failed_tests": []}
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failed = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        tags = {child.tag for child in case}
+        outcome = next((o for t, o in _OUTCOMES if t in tags), "passed")
+        counts[outcome] += 1
+        if outcome in ("failed", "errors"):
+            failed.append(f"{case.get('classname')}::{case.get('name')}")
+    return {**counts, "failed_tests": failed}
+
+
+# A JUnit test case's child element -> its outcome (a case without one passed).
+_OUTCOMES = (("failure", "failed"), ("error", "errors"), ("skipped", "skipped"))
 
 
 # ------------------------------------------------------------------------------ 1. correctness
@@ -325,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--train-steps", type=int, default=0, help="0: no training run")
     p.add_argument("--train-log", type=Path)
-    p.add_argument("--skip", default="", help="comma list of parts to skip: speed,sim")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: tests,speed,sim")
+    p.add_argument("--tests-timeout-s", type=float, default=1800.0, help="bound on tests/gpu")
     p.add_argument("--commit", default="", help="commit of the copy (no .git on a device)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -342,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         result["meta"]["cuda"] = torch.version.cuda
         result["meta"]["gpu_memory_gib"] = props.total_memory / 2**30
         result["meta"]["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+
+    if "tests" not in skip:
+        result["tests"] = gpu_tests(args.tests_timeout_s)
+        t = result["tests"]
+        print(f"tests/gpu rc {t['rc']}: {t['summary']}")
+        write_json(result, args.out)
 
     checks = [
         check_one(d, dt, device, args.quick) for d in strategy_names() for dt in ("fp32", "bf16")
@@ -404,8 +472,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = [f"{c['dispatcher']}/{c['dtype']}" for c in checks if c.get("ok") is False]
     if failed:
         print(f"gpu_check: outside tolerance: {', '.join(failed)}", file=sys.stderr)
+    tests = result.get("tests")
+    if tests is not None and tests["rc"] != 0:
+        # pytest's 1: tests failed; 5: none ran; anything else: the run itself broke
+        what = ", ".join(tests["failed_tests"]) or tests["summary"]
+        print(f"gpu_check: tests/gpu failed (rc {tests['rc']}): {what}", file=sys.stderr)
         return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

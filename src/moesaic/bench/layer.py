@@ -27,12 +27,15 @@ from moesaic.bench.meta import run_metadata, summarize, time_calls
 from moesaic.bench.options import available_cores, write_json
 from moesaic.bench.peers import PEERS, PeerModule, build_peer, compare, counterpart_config
 from moesaic.checks import check_int, check_number, check_one_of, check_positive, check_positive_int
+from moesaic.comm.collectives import EPGroup
 from moesaic.comm.world import run_world
 from moesaic.config import MoEConfig
 from moesaic.layer import LayerStats, MoELayer, aux_loss
 from moesaic.strategies import strategy_names
 
 ROUTINGS = ("uniform", "skewed")
+# Deadline of every collective of a benchmark world (its layers' and its own agreements).
+COLLECTIVE_TIMEOUT_S = 120.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,7 +111,7 @@ class LayerBench:
             "num_experts": self.num_experts,
             "top_k": self.top_k,
             "dispatcher": dispatcher,
-            "collective_timeout_s": 120.0,
+            "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
         }
 
 
@@ -165,6 +168,7 @@ def _check_step(module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor,
 def _modules(bench: LayerBench, routing: str, world: int) -> tuple[dict, dict]:
     """Everything timed on this rank for one routing: ``{name: module}`` in timing order, and
     each peer's agreement with its moesaic counterpart (checked here, before any timing)."""
+    group = EPGroup(None, COLLECTIVE_TIMEOUT_S)
     ours: dict[str, MoELayer] = {d: _layer(bench, d, routing) for d in bench.strategies}
     modules: dict[str, torch.nn.Module] = dict(ours)
     checks: dict[str, dict] = {}
@@ -181,9 +185,9 @@ def _modules(bench: LayerBench, routing: str, world: int) -> tuple[dict, dict]:
         peer = build_peer(name, ours[ours_name], bench.capacity_factor)
         agreement = compare(peer, ours[ours_name], x, g, _check_step)
         checks[name] = {"counterpart": ours_name, **asdict(agreement)}
-        worst = torch.tensor([agreement.worst])
-        if world > 1:  # every rank decides alike, so none is left waiting in a collective
-            torch.distributed.all_reduce(worst, torch.distributed.ReduceOp.MAX)
+        # Every rank decides alike, so none is left waiting in a collective.
+        worst = group.control_tensor([agreement.worst], torch.float64)
+        group.all_reduce(worst, torch.distributed.ReduceOp.MAX, f"peer {name} agreement")
         if not worst.item() <= bench.check_tolerance:
             raise RuntimeError(
                 f"peer {name} disagrees with moesaic {ours_name} on {routing} routing: worst "
@@ -238,7 +242,7 @@ def _per_forward(stats: LayerStats) -> tuple[torch.Tensor, dict]:
     return stats.counts_E // n, {
         "bytes_per_forward": comm.total_bytes // n,
         "payload_bytes": (comm.dispatch_bytes + comm.combine_bytes) // n,
-        "padded_rows": comm.padded_rows // n,
+        "padded_rows": int(comm.padded_rows) // n,  # a 0-d tensor when it stayed on the device
         "collectives": comm.collectives // n,
         "peer_bytes_P": [b // n for b in comm.peer_bytes_P],
     }
@@ -256,6 +260,7 @@ def ep_worker(rank: int, world: int, bench: LayerBench) -> dict:
     if bench.retain_freed_memory:
         retain_freed_memory()
     out = {}
+    group = EPGroup(None, COLLECTIVE_TIMEOUT_S)
     for routing in ROUTINGS:
         x, g = _inputs(bench, routing, rank)
         modules, checks = _modules(bench, routing, world)
@@ -264,8 +269,7 @@ def ep_worker(rank: int, world: int, bench: LayerBench) -> dict:
             entry: dict = {"times": times[name]}
             if isinstance(module, MoELayer):
                 counts, stats = _per_forward(module.take_stats())
-                if world > 1:
-                    torch.distributed.all_reduce(counts)
+                counts = group.all_reduce(counts.to(group.control_device), what="expert loads")
                 collectives = stats.pop("collectives")
                 entry.update(stats)
                 # the backward repeats the two all-to-alls of rows

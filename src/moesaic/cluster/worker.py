@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import datetime
 import os
 import pickle
 import signal
@@ -51,15 +50,18 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
+    from moesaic.comm.world import init_world
+
     torch.set_num_threads(job["threads"])
     try:
         fn, args = pickle.loads(job["payload"])
-        dist.init_process_group(
-            "gloo",
+        init_world(
+            device="cpu",
+            backend="gloo",
+            timeout_s=job["timeout_s"],
             init_method=f"tcp://{job['master_addr']}:{job['master_port']}",
             rank=rank,
             world_size=job["world_size"],
-            timeout=datetime.timedelta(seconds=job["timeout_s"]),
         )
         value = fn(rank, job["world_size"], *args)
     except BaseException:

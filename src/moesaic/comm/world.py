@@ -1,4 +1,4 @@
-"""Spawn small gloo worlds in-process: for tests and benchmarks (no torchrun needed).
+"""Spawn small worlds in-process (gloo; CUDA ranks too): for tests and benchmarks (no torchrun).
 
 ``run_world(fn, world_size, *args)`` starts ``world_size`` processes with the spawn method,
 joins them through a file:// rendezvous in a fresh temporary directory, runs
@@ -12,6 +12,11 @@ Every world launcher in moesaic has one signature, the :class:`Launcher` protoco
 :class:`LocalLauncher` (this module, loopback gloo) and
 :class:`moesaic.cluster.launcher.ClusterLauncher` / ``EmulatedCluster`` (gloo over an emulated
 multi-level network). Code written against ``Launcher`` runs on either.
+
+Every process group moesaic initialises comes from :func:`init_world` (the training loop, the
+cluster workers and ``run_world``'s): on a GPU ``cpu:gloo,cuda:nccl`` bound to the local GPU
+(``device_id``), so that control-plane tensors on the CPU keep working on every group while the
+rows go over NCCL; on the CPU plain gloo. :func:`process_group_args` is that decision alone.
 """
 
 from __future__ import annotations
@@ -31,11 +36,113 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["Launcher", "LocalLauncher", "WorkerError", "run_world"]
+__all__ = [
+    "BACKENDS",
+    "Launcher",
+    "LocalLauncher",
+    "WorkerError",
+    "init_world",
+    "process_group_args",
+    "rank_device",
+    "run_world",
+]
+
+# What a caller may ask for; "auto" and "nccl" on a GPU both mean ``cpu:gloo,cuda:nccl``.
+BACKENDS = ("auto", "gloo", "nccl")
+# A CUDA world: NCCL for CUDA tensors, gloo for the CPU tensors of the control plane (a pure
+# NCCL group raises on a CPU tensor).
+CUDA_WORLD_BACKEND = "cpu:gloo,cuda:nccl"
 
 
 class WorkerError(RuntimeError):
     """A spawned worker failed; the message holds its traceback."""
+
+
+def process_group_args(
+    *,
+    device: torch.device | str,
+    timeout_s: float,
+    backend: str = "auto",
+    store: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """The backend string and keyword arguments :func:`init_world` passes to
+    ``torch.distributed.init_process_group`` (pure: nothing is initialised).
+
+    Args:
+        device: this rank's device: ``cpu``, or ``cuda:<index>`` (the local GPU).
+        timeout_s: every collective's deadline (the process group's ``timeout``).
+        backend: ``auto`` or ``nccl`` (on a GPU: ``cpu:gloo,cuda:nccl`` with ``device_id``;
+            on the CPU ``auto`` is gloo), or ``gloo`` (also with CUDA tensors, which gloo
+            moves through the host: several ranks may then share one GPU, which NCCL refuses).
+        store, rank, world_size, init_method: the rendezvous, as torch takes them; None leaves
+            each to torch (``env://`` under torchrun).
+
+    Raises:
+        ValueError: naming the argument and the rule it breaks.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend ({backend!r}) must be one of {', '.join(BACKENDS)}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s ({timeout_s}) must be > 0")
+    if store is not None and init_method is not None:
+        raise ValueError("store and init_method cannot both be given (each is a rendezvous)")
+    device = torch.device(device)
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    for name, value in (
+        ("store", store),
+        ("rank", rank),
+        ("world_size", world_size),
+        ("init_method", init_method),
+    ):
+        if value is not None:
+            kwargs[name] = value
+    if device.type == "cpu":
+        if backend == "nccl":
+            raise ValueError("backend ('nccl') needs a CUDA device; device is cpu")
+        return "gloo", kwargs
+    if device.type != "cuda":
+        raise ValueError(f"device ({device}) must be cpu or cuda:<index>")
+    if device.index is None:
+        raise ValueError(f"device ({device}) must name its GPU, e.g. cuda:0 (the local rank's)")
+    if backend == "gloo":
+        return "gloo", kwargs
+    # device_id binds the world to this GPU: NCCL creates its communicators for it eagerly
+    # instead of guessing the device at the first collective.
+    return CUDA_WORLD_BACKEND, {**kwargs, "device_id": device}
+
+
+def init_world(
+    *,
+    device: torch.device | str,
+    timeout_s: float,
+    backend: str = "auto",
+    store: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+) -> torch.device:
+    """Initialise this process's torch.distributed world for ``device`` (see
+    :func:`process_group_args` for the arguments); on CUDA, ``device`` becomes the current
+    device first. Returns the device."""
+    name, kwargs = process_group_args(
+        device=device,
+        timeout_s=timeout_s,
+        backend=backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        init_method=init_method,
+    )
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device ({device}) needs CUDA, which this process does not have")
+        torch.cuda.set_device(device)
+    dist.init_process_group(name, **kwargs)
+    return device
 
 
 @runtime_checkable
@@ -61,16 +168,20 @@ class LocalLauncher:
         pg_timeout_s: Process-group (collective) timeout of the workers.
         threads: Intra-op threads per worker.
         allow_dead: A rank that dies without reporting yields None (fault-injection tests).
+        device: Where each rank runs (``cpu``, ``cuda``), see :func:`run_world`.
+        backend: The world's backend (``gloo``, ``auto``, ``nccl``), see :func:`init_world`.
     """
 
     pg_timeout_s: float = 60.0
     threads: int = 1
     allow_dead: bool = False
+    device: str = "cpu"
+    backend: str = "gloo"
 
     def run(
         self, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0
     ) -> list[Any]:
-        """``fn(rank, world_size, *args)`` on a fresh loopback gloo world; results by rank."""
+        """``fn(rank, world_size, *args)`` on a fresh loopback world; results by rank."""
         return run_world(
             fn,
             world_size,
@@ -79,18 +190,31 @@ class LocalLauncher:
             pg_timeout_s=self.pg_timeout_s,
             threads=self.threads,
             allow_dead=self.allow_dead,
+            device=self.device,
+            backend=self.backend,
         )
 
 
-def _worker(fn, rank, world_size, init_file, args, results, pg_timeout_s, threads):
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of ``rank`` in a :func:`run_world` of ``device``: ``cpu``; for ``cuda`` GPU
+    ``rank % device_count`` (on a one-GPU machine every rank shares it); ``cuda:i`` as given."""
+    out = torch.device(device)
+    if out.type == "cuda" and out.index is None:
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return out
+
+
+def _worker(fn, rank, world_size, init_file, args, results, pg_timeout_s, threads, placement):
     torch.set_num_threads(threads)
+    device, backend = placement
     try:
-        dist.init_process_group(
-            "gloo",
+        init_world(
+            device=rank_device(device, rank),
+            backend=backend,
+            timeout_s=pg_timeout_s,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
         out = fn(rank, world_size, *args)
         # Plain pickle (tensor bytes inline): torch's shared-memory tensor passing would need
@@ -114,12 +238,19 @@ def run_world(
     pg_timeout_s: float = 60.0,
     threads: int = 1,
     allow_dead: bool = False,
+    device: str = "cpu",
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on a fresh gloo world; results in rank order.
+    """Run ``fn(rank, world_size, *args)`` on a fresh world; results in rank order.
 
     With ``allow_dead`` a rank that exits without reporting (a fault-injection test killing it)
     yields None instead of failing the call, and the survivors' results are still collected.
+    ``device`` places each rank (:func:`rank_device`: ``"cuda"`` spreads the ranks over the
+    GPUs, all of them on one GPU where there is one) and makes it the current device;
+    ``backend`` is :func:`init_world`'s (gloo by default, also with CUDA tensors: several ranks
+    can share a GPU over gloo, not over NCCL).
     """
+    process_group_args(device=rank_device(device, 0), timeout_s=pg_timeout_s, backend=backend)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="moesaic-world-") as tmp:
@@ -135,6 +266,7 @@ def run_world(
                     results,
                     pg_timeout_s,
                     threads,
+                    (device, backend),
                 ),
                 daemon=True,
             )

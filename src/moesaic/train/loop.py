@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moesaic.comm.agree import check_ranks_agree
+from moesaic.comm.world import init_world
 from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.schedule import make_step
@@ -70,32 +71,27 @@ def _init_distributed(cfg: TrainConfig) -> torch.device:
     device = torch.device("cpu")
     if use_nccl:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    backend = "nccl" if use_nccl else "gloo"
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # The agent's store outlives a restart and torch (2.13) reuses it without a per-attempt
-        # prefix: a restarted rank would read its dead peers' gloo addresses (seen as
-        # "connectFullMesh ... Connection refused"). Namespace the keys by attempt ourselves.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        world_size = int(os.environ["WORLD_SIZE"])
-        agent_store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            world_size,
-            is_master=False,
-            timeout=timeout,
-        )
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"/moesaic/attempt_{attempt}", agent_store),
-            rank=int(os.environ["RANK"]),
-            world_size=world_size,
-            timeout=timeout,
-        )
-    else:
-        dist.init_process_group(backend, timeout=timeout)
-    return device
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return init_world(device=device, timeout_s=cfg.timeout_s)
+    # The agent's store outlives a restart and torch (2.13) reuses it without a per-attempt
+    # prefix: a restarted rank would read its dead peers' gloo addresses (seen as
+    # "connectFullMesh ... Connection refused"). Namespace the keys by attempt ourselves.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world_size = int(os.environ["WORLD_SIZE"])
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
+    return init_world(
+        device=device,
+        timeout_s=cfg.timeout_s,
+        store=dist.PrefixStore(f"/moesaic/attempt_{attempt}", agent_store),
+        rank=int(os.environ["RANK"]),
+        world_size=world_size,
+    )
 
 
 def _make_optimizer(model: MoEGPT, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -336,7 +332,7 @@ def train(cfg: TrainConfig) -> dict:
         # Tear the group down on every rank together, before the interpreter exits with gloo's
         # threads still running (one rank of a finished torchrun job aborted so, once in CI:
         # "terminate called without an active exception", SIGABRT after its summary).
-        dist.barrier()
+        layout.world.barrier("barrier before the process group's teardown")
         dist.destroy_process_group()
     return summary
 

@@ -259,12 +259,15 @@ class TaskflowRuntime:
                            world_checked=key in self._checked)  # fmt: skip
         self._checked.add(key)
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
-        if self.channel is not None and self.group.on_stream(ref):
+        if self.channel is not None and ref.device.type != "cpu":
+            # NCCL supports neither host threads per queue nor receives from any source, and
+            # gloo's point-to-point hands the window's raw pointer to TCP (no device copy).
             raise ValueError(
-                "dispatcher 'taskflow' cannot run on an NCCL group: its runtime moves tiles "
-                "with host threads per queue and point-to-point receives from any source, "
-                "which NCCL does not support. Run it on gloo (CPU or CUDA tensors: "
-                "init_process_group('gloo')) or use dispatcher 'dropless'"
+                f"dispatcher 'taskflow' runs its expert-parallel steps on CPU tensors only (got "
+                f"{ref.device.type} tensors on {self.group.size} ranks): its runtime moves tiles "
+                "with host threads per queue and point-to-point puts from any source. On a GPU "
+                "use dispatcher 'dropless' (the device data plane of taskflow is a separate "
+                "issue)"
             )
         window = self.window(plan, ref.dtype, ref.device)
 

@@ -106,7 +106,8 @@ def step_routing(plan: Plan, routing: RoutingPlan, group: EPGroup) -> StepRoutin
     ret_row_TK = torch.zeros(T, K, dtype=torch.long)  # dropped choices: row 0, masked out
     ret_row_TK[token_N, k_N] = expert_N * S + torch.arange(order_N.numel()) - starts[expert_N]
     kept_TK = routing.kept_TK.cpu()
-    send = counts.view(P, e).clone()
+    # Control plane: on the device the group takes (a pure NCCL group raises on CPU tensors).
+    send = counts.view(P, e).to(group.control_device, copy=True)
     recv = torch.empty_like(send)
     group.all_to_all_single(recv, send, what="taskflow slot counts")
     return StepRouting(

@@ -1,0 +1,50 @@
+"""No host sync in a layer step at EP 1: ``torch.cuda.set_sync_debug_mode("error")`` raises on
+any operation that makes the host wait for the GPU (``.item()``, ``.tolist()``, ``nonzero``,
+boolean-mask indexing, blocking copies) during a forward + backward of ``dropless`` and of
+``padded`` with a capacity factor (the CPU budget test, tests/test_host_syncs.py, counts the
+same operations without a GPU). A warm-up step first: one-time work (the grouped-GEMM
+self-check, the dtype agreement) may read the device once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gpu_helpers import NEEDS_CUDA
+
+from moesaic import MoEConfig, MoELayer, aux_loss
+
+pytestmark = NEEDS_CUDA
+CASES = [
+    pytest.param({"dispatcher": "dropless"}, id="dropless"),
+    pytest.param({"dispatcher": "padded", "capacity_factor": 1.25}, id="padded-cf1.25"),
+]
+
+
+@pytest.mark.parametrize("overrides", CASES)
+def test_layer_step_does_not_sync_the_host(overrides):
+    device = torch.device("cuda", torch.cuda.current_device())
+    cfg = MoEConfig(hidden_size=64, ffn_hidden_size=128, num_experts=8, top_k=2, **overrides)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg).to(device)
+    x = torch.randn(256, 64, device=device)
+    g = torch.randn(256, 64, device=device)
+
+    def step() -> torch.Tensor:
+        xr = x.detach().requires_grad_()
+        y = layer(xr)
+        ((y * g).sum() + aux_loss(layer)).backward()
+        return y.detach()
+
+    step()
+    layer.zero_grad(set_to_none=True)
+    layer.take_stats()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(y).all())
+    assert all(p.grad is not None for p in layer.parameters())
