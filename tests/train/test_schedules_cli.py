@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,24 @@ def test_pipelined_schedule_resumes_a_vanilla_checkpoint(name, R, reference, dat
     assert main(tiny_args(data_file, run_dir, *args)) == 0
     _close_losses(train_losses(run_dir), train_losses(reference), range(5, 9))
     _close_weights(run_dir, reference)
+
+
+def test_flowmoe_under_torchrun_at_world_size_one(data_file, tmp_path):
+    """``torchrun --standalone --nproc-per-node 1 -m moesaic.train --schedule flowmoe``: the
+    pool of a one-rank world has no group of more than one rank (its reduction sets are all
+    ``(0,)``); it used to raise ``KeyError: (0,)`` looking up the world's group after the
+    first backward. Two steps complete, with vanilla's losses (``--nproc 1``)."""
+    few = ["--steps", "2", "--eval-every", "2", "--ckpt-every", "2", "--eval-batches", "1"]
+    run_dir = tmp_path / "flowmoe1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    cmd += ["-m", "moesaic.train", *tiny_args(data_file, run_dir, *few)[1:]]
+    cmd += ["--schedule", "flowmoe", "--pipeline-degree", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step_00000002").is_dir()
+    vanilla = tmp_path / "vanilla1"
+    assert main(tiny_args(data_file, vanilla, *few, "--nproc", "1")) == 0
+    _close_losses(train_losses(run_dir), train_losses(vanilla), range(1, 3))
 
 
 @pytest.mark.parametrize(

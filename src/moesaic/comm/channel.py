@@ -66,7 +66,11 @@ class PutChannel:
         self.max_events = max_events
         self.group = group
         # the group's ranks in the registry's "puts" lane: one group shared by every layer
-        self.pg = group.in_lane("puts").group if group.size > 1 else None
+        puts = group.in_lane("puts") if group.size > 1 else None
+        self.pg = puts.group if puts is not None else None
+        # torch's point-to-point calls take global ranks, also on a subgroup (EP rank 1 of the
+        # second EP group of EP 2 x DP 2 is global rank 3)
+        self._global_P = puts.global_ranks if puts is not None else (0,)
         self._lock = threading.Lock()
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._thread: threading.Thread | None = None
@@ -157,7 +161,7 @@ class PutChannel:
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         try:
-            work = dist.isend(tensor, dst, group=self.pg, tag=tag)
+            work = dist.isend(tensor, self._global_P[dst], group=self.pg, tag=tag)
         except RuntimeError as exc:  # gloo sees a closed connection at once
             self._fail(f"send to rank {dst} failed")
             raise CollectiveError(
@@ -193,7 +197,8 @@ class PutChannel:
                 source, offset, numel, n, *events = header.tolist()
                 if numel:
                     view = buffer[offset : offset + numel]
-                    work = dist.irecv(view, source, group=self.pg, tag=_PAYLOAD_TAG)
+                    src = self._global_P[source]
+                    work = dist.irecv(view, src, group=self.pg, tag=_PAYLOAD_TAG)
                     wait_work(
                         work,
                         f"a put payload from rank {source} did not reach rank {self.rank}",
