@@ -123,7 +123,7 @@ def _jsonable(args: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Recorder:
-    """Collects this rank's spans; thread-safe (the communication pool's thread records too).
+    """Collects this rank's spans; thread-safe (gloo's completion callbacks record too).
 
     A disabled recorder records nothing and costs one attribute test per call, so schedules can
     record unconditionally.

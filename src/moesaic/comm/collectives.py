@@ -71,7 +71,8 @@ def device_backends(backend: str) -> dict[str, str]:
     ``{"cpu": "gloo", "cuda": "gloo"}``, ``"cpu:gloo,cuda:nccl"`` -> the pairs as given."""
     backend = str(backend).lower()
     if ":" in backend:
-        return dict(part.split(":", 1) for part in backend.split(","))
+        pairs = (part.strip().split(":", 1) for part in backend.split(",") if part.strip())
+        return {device.strip(): name.strip() for device, name in pairs}
     caps = dist.Backend.backend_capability.get(backend, ["cpu"])
     return {device: backend for device in caps}
 

@@ -130,7 +130,9 @@ class GradientSync:
         replicated part plus the EP-group sum of the expert parts.
         """
         grads = [(p, p.grad) for p in params if p.grad is not None]
-        device = grads[0][1].device if grads else torch.device("cpu")
+        # the parameters' device, not the gradients': a rank without gradients must still
+        # all-reduce a tensor of the same backend as its peers (CPU -> gloo, CUDA -> NCCL)
+        device = params[0].device if params else torch.device("cpu")
         rep_sq = torch.zeros((), dtype=torch.float64, device=device)
         exp_sq = torch.zeros((), dtype=torch.float64, device=device)
         for p, g in grads:
