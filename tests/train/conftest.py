@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from _train_helpers import tiny_args
 
 from moesaic.cli import main
-
-
-@pytest.fixture(scope="session")
-def data_file(tmp_path_factory) -> Path:
-    # 48 KB of real Python source: learnable within a few steps, and the same on every machine
-    # with this Python.
-    src = Path(json.__file__).parent.parent / "argparse.py"
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(src.read_bytes()[:48_000])
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Shared fixtures of the GPU tests (the CUDA ones skip cleanly without a GPU)."""
+"""Fixtures shared by several test folders."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def data_file(tmp_path_factory) -> Path:
-    """48 KB of real Python source (as tests/train's): learnable, the same on every machine."""
+    """48 KB of real Python source: learnable within a few steps, and the same on every machine
+    with this Python (the training and GPU tests' corpus)."""
     src = Path(json.__file__).parent.parent / "argparse.py"
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_bytes(src.read_bytes()[:48_000])
