@@ -45,22 +45,24 @@ B, T = 2, 8
 # (a level group and its prefetch clone per layer) and 9 -> 27 at EP 4 with domains of 2 (+ the
 # offset group), taskflow 5 -> 11 (a put channel group per layer); the others did not grow.
 CASES = {
-    # the EP group is the world (the default group); DP groups of one rank are not made
-    (2, "vanilla", "dropless", 2, None): (0, 1),
-    (2, "vanilla", "padded", 2, None): (0, 1),
-    # one domain of 2: its level group is the default group, {0, 1} in the prefetch lane;
-    # offset groups of one rank
-    (2, "vanilla", "hybrid", 2, None): (1, 2),
-    (2, "vanilla", "taskflow", 2, None): (1, 2),  # {0, 1} in the puts lane
-    (2, "moe-only", "dropless", 2, None): (2, 3),  # {0, 1} in the grad and rows lanes
-    (2, "flowmoe", "dropless", 2, None): (2, 3),
-    (2, "flowmoe", "padded", 2, None): (2, 3),
-    # levels {0, 1}, {2, 3} in the main and prefetch lanes; offset groups {0, 2}, {1, 3}
-    (4, "vanilla", "hybrid", 4, (2,)): (6, 4),
+    # the EP group is the world's ranks in the main lane (a group of its own, not the default
+    # group: see comm/groups.py); DP groups of one rank are not made
+    (2, "vanilla", "dropless", 2, None): (1, 2),
+    (2, "vanilla", "padded", 2, None): (1, 2),
+    # one domain of 2: its level group is the EP group {0, 1} (main), and {0, 1} in the
+    # prefetch lane; offset groups of one rank
+    (2, "vanilla", "hybrid", 2, None): (2, 3),
+    (2, "vanilla", "taskflow", 2, None): (2, 3),  # {0, 1} in the main and puts lanes
+    (2, "moe-only", "dropless", 2, None): (3, 4),  # {0, 1} in the main, grad and rows lanes
+    (2, "flowmoe", "dropless", 2, None): (3, 4),
+    (2, "flowmoe", "padded", 2, None): (3, 4),
+    # EP {0..3}, levels {0, 1}, {2, 3} in the main and prefetch lanes; offset groups {0, 2},
+    # {1, 3}
+    (4, "vanilla", "hybrid", 4, (2,)): (7, 5),
     # main: EP {0, 1}, {2, 3} and DP {0, 2}, {1, 3}; grad: the DP groups and the world;
     # rows: the EP groups
     (4, "flowmoe", "dropless", 2, None): (9, 6),
-    (4, "vanilla", "taskflow", 4, None): (1, 2),  # the world in the puts lane
+    (4, "vanilla", "taskflow", 4, None): (2, 3),  # the world's ranks in the main and puts lanes
     # main: EP {0, 1}, {2, 3} and DP {0, 2}, {1, 3}; puts: the EP groups
     (4, "vanilla", "taskflow", 2, None): (6, 4),
 }

@@ -6,8 +6,13 @@ keyed by its global ranks and a *lane*, created the first time any layer asks fo
 shared by every later layer and thread. The lanes are a fixed, small set:
 
 * ``main``: collectives the schedule's thread issues in program order (dispatch and combine,
-  control-plane agreements, hybrid's gathers). The whole world in this lane is the default
-  group itself (no new communicator);
+  control-plane agreements, hybrid's gathers). An EP group of the whole world is a group of
+  its own here, not the default group, which keeps the world's own collectives (health flags,
+  checkpoints) apart from the rows: with the rows on the default group, a rank that failed took
+  long enough to exit (its teardown of the default group with a peer's all-to-all pending)
+  that the elastic agent stopped it before it reported its cause (measured: the root-cause
+  line named the peer in about half of the runs of the full-disk test, never with a group of
+  its own);
 * ``rows``: the pipelined schedules' row all-to-alls, so that a strategy's small synchronous
   exchanges on ``main`` (the dispatch counts) never queue behind rows in flight;
 * ``grad``: the gradient all-reduce chunks of the communication pool;
@@ -49,16 +54,11 @@ class GroupRegistry:
         self.log: list[tuple[Any, ...]] | None = None  # see collectives.record_collectives
 
     def lookup(self, ranks: Iterable[int], lane: str = "main") -> Any:
-        """The group of ``ranks`` in ``lane`` (None: the default group); KeyError if absent."""
-        key = self._key(ranks, lane)
-        if key[0] == tuple(range(dist.get_world_size())) and lane == "main":
-            return None
-        return self._groups[key]
+        """The group of ``ranks`` in ``lane``; KeyError if absent."""
+        return self._groups[self._key(ranks, lane)]
 
     def has(self, ranks: Iterable[int], lane: str = "main") -> bool:
-        key = self._key(ranks, lane)
-        world = key[0] == tuple(range(dist.get_world_size()))
-        return (world and lane == "main") or key in self._groups
+        return self._key(ranks, lane) in self._groups
 
     def create(
         self,
@@ -83,8 +83,6 @@ class GroupRegistry:
         timeout = datetime.timedelta(seconds=timeout_s)
         me = dist.get_rank()
         for ranks in missing:
-            if lane == "main" and ranks == tuple(range(dist.get_world_size())):
-                continue  # the default group
             pg = dist.new_group(list(ranks), timeout=timeout)
             self.created += 1
             self._groups[(ranks, lane)] = pg if me in ranks else dist.GroupMember.NON_GROUP_MEMBER
