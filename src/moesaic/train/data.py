@@ -13,7 +13,9 @@ checkpoints and changes of the world size.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sysconfig
 from pathlib import Path
 
@@ -33,8 +35,60 @@ def _stdlib_files() -> list[Path]:
     return files
 
 
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for messages."""
+    for test, name in (
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _why_not(path: Path) -> str | None:
+    """Why ``path`` cannot be read as text (None: a regular file that ``stat`` accepts).
+
+    ``stat`` follows links, so a loop, a dangling link and a missing permission on the way are
+    named here; the file itself is opened non-blocking later (a FIFO swapped in meanwhile cannot
+    block the launcher either).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return _os_reason(exc)
+    return None if stat.S_ISREG(mode) else f"not a regular file ({_kind(mode)})"
+
+
+def _os_reason(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "a symlink loop"
+    if exc.errno == errno.ENOENT:
+        return "a dangling link"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return exc.strerror or type(exc).__name__
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``path``, opened without blocking and checked to be a regular
+    file on the descriptor itself (a FIFO would block ``open`` forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, f"not a regular file ({_kind(mode)})")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read(limit)
+    finally:
+        os.close(fd)
+
+
 def _user_files(path: Path) -> list[Path]:
-    if path.is_file():
+    if not path.is_dir():
         return [path]
     files = []
     for dirpath, dirnames, filenames in os.walk(path):
@@ -43,33 +97,70 @@ def _user_files(path: Path) -> list[Path]:
     return files
 
 
-def load_corpus(data: str | None, max_bytes: int) -> bytes:
+def _skipped_line(data: str, skipped: list[tuple[Path, str]], total: int) -> str:
+    """``data path D: skipped 2 of 5 files: 1 permission denied (a.txt), 1 not a regular file
+    (a named pipe) (fifo)``: the count, each reason with its first file."""
+    by_reason: dict[str, list[Path]] = {}
+    for f, why in skipped:
+        by_reason.setdefault(why, []).append(f)
+    parts = [
+        f"{len(fs)} {why} ({fs[0]}{' ...' if len(fs) > 1 else ''})"
+        for why, fs in by_reason.items()
+    ]
+    return f"data path {data}: skipped {len(skipped)} of {total} files: {'; '.join(parts)}"
+
+
+def load_corpus(data: str | None, max_bytes: int, *, notes: list[str] | None = None) -> bytes:
     """The corpus bytes: ``data`` (a file or a directory) or the standard library's source.
+
+    Only regular files are read (a named pipe, a socket or a device is never opened for
+    reading); a file that cannot be read is skipped, and ``notes`` (when given) receives one line
+    saying how many were skipped and why.
 
     Raises:
         FileNotFoundError: ``data`` does not exist.
-        ValueError: it holds no bytes.
+        ValueError: it holds no bytes (naming why, when files were skipped), or it is not a
+            regular file or directory, or it cannot be reached (a symlink loop, no permission).
     """
     if data is None:
         files, what = _stdlib_files(), f"the standard library at {sysconfig.get_paths()['stdlib']}"
     else:
         path = Path(data)
-        if not path.exists():
+        if not os.path.lexists(path):
             raise FileNotFoundError(f"data path {data} does not exist")
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            raise ValueError(f"data path {data} cannot be read: {_os_reason(exc)}") from None
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            raise ValueError(
+                f"data path {data} must be a regular file or a directory, not {_kind(mode)}"
+            )
         files, what = _user_files(path), f"data path {data}"
     chunks, total = [], 0
+    skipped: list[tuple[Path, str]] = []
     for f in files:
         if total >= max_bytes:
             break
-        try:
-            with f.open("rb") as fh:
-                blob = fh.read(max_bytes - total)
-        except OSError:
-            continue  # unreadable file (permissions, a dangling link): skip it
+        why = _why_not(f)
+        if why is None:
+            try:
+                blob = _read_regular(f, max_bytes - total)
+            except OSError as exc:
+                why = _os_reason(exc)
+        if why is not None:
+            skipped.append((f, why))
+            continue
         if blob:
             chunks += [blob, SEPARATOR]
             total += len(blob) + len(SEPARATOR)
     corpus = b"".join(chunks)[:max_bytes]
+    if skipped and data is not None:
+        line = _skipped_line(data, skipped, len(files))
+        if not corpus.strip():
+            raise ValueError(f"{line}; nothing left to train on")
+        if notes is not None:
+            notes.append(line)
     if not corpus.strip():
         raise ValueError(f"{what} is empty: no text to train on")
     return corpus
@@ -138,8 +229,14 @@ def split_corpus(corpus: bytes, val_fraction: float) -> tuple[bytes, bytes]:
 
 
 def load_splits(
-    data: str | None, max_bytes: int, val_fraction: float, seq_len: int
+    data: str | None,
+    max_bytes: int,
+    val_fraction: float,
+    seq_len: int,
+    *,
+    notes: list[str] | None = None,
 ) -> tuple[PackedData, PackedData]:
-    """Load, split and pack the corpus; errors say what is missing."""
-    train, val = split_corpus(load_corpus(data, max_bytes), val_fraction)
+    """Load, split and pack the corpus; errors say what is missing (``notes``: see
+    :func:`load_corpus`)."""
+    train, val = split_corpus(load_corpus(data, max_bytes, notes=notes), val_fraction)
     return PackedData(train, seq_len, "train"), PackedData(val, seq_len, "validation")

@@ -56,7 +56,10 @@ def validate(cfg: TrainConfig, world_size: int) -> int | None:
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
     """The layout and the data (nothing on disk is created or locked)."""
     cfg.check_world(world_size)
-    load_splits(cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len)
+    notes: list[str] = []
+    load_splits(cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len, notes=notes)
+    for line in notes:  # files of --data that were skipped, and why
+        print(f"moesaic train: {line}", file=sys.stderr, flush=True)
     if cfg.resume and not Path(cfg.run_dir).is_dir():
         raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
 
