@@ -111,9 +111,55 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
         ValueError: the file is not valid TOML.
     """
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {str(p)!r} is a directory; name a TOML file")
     if not p.is_file():
         raise FileNotFoundError(f"{what} {str(p)!r} does not exist")
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{what} {str(p)!r} is not text (TOML is UTF-8; byte {exc.start} is not)"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{what} {str(p)!r} is not valid TOML: {exc}") from exc
+
+
+def check_output_file(name: str, path: str | Path) -> Path:
+    """Before any work starts: ``path`` can be written as a file. Missing parent directories
+    are created (the rule of every moesaic output option); an existing directory, a parent that
+    is a file, and a directory this process cannot write in (read-only, no permission, a full
+    or read-only file system: a real file is created and removed there) are refused.
+
+    Args:
+        name: the option, for the message (``--trace``, ``--out``).
+        path: the file to be written later.
+
+    Returns:
+        The path.
+
+    Raises:
+        ValueError: naming the option, the path and the reason.
+    """
+    import errno
+    import os
+    import tempfile
+
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{name} ({path}) is a directory; name a file to write")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{name} ({path}): {parent} is not a directory")
+            break
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".probe"):
+            pass
+        if out.exists() and not os.access(out, os.W_OK):
+            raise PermissionError(errno.EACCES, "Permission denied", str(out))
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise ValueError(f"{name} ({path}) cannot be written: {why}") from None
+    return out

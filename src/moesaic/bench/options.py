@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from moesaic.checks import check_output_file
+
 # The committed result of ``moesaic bench layer`` at its defaults (relative to the working
 # directory, the repository root when run as documented).
 DEFAULT_OUT = Path("benchmarks/results/bench_layer_cpu.json")
@@ -100,7 +102,7 @@ def resolve_out(
             if not parent.is_dir():
                 raise ValueError(f"--out {out}: {parent} is not a directory")
             break
-    return path
+    return check_output_file("--out", path)  # writable, before the benchmark runs
 
 
 def write_json(document: dict, path: Path) -> Path:

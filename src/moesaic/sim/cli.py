@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from moesaic.checks import check_positive_int
+from moesaic.checks import check_output_file, check_positive_int
 
 __all__ = ["add_subparser"]
 
@@ -160,6 +160,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = default_matmul_size(device) if args.size is None else args.size
     check_positive_int("--size", size)
+    check_output_file("--out", args.out)  # before the measurement, not after it
     measured = measure(size)
     floor_s, scale, source = 0.0, 1.0, f"measured matmul {size}^3 here; links as specified"
     links: tuple[Any, ...] = ()

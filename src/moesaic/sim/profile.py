@@ -321,7 +321,15 @@ def _records(items: object, key: str, record: type[_R]) -> tuple[_R, ...]:
 def links_from_cluster_check(path: str | Path) -> tuple[float, float]:
     """``(floor_s, bandwidth_scale)`` from a ``benchmarks/cluster_check.py`` result: the
     unshaped loopback latency (min RTT/2) and 1 + the median bandwidth error of every level."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--links {path}: cannot be read as JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--links {path}: not a cluster_check result (a JSON object with 'unshaped' and "
+            f"'clusters'; got a {type(data).__name__})"
+        )
     try:
         floor_s = float(data["unshaped"]["latency_min_ms"]) * 1e-3
         errors = [

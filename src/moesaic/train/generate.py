@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -37,10 +38,12 @@ def generate_text(
         raise ValueError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k ({top_k}) must be >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature ({temperature}) must be >= 0")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature ({temperature}) must be a finite number >= 0 (0 = greedy)")
+    # A command line with bytes that are not UTF-8 reaches Python as lone surrogates: send
+    # those bytes back as they were (the model is byte-level).
+    data = prompt.encode("utf-8", errors="surrogateescape") or b"\n"
     model, _ = load_model_for_inference(resolve_checkpoint(checkpoint))
-    data = prompt.encode() or b"\n"
     idx_1T = torch.tensor([list(data)], dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
     out_1T = model.generate(idx_1T, max_new_tokens, temperature, top_k, generator=gen)

@@ -1,0 +1,46 @@
+"""Messages that name the file or the rule (issue 25 item 8).
+
+Before: a binary ``--config`` said ``'utf-8' codec can't decode ...`` without the file;
+``--config DIR`` said "does not exist"; ``calibrate --links`` with a JSON list raised
+``list indices must be integers``; ``generate --prompt`` with non-UTF-8 bytes failed on
+surrogates; ``generate --temperature nan`` reached torch's internals.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moesaic.checks import read_toml
+from moesaic.sim.profile import links_from_cluster_check
+
+
+def test_binary_config_names_the_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match=r"config file '.*c\.toml' is not text \(TOML is UTF-8"):
+        read_toml(f, "config file")
+
+
+def test_config_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(ValueError, match=r"config file '.*' is a directory; name a TOML file"):
+        read_toml(tmp_path, "config file")
+
+
+def test_links_that_are_not_a_cluster_check_result(tmp_path):
+    f = tmp_path / "links.json"
+    f.write_text(json.dumps([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"--links .*: not a cluster_check result .* got a list"):
+        links_from_cluster_check(f)
+    f.write_text("{not json")
+    with pytest.raises(ValueError, match=r"--links .*: cannot be read as JSON"):
+        links_from_cluster_check(f)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_generate_temperature_must_be_finite(bad):
+    from moesaic.train.generate import generate_text
+
+    with pytest.raises(ValueError, match=r"temperature \(.*\) must be a finite number >= 0"):
+        generate_text("/nonexistent", "x", temperature=bad)
