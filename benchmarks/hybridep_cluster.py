@@ -25,7 +25,7 @@ rank's):
 
 Every rank first measures its GEMM rate while all ranks run (``measure_gemm_flops``); the
 minimum over ranks is the compute throughput the model uses, so the chosen domains are the same
-everywhere. Predictions: :func:`moesaic.placement.stepmodel.predict_step` for each variant.
+everywhere. Predictions: :func:`moesaic.planning.stepmodel.predict_step` for each variant.
 Speedups are medians of per-round ratios (same run); the perfect-overlap bound of each figure
 is ``max(compute, communication)`` of the model's parts for that variant.
 """
@@ -108,7 +108,7 @@ def _model(cfg: Any, spec: Any, recorder: Any, group: Any = None) -> Any:
 
 def _plan(spec: Any, F: int, tokens: int, flops: float, cr: float) -> Any:
     """The domains the step model (``plan_step``: forward, backward, gradient reduce) picks."""
-    from moesaic.placement.stepmodel import plan_step
+    from moesaic.planning.stepmodel import plan_step
 
     return plan_step(
         spec,
@@ -129,9 +129,9 @@ def worker(rank: int, world: int, spec_dict: dict, points: list, steps: int) -> 
 
     from moesaic.cluster.spec import ClusterSpec
     from moesaic.layer import aux_loss
-    from moesaic.placement.costmodel import measure_gemm_flops
-    from moesaic.strategies.migration import ExpertPrefetcher
+    from moesaic.planning.costmodel import measure_gemm_flops
     from moesaic.trace import Recorder
+    from moesaic.train.prefetch import ExpertPrefetcher
 
     torch.set_num_threads(1)
     spec = ClusterSpec.from_dict(spec_dict)
@@ -247,7 +247,7 @@ def _observed_rows(model: Any, x: Any, world: int) -> Any:
 
 def _predicted_compute_s(spec: Any, F: int, tokens: int, flops: float) -> float:
     """The step's compute (pre-expert and expert, forward and backward) at ``flops``."""
-    from moesaic.placement.stepmodel import predict_step
+    from moesaic.planning.stepmodel import predict_step
 
     pred = predict_step(
         spec,
@@ -263,7 +263,7 @@ def _predicted_compute_s(spec: Any, F: int, tokens: int, flops: float) -> float:
 
 def _predictions(spec: Any, point: dict, flops: float) -> dict[str, Any]:
     from moesaic.cluster.cost import network_time
-    from moesaic.placement.stepmodel import predict_step
+    from moesaic.planning.stepmodel import predict_step
 
     out = {}
     for name in VARIANTS:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from moesaic.bench.meta import run_metadata  # noqa: E402
 from moesaic.cluster.spec import ClusterSpec, Level  # noqa: E402
-from moesaic.placement.costmodel import stream_inputs  # noqa: E402
+from moesaic.planning.costmodel import stream_inputs  # noqa: E402
 from moesaic.sim.collectives import LinkModel  # noqa: E402
 from moesaic.sim.hybrid import (  # noqa: E402
     build_hybrid,

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 
+from moesaic.comm.spans import gather_spans
 from moesaic.comm.world import run_world
 from moesaic.trace import (
     Recorder,
@@ -15,7 +16,6 @@ from moesaic.trace import (
     busy_time,
     chrome_trace,
     draw_timeline,
-    gather_spans,
     overlap_bound,
     step_figures,
     write_chrome_trace,

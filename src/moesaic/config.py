@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from moesaic.checks import check_bool, check_non_negative, check_one_of, check_positive_int
-from moesaic.strategies.registry import strategy_names
+from moesaic.strategy_table import strategy_names
 
 __all__ = ["ACTIVATIONS", "SCORE_FUNCS", "MoEConfig", "check_positive_int"]
 
@@ -37,7 +37,7 @@ class MoEConfig:
         activation: "swiglu" (``w2(silu(x w1) * (x w3))``) or "gelu" (``w2(gelu(x w1))``).
         aux_loss_coef: weight of the GShard/Switch load-balancing loss.
         z_loss_coef: weight of the router z-loss (ST-MoE).
-        dispatcher: the execution strategy, a name of ``moesaic.strategies.strategy_names()``:
+        dispatcher: the execution strategy, a name of ``moesaic.strategy_table.strategy_names()``:
             "dropless" (all-to-all-v of routed tokens only), "padded" (capacity all-to-all
             with zero padding, the GShard/DeepSpeed baseline), "hybrid" (HybridEP: experts
             move inside domains) and "taskflow" (compiled tile plans on a concurrent executor

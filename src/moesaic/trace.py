@@ -18,7 +18,8 @@ Perfetto and chrome://tracing open: one process per rank, one thread per resourc
 ``draw_timeline`` (a PNG, matplotlib). ``busy_time`` and ``overlap_bound`` give the
 perfect-overlap bound max(busy compute, busy communication) from the same spans.
 
-Torch-free (matplotlib is imported only by ``draw_timeline``; torch only by ``gather_spans``).
+Torch- and communication-free (matplotlib is imported only by ``draw_timeline``); the spans of
+every rank are gathered by :func:`moesaic.comm.spans.gather_spans`.
 """
 
 from __future__ import annotations
@@ -32,12 +33,9 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moesaic.checks import check_bool, check_int
-
-if TYPE_CHECKING:
-    from moesaic.comm.collectives import EPGroup
 
 # Lane order within a rank (unknown resources follow, alphabetically).
 RESOURCES = ("step", "compute", "encode", "a2a", "gather", "allreduce", "optimizer")
@@ -420,28 +418,6 @@ def step_figures(spans: Sequence[Span]) -> list[StepFigures]:
     return out
 
 
-def gather_spans(group: EPGroup, spans: Sequence[Span]) -> list[list[Span]]:
-    """Every rank's spans, in rank order, on every rank of ``group`` (a collective: every rank
-    calls it). The spans travel as JSON bytes in two all-gathers (lengths, then padded bytes)
-    under ``group``'s deadline."""
-    import torch
-
-    payload = json.dumps([s.to_dict() for s in spans]).encode()
-    if group.size == 1:
-        return [list(spans)]
-    n = group.control_tensor([len(payload)])
-    lengths = group.all_gather_dim0(n, what="all_gather of trace sizes").tolist()
-    buf_U = torch.zeros(max(lengths), dtype=torch.uint8)
-    buf_U[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    all_PU = group.all_gather_dim0(buf_U.to(group.control_device), "all_gather of trace spans")
-    all_PU = all_PU.view(group.size, -1).cpu()
-    out = []
-    for p, length in enumerate(lengths):
-        rows = json.loads(all_PU[p, :length].numpy().tobytes())
-        out.append([Span.from_dict(d) for d in rows])
-    return out
-
-
 __all__ = [
     "COMM_RESOURCES",
     "COMPUTE_RESOURCES",
@@ -452,7 +428,6 @@ __all__ = [
     "busy_time",
     "chrome_trace",
     "draw_timeline",
-    "gather_spans",
     "maybe_span",
     "overlap_bound",
     "step_figures",

@@ -127,8 +127,8 @@ def assert_same_order(logs: Sequence[Sequence[Entry]], label: str = "") -> None:
 
 
 def _run_case(layout, schedule, strategy, domain_sizes, skew, batches):
-    from moesaic.strategies.migration import ExpertPrefetcher
     from moesaic.train.parallel import GradientSync
+    from moesaic.train.prefetch import ExpertPrefetcher
 
     with record_collectives() as log:  # step 0: construction (agreements, groups)
         torch.manual_seed(0)

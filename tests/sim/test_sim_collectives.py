@@ -10,7 +10,7 @@ import pytest
 
 from moesaic.cluster import cost
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.placement.costmodel import evaluate_domains, stream_inputs
+from moesaic.planning.costmodel import evaluate_domains, stream_inputs
 from moesaic.sim.collectives import (
     LinkModel,
     all_gather_s,
@@ -85,7 +85,7 @@ def test_skewed_all_to_all_v_equals_its_traffic_matrix(spec):
 def test_hybrid_phases_equal_evaluate_domains(spec):
     """Gathers and token hops by level_exchange_s equal evaluate_domains (P x P matrices) for
     every divisor tuple of domain sizes."""
-    from moesaic.placement.costmodel import domain_size_choices
+    from moesaic.planning.costmodel import domain_size_choices
 
     P = spec.world_size
     model = ModelSpec(layers=1, batch=2, seq_len=64, hidden=64, ffn_hidden=96,

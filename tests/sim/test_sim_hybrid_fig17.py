@@ -11,7 +11,7 @@ import random
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.placement.costmodel import latency, stream_inputs
+from moesaic.planning.costmodel import latency, stream_inputs
 from moesaic.sim.collectives import LinkModel
 from moesaic.sim.hybrid import hybrid_parts, moe_config
 from moesaic.sim.model import ModelSpec

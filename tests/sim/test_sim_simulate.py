@@ -11,7 +11,7 @@ import pytest
 
 from moesaic.cli import main
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.placement.stepmodel import plan_step
+from moesaic.planning.stepmodel import plan_step
 from moesaic.sim.collectives import LinkModel
 from moesaic.sim.hybrid import moe_config, plan_domains_fast
 from moesaic.sim.model import ModelSpec
@@ -56,8 +56,8 @@ def test_hybrid_domains_are_plan_steps(levels, T, F, flops):
 def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
     """+Migration (SR compression, shared experts' all-reduce, prefetched gathers): every
     domain tuple's step equals predict_step's, and the chosen domains are plan_step's."""
-    from moesaic.placement.costmodel import domain_size_choices
-    from moesaic.placement.stepmodel import predict_step
+    from moesaic.planning.costmodel import domain_size_choices
+    from moesaic.planning.stepmodel import predict_step
     from moesaic.sim.hybrid import hybrid_parts
 
     spec = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),

@@ -15,8 +15,9 @@ import pytest
 from _train_helpers import read_metrics, start_from, tiny_args
 
 from moesaic.cli import main
-from moesaic.train.errors import describe, pick_root_cause, worker_main
+from moesaic.train.errors import describe, pick_root_cause
 from moesaic.train.runlock import RunLock, check_run_dir
+from moesaic.train.worker import worker_main
 
 
 def _one_error_line(err: str) -> str:

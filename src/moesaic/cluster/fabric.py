@@ -39,8 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import moesaic.cluster.lifecycle as lifecycle
+import moesaic.cluster.system as system
 from moesaic.checks import check_positive
-from moesaic.cluster import lifecycle, system
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.cluster.system import ClusterError, ClusterTimeout
 from moesaic.cluster.topology import (

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from moesaic.cluster import system
+import moesaic.cluster.system as system
 from moesaic.cluster.topology import NAMESPACE_RE
 
 __all__ = [

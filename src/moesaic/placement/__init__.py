@@ -1,28 +1,19 @@
-"""Where experts live: expert placement, and HybridEP's domains, cost model and compression."""
+"""Where experts live: expert placement, HybridEP's domain topology and expert compression.
+
+Nothing here imports above it: the router and the layer use :class:`ExpertPlacement`, HybridEP's
+strategy the topology and the compression. HybridEP's cost model and step model, which price
+choices of these, are :mod:`moesaic.planning`.
+"""
 
 from moesaic.placement.base import ExpertPlacement
 from moesaic.placement.compress import CompressedExpert, compressed_nbytes, sr_decode, sr_encode
-from moesaic.placement.costmodel import (
-    DomainPlan,
-    StreamInputs,
-    optimal_p,
-    plan_domains,
-    search_p,
-    stream_inputs,
-)
 from moesaic.placement.topology import Topology
 
 __all__ = [
     "CompressedExpert",
-    "DomainPlan",
     "ExpertPlacement",
-    "StreamInputs",
     "Topology",
     "compressed_nbytes",
-    "optimal_p",
-    "plan_domains",
-    "search_p",
     "sr_decode",
     "sr_encode",
-    "stream_inputs",
 ]

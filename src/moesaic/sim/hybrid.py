@@ -1,7 +1,7 @@
 """HybridEP's step as a task graph, with the domain sizes its cost model chooses.
 
-The costs are those of :mod:`moesaic.placement.stepmodel` (``stream_inputs`` for the compute,
-the gathers' and token hops' traffic of :func:`moesaic.placement.costmodel.evaluate_domains`),
+The costs are those of :mod:`moesaic.planning.stepmodel` (``stream_inputs`` for the compute,
+the gathers' and token hops' traffic of :func:`moesaic.planning.costmodel.evaluate_domains`),
 but the network phases are priced by the closed forms of :mod:`moesaic.sim.collectives`
 (:func:`level_exchange_s`): equal to ``evaluate_domains`` on any cluster (tested), without its
 ``P x P`` matrices, so 8,000 ranks plan in milliseconds. :func:`plan_domains_fast` ranks every
@@ -26,7 +26,7 @@ from typing import Any
 from moesaic.checks import check_positive_int
 from moesaic.config import MoEConfig
 from moesaic.placement.compress import kept_entries
-from moesaic.placement.costmodel import (
+from moesaic.planning.costmodel import (
     StreamInputs,
     domain_size_choices,
     fastest_smallest,

@@ -192,7 +192,7 @@ def simulate(
     if model.layer_only and strategy in LAYER_ONLY_UNSUPPORTED:
         raise ValueError(
             f"strategy {strategy!r} cannot simulate a model with model.layer_only: its costs are "
-            "placement.stepmodel's, which always include the block's attention"
+            "planning.stepmodel's, which always include the block's attention"
         )
     profile = profile.for_model(model.act_bytes)  # a bf16 model at the bf16 matmul rate
     link_spec, scale = profile.link_spec(spec)  # measured levels at their measured rates

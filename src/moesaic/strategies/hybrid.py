@@ -12,7 +12,7 @@ layer's cluster description (or one level of P ranks), cut into domains of ``con
    (one group per level with a domain size above 1: the slow links carry the smallest
    bundles, as the cost model prices it). The
    gathered copies are cached per weight version (gradient accumulation and evaluation gather
-   once per optimizer step) and can be prefetched (:class:`~moesaic.strategies.migration.
+   once per optimizer step) and can be prefetched (:class:`~moesaic.train.prefetch.
    ExpertPrefetcher`). Own experts always enter the computation exactly.
 2. **Exchange** (partition): a token for expert ``g`` goes to the one rank that holds ``g``
    after the gathers and has this rank's offsets at every level (the same rank when ``g`` is in

@@ -1,59 +1,25 @@
-"""The one list of MoE execution strategies: names -> classes, imported lazily.
+"""Strategy names -> built strategies: :func:`get_strategy` and :func:`make_strategy`.
 
-Torch-free, so that ``MoEConfig`` validates ``dispatcher`` against it without importing torch.
-Config validation, ``moesaic bench layer`` and the tests all read ``strategy_names()``; a new
-strategy is one module plus one line here (or a ``register_strategy`` call from user code).
+The list of names itself is :mod:`moesaic.strategy_table` (torch-free, below the config that
+validates against it); this module only resolves a name to its class and builds it. Torch-free
+too: the classes are imported on first use.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from moesaic.checks import check_one_of
+from moesaic.strategy_table import register_strategy, resolve_strategy, strategy_names
 
 if TYPE_CHECKING:
     from moesaic.strategies.base import MoEStrategy, StrategyContext
 
-# name -> class or "module:Class"; order = the order benchmarks and tests list them in. The one
-# deliberate piece of module-level mutable state: a registry that user code may extend.
-_TARGETS: dict[str, str | type] = {
-    "dropless": "moesaic.strategies.dropless:DroplessStrategy",
-    "padded": "moesaic.strategies.padded:PaddedStrategy",
-    "hybrid": "moesaic.strategies.hybrid:HybridStrategy",
-    "taskflow": "moesaic.strategies.taskflow:TaskflowStrategy",
-}
-
-
-def strategy_names() -> tuple[str, ...]:
-    """Every registered strategy name, built-in ones first."""
-    return tuple(_TARGETS)
-
-
-def register_strategy(name: str, target: str | type) -> None:
-    """Register a strategy class (or its ``"module:Class"`` path) under ``name``.
-
-    Raises:
-        ValueError: ``name`` is empty or already registered to something else.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"strategy name must be a non-empty string, got {name!r}")
-    old = _TARGETS.get(name)
-    if old is not None and old != target:
-        raise ValueError(f"strategy {name!r} is already registered ({old!r})")
-    _TARGETS[name] = target
+__all__ = ["get_strategy", "make_strategy", "register_strategy", "strategy_names"]
 
 
 def get_strategy(name: str) -> type[MoEStrategy]:
     """The class registered under ``name`` (imports its module on first use)."""
-    check_one_of("dispatcher", name, strategy_names())
-    target = _TARGETS[name]
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
-        _TARGETS[name] = target
-    assert isinstance(target, type)
-    return target
+    return cast("type[MoEStrategy]", resolve_strategy(name))
 
 
 def make_strategy(name: str, ctx: StrategyContext) -> MoEStrategy:

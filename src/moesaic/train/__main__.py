@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from moesaic.train.config import add_train_arguments, config_from_args
-from moesaic.train.errors import worker_main
+from moesaic.train.worker import worker_main
 
 
 def main(argv: list[str] | None = None) -> int:

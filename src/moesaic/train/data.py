@@ -104,8 +104,7 @@ def _skipped_line(data: str, skipped: list[tuple[Path, str]], total: int) -> str
     for f, why in skipped:
         by_reason.setdefault(why, []).append(f)
     parts = [
-        f"{len(fs)} {why} ({fs[0]}{' ...' if len(fs) > 1 else ''})"
-        for why, fs in by_reason.items()
+        f"{len(fs)} {why} ({fs[0]}{' ...' if len(fs) > 1 else ''})" for why, fs in by_reason.items()
     ]
     return f"data path {data}: skipped {len(skipped)} of {total} files: {'; '.join(parts)}"
 

@@ -3,7 +3,7 @@
 ``model.moe.domain_sizes`` (``--domains``) is given as sizes (``[1, 2]`` in TOML, ``1,2`` as a
 flag) or as ``"auto"``; ``"auto"`` becomes ``TrainConfig.auto_domains`` and is resolved when the
 run starts (:func:`plan_training_domains`): the training-step model
-(:func:`moesaic.placement.stepmodel.plan_step`, the last line of ``moesaic plan``) on the inputs
+(:func:`moesaic.planning.stepmodel.plan_step`, the last line of ``moesaic plan``) on the inputs
 below, from the cluster description (``--cluster FILE.toml``) and a measured GEMM throughput.
 
 What the cost model is told about a training run (the same rules for ``moesaic plan --model``):
@@ -27,9 +27,9 @@ from moesaic.checks import check_positive_int, is_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.config import MoEConfig
 from moesaic.models.config import MoEGPTConfig
-from moesaic.placement.costmodel import StreamInputs, stream_inputs
-from moesaic.placement.stepmodel import StepPlan, plan_step
 from moesaic.placement.topology import Topology
+from moesaic.planning.costmodel import StreamInputs, stream_inputs
+from moesaic.planning.stepmodel import StepPlan, plan_step
 
 __all__ = [
     "AUTO",
@@ -177,7 +177,7 @@ def plan_training_domains(
 ) -> StepPlan:
     """``--domains auto``: the domain sizes that minimise this run's predicted training step.
 
-    :func:`moesaic.placement.stepmodel.plan_step` (the paper's forward plus the backward and
+    :func:`moesaic.planning.stepmodel.plan_step` (the paper's forward plus the backward and
     the dense gradient reduce of gathered experts, with the prefetcher training attaches), on
     the inputs ``moesaic plan`` derives. A pure function of its arguments: ranks that pass the
     same ``flops_per_s`` (the training loop broadcasts rank 0's measurement) get the same plan.

@@ -1,38 +1,17 @@
-"""How a training failure reaches the user: one line naming the cause, the traceback in a log.
+"""Training's failure vocabulary: its exception types, one-line descriptions, the root cause.
 
-Every worker runs under :func:`worker_main`. Whatever it raises (an ``OSError`` writing metrics,
-a damaged checkpoint, a peer that died, a bug), the worker
-
-* writes the full traceback to ``RUN_DIR/logs/rank_<R>.log`` (or a file in the temp directory
-  when the run directory cannot be written),
-* records a one-line description in the elastic agent's error file, marked as a *cause* or as
-  a *peer* failure (a collective that failed because another rank died first), and
-* exits 1 (130 on Ctrl-C, silently).
-
-The launcher (``launch.py``) then prints the line of the rank that failed first for a reason of
-its own (:func:`pick_root_cause`), so the user sees ``rank 0: cannot write .../metrics.jsonl:
-No space left on device`` rather than the other rank's "a peer died". Under ``torchrun`` (no
-moesaic launcher) each worker prints its own line.
+A leaf (no moesaic import at module level) that checkpoints, the run lock, the loop and the
+launcher all import. The worker side, which turns a failure into a log and that line, is
+:mod:`moesaic.train.worker`; the launcher picks the rank that failed first for a reason of its own
+(:func:`pick_root_cause`) from the records the workers leave under :data:`RECORD_KEY`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import faulthandler
-import json
-import os
-import signal
-import socket
-import sys
-import tempfile
-import time
-import traceback
-from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any
 
 # Key of our record in the elastic error file (next to torch's "message" and "timestamp").
-_RECORD_KEY = "moesaic"
+RECORD_KEY = "moesaic"
 # Torch's own wording when a gloo/NCCL peer went away: the symptom, not the cause.
 _PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
@@ -94,139 +73,6 @@ def is_peer_failure(exc: BaseException) -> bool:
     return any(w in text for w in _PEER_WORDS)
 
 
-def _log_candidates(run_dir: str, rank: int) -> list[Path]:
-    """``run_dir/logs/rank_<rank>.log``, then a file in the temp directory."""
-    tmp = Path(tempfile.gettempdir()) / f"moesaic-train-rank_{rank}-{os.getpid()}.log"
-    return [Path(run_dir) / "logs" / f"rank_{rank}.log", tmp]
-
-
-def _open_log(run_dir: str, rank: int) -> tuple[Path, TextIO] | None:
-    for path in _log_candidates(run_dir, rank):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return path, path.open("a")
-        except OSError:
-            continue
-    return None
-
-
-def write_traceback(run_dir: str, rank: int, exc: BaseException) -> Path | None:
-    """Append ``exc``'s traceback to ``run_dir/logs/rank_<rank>.log``; returns the file.
-
-    Falls back to the temp directory when the run directory cannot be written; None when
-    nothing could be written.
-    """
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    header = f"=== {now} host {socket.gethostname()} pid {os.getpid()} attempt {attempt}\n"
-    body = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    for path in _log_candidates(run_dir, rank):
-        try:  # a full disk fails at the write or the close: then try the next place
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a") as f:
-                f.write(header + body)
-            return path
-        except OSError:
-            continue
-    return None
-
-
-def _fault_dumps_to_log(run_dir: str, rank: int) -> TextIO | None:
-    """Send faulthandler's dumps (a crash in C++, e.g. gloo aborting while the agent stops
-    this rank after a peer failed) to the rank's log instead of the terminal."""
-    opened = _open_log(run_dir, rank)
-    if opened is None:
-        faulthandler.disable()
-        return None
-    faulthandler.enable(file=opened[1], all_threads=True)
-    return opened[1]
-
-
-def _record(line: str, peer: bool, rank: int) -> None:
-    """Leave ``line`` in the elastic agent's error file for the launcher (if there is one)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {
-        "message": line,
-        "timestamp": int(time.time()),
-        _RECORD_KEY: {"line": line, "peer": peer, "rank": rank, "time": time.time()},
-    }
-    with contextlib.suppress(OSError):  # the launcher then reports the exit code alone
-        Path(path).write_text(json.dumps(data))
-
-
-def fail(
-    exc: BaseException, *, run_dir: str, rank: int, launched: bool, restarts_left: int
-) -> NoReturn:
-    """Report ``exc`` as one line (traceback to a log file) and exit 1.
-
-    Under the moesaic launcher the line goes to the launcher, which prints the root cause once;
-    the worker prints it itself only when the group will be restarted (so each failed attempt
-    is explained) or when there is no moesaic launcher (torchrun).
-    """
-    log = write_traceback(run_dir, rank, exc)
-    line = f"rank {rank}: {describe(exc)}"
-    if log is not None:
-        line += f" (traceback in {log})"
-    peer = is_peer_failure(exc)
-    _record(line, peer, rank)
-    if not launched:
-        print(f"moesaic train: error: {line}", file=sys.stderr, flush=True)
-    elif restarts_left > 0 and not peer:
-        print(f"moesaic train: {line}; restarting the workers", file=sys.stderr, flush=True)
-    sys.exit(1)
-
-
-def worker_main(cfg_dict: dict, *, launched: bool) -> dict:
-    """Run this process's rank of a training job; every failure becomes one line (see above).
-
-    Args:
-        cfg_dict: the run's ``TrainConfig.to_dict()``.
-        launched: True under the moesaic launcher (which holds the run lock and prints the root
-            cause); False under torchrun, where rank 0 takes the lock and each rank prints.
-
-    Returns:
-        Rank 0's summary (an empty dict on other ranks).
-    """
-    from moesaic.train.checkpoint import check_resume_step, latest_checkpoint, read_checkpoint_meta
-    from moesaic.train.config import TrainConfig
-    from moesaic.train.loop import train
-    from moesaic.train.runlock import RunLock, check_run_dir
-
-    rank = int(os.environ.get("RANK", "0"))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    run_dir = str(cfg_dict.get("run_dir") or ".")
-    restarts_left = max(0, int(cfg_dict.get("max_restarts") or 0) - restart)
-    lock = None
-    fault_log = _fault_dumps_to_log(run_dir, rank) if launched else None
-    try:
-        cfg = TrainConfig.from_dict(cfg_dict)
-        if not launched and rank == 0:
-            check_run_dir(cfg.run_dir)
-            lock = RunLock(cfg.run_dir).acquire()
-        path = latest_checkpoint(cfg.run_dir) if cfg.resume else None
-        if path is not None:
-            check_resume_step(path, read_checkpoint_meta(path, verify=False), cfg.steps)
-        return train(cfg)
-    except KeyboardInterrupt:
-        # The agent forwards the signal once more while stopping us: not a second traceback.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if not launched:
-            print(f"moesaic train: interrupted (rank {rank})", file=sys.stderr, flush=True)
-        sys.exit(130)
-    except SystemExit:
-        raise
-    except BaseException as exc:  # every failure becomes one line and a log
-        fail(exc, run_dir=run_dir, rank=rank, launched=launched, restarts_left=restarts_left)
-    finally:
-        if lock is not None:
-            lock.release()
-        if fault_log is not None:
-            faulthandler.disable()
-            fault_log.close()
-
-
 def pick_root_cause(failures: dict[int, Any]) -> tuple[int, str | None]:
     """The rank whose failure caused the others and its line (None when it left no record).
 
@@ -237,11 +83,11 @@ def pick_root_cause(failures: dict[int, Any]) -> tuple[int, str | None]:
 
     def key(item: tuple[int, Any]) -> tuple[int, float, int]:
         rank, failure = item
-        rec = (getattr(failure, "error_file_data", None) or {}).get(_RECORD_KEY)
+        rec = (getattr(failure, "error_file_data", None) or {}).get(RECORD_KEY)
         if not isinstance(rec, dict):
             return (2, float(getattr(failure, "timestamp", 0) or 0), rank)
         return (1 if rec.get("peer") else 0, float(rec.get("time", 0)), rank)
 
     rank, failure = min(failures.items(), key=key)
-    rec = (getattr(failure, "error_file_data", None) or {}).get(_RECORD_KEY)
+    rec = (getattr(failure, "error_file_data", None) or {}).get(RECORD_KEY)
     return rank, rec.get("line") if isinstance(rec, dict) else None

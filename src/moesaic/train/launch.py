@@ -8,7 +8,8 @@ latest checkpoint). Several nodes: run ``torchrun ... -m moesaic.train`` on each
 
 The launcher holds the run directory's lock (``runlock.py``) for the whole run, and turns a
 failed worker group into one line: the error of the rank that failed first for a reason of its
-own (errors.py), with the path of the log holding its traceback.
+own (``errors.pick_root_cause``, from the records ``worker.py`` leaves), with the path of the log
+holding its traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from moesaic.checks import check_output_file
 from moesaic.train.checkpoint import (
     already_has_checkpoints,
     check_resume_step,
@@ -38,7 +40,7 @@ _QUIET_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 def _worker_entry(cfg_dict: dict, launched: bool) -> dict:
     # Imported in the worker, not here: the launcher never needs the training loop.
-    from moesaic.train.errors import worker_main
+    from moesaic.train.worker import worker_main
 
     return worker_main(cfg_dict, launched=launched)
 
@@ -56,6 +58,9 @@ def validate(cfg: TrainConfig, world_size: int) -> int | None:
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
     """The layout and the data (nothing on disk is created or locked)."""
     cfg.check_world(world_size)
+    for name in ("trace", "trace_png"):  # writable before the run, not found bad after it
+        if getattr(cfg, name) is not None:
+            check_output_file(f"--{name.replace('_', '-')}", getattr(cfg, name))
     notes: list[str] = []
     load_splits(cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len, notes=notes)
     for line in notes:  # files of --data that were skipped, and why

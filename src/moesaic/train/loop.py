@@ -1,8 +1,8 @@
 """The per-worker training loop (one process per rank, started by torch's elastic agent).
 
-``run_worker(cfg)`` reads its rank from the environment torchrun sets (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT), trains, validates, checkpoints and
-writes ``metrics.jsonl`` (rank 0). On a restart by the agent it resumes from the latest
+``train(cfg)`` (run by :func:`moesaic.train.worker.worker_main`) reads its rank from the
+environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT,
+TORCHELASTIC_RESTART_COUNT), trains, validates, checkpoints and writes ``metrics.jsonl`` (rank 0). On a restart by the agent it resumes from the latest
 checkpoint, so a killed worker loses only the steps after it.
 """
 
@@ -21,17 +21,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moesaic.comm.agree import check_ranks_agree
+from moesaic.comm.spans import gather_spans
 from moesaic.comm.world import init_world
 from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.schedule import make_step
 from moesaic.schedule.base import StepParts
-from moesaic.strategies.migration import ExpertPrefetcher
 from moesaic.trace import (
     Recorder,
     StepFigures,
     draw_timeline,
-    gather_spans,
     maybe_span,
     step_figures,
     write_chrome_trace,
@@ -48,6 +47,7 @@ from moesaic.train.data import PackedData, load_splits
 from moesaic.train.domains import check_cluster_and_domains, plan_training_domains
 from moesaic.train.health import NonFiniteError, nonfinite_message
 from moesaic.train.parallel import GradientSync, Layout, build_layout
+from moesaic.train.prefetch import ExpertPrefetcher
 from moesaic.train.report import Reporter
 
 # The optimizer every run uses (part of what ranks must agree on).
@@ -178,7 +178,7 @@ def resolve_auto_domains(cfg: TrainConfig, spec, layout: Layout, device) -> Trai
     if not cfg.auto_domains or moe.dispatcher != "hybrid":
         return cfg
     if layout.rank == 0:
-        from moesaic.placement.costmodel import measure_gemm_flops
+        from moesaic.planning.costmodel import measure_gemm_flops
 
         flops = measure_gemm_flops()
     else:
@@ -366,11 +366,3 @@ def _write_trace(cfg: TrainConfig, layout: Layout, recorder: Recorder, start: in
             f"{f.ratio:.2f}x the overlap bound"
         )
     print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def run_worker(cfg_dict: dict) -> dict:
-    """Entry of one worker under torchrun: ``moesaic.train.errors.worker_main`` (every failure,
-    of any type, becomes one line naming the rank, the traceback goes to RUN_DIR/logs)."""
-    from moesaic.train.errors import worker_main
-
-    return worker_main(cfg_dict, launched=False)

@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.placement.costmodel import DomainCandidate, DomainPlan, StreamInputs, plan_domains
+from moesaic.planning.costmodel import DomainCandidate, DomainPlan, StreamInputs, plan_domains
 
 PLAN_EPILOG = """\
 examples:
@@ -116,7 +116,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     check_positive_int("dtype_bytes (--dtype-bytes)", args.dtype_bytes)
     measured = args.flops_per_s is None
     if measured:
-        from moesaic.placement.costmodel import measure_gemm_flops
+        from moesaic.planning.costmodel import measure_gemm_flops
 
         flops = measure_gemm_flops()
     else:
@@ -172,7 +172,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "candidates": [_candidate_dict(c, plan) for c in plan.candidates],
         "reason": plan.reason,
         # what `moesaic train --domains auto` picks: a whole training step priced (forward,
-        # backward, dense gradient reduce, prefetched gathers), moesaic.placement.stepmodel
+        # backward, dense gradient reduce, prefetched gathers), moesaic.planning.stepmodel
         "training_step": {
             "domain_sizes": list(step.chosen.domain_sizes),
             "candidates": [

@@ -1,4 +1,4 @@
-"""moesaic.placement.costmodel: Eqs. 1-12, closed form vs exhaustive search, multilevel plan."""
+"""moesaic.planning.costmodel: Eqs. 1-12, closed form vs exhaustive search, multilevel plan."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.config import MoEConfig
 from moesaic.placement.compress import compressed_nbytes
-from moesaic.placement.costmodel import (
+from moesaic.planning.costmodel import (
     StreamInputs,
     evaluate_domains,
     gemm_latency_s,

@@ -13,7 +13,7 @@ import pytest
 from moesaic.cli import main
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.config import MoEConfig
-from moesaic.placement.costmodel import plan_domains, stream_inputs
+from moesaic.planning.costmodel import plan_domains, stream_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS = ROOT / "examples" / "clusters"

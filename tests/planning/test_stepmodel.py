@@ -6,8 +6,8 @@ import pytest
 
 import moesaic
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.placement.costmodel import evaluate_domains, stream_inputs
-from moesaic.placement.stepmodel import predict_step
+from moesaic.planning.costmodel import evaluate_domains, stream_inputs
+from moesaic.planning.stepmodel import predict_step
 
 SPEC = ClusterSpec(
     levels=(
@@ -69,7 +69,7 @@ def test_bad_input_names_the_field():
 
 
 def test_plan_step_prices_every_candidate_and_picks_the_fastest():
-    from moesaic.placement.stepmodel import plan_step
+    from moesaic.planning.stepmodel import plan_step
 
     plan = plan_step(SPEC, CFG, **KW)
     assert [c.domain_sizes for c in plan.candidates] == [(1, 1), (1, 2), (2, 1), (2, 2)]

@@ -1,0 +1,22 @@
+"""HybridEP planning: what a choice of expert domains costs, and which to take.
+
+* :mod:`moesaic.planning.costmodel` — the paper's stream-based cost model (Eqs. 1-12),
+  ``optimal_p`` / ``search_p``, multilevel ``evaluate_domains`` / ``plan_domains`` (torch-free,
+  except ``measure_gemm_flops``);
+* :mod:`moesaic.planning.stepmodel` — ``predict_step`` / ``plan_step``: a whole training step
+  (forward, backward, gradient reduce, prefetched gathers) per candidate.
+
+Used by ``moesaic train --domains auto``, ``moesaic plan`` and the simulator; imports only the
+XX
+"""
+
+from moesaic.planning.costmodel import (
+    DomainPlan,
+    StreamInputs,
+    optimal_p,
+    plan_domains,
+    search_p,
+    stream_inputs,
+)
+
+__all__ = ["DomainPlan", "StreamInputs", "optimal_p", "plan_domains", "search_p", "stream_inputs"]
