@@ -14,11 +14,16 @@ holding its traceback.
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from moesaic.checks import check_output_file
 from moesaic.train.checkpoint import (
@@ -29,7 +34,7 @@ from moesaic.train.checkpoint import (
 )
 from moesaic.train.config import TrainConfig
 from moesaic.train.data import load_splits
-from moesaic.train.errors import pick_root_cause
+from moesaic.train.errors import RECORD_KEY, pick_root_cause
 from moesaic.train.runlock import RunLock, check_run_dir
 
 # Loggers of the elastic agent and of torch.multiprocessing: they log rendezvous, restarts,
@@ -118,12 +123,42 @@ def _quiet_torch_loggers() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _last_attempt_records(log_dir: str) -> dict[int, Any]:
+    """Every rank's error record of the last attempt under ``log_dir`` (the agent's logs:
+    ``<run id>/attempt_<n>/<local rank>/error.json``), as failures ``pick_root_cause`` reads.
+
+    The agent reports only the workers it saw exit with an error; a rank that failed first but
+    was still tearing down when its peer's echo ended (the peer's "Connection closed by peer")
+    was stopped by the agent, and its own record, already written, was not in the report
+    (seen in 1 of 12 runs of a full-disk test, and 2 of 4 with the EP group on the default
+    group). Reading the files gives the first real error whichever rank exited first.
+    """
+    found: dict[int, Any] = {}
+    attempts = sorted(Path(log_dir).glob("*/attempt_*"), key=lambda p: int(p.name[8:] or 0))
+    if not attempts:
+        return found
+    for error_file in attempts[-1].glob("*/error.json"):
+        try:
+            data = json.loads(error_file.read_text())
+            rank = int(error_file.parent.name)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get(RECORD_KEY), dict):
+            continue  # not a worker's own record (torch's, of a crash): the agent reports it
+        found[rank] = SimpleNamespace(error_file_data=data, timestamp=data.get("timestamp", 0))
+    return found
+
+
 def _run_agent(cfg: TrainConfig) -> dict:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _quiet_torch_loggers()
+    # The agent's logs (error records) in a directory of ours, read on failure and removed at
+    # the end (torch's default left an empty /tmp/torchelastic_* tree behind every run).
+    log_dir = tempfile.mkdtemp(prefix="moesaic-elastic-")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -135,13 +170,15 @@ def _run_agent(cfg: TrainConfig) -> dict:
         max_restarts=cfg.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     try:
         results = elastic_launch(config, _worker_entry)(cfg.to_dict(), True)
     except ChildFailedError as exc:
-        rank, line = pick_root_cause(exc.failures)
+        failures = {**_last_attempt_records(log_dir), **exc.failures}
+        rank, line = pick_root_cause(failures)
         if line is None:
-            failure = exc.failures[rank]
+            failure = failures[rank]
             how = (
                 f"was killed by signal {failure.signal_name()}"
                 if failure.exitcode < 0
@@ -155,4 +192,6 @@ def _run_agent(cfg: TrainConfig) -> dict:
         if exc.sigval in (signal.SIGINT, signal.SIGTERM):
             raise KeyboardInterrupt from None
         raise RuntimeError(f"stopped by signal {exc.sigval.name}") from None
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return results.get(0) or {}
