@@ -90,3 +90,16 @@ def test_tuner_bad_time_names_it():
     tuner = SpTuner(low=LOW, high=HIGH)
     with pytest.raises(ValueError, match="iteration_time_s"):
         tuner.observe(float("nan"))
+
+
+def test_repeated_points_print_nothing(capsys):
+    """Issue 25 item 9: bayes_opt prints a coloured "Data point ... is not unique" line for
+    every repeated sample (EI's maximum at a bound twice); FlowMoE runs printed them even with
+    --no-progress. Force repeats: every suggestion is the lower bound."""
+    tuner = SpTuner(low=LOW, high=HIGH, samples=8, iters_per_sample=1, seed=0)
+    lo = tuner._bounds()[0]
+    tuner._acq.suggest = lambda **_: [lo]
+    for _ in range(8):
+        tuner.observe(1.0)
+    assert tuner._space.n_duplicate_points >= 2  # the repeats happened
+    assert capsys.readouterr().out == ""

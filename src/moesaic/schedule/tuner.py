@@ -20,6 +20,7 @@ distributed run rank 0 owns it and broadcasts ``current()`` so every rank cuts t
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import warnings
 from collections.abc import Iterator
@@ -161,7 +162,11 @@ class SpTuner:
         self._y.append(mean_s)
         self.history.append((self._sp, mean_s))
         ref = self._y[0] if self._y[0] > 0 else 1.0
-        self._space.register({"x": self._x_now}, -mean_s / ref)
+        # A repeated point is kept (a sample is a noisy mean; the GP's noise term averages the
+        # repeats), but bayes_opt prints a coloured "Data point ... is not unique" line to
+        # stdout for each: seen after ~30 FlowMoE steps even with --no-progress.
+        with contextlib.redirect_stdout(io.StringIO()):
+            self._space.register({"x": self._x_now}, -mean_s / ref)
         if len(self._x) < self.samples:
             self._next_point()
             return
