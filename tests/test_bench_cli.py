@@ -104,7 +104,7 @@ def test_out_resolution_rules(tmp_path):
         tmp_path / "new" / "bench_layer_cpu.json"
     )
     (tmp_path / "f").write_text("")
-    with pytest.raises(ValueError, match=r"--out .*f/r.json: .*f is not a directory"):
+    with pytest.raises(ValueError, match=r"--out \(.*f/r.json\): .*f is not a directory"):
         resolve_out(str(tmp_path / "f" / "r.json"), default_run=False)
 
 
