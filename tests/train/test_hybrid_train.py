@@ -47,15 +47,17 @@ def test_domains_sizes_auto_and_compression(tmp_path):
     cfg = _cfg("--strategy", "hybrid", "--domains", "1,2", "--expert-compression-ratio", "4")
     assert cfg.model.moe.domain_sizes == (1, 2) and not cfg.auto_domains
     assert cfg.model.moe.expert_compression_ratio == 4.0
-    cfg = _cfg("--domains", "auto", "--cluster", str(SMALL))
+    cfg = _cfg("--strategy", "hybrid", "--domains", "auto", "--cluster", str(SMALL))
     assert cfg.auto_domains and cfg.model.moe.domain_sizes is None and cfg.cluster == str(SMALL)
     # the same in TOML, and a flag over it
     toml = tmp_path / "run.toml"
-    toml.write_text(f'cluster = "{SMALL}"\n[model.moe]\ndomain_sizes = "auto"\n')
+    toml.write_text(
+        f'cluster = "{SMALL}"\n[model.moe]\ndispatcher = "hybrid"\ndomain_sizes = "auto"\n'
+    )
     assert _cfg("--config", str(toml)).auto_domains
-    over = _cfg("--config", str(toml), "--domains", "2,1")
+    over = _cfg("--config", str(toml), "--strategy", "hybrid", "--domains", "2,1")
     assert over.model.moe.domain_sizes == (2, 1) and not over.auto_domains
-    toml.write_text("[model.moe]\ndomain_sizes = [2, 2]\n")
+    toml.write_text('[model.moe]\ndispatcher = "hybrid"\ndomain_sizes = [2, 2]\n')
     assert _cfg("--config", str(toml)).model.moe.domain_sizes == (2, 2)
     # the workers get cfg.to_dict(): "auto" and the cluster survive it
     cfg = _cfg("--domains", "auto", "--cluster", str(SMALL), "--strategy", "hybrid")
@@ -67,14 +69,20 @@ def test_domains_sizes_auto_and_compression(tmp_path):
     "flags, words",
     [
         (["--strategy", "hybrid", "--domains", "auto"], ["'auto'", "cluster"]),
-        (["--domains", "1,x"], ["model.moe.domain_sizes ('1,x')", "'auto' or positive ints"]),
-        (["--domains", "0"], ["model.moe.domain_sizes[0] (0)"]),
+        (
+            ["--strategy", "hybrid", "--domains", "1,x"],
+            ["model.moe.domain_sizes ('1,x')", "'auto' or positive ints"],
+        ),
+        (["--strategy", "hybrid", "--domains", "0"], ["model.moe.domain_sizes[0] (0)"]),
         # the cluster must describe the EP group (2 ranks here, 4 in the file)
-        (["--cluster", str(SMALL)], ["describes 4 ranks", "ep = 2"]),
+        (["--strategy", "hybrid", "--cluster", str(SMALL)], ["describes 4 ranks", "ep = 2"]),
         # without a cluster, one level of the EP size (2)
         (["--strategy", "hybrid", "--domains", "3"], ["model.moe.domain_sizes[0] (3)", "divide"]),
         (["--strategy", "hybrid", "--domains", "1,1"], ["model.moe.domain_sizes", "one entry"]),
-        (["--expert-compression-ratio", "0.5"], ["expert_compression_ratio (0.5)"]),
+        (
+            ["--strategy", "hybrid", "--expert-compression-ratio", "0.5"],
+            ["expert_compression_ratio (0.5)"],
+        ),
         (["--strategy", "hybrid", "--schedule", "flowmoe"], ["schedule ('flowmoe')", "vanilla"]),
         (["--strategy", "taskflow", "--schedule", "moe-only"], ["'taskflow'", "vanilla"]),
     ],
@@ -105,7 +113,7 @@ def test_domain_sizes_against_the_cluster_levels(tmp_path):
     with pytest.raises(ValueError, match=r"domain_sizes \(\[2\]\) must have one entry per level"):
         _cfg("--strategy", "hybrid", "--domains", "2", "--cluster", str(SMALL)).check_world(4)
     with pytest.raises(FileNotFoundError, match=r"cluster: cluster file .* does not exist"):
-        _cfg("--cluster", str(tmp_path / "nope.toml")).check_world(4)
+        _cfg("--strategy", "hybrid", "--cluster", str(tmp_path / "nope.toml")).check_world(4)
 
 
 class _Gather:
@@ -145,8 +153,11 @@ def test_auto_domains_are_rank_0s_plan_on_every_rank(rank, rate0, sizes, tmp_pat
     layout = argparse.Namespace(rank=rank, world=_Gather(rate0))
     out = resolve_auto_domains(cfg, load_cluster(cluster), layout, torch.device("cpu"))
     assert out.model.moe.domain_sizes == sizes and not out.auto_domains
-    # other strategies ignore --domains auto: nothing measured, nothing set
-    dropless = _cfg("--domains", "auto", "--cluster", cluster)
+    # other strategies ignore domain_sizes = "auto" from a shared TOML (the flag is refused,
+    # the key only noted): nothing measured, nothing set
+    shared = tmp_path / "shared.toml"
+    shared.write_text(f'cluster = "{cluster}"\n[model.moe]\ndomain_sizes = "auto"\n')
+    dropless = _cfg("--config", str(shared))
     assert resolve_auto_domains(dropless, None, layout, torch.device("cpu")) is dropless
 
 

@@ -35,10 +35,22 @@ WEIGHT_TOL = dict(rtol=1e-4, atol=1e-5)
         (["--pipeline-degree", "8"], "pipeline_degree (8) must divide batch_size (4)"),
         # vanilla runs the whole batch at once.
         (["--pipeline-degree", "2"], "pipeline_degree (2) needs a pipelined schedule"),
-        (["--ar-chunk", "0"], "ar_chunk ('0') must be 'auto' or a positive number of bytes"),
-        (["--ar-chunk=-4MB"], "ar_chunk ('-4MB') must be 'auto' or a positive number"),
-        (["--ar-chunk", "4XB"], "ar_chunk ('4XB') must be 'auto' or a positive number"),
-        (["--ar-chunk", "0.5B"], "ar_chunk ('0.5B') must be 'auto' or a positive number"),
+        (
+            ["--schedule", "flowmoe", "--ar-chunk", "0"],
+            "ar_chunk ('0') must be 'auto' or a positive number of bytes",
+        ),
+        (
+            ["--schedule", "flowmoe", "--ar-chunk=-4MB"],
+            "ar_chunk ('-4MB') must be 'auto' or a positive number",
+        ),
+        (
+            ["--schedule", "flowmoe", "--ar-chunk", "4XB"],
+            "ar_chunk ('4XB') must be 'auto' or a positive number",
+        ),
+        (
+            ["--schedule", "flowmoe", "--ar-chunk", "0.5B"],
+            "ar_chunk ('0.5B') must be 'auto' or a positive number",
+        ),
         (["--schedule", "flow"], "schedule ('flow') must be one of 'vanilla'"),
         (["--trace", ""], "trace must be a non-empty path"),
     ],
@@ -57,15 +69,23 @@ def test_toml_keys_and_flags(tmp_path):
         'schedule = "vanilla"\nbatch_size = 6\nar_chunk = "4MiB"\n'
         'trace = "t.json"\ntrace_png = "t.png"\n'
     )
-    cfg = config_from_args(parser.parse_args(["--config", str(toml)]))
+    notes: list[str] = []
+    cfg = config_from_args(parser.parse_args(["--config", str(toml)]), note=notes.append)
     assert (cfg.ar_chunk, cfg.ar_chunk_bytes) == (4 * 2**20, 4 * 2**20)
+    assert notes == [
+        f"ar_chunk in {toml} has no effect with --schedule vanilla: it applies only to "
+        "--schedule moe-only or flowmoe (Sp, the chunk size of their gradient all-reduce pool; "
+        "vanilla all-reduces every gradient at once after the backward)"
+    ]
     assert (cfg.trace, cfg.trace_png, cfg.pipeline_degree) == ("t.json", "t.png", 1)
-    cfg = config_from_args(parser.parse_args(["--config", str(toml), "--ar-chunk", "auto"]))
+    # the TOML's schedule is vanilla (its ar_chunk only noted): --ar-chunk needs a pool
+    argv = ["--config", str(toml), "--schedule", "moe-only", "--ar-chunk", "auto"]
+    cfg = config_from_args(parser.parse_args(argv))
     assert (cfg.ar_chunk, cfg.ar_chunk_bytes) == ("auto", None)
     for text, expected in (("65536", 65536), ("4MB", 4_000_000), ("512 KiB", 524_288)):
-        cfg = config_from_args(parser.parse_args(["--ar-chunk", text]))
+        cfg = config_from_args(parser.parse_args(["--schedule", "flowmoe", "--ar-chunk", text]))
         assert cfg.ar_chunk_bytes == expected
-    toml.write_text("ar_chunk = 1048576\n")  # a TOML int is bytes
+    toml.write_text('schedule = "flowmoe"\nar_chunk = 1048576\n')  # a TOML int is bytes
     assert config_from_args(parser.parse_args(["--config", str(toml)])).ar_chunk == 2**20
     # Whether a trace is written is something every rank must agree on (gathering it is a
     # collective); where it goes is not.

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -20,6 +22,7 @@ from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
 from moesaic.strategies.registry import strategy_names
 from moesaic.train import domains
+from moesaic.train.option_rules import check_applicable
 from moesaic.train.schedule_options import (
     auto_pipeline_degree,
     parse_ar_chunk,
@@ -64,7 +67,8 @@ class TrainConfig:
         ar_chunk: Sp, the gradient all-reduce chunk of the communication pool: "auto"
             (``flowmoe``: tuned online by Bayesian optimisation; ``moe-only``: one chunk) or a
             number of bytes (an int, or a string such as "4MiB" = 4 * 2**20 or "4MB" =
-            4 * 10**6). ``vanilla`` ignores it.
+            4 * 10**6). ``vanilla`` has no pool: ``moesaic train`` refuses the flag there
+            (``moesaic.train.option_rules``).
         trace: write a Chrome trace (Perfetto, chrome://tracing) of the last ``TRACE_STEPS``
             steps of every rank here (rank 0 writes it at the end); None = no trace.
         trace_png: draw the same timeline as a PNG here (needs matplotlib); None = none.
@@ -97,7 +101,8 @@ class TrainConfig:
         auto_domains: ``--domains auto`` (``model.moe.domain_sizes = "auto"``): at the start of
             the run the ``hybrid`` strategy's domain sizes are chosen by the cost model of
             ``moesaic plan`` on ``cluster`` (needed), at rank 0's measured GEMM throughput
-            (``moesaic.train.domains``); other strategies ignore it.
+            (``moesaic.train.domains``); other strategies have no domains (``moesaic train``
+            refuses the flag: ``moesaic.train.option_rules``).
     """
 
     model: MoEGPTConfig = field(default_factory=MoEGPTConfig)
@@ -377,7 +382,8 @@ _HELP = {
     "schedule": f"training-step schedule: {', '.join(schedule_names())}",
     "pipeline_degree": "R: chunks of each rank's batch in a pipelined schedule (divides "
     "--batch-size); 'auto': 2 for a pipelined schedule when it divides --batch-size, else 1",
-    "ar_chunk": "Sp: gradient all-reduce chunk, 'auto' (flowmoe: tuned online) or bytes ('4MiB')",
+    "ar_chunk": "Sp: gradient all-reduce chunk of moe-only and flowmoe, 'auto' (flowmoe: tuned "
+    "online) or bytes ('4MiB')",
     "trace": f"write a Chrome trace (Perfetto) of the last {TRACE_STEPS} steps of every rank",
     "trace_png": "draw the same timeline as a PNG (matplotlib)",
     "on_nonfinite": "a non-finite loss or gradient: stop the run, or skip that step",
@@ -465,9 +471,35 @@ def load_toml(path: str) -> dict[str, Any]:
     return read_toml(path, "config file")
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then the ``--config`` TOML file, then the flags given."""
-    d: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
+# dest -> the flag that sets it (its first spelling), for messages.
+_FLAG_OF = {name: flag for flag, name, _ in _RUN_FLAGS}
+_FLAG_OF |= {f"model.{name}": _ALIASES.get(flag, (flag,))[0] for flag, name, _ in _MODEL_FLAGS}
+_FLAG_OF |= {"config": "--config", "resume": "--resume", "progress": "--no-progress"}
+
+
+def _toml_keys(d: dict[str, Any]) -> list[str]:
+    """The options a TOML file sets, as dests (``ar_chunk``, ``model.moe.domain_sizes``)."""
+    keys = [k for k in d if k != "model"]
+    model = d.get("model", {})
+    keys += [f"model.{k}" for k in model if k != "moe"]
+    return keys + [f"model.moe.{k}" for k in model.get("moe", {})]
+
+
+def _stderr_note(line: str) -> None:
+    print(f"moesaic train: note: {line}", file=sys.stderr)
+
+
+def config_from_args(
+    args: argparse.Namespace, *, note: Callable[[str], None] = _stderr_note
+) -> TrainConfig:
+    """Defaults, then the ``--config`` TOML file, then the flags given.
+
+    The options set (not the defaults) must apply to the run's strategy and schedule
+    (``moesaic.train.option_rules``): a flag that does not is refused (ValueError), a TOML key
+    that does not gets one ``note`` line saying it has no effect.
+    """
+    config: str | None = getattr(args, "config", None)
+    d: dict[str, Any] = load_toml(config) if config else {}
     model = d.get("model", {})
     if not isinstance(model, dict):
         raise ValueError("model must be a table of MoEGPTConfig fields")
@@ -476,6 +508,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ValueError(f"model.moe must be a table of MoEConfig fields, got {model['moe']!r}")
     model["moe"] = dict(model.get("moe", {}))
     d = {**d, "model": model}
+    given: dict[str, str] = dict.fromkeys(_toml_keys(d), str(config))
     for key, value in vars(args).items():
         if key.startswith("model.moe."):
             model["moe"][key.removeprefix("model.moe.")] = value
@@ -483,4 +516,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             model[key.removeprefix("model.")] = value
         elif key in TrainConfig.__dataclass_fields__:
             d[key] = value
+    given |= {key: _FLAG_OF[key] for key in vars(args) if key in _FLAG_OF}
+    # Whether an option applies comes before whether its value is right (no point fixing a
+    # value that will be refused); unknown names are left to TrainConfig's own messages.
+    strategy = model["moe"].get("dispatcher", MoEGPTConfig().moe.dispatcher)
+    schedule = d.get("schedule", TrainConfig.__dataclass_fields__["schedule"].default)
+    if strategy in strategy_names() and schedule in schedule_names():
+        check_applicable(given, strategy=strategy, schedule=schedule, note=note)
     return TrainConfig.from_dict(d)

@@ -1,0 +1,175 @@
+"""Which ``moesaic train`` options have an effect under which strategy and schedule: one table.
+
+Every option (its argparse ``dest``: a ``TrainConfig`` field, or ``model.<field>`` /
+``model.moe.<field>``) has an entry in :data:`RULES`; an entry names the strategies
+(``moesaic.strategies.strategy_names()``) and schedules (``moesaic.schedule.schedule_names()``)
+it applies to, or none (every one). ``tests/train/test_option_rules.py`` walks every option of
+the parser against every strategy and schedule, so a new option without an entry fails it.
+
+:func:`check_applicable` judges only the options the user set (flags and TOML keys, never
+defaults), after their values were validated and before anything is created:
+
+* a flag that does not apply is refused (ValueError naming the flag, the strategy or schedule,
+  and what the option is for);
+* a TOML key that does not apply is accepted with one line saying it has no effect: one file is
+  often shared by runs that choose the strategy or schedule on the command line
+  (``--config base.toml --schedule flowmoe``), and refusing its other keys would force a file
+  per choice.
+
+Whether a *value* fits (``--pipeline-degree 2`` needs a pipelined schedule, ``--domains`` must
+fit the cluster's levels) stays with the value's own check. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["RULES", "Applies", "check_applicable"]
+
+
+@dataclass(frozen=True, slots=True)
+class Applies:
+    """Where an option has an effect.
+
+    Attributes:
+        strategies: the strategies it applies to; None = every one.
+        schedules: the schedules it applies to; None = every one.
+        what: what the option is for, said when it is refused.
+    """
+
+    strategies: tuple[str, ...] | None = None
+    schedules: tuple[str, ...] | None = None
+    what: str = ""
+
+    def misfit(self, strategy: str, schedule: str) -> tuple[str, str, tuple[str, ...]] | None:
+        """``(flag, chosen, names)`` of the first choice this option does not apply to, or
+        None when it applies to both."""
+        if self.strategies is not None and strategy not in self.strategies:
+            return "--strategy", strategy, self.strategies
+        if self.schedules is not None and schedule not in self.schedules:
+            return "--schedule", schedule, self.schedules
+        return None
+
+
+EVERYWHERE = Applies()
+# The schedules with a communication pool that all-reduces gradients in chunks of Sp bytes.
+_POOLED = ("moe-only", "flowmoe")
+
+# option -> where it applies. Only the strategy- or schedule-specific ones say more than
+# EVERYWHERE; every option is listed so that a new one has to be placed here.
+RULES: dict[str, Applies] = {
+    "config": EVERYWHERE,
+    # run
+    "nproc": EVERYWHERE,
+    "ep": EVERYWHERE,
+    "steps": EVERYWHERE,
+    "batch_size": EVERYWHERE,
+    "lr": EVERYWHERE,
+    "min_lr_ratio": EVERYWHERE,
+    "warmup_steps": EVERYWHERE,
+    "weight_decay": EVERYWHERE,
+    "grad_clip": EVERYWHERE,
+    "schedule": EVERYWHERE,
+    # vanilla's R is 1: a larger R is a value error (TrainConfig._check_pipeline).
+    "pipeline_degree": EVERYWHERE,
+    "ar_chunk": Applies(
+        schedules=_POOLED,
+        what="Sp, the chunk size of their gradient all-reduce pool; vanilla all-reduces every "
+        "gradient at once after the backward",
+    ),
+    "trace": EVERYWHERE,
+    "trace_png": EVERYWHERE,
+    "on_nonfinite": EVERYWHERE,
+    "nonfinite_skip_limit": EVERYWHERE,
+    "seed": EVERYWHERE,
+    "data": EVERYWHERE,
+    "data_max_bytes": EVERYWHERE,
+    "val_fraction": EVERYWHERE,
+    "eval_every": EVERYWHERE,
+    "eval_batches": EVERYWHERE,
+    "ckpt_every": EVERYWHERE,
+    "keep_checkpoints": EVERYWHERE,
+    "run_dir": EVERYWHERE,
+    "resume": EVERYWHERE,
+    "max_restarts": EVERYWHERE,
+    "backend": EVERYWHERE,
+    "timeout_s": EVERYWHERE,
+    "threads": EVERYWHERE,
+    "progress": EVERYWHERE,
+    "fault_kill_rank": EVERYWHERE,
+    "fault_kill_step": EVERYWHERE,
+    "cluster": Applies(
+        strategies=("hybrid",),
+        what="the topology whose levels hold hybrid's expert domains; no other strategy reads it",
+    ),
+    # ``--domains auto`` (a TOML file may also say ``auto_domains = true``)
+    "auto_domains": Applies(
+        strategies=("hybrid",),
+        what="hybrid's expert domains chosen by the cost model; no other strategy has domains",
+    ),
+    # model
+    "model.seq_len": EVERYWHERE,
+    "model.d_model": EVERYWHERE,
+    "model.n_layers": EVERYWHERE,
+    "model.n_heads": EVERYWHERE,
+    "model.dense_layers": EVERYWHERE,
+    "model.dense_hidden": EVERYWHERE,
+    "model.moe.num_experts": EVERYWHERE,
+    "model.moe.top_k": EVERYWHERE,
+    "model.moe.ffn_hidden_size": EVERYWHERE,
+    "model.moe.aux_loss_coef": EVERYWHERE,
+    "model.moe.z_loss_coef": EVERYWHERE,
+    "model.moe.dispatcher": EVERYWHERE,
+    "model.moe.domain_sizes": Applies(
+        strategies=("hybrid",),
+        what="the sizes of hybrid's expert domains; no other strategy has domains",
+    ),
+    "model.moe.expert_compression_ratio": Applies(
+        strategies=("hybrid",),
+        what="the compression of the experts hybrid gathers; no other strategy gathers experts",
+    ),
+}
+
+
+def check_applicable(
+    given: Mapping[str, str],
+    *,
+    strategy: str,
+    schedule: str,
+    note: Callable[[str], None],
+) -> None:
+    """Refuse the flags, and note the TOML keys, that have no effect on this run.
+
+    Args:
+        given: the options the user set -> where: a flag (``"--ar-chunk"``, starts with
+            ``--``) or the TOML file that holds the key. Keys without an entry in
+            :data:`RULES` (TOML-only fields) are not judged.
+        strategy: the run's strategy (``model.moe.dispatcher``).
+        schedule: the run's schedule.
+        note: receives one line per TOML key without effect.
+
+    Raises:
+        ValueError: flags that do not apply to ``strategy`` or ``schedule`` (one message
+            naming each).
+    """
+    refused = []
+    for key, source in given.items():
+        rule = RULES.get(key)
+        misfit = None if rule is None else rule.misfit(strategy, schedule)
+        if rule is None or misfit is None:
+            continue
+        choice, chosen, names = misfit
+        only = f"{choice} {' or '.join(names)}"
+        if source.startswith("--"):
+            refused.append(
+                f"{source} does not apply to {choice} {chosen}: only to {only} ({rule.what}); "
+                f"drop {source} or choose {only}"
+            )
+        else:
+            note(
+                f"{key} in {source} has no effect with {choice} {chosen}: it applies only to "
+                f"{only} ({rule.what})"
+            )
+    if refused:  # all of them at once, so that one fix is enough
+        raise ValueError("; ".join(refused))
