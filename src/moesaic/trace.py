@@ -194,10 +194,13 @@ def _origin(spans_per_rank: Sequence[Sequence[Span]]) -> float:
     return min(starts) if starts else 0.0
 
 
-def chrome_trace(spans_per_rank: Sequence[Sequence[Span]]) -> dict[str, Any]:
+def chrome_trace(
+    spans_per_rank: Sequence[Sequence[Span]], *, process_names: Mapping[int, str] | None = None
+) -> dict[str, Any]:
     """The Chrome trace event format of every rank's spans (Perfetto, chrome://tracing).
 
-    One process per rank (``pid`` = the span's rank, named "rank N"), one thread per resource
+    One process per rank (``pid`` = the span's rank, named "rank N" or
+    ``process_names[rank]``: the simulator names one per strategy), one thread per resource
     (``tid`` = its place in ``RESOURCES`` order, named after it), one complete event
     (``"ph": "X"``) per span with ``ts``/``dur`` in microseconds from the earliest span of all
     ranks. Events are sorted by (pid, tid, ts).
@@ -211,7 +214,8 @@ def chrome_trace(spans_per_rank: Sequence[Sequence[Span]]) -> dict[str, Any]:
     meta: list[dict[str, Any]] = []
     tids: dict[tuple[int, str], int] = {}
     for rank in sorted(by_rank):
-        meta.append(_meta("process_name", rank, 0, {"name": f"rank {rank}"}))
+        name = (process_names or {}).get(rank, f"rank {rank}")
+        meta.append(_meta("process_name", rank, 0, {"name": name}))
         meta.append(_meta("process_sort_index", rank, 0, {"sort_index": rank}))
         for tid, resource in enumerate(_lane_order(by_rank[rank])):
             tids[rank, resource] = tid
@@ -240,11 +244,18 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
     return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
 
 
-def write_chrome_trace(path: str | Path, spans_per_rank: Sequence[Sequence[Span]]) -> Path:
-    """Write ``chrome_trace(spans_per_rank)`` as JSON to ``path`` (parents created)."""
+def write_chrome_trace(
+    path: str | Path,
+    spans_per_rank: Sequence[Sequence[Span]],
+    *,
+    process_names: Mapping[int, str] | None = None,
+) -> Path:
+    """Write ``chrome_trace(spans_per_rank, process_names=...)`` as JSON to ``path`` (parents
+    created)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(chrome_trace(spans_per_rank)) + "\n")
+    trace = chrome_trace(spans_per_rank, process_names=process_names)
+    out.write_text(json.dumps(trace) + "\n")
     return out
 
 

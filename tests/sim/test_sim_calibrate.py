@@ -109,6 +109,7 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     assert all(0.05 < x.share < 3.0 and x.measured_s > 0 for x in p.collectives), p.collectives
     assert 0.0 < p.put_cpu_s < 0.05 and p.put_cpu_per_byte_s >= 0.0
     assert p.cores >= 1 and p.ranks_per_machine == 2
+    assert p.cluster == ClusterSpec.from_toml(toml)  # what simulate checks its cluster against
     assert json.loads(out.read_text())["links"][0]["level_name"] == "node"
 
 

@@ -149,8 +149,8 @@ def test_trace_png_and_layer_csv(capsys, tmp_path):
     assert {"AT1.1", "D1.1", "E1.1", "C1.1", "head1", "AR1", "optimizer"} <= names
     assert png.read_bytes()[:4] == b"\x89PNG"
     lines = csv.read_text().splitlines()
-    assert lines[0] == "block,phase,compute_ms,comm_ms,tasks"
-    assert any(line.startswith("4,bwd,") for line in lines)
+    assert lines[0] == "strategy,block,phase,compute_ms,comm_ms,tasks"
+    assert any(line.startswith("flowmoe,4,bwd,") for line in lines)
 
 
 def test_skew_slows_the_busiest_rank():

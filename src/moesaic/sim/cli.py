@@ -13,11 +13,14 @@ Torch-free but for ``calibrate`` and ``--png`` (matplotlib).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
-from moesaic.checks import check_output_file, check_positive_int
+from moesaic.checks import check_number, check_output_file, check_positive_int
 
 __all__ = ["add_subparser"]
 
@@ -45,8 +48,17 @@ def add_subparser(subparsers) -> None:
     p.add_argument("--model", required=True, metavar="FILE.toml", help="model and batch")
     p.add_argument("--strategy", default="all", help="a strategy name or 'all' (default)")
     p.add_argument("--profile", metavar="FILE.json", help="machine profile (moesaic calibrate)")
-    p.add_argument("--flops-per-s", type=float, metavar="X",
-                   help="matmul FLOP/s when no profile is given (default 1e11)")  # fmt: skip
+    p.add_argument(
+        "--flops-per-s",
+        type=float,
+        metavar="X",
+        help="matmul FLOP/s (> 0; default 1e11); with --profile, overrides its matmul rates",
+    )
+    p.add_argument(
+        "--allow-profile-mismatch",
+        action="store_true",
+        help="use a --profile measured on another cluster (its figures extrapolated)",
+    )
     p.add_argument("--degree", type=int, default=2, metavar="R", help="pipeline degree R")
     p.add_argument("--sp-bytes", type=float, metavar="B", help="FlowMoE Sp (default G/16)")
     p.add_argument("--domains", metavar="S0,S1,..", help="hybrid domain sizes (default: planned)")
@@ -58,9 +70,19 @@ def add_subparser(subparsers) -> None:
     p.add_argument("--all-reduce", choices=("ring", "hierarchical", "best"), default="best",
                    help="gradient all-reduce algorithm: the faster of ring and hierarchical per "
                    "size, as NCCL picks (default), or gloo's ring")  # fmt: skip
-    p.add_argument("--trace", metavar="F.json", help="write the timeline as a Chrome trace")
-    p.add_argument("--png", metavar="F.png", help="draw the timeline (Gantt chart)")
-    p.add_argument("--csv", metavar="F.csv", help="write per-layer compute/communication")
+    p.add_argument(
+        "--trace", metavar="F.json", help="write a Chrome trace (one process per strategy)"
+    )
+    p.add_argument(
+        "--png",
+        metavar="F.png",
+        help="draw the timeline (Gantt chart); several strategies: F.<strategy>.png each",
+    )
+    p.add_argument(
+        "--csv",
+        metavar="F.csv",
+        help="write compute/communication per strategy, block and phase",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_simulate)
     c = subparsers.add_parser(
@@ -95,18 +117,94 @@ def _load(option: str, path: str, load: Any) -> Any:
         raise ValueError(f"--{option} {path}: {exc}") from None
 
 
+def _note(line: str) -> None:
+    """One line on stderr (stdout stays the summary, or the JSON with ``--json``)."""
+    print(f"moesaic simulate: {line}", file=sys.stderr)
+
+
+def _check_profile(args: argparse.Namespace, profile: Any, spec: Any) -> None:
+    """Refuses a profile measured on another cluster unless ``--allow-profile-mismatch``; says
+    in one line when the profile does not record its cluster, or what is extrapolated."""
+    from moesaic.sim.profile import describe_cluster
+
+    if profile.cluster is None:
+        if profile.cluster_bound:
+            _note(
+                f"--profile {args.profile} does not record the cluster it was measured on "
+                f"(written before profiles did); its link and collective figures are applied "
+                f"to {spec.name!r} unchecked"
+            )
+        return
+    diff = profile.cluster_differences(spec)
+    if not diff:
+        return
+    measured = (
+        f"--profile {args.profile} was measured on {describe_cluster(profile.cluster)}, "
+        f"not on --cluster {args.cluster} {describe_cluster(spec)}: {'; '.join(diff)}"
+    )
+    if not args.allow_profile_mismatch:
+        raise ValueError(
+            f"{measured}; its collective shares and link rates would be extrapolated "
+            "(--allow-profile-mismatch does so)"
+        )
+    _note(
+        f"--allow-profile-mismatch: extrapolating the collective shares and link rates of "
+        f"{describe_cluster(profile.cluster)} to {describe_cluster(spec)} ({'; '.join(diff)})"
+    )
+
+
+def _profile(args: argparse.Namespace, spec: Any) -> Any:
+    """``--profile`` (checked against the cluster) with ``--flops-per-s`` as an override of its
+    matmul rates, or a profile of ``--flops-per-s`` (default 1e11) alone."""
+    import dataclasses
+
+    from moesaic.sim.profile import Profile
+
+    flops = args.flops_per_s
+    if flops is not None:
+        check_number("--flops-per-s", flops, 0.0, lo_open=True)
+    if not args.profile:
+        return Profile(flops_per_s=1e11 if flops is None else flops, source="--flops-per-s")
+    profile = _load("profile", args.profile, Profile.load)
+    _check_profile(args, profile, spec)
+    if flops is None:
+        return profile
+    half = f", bf16 {profile.half_flops_per_s:.3g}" if profile.half_flops_per_s else ""
+    _note(
+        f"--flops-per-s {flops:.3g} overrides the matmul rate of --profile {args.profile} "
+        f"(fp32 {profile.flops_per_s:.3g}{half} FLOP/s) for every dtype; its other figures apply"
+    )
+    # half_flops_per_s = 0: a bf16 model runs at the given rate too (Profile.for_model).
+    return dataclasses.replace(profile, flops_per_s=flops, half_flops_per_s=0.0)
+
+
+def _strategies(args: argparse.Namespace, spec: Any, model: Any) -> tuple[str, ...]:
+    """The strategies to run: the one named, or for ``all`` every one that can simulate this
+    cluster and model (each left out named in one line)."""
+    from moesaic.sim.simulate import STRATEGIES, unsupported_reason
+
+    if args.strategy != "all":
+        return (args.strategy,)
+    skipped = {n: r for n in STRATEGIES if (r := unsupported_reason(spec, model, n)) is not None}
+    names = tuple(n for n in STRATEGIES if n not in skipped)
+    if not names:
+        raise ValueError(
+            "--strategy all: no strategy can simulate this cluster and model: "
+            + "; ".join(f"{n}: {r}" for n, r in skipped.items())
+        )
+    if skipped:
+        _note("--strategy all: skipping " + "; ".join(f"{n} ({r})" for n, r in skipped.items()))
+    return names
+
+
 def _results(args: argparse.Namespace) -> list[Any]:
     from moesaic.cluster.spec import ClusterSpec
     from moesaic.sim.model import ModelSpec
-    from moesaic.sim.profile import Profile
-    from moesaic.sim.simulate import LAYER_ONLY_UNSUPPORTED, STRATEGIES, SimOptions, simulate
+    from moesaic.sim.simulate import SimOptions, simulate
 
     spec = _load("cluster", args.cluster, ClusterSpec.from_toml)
     model = _load("model", args.model, ModelSpec.from_toml)
-    if args.profile:
-        profile = _load("profile", args.profile, Profile.load)
-    else:
-        profile = Profile(flops_per_s=args.flops_per_s or 1e11, source="--flops-per-s")
+    profile = _profile(args, spec)
     domains = None
     if args.domains:
         try:
@@ -117,23 +215,40 @@ def _results(args: argparse.Namespace) -> list[Any]:
                       prefetch=args.prefetch, compression_ratio=args.compression_ratio,
                       shared_expert_every=args.shared_every,
                       all_reduce=args.all_reduce)  # fmt: skip
-    names: tuple[str, ...] = STRATEGIES if args.strategy == "all" else (args.strategy,)
-    if args.strategy == "all" and model.layer_only:  # ep, hybrid: no layer-only cost model
-        names = tuple(n for n in names if n not in LAYER_ONLY_UNSUPPORTED)
-    return [simulate(spec, model, name, profile, opts) for name in names]
+    return [simulate(spec, model, name, profile, opts) for name in _strategies(args, spec, model)]
 
 
-def run_simulate(args: argparse.Namespace) -> int:
+def _png_paths(path: str, strategies: list[str]) -> list[Path]:
+    """``--png F.png``: F.png for one strategy, ``F.<strategy>.png`` for each of several."""
+    if len(strategies) == 1:
+        return [Path(path)]
+    p = Path(path)
+    return [p.with_name(f"{p.stem}.{name}{p.suffix or '.png'}") for name in strategies]
+
+
+def _write_outputs(args: argparse.Namespace, results: list[Any]) -> None:
+    """``--trace``: one process per strategy, named by it; ``--png``: one chart per strategy;
+    ``--csv``: one table with a strategy column."""
     from moesaic.sim.simulate import write_layer_csv
     from moesaic.trace import draw_timeline, write_chrome_trace
 
-    results = _results(args)
+    names = [r.strategy for r in results]
     if args.trace:
-        write_chrome_trace(args.trace, [r.spans for r in results])
+        per = [[dataclasses.replace(s, rank=i) for s in r.spans] for i, r in enumerate(results)]
+        write_chrome_trace(args.trace, per, process_names=dict(enumerate(names)))
     if args.png:
-        draw_timeline(args.png, [r.spans for r in results[:1]], title=results[0].strategy)
+        paths = _png_paths(args.png, names)
+        for path, r in zip(paths, results):
+            draw_timeline(path, [r.spans], title=r.strategy)
+        if len(paths) > 1:
+            _note(f"--png: one chart per strategy: {', '.join(str(p) for p in paths)}")
     if args.csv:
-        write_layer_csv(args.csv, results[0].spans)
+        write_layer_csv(args.csv, {r.strategy: r.spans for r in results})
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    results = _results(args)
+    _write_outputs(args, results)
     rows = [r.summary() for r in results]
     if args.json:
         print(json.dumps(rows[0] if len(rows) == 1 else rows))
@@ -179,8 +294,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
         )
         floor_s, scale, links, shares = cal.floor_s, cal.bandwidth_scale, cal.links, cal.shares
         # The emulated ranks all run on this machine and share its cores.
-        cpu = {"put_cpu_s": cal.put_cpu_s, "put_cpu_per_byte_s": cal.put_cpu_per_byte_s,
-               "cores": os.cpu_count() or 0, "ranks_per_machine": spec.world_size}  # fmt: skip
+        cpu = {
+            "put_cpu_s": cal.put_cpu_s,
+            "put_cpu_per_byte_s": cal.put_cpu_per_byte_s,
+            "cores": os.cpu_count() or 0,
+            "ranks_per_machine": spec.world_size,
+            "cluster": spec,  # what was measured: simulate checks it against its cluster
+        }
         floor = "no floor" if args.no_floor else "floor from an unshaped pair"
         source = (
             f"measured matmul {size}^3 here; links measured on the emulated "

@@ -37,7 +37,12 @@ measured and what is taken from elsewhere:
 * ``links``: with ``--cluster``, every level's configured and measured bandwidth and latency
   (:class:`LinkLevel`). A simulation of a cluster whose level has the same name, bandwidth and
   latency as a measured one runs that level at its measured bandwidth; other levels run at
-  ``bandwidth_scale`` (:meth:`Profile.link_spec`).
+  ``bandwidth_scale`` (:meth:`Profile.link_spec`);
+* ``cluster``: with ``--cluster``, the measured cluster itself (name, world size, every level's
+  name, size, bandwidth and latency). ``moesaic simulate`` refuses a profile whose cluster
+  differs from the one simulated (:meth:`Profile.cluster_differences`): its collective shares
+  and link rates were measured on other levels and another world. None in profiles written
+  before it was recorded, and in those measured without a cluster.
 
 Torch-free but for :func:`measure`.
 """
@@ -59,6 +64,7 @@ from moesaic.checks import (
     check_positive,
     check_positive_int,
 )
+from moesaic.cluster.spec import ClusterSpec
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -67,6 +73,8 @@ __all__ = [
     "CollectiveShare",
     "LinkLevel",
     "Profile",
+    "cluster_differences",
+    "describe_cluster",
     "links_from_cluster_check",
     "measure",
 ]
@@ -169,6 +177,8 @@ class Profile:
         tile_elem_cpu_s: CPU seconds per element of a taskflow elementwise, reduction or put
             tile's handler (memory-bound torch calls on a tile; ``moesaic.sim.cpucal``); 0: not
             measured, such tiles cost 10 FLOPs per element at ``flops_per_s``.
+        cluster: The cluster ``links``, ``collectives`` and ``ranks_per_machine`` were measured
+            on (``calibrate --cluster``); None: not recorded (older profiles) or no cluster.
     """
 
     flops_per_s: float
@@ -185,6 +195,7 @@ class Profile:
     cores: int = 0
     ranks_per_machine: int = 0
     tile_elem_cpu_s: float = 0.0
+    cluster: ClusterSpec | None = None
 
     def __post_init__(self) -> None:
         check_non_negative("profile.tile_cpu_s", self.tile_cpu_s)
@@ -208,6 +219,21 @@ class Profile:
             isinstance(x, CollectiveShare) for x in self.collectives
         ):
             raise ValueError("profile.collectives must be a tuple of CollectiveShare")
+        if self.cluster is not None and not isinstance(self.cluster, ClusterSpec):
+            raise ValueError("profile.cluster must be a ClusterSpec or None")
+
+    @property
+    def cluster_bound(self) -> bool:
+        """Whether any figure belongs to one cluster (per-level links, collective shares, the
+        ranks sharing the cores), as opposed to the machine's compute alone."""
+        return bool(self.links or self.collectives or self.ranks_per_machine)
+
+    def cluster_differences(self, spec: ClusterSpec) -> list[str]:
+        """What differs between the measured ``cluster`` and ``spec`` (empty: the same world
+        and levels; the clusters' names are not compared). ``cluster`` must be recorded."""
+        if self.cluster is None:
+            raise ValueError("profile.cluster is not recorded")
+        return cluster_differences(self.cluster, spec)
 
     @property
     def cores_per_rank(self) -> float | None:
@@ -270,7 +296,9 @@ class Profile:
         return flops / self.flops_per_s + self.task_overhead_s
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["cluster"] = None if self.cluster is None else self.cluster.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -283,7 +311,13 @@ class Profile:
         data = dict(data)
         links = _records(data.pop("links", []), "links", LinkLevel)
         shares = _records(data.pop("collectives", []), "collectives", CollectiveShare)
-        return cls(**data, links=links, collectives=shares)
+        cluster = data.pop("cluster", None)
+        if cluster is not None:
+            try:
+                cluster = ClusterSpec.from_dict(cluster)
+            except ValueError as exc:
+                raise ValueError(f"profile.cluster: {exc}") from None
+        return cls(**data, links=links, collectives=shares, cluster=cluster)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -316,6 +350,36 @@ def _records(items: object, key: str, record: type[_R]) -> tuple[_R, ...]:
     except TypeError as exc:
         allowed = [f.name for f in fields(record)]  # type: ignore[arg-type]
         raise ValueError(f"profile.{key}: {exc}; fields are {allowed}") from None
+
+
+def describe_cluster(spec: ClusterSpec) -> str:
+    """One line: ``'hybridep_2dc' (2 ranks: datacenter 2 x 0.1 Gbit/s 2 ms)``."""
+    levels = ", ".join(
+        f"{lv.name} {lv.size} x {lv.bandwidth_gbps:g} Gbit/s {lv.latency_ms:g} ms"
+        for lv in spec.levels
+    )
+    return f"{spec.name!r} ({spec.world_size} ranks: {levels})"
+
+
+def cluster_differences(measured: ClusterSpec, spec: ClusterSpec) -> list[str]:
+    """What differs from ``measured`` to ``spec``: world size, level names, and per level of
+    the same name its size, bandwidth and latency (``"world size 2 vs 4"``)."""
+    out = []
+    if measured.world_size != spec.world_size:
+        out.append(f"world size {measured.world_size} vs {spec.world_size}")
+    names = [lv.name for lv in measured.levels], [lv.name for lv in spec.levels]
+    if names[0] != names[1]:
+        out.append(f"levels {names[0]} vs {names[1]}")
+    theirs = {lv.name: lv for lv in spec.levels}
+    for lv in measured.levels:
+        other = theirs.get(lv.name)
+        if other is None:
+            continue
+        for attr, unit in (("size", ""), ("bandwidth_gbps", " Gbit/s"), ("latency_ms", " ms")):
+            a, b = getattr(lv, attr), getattr(other, attr)
+            if a != b:
+                out.append(f"{lv.name}.{attr} {a:g}{unit} vs {b:g}{unit}")
+    return out
 
 
 def links_from_cluster_check(path: str | Path) -> tuple[float, float]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import csv
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ __all__ = [
     "SimOptions",
     "SimResult",
     "simulate",
+    "unsupported_reason",
     "write_layer_csv",
 ]
 
@@ -168,6 +169,18 @@ def _graph(
     return g, g.run(), {"domain_sizes": list(parts.domain_sizes)}
 
 
+def unsupported_reason(spec: ClusterSpec, model: ModelSpec, strategy: str) -> str | None:
+    """Why ``strategy`` cannot simulate ``model`` on ``spec`` whatever its options (None: it
+    can): what ``--strategy all`` leaves out, in words."""
+    from moesaic.sim.taskflow import MAX_RANKS
+
+    if model.layer_only and strategy in LAYER_ONLY_UNSUPPORTED:
+        return "no layer-only cost model: model.layer_only is set"
+    if strategy == "taskflow" and spec.world_size > MAX_RANKS:
+        return f"simulates worlds of <= {MAX_RANKS} ranks, the cluster has {spec.world_size}"
+    return None
+
+
 def simulate(
     spec: ClusterSpec,
     model: ModelSpec,
@@ -259,8 +272,33 @@ def _expand(spans: list[Span], plans: dict[str, Any]) -> list[Span]:
     return out
 
 
-def write_layer_csv(path: str | Path, spans: Sequence[Span]) -> Path:
-    """Per block and phase: compute and communication busy milliseconds, task counts."""
+def write_layer_csv(path: str | Path, spans: Sequence[Span] | Mapping[str, Sequence[Span]]) -> Path:
+    """Per strategy, block and phase: compute and communication busy milliseconds, task counts.
+
+    ``spans`` is one strategy's timeline (its ``strategy`` column left empty) or a mapping of
+    strategy name to timeline (``simulate --strategy all --csv``: one table for every one).
+    """
+    by_strategy = dict(spans) if isinstance(spans, Mapping) else {"": spans}
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["strategy", "block", "phase", "compute_ms", "comm_ms", "tasks"])
+        for name, timeline in by_strategy.items():
+            for (blk, phase), row in sorted(_layer_rows(timeline).items()):
+                w.writerow(
+                    [
+                        name,
+                        blk,
+                        phase or "-",
+                        f"{row['compute_ms']:.6f}",
+                        f"{row['comm_ms']:.6f}",
+                        int(row["tasks"]),
+                    ]
+                )
+    return path
+
+
+def _layer_rows(spans: Sequence[Span]) -> dict[tuple[int, str], dict[str, float]]:
     rows: dict[tuple[int, str], dict[str, float]] = {}
     for s in spans:
         blk = int(s.args.get("block", 0))
@@ -269,11 +307,4 @@ def write_layer_csv(path: str | Path, spans: Sequence[Span]) -> Path:
         col = "compute_ms" if s.resource in COMPUTE_RESOURCES else "comm_ms"
         row[col] += s.duration * 1e3
         row["tasks"] += 1
-    path = Path(path)
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["block", "phase", "compute_ms", "comm_ms", "tasks"])
-        for (blk, phase), row in sorted(rows.items()):
-            w.writerow([blk, phase or "-", f"{row['compute_ms']:.6f}", f"{row['comm_ms']:.6f}",
-                        int(row["tasks"])])  # fmt: skip
-    return path
+    return rows
