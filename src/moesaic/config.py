@@ -10,7 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moesaic.checks import check_bool, check_non_negative, check_one_of, check_positive_int
+from moesaic.checks import (
+    check_bool,
+    check_non_negative,
+    check_number,
+    check_one_of,
+    check_positive_int,
+)
 from moesaic.strategy_table import strategy_names
 
 __all__ = ["ACTIVATIONS", "SCORE_FUNCS", "MoEConfig", "check_positive_int"]
@@ -135,12 +141,8 @@ class MoEConfig:
             for i, s in enumerate(self.domain_sizes):
                 check_positive_int(f"domain_sizes[{i}]", s)
         check_positive_int("shared_expert_every", self.shared_expert_every)
-        check_non_negative("expert_compression_ratio", self.expert_compression_ratio)
-        if self.expert_compression_ratio < 1:
-            raise ValueError(
-                f"expert_compression_ratio ({self.expert_compression_ratio}) must be >= 1 "
-                "(1: gather experts exactly)"
-            )
+        # one rule for every bad value (nan said ">= 0" while 0.5 said ">= 1"); 1: exact
+        check_number("expert_compression_ratio", self.expert_compression_ratio, 1.0)
 
         check_one_of("taskflow_executor", self.taskflow_executor, ("static", "dynamic"))
         check_positive_int("taskflow_tile_m", self.taskflow_tile_m)
