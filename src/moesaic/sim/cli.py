@@ -1,7 +1,8 @@
 """``moesaic simulate`` and ``moesaic calibrate``.
 
 ``simulate`` reads a cluster TOML (``moesaic cluster``'s format), a model TOML
-(:class:`moesaic.sim.model.ModelSpec`) and optionally a profile (``calibrate``'s JSON), and
+(:class:`moesaic.sim.model.ModelSpec`, or a ``moesaic train --config`` training config:
+:func:`moesaic.sim.model.load_model_spec`) and optionally a profile (``calibrate``'s JSON), and
 prints one iteration's summary per strategy (``--strategy all``: one row each); ``--json``
 prints one JSON object (a list for ``all``). ``calibrate`` measures this machine's matmul rate
 and op overhead (torch, under a second) and writes a profile; ``--cluster`` brings the emulated
@@ -30,6 +31,8 @@ examples:
       --model examples/models/flowmoe_small.toml --strategy all
   moesaic simulate --cluster examples/clusters/hybridep_2dc.toml \\
       --model examples/models/hybridep_small.toml --strategy hybrid --json --trace t.json
+  moesaic simulate --cluster examples/clusters/flowmoe_2rank.toml \\
+      --model examples/train_tiny.toml --strategy flowmoe
   moesaic calibrate --out profile.json --links benchmarks/results/cluster_check.json
   sudo moesaic calibrate --out profile.json --cluster examples/clusters/flowmoe_2rank.toml
 """
@@ -45,7 +48,12 @@ def add_subparser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--cluster", required=True, metavar="FILE.toml", help="cluster description")
-    p.add_argument("--model", required=True, metavar="FILE.toml", help="model and batch")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="FILE.toml",
+        help="model and batch: a model file or a training config (`moesaic train --config`)",
+    )
     p.add_argument("--strategy", default="all", help="a strategy name or 'all' (default)")
     p.add_argument("--profile", metavar="FILE.json", help="machine profile (moesaic calibrate)")
     p.add_argument(
@@ -199,11 +207,11 @@ def _strategies(args: argparse.Namespace, spec: Any, model: Any) -> tuple[str, .
 
 def _results(args: argparse.Namespace) -> list[Any]:
     from moesaic.cluster.spec import ClusterSpec
-    from moesaic.sim.model import ModelSpec
+    from moesaic.sim.model import load_model_spec
     from moesaic.sim.simulate import SimOptions, simulate
 
     spec = _load("cluster", args.cluster, ClusterSpec.from_toml)
-    model = _load("model", args.model, ModelSpec.from_toml)
+    model = _load("model", args.model, load_model_spec)
     profile = _profile(args, spec)
     domains = None
     if args.domains:

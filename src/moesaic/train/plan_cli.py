@@ -1,7 +1,10 @@
 """``moesaic plan``: HybridEP's domain sizes for a model on a cluster, with every candidate priced.
 
-Reads the cluster TOML of ``moesaic cluster`` (``--cluster``) and the training TOML of
-``moesaic train --config`` (``--model``), derives the cost model's inputs the way
+Reads the cluster TOML of ``moesaic cluster`` (``--cluster``) and, for ``--model``, the
+training TOML of ``moesaic train --config`` or the simulator's model file (``moesaic simulate
+--model``, :func:`moesaic.sim.model.load_model`: a model file plans as the training config of its
+model and batch with the default run options, ``--dtype-bytes`` defaulting to its
+``act_bytes``), derives the cost model's inputs the way
 ``moesaic train --domains auto`` does (``moesaic.train.domains``: tokens per MoE forward, the
 steady-state MoE block, fp32), and prints ``plan_domains``'s result: the chosen domain sizes and
 ``p`` per level, a table of every candidate and the one-line reason; ``--json`` prints the same
@@ -24,6 +27,8 @@ from moesaic.planning.costmodel import DomainCandidate, DomainPlan, StreamInputs
 PLAN_EPILOG = """\
 examples:
   moesaic plan --cluster examples/clusters/2dc_2node_small.toml --model examples/train_tiny.toml
+  moesaic plan --cluster examples/clusters/hybridep_2dc.toml \\
+      --model examples/models/hybridep_small.toml --flops-per-s 1e12
   moesaic plan --cluster examples/clusters/2dc_2node.toml --model examples/train_tiny.toml \\
       --flops-per-s 1e12 --tokens-per-rank 8192 --compression-ratio 50 --json
 """
@@ -48,7 +53,8 @@ def add_subparser(subparsers) -> None:
         "--model",
         required=True,
         metavar="FILE.toml",
-        help="training config, as for `moesaic train --config` (model, batch, sequence)",
+        help="training config (`moesaic train --config`) or model file (`moesaic simulate "
+        "--model`), told apart by their keys",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
@@ -73,9 +79,9 @@ def add_subparser(subparsers) -> None:
     p.add_argument(
         "--dtype-bytes",
         type=int,
-        default=4,
         metavar="N",
-        help="bytes per token element and weight (default: 4, moesaic train's fp32)",
+        help="bytes per token element and weight (default: 4, moesaic train's fp32; a model "
+        "file's act_bytes)",
     )
     p.set_defaults(func=run_plan)
 
@@ -90,10 +96,18 @@ def _load(path: str, what: str, load) -> Any:
         raise ValueError(f"--{what} {path}: {exc}") from None
 
 
-def _train_config(path: str):
-    from moesaic.train.config import TrainConfig, load_toml
+def _train_config(path: str) -> tuple[Any, int]:
+    """``--model``'s training config (a model file's converted) and its default bytes per
+    element."""
+    from moesaic.sim.model import ModelSpec, load_model, train_config_of
 
-    return TrainConfig.from_dict(load_toml(path))
+    model = load_model(path)
+    if not isinstance(model, ModelSpec):
+        return model, 4
+    try:
+        return train_config_of(model), model.act_bytes
+    except ValueError as exc:
+        raise ValueError(f"model file {path!r}: {exc}") from None
 
 
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,13 +121,15 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     spec = _load(args.cluster, "cluster", ClusterSpec.from_toml)
-    cfg = _load(args.model, "model", _train_config)
+    cfg, dtype_bytes = _load(args.model, "model", _train_config)
+    if args.dtype_bytes is not None:
+        dtype_bytes = args.dtype_bytes
     model = cfg.model
     tokens = args.tokens_per_rank
     if tokens is None:
         tokens = tokens_per_forward(cfg.batch_size, model.seq_len, int(cfg.pipeline_degree))
     check_positive_int("tokens_per_rank (--tokens-per-rank)", tokens)
-    check_positive_int("dtype_bytes (--dtype-bytes)", args.dtype_bytes)
+    check_positive_int("dtype_bytes (--dtype-bytes)", dtype_bytes)
     measured = args.flops_per_s is None
     if measured:
         from moesaic.planning.costmodel import measure_gemm_flops
@@ -132,7 +148,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         ep_size=spec.world_size,
         flops_per_s=flops,
         compression_ratio=cr,
-        dtype_bytes=args.dtype_bytes,
+        dtype_bytes=dtype_bytes,
     )
     plan = plan_domains(spec, inputs)
     step = plan_training_domains(
@@ -161,7 +177,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_rank": tokens,
             "seq_len": model.seq_len,
             "dense_blocks_before": dense_blocks_before(model),
-            "dtype_bytes": args.dtype_bytes,
+            "dtype_bytes": dtype_bytes,
             "compression_ratio": cr,
         },
         "flops_per_s": flops,
