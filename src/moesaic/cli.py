@@ -28,7 +28,7 @@ _MODULES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("moesaic.cluster.cli", (("cluster", "emulated multi-level cluster in network namespaces"),)),
     ("moesaic.taskflow.cli", (("taskflow", "compile, inspect and check static MoE taskflows"),)),
     (
-        "moesaic.train.plan_cli",
+        "moesaic.sim.plan_cli",
         (("plan", "HybridEP expert-domain sizes for a model on a cluster (cost model)"),),
     ),
     (
