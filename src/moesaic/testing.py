@@ -115,9 +115,15 @@ _THIS_FILE = os.path.abspath(__file__)
 _VALUE_READS = {"_local_scalar_dense", "equal", "allclose", "is_nonzero"}
 # Ops whose output shape depends on the data: the host must read a count to allocate the output.
 _DATA_SHAPED = {
-    "nonzero", "masked_select", "bincount", "_unique", "_unique2", "unique_dim",
-    "unique_consecutive", "unique_dim_consecutive",
-}  # fmt: skip
+    "nonzero",
+    "masked_select",
+    "bincount",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "unique_dim_consecutive",
+}
 _BOOL_INDEXED = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_"}
 _COPIES = {"_to_copy", "copy_", "_copy_from", "_copy_from_and_resize"}
 

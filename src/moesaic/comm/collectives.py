@@ -81,7 +81,10 @@ def control_device_for(backend: str) -> torch.device:
     """Where a group's control-plane tensors (counts, digests, flags) must live: the CPU when
     the group has a CPU backend, else the current accelerator (pure NCCL takes CUDA tensors
     only: a CPU tensor there raises)."""
-    devices = device_backends(backend)
+    return _control_device(device_backends(backend))
+
+
+def _control_device(devices: dict[str, str]) -> torch.device:
     if "cpu" in devices:
         return torch.device("cpu")
     kind = next(iter(devices))
@@ -138,9 +141,12 @@ class Pending:
         else:
             self._work.get_future().add_done_callback(lambda _fut: fn())
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, timeout_s: float | None = None) -> torch.Tensor:
+        """The output, once the transfer is done (``timeout_s``: another deadline than the
+        group's, for a caller that promised its own)."""
         if self._work is not None:
-            wait_work(self._work, self._failed, self._timeout_s, on_stream=self._on_stream)
+            deadline = self._timeout_s if timeout_s is None else timeout_s
+            wait_work(self._work, self._failed, deadline, on_stream=self._on_stream)
             self._work = None
         return self._output
 
@@ -212,7 +218,7 @@ class EPGroup:
         """Where this group's control-plane tensors live (see the class docstring)."""
         if not self.active:
             return torch.device("cpu")
-        return control_device_for(dist.get_backend(self.group))
+        return _control_device(self._backend_map())
 
     def control_tensor(self, data: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """``torch.tensor(data)`` on ``control_device`` (created on the host, copied once)."""

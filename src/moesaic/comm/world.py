@@ -114,28 +114,11 @@ def process_group_args(
     return CUDA_WORLD_BACKEND, {**kwargs, "device_id": device}
 
 
-def init_world(
-    *,
-    device: torch.device | str,
-    timeout_s: float,
-    backend: str = "auto",
-    store: Any = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    init_method: str | None = None,
-) -> torch.device:
-    """Initialise this process's torch.distributed world for ``device`` (see
-    :func:`process_group_args` for the arguments); on CUDA, ``device`` becomes the current
-    device first. Returns the device."""
-    name, kwargs = process_group_args(
-        device=device,
-        timeout_s=timeout_s,
-        backend=backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        init_method=init_method,
-    )
+def init_world(*, device: torch.device | str, **options: Any) -> torch.device:
+    """Initialise this process's torch.distributed world for ``device``; ``options`` are
+    :func:`process_group_args`'s (``timeout_s``, ``backend``, the rendezvous). On CUDA,
+    ``device`` becomes the current device first. Returns the device."""
+    name, kwargs = process_group_args(device=device, **options)
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():

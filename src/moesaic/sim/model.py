@@ -54,9 +54,21 @@ __all__ = ["ModelSpec", "expert_shares", "load_model", "train_config_of"]
 
 # [model] keys only the model format has, and those only a training config's [model] has.
 MODEL_ONLY_KEYS = (
-    "name", "layers", "batch", "hidden", "ffn_hidden", "experts", "heads", "vocab",
-    "capacity_factor", "routing_skew", "activation", "act_bytes", "param_bytes", "layer_only",
-)  # fmt: skip
+    "name",
+    "layers",
+    "batch",
+    "hidden",
+    "ffn_hidden",
+    "experts",
+    "heads",
+    "vocab",
+    "capacity_factor",
+    "routing_skew",
+    "activation",
+    "act_bytes",
+    "param_bytes",
+    "layer_only",
+)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

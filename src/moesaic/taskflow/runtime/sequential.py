@@ -22,7 +22,6 @@ of its slots; a tile with none still completes and fires its events.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -167,7 +166,7 @@ class _Run(StepRows):
     ) -> None:
         super().__init__(plan, bufs, route)
         self.group = group
-        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s  # the caller's bound on every wait (run_forward's)
         self.device = device
         self.pending: dict[int, list] = {}
         self.sends: list[tuple[Pending, str]] = []
@@ -219,11 +218,11 @@ class _Run(StepRows):
 
     def _wait(self, work: Pending, what: str) -> None:
         try:
-            work.wait()
+            work.wait(self.timeout_s)
         except CollectiveError as exc:
             raise CollectiveError(
                 f"taskflow {what} failed on rank {self.me}/{self.P} within "
-                f"{self.timeout.total_seconds():g}s: a peer died, hung or runs another plan. "
+                f"{self.timeout_s:g}s: a peer died, hung or runs another plan. "
                 f"Cause: {str(exc.__cause__ or exc).splitlines()[0][:300]}"
             ) from exc
 
