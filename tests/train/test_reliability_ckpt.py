@@ -106,6 +106,27 @@ def test_full_disk_during_save(data_file, tiny_tmpfs, capfd):
     assert latest_checkpoint(str(run)) is None
 
 
+def test_short_write_on_a_full_disk_named_as_such(tmp_path, monkeypatch):
+    # CI once saw the tiny tmpfs fill inside torch's zip writer, which reports the short write as
+    # "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598": the errno is lost.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from moesaic.train import checkpoint as ckpt
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    exc = CheckpointException("save", {1: (short, None)})
+    monkeypatch.setattr(ckpt, "_free_bytes", lambda path: 4096)
+    assert ckpt._save_failure_cause(exc, tmp_path) == "No space left on device (on rank 1)"
+    # With room left the writer's own words stand: the disk is not blamed for another fault.
+    monkeypatch.setattr(ckpt, "_free_bytes", lambda path: 10 << 30)
+    assert ckpt._save_failure_cause(exc, tmp_path) == (
+        "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598 "
+        "(on rank 1)"
+    )
+    enospc = OSError(28, "No space left on device")
+    assert ckpt._save_failure_cause(enospc, tmp_path) == "No space left on device"
+
+
 def test_stale_tmp_cleaned_before_a_save(reference, data_file, tmp_path):
     # What crashed saves leave (another step's .tmp, a moved-aside .old, latest.tmp) held the
     # room the next save needs: removed before it.

@@ -29,6 +29,7 @@ run never replaces or prunes the last good checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -49,6 +50,7 @@ from moesaic.train.errors import (
     CheckpointError,
     checkpoint_cause,
     describe,
+    first_failure,
     is_checkpoint_exception,
 )
 
@@ -279,12 +281,43 @@ def save_checkpoint(
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if not (isinstance(exc, Exception) or is_checkpoint_exception(exc)):
             raise  # KeyboardInterrupt, SystemExit
+        cause = _save_failure_cause(exc, root)  # before the room is given back
         if layout.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give the room back
-        cause = checkpoint_cause(exc) if is_checkpoint_exception(exc) else describe(exc)
         raise CheckpointError(f"saving checkpoint {name} in {root} failed: {cause}") from None
     _barrier(layout, "barrier after checkpoint save", device)
     return final
+
+
+# Below this many free bytes the file system of a failed save counts as full.
+_FULL_DISK_BYTES = 1 << 20
+
+
+def _save_failure_cause(exc: BaseException, root: Path) -> str:
+    """One line for a failed save, naming a full disk however the writer reported it.
+
+    A full disk surfaces as ``ENOSPC`` from a plain write, but torch's zip writer reports the
+    same short write as ``[enforce fail at inline_container.cc] unexpected pos ...`` and the
+    errno is lost; a save that failed with almost no room left on ``root``'s file system failed
+    for lack of room whatever the message said.
+    """
+    found = first_failure(exc) if is_checkpoint_exception(exc) else (None, exc)
+    if found is None:
+        return checkpoint_cause(exc)
+    rank, inner = found
+    where = "" if rank is None else f" (on rank {rank})"
+    if not isinstance(inner, OSError) and _free_bytes(root) < _FULL_DISK_BYTES:
+        return os.strerror(errno.ENOSPC) + where
+    return describe(inner) + where
+
+
+def _free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on ``path``'s file system (large if unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 1 << 62
+    return st.f_bavail * st.f_frsize
 
 
 def _publish(root: Path, tmp: Path, final: Path, info: dict, keep: int) -> None:

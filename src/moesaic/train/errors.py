@@ -24,14 +24,23 @@ class RunDirError(ValueError):
     """The run directory cannot be used (not a directory, not writable, locked by another run)."""
 
 
-def checkpoint_cause(exc: BaseException) -> str:
-    """The first underlying error of a torch.distributed.checkpoint ``CheckpointException``."""
+def first_failure(exc: BaseException) -> tuple[int, BaseException] | None:
+    """The lowest rank's underlying error in a DCP ``CheckpointException`` (None if it holds none)."""
     failures = getattr(exc, "failures", None) or {}
     for rank, pair in sorted(failures.items()):
         inner = pair[0] if isinstance(pair, tuple) else pair
         if isinstance(inner, BaseException):
-            return f"{describe(inner)} (on rank {rank})"
-    return type(exc).__name__
+            return rank, inner
+    return None
+
+
+def checkpoint_cause(exc: BaseException) -> str:
+    """The first underlying error of a torch.distributed.checkpoint ``CheckpointException``."""
+    found = first_failure(exc)
+    if found is None:
+        return type(exc).__name__
+    rank, inner = found
+    return f"{describe(inner)} (on rank {rank})"
 
 
 def is_checkpoint_exception(exc: BaseException) -> bool:
