@@ -39,7 +39,8 @@ import torch
 from moesaic.taskflow import CompileOptions, ShapeBucket, compile_plan, compile_world, simulate
 from moesaic.taskflow.draw import nominal_cost
 from moesaic.taskflow.plan_io import load_plan, save_plan
-from moesaic.taskflow.validate import check_plan, check_world
+from moesaic.taskflow.validate import check_plan
+from moesaic.taskflow.validate_world import check_world
 
 TILE = 128
 LAYERS = {

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from moesaic.bench.meta import run_metadata
-from moesaic.comm.onesided import EventCounters
+from moesaic.comm.counters import EventCounters
 from moesaic.taskflow.microbench import (
     SwigluAddShape,
     chain_graph,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from moesaic.strategies.base import (
     CommStats,
     DispatchCombineStrategy,
     ExchangeHandle,
+    ExpertRun,
     Outbound,
     StrategyContext,
 )
@@ -92,7 +93,6 @@ class MoELayer(nn.Module):
         placement: which rank holds which expert; None = contiguous (rank p holds experts
             ``[p*e, (p+1)*e)``).
         topology: the cluster description, for strategies that plan by the network.
-        plans: precompiled plans, for strategies that execute them.
 
     Per-forward state adds up until it is read: every forward adds its aux-loss terms to a
     pending list that ``moesaic.aux_loss(model)`` turns into the loss of all those forwards'
@@ -108,7 +108,6 @@ class MoELayer(nn.Module):
         *,
         placement: ExpertPlacement | None = None,
         topology: ClusterSpec | None = None,
-        plans: Any = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -131,7 +130,7 @@ class MoELayer(nn.Module):
         self.num_local_experts = placement.num_local
         self.router = Router(config)
         self.experts = GroupedExperts(config, placement.local_experts(self.ep.rank))
-        ctx = StrategyContext(config, self.ep, placement, topology=topology, plans=plans)
+        ctx = StrategyContext(config, self.ep, placement, topology=topology)
         self.strategy = make_strategy(config.dispatcher, ctx)
         self.stats = LayerStats()
         self._pending_aux: list[AuxTerms] = []
@@ -210,16 +209,28 @@ class MoELayer(nn.Module):
 
     # ---- the phases of run_experts, for pipelined schedules ---------------------------------
 
-    def exchange_strategy(self) -> DispatchCombineStrategy:
+    def exchange_strategy(self, schedule: str | None = None) -> DispatchCombineStrategy:
         """The strategy, when it splits into the dispatch/combine phases a pipelined schedule
-        runs as separate stages (``DispatchCombineStrategy``); a ValueError naming it if not."""
-        if not isinstance(self.strategy, DispatchCombineStrategy):
+        runs as separate stages (``DispatchCombineStrategy``); a ValueError naming it and
+        ``schedule`` (its ``supports``) if not."""
+        strategy = self.strategy
+        if schedule is not None:
+            strategy.supports.check(strategy.name or self.config.dispatcher, schedule=schedule)
+        if not isinstance(strategy, DispatchCombineStrategy):
             raise ValueError(
-                f"dispatcher {self.config.dispatcher!r} ({type(self.strategy).__name__}) has no "
+                f"dispatcher {self.config.dispatcher!r} ({type(strategy).__name__}) has no "
                 "dispatch/combine phases (DispatchCombineStrategy), which the pipelined schedules "
                 "(moe-only, flowmoe) need; use the vanilla schedule with it"
             )
-        return self.strategy
+        return strategy
+
+    def prepare_experts(self) -> ExpertRun:
+        """Before a pipelined step's first stage: the experts its R chunks share (the
+        strategy's ``prepare_experts``, e.g. ``hybrid``'s gathers); what that sent joins the
+        statistics."""
+        run = self.exchange_strategy().prepare_experts(self.experts, pipelined=True)
+        self.stats.comm = self.stats.comm + run.stats
+        return run
 
     def send(self, routed: Routed) -> Outbound:
         """Phase 1 of ``run_experts``: the rows to send for a routed input (statistics added)."""
@@ -229,11 +240,14 @@ class MoELayer(nn.Module):
         self.stats.add(x_TH.shape[0], routed.plan.counts_E, out.stats, routed.aux.loss())
         return out
 
-    def expert_rows(self, rows: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
-        """Phase 2: received rows -> the experts -> the rows to send back."""
+    def expert_rows(
+        self, rows: torch.Tensor, handle: ExchangeHandle, run: ExpertRun
+    ) -> torch.Tensor:
+        """Phase 2: received rows -> the experts of ``run`` (``prepare_experts``) -> the rows
+        to send back."""
         strategy = self.exchange_strategy()
         x_MH, counts_e = strategy.dispatch_recv(rows, handle)
-        return strategy.combine_send(self.experts(x_MH, counts_e), handle)
+        return strategy.combine_send(run.fn(x_MH, counts_e), handle)
 
     def receive(
         self,

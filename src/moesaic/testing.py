@@ -44,9 +44,14 @@ def ref_errors(
     scale = max(truth.abs().max().item() if truth.numel() else 0.0, 1e-30)
     eps = 4 * torch.finfo(eps_dtype).eps * scale
     allowed = 2 * err_ref + eps
-    return {"max_abs_err": err_fast, "max_rel_err": err_fast / scale,
-            "ref_same_dtype_abs_err": err_ref, "eps": eps, "allowed_abs_err": allowed,
-            "ok": bool(err_fast <= allowed)}  # fmt: skip
+    return {
+        "max_abs_err": err_fast,
+        "max_rel_err": err_fast / scale,
+        "ref_same_dtype_abs_err": err_ref,
+        "eps": eps,
+        "allowed_abs_err": allowed,
+        "ok": bool(err_fast <= allowed),
+    }
 
 
 def assert_close_to_ref(

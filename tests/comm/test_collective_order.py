@@ -9,13 +9,13 @@ model and step ("step 0": agreements and group creation) and during each of 2 op
 second during the backward, one chunk per gap). For every pair of ranks, the entries on
 communicators that hold both (any lane) must be the very same sequence.
 
-Cases: every schedule x every strategy it runs (the pipelined schedules need dispatch/combine
-phases: ``BlockPipeline`` refuses ``hybrid`` and ``taskflow``), each with balanced routing and
+Cases: every schedule x every strategy it runs (``supports``: ``taskflow`` runs vanilla only),
+each with balanced routing and
 with a skewed router that sends every token to experts 0 and 1 (the ranks holding experts 2
 and 3 receive no rows yet take part in every collective): on 2 ranks at EP 2, and flowmoe at
 EP 1 x DP 2; on 4 ranks at EP 2 x DP 2 (``dropless`` under every schedule, ``taskflow`` and
 ``hybrid`` under vanilla) and ``hybrid`` at EP 4 with expert domains of 2 (level, prefetch and
-offset groups all distinct).
+offset groups all distinct) under vanilla and flowmoe.
 
 Two kinds of traffic need a word:
 
@@ -52,21 +52,26 @@ from moesaic.models import MoEGPT, MoEGPTConfig
 from moesaic.schedule import make_step, schedule_names
 from moesaic.schedule.base import StepParts
 from moesaic.strategies import get_strategy, strategy_names
-from moesaic.strategies.base import DispatchCombineStrategy
 
 Entry = tuple[Any, ...]  # (global ranks, lane, op, what)
 
 PIPELINED = [name for name in schedule_names() if name != "vanilla"]
-# BlockPipeline runs dispatch and combine as separate stages: phased strategies only
-# (test_pipelined_schedules_refuse_the_other_strategies).
-PHASED = [s for s in strategy_names() if issubclass(get_strategy(s), DispatchCombineStrategy)]
+
+def _runs(strategy: str, schedule: str) -> bool:
+    """What the strategy declares it runs under (``MoEStrategy.supports``)."""
+    schedules = get_strategy(strategy).supports.schedules
+    return schedules is None or schedule in schedules
+
+
 # (schedule, strategy, EP size, domain sizes) on 2 ranks: EP 2, and EP 1 x DP 2 for flowmoe
-# (expert gradients reduced over the world, no row all-to-all to interleave with).
+# (expert gradients reduced over the world, no row all-to-all to interleave with). Hybrid under
+# a pipelined schedule with domains of one rank, so that its rows cross the ranks (its gathers
+# under flowmoe: on 4 ranks below).
 CASES_2 = [
-    (schedule, strategy, 2, None)
+    (schedule, strategy, 2, (1,) if strategy == "hybrid" and schedule in PIPELINED else None)
     for schedule in schedule_names()
     for strategy in strategy_names()
-    if schedule not in PIPELINED or strategy in PHASED
+    if _runs(strategy, schedule)
 ]
 CASES_2 += [("flowmoe", "dropless", 1, None)]
 # On 4 ranks: EP 2 x DP 2 (DP pairs in the main and grad lanes, put and prefetch groups of two
@@ -74,7 +79,7 @@ CASES_2 += [("flowmoe", "dropless", 1, None)]
 # hybrid at EP 4 with domains of 2 (level, prefetch and offset groups all distinct).
 CASES_4 = [(schedule, "dropless", 2, None) for schedule in schedule_names()]
 CASES_4 += [("vanilla", "taskflow", 2, None), ("vanilla", "hybrid", 2, None)]
-CASES_4 += [("vanilla", "hybrid", 4, (2,))]
+CASES_4 += [("vanilla", "hybrid", 4, (2,)), ("flowmoe", "hybrid", 4, (2,))]
 B, T, R, STEPS = 4, 8, 2, 2
 # Small enough that the replicated gradients (26 KB) leave in 7 chunks.
 SP = 4096
@@ -261,12 +266,16 @@ def test_comparison_catches_a_reordered_log():
         assert_same_order([logs[0], logs[1][:-1]])
 
 
-@pytest.mark.parametrize("strategy", [s for s in strategy_names() if s not in PHASED])
 @pytest.mark.parametrize("schedule", PIPELINED)
-def test_pipelined_schedules_refuse_the_other_strategies(schedule, strategy):
-    """The cases above leave out what the pipelined schedules refuse (and only that)."""
+@pytest.mark.parametrize("strategy", strategy_names())
+def test_pipelined_schedules_refuse_what_strategies_do_not_run(schedule, strategy):
+    """The cases above leave out what a strategy's ``supports`` refuses (and only that), and
+    building the step refuses it with the strategy's reason."""
     from moesaic.train.parallel import GradientSync, build_layout
 
+    if _runs(strategy, schedule):
+        assert any(c[:2] == (schedule, strategy) for c in CASES_2)
+        return
     model = MoEGPT(_config(strategy, None))
     parts = StepParts(
         model=model,
@@ -275,5 +284,7 @@ def test_pipelined_schedules_refuse_the_other_strategies(schedule, strategy):
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         pipeline_degree=R,
     )
-    with pytest.raises(ValueError, match=rf"'{strategy}' .* has no dispatch/combine phases"):
+    why = get_strategy(strategy).supports.why
+    assert why
+    with pytest.raises(ValueError, match=rf"strategy '{strategy}' does not run under schedule"):
         make_step(schedule, parts)

@@ -58,6 +58,9 @@ def _config(dispatcher: str) -> MoEGPTConfig:
                 "dispatcher": dispatcher,
                 "aux_loss_coef": 0.1,  # large, so that the aux gradients matter
                 "z_loss_coef": 0.01,
+                # hybrid: domains of one rank, so its rows cross the group as in the other
+                # strategies (its gathers are tested in tests/schedule/test_hybrid_pipelined.py)
+                **({"domain_sizes": [1]} if dispatcher == "hybrid" else {}),
             },
         }
     )
@@ -394,7 +397,7 @@ def test_pipeline_degree_must_divide_the_batch(name, R):
 
 
 def test_strategy_without_phases_is_named():
-    from moesaic.strategies.base import MoEStrategy, StrategyOutput
+    from moesaic.strategies.base import MoEStrategy, StrategyOutput, Supports
 
     class Opaque(MoEStrategy):
         name = "opaque"
@@ -404,6 +407,10 @@ def test_strategy_without_phases_is_named():
 
     model = MoEGPT(_config("dropless"))
     model.blocks[1].moe.strategy = Opaque(model.blocks[1].moe.strategy.ctx)
+    with pytest.raises(ValueError, match=r"'opaque' does not run under schedule 'flowmoe'"):
+        FlowMoEStep(_parts(model, 2))
+    # A strategy that claims every schedule without having the phases is still refused.
+    Opaque.supports = Supports()
     with pytest.raises(ValueError, match=r"\(Opaque\) has no dispatch/combine phases"):
         FlowMoEStep(_parts(model, 2))
 

@@ -23,8 +23,13 @@ latency_ms = 2.0
 
 
 def _link(**kw: object) -> LinkLevel:
-    base = dict(level_name="node", configured_bandwidth_gbps=0.1, measured_bandwidth_gbps=0.09,
-                configured_latency_ms=2.0, measured_latency_ms=2.1)  # fmt: skip
+    base = dict(
+        level_name="node",
+        configured_bandwidth_gbps=0.1,
+        measured_bandwidth_gbps=0.09,
+        configured_latency_ms=2.0,
+        measured_latency_ms=2.1,
+    )
     return LinkLevel(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -69,8 +74,17 @@ def test_measure_links_refuses_a_single_rank():
 
 def test_cluster_and_links_are_exclusive(capsys, tmp_path):
     with pytest.raises(SystemExit):
-        main(["calibrate", "--out", str(tmp_path / "p.json"), "--cluster", "a.toml",
-              "--links", "b.json"])  # fmt: skip
+        main(
+            [
+                "calibrate",
+                "--out",
+                str(tmp_path / "p.json"),
+                "--cluster",
+                "a.toml",
+                "--links",
+                "b.json",
+            ]
+        )
     assert "not allowed with" in capsys.readouterr().err
 
 
@@ -119,16 +133,23 @@ def test_measured_levels_run_at_their_measured_rate():
     from moesaic.sim.model import ModelSpec
     from moesaic.sim.simulate import simulate
 
-    spec = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
-                               Level(name="node", size=2, bandwidth_gbps=0.4, latency_ms=1.0)))  # fmt: skip
+    spec = ClusterSpec(
+        levels=(
+            Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
+            Level(name="node", size=2, bandwidth_gbps=0.4, latency_ms=1.0),
+        )
+    )
     model = ModelSpec(layers=2, batch=2, seq_len=64, hidden=64, ffn_hidden=128, experts=4, top_k=2)
     dc = _link(level_name="dc", measured_bandwidth_gbps=0.05)  # share 0.5 (0.1 configured)
     prof = Profile(flops_per_s=1e10, bandwidth_scale=0.8, links=(dc,))
-    by_hand = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.05, latency_ms=2.0),
-                                  Level(name="node", size=2, bandwidth_gbps=0.32,
-                                        latency_ms=1.0)))  # fmt: skip
-    got = simulate(spec, model, "vanilla", prof)
-    want = simulate(by_hand, model, "vanilla", Profile(flops_per_s=1e10))
+    by_hand = ClusterSpec(
+        levels=(
+            Level(name="dc", size=2, bandwidth_gbps=0.05, latency_ms=2.0),
+            Level(name="node", size=2, bandwidth_gbps=0.32, latency_ms=1.0),
+        )
+    )
+    got = simulate(spec, model, "dropless", prof)
+    want = simulate(by_hand, model, "dropless", Profile(flops_per_s=1e10))
     assert got.iteration_s == pytest.approx(want.iteration_s, rel=1e-12)
     # The same level name at another rate was not measured: the median share applies.
     other = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.2, latency_ms=2.0),))
@@ -149,12 +170,21 @@ def test_a_16_bit_model_computes_at_the_measured_bf16_rate():
     with pytest.raises(ValueError, match=r"profile\.half_flops_per_s"):
         Profile(flops_per_s=1.0, half_flops_per_s=-1.0)
     spec = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=1.0, latency_ms=0.1),))
-    base = dict(name="m", layers=1, batch=2, seq_len=64, hidden=64, ffn_hidden=128, experts=4,
-                top_k=2, heads=4)  # fmt: skip
+    base = dict(
+        name="m",
+        layers=1,
+        batch=2,
+        seq_len=64,
+        hidden=64,
+        ffn_hidden=128,
+        experts=4,
+        top_k=2,
+        heads=4,
+    )
     for act_bytes, rate in ((4, 1e10), (2, 4e10)):
         model = ModelSpec(**base, act_bytes=act_bytes)  # type: ignore[arg-type]
-        got = simulate(spec, model, "vanilla", both).compute_s
-        want = simulate(spec, model, "vanilla", Profile(flops_per_s=rate)).compute_s
+        got = simulate(spec, model, "dropless", both).compute_s
+        want = simulate(spec, model, "dropless", Profile(flops_per_s=rate)).compute_s
         assert got == pytest.approx(want, rel=1e-12)
 
 

@@ -88,10 +88,18 @@ def test_hybrid_phases_equal_evaluate_domains(spec):
     from moesaic.planning.costmodel import domain_size_choices
 
     P = spec.world_size
-    model = ModelSpec(layers=1, batch=2, seq_len=64, hidden=64, ffn_hidden=96,
-                      experts=4 * P, top_k=2)  # fmt: skip
-    inputs = stream_inputs(moe_config(model), tokens_per_rank=128, ep_size=P, flops_per_s=1e10,
-                           act_bytes=4, param_bytes=4, seq_len=64)  # fmt: skip
+    model = ModelSpec(
+        layers=1, batch=2, seq_len=64, hidden=64, ffn_hidden=96, experts=4 * P, top_k=2
+    )
+    inputs = stream_inputs(
+        moe_config(model),
+        tokens_per_rank=128,
+        ep_size=P,
+        flops_per_s=1e10,
+        act_bytes=4,
+        param_bytes=4,
+        seq_len=64,
+    )
     for ds in domain_size_choices(spec):
         ref = evaluate_domains(spec, inputs, ds)
         got = hybrid_parts(LinkModel(spec=spec), model, ds, 1e10)

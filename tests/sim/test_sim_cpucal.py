@@ -25,9 +25,17 @@ LOAD = LAYER.tokens * LAYER.top_k / LAYER.experts  # rows per slot, uniform rout
 
 
 def _rank0_tasks(direction: str, P: int = 2, tile_m: int = 512):
-    bucket = ShapeBucket(tokens=LAYER.tokens, hidden=LAYER.hidden, ffn=LAYER.ffn_hidden,
-                         experts=LAYER.experts, top_k=LAYER.top_k, ep_size=P, slot_rows=512,
-                         tile_m=tile_m, activation=LAYER.activation)  # fmt: skip
+    bucket = ShapeBucket(
+        tokens=LAYER.tokens,
+        hidden=LAYER.hidden,
+        ffn=LAYER.ffn_hidden,
+        experts=LAYER.experts,
+        top_k=LAYER.top_k,
+        ep_size=P,
+        slot_rows=512,
+        tile_m=tile_m,
+        activation=LAYER.activation,
+    )
     return compile_world(bucket, direction, CompileOptions(pipeline=True))[0].tasks
 
 
@@ -91,9 +99,20 @@ def test_committed_measurement_covers_the_validated_tiles():
 @pytest.mark.timeout(120)
 def test_measure_times_every_handler_type_on_one_rank():
     """A small layer, one step (~5 s): every task type of the plans is timed, with CPU."""
-    small = ModelSpec(name="small", layers=1, batch=1, seq_len=64, hidden=32, ffn_hidden=64,
-                      experts=4, top_k=2, heads=2, vocab=32, activation="swiglu",
-                      layer_only=True)  # fmt: skip
+    small = ModelSpec(
+        name="small",
+        layers=1,
+        batch=1,
+        seq_len=64,
+        hidden=32,
+        ffn_hidden=64,
+        experts=4,
+        top_k=2,
+        heads=2,
+        vocab=32,
+        activation="swiglu",
+        layer_only=True,
+    )
     m = measure(small, 32, steps=1)
     kinds = {t.task_type for d in ("forward", "backward") for t in _small_tasks(small, d)}
     assert set(m["handler_cpu_s"]) == kinds
@@ -103,7 +122,15 @@ def test_measure_times_every_handler_type_on_one_rank():
 
 
 def _small_tasks(model: ModelSpec, direction: str):
-    bucket = ShapeBucket(tokens=model.tokens, hidden=model.hidden, ffn=model.ffn_hidden,
-                         experts=model.experts, top_k=model.top_k, ep_size=1, slot_rows=32,
-                         tile_m=32, activation=model.activation)  # fmt: skip
+    bucket = ShapeBucket(
+        tokens=model.tokens,
+        hidden=model.hidden,
+        ffn=model.ffn_hidden,
+        experts=model.experts,
+        top_k=model.top_k,
+        ep_size=1,
+        slot_rows=32,
+        tile_m=32,
+        activation=model.activation,
+    )
     return compile_world(bucket, direction, CompileOptions(pipeline=True))[0].tasks

@@ -60,9 +60,14 @@ class _Log:
 
 def _runtime_log(R: int, overlap: bool) -> list[tuple[str, str]]:
     cfg = MoEGPTConfig.from_dict(
-        {"d_model": 32, "n_layers": L, "n_heads": 2, "seq_len": T,
-         "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}}
-    )  # fmt: skip
+        {
+            "d_model": 32,
+            "n_layers": L,
+            "n_heads": 2,
+            "seq_len": T,
+            "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32},
+        }
+    )
     torch.manual_seed(0)
     model = MoEGPT(cfg)
     x_BT = torch.randint(0, 256, (R, T + 1), generator=torch.Generator().manual_seed(0))
@@ -74,8 +79,9 @@ def _runtime_log(R: int, overlap: bool) -> list[tuple[str, str]]:
 
 
 def _costs(R: int, world: int = 2, latency_ms: float = 1.0, flops: float = 1e9) -> Costs:
-    spec = ClusterSpec(levels=(Level(name="n", size=world, bandwidth_gbps=0.1,
-                                     latency_ms=latency_ms),))  # fmt: skip
+    spec = ClusterSpec(
+        levels=(Level(name="n", size=world, bandwidth_gbps=0.1, latency_ms=latency_ms),)
+    )
     model = ModelSpec(layers=L, batch=4, seq_len=T, hidden=32, ffn_hidden=32, experts=4, top_k=2)
     return Costs(model, LinkModel(spec=spec), Profile(flops_per_s=flops), R)
 
@@ -175,6 +181,7 @@ def test_startup_cost_makes_tiny_chunks_slower():
     tuned): the trade-off of Theorem 2's premise."""
     c = _costs(2, latency_ms=5.0)
     G = c.grad_bytes()
-    t = {k: run_pipelined(c, degree=2, overlap=True, chunk_bytes=G / k)[1].makespan
-         for k in (1, 256)}  # fmt: skip
+    t = {
+        k: run_pipelined(c, degree=2, overlap=True, chunk_bytes=G / k)[1].makespan for k in (1, 256)
+    }
     assert t[256] > t[1]

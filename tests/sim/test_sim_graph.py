@@ -16,8 +16,12 @@ from moesaic.sim.model import ModelSpec
 from moesaic.sim.pipelined import Costs, run_pipelined
 from moesaic.sim.profile import Profile
 
-SPEC = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
-                           Level(name="r", size=3, bandwidth_gbps=1.0, latency_ms=0.1)))  # fmt: skip
+SPEC = ClusterSpec(
+    levels=(
+        Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
+        Level(name="r", size=3, bandwidth_gbps=1.0, latency_ms=0.1),
+    )
+)
 MODEL = ModelSpec(layers=3, batch=4, seq_len=32, hidden=64, ffn_hidden=128, experts=6, top_k=2)
 PROFILE = Profile(flops_per_s=1e9, task_overhead_s=1e-4)
 
@@ -34,8 +38,9 @@ def test_every_rank_equals_the_representative_hybrid(prefetch):
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_every_rank_equals_the_representative_pipelined(overlap):
-    g, tl = run_pipelined(Costs(MODEL, LinkModel(spec=SPEC), PROFILE, 2), degree=2,
-                          overlap=overlap, chunk_bytes=None)  # fmt: skip
+    g, tl = run_pipelined(
+        Costs(MODEL, LinkModel(spec=SPEC), PROFILE, 2), degree=2, overlap=overlap, chunk_bytes=None
+    )
     assert g.replicate(SPEC.world_size).run().makespan == pytest.approx(tl.makespan, rel=1e-12)
 
 
@@ -77,13 +82,17 @@ def test_taskflow_layers_are_the_compiled_plans():
     spec = ClusterSpec(levels=(Level(name="n", size=2, bandwidth_gbps=0.1, latency_ms=1.0),))
     model = ModelSpec(layers=2, batch=2, seq_len=64, hidden=32, ffn_hidden=64, experts=4, top_k=2)
     r = simulate(spec, model, "taskflow", PROFILE)
-    bucket = ShapeBucket(tokens=128, hidden=32, ffn=64, experts=4, top_k=2, ep_size=2,
-                         slot_rows=64, tile_m=64)  # fmt: skip
+    bucket = ShapeBucket(
+        tokens=128, hidden=32, ffn=64, experts=4, top_k=2, ep_size=2, slot_rows=64, tile_m=64
+    )
     for direction, phase in (("forward", "fwd"), ("backward", "bwd")):
         tiles = compile_plan(bucket, direction, 0).tasks
         for blk in (1, 2):
-            got = [s for s in r.spans if s.args.get("block") == blk and "tile" in s.args
-                   and s.args.get("phase") == phase]  # fmt: skip
+            got = [
+                s
+                for s in r.spans
+                if s.args.get("block") == blk and "tile" in s.args and s.args.get("phase") == phase
+            ]
             assert sorted((s.name, s.args["tile"]) for s in got) == sorted(
                 (t.op, t.task_index) for t in tiles
             )
@@ -96,7 +105,6 @@ def test_taskflow_refuses_a_world_too_big_to_compile():
     from moesaic.sim.simulate import simulate
 
     spec = ClusterSpec(levels=(Level(name="n", size=128, bandwidth_gbps=1.0, latency_ms=1.0),))
-    model = ModelSpec(layers=1, batch=1, seq_len=64, hidden=32, ffn_hidden=64, experts=128,
-                      top_k=2)  # fmt: skip
+    model = ModelSpec(layers=1, batch=1, seq_len=64, hidden=32, ffn_hidden=64, experts=128, top_k=2)
     with pytest.raises(ValueError, match="taskflow"):
         simulate(spec, model, "taskflow", PROFILE)

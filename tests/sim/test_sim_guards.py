@@ -1,6 +1,7 @@
 """``moesaic simulate``'s guards (issue 25, items 5-7): a profile measured on another cluster,
-``--strategy all`` with ``--csv``/``--png``/``--trace`` and on worlds taskflow cannot run, and
-``--flops-per-s`` refused when not a positive finite rate or applied over a profile."""
+``--strategy all`` (every strategy under every schedule) with ``--csv``/``--png``/``--trace``
+and on worlds taskflow cannot run, and ``--flops-per-s`` refused when not a positive finite
+rate or applied over a profile."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 from moesaic.cli import main
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.sim.profile import LinkLevel, Profile
-from moesaic.sim.simulate import STRATEGIES
+from moesaic.sim.runs import runs
 
 ROOT = Path(__file__).resolve().parents[2]
+RUNS = [r.name for r in runs("all", "all")]  # dropless+vanilla, ..., taskflow+vanilla
 CLUSTERS = ROOT / "examples/clusters"
 RESULTS = ROOT / "benchmarks/results"
 FLOWMOE_CLUSTER = str(CLUSTERS / "flowmoe_2rank.toml")
@@ -97,7 +99,7 @@ def test_profile_from_another_cluster_is_refused(capsys, tmp_path):
         "--model",
         HYBRID_MODEL,
         "--strategy",
-        "ep",
+        "dropless",
         "--profile",
         profile2,
     )
@@ -150,11 +152,11 @@ def test_old_profile_says_it_records_no_cluster(capsys):
         "--model",
         HYBRID_MODEL,
         "--strategy",
-        "ep",
+        "hybrid",
         "--profile",
         profile,
     )
-    assert rc == 0 and "ep" in out
+    assert rc == 0 and "hybrid" in out
     assert err.splitlines() == [
         f"moesaic simulate: --profile {profile} does not record the cluster it was measured on "
         "(written before profiles did); its link and collective figures are applied to "
@@ -168,7 +170,7 @@ def test_old_profile_says_it_records_no_cluster(capsys):
         "--model",
         FLOWMOE_MODEL,
         "--strategy",
-        "vanilla",
+        "dropless",
         "--profile",
         str(RESULTS / "sim_profile_h100.json"),
     )
@@ -176,7 +178,7 @@ def test_old_profile_says_it_records_no_cluster(capsys):
 
 
 # ------------------------------------------------------------- item 7: --strategy all outputs
-def test_strategy_all_writes_every_strategy_labelled(capsys, tmp_path):
+def test_strategy_all_writes_every_run_labelled(capsys, tmp_path):
     trace, png, table = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "l.csv"
     rc, _, err = _simulate(
         capsys,
@@ -193,27 +195,28 @@ def test_strategy_all_writes_every_strategy_labelled(capsys, tmp_path):
     )
     assert rc == 0
     rows = list(csv.DictReader(table.open()))
-    assert list(rows[0]) == ["strategy", "block", "phase", "compute_ms", "comm_ms", "tasks"]
-    assert list(dict.fromkeys(r["strategy"] for r in rows)) == list(STRATEGIES)
+    header = ["strategy", "schedule", "block", "phase", "compute_ms", "comm_ms", "tasks"]
+    assert list(rows[0]) == header
+    assert list(dict.fromkeys(f"{r['strategy']}+{r['schedule']}" for r in rows)) == RUNS
     events = json.loads(trace.read_text())["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    assert procs == dict(enumerate(STRATEGIES))
+    assert procs == dict(enumerate(RUNS))
     names = {
         name: {e["name"] for e in events if e.get("ph") == "X" and e["pid"] == pid}
         for pid, name in procs.items()
     }
-    assert all(names.values())  # each process holds its own strategy's tasks
-    assert names["vanilla"] != names["taskflow"]
+    assert all(names.values())  # each process holds its own run's tasks
+    assert names["dropless+vanilla"] != names["taskflow+vanilla"]
     assert not png.exists()
-    for name in STRATEGIES:
+    for name in RUNS:
         assert (tmp_path / f"t.{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert err.splitlines() == [
-        "moesaic simulate: --png: one chart per strategy: "
-        + ", ".join(str(tmp_path / f"t.{n}.png") for n in STRATEGIES)
+        "moesaic simulate: --png: one chart per run: "
+        + ", ".join(str(tmp_path / f"t.{n}.png") for n in RUNS)
     ]
 
 
-def test_one_strategy_keeps_its_file_names(capsys, tmp_path):
+def test_one_run_keeps_its_file_names(capsys, tmp_path):
     png, table = tmp_path / "t.png", tmp_path / "l.csv"
     rc, _, err = _simulate(
         capsys,
@@ -222,14 +225,17 @@ def test_one_strategy_keeps_its_file_names(capsys, tmp_path):
         "--model",
         FLOWMOE_MODEL,
         "--strategy",
-        "ep",
+        "hybrid",
+        "--schedule",
+        "flowmoe",
         "--png",
         str(png),
         "--csv",
         str(table),
     )
     assert rc == 0 and err == "" and png.read_bytes()[:4] == b"\x89PNG"
-    assert {r["strategy"] for r in csv.DictReader(table.open())} == {"ep"}
+    rows = list(csv.DictReader(table.open()))
+    assert {(r["strategy"], r["schedule"]) for r in rows} == {("hybrid", "flowmoe")}
 
 
 def test_strategy_all_skips_taskflow_on_a_large_world(capsys, tmp_path):
@@ -246,10 +252,10 @@ def test_strategy_all_skips_taskflow_on_a_large_world(capsys, tmp_path):
     )
     rc, out, err = _simulate(capsys, "--cluster", str(cluster), "--model", str(model), "--json")
     assert rc == 0
-    assert [r["strategy"] for r in json.loads(out)] == [s for s in STRATEGIES if s != "taskflow"]
+    assert [r["name"] for r in json.loads(out)] == [n for n in RUNS if n != "taskflow+vanilla"]
     assert err.splitlines() == [
-        "moesaic simulate: --strategy all: skipping taskflow (simulates worlds of <= 64 ranks, "
-        "the cluster has 4096)"
+        "moesaic simulate: --strategy all --schedule all: skipping taskflow+vanilla (simulates "
+        "worlds of <= 64 ranks, the cluster has 4096)"
     ]
 
 
@@ -263,7 +269,7 @@ def test_flops_per_s_must_be_positive_and_finite(capsys, value):
         "--model",
         FLOWMOE_MODEL,
         "--strategy",
-        "vanilla",
+        "dropless",
         f"--flops-per-s={value}",
     )
     assert rc == 2 and out == ""
@@ -278,7 +284,7 @@ def test_flops_per_s_overrides_the_profile(capsys):
         "--model",
         FLOWMOE_MODEL,
         "--strategy",
-        "vanilla",
+        "dropless",
         "--profile",
         profile,
         "--json",

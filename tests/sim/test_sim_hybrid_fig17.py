@@ -23,8 +23,17 @@ def _one_level(G: int, gbps: float) -> LinkModel:
 
 
 def _model(G: int, batch: int, F: int) -> ModelSpec:
-    return ModelSpec(layers=1, batch=batch, seq_len=512, hidden=512, ffn_hidden=F,
-                     experts=G, top_k=2, act_bytes=2, param_bytes=2)  # fmt: skip
+    return ModelSpec(
+        layers=1,
+        batch=batch,
+        seq_len=512,
+        hidden=512,
+        ffn_hidden=F,
+        experts=G,
+        top_k=2,
+        act_bytes=2,
+        param_bytes=2,
+    )
 
 
 @pytest.mark.parametrize(
@@ -42,8 +51,13 @@ def test_forward_is_the_papers_eq10_at_definition1_p(G, batch, F, flops, S):
     (``max(PE, AG) + 2 A2A``) equal the simulator's closed-form phases."""
     link, model = _one_level(G, 10.0), _model(G, batch, F)
     parts = hybrid_parts(link, model, (S,), flops, prefetch=True)
-    inputs = stream_inputs(moe_config(model), tokens_per_rank=model.tokens, ep_size=G,
-                           flops_per_s=flops, seq_len=model.seq_len)  # fmt: skip
+    inputs = stream_inputs(
+        moe_config(model),
+        tokens_per_rank=model.tokens,
+        ep_size=G,
+        flops_per_s=flops,
+        seq_len=model.seq_len,
+    )
     ref = latency(inputs, (G - S) / (G - 1), num_ranks=G, bandwidth_gbps=10.0)
     assert parts.gather == pytest.approx(ref.ag_s, rel=1e-12)
     assert parts.all_to_all == pytest.approx(ref.a2a_s, rel=1e-12, abs=1e-15)
@@ -76,8 +90,13 @@ def test_eq12_sign_decides_whether_a_fixed_domain_pays(batch):
     ``2D > G P_E`` (case 2.2), whatever the domain size."""
     G, F = 1000, 64
     link, model = _one_level(G, 10.0), _model(G, batch, F)
-    inputs = stream_inputs(moe_config(model), tokens_per_rank=model.tokens, ep_size=G,
-                           flops_per_s=1e18, seq_len=model.seq_len)  # fmt: skip
+    inputs = stream_inputs(
+        moe_config(model),
+        tokens_per_rank=model.tokens,
+        ep_size=G,
+        flops_per_s=1e18,
+        seq_len=model.seq_len,
+    )
     wins = 2 * inputs.data_bytes > G * inputs.expert_bytes
     assert wins == (batch == 256)  # D = T K H 2 bytes; P_E = 3 H F 2 bytes (SwiGLU)
     ep = hybrid_parts(link, model, (1,), 1e18).paper_latency_s

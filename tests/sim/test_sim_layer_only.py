@@ -12,6 +12,7 @@ import pytest
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
+from moesaic.sim.runs import SCHEDULES, runs
 from moesaic.sim.simulate import SimOptions, simulate
 from moesaic.sim.taskflow import valid_rows
 from moesaic.taskflow.tasks import Region
@@ -25,7 +26,7 @@ PROFILE = Profile(flops_per_s=9e10)
 def test_layer_only_step_is_the_layer_alone():
     """vanilla on a layer-only model: the gate and the experts forward + backward (3x), the
     four all-to-alls and the forward's counts exchange; no head, all-reduce or optimizer."""
-    r = simulate(PAIR, LAYER, "vanilla", PROFILE, SimOptions(degree=1))
+    r = simulate(PAIR, LAYER, "dropless", PROFILE, SimOptions(degree=1))
     T, H, E, K, F = 1024, 256, 8, 2, 512
     flops = 3 * (2 * T * H * E + 3 * 2 * (T * K) * H * F)  # gate; SwiGLU: 3 matrices
     assert r.compute_s == pytest.approx(flops / 9e10, rel=1e-12)
@@ -37,25 +38,31 @@ def test_layer_only_step_is_the_layer_alone():
     assert r.iteration_s == pytest.approx(r.compute_s + r.comm_s, rel=1e-9)
     # A full model of the same shape adds attention, head, all-reduce and optimizer.
     full = dataclasses.replace(LAYER, layer_only=False)
-    assert simulate(PAIR, full, "vanilla", PROFILE, SimOptions(degree=1)).iteration_s > (
+    assert simulate(PAIR, full, "dropless", PROFILE, SimOptions(degree=1)).iteration_s > (
         r.iteration_s
     )
     # flowmoe on a layer-only model has no gradient to chunk (and does not fail).
-    assert simulate(PAIR, LAYER, "flowmoe", PROFILE, SimOptions(degree=1)).iteration_s > 0
+    one = SimOptions(degree=1)
+    assert simulate(PAIR, LAYER, "dropless", PROFILE, one, schedule="flowmoe").iteration_s > 0
 
 
-def test_layer_only_refused_by_hybridep_strategies(capsys):
-    for strategy in ("ep", "hybrid"):
+def test_layer_only_refused_by_hybrid(capsys):
+    for schedule in SCHEDULES:
         with pytest.raises(ValueError, match=r"model\.layer_only"):
-            simulate(PAIR, LAYER, strategy, PROFILE)
+            simulate(PAIR, LAYER, "hybrid", PROFILE, schedule=schedule)
     # --strategy all leaves them out for a layer-only model.
     from moesaic.cli import main
 
     cluster = str(ROOT / "examples/clusters/flowmoe_2rank.toml")
     model = str(ROOT / "examples/models/taskflow_layer.toml")
     assert main(["simulate", "--cluster", cluster, "--model", model, "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [r["strategy"] for r in rows] == ["vanilla", "moe-only", "flowmoe", "taskflow"]
+    out = capsys.readouterr()
+    names = [r["name"] for r in json.loads(out.out)]
+    assert names == [r.name for r in runs("all", "all") if r.strategy != "hybrid"]
+    assert out.err == (
+        "moesaic simulate: --strategy all --schedule all: skipping hybrid+vanilla, "
+        "hybrid+moe-only, hybrid+flowmoe (no layer-only cost model: model.layer_only is set)\n"
+    )
 
 
 def test_layer_only_must_be_a_bool():
@@ -89,8 +96,8 @@ def test_taskflow_padding_costs_nothing():
     assert b.compute_s == pytest.approx(a.compute_s, rel=1e-9)
     assert b.comm_s == pytest.approx(a.comm_s, rel=1e-9)  # empty puts send nothing
     # The compute matches vanilla's: the same FLOPs, split into tiles.
-    v = simulate(PAIR, LAYER, "vanilla", PROFILE, SimOptions(degree=1))
+    v = simulate(PAIR, LAYER, "dropless", PROFILE, SimOptions(degree=1))
     assert a.compute_s == pytest.approx(v.compute_s, rel=0.02)
     with pytest.raises(ValueError, match="taskflow_slot_rows"):
-        simulate(PAIR, LAYER, "taskflow", PROFILE,
-                 SimOptions(taskflow_tile_m=128, taskflow_slot_rows=320))  # fmt: skip
+        odd = SimOptions(taskflow_tile_m=128, taskflow_slot_rows=320)
+        simulate(PAIR, LAYER, "taskflow", PROFILE, odd)

@@ -32,8 +32,12 @@ from moesaic.taskflow.moe_graphs import TASK_TYPES
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYER = ModelSpec.from_toml(ROOT / "examples/models/taskflow_layer.toml")
-SPEC = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
-                           Level(name="node", size=2, bandwidth_gbps=0.4, latency_ms=1.0)))  # fmt: skip
+SPEC = ClusterSpec(
+    levels=(
+        Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
+        Level(name="node", size=2, bandwidth_gbps=0.4, latency_ms=1.0),
+    )
+)
 PAIR = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=1.0, latency_ms=0.1),))
 ONE = ((1.0, 1.0),)
 HALF = ((1.0, 0.5),)
@@ -83,8 +87,9 @@ def test_each_share_prices_its_own_collective_only(name):
     """A share of 0.5 doubles the bandwidth term of its collectives and leaves the others (and
     point-to-point messages) as they were; latencies never change."""
     fn = A2A.get(name) or AR[name]
-    own, other = ("a2a_shares", "allreduce_shares") if name in A2A else ("allreduce_shares",
-                                                                         "a2a_shares")  # fmt: skip
+    own, other = (
+        ("a2a_shares", "allreduce_shares") if name in A2A else ("allreduce_shares", "a2a_shares")
+    )
     base = _bandwidth_term(fn, {})
     assert base > 0
     assert _bandwidth_term(fn, {own: HALF}) == pytest.approx(2 * base, rel=1e-9)
@@ -96,10 +101,12 @@ def test_each_share_prices_its_own_collective_only(name):
 def test_profile_collectives_reach_the_simulation_and_round_trip(tmp_path):
     model = ModelSpec(layers=2, batch=2, seq_len=64, hidden=64, ffn_hidden=128, experts=4, top_k=2)
     base = Profile(flops_per_s=1e10)
-    slow_a2a = Profile(flops_per_s=1e10, collectives=(
-        CollectiveShare(kind="all_to_all", bytes_per_rank=1e5, share=0.5),))  # fmt: skip
-    a = simulate(SPEC, model, "vanilla", base)
-    b = simulate(SPEC, model, "vanilla", slow_a2a)
+    slow_a2a = Profile(
+        flops_per_s=1e10,
+        collectives=(CollectiveShare(kind="all_to_all", bytes_per_rank=1e5, share=0.5),),
+    )
+    a = simulate(SPEC, model, "dropless", base)
+    b = simulate(SPEC, model, "dropless", slow_a2a)
     a2a = [s for s in b.spans if s.resource == "a2a"]
     ar = [s for s in b.spans if s.resource == "allreduce"]
     assert a2a and ar
@@ -109,8 +116,12 @@ def test_profile_collectives_reach_the_simulation_and_round_trip(tmp_path):
     assert ar[0].duration == pytest.approx(base_ar.duration)
     assert Profile.load(slow_a2a.save(tmp_path / "p.json")) == slow_a2a
     with pytest.raises(ValueError, match=r"collectives\.kind"):
-        Profile.from_dict({"flops_per_s": 1.0, "collectives": [
-            {"kind": "broadcast", "bytes_per_rank": 1.0, "share": 1.0}]})  # fmt: skip
+        Profile.from_dict(
+            {
+                "flops_per_s": 1.0,
+                "collectives": [{"kind": "broadcast", "bytes_per_rank": 1.0, "share": 1.0}],
+            }
+        )
 
 
 @pytest.mark.parametrize("kind", ["all_to_all", "all_reduce"])
@@ -126,14 +137,23 @@ def test_collective_share_inverts_the_closed_form(kind):
 
 
 def _remote_puts(direction: str, tile_m: int) -> int:
-    bucket = ShapeBucket(tokens=LAYER.tokens, hidden=LAYER.hidden, ffn=LAYER.ffn_hidden,
-                         experts=LAYER.experts, top_k=LAYER.top_k, ep_size=2, slot_rows=512,
-                         tile_m=tile_m, activation=LAYER.activation)  # fmt: skip
+    bucket = ShapeBucket(
+        tokens=LAYER.tokens,
+        hidden=LAYER.hidden,
+        ffn=LAYER.ffn_hidden,
+        experts=LAYER.experts,
+        top_k=LAYER.top_k,
+        ep_size=2,
+        slot_rows=512,
+        tile_m=tile_m,
+        activation=LAYER.activation,
+    )
     plan = compile_world(bucket, direction, CompileOptions())[0]
     return sum(
-        1 for t in plan.tasks
+        1
+        for t in plan.tasks
         if TASK_TYPES[t.task_type].put and (t.peer if t.peer >= 0 else t.outputs[0].rank) != 0
-    )  # fmt: skip
+    )
 
 
 def test_taskflow_puts_take_the_all_to_all_share():
@@ -143,8 +163,9 @@ def test_taskflow_puts_take_the_all_to_all_share():
     prof = Profile(flops_per_s=1e10)
 
     def put_seconds(**shares) -> float:
-        plan = layer_plan(LAYER, LinkModel(spec=zero, **shares), prof, "forward", tile_m=512,
-                          slot_rows=512)  # fmt: skip
+        plan = layer_plan(
+            LAYER, LinkModel(spec=zero, **shares), prof, "forward", tile_m=512, slot_rows=512
+        )
         return math.fsum(s.end - s.start for s in plan.spans if s.resource == "a2a")
 
     base = put_seconds()
@@ -159,17 +180,30 @@ def test_put_and_tile_cpu_are_charged_per_put_and_per_tile():
     plain = layer_plan(LAYER, link, base, "forward", tile_m=512, slot_rows=512)
     puts = _remote_puts("forward", 512)
     assert puts > 0
-    per_put = layer_plan(LAYER, link, Profile(flops_per_s=1e10, put_cpu_s=1e-3), "forward",
-                         tile_m=512, slot_rows=512)  # fmt: skip
+    per_put = layer_plan(
+        LAYER, link, Profile(flops_per_s=1e10, put_cpu_s=1e-3), "forward", tile_m=512, slot_rows=512
+    )
     assert per_put.cpu_s - plain.cpu_s == pytest.approx(puts * 1e-3)
     assert per_put.makespan > plain.makespan  # the queues carry it
     tiles = len(plain.spans)
-    per_tile = layer_plan(LAYER, link, Profile(flops_per_s=1e10, tile_cpu_s=1e-4), "forward",
-                          tile_m=512, slot_rows=512)  # fmt: skip
+    per_tile = layer_plan(
+        LAYER,
+        link,
+        Profile(flops_per_s=1e10, tile_cpu_s=1e-4),
+        "forward",
+        tile_m=512,
+        slot_rows=512,
+    )
     assert per_tile.cpu_s - plain.cpu_s == pytest.approx(tiles * 1e-4)
     # Bytes: every remote put carries rows x H x 4 B; 1 ns per byte adds their total.
-    per_byte = layer_plan(LAYER, link, Profile(flops_per_s=1e10, put_cpu_per_byte_s=1e-9),
-                          "forward", tile_m=512, slot_rows=512)  # fmt: skip
+    per_byte = layer_plan(
+        LAYER,
+        link,
+        Profile(flops_per_s=1e10, put_cpu_per_byte_s=1e-9),
+        "forward",
+        tile_m=512,
+        slot_rows=512,
+    )
     # The forward's dispatch sends half of the T K rows to the peer, the combine returns as many.
     sent = 2 * LAYER.tokens * LAYER.top_k / 2 * LAYER.hidden * LAYER.act_bytes
     assert per_byte.cpu_s - plain.cpu_s == pytest.approx(sent * 1e-9, rel=1e-6)
@@ -189,8 +223,8 @@ def test_cores_floor_the_taskflow_iteration():
     assert shared.iteration_s == pytest.approx(2 * free.details["cpu_ms"] * 1e-3)
     roomy = simulate(PAIR, LAYER, "taskflow", Profile(**cpu, cores=8, ranks_per_machine=2), opts)
     assert roomy.iteration_s == pytest.approx(free.iteration_s)
-    v = simulate(PAIR, LAYER, "vanilla", Profile(**cpu, cores=1, ranks_per_machine=2))
-    assert v.iteration_s == simulate(PAIR, LAYER, "vanilla", Profile(**cpu)).iteration_s
+    v = simulate(PAIR, LAYER, "dropless", Profile(**cpu, cores=1, ranks_per_machine=2))
+    assert v.iteration_s == simulate(PAIR, LAYER, "dropless", Profile(**cpu)).iteration_s
     with pytest.raises(ValueError, match=r"profile\.cores"):
         Profile(flops_per_s=1.0, cores=-1)
 
@@ -219,15 +253,19 @@ def test_loaded_shares_price_the_collectives_and_old_profiles_stay_idle(tmp_path
     assert both.collective_shares("all_reduce") == ()
 
     def a2a_s(profile: Profile) -> float:
-        sim = simulate(SPEC, model, "vanilla", profile)
+        sim = simulate(SPEC, model, "dropless", profile)
         return sum(s.duration for s in sim.spans if s.resource == "a2a")
 
     t_idle = a2a_s(Profile(flops_per_s=1e10, collectives=(idle,)))
     t_loaded = a2a_s(both)
     assert t_loaded > 1.5 * t_idle
     # Backwards compatible: an old file's record has no regime, and is idle.
-    old = {"flops_per_s": 1e10, "collectives": [
-        {"kind": "all_to_all", "bytes_per_rank": 1e5, "share": 0.8, "measured_s": 0.01}]}  # fmt: skip
+    old = {
+        "flops_per_s": 1e10,
+        "collectives": [
+            {"kind": "all_to_all", "bytes_per_rank": 1e5, "share": 0.8, "measured_s": 0.01}
+        ],
+    }
     assert Profile.from_dict(old).collectives == (idle.__class__(**old["collectives"][0]),)
     assert Profile.from_dict(old).collectives[0].regime == "idle"
     assert Profile.load(both.save(tmp_path / "p.json")) == both

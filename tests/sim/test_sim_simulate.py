@@ -16,7 +16,8 @@ from moesaic.sim.collectives import LinkModel
 from moesaic.sim.hybrid import moe_config, plan_domains_fast
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
-from moesaic.sim.simulate import STRATEGIES, SimOptions, simulate
+from moesaic.sim.runs import legacy_run, runs
+from moesaic.sim.simulate import SimOptions, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 FLOWMOE_CLUSTER = str(ROOT / "examples/clusters/flowmoe_2rank.toml")
@@ -40,19 +41,37 @@ def _cli_json(capsys, *args: str):
     ],
 )
 def test_hybrid_domains_are_plan_steps(levels, T, F, flops):
-    spec = ClusterSpec(levels=tuple(Level(name=f"l{i}", size=s, bandwidth_gbps=b, latency_ms=a)
-                                    for i, (s, b, a) in enumerate(levels)))  # fmt: skip
-    model = ModelSpec(layers=2, batch=T // 256 or 1, seq_len=min(T, 256), hidden=256,
-                      ffn_hidden=F, experts=8, top_k=2)  # fmt: skip
+    spec = ClusterSpec(
+        levels=tuple(
+            Level(name=f"l{i}", size=s, bandwidth_gbps=b, latency_ms=a)
+            for i, (s, b, a) in enumerate(levels)
+        )
+    )
+    model = ModelSpec(
+        layers=2,
+        batch=T // 256 or 1,
+        seq_len=min(T, 256),
+        hidden=256,
+        ffn_hidden=F,
+        experts=8,
+        top_k=2,
+    )
     chosen, _ = plan_domains_fast(LinkModel(spec=spec), model, flops)
-    ref = plan_step(spec, moe_config(model), tokens_per_rank=model.tokens, flops_per_s=flops,
-                    blocks=2, seq_len=model.seq_len)  # fmt: skip
+    ref = plan_step(
+        spec,
+        moe_config(model),
+        tokens_per_rank=model.tokens,
+        flops_per_s=flops,
+        blocks=2,
+        seq_len=model.seq_len,
+    )
     assert chosen.domain_sizes == ref.chosen.domain_sizes
     assert 2 * chosen.step_s == pytest.approx(ref.chosen.step_s)
 
 
-@pytest.mark.parametrize(("cr", "every", "prefetch"), [(1.0, 1, True), (16.0, 4, True),
-                                                      (50.0, 1, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("cr", "every", "prefetch"), [(1.0, 1, True), (16.0, 4, True), (50.0, 1, False)]
+)
 def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
     """+Migration (SR compression, shared experts' all-reduce, prefetched gathers): every
     domain tuple's step equals predict_step's, and the chosen domains are plan_step's."""
@@ -60,10 +79,15 @@ def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
     from moesaic.planning.stepmodel import predict_step
     from moesaic.sim.hybrid import hybrid_parts
 
-    spec = ClusterSpec(levels=(Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
-                               Level(name="r", size=4, bandwidth_gbps=1.0, latency_ms=0.1)))  # fmt: skip
-    model = ModelSpec(layers=2, batch=4, seq_len=256, hidden=256, ffn_hidden=512, experts=8,
-                      top_k=2)  # fmt: skip
+    spec = ClusterSpec(
+        levels=(
+            Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
+            Level(name="r", size=4, bandwidth_gbps=1.0, latency_ms=0.1),
+        )
+    )
+    model = ModelSpec(
+        layers=2, batch=4, seq_len=256, hidden=256, ffn_hidden=512, experts=8, top_k=2
+    )
     kw = dict(compression_ratio=cr, shared_expert_every=every, prefetch=prefetch)
     common = dict(tokens_per_rank=model.tokens, flops_per_s=3e10, blocks=2, seq_len=256)
     for ds in domain_size_choices(spec):
@@ -75,35 +99,49 @@ def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
     assert chosen.domain_sizes == ref_plan.chosen.domain_sizes
 
 
+def _new_spelling(name: str, levels: int) -> tuple[str, str, dict]:
+    """A row's strategy (old mixed names, as the table was written) as strategy, schedule and
+    the options the old name fixed."""
+    legacy = legacy_run(name, levels)
+    if legacy is None:
+        return name, "vanilla", {}
+    (strategy, schedule), domains = legacy
+    return strategy, schedule, {} if domains is None else {"domain_sizes": domains}
+
+
 def test_committed_validation_table_is_what_simulate_predicts(capsys, tmp_path):
     """Every FlowMoE row of benchmarks/results/sim_validation.json (measured calibration and
     fitted share), re-simulated by ``moesaic simulate`` with the row's profile, gives the
-    committed prediction; so does every HybridEP and taskflow-cluster row through ``simulate``."""
+    committed prediction; so does every HybridEP and taskflow-cluster row through ``simulate``
+    (the table's old mixed names given as strategy and schedule)."""
     table = json.loads((ROOT / "benchmarks/results/sim_validation.json").read_text())
     rows = table["rows"] + table["rows_fitted"]
     assert any(r["profile"]["collectives"] for r in table["rows"])
-    assert {r["source"] for r in rows} >= {"flowmoe_cluster.json", "hybridep_2dc.json",
-                                           "taskflow_cluster.json"}  # fmt: skip
+    sources = {r["source"] for r in rows}
+    assert sources >= {"flowmoe_cluster.json", "hybridep_2dc.json", "taskflow_cluster.json"}
     for i, row in enumerate(rows):
         if row["source"] == "flowmoe_cluster.json":
             prof = tmp_path / f"p{i}.json"
             Profile.from_dict(row["profile"]).save(prof)
-            args = ["--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL, "--profile",
-                    str(prof), "--strategy", row["strategy"], "--degree", str(row["degree"])]  # fmt: skip
+            strategy, schedule, _ = _new_spelling(row["strategy"], 1)
+            args = ["--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL, "--profile"]
+            args += [str(prof), "--strategy", strategy, "--schedule", schedule]
+            args += ["--degree", str(row["degree"])]
             if "sp_bytes" in row:
                 args += ["--sp-bytes", repr(row["sp_bytes"])]
             got = _cli_json(capsys, *args)["iteration_ms"]
-        elif row["source"].startswith("taskflow_cluster"):
-            spec = ClusterSpec.from_dict(row["cluster_spec"])
-            sim = simulate(spec, ModelSpec(**row["model"]), row["strategy"],
-                           Profile.from_dict(row["profile"]), SimOptions(**row["options"]))  # fmt: skip
-            got = sim.iteration_s * 1e3
         else:
-            name = row["source"].removesuffix(".json")
-            spec = ClusterSpec.from_toml(ROOT / f"examples/clusters/{name}.toml")
-            opts = SimOptions(domain_sizes=tuple(row["domain_sizes"]), **row.get("options", {}))
-            sim = simulate(spec, ModelSpec(**row["model"]), row["strategy"],
-                           Profile.from_dict(row["profile"]), opts)  # fmt: skip
+            if row["source"].startswith("taskflow_cluster"):
+                spec = ClusterSpec.from_dict(row["cluster_spec"])
+                options = row["options"]
+            else:
+                name = row["source"].removesuffix(".json")
+                spec = ClusterSpec.from_toml(ROOT / f"examples/clusters/{name}.toml")
+                options = {"domain_sizes": tuple(row["domain_sizes"]), **row.get("options", {})}
+            strategy, schedule, fixed = _new_spelling(row["strategy"], spec.num_levels)
+            opts = SimOptions(**{**options, **fixed})
+            model, profile = ModelSpec(**row["model"]), Profile.from_dict(row["profile"])
+            sim = simulate(spec, model, strategy, profile, opts, schedule=schedule)
             got = sim.iteration_s * 1e3
         assert got == pytest.approx(row["simulated_ms"], rel=1e-9), row["point"]
 
@@ -113,17 +151,27 @@ def test_deterministic_output(capsys, tmp_path):
     outs = []
     for k in range(2):
         trace = tmp_path / f"t{k}.json"
-        rows = _cli_json(capsys, "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
-                         "--strategy", "all", "--trace", str(trace))  # fmt: skip
-        outs.append(([{k: v for k, v in r.items() if k != "wall_s"} for r in rows],
-                     trace.read_bytes()))  # fmt: skip
+        rows = _cli_json(
+            capsys,
+            "--cluster",
+            FLOWMOE_CLUSTER,
+            "--model",
+            FLOWMOE_MODEL,
+            "--strategy",
+            "all",
+            "--trace",
+            str(trace),
+        )
+        outs.append(
+            ([{k: v for k, v in r.items() if k != "wall_s"} for r in rows], trace.read_bytes())
+        )
     assert outs[0] == outs[1]
 
 
-def test_json_fields_and_one_row_per_strategy(capsys):
-    rows = _cli_json(capsys, "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
-                     "--strategy", "all")  # fmt: skip
-    assert [r["strategy"] for r in rows] == list(STRATEGIES)
+def test_json_fields_and_one_row_per_run(capsys):
+    rows = _cli_json(capsys, "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL)
+    assert [r["name"] for r in rows] == [r.name for r in runs("all", "all")]
+    assert [(r["strategy"], r["schedule"]) for r in rows] == list(runs("all", "all"))
     for r in rows:
         assert all(f in r for f in FIELDS)
         assert r["ranks"] == 2
@@ -131,55 +179,72 @@ def test_json_fields_and_one_row_per_strategy(capsys):
         assert r["bound_ms"] <= r["iteration_ms"] + 1e-9
         assert r["iteration_ms"] <= r["compute_ms"] + r["comm_ms"] + 1e-9
         assert 0 <= r["exposed_comm_ms"] <= r["comm_ms"] + 1e-9
-    one = _cli_json(capsys, "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
-                    "--strategy", "flowmoe")  # fmt: skip
-    assert isinstance(one, dict) and one["strategy"] == "flowmoe"
-    by = {r["strategy"]: r for r in rows}
-    assert by["flowmoe"]["iteration_ms"] < by["vanilla"]["iteration_ms"]
+    args = ["--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL, "--strategy", "dropless"]
+    one = _cli_json(capsys, *args, "--schedule", "flowmoe")
+    assert isinstance(one, dict) and (one["strategy"], one["schedule"]) == ("dropless", "flowmoe")
+    by = {r["name"]: r for r in rows}
+    assert by["dropless+flowmoe"]["iteration_ms"] < by["dropless+vanilla"]["iteration_ms"]
+    assert by["hybrid+flowmoe"]["iteration_ms"] < by["hybrid+moe-only"]["iteration_ms"]
 
 
 def test_trace_png_and_layer_csv(capsys, tmp_path):
     trace, png, csv = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "l.csv"
-    main(["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL, "--strategy",
-          "flowmoe", "--trace", str(trace), "--png", str(png), "--csv", str(csv)])  # fmt: skip
+    common = ["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL]
+    outputs = ["--trace", str(trace), "--png", str(png), "--csv", str(csv)]
+    main([*common, "--strategy", "dropless", "--schedule", "flowmoe", *outputs])
     out = capsys.readouterr().out
-    assert "flowmoe" in out
+    assert "dropless  flowmoe" in out
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["name"] for e in events if e.get("ph") == "X"}
     assert {"AT1.1", "D1.1", "E1.1", "C1.1", "head1", "AR1", "optimizer"} <= names
     assert png.read_bytes()[:4] == b"\x89PNG"
     lines = csv.read_text().splitlines()
-    assert lines[0] == "strategy,block,phase,compute_ms,comm_ms,tasks"
-    assert any(line.startswith("flowmoe,4,bwd,") for line in lines)
+    assert lines[0] == "strategy,schedule,block,phase,compute_ms,comm_ms,tasks"
+    assert any(line.startswith("dropless,flowmoe,4,bwd,") for line in lines)
 
 
 def test_skew_slows_the_busiest_rank():
     spec = ClusterSpec.from_toml(FLOWMOE_CLUSTER)
     base = ModelSpec.from_toml(FLOWMOE_MODEL)
     prof = Profile(flops_per_s=1e11)
-    flat = simulate(spec, base, "vanilla", prof).iteration_s
+    flat = simulate(spec, base, "dropless", prof).iteration_s
     import dataclasses
 
     skewed = dataclasses.replace(base, routing_skew=1.5)
-    assert simulate(spec, skewed, "vanilla", prof).iteration_s > flat
+    assert simulate(spec, skewed, "dropless", prof).iteration_s > flat
     capped = dataclasses.replace(skewed, capacity_factor=1.0)
-    assert simulate(spec, capped, "vanilla", prof).iteration_s < flat
+    assert simulate(spec, capped, "dropless", prof).iteration_s < flat
 
 
 BAD_MODELS = [
     ("[model]\nlayers = 2\n", "missing field"),
-    ("[model]\nlayers = 0\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
-     "top_k = 1\n", "model.layers"),
-    ("[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
-     "top_k = 3\n", "model.top_k"),
-    ("[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
-     "top_k = 1\nroutng_skew = 1\n", "routng_skew"),
-    ("[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
-     "top_k = 1\nactivation = 'relu'\n", "model.activation"),
-    ("[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 3\n"
-     "top_k = 1\n", "model.experts"),  # 3 experts on 2 ranks
+    (
+        "[model]\nlayers = 0\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
+        "top_k = 1\n",
+        "model.layers",
+    ),
+    (
+        "[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
+        "top_k = 3\n",
+        "model.top_k",
+    ),
+    (
+        "[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
+        "top_k = 1\nroutng_skew = 1\n",
+        "routng_skew",
+    ),
+    (
+        "[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 2\n"
+        "top_k = 1\nactivation = 'relu'\n",
+        "model.activation",
+    ),
+    (
+        "[model]\nlayers = 1\nbatch = 1\nseq_len = 8\nhidden = 8\nffn_hidden = 8\nexperts = 3\n"
+        "top_k = 1\n",
+        "model.experts",
+    ),  # 3 experts on 2 ranks
     ("layers = [\n", "not valid TOML"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("text", "field"), BAD_MODELS)
@@ -194,12 +259,14 @@ def test_bad_model_file_names_the_field(capsys, tmp_path, text, field):
 @pytest.mark.parametrize(
     ("text", "field"),
     [
-        ("[[levels]]\nname = 'a'\nsize = 2\nbandwidth_gbps = -1\nlatency_ms = 1\n",
-         "levels[0].bandwidth_gbps"),
+        (
+            "[[levels]]\nname = 'a'\nsize = 2\nbandwidth_gbps = -1\nlatency_ms = 1\n",
+            "levels[0].bandwidth_gbps",
+        ),
         ("[[levels]]\nname = 'a'\nsize = 2\nlatency_ms = 1\n", "missing field"),
         ("levels = []\n", "levels"),
     ],
-)  # fmt: skip
+)
 def test_bad_cluster_file_names_the_field(capsys, tmp_path, text, field):
     path = tmp_path / "c.toml"
     path.write_text(text)
@@ -226,13 +293,34 @@ def test_calibrate_writes_a_profile(capsys, tmp_path):
     prof = Profile.load(out)
     assert prof.flops_per_s > 1e6 and prof.task_overhead_s > 0
     assert 0 < prof.floor_s < 1e-2 and 0.5 < prof.bandwidth_scale <= 1.5
-    rows = _cli_json(capsys, "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
-                     "--profile", str(out), "--strategy", "vanilla")  # fmt: skip
+    rows = _cli_json(
+        capsys,
+        "--cluster",
+        FLOWMOE_CLUSTER,
+        "--model",
+        FLOWMOE_MODEL,
+        "--profile",
+        str(out),
+        "--strategy",
+        "dropless",
+    )
     assert rows["iteration_ms"] > 0
     bad = tmp_path / "bad.json"
     bad.write_text('{"flops_per_s": -1}')
-    assert main(["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL,
-                 "--profile", str(bad)]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "simulate",
+                "--cluster",
+                FLOWMOE_CLUSTER,
+                "--model",
+                FLOWMOE_MODEL,
+                "--profile",
+                str(bad),
+            ]
+        )
+        == 2
+    )
     assert "profile.flops_per_s" in capsys.readouterr().err
 
 

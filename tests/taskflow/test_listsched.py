@@ -7,7 +7,7 @@ import pytest
 
 from moesaic.taskflow import CompileOptions, ShapeBucket, compile_plan, load_plan, save_plan
 from moesaic.taskflow.compile import compile_world
-from moesaic.taskflow.validate import check_world
+from moesaic.taskflow.validate_world import check_world
 
 
 def _bucket(P: int) -> ShapeBucket:

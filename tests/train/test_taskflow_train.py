@@ -74,7 +74,7 @@ def _broken_step_worker(rank: int, world: int) -> float | None:
 
     from moesaic.comm.channel import PutChannel
     from moesaic.comm.collectives import CollectiveError, EPGroup
-    from moesaic.comm.onesided import EventCounters
+    from moesaic.comm.counters import EventCounters
 
     channel = PutChannel(EPGroup(None, 60.0), timeout_s=60.0)
     if rank == 1:

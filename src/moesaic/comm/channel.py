@@ -1,10 +1,13 @@
-"""Step-scoped one-sided puts with signals: the transfer the taskflow runtimes run on.
+"""Step-scoped one-sided puts with signals: the transfer the taskflow runtime runs on.
 
-``OneSidedWindow`` (``onesided.py``) is a long-lived window with one persistent receiving thread
-and a collective ``close``. A layer that runs a plan per step needs something else: one process
-group made once (when the layer is built, on every member, in the same order), receive buffers
-that change with the shape bucket, and nothing left blocked in gloo between steps (a receive that
-is still pending when the process exits aborts it). :class:`PutChannel` is that:
+FlashDMoE (paper 003, §4-5) moves tiles with one-sided puts into a receive buffer and tells the
+receiver with a per-tile signal; its Subscriber turns arrived signals into tasks, so a GEMM tile
+starts as soon as *its* rows are there, not when a whole all-to-all ends. :class:`PutChannel` is
+that transfer on torch.distributed point-to-point messages (gloo), sized for a layer that runs a
+plan per step: one process group made once (when the layer is built, on every member, in the
+same order), receive buffers that change with the shape bucket, and nothing left blocked in gloo
+between steps (a receive that is still pending when the process exits aborts it). The signals
+land in the step's :class:`~moesaic.comm.counters.EventCounters`.
 
 * ``begin(buffer, counters, expected)`` starts a receiving thread for exactly ``expected`` puts
   of this step (both sides derive that number from the step's routing counts, so no stop message
@@ -21,6 +24,13 @@ count all-to-all does: no rank starts putting step n+1 before every rank finishe
 A dead or silent peer becomes a :class:`CollectiveError` within the deadline, raised from
 ``finish`` and to every waiter of the step's counters; a channel that failed is broken (gloo
 cannot re-post a timed-out receive) and refuses further steps.
+
+Measured on loopback gloo (2 ranks on 2 shared CPU cores, torch 2.13, fp32 tiles of 16
+elements, 64 B; ``python tests/comm/test_put_channel.py``, 6 worlds over two runs, 2026-11-25,
+other work on the machine): 160-480 us per put pipelined (2000 puts in one step until the last
+arrived; two gloo messages per put) and 185-1950 us one-way latency (half a 200-round
+ping-pong), the spread being the machine's load. At these sizes the cost is gloo's per-message
+overhead and the thread hand-off, not bytes: pack small tiles into fewer puts.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import torch.distributed as dist
 
 from moesaic.checks import check_positive
 from moesaic.comm.collectives import CollectiveError, EPGroup, wait_work
-from moesaic.comm.onesided import EventCounters
+from moesaic.comm.counters import EventCounters
 from moesaic.trace import Recorder
 
 __all__ = ["PutChannel"]

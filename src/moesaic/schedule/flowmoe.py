@@ -58,6 +58,7 @@ class _PipelinedStep(TrainStep):
             degree=self.degree,
             overlap_attention=self.overlap_attention,
             recorder=parts.recorder,
+            schedule=self.name,
         )
         self.tuner: SpTuner | None = None
         sp = parts.ar_chunk_bytes
@@ -80,7 +81,10 @@ class _PipelinedStep(TrainStep):
                 recorder=self.recorder,
                 timeout_s=self.pipeline.timeout_s,
                 reduce_in_backward=self.reduce_in_backward,
-                a2a_groups=[layer.ep for _, _, layer in self.pipeline.moe_blocks],
+                a2a_groups=[
+                    layer.exchange_strategy().exchange_group
+                    for _, _, layer in self.pipeline.moe_blocks
+                ],
             )
         return self._pool
 

@@ -45,6 +45,7 @@ Two orders (``overlap_attention``):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -54,12 +55,14 @@ from torch import nn
 
 from moesaic.layer import MoELayer
 from moesaic.schedule.base import LossFn
-from moesaic.strategies.base import ExchangeHandle
+from moesaic.strategies.base import ExchangeHandle, ExpertRun
 
 if TYPE_CHECKING:
     from moesaic.trace import Recorder
 
 __all__ = ["A2AIssuer", "BlockPipeline", "check_degree"]
+
+_KINDS = {"D": "dispatch", "C": "combine"}  # stage letter -> ExchangeHandle.splits kind
 
 
 class PendingRows(Protocol):
@@ -178,6 +181,8 @@ class BlockPipeline:
         degree: R, the number of chunks.
         overlap_attention: True: FlowMoE's order; False: moe-only's (module docstring).
         recorder: where the compute stages' spans go (None: nowhere).
+        schedule: the schedule's name, for the strategies' ``supports`` check (None: only
+            that they have dispatch/combine phases).
 
     Raises:
         ValueError: the model is not a block model, or an MoE layer's strategy has no
@@ -191,6 +196,7 @@ class BlockPipeline:
         degree: int,
         overlap_attention: bool,
         recorder: Recorder | None = None,
+        schedule: str | None = None,
     ) -> None:
         blocks = getattr(model, "blocks", None)
         if not (hasattr(model, "embed") and hasattr(model, "head") and blocks is not None):
@@ -211,7 +217,7 @@ class BlockPipeline:
         for i, block in enumerate(blocks):
             layer = getattr(block, "moe", None)
             if isinstance(layer, MoELayer):
-                layer.exchange_strategy()  # a clear error now, not mid-step
+                layer.exchange_strategy(schedule)  # a clear error now, not mid-step
                 self.moe_blocks.append((i + 1, block, layer))
                 self.dense_before.append(dense)
                 dense = []
@@ -220,13 +226,27 @@ class BlockPipeline:
         self.dense_after = dense
         self.timeout_s = min((m.ep.timeout_s for _, _, m in self.moe_blocks), default=60.0)
         self.pool: A2AIssuer | None = None  # set for the duration of run()
+        self.runs: list[ExpertRun] = []  # each MoE block's experts, for the duration of run()
 
     # ---- recording ----------------------------------------------------------------------
 
-    def _span(self, name: str, **args: Any) -> Any:
+    def _span(self, name: str, resource: str = "compute", **args: Any) -> Any:
         from moesaic.trace import maybe_span
 
-        return maybe_span(self.recorder, "compute", name, **args)
+        return maybe_span(self.recorder, resource, name, **args)
+
+    def _prepare_experts(self) -> list[ExpertRun]:
+        """Each MoE block's experts for the step, before its first stage (``hybrid``'s gathers:
+        a ``gather`` span ``G.{block}`` when they communicated)."""
+        runs = []
+        for blk, _, layer in self.moe_blocks:
+            start = time.perf_counter()
+            run = layer.prepare_experts()
+            if self.recorder is not None and run.stats.collectives:
+                end = time.perf_counter()
+                self.recorder.add("gather", f"G.{blk}", start, end, phase="fwd", block=blk)
+            runs.append(run)
+        return runs
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -245,10 +265,11 @@ class BlockPipeline:
             for r, (x, y) in enumerate(zip(x_BT.split(B // R), y_BT.split(B // R)))
         ]
         self.pool = pool
+        self.runs = self._prepare_experts()
         aux = self._forward(chunks)
         ce = self._heads(chunks, loss_fn)
         self._backward(chunks)
-        self.pool = None
+        self.pool, self.runs = None, []
         return ce, aux.to(ce.device)
 
     # ---- forward --------------------------------------------------------------------------
@@ -274,7 +295,7 @@ class BlockPipeline:
                 rows = self._wait(c)
                 with self._span(f"E{c.r}.{blk}", phase="fwd", block=blk, chunk=c.r):
                     stage = _Stage()
-                    y = layer.expert_rows(stage.leaf("rows", rows), c.at[j].handle)
+                    y = layer.expert_rows(stage.leaf("rows", rows), c.at[j].handle, self.runs[j])
                     stage.out(y)
                     c.experts.append(stage)
                 self._a2a(c, j, "C", y.detach(), fwd=True)
@@ -378,6 +399,10 @@ class BlockPipeline:
                     stage.set_grad(0, g)
                     rows_grad = stage.backward()["rows"]
                 self._a2a(c, j, "D", rows_grad, fwd=False)
+            finish = self.runs[j].finish_backward
+            if finish is not None:  # while the D gradients travel
+                with self._span(f"G.{blk}", "gather", phase="bwd", block=blk):
+                    finish()
             if j == 0:
                 self.pool.end_all_to_alls()  # type: ignore[union-attr]
             if not self.overlap_attention:
@@ -417,10 +442,7 @@ class BlockPipeline:
         """
         blk, _, layer = self.moe_blocks[j]
         assert self.pool is not None  # internal: only run() issues
-        h = c.at[j].handle
-        send, recv = (h.in_splits_P, h.out_splits_P)
-        if (kind == "C") == fwd:
-            send, recv = recv, send
+        send, recv = c.at[j].handle.splits(_KINDS[kind], forward=fwd)
         rows = rows.detach().contiguous()
         out = rows.new_empty((sum(recv), *rows.shape[1:]))
         phase = "fwd" if fwd else "bwd"
@@ -429,7 +451,7 @@ class BlockPipeline:
             rows,
             recv,
             send,
-            group=layer.ep,
+            group=layer.exchange_strategy().exchange_group,
             name=f"{kind}{c.r}.{blk}",
             phase=phase,
             block=blk,

@@ -14,10 +14,10 @@ Two kinds of collective share the network of a rank:
 
 A gradient enters the pool from a per-parameter post-accumulate hook once its backward over all
 R chunks is complete (its hook count reaches the count learned in the first step, which reduces
-everything at ``finish``). Parameters are laid out, in the ready order rank 0 saw in the first
-step, in one flat staging buffer per (reduction rank set, dtype); the buffers are cut into
-chunks of ``chunk_bytes`` (Sp), and the chunks form one sequence that every rank issues in the
-same order.
+everything at ``finish``). Where it goes is the gradient layout's (``schedule/grad_layout.py``):
+parameters laid out, in the ready order rank 0 saw in the first step, in one flat staging buffer
+per (reduction rank set, dtype), cut into chunks of ``chunk_bytes`` (Sp) that form one sequence
+every rank issues in the same order. This module issues them.
 
 **Every collective is issued from the schedule's thread, at points of its program order, so
 every rank issues the same sequence** (NCCL requires one order on every rank and
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +52,7 @@ from torch import nn
 
 from moesaic.checks import check_positive, check_positive_int
 from moesaic.comm.collectives import EPGroup, Pending, in_lanes
+from moesaic.schedule.grad_layout import Chunk, GradLayout
 
 if TYPE_CHECKING:
     from moesaic.schedule.base import GradientSync
@@ -116,34 +116,6 @@ class PendingA2A:
         return out
 
 
-@dataclass(kw_only=True, slots=True)
-class _Bucket:
-    """Parameters of one reduction rank set and dtype, laid out in one flat buffer."""
-
-    ranks: tuple[int, ...]
-    dtype: torch.dtype
-    params: list[int]  # indices into CommPool.params, in layout order
-    offsets: list[int]  # element offset of each param in the buffer
-    numel: int
-    staging: torch.Tensor | None = None
-
-
-@dataclass(kw_only=True, slots=True)
-class _Chunk:
-    """Elements [lo, hi) of one bucket; ready when every covered parameter is complete."""
-
-    index: int
-    bucket: int
-    lo: int
-    hi: int
-    segments: list[tuple[int, int, int, int]]  # (param index, param lo, param hi, buffer lo)
-    missing: int = 0  # covered params not yet complete this step
-    issued: bool = False
-    pending: Pending | None = None
-    start: float = 0.0
-    nbytes: int = field(default=0)
-
-
 class CommPool:
     """Priority pool of all-to-alls and chunked gradient all-reduces (see the module docstring).
 
@@ -180,7 +152,8 @@ class CommPool:
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         reduce_groups = [grad_sync.group_of(p) for p in self.params]
-        self._ranks_N = [g.global_ranks if g.active else (0,) for g in reduce_groups]
+        ranks_N = [g.global_ranks if g.active else (0,) for g in reduce_groups]
+        self._layout = GradLayout(self.params, ranks_N)
         self._groups: dict[tuple[int, ...], EPGroup] = {}
         self._rows: dict[tuple[int, ...], EPGroup] = {}  # EP rank set -> its rows-lane group
         if self.active:
@@ -200,17 +173,8 @@ class CommPool:
         self._armed = False
         self._finishing = False
         self._steps = 0
-        self._counts_N = [0] * len(self.params)
-        self._last_N = [-1] * len(self.params)  # hook sequence number of the latest call
-        self._seq = 0
-        self._expected_N: list[int] = [0] * len(self.params)  # 0: reduce at finish only
-        self._late: list[int] = []
-        self._order: list[int] = list(reversed(range(len(self.params))))
-        self._buckets: list[_Bucket] = []
-        self._chunks: list[_Chunk] = []
-        self._chunks_of_N: list[list[int]] = [[] for _ in self.params]
-        self._next = 0
-        self._layout_bytes = -1
+        self._next = 0  # the next chunk of the sequence to issue
+        self._pending: list[Pending | None] = []  # each chunk's all-reduce, once issued
         self._hooks = []
         if reduce_in_backward:
             self._hooks = [
@@ -306,18 +270,8 @@ class CommPool:
             with self._lock:
                 if not self._armed:
                     return
-                self._counts_N[i] += 1
-                self._last_N[i] = self._seq
-                self._seq += 1
-                expected = self._expected_N[i]
-                if expected == 0 or self._finishing:
-                    return
-                if self._counts_N[i] > expected:
-                    if any(self._chunks[c].issued for c in self._chunks_of_N[i]):
-                        self._late.append(i)
-                elif self._counts_N[i] == expected:
-                    for c in self._chunks_of_N[i]:
-                        self._chunks[c].missing -= 1
+                self._layout.record(i)
+                if not self._finishing and self._layout.complete(i):
                     self._pump()
 
         return hook
@@ -325,14 +279,11 @@ class CommPool:
     def begin_step(self) -> None:
         """Reset the hook counts and arm the hooks for this step's backward."""
         with self._lock:
-            if self._chunk_bytes != self._layout_bytes:
-                self._build_layout()
-            self._counts_N = [0] * len(self.params)
-            self._last_N = [-1] * len(self.params)
-            self._seq, self._next, self._late = 0, 0, []
-            for c in self._chunks:
-                c.missing = len({s[0] for s in c.segments})
-                c.issued, c.pending = False, None
+            if self._chunk_bytes != self._layout.chunk_bytes:
+                self._layout.build(self._chunk_bytes)
+            self._layout.begin_step()
+            self._next = 0
+            self._pending = [None] * len(self._layout.chunks)
             self._finishing = False
             self._a2a_closed = False
             self._a2a_unwaited = 0
@@ -345,58 +296,14 @@ class CommPool:
         """Whether the gradients' collectives run on a device stream."""
         return any(
             self._groups[b.ranks].on_stream(b.staging)
-            for b in self._buckets
+            for b in self._layout.buckets
             if b.staging is not None
         )
 
-    def _build_layout(self) -> None:
-        """Buckets in the agreed order, cut into ``chunk_bytes`` chunks, one global sequence."""
-        keyed: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
-        for i in self._order:
-            keyed.setdefault((self._ranks_N[i], self.params[i].dtype), []).append(i)
-        position = {i: k for k, i in enumerate(self._order)}
-        old = {(b.ranks, b.dtype): b.staging for b in self._buckets}
-        self._buckets, chunks = [], []
-        self._chunks_of_N = [[] for _ in self.params]
-        for (ranks, dtype), members in keyed.items():
-            offsets = [0]
-            for i in members:
-                offsets.append(offsets[-1] + self.params[i].numel())
-            b = _Bucket(
-                ranks=ranks, dtype=dtype, params=members, offsets=offsets[:-1], numel=offsets[-1]
-            )
-            self._buckets.append(b)
-            if len(ranks) == 1:
-                continue  # no replicas: divided at finish, never reduced
-            staging = old.get((ranks, dtype))
-            if staging is None or staging.numel() != b.numel:
-                staging = torch.empty(b.numel, dtype=dtype, device=self.params[members[0]].device)
-            b.staging = staging
-            esize = staging.element_size()
-            step = max(1, self._chunk_bytes // esize)
-            for lo in range(0, b.numel, step):
-                hi = min(lo + step, b.numel)
-                segs = []
-                for i, off in zip(members, b.offsets):
-                    n = self.params[i].numel()
-                    a, z = max(lo, off), min(hi, off + n)
-                    if a < z:
-                        segs.append((i, a - off, z - off, a))
-                last = max(position[s[0]] for s in segs)
-                chunks.append((last, len(self._buckets) - 1, lo, hi, segs, esize))
-        chunks.sort(key=lambda c: (c[0], c[1], c[2]))
-        self._chunks = []
-        for k, (_, bi, lo, hi, segs, esize) in enumerate(chunks):
-            self._chunks.append(
-                _Chunk(index=k, bucket=bi, lo=lo, hi=hi, segments=segs, nbytes=(hi - lo) * esize)
-            )
-            for i in {s[0] for s in segs}:
-                self._chunks_of_N[i].append(k)
-        self._layout_bytes = self._chunk_bytes
-
     # -- issuing ----------------------------------------------------------------------------
     def _ready(self) -> bool:
-        return self._next < len(self._chunks) and self._chunks[self._next].missing == 0
+        chunks = self._layout.chunks
+        return self._next < len(chunks) and chunks[self._next].missing == 0
 
     def _pump(self) -> None:
         """Issue what the rule allows at this point of the program order (lock held): in the
@@ -405,58 +312,41 @@ class CommPool:
             return
         if self._a2a_closed and self._a2a_unwaited == 0:
             while self._ready():
-                self._issue(self._chunks[self._next], phase="tail")
+                self._issue(self._layout.chunks[self._next], phase="tail")
         elif self._gap and self._ready():
             self._gap = False
-            self._issue(self._chunks[self._next], phase="bwd")
+            self._issue(self._layout.chunks[self._next], phase="bwd")
 
-    def _issue(self, chunk: _Chunk, *, phase: str) -> None:
-        """Copy the chunk's gradients (zeros where none) into its buffer slice and start its
-        all-reduce. Called with the lock held."""
-        bucket = self._buckets[chunk.bucket]
-        assert bucket.staging is not None  # internal: size-1 buckets have no chunks
-        for i, plo, phi, blo in chunk.segments:
-            dst = bucket.staging[blo : blo + phi - plo]
-            grad = self.params[i].grad
-            if grad is None:
-                dst.zero_()
-            else:
-                dst.copy_(grad.reshape(-1)[plo:phi])
+    def _issue(self, chunk: Chunk, *, phase: str) -> None:
+        """Stage the chunk's gradients and start its all-reduce. Called with the lock held."""
+        data = self._layout.stage(chunk)
         self._next = chunk.index + 1
         chunk.issued = True
-        group = self._groups[bucket.ranks]
-        what = f"all_reduce chunk AR{chunk.index} ({chunk.nbytes} bytes) over ranks {list(bucket.ranks)}"
-        data = bucket.staging[chunk.lo : chunk.hi]
-        args = {"bytes": chunk.nbytes, "phase": phase, "ranks": len(bucket.ranks)}
+        ranks = self._layout.buckets[chunk.bucket].ranks
+        group = self._groups[ranks]
+        what = f"all_reduce chunk AR{chunk.index} ({chunk.nbytes} bytes) over ranks {list(ranks)}"
+        args = {"bytes": chunk.nbytes, "phase": phase, "ranks": len(ranks)}
         if group.on_stream(data):
             start = self._device_spans.start() if self.recorder.enabled else None
-            chunk.pending = group.start_all_reduce(data, what=what)
+            self._pending[chunk.index] = group.start_all_reduce(data, what=what)
             if start is not None:
                 self._device_spans.end("allreduce", f"AR{chunk.index}", start, args)
             return
-        chunk.start = self.recorder.now()
-        chunk.pending = group.start_all_reduce(data, what=what)
+        t0 = self.recorder.now()
+        pending = self._pending[chunk.index] = group.start_all_reduce(data, what=what)
 
-        def done(chunk: _Chunk = chunk) -> None:
-            self.recorder.add(
-                "allreduce", f"AR{chunk.index}", chunk.start, self.recorder.now(), **args
-            )
+        def done() -> None:
+            self.recorder.add("allreduce", f"AR{chunk.index}", t0, self.recorder.now(), **args)
 
-        chunk.pending.add_done_callback(done)
+        pending.add_done_callback(done)
 
     def _agree(self) -> None:
         """After the first step's backward: every rank learns rank 0's ready order and which
         parameters had the same hook count on every rank (those complete early from now on)."""
         world = self._groups[tuple(range(dist.get_world_size()))]
-        row_1X = world.control_tensor([self._counts_N + self._last_N])
+        row_1X = world.control_tensor([self._layout.hook_row()])
         all_PX = world.all_gather_dim0(row_1X, "all_gather of gradient hook counts (CommPool)")
-        N = len(self.params)
-        counts_PN, last_N = all_PX[:, :N].cpu(), all_PX[0, N:].tolist()
-        same_N = (counts_PN == counts_PN[:1]).all(dim=0).tolist()
-        self._expected_N = [int(counts_PN[0, i]) if same_N[i] else 0 for i in range(N)]
-        seen = sorted((last, i) for i, last in enumerate(last_N) if last >= 0)
-        rest = [i for i in reversed(range(N)) if last_N[i] < 0]
-        self._order = [i for _, i in seen] + rest
+        self._layout.learn(all_PX)
 
     def finish(self, *, while_waiting: Callable[[], None] | None = None) -> None:
         """Issue every chunk not yet issued, wait each under the deadline (on a device: the
@@ -475,22 +365,23 @@ class CommPool:
             # (no chunk was issued: no hook count was known yet)
             self._agree()
             with self._lock:
-                self._build_layout()
+                self._layout.build(self._chunk_bytes)
+                self._pending = [None] * len(self._layout.chunks)
         with self._lock:
-            for chunk in self._chunks[self._next :]:
+            for chunk in self._layout.chunks[self._next :]:
                 self._issue(chunk, phase="finish")
         if while_waiting is not None:
             while_waiting()
-        for chunk in self._chunks:
-            assert chunk.pending is not None  # internal: every chunk was issued above
-            chunk.pending.wait()
-        self._write_back()
+        for pending in self._pending:
+            assert pending is not None  # internal: every chunk was issued above
+            pending.wait()
+        self._layout.write_back(self.grad_sync.divisor)
         if self.recorder.enabled:
             self._device_spans.resolve(self.recorder)
         with self._lock:
             self._armed = False
             self._steps += 1
-            late, self._late = self._late, []
+            late, self._layout.late = self._layout.late, []
         if late:
             names = ", ".join(f"#{i} {tuple(self.params[i].shape)}" for i in sorted(set(late)))
             raise RuntimeError(
@@ -502,26 +393,7 @@ class CommPool:
     def reduction_sets(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
         """The pool's parameters by reduction rank set (a set of one rank: not reduced, only
         divided by the divisor at ``finish``)."""
-        by_ranks: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        for i, p in enumerate(self.params):
-            by_ranks.setdefault(self._ranks_N[i], []).append(p)
-        return list(by_ranks.items())
-
-    def _write_back(self) -> None:
-        divisor = self.grad_sync.divisor
-        for b in self._buckets:
-            for i, off in zip(b.params, b.offsets):
-                p = self.params[i]
-                if b.staging is None:  # no replicas: divide only
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    p.grad.div_(divisor)
-                    continue
-                avg = b.staging[off : off + p.numel()].view_as(p).div_(divisor)
-                if p.grad is None:
-                    p.grad = avg.clone()
-                else:
-                    p.grad.copy_(avg)
+        return self._layout.reduction_sets()
 
     def close(self) -> None:
         """Remove the gradient hooks."""

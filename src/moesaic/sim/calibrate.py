@@ -28,8 +28,9 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    fifth call on with two busy processes beside the ranks; 2 MB: 88-99 ms vs 168 ms. The
    validated runs ran on a loaded machine (load average 3-5 on 2 cores during the HybridEP
    runs, recorded in their results) with ranks that compute beside their collectives;
-4. still on that cluster, the CPU one-sided puts cost between ranks 0 and 1 (:func:`put_cpu`):
-   per put and per byte.
+4. still on that cluster, the CPU that the taskflow runtime's one-sided puts
+   (``comm.channel.PutChannel``) cost between ranks 0 and 1 (:func:`put_cpu`): per put and per
+   byte.
 
 Everything else about the links (sizes, the configured rates the scale multiplies, latencies
 above the floor) is the cluster file's. Torch is used by the workers only.
@@ -201,36 +202,39 @@ PUT_SIZES = ((64, 200), (256 * 1024, 16))
 def _worker_put_cpu(
     rank: int, world: int, sizes: list[tuple[int, int]], timeout_s: float
 ) -> list[float]:
-    """Ranks 0 and 1: process CPU seconds (every thread) while 0 puts ``n`` tiles of ``nbytes``
-    to 1 (one flush, then 1 waits for all), per size; the other ranks only join the window."""
+    """Ranks 0 and 1: process CPU seconds (every thread) of one step of the taskflow runtime's
+    put channel (``comm.channel.PutChannel``) in which 0 puts ``n`` tiles of ``nbytes`` to 1,
+    each signalling one event (until 0's sends left and 1's receiving thread took all ``n``),
+    per size; the other ranks only join the channel's group and expect no put."""
     import torch
 
+    from moesaic.comm.channel import PutChannel
     from moesaic.comm.collectives import EPGroup
-    from moesaic.comm.onesided import OneSidedWindow
+    from moesaic.comm.counters import EventCounters
 
     group = EPGroup(None, timeout_s)
+    channel = PutChannel(group, timeout_s)
     out = []
-    numel = max(nbytes * n for nbytes, n in sizes) // 4
-    with OneSidedWindow(numel, num_events=len(sizes), timeout_s=timeout_s) as win:
-        for event, (nbytes, n) in enumerate(sizes):
-            tile = torch.ones(nbytes // 4)
-            group.barrier("calibrate barrier")
-            t0 = time.process_time()
-            if rank == 0:
-                for j in range(n):
-                    win.put_with_signal(tile, 1, (j * tile.numel(), tile.numel()), event)
-                win.flush()
-            elif rank == 1:
-                win.wait(event, n)
-            out.append(time.process_time() - t0)
-            group.barrier("calibrate barrier")
+    for nbytes, n in sizes:
+        tile = torch.ones(nbytes // 4)
+        receive = torch.zeros(tile.numel() * n if rank == 1 else 1)
+        channel.begin(receive, EventCounters(1, rank), n if rank == 1 else 0)
+        group.barrier("calibrate barrier")  # the step fence: every rank receives before a put
+        t0 = time.process_time()
+        if rank == 0:
+            for j in range(n):
+                channel.put(tile, 1, j * tile.numel(), (0,))
+        channel.finish()
+        out.append(time.process_time() - t0)
+        group.barrier("calibrate barrier")
     return out
 
 
 def put_cpu(cluster: Any = None, *, timeout_s: float = 120.0) -> tuple[float, float]:
-    """``(seconds per put, seconds per byte)`` of CPU that one-sided puts (``GlooTransport``)
-    cost, sender and receiver together, from ``PUT_SIZES`` between ranks 0 and 1 of a started
-    emulated ``cluster`` (its first level's link), or a loopback pair without one."""
+    """``(seconds per put, seconds per byte)`` of CPU that the taskflow runtime's one-sided puts
+    (``PutChannel``) cost, sender and receiver together, from ``PUT_SIZES`` between ranks 0 and
+    1 of a started emulated ``cluster`` (its first level's link), or a loopback pair without
+    one."""
     sizes = list(PUT_SIZES)
     if cluster is None:
         from moesaic.comm.world import run_world
@@ -323,9 +327,14 @@ def collective_shares(
                 measured = statistics.fmean(max(t) for t in zip(*(r[key] for r in per_rank)))
                 share = collective_share(spec, profile, kind, nbytes, measured)
                 if share is not None:
-                    out.append(CollectiveShare(kind=kind, bytes_per_rank=float(nbytes),
-                                               share=share, measured_s=measured,
-                                               regime=regime))  # fmt: skip
+                    point = CollectiveShare(
+                        kind=kind,
+                        bytes_per_rank=float(nbytes),
+                        share=share,
+                        measured_s=measured,
+                        regime=regime,
+                    )
+                    out.append(point)
     return tuple(out)
 
 

@@ -3,8 +3,11 @@
 ``simulate`` reads a cluster TOML (``moesaic cluster``'s format), a model TOML
 (:class:`moesaic.sim.model.ModelSpec`, or a ``moesaic train --config`` training config:
 :func:`moesaic.sim.model.load_model_spec`) and optionally a profile (``calibrate``'s JSON), and
-prints one iteration's summary per strategy (``--strategy all``: one row each); ``--json``
-prints one JSON object (a list for ``all``). ``calibrate`` measures this machine's matmul rate
+prints one iteration's summary per run, a strategy (``--strategy``) under a schedule
+(``--schedule``), either of them ``all`` for every valid pair (:mod:`moesaic.sim.runs`);
+``--json`` prints one JSON object (a list for several runs). ``--measured F.json`` simulates
+every point of a measured result instead and prints simulated against measured
+(:mod:`moesaic.sim.compare`). ``calibrate`` measures this machine's matmul rate
 and op overhead (torch, under a second) and writes a profile; ``--cluster`` brings the emulated
 cluster up and measures its links (:mod:`moesaic.sim.calibrate`, needs root), ``--links`` takes
 the link figures from a committed cluster check result instead (no network is built).
@@ -16,23 +19,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from moesaic.checks import check_number, check_output_file, check_positive_int
+from moesaic.checks import check_number
+from moesaic.sim.calibrate_cli import add_calibrate
+from moesaic.sim.cli_files import load_option
 
 __all__ = ["add_subparser"]
 
 EPILOG = """\
+strategies: dropless, padded, hybrid, taskflow; schedules: vanilla, moe-only, flowmoe
+(taskflow runs vanilla only). The old mixed names vanilla, moe-only, flowmoe (dropless under
+that schedule) and ep (hybrid with domains of 1 under vanilla) still work as --strategy, with a
+deprecation note.
+
 examples:
   moesaic simulate --cluster examples/clusters/flowmoe_2rank.toml \\
-      --model examples/models/flowmoe_small.toml --strategy all
+      --model examples/models/flowmoe_small.toml --strategy all --schedule all
   moesaic simulate --cluster examples/clusters/hybridep_2dc.toml \\
-      --model examples/models/hybridep_small.toml --strategy hybrid --json --trace t.json
+      --model examples/models/hybridep_small.toml --strategy hybrid --schedule flowmoe \\
+      --json --trace t.json
   moesaic simulate --cluster examples/clusters/flowmoe_2rank.toml \\
-      --model examples/train_tiny.toml --strategy flowmoe
+      --model examples/train_tiny.toml --strategy dropless --schedule flowmoe
+  moesaic simulate --cluster examples/clusters/flowmoe_2rank.toml \\
+      --model examples/models/flowmoe_small.toml --profile P.json \\
+      --measured benchmarks/results/flowmoe_cluster.json
   moesaic calibrate --out profile.json --links benchmarks/results/cluster_check.json
   sudo moesaic calibrate --out profile.json --cluster examples/clusters/flowmoe_2rank.toml
 """
@@ -54,7 +67,22 @@ def add_subparser(subparsers) -> None:
         metavar="FILE.toml",
         help="model and batch: a model file or a training config (`moesaic train --config`)",
     )
-    p.add_argument("--strategy", default="all", help="a strategy name or 'all' (default)")
+    p.add_argument(
+        "--strategy",
+        metavar="NAME",
+        help="dropless, padded, hybrid, taskflow or 'all' (default)",
+    )
+    p.add_argument(
+        "--schedule",
+        metavar="NAME",
+        help="vanilla, moe-only, flowmoe or 'all' (default: all with --strategy all, else vanilla)",
+    )
+    p.add_argument(
+        "--measured",
+        metavar="F.json",
+        help="simulate every point of a measured result (each with its own strategy, schedule, "
+        "R, Sp, domains) and print simulated against measured",
+    )
     p.add_argument("--profile", metavar="FILE.json", help="machine profile (moesaic calibrate)")
     p.add_argument(
         "--flops-per-s",
@@ -71,58 +99,41 @@ def add_subparser(subparsers) -> None:
     p.add_argument("--sp-bytes", type=float, metavar="B", help="FlowMoE Sp (default G/16)")
     p.add_argument("--domains", metavar="S0,S1,..", help="hybrid domain sizes (default: planned)")
     p.add_argument("--prefetch", action="store_true", help="hybrid: prefetched gathers")
-    p.add_argument("--compression-ratio", type=float, default=1.0, metavar="CR",
-                   help="hybrid: SR compression of gathered experts (+Migration)")  # fmt: skip
-    p.add_argument("--shared-every", type=int, default=1, metavar="N",
-                   help="hybrid: shared experts' all-reduce every N gathers")  # fmt: skip
-    p.add_argument("--all-reduce", choices=("ring", "hierarchical", "best"), default="best",
-                   help="gradient all-reduce algorithm: the faster of ring and hierarchical per "
-                   "size, as NCCL picks (default), or gloo's ring")  # fmt: skip
     p.add_argument(
-        "--trace", metavar="F.json", help="write a Chrome trace (one process per strategy)"
+        "--compression-ratio",
+        type=float,
+        default=1.0,
+        metavar="CR",
+        help="hybrid: SR compression of gathered experts (+Migration)",
     )
+    p.add_argument(
+        "--shared-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="hybrid: shared experts' all-reduce every N gathers",
+    )
+    p.add_argument(
+        "--all-reduce",
+        choices=("ring", "hierarchical", "best"),
+        default="best",
+        help="gradient all-reduce algorithm: the faster of ring and hierarchical per size, as "
+        "NCCL picks (default), or gloo's ring",
+    )
+    p.add_argument("--trace", metavar="F.json", help="write a Chrome trace (one process per run)")
     p.add_argument(
         "--png",
         metavar="F.png",
-        help="draw the timeline (Gantt chart); several strategies: F.<strategy>.png each",
+        help="draw the timeline (Gantt chart); several runs: F.<strategy>+<schedule>.png each",
     )
     p.add_argument(
         "--csv",
         metavar="F.csv",
-        help="write compute/communication per strategy, block and phase",
+        help="write compute/communication per run (strategy, schedule), block and phase",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_simulate)
-    c = subparsers.add_parser(
-        "calibrate",
-        help="measure this machine into a simulator profile",
-        description="Measure matmul FLOP/s and op overhead, and the links of an emulated "
-        "cluster (--cluster, needs root) or take them from a cluster check result (--links).",
-    )
-    c.add_argument("--out", required=True, metavar="FILE.json", help="profile to write")
-    links = c.add_mutually_exclusive_group()
-    links.add_argument("--cluster", metavar="FILE.toml",
-                       help="emulate this cluster and measure its links (root)")  # fmt: skip
-    links.add_argument("--links", metavar="CHECK.json", help="cluster_check result (links)")
-    c.add_argument("--duration-s", type=float, default=0.3,
-                   help="--cluster: seconds per bandwidth transfer (default 0.3)")  # fmt: skip
-    c.add_argument("--sustain-s", type=float, default=1.0,
-                   help="--cluster: warm-up of each loaded collective stream, seconds "
-                   "(default 1.0; 0: idle collective shares only)")  # fmt: skip
-    c.add_argument("--no-floor", action="store_true",
-                   help="--cluster: skip the unshaped pair (floor_s = 0)")  # fmt: skip
-    c.add_argument("--size", type=int, default=None,
-                   help="matmul size (default 512 on a CPU, 4096 on a GPU)")  # fmt: skip
-    c.set_defaults(func=run_calibrate)
-
-
-def _load(option: str, path: str, load: Any) -> Any:
-    try:
-        return load(path)
-    except FileNotFoundError as exc:
-        raise FileNotFoundError(f"--{option}: {exc}") from None
-    except ValueError as exc:
-        raise ValueError(f"--{option} {path}: {exc}") from None
+    add_calibrate(subparsers)
 
 
 def _note(line: str) -> None:
@@ -173,7 +184,7 @@ def _profile(args: argparse.Namespace, spec: Any) -> Any:
         check_number("--flops-per-s", flops, 0.0, lo_open=True)
     if not args.profile:
         return Profile(flops_per_s=1e11 if flops is None else flops, source="--flops-per-s")
-    profile = _load("profile", args.profile, Profile.load)
+    profile = load_option("profile", args.profile, Profile.load)
     _check_profile(args, profile, spec)
     if flops is None:
         return profile
@@ -186,154 +197,176 @@ def _profile(args: argparse.Namespace, spec: Any) -> Any:
     return dataclasses.replace(profile, flops_per_s=flops, half_flops_per_s=0.0)
 
 
-def _strategies(args: argparse.Namespace, spec: Any, model: Any) -> tuple[str, ...]:
-    """The strategies to run: the one named, or for ``all`` every one that can simulate this
-    cluster and model (each left out named in one line)."""
-    from moesaic.sim.simulate import STRATEGIES, unsupported_reason
+def _runs(args: argparse.Namespace, spec: Any, model: Any, opts: Any) -> list[tuple[Any, Any]]:
+    """``(run, options)`` to simulate: the pair named, or with ``all`` every valid pair that can
+    simulate this cluster and model (the ones left out named in one line); an old mixed name
+    with a deprecation note."""
+    from moesaic.sim.runs import legacy_run, runs, unsupported_reason
 
-    if args.strategy != "all":
-        return (args.strategy,)
-    skipped = {n: r for n in STRATEGIES if (r := unsupported_reason(spec, model, n)) is not None}
-    names = tuple(n for n in STRATEGIES if n not in skipped)
-    if not names:
+    strategy = args.strategy or "all"
+    legacy = legacy_run(strategy, spec.num_levels)
+    if legacy is not None:
+        return [_legacy(args, *legacy, opts)]
+    schedule = args.schedule or ("all" if strategy == "all" else "vanilla")
+    try:
+        chosen = runs(strategy, schedule)
+    except ValueError as exc:
+        raise ValueError(f"--strategy {strategy} --schedule {schedule}: {exc}") from None
+    if "all" not in (strategy, schedule):
+        return [(chosen[0], opts)]
+    reasons = {run: unsupported_reason(spec, model, run) for run in chosen}
+    skipped: dict[str, list[str]] = {}
+    for run, reason in reasons.items():
+        if reason is not None:
+            skipped.setdefault(reason, []).append(run.name)
+    flags = (("strategy", strategy), ("schedule", schedule))
+    what = " ".join(f"--{k} all" for k, v in flags if v == "all")
+    left_out = "; ".join(f"{', '.join(names)} ({reason})" for reason, names in skipped.items())
+    kept = [(run, opts) for run, reason in reasons.items() if reason is None]
+    if not kept:
+        raise ValueError(f"{what}: no run can simulate this cluster and model: {left_out}")
+    if left_out:
+        _note(f"{what}: skipping {left_out}")
+    return kept
+
+
+def _legacy(args: argparse.Namespace, run: Any, domains: Any, opts: Any) -> tuple[Any, Any]:
+    """An old mixed ``--strategy`` name read as ``run`` (and ``domains``), with a deprecation
+    note."""
+    flags = f"--strategy {run.strategy} --schedule {run.schedule}"
+    if domains is not None:
+        opts = dataclasses.replace(opts, domain_sizes=domains)
+        flags += " --domains " + ",".join(map(str, domains))
+    if args.schedule is not None:
         raise ValueError(
-            "--strategy all: no strategy can simulate this cluster and model: "
-            + "; ".join(f"{n}: {r}" for n, r in skipped.items())
+            f"--strategy {args.strategy} is the old name of {flags}: with --schedule, give a "
+            "strategy (dropless, padded, hybrid, taskflow)"
         )
-    if skipped:
-        _note("--strategy all: skipping " + "; ".join(f"{n} ({r})" for n, r in skipped.items()))
-    return names
+    _note(
+        f"--strategy {args.strategy} is deprecated (strategy and schedule are separate options "
+        f"now): read as {flags}"
+    )
+    return run, opts
 
 
-def _results(args: argparse.Namespace) -> list[Any]:
-    from moesaic.cluster.spec import ClusterSpec
-    from moesaic.sim.model import load_model_spec
-    from moesaic.sim.simulate import SimOptions, simulate
+def _options(args: argparse.Namespace) -> Any:
+    from moesaic.sim.simulate import SimOptions
 
-    spec = _load("cluster", args.cluster, ClusterSpec.from_toml)
-    model = _load("model", args.model, load_model_spec)
-    profile = _profile(args, spec)
     domains = None
     if args.domains:
         try:
             domains = tuple(int(x) for x in args.domains.split(","))
         except ValueError:
             raise ValueError(f"--domains ({args.domains!r}) must be integers: S0,S1,..") from None
-    opts = SimOptions(degree=args.degree, sp_bytes=args.sp_bytes, domain_sizes=domains,
-                      prefetch=args.prefetch, compression_ratio=args.compression_ratio,
-                      shared_expert_every=args.shared_every,
-                      all_reduce=args.all_reduce)  # fmt: skip
-    return [simulate(spec, model, name, profile, opts) for name in _strategies(args, spec, model)]
+    return SimOptions(
+        degree=args.degree,
+        sp_bytes=args.sp_bytes,
+        domain_sizes=domains,
+        prefetch=args.prefetch,
+        compression_ratio=args.compression_ratio,
+        shared_expert_every=args.shared_every,
+        all_reduce=args.all_reduce,
+    )
 
 
-def _png_paths(path: str, strategies: list[str]) -> list[Path]:
-    """``--png F.png``: F.png for one strategy, ``F.<strategy>.png`` for each of several."""
-    if len(strategies) == 1:
+def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """The cluster, the model, the profile and the options the flags give."""
+    from moesaic.cluster.spec import ClusterSpec
+    from moesaic.sim.model import load_model_spec
+
+    spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
+    model = load_option("model", args.model, load_model_spec)
+    return spec, model, _profile(args, spec), _options(args)
+
+
+def _png_paths(path: str, names: list[str]) -> list[Path]:
+    """``--png F.png``: F.png for one run, ``F.<strategy>+<schedule>.png`` for each of several."""
+    if len(names) == 1:
         return [Path(path)]
     p = Path(path)
-    return [p.with_name(f"{p.stem}.{name}{p.suffix or '.png'}") for name in strategies]
+    return [p.with_name(f"{p.stem}.{name}{p.suffix or '.png'}") for name in names]
 
 
 def _write_outputs(args: argparse.Namespace, results: list[Any]) -> None:
-    """``--trace``: one process per strategy, named by it; ``--png``: one chart per strategy;
-    ``--csv``: one table with a strategy column."""
+    """``--trace``: one process per run, named by it; ``--png``: one chart per run; ``--csv``:
+    one table with strategy and schedule columns."""
+    from moesaic.sim.runs import Run
     from moesaic.sim.simulate import write_layer_csv
     from moesaic.trace import draw_timeline, write_chrome_trace
 
-    names = [r.strategy for r in results]
+    names = [r.name for r in results]
     if args.trace:
         per = [[dataclasses.replace(s, rank=i) for s in r.spans] for i, r in enumerate(results)]
         write_chrome_trace(args.trace, per, process_names=dict(enumerate(names)))
     if args.png:
         paths = _png_paths(args.png, names)
         for path, r in zip(paths, results):
-            draw_timeline(path, [r.spans], title=r.strategy)
+            draw_timeline(path, [r.spans], title=r.name)
         if len(paths) > 1:
-            _note(f"--png: one chart per strategy: {', '.join(str(p) for p in paths)}")
+            _note(f"--png: one chart per run: {', '.join(str(p) for p in paths)}")
     if args.csv:
-        write_layer_csv(args.csv, {r.strategy: r.spans for r in results})
+        write_layer_csv(args.csv, {Run(r.strategy, r.schedule): r.spans for r in results})
+
+
+COLUMNS = (
+    "iteration_ms",
+    "compute_ms",
+    "comm_ms",
+    "exposed_comm_ms",
+    "overlap_ratio",
+    "bound_ms",
+    "wall_s",
+)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    results = _results(args)
+    if args.measured:
+        return _run_measured(args)
+    from moesaic.sim.simulate import simulate
+
+    spec, model, profile, opts = _inputs(args)
+    jobs = _runs(args, spec, model, opts)
+    results = [simulate(spec, model, r.strategy, profile, o, schedule=r.schedule) for r, o in jobs]
     _write_outputs(args, results)
     rows = [r.summary() for r in results]
     if args.json:
         print(json.dumps(rows[0] if len(rows) == 1 else rows))
         return 0
-    cols = ("iteration_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "overlap_ratio",
-            "bound_ms", "wall_s")  # fmt: skip
-    print(f"{'strategy':10s} {'ranks':>6s} " + " ".join(f"{c:>15s}" for c in cols))
+    print(
+        f"{'strategy':9s} {'schedule':9s} {'ranks':>6s} " + " ".join(f"{c:>15s}" for c in COLUMNS)
+    )
     for row in rows:
-        vals = " ".join(f"{row[c]:15.4g}" for c in cols)
-        print(f"{row['strategy']:10s} {row['ranks']:6d} {vals}")
+        vals = " ".join(f"{row[c]:15.4g}" for c in COLUMNS)
+        print(f"{row['strategy']:9s} {row['schedule']:9s} {row['ranks']:6d} {vals}")
     return 0
 
 
-def run_calibrate(args: argparse.Namespace) -> int:
-    import torch
+def _run_measured(args: argparse.Namespace) -> int:
+    """``--measured F.json``: every point simulated with its own run and knobs, against its
+    measured time (:mod:`moesaic.sim.compare`)."""
+    from moesaic.sim.compare import compare, geomean_abs_error, load_measured
 
-    from moesaic.sim.profile import (
-        Profile,
-        default_matmul_size,
-        links_from_cluster_check,
-        measure,
-    )
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    size = default_matmul_size(device) if args.size is None else args.size
-    check_positive_int("--size", size)
-    check_output_file("--out", args.out)  # before the measurement, not after it
-    measured = measure(size)
-    floor_s, scale, source = 0.0, 1.0, f"measured matmul {size}^3 here; links as specified"
-    links: tuple[Any, ...] = ()
-    shares: tuple[Any, ...] = ()
-    cpu: dict[str, Any] = {}
-    if args.links:
-        floor_s, scale = _load("links", args.links, links_from_cluster_check)
-        source = f"measured matmul {size}^3 here; links from {args.links}"
-    elif args.cluster:
-        from moesaic.cluster.spec import ClusterSpec
-        from moesaic.sim.calibrate import measure_links
-
-        spec = _load("cluster", args.cluster, ClusterSpec.from_toml)
-        cal = measure_links(
-            spec, duration_s=args.duration_s, floor=not args.no_floor, sustain_s=args.sustain_s
+    given = [f"--{k}" for k in ("strategy", "schedule") if getattr(args, k) is not None]
+    given += [f"--{k}" for k in ("trace", "png", "csv") if getattr(args, k)]
+    if given:
+        raise ValueError(
+            f"--measured simulates each point of the file with its own strategy and schedule "
+            f"and prints the comparison only: leave out {', '.join(given)}"
         )
-        floor_s, scale, links, shares = cal.floor_s, cal.bandwidth_scale, cal.links, cal.shares
-        # The emulated ranks all run on this machine and share its cores.
-        cpu = {
-            "put_cpu_s": cal.put_cpu_s,
-            "put_cpu_per_byte_s": cal.put_cpu_per_byte_s,
-            "cores": os.cpu_count() or 0,
-            "ranks_per_machine": spec.world_size,
-            "cluster": spec,  # what was measured: simulate checks it against its cluster
-        }
-        floor = "no floor" if args.no_floor else "floor from an unshaped pair"
-        source = (
-            f"measured matmul {size}^3 here; links measured on the emulated "
-            f"{args.cluster} ({floor})"
-        )
-        for name, c in cal.collectives.items():
-            print(f"{name}: median {c['median_s'] * 1e3:.2f} ms, link-load bound "
-                  f"{c['bound_s'] * 1e3:.2f} ms ({c['bound_s'] / c['median_s']:.2f} of it)")  # fmt: skip
-        print(f"one-sided puts: {cal.put_cpu_s * 1e6:.0f} us CPU per put + "
-              f"{cal.put_cpu_per_byte_s * 1e9:.2f} ns per byte")  # fmt: skip
-        for x in shares:
-            print(f"{x.kind} {x.regime} {x.bytes_per_rank / 1e3:.0f} kB/rank: "
-                  f"{x.measured_s * 1e3:.2f} ms, "
-                  f"share {x.share:.2f} of the links")  # fmt: skip
-    profile = Profile(
-        flops_per_s=measured["flops_per_s"],
-        half_flops_per_s=measured["half_flops_per_s"],
-        task_overhead_s=measured["task_overhead_s"],
-        floor_s=floor_s,
-        bandwidth_scale=scale,
-        source=source,
-        links=links,
-        collectives=shares,
-        **cpu,
+    spec, model, profile, opts = _inputs(args)
+    points = load_option("measured", args.measured, lambda path: load_measured(path, spec))
+    rows = compare(spec, model, profile, points, opts)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    width = max(len("point"), *(len(r["point"]) for r in rows))
+    print(
+        f"{'point':{width}s} {'run':18s} {'R':>2s} {'measured_ms':>12s} {'simulated_ms':>12s} {'error':>8s}"
     )
-    profile.save(args.out)
-    print(json.dumps(profile.to_dict()))
+    for r in rows:
+        print(
+            f"{r['point']:{width}s} {r['name']:18s} {r.get('degree', 1):2d} "
+            f"{r['measured_ms']:12.1f} {r['simulated_ms']:12.1f} {100 * r['error']:+7.1f}%"
+        )
+    print(f"geometric-mean |error| over {len(rows)} points: {100 * geomean_abs_error(rows):.1f}%")
     return 0

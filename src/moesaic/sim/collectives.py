@@ -60,6 +60,7 @@ __all__ = [
     "all_to_all_v_s",
     "hierarchical_all_reduce_s",
     "level_exchange_s",
+    "offset_group_sizes",
     "p2p_s",
     "ring_all_reduce_s",
 ]
@@ -136,10 +137,14 @@ class LinkModel:
         """One-way latency across ``level``, floored."""
         return max(self.spec.levels[level].latency_ms * 1e-3, self.floor_s)
 
-    def worst_latency_s(self) -> float:
-        """The worst one-way path latency (outermost separating level), floored; 0 for P = 1."""
-        for level, lv in enumerate(self.spec.levels):
-            if lv.size > 1:
+    def worst_latency_s(self, domain_sizes: Sequence[int] | None = None) -> float:
+        """The worst one-way path latency (outermost separating level), floored; 0 for P = 1.
+
+        With ``domain_sizes``: between the members of one offset group (HybridEP's exchange
+        group, one rank per domain: :func:`offset_group_sizes`); 0 when it is one rank.
+        """
+        for level, q in enumerate(offset_group_sizes(self.spec, domain_sizes)):
+            if q > 1:
                 return self.latency_s(level)
         return 0.0
 
@@ -171,33 +176,73 @@ def all_to_all_s(link: LinkModel, bytes_per_pair: float) -> float:
     return worst / link.share("all_to_all", P * b) + link.worst_latency_s()
 
 
-def all_to_all_shares_s(link: LinkModel, bytes_per_rank: float, shares_P: Sequence[float]) -> float:
+def offset_group_sizes(spec: ClusterSpec, domain_sizes: Sequence[int] | None) -> tuple[int, ...]:
+    """Per level, the members of one offset group: ``size_l / S_l`` (``size_l`` without domains).
+
+    HybridEP cuts level ``l`` into domains of ``S_l`` consecutive members; an offset group holds
+    the ranks with the same offset inside their domain at every level (one rank per domain), and
+    numbers them in mixed radix of these sizes, outermost first, as :class:`ClusterSpec` numbers
+    its ranks.
+
+    Raises:
+        ValueError: ``domain_sizes`` has not one divisor of its level's size per level.
+    """
+    sizes = tuple(lv.size for lv in spec.levels)
+    if domain_sizes is None:
+        return sizes
+    ds = tuple(domain_sizes)
+    if len(ds) != len(sizes) or any(
+        not isinstance(s, int) or s < 1 or n % s for s, n in zip(ds, sizes)
+    ):
+        raise ValueError(
+            f"domain_sizes ({list(ds)}) must give a divisor of each level's size {list(sizes)}"
+        )
+    return tuple(n // s for n, s in zip(sizes, ds))
+
+
+def all_to_all_shares_s(
+    link: LinkModel,
+    bytes_per_rank: float,
+    shares_P: Sequence[float],
+    *,
+    domain_sizes: Sequence[int] | None = None,
+) -> float:
     """An all-to-all-v where every rank sends ``bytes_per_rank * shares_P[dst]`` to each rank
     (its own share stays local): routing with the same expert popularity on every rank.
 
     O(P) per level: a member ``G`` of ``g`` ranks sends ``g D (1 - S_G)`` up its uplink and
     receives ``(P - g) D S_G`` down, ``S_G`` the shares of its ranks.
+
+    With ``domain_sizes`` (HybridEP's exchange): every offset group runs this all-to-all-v over
+    its own ``Q`` members at once, ``shares_P`` giving one share per member (per domain, in the
+    order of :func:`offset_group_sizes`). A level-``l`` member holds ``g = prod_{i>l} Q_i``
+    members of each of the ``prod_{i>l} S_i`` offset groups that cross it, all with the same
+    shares, so its uplink carries that many times one group's load. All ``S`` = 1 is the
+    all-to-all-v over the world.
     """
     D = _bytes("bytes_per_rank", bytes_per_rank)
-    P = link.world_size
-    if len(shares_P) != P:
-        raise ValueError(f"shares_P must have world_size ({P}) entries, got {len(shares_P)}")
+    Q_l = offset_group_sizes(link.spec, domain_sizes)
+    S_l = (1,) * len(Q_l) if domain_sizes is None else tuple(domain_sizes)
+    Q = math.prod(Q_l)
+    if len(shares_P) != Q:
+        what = "world_size" if domain_sizes is None else "offset group's size"
+        raise ValueError(f"shares_P must have the {what} ({Q}) entries, got {len(shares_P)}")
     total = math.fsum(shares_P)
     if any(s < 0 for s in shares_P) or not math.isclose(total, 1.0, rel_tol=1e-9):
         raise ValueError(f"shares_P must be >= 0 and sum to 1 (sum {total})")
-    if P < 2:
+    if Q < 2:
         return 0.0
     worst = 0.0
     for j in range(link.spec.num_levels):
-        g = link.ranks_per_member(j)
-        if g == P:
+        g = math.prod(Q_l[j + 1 :])
+        if g == Q:
             continue
         busiest = 0.0
-        for m in range(P // g):
+        for m in range(Q // g):
             s = math.fsum(shares_P[m * g : (m + 1) * g])
-            busiest = max(busiest, g * D * (1 - s), (P - g) * D * s)
-        worst = max(worst, busiest / link.bytes_per_s(j))
-    return worst / link.share("all_to_all", D) + link.worst_latency_s()
+            busiest = max(busiest, g * D * (1 - s), (Q - g) * D * s)
+        worst = max(worst, math.prod(S_l[j + 1 :]) * busiest / link.bytes_per_s(j))
+    return worst / link.share("all_to_all", D) + link.worst_latency_s(domain_sizes)
 
 
 def all_to_all_v_s(link: LinkModel, bytes_PP: Sequence[Sequence[float]]) -> float:

@@ -42,10 +42,17 @@ def _layer(dispatcher: str, tile: int, model: Any) -> Any:
 
     from moesaic import MoEConfig, MoELayer
 
-    cfg = MoEConfig(hidden_size=model.hidden, ffn_hidden_size=model.ffn_hidden,
-                    num_experts=model.experts, top_k=model.top_k, dispatcher=dispatcher,
-                    taskflow_executor="static", taskflow_tile_m=tile,
-                    aux_loss_coef=0.0, z_loss_coef=0.0)  # fmt: skip
+    cfg = MoEConfig(
+        hidden_size=model.hidden,
+        ffn_hidden_size=model.ffn_hidden,
+        num_experts=model.experts,
+        top_k=model.top_k,
+        dispatcher=dispatcher,
+        taskflow_executor="static",
+        taskflow_tile_m=tile,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+    )
     torch.manual_seed(0)
     return MoELayer(cfg)
 
@@ -71,8 +78,10 @@ def _worker(rank: int, world: int, model: Any, tile: int, steps: int) -> dict[st
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(model.tokens, model.hidden, generator=gen)
     g = torch.randn(model.tokens, model.hidden, generator=gen)
-    layers = {"compute only": _layer("dropless", tile, model),
-              "taskflow static": _layer("taskflow", tile, model)}  # fmt: skip
+    layers = {
+        "compute only": _layer("dropless", tile, model),
+        "taskflow static": _layer("taskflow", tile, model),
+    }
     wall: dict[str, list[float]] = {n: [] for n in VARIANTS}
     cpu: dict[str, list[float]] = {n: [] for n in VARIANTS}
     per_type: dict[str, list[float]] = defaultdict(list)
@@ -118,10 +127,17 @@ def non_gmm_elements(model: Any, tile_m: int, slot_rows: int) -> dict[str, float
     from moesaic.taskflow.compile import compile_world
     from moesaic.taskflow.moe_graphs import TASK_TYPES
 
-    bucket = ShapeBucket(tokens=model.tokens, hidden=model.hidden, ffn=model.ffn_hidden,
-                         experts=model.experts, top_k=model.top_k, ep_size=1,
-                         slot_rows=slot_rows, tile_m=tile_m,
-                         activation=model.activation)  # fmt: skip
+    bucket = ShapeBucket(
+        tokens=model.tokens,
+        hidden=model.hidden,
+        ffn=model.ffn_hidden,
+        experts=model.experts,
+        top_k=model.top_k,
+        ep_size=1,
+        slot_rows=slot_rows,
+        tile_m=tile_m,
+        activation=model.activation,
+    )
     load = model.tokens * model.top_k / model.experts
     out: dict[str, float] = defaultdict(float)
     for d in ("forward", "backward"):
@@ -159,8 +175,17 @@ def main() -> int:
         rows.append(m)
         print(json.dumps(m, indent=1), flush=True)
     if args.out:
-        out = {"meta": run_metadata(), "config": {"model": args.model, "steps": args.steps,
-               "warmup": WARMUP, "world": 1, "torch_threads": 1}, "points": rows}  # fmt: skip
+        out = {
+            "meta": run_metadata(),
+            "config": {
+                "model": args.model,
+                "steps": args.steps,
+                "warmup": WARMUP,
+                "world": 1,
+                "torch_threads": 1,
+            },
+            "points": rows,
+        }
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

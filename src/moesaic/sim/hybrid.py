@@ -14,6 +14,11 @@ prefetched under the pre-expert compute; one dropless exchange per hop)::
     backward: C -> E (x2) -> D -> RS (gradient reduce, gather lane) -> AT (x2)
 
 Domain sizes all 1 is classic EP (``dropless``): no gathers, one all-to-all per hop.
+
+That graph is ``hybrid`` under the ``vanilla`` schedule as HybridEP's benchmark runs it (no
+data-parallel gradient all-reduce). Under ``moe-only`` and ``flowmoe``, :func:`hybrid_costs`
+gives the block pipeline of :mod:`moesaic.sim.pipelined` the same gathers and gradient reduce
+around dropless's exchange over the offset group, as the runtime pipelines it.
 """
 
 from __future__ import annotations
@@ -35,9 +40,17 @@ from moesaic.planning.costmodel import (
 from moesaic.sim.collectives import LinkModel, level_exchange_s
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec
+from moesaic.sim.pipelined import Costs, ExpertGathers
 from moesaic.sim.profile import Profile
 
-__all__ = ["HybridParts", "build_hybrid", "hybrid_parts", "moe_config", "plan_domains_fast"]
+__all__ = [
+    "HybridParts",
+    "build_hybrid",
+    "hybrid_costs",
+    "hybrid_parts",
+    "moe_config",
+    "plan_domains_fast",
+]
 
 
 def moe_config(model: ModelSpec) -> MoEConfig:
@@ -181,8 +194,8 @@ def build_hybrid(parts: HybridParts, model: ModelSpec, profile: Profile) -> SimG
         ag_wait = prev if parts.prefetch else at
         ag = g.add("gather", SimTask(f"AG{blk}", "gather", parts.gather, "fwd", blk), ag_wait)
         # prefetched: the gather runs beside AT, and D waits for both
-        d = g.add("net", SimTask(f"D1.{blk}", "a2a", parts.all_to_all, "fwd", blk, 1),
-                  (at, ag) if parts.prefetch else ag)  # fmt: skip
+        d_wait = (at, ag) if parts.prefetch else ag
+        d = g.add("net", SimTask(f"D1.{blk}", "a2a", parts.all_to_all, "fwd", blk, 1), d_wait)
         e = g.add("compute", SimTask(f"E1.{blk}", "compute", e_s, "fwd", blk, 1), d)
         prev = g.add("net", SimTask(f"C1.{blk}", "a2a", parts.all_to_all, "fwd", blk, 1), e)
     for blk in range(model.layers, 0, -1):
@@ -193,3 +206,25 @@ def build_hybrid(parts: HybridParts, model: ModelSpec, profile: Profile) -> SimG
         prev = g.add("compute", SimTask(f"AT1.{blk}", "compute", 2 * at_s, "bwd", blk, 1), rs)
     g.add("compute", SimTask("optimizer", "optimizer", ov), prev)
     return g
+
+
+def hybrid_costs(
+    link: LinkModel, model: ModelSpec, profile: Profile, degree: int, parts: HybridParts
+) -> Costs:
+    """``hybrid`` under a pipelined schedule (moe-only, flowmoe): the stage model of
+    :mod:`moesaic.sim.pipelined` with dropless's exchange over the offset group of
+    ``parts.domain_sizes`` (R chunks), ``parts``' gathers once before the pipeline and its
+    gradient reduce once per block (:class:`~moesaic.sim.pipelined.ExpertGathers`). Domains all
+    1: dropless's costs."""
+    gathers = ExpertGathers(
+        gather_s=parts.gather, reduce_s=parts.grad_reduce, prefetch=parts.prefetch
+    )
+    return Costs(
+        model,
+        link,
+        profile,
+        degree,
+        strategy="hybrid",
+        domain_sizes=parts.domain_sizes,
+        gathers=gathers,
+    )

@@ -26,18 +26,36 @@ the result is the pool's dynamic order.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from moesaic.checks import check_positive, check_positive_int
-from moesaic.sim.collectives import LinkModel, all_reduce_s, all_to_all_shares_s
+from moesaic.checks import check_one_of, check_positive, check_positive_int
+from moesaic.cluster.spec import ClusterSpec
+from moesaic.sim.collectives import (
+    LinkModel,
+    all_reduce_s,
+    all_to_all_s,
+    all_to_all_shares_s,
+    offset_group_sizes,
+)
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, expert_shares
 from moesaic.sim.profile import Profile
 from moesaic.taskflow.engine import Timeline
 
-__all__ = ["Costs", "build_pipelined", "rank_shares", "run_pipelined"]
+__all__ = [
+    "EXCHANGES",
+    "Costs",
+    "ExpertGathers",
+    "build_pipelined",
+    "check_degree",
+    "domain_shares",
+    "rank_shares",
+    "run_pipelined",
+]
 
 NET = "net"  # the engine lane of the rank's network (all-to-alls and all-reduce chunks)
+EXCHANGES = ("dropless", "padded", "hybrid")  # the row exchanges the stage model prices
 
 
 def rank_shares(model: ModelSpec, world: int) -> list[float]:
@@ -54,32 +72,130 @@ def rank_shares(model: ModelSpec, world: int) -> list[float]:
     return [s / kept for s in per_rank]
 
 
-class Costs:
-    """Durations of the pipelined tasks of one chunk (seconds) for a model on a world."""
+def domain_shares(model: ModelSpec, spec: ClusterSpec, domain_sizes: Sequence[int]) -> list[float]:
+    """Share of the kept rows each expert domain's experts receive, in offset-group order
+    (:func:`~moesaic.sim.collectives.offset_group_sizes`): the rows HybridEP's exchange sends
+    to each member of an offset group. Domains all 1: :func:`rank_shares`."""
+    Q_l = offset_group_sizes(spec, domain_sizes)
+    per_rank = rank_shares(model, spec.world_size)
+    out = [0.0] * math.prod(Q_l)
+    for rank, share in enumerate(per_rank):
+        q = 0
+        for c, s, n in zip(spec.coords(rank), domain_sizes, Q_l):
+            q = q * n + c // s
+        out[q] += share
+    return out
 
-    def __init__(self, model: ModelSpec, link: LinkModel, profile: Profile, degree: int):
-        check_positive_int("degree", degree)
-        if model.batch % degree:
-            raise ValueError(f"degree ({degree}) must divide model.batch ({model.batch})")
+
+def check_degree(model: ModelSpec, degree: int) -> int:
+    """R is a positive int that divides ``model.batch`` (chunks of whole sequences)."""
+    check_positive_int("degree", degree)
+    if model.batch % degree:
+        raise ValueError(f"degree ({degree}) must divide model.batch ({model.batch})")
+    return degree
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ExpertGathers:
+    """HybridEP's expert migration in a pipelined step (``hybrid`` under moe-only or flowmoe).
+
+    Every block's gathers run once, on the network before the block pipeline (``prefetch``:
+    beside the first block's attention instead of before it); each block's gradient reduce of
+    the gathered copies runs once after its last chunk's expert backward, on the network after
+    that block's dispatch gradients, and the attention backward waits for it (the schedule
+    calls it on its own thread).
+
+    Attributes:
+        gather_s: one block's gathers, every level (``HybridParts.gather``).
+        reduce_s: one block's gradient reduce (``HybridParts.grad_reduce``).
+        prefetch: the first block's attention does not wait for the gathers.
+    """
+
+    gather_s: float
+    reduce_s: float
+    prefetch: bool = False
+
+
+class Costs:
+    """Durations of the pipelined tasks of one chunk (seconds) for a model on a world.
+
+    ``strategy`` prices the row exchange (``EXCHANGES``): ``dropless`` (an all-to-all-v of the
+    kept rows over the world, after one count exchange), ``padded`` (``C`` rows from every rank
+    to every expert, zeros included: a uniform all-to-all; the experts compute the whole
+    buffer, as GShard and DeepSpeed do; without a capacity factor ``C`` is the largest load,
+    found by one all-reduce) or ``hybrid`` (dropless over the offset group of
+    ``domain_sizes``: one rank per domain, each computing its domain's experts; with
+    ``gathers``, the migration around the pipeline).
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        link: LinkModel,
+        profile: Profile,
+        degree: int,
+        *,
+        strategy: str = "dropless",
+        domain_sizes: Sequence[int] | None = None,
+        gathers: ExpertGathers | None = None,
+    ):
+        check_degree(model, degree)
+        check_one_of("strategy", strategy, EXCHANGES)
+        if (strategy == "hybrid") != (domain_sizes is not None):
+            raise ValueError("domain_sizes is given with strategy 'hybrid' and only with it")
+        if gathers is not None and strategy != "hybrid":
+            raise ValueError("gathers are hybrid's: strategy must be 'hybrid'")
         P = link.world_size
         self.model, self.link, self.profile = model, link, profile
+        self.gathers = gathers
         tokens = model.tokens // degree
-        kept = math.fsum(expert_shares(model))
-        shares_P = rank_shares(model, P)
-        rows = tokens * model.top_k * kept * P * max(shares_P)  # the busiest rank's rows
         self.at_s = profile.compute_s(model.attention_flops(tokens))
-        self.e_s = profile.compute_s(model.expert_flops(rows))
         self.head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(tokens))
-        self.a2a_bytes = tokens * model.top_k * kept * model.hidden * model.act_bytes
-        self.a2a_s = all_to_all_shares_s(link, self.a2a_bytes, shares_P) if P > 1 else 0.0
-        # dropless exchanges its counts first: one more collective of a few bytes.
-        self.counts_s = link.worst_latency_s() if P > 1 else 0.0
+        if strategy == "padded":
+            rows = self._padded(tokens)
+        else:
+            rows = self._dropless(tokens, domain_sizes)
+        self.e_s = profile.compute_s(model.expert_flops(rows))
         self.block_grad_bytes = model.replicated_params_per_block() * model.param_bytes
         self.outer_grad_bytes = model.outer_params() * model.param_bytes
         params = model.layers * model.replicated_params_per_block() + model.outer_params()
         params += model.layers * model.experts // P * model.mats * model.hidden * model.ffn_hidden
         # AdamW: ~10 FLOPs per parameter; a layer timed alone takes no optimizer step.
         self.optimizer_s = 0.0 if model.layer_only else profile.compute_s(10.0 * params)
+
+    def _dropless(self, tokens: int, domain_sizes: Sequence[int] | None) -> float:
+        """Prices the all-to-all-v (over the offset groups with ``domain_sizes``); returns the
+        busiest rank's expert rows."""
+        model, link = self.model, self.link
+        kept = math.fsum(expert_shares(model))
+        if domain_sizes is None:
+            shares = rank_shares(model, link.world_size)
+        else:
+            shares = domain_shares(model, link.spec, domain_sizes)
+        Q = len(shares)
+        self.a2a_bytes = tokens * model.top_k * kept * model.hidden * model.act_bytes
+        ds = domain_sizes
+        self.a2a_s = (
+            all_to_all_shares_s(link, self.a2a_bytes, shares, domain_sizes=ds) if Q > 1 else 0.0
+        )
+        # dropless exchanges its counts first: one more collective of a few bytes.
+        self.counts_s = link.worst_latency_s(domain_sizes) if Q > 1 else 0.0
+        return tokens * model.top_k * kept * Q * max(shares)
+
+    def _padded(self, tokens: int) -> float:
+        """Prices the padded all-to-all; returns the expert rows (the whole buffer)."""
+        model, link = self.model, self.link
+        P, E = link.world_size, model.experts
+        if model.capacity_factor > 0:
+            capacity = math.ceil(model.capacity_factor * tokens * model.top_k / E)
+            self.counts_s = 0.0
+        else:  # the largest load, agreed by one all-reduce (MAX) of a scalar
+            capacity = math.ceil(tokens * model.top_k * max(expert_shares(model)))
+            self.counts_s = all_reduce_s(link, 8.0) if P > 1 else 0.0
+        pair_bytes = E // P * capacity * model.hidden * model.act_bytes
+        self.a2a_bytes = P * pair_bytes
+        self.a2a_s = all_to_all_s(link, pair_bytes) if P > 1 else 0.0
+        return P * (E // P) * capacity
 
     def grad_bytes(self) -> float:
         return self.model.layers * self.block_grad_bytes + self.outer_grad_bytes
@@ -89,62 +205,95 @@ class Costs:
 
 
 def build_pipelined(costs: Costs, *, degree: int, overlap: bool) -> tuple[SimGraph, list[SimTask]]:
-    """The forward and backward of the block pipeline (no gradient reduction yet).
+    """The forward and backward of the block pipeline (no gradient reduction yet), with
+    ``hybrid``'s gathers before it and gradient reduces in it when ``costs.gathers`` is set.
 
     Returns the graph and, per block (index 0 = block 1), the task after which its replicated
     gradients are complete (its last ``AT`` backward: chunk 1).
     """
-    g, R, L = SimGraph(), degree, costs.model.layers
-    c_ = costs
+    g = SimGraph()
+    first = _gathers(g, costs)
+    heads = _forward(g, costs, degree, overlap, first)
+    return g, _backward(g, costs, degree, overlap, heads)
 
-    def comp(name: str, s: float, phase: str, blk: int = 0, r: int = 0) -> SimTask:
-        return SimTask(name, "compute", s, phase, blk, r)
 
-    def net(name: str, s: float, phase: str, blk: int, r: int) -> SimTask:
-        return SimTask(name, "a2a", s, phase, blk, r, c_.a2a_bytes)
+def _comp(name: str, s: float, phase: str, blk: int = 0, r: int = 0) -> SimTask:
+    return SimTask(name, "compute", s, phase, blk, r)
 
+
+def _a2a(costs: Costs, name: str, s: float, phase: str, blk: int, r: int) -> SimTask:
+    return SimTask(name, "a2a", s, phase, blk, r, costs.a2a_bytes)
+
+
+def _gathers(g: SimGraph, costs: Costs) -> SimTask | None:
+    """Every block's gathers on the network before the pipeline; returns the task the first
+    attention waits for (None: nothing, or prefetched gathers)."""
+    ag = costs.gathers
+    if ag is None or ag.gather_s == 0:
+        return None
+    for blk in range(1, costs.model.layers + 1):
+        last = g.add(NET, SimTask(f"AG{blk}", "gather", ag.gather_s, "fwd", blk))
+    return None if ag.prefetch else last
+
+
+def _forward(
+    g: SimGraph, c_: Costs, R: int, overlap: bool, first: SimTask | None
+) -> dict[int, SimTask]:
+    """Every block's forward and the heads; returns the heads by chunk."""
     chunks = range(1, R + 1)
     last_c: dict[int, SimTask] = {}
-    for blk in range(1, L + 1):
+    dispatch_s = c_.a2a_s + c_.counts_s
+    for blk in range(1, c_.model.layers + 1):
         ats = {}
         for r in chunks:
-            wait = None
+            wait = first if r == 1 else None
             if blk > 1:
                 wait = last_c[r] if overlap else last_c[R]
-            ats[r] = g.add("compute", comp(f"AT{r}.{blk}", c_.at_s, "fwd", blk, r), wait)
+            ats[r] = g.add("compute", _comp(f"AT{r}.{blk}", c_.at_s, "fwd", blk, r), wait)
             if overlap:
-                d = net(f"D{r}.{blk}", c_.a2a_s + c_.counts_s, "fwd", blk, r)
-                g.add(NET, d, ats[r])
+                g.add(NET, _a2a(c_, f"D{r}.{blk}", dispatch_s, "fwd", blk, r), ats[r])
         if not overlap:
             for r in chunks:
-                g.add(NET, net(f"D{r}.{blk}", c_.a2a_s + c_.counts_s, "fwd", blk, r), ats[R])
+                g.add(NET, _a2a(c_, f"D{r}.{blk}", dispatch_s, "fwd", blk, r), ats[R])
         for r in chunks:
-            e = g.add("compute", comp(f"E{r}.{blk}", c_.e_s, "fwd", blk, r), f"fwd:D{r}.{blk}")
-            last_c[r] = g.add(NET, net(f"C{r}.{blk}", c_.a2a_s, "fwd", blk, r), e)
+            e = g.add("compute", _comp(f"E{r}.{blk}", c_.e_s, "fwd", blk, r), f"fwd:D{r}.{blk}")
+            last_c[r] = g.add(NET, _a2a(c_, f"C{r}.{blk}", c_.a2a_s, "fwd", blk, r), e)
     heads = {}
     for r in chunks:
-        heads[r] = g.add("compute", comp(f"head{r}", c_.head_s, "fwd", 0, r),
-                         last_c[r] if overlap else last_c[R])  # fmt: skip
-    rev = list(reversed(chunks))
+        wait = last_c[r] if overlap else last_c[R]
+        heads[r] = g.add("compute", _comp(f"head{r}", c_.head_s, "fwd", 0, r), wait)
+    return heads
+
+
+def _backward(
+    g: SimGraph, c_: Costs, R: int, overlap: bool, heads: dict[int, SimTask]
+) -> list[SimTask]:
+    """Every block's backward, in reverse; returns each block's last ``AT`` backward."""
+    rev = list(reversed(range(1, R + 1)))
+    L = c_.model.layers
     done: list[SimTask] = [heads[1]] * L
     prev: dict[int, SimTask] = {}
     for r in rev:
-        prev[r] = g.add("compute", comp(f"head{r}", 2 * c_.head_s, "bwd", 0, r))
+        prev[r] = g.add("compute", _comp(f"head{r}", 2 * c_.head_s, "bwd", 0, r))
     for blk in range(L, 0, -1):
         cb = {}
         for r in rev:
-            cb[r] = g.add(NET, net(f"C{r}.{blk}", c_.a2a_s, "bwd", blk, r),
-                          prev[r] if overlap else prev[1])  # fmt: skip
-        db = {}
+            wait = prev[r] if overlap else prev[1]
+            cb[r] = g.add(NET, _a2a(c_, f"C{r}.{blk}", c_.a2a_s, "bwd", blk, r), wait)
+        db: dict[int, SimTask] = {}
         for r in rev:
-            e = g.add("compute", comp(f"E{r}.{blk}", 2 * c_.e_s, "bwd", blk, r), cb[r])
-            db[r] = g.add(NET, net(f"D{r}.{blk}", c_.a2a_s, "bwd", blk, r), e)
+            e = g.add("compute", _comp(f"E{r}.{blk}", 2 * c_.e_s, "bwd", blk, r), cb[r])
+            db[r] = g.add(NET, _a2a(c_, f"D{r}.{blk}", c_.a2a_s, "bwd", blk, r), e)
+        if c_.gathers is not None and c_.gathers.reduce_s > 0:
+            # after the last chunk's expert backward (e); on the network after the D's, so
+            # waiting for it is waiting for every D of the block too
+            rs = SimTask(f"RS{blk}", "gather", c_.gathers.reduce_s, "bwd", blk)
+            db = dict.fromkeys(rev, g.add(NET, rs, e))
         for r in rev:
-            name = f"AT{r}.{blk}"
-            prev[r] = g.add("compute", comp(name, 2 * c_.at_s, "bwd", blk, r),
-                            db[r] if overlap else db[1])  # fmt: skip
+            wait = db[r] if overlap else db[1]
+            prev[r] = g.add("compute", _comp(f"AT{r}.{blk}", 2 * c_.at_s, "bwd", blk, r), wait)
         done[blk - 1] = prev[1]
-    return g, done
+    return done
 
 
 def _ar_chunks(costs: Costs, done: list[SimTask], chunk_bytes: float) -> list[tuple[SimTask, str]]:
@@ -161,8 +310,9 @@ def _ar_chunks(costs: Costs, done: list[SimTask], chunk_bytes: float) -> list[tu
         stop = min(start + chunk_bytes, total)
         wait = next(key for end, key in ends if end >= stop - 1e-9)
         k += 1
-        out.append((SimTask(f"AR{k}", "allreduce", costs.all_reduce_s(stop - start), "bwd",
-                            0, 0, stop - start), wait))  # fmt: skip
+        nbytes = stop - start
+        ar = SimTask(f"AR{k}", "allreduce", costs.all_reduce_s(nbytes), "bwd", 0, 0, nbytes)
+        out.append((ar, wait))
         start = stop
     return out
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.planning.costmodel import DomainCandidate, DomainPlan, StreamInputs, plan_domains
+from moesaic.sim.cli_files import load_option
 
 PLAN_EPILOG = """\
 examples:
@@ -86,16 +87,6 @@ def add_subparser(subparsers) -> None:
     p.set_defaults(func=run_plan)
 
 
-def _load(path: str, what: str, load) -> Any:
-    """``load(path)`` with its errors prefixed by the option they came from."""
-    try:
-        return load(path)
-    except FileNotFoundError as exc:
-        raise FileNotFoundError(f"--{what}: {exc}") from None
-    except ValueError as exc:
-        raise ValueError(f"--{what} {path}: {exc}") from None
-
-
 def _train_config(path: str) -> tuple[Any, int]:
     """``--model``'s training config (a model file's converted) and its default bytes per
     element."""
@@ -120,8 +111,8 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         tokens_per_forward,
     )
 
-    spec = _load(args.cluster, "cluster", ClusterSpec.from_toml)
-    cfg, dtype_bytes = _load(args.model, "model", _train_config)
+    spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
+    cfg, dtype_bytes = load_option("model", args.model, _train_config)
     if args.dtype_bytes is not None:
         dtype_bytes = args.dtype_bytes
     model = cfg.model

@@ -1,18 +1,28 @@
-"""Simulate one training iteration of a model on a cluster under a strategy; summary and outputs.
+"""Simulate one training iteration of a model on a cluster: a strategy under a schedule.
 
-Strategies (``STRATEGIES``): ``vanilla`` (one forward, one backward, one all-reduce),
-``taskflow`` (each MoE layer runs its compiled tile plans, ``sim.taskflow``),
-``moe-only`` (R chunks, MoE layer pipelined), ``flowmoe`` (R chunks, attention pipelined too,
-Sp-byte all-reduce chunks in the gaps), ``ep`` (classic expert parallelism as HybridEP's
-benchmark runs it: no data-parallel all-reduce) and ``hybrid`` (HybridEP with the domain sizes
-its cost model picks). Outputs use :mod:`moesaic.trace` (``Span``, Chrome trace, PNG, busy time)
-so simulated and measured timelines look alike.
+The two axes are :mod:`moesaic.sim.runs`' (``STRATEGIES``: dropless, padded, hybrid, taskflow;
+``SCHEDULES``: vanilla, moe-only, flowmoe; taskflow runs vanilla only). Which model prices a run:
+
+* dropless, padded (every schedule) and hybrid under moe-only or flowmoe: the block pipeline of
+  :mod:`moesaic.sim.pipelined` (vanilla: R = 1, one all-reduce after the backward; moe-only: R
+  chunks; flowmoe: R chunks, attention pipelined too, Sp-byte all-reduce chunks in the gaps),
+  hybrid's exchange over its offset group with its gathers before the pipeline and its gradient
+  reduce once per block (:func:`moesaic.sim.hybrid.hybrid_costs`);
+* hybrid under vanilla: HybridEP's step (:func:`moesaic.sim.hybrid.build_hybrid`, the domain
+  sizes its cost model picks unless given), as HybridEP's benchmark runs it: no data-parallel
+  all-reduce;
+* taskflow: each MoE layer runs its compiled tile plans (:mod:`moesaic.sim.taskflow`).
+
+Outputs use :mod:`moesaic.trace` (``Span``, Chrome trace, PNG, busy time) so simulated and
+measured timelines look alike.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,17 +31,29 @@ from typing import Any
 from moesaic.checks import check_bool, check_number, check_one_of, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.sim.collectives import ALL_REDUCE_ALGORITHMS, LinkModel
-from moesaic.sim.graph import SimGraph
-from moesaic.sim.hybrid import build_hybrid, hybrid_parts, plan_domains_fast
+from moesaic.sim.graph import SimGraph, SimTask
+from moesaic.sim.hybrid import (
+    HybridParts,
+    build_hybrid,
+    hybrid_costs,
+    hybrid_parts,
+    plan_domains_fast,
+)
 from moesaic.sim.model import ModelSpec
-from moesaic.sim.pipelined import Costs, run_pipelined
+from moesaic.sim.pipelined import Costs, check_degree, run_pipelined
 from moesaic.sim.profile import Profile
+from moesaic.sim.runs import (
+    LAYER_ONLY_UNSUPPORTED,
+    Run,
+    check_run,
+    legacy_note,
+    legacy_run,
+    unsupported_reason,
+)
 from moesaic.taskflow.engine import Timeline
 from moesaic.trace import COMM_RESOURCES, COMPUTE_RESOURCES, Span, busy_time
 
 __all__ = [
-    "LAYER_ONLY_UNSUPPORTED",
-    "STRATEGIES",
     "SimOptions",
     "SimResult",
     "simulate",
@@ -39,19 +61,19 @@ __all__ = [
     "write_layer_csv",
 ]
 
-STRATEGIES = ("vanilla", "moe-only", "flowmoe", "ep", "hybrid", "taskflow")
-LAYER_ONLY_UNSUPPORTED = ("ep", "hybrid")  # HybridEP's step model has no layer-only mode
-
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SimOptions:
-    """Knobs of the strategies.
+    """Knobs of the strategies and schedules.
 
     Attributes:
-        degree: R, chunks of the pipelined schedules (must divide ``model.batch``).
+        degree: R, chunks of the pipelined schedules (must divide ``model.batch``); ``vanilla``
+            runs one.
         sp_bytes: Sp of ``flowmoe``; None: the replicated gradients' bytes / 16.
-        domain_sizes: ``hybrid``'s domains; None: chosen by its cost model.
-        prefetch: ``hybrid`` gathers prefetched under the pre-expert compute.
+        domain_sizes: ``hybrid``'s domains; None: chosen by its cost model (the vanilla step's,
+            ``plan_step``'s rule) under every schedule.
+        prefetch: ``hybrid`` gathers prefetched under the pre-expert compute (vanilla) or beside
+            the first block's attention (pipelined schedules).
         compression_ratio: ``hybrid``'s SR compression of gathered experts (+Migration: > 1).
         shared_expert_every: the shared experts' all-reduce every this many gathers.
         taskflow_tile_m: ``taskflow``'s tile rows (``MoEConfig.taskflow_tile_m``); None: the
@@ -95,6 +117,7 @@ class SimResult:
     """One simulated iteration (seconds) and its timeline."""
 
     strategy: str
+    schedule: str
     ranks: int
     iteration_s: float
     compute_s: float
@@ -103,6 +126,11 @@ class SimResult:
     wall_s: float
     spans: list[Span]
     details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """``strategy+schedule``, the label of the run's outputs."""
+        return Run(self.strategy, self.schedule).name
 
     @property
     def bound_s(self) -> float:
@@ -117,7 +145,9 @@ class SimResult:
     def summary(self) -> dict[str, Any]:
         """The JSON fields of ``moesaic simulate --json``."""
         return {
+            "name": self.name,
             "strategy": self.strategy,
+            "schedule": self.schedule,
             "ranks": self.ranks,
             "iteration_ms": self.iteration_s * 1e3,
             "compute_ms": self.compute_s * 1e3,
@@ -131,54 +161,83 @@ class SimResult:
 
 
 def _graph(
-    strategy: str, model: ModelSpec, link: LinkModel, profile: Profile, opts: SimOptions
+    run: Run, model: ModelSpec, link: LinkModel, profile: Profile, opts: SimOptions
 ) -> tuple[SimGraph, Timeline, dict[str, Any]]:
-    if strategy in ("vanilla", "moe-only", "flowmoe"):
-        R = 1 if strategy == "vanilla" else opts.degree
-        costs = Costs(model, link, profile, R)
-        sp = None
-        if strategy == "flowmoe" and costs.grad_bytes() > 0:  # layer_only: nothing to reduce
-            sp = opts.sp_bytes if opts.sp_bytes is not None else costs.grad_bytes() / 16
-        g, tl = run_pipelined(costs, degree=R, overlap=strategy == "flowmoe", chunk_bytes=sp)
-        details: dict[str, Any] = {"degree": R}
-        if sp is not None:
-            details["sp_bytes"] = sp
-        return g, tl, details
-    if strategy == "taskflow":
-        from moesaic.sim.taskflow import build_taskflow, step_cpu_s
-
-        g, plans = build_taskflow(
-            model, link, profile, tile_m=opts.taskflow_tile_m,
-            slot_rows=opts.taskflow_slot_rows, pipeline=opts.taskflow_pipeline,
-        )  # fmt: skip
-        cpu_s = step_cpu_s(model, profile, plans)
-        # A rank's queues share its cores: a step takes at least its CPU time over them.
-        cores = profile.cores_per_rank
-        floor = 0.0 if cores is None else cpu_s / cores
-        return g, g.run(), {"plans": plans, "cpu_ms": cpu_s * 1e3, "cpu_floor_ms": floor * 1e3}
-    if strategy == "ep":
-        parts = hybrid_parts(link, model, (1,) * link.spec.num_levels, profile.flops_per_s)
+    if run.strategy == "taskflow":
+        return _taskflow(model, link, profile, opts)
+    R = 1 if run.schedule == "vanilla" else check_degree(model, opts.degree)
+    parts = None
+    if run.strategy == "hybrid":
+        # planned on the tokens of one chunk, as training plans --domains auto
+        chunk = dataclasses.replace(model, batch=model.batch // R)
+        parts = _hybrid_parts(chunk, link, profile, opts)
+    if parts is not None and run.schedule == "vanilla":
+        g = build_hybrid(parts, model, profile)
+        return g, g.run(), {"domain_sizes": list(parts.domain_sizes)}
+    if parts is not None:
+        costs = hybrid_costs(link, model, profile, R, parts)
     else:
-        kw: dict[str, Any] = dict(prefetch=opts.prefetch, compression_ratio=opts.compression_ratio,
-                                  shared_expert_every=opts.shared_expert_every)  # fmt: skip
-        if opts.domain_sizes is not None:
-            parts = hybrid_parts(link, model, opts.domain_sizes, profile.flops_per_s, **kw)
-        else:
-            parts, _ = plan_domains_fast(link, model, profile.flops_per_s, **kw)
-    g = build_hybrid(parts, model, profile)
-    return g, g.run(), {"domain_sizes": list(parts.domain_sizes)}
+        costs = Costs(model, link, profile, R, strategy=run.strategy)
+    sp = None
+    if run.schedule == "flowmoe" and costs.grad_bytes() > 0:  # layer_only: nothing to reduce
+        sp = opts.sp_bytes if opts.sp_bytes is not None else costs.grad_bytes() / 16
+    overlap = run.schedule == "flowmoe"
+    g, tl = run_pipelined(costs, degree=R, overlap=overlap, chunk_bytes=sp)
+    details: dict[str, Any] = {"degree": R}
+    if sp is not None:
+        details["sp_bytes"] = sp
+    if parts is not None:
+        details["domain_sizes"] = list(parts.domain_sizes)
+    return g, tl, details
 
 
-def unsupported_reason(spec: ClusterSpec, model: ModelSpec, strategy: str) -> str | None:
-    """Why ``strategy`` cannot simulate ``model`` on ``spec`` whatever its options (None: it
-    can): what ``--strategy all`` leaves out, in words."""
-    from moesaic.sim.taskflow import MAX_RANKS
+def _hybrid_parts(
+    model: ModelSpec, link: LinkModel, profile: Profile, opts: SimOptions
+) -> HybridParts:
+    """One block's HybridEP parts with ``opts.domain_sizes`` or the ones its cost model picks."""
+    kw: dict[str, Any] = dict(
+        prefetch=opts.prefetch,
+        compression_ratio=opts.compression_ratio,
+        shared_expert_every=opts.shared_expert_every,
+    )
+    if opts.domain_sizes is not None:
+        return hybrid_parts(link, model, opts.domain_sizes, profile.flops_per_s, **kw)
+    return plan_domains_fast(link, model, profile.flops_per_s, **kw)[0]
 
-    if model.layer_only and strategy in LAYER_ONLY_UNSUPPORTED:
-        return "no layer-only cost model: model.layer_only is set"
-    if strategy == "taskflow" and spec.world_size > MAX_RANKS:
-        return f"simulates worlds of <= {MAX_RANKS} ranks, the cluster has {spec.world_size}"
-    return None
+
+def _taskflow(
+    model: ModelSpec, link: LinkModel, profile: Profile, opts: SimOptions
+) -> tuple[SimGraph, Timeline, dict[str, Any]]:
+    from moesaic.sim.taskflow import build_taskflow, step_cpu_s
+
+    g, plans = build_taskflow(
+        model,
+        link,
+        profile,
+        tile_m=opts.taskflow_tile_m,
+        slot_rows=opts.taskflow_slot_rows,
+        pipeline=opts.taskflow_pipeline,
+    )
+    cpu_s = step_cpu_s(model, profile, plans)
+    # A rank's queues share its cores: a step takes at least its CPU time over them.
+    cores = profile.cores_per_rank
+    floor = 0.0 if cores is None else cpu_s / cores
+    return g, g.run(), {"plans": plans, "cpu_ms": cpu_s * 1e3, "cpu_floor_ms": floor * 1e3}
+
+
+def _resolve(
+    spec: ClusterSpec, strategy: str, schedule: str | None, opts: SimOptions
+) -> tuple[Run, SimOptions]:
+    """The run and options ``simulate`` was given; an old mixed name (``runs.LEGACY_NAMES``)
+    without a schedule is read as its pair, with a DeprecationWarning."""
+    legacy = legacy_run(strategy, spec.num_levels) if schedule is None else None
+    if legacy is None:
+        return check_run(strategy, "vanilla" if schedule is None else schedule), opts
+    warnings.warn(legacy_note(strategy), DeprecationWarning, stacklevel=3)
+    run, domains = legacy
+    if domains is not None:  # classic EP, whatever domains were given
+        opts = dataclasses.replace(opts, domain_sizes=domains)
+    return run, opts
 
 
 def simulate(
@@ -187,25 +246,37 @@ def simulate(
     strategy: str,
     profile: Profile,
     options: SimOptions | None = None,
+    *,
+    schedule: str | None = None,
 ) -> SimResult:
-    """Simulates one iteration of ``model`` on ``spec`` under ``strategy``.
+    """Simulates one iteration of ``model`` on ``spec``: ``strategy`` under ``schedule``.
+
+    Args:
+        spec: the cluster.
+        model: the model and one rank's batch.
+        strategy: ``runs.STRATEGIES`` (dropless, padded, hybrid, taskflow). Deprecated: an old
+            mixed name (``vanilla``, ``moe-only``, ``flowmoe``, ``ep``) with ``schedule`` None.
+        profile: the machine's rates.
+        options: the strategies' and schedules' knobs.
+        schedule: ``runs.SCHEDULES`` (vanilla, moe-only, flowmoe); None: vanilla.
 
     Raises:
-        ValueError: an unknown strategy, or a model that does not fit the world (experts not a
+        ValueError: an unknown strategy or schedule, a pair that cannot run (taskflow under a
+            pipelined schedule), or a model that does not fit the world (experts not a
             multiple of the ranks, R not dividing the batch), naming the field.
     """
-    check_one_of("strategy", strategy, STRATEGIES)
-    opts = options or SimOptions()
+    run, opts = _resolve(spec, strategy, schedule, options or SimOptions())
     t0 = time.perf_counter()
     if model.experts % spec.world_size:
         raise ValueError(
             f"model.experts ({model.experts}) must be a multiple of the cluster's world_size "
             f"({spec.world_size})"
         )
-    if model.layer_only and strategy in LAYER_ONLY_UNSUPPORTED:
+    if model.layer_only and run.strategy in LAYER_ONLY_UNSUPPORTED:
         raise ValueError(
-            f"strategy {strategy!r} cannot simulate a model with model.layer_only: its costs are "
-            "planning.stepmodel's, which always include the block's attention"
+            f"strategy {run.strategy!r} cannot simulate a model with model.layer_only: its "
+            "gathers and domains are priced by planning.stepmodel, which always includes the "
+            "block's attention"
         )
     profile = profile.for_model(model.act_bytes)  # a bf16 model at the bf16 matmul rate
     link_spec, scale = profile.link_spec(spec)  # measured levels at their measured rates
@@ -217,29 +288,9 @@ def simulate(
         allreduce_shares=profile.collective_shares("all_reduce"),
         all_reduce=opts.all_reduce,
     )
-    g, tl, details = _graph(strategy, model, link, profile, opts)
+    g, tl, details = _graph(run, model, link, profile, opts)
     plans = details.pop("plans", None)
-    spans = [
-        Span(
-            rank=0,
-            resource=t.resource,
-            name=t.name,
-            start=tl.start[t.key],
-            end=tl.end[t.key],
-            args={
-                k: v
-                for k, v in (
-                    ("phase", t.phase),
-                    ("block", t.block),
-                    ("chunk", t.chunk),
-                    ("bytes", t.nbytes),
-                )
-                if v
-            },
-        )
-        for t in g.tasks()
-        if t.key in tl.end
-    ]
+    spans = [_span(t, tl) for t in g.tasks() if t.key in tl.end]
     if plans is not None:  # each layer task expanded into its plan's tiles
         spans = _expand(spans, plans)
     spans.sort(key=lambda s: (s.start, s.resource))
@@ -247,7 +298,8 @@ def simulate(
     comm = busy_time(spans, COMM_RESOURCES)
     both = busy_time(spans, (*COMPUTE_RESOURCES, *COMM_RESOURCES))
     return SimResult(
-        strategy=strategy,
+        strategy=run.strategy,
+        schedule=run.schedule,
         ranks=spec.world_size,
         iteration_s=max(tl.makespan, details.get("cpu_floor_ms", 0.0) * 1e-3),
         compute_s=compute,
@@ -259,6 +311,19 @@ def simulate(
     )
 
 
+def _span(t: SimTask, tl: Timeline) -> Span:
+    fields = (("phase", t.phase), ("block", t.block), ("chunk", t.chunk), ("bytes", t.nbytes))
+    args = {k: v for k, v in fields if v}
+    return Span(
+        rank=0,
+        resource=t.resource,
+        name=t.name,
+        start=tl.start[t.key],
+        end=tl.end[t.key],
+        args=args,
+    )
+
+
 def _expand(spans: list[Span], plans: dict[str, Any]) -> list[Span]:
     out = []
     for s in spans:
@@ -267,34 +332,30 @@ def _expand(spans: list[Span], plans: dict[str, Any]) -> list[Span]:
             continue
         plan = plans["forward" if s.args.get("phase") == "fwd" else "backward"]
         for t in plan.spans:
-            out.append(Span(rank=s.rank, resource=t.resource, name=t.name, start=s.start + t.start,
-                            end=s.start + t.end, args={**t.args, **s.args}))  # fmt: skip
+            start, end = s.start + t.start, s.start + t.end
+            args = {**t.args, **s.args}
+            out.append(
+                Span(rank=s.rank, resource=t.resource, name=t.name, start=start, end=end, args=args)
+            )
     return out
 
 
-def write_layer_csv(path: str | Path, spans: Sequence[Span] | Mapping[str, Sequence[Span]]) -> Path:
-    """Per strategy, block and phase: compute and communication busy milliseconds, task counts.
+def write_layer_csv(path: str | Path, spans: Sequence[Span] | Mapping[Run, Sequence[Span]]) -> Path:
+    """Per run (strategy and schedule), block and phase: compute and communication busy
+    milliseconds, task counts.
 
-    ``spans`` is one strategy's timeline (its ``strategy`` column left empty) or a mapping of
-    strategy name to timeline (``simulate --strategy all --csv``: one table for every one).
+    ``spans`` is one timeline (its ``strategy`` and ``schedule`` columns left empty) or a
+    mapping of run to timeline (``simulate --csv``: one table for every run).
     """
-    by_strategy = dict(spans) if isinstance(spans, Mapping) else {"": spans}
+    by_run = dict(spans) if isinstance(spans, Mapping) else {Run("", ""): spans}
     path = Path(path)
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["strategy", "block", "phase", "compute_ms", "comm_ms", "tasks"])
-        for name, timeline in by_strategy.items():
+        w.writerow(["strategy", "schedule", "block", "phase", "compute_ms", "comm_ms", "tasks"])
+        for run, timeline in by_run.items():
             for (blk, phase), row in sorted(_layer_rows(timeline).items()):
-                w.writerow(
-                    [
-                        name,
-                        blk,
-                        phase or "-",
-                        f"{row['compute_ms']:.6f}",
-                        f"{row['comm_ms']:.6f}",
-                        int(row["tasks"]),
-                    ]
-                )
+                compute, comm = f"{row['compute_ms']:.6f}", f"{row['comm_ms']:.6f}"
+                w.writerow([*run, blk, phase or "-", compute, comm, int(row["tasks"])])
     return path
 
 

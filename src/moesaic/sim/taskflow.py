@@ -112,8 +112,9 @@ def default_tiles(
     if slot_rows is None:
         slot_rows = slot_rows_for(math.ceil(rows / model.experts), tile_m)
     if slot_rows % tile_m:
-        raise ValueError(f"taskflow_slot_rows ({slot_rows}) must be a multiple of "
-                         f"taskflow_tile_m ({tile_m})")  # fmt: skip
+        raise ValueError(
+            f"taskflow_slot_rows ({slot_rows}) must be a multiple of taskflow_tile_m ({tile_m})"
+        )
     return tile_m, slot_rows
 
 
@@ -142,9 +143,17 @@ def layer_plan(
         raise ValueError(f"the taskflow strategy simulates worlds of <= {MAX_RANKS} ranks, got {P}")
     T, H, F = model.tokens, model.hidden, model.ffn_hidden
     tile_m, slot = default_tiles(model, tile_m, slot_rows)
-    bucket = ShapeBucket(tokens=T, hidden=H, ffn=F, experts=model.experts, top_k=model.top_k,
-                         ep_size=P, slot_rows=slot, tile_m=tile_m,
-                         activation=model.activation)  # fmt: skip
+    bucket = ShapeBucket(
+        tokens=T,
+        hidden=H,
+        ffn=F,
+        experts=model.experts,
+        top_k=model.top_k,
+        ep_size=P,
+        slot_rows=slot,
+        tile_m=tile_m,
+        activation=model.activation,
+    )
     plans = compile_world(bucket, direction, CompileOptions(pipeline=pipeline))
     launch_s = profile.task_overhead_s / OPS_PER_TASK
     swiglu = model.activation == "swiglu"
@@ -202,9 +211,16 @@ def layer_plan(
     spans = []
     for t in plan.tasks:
         kind = TASK_TYPES[t.task_type]
-        spans.append(Span(rank=0, resource="a2a" if kind.put else "compute", name=t.op,
-                          start=tl.start[(0, t.uid)], end=tl.end[(0, t.uid)],
-                          args={"tile": t.task_index}))  # fmt: skip
+        spans.append(
+            Span(
+                rank=0,
+                resource="a2a" if kind.put else "compute",
+                name=t.op,
+                start=tl.start[(0, t.uid)],
+                end=tl.end[(0, t.uid)],
+                args={"tile": t.task_index},
+            )
+        )
     return LayerPlan(tl.makespan, spans, cpu_s)
 
 
@@ -254,7 +270,8 @@ def build_taskflow(
     nbytes = grad * model.param_bytes
     if nbytes == 0:  # layer_only: no replicated gradient, no optimizer step
         return g, plans
-    ar = g.add("net", SimTask("AR1", "allreduce", all_reduce_s(link, nbytes), "bwd", 0, 0,
-                              nbytes), last)  # fmt: skip
+    ar = g.add(
+        "net", SimTask("AR1", "allreduce", all_reduce_s(link, nbytes), "bwd", 0, 0, nbytes), last
+    )
     g.add("compute", SimTask("optimizer", "optimizer", profile.task_overhead_s), ar)
     return g, plans

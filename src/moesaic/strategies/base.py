@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from moesaic.cluster.spec import ClusterSpec
 
 ExpertFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
-
-# What a strategy may declare in ``needs``: the fields of StrategyContext that must not be None.
-NEEDS = ("topology", "plans")
 
 
 @dataclass(slots=True)
@@ -96,15 +93,13 @@ class StrategyContext:
         config: the layer config.
         group: the expert-parallel group (with its deadline).
         placement: which rank holds which expert.
-        topology: the cluster description (HybridEP's cost model); None when not given.
-        plans: compiled tile plans (the taskflow strategy); None when not given.
+        topology: the cluster description (HybridEP's levels); None when not given.
     """
 
     config: MoEConfig
     group: EPGroup
     placement: ExpertPlacement
     topology: ClusterSpec | None = None
-    plans: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,26 +110,58 @@ class StrategyOutput:
     stats: CommStats
 
 
+@dataclass(frozen=True, slots=True)
+class Supports:
+    """What a strategy runs under, declared once (``MoEStrategy.supports``) and checked once,
+    before any worker starts (``check``), and again by whatever builds a pipelined step.
+
+    Attributes:
+        schedules: the training schedules it runs under; None: every one.
+        capacity: whether it honours ``capacity_factor`` (dropping what overflows).
+        why: the reason for what it does not support, for the refusal.
+    """
+
+    schedules: tuple[str, ...] | None = None
+    capacity: bool = True
+    why: str = ""
+
+    def check(self, strategy: str, *, schedule: str | None = None, capacity: bool = False) -> None:
+        """Refuse a combination this strategy does not support.
+
+        Raises:
+            ValueError: naming the strategy, the schedule or option, and why.
+        """
+        because = f": {self.why}" if self.why else ""
+        if schedule is not None and self.schedules is not None and schedule not in self.schedules:
+            runs = ", ".join(self.schedules)
+            raise ValueError(
+                f"strategy {strategy!r} does not run under schedule {schedule!r} (it runs under "
+                f"{runs}){because}"
+            )
+        if capacity and not self.capacity:
+            raise ValueError(
+                f"strategy {strategy!r} does not support capacity_factor (leave it unset){because}"
+            )
+
+
 class MoEStrategy(ABC):
     """Moves routed tokens to the experts and their outputs back, combined.
 
-    Subclasses set ``name`` (the registry key) and ``needs`` (which optional context fields,
-    of ``NEEDS``, must be given) and implement ``forward``.
+    Subclasses set ``name`` (the registry key) and ``supports`` and implement ``forward``.
     """
 
     name: ClassVar[str] = ""
-    needs: ClassVar[frozenset[str]] = frozenset()
-    # True when experts run on ranks other than their owners (copies moved there): the
-    # ``experts`` callable must then be the layer's GroupedExperts, whose weights it moves.
-    moves_experts: ClassVar[bool] = False
+    # Only the vanilla schedule: a pipelined one issues a strategy's row all-to-alls itself,
+    # which needs its dispatch/combine phases (``DispatchCombineStrategy``).
+    supports: ClassVar[Supports] = Supports(
+        schedules=("vanilla",),
+        why="it has no dispatch/combine phases for a pipelined schedule to run as stages",
+    )
     # True when the strategy computes with the expert weights itself (moving them, or running
     # them in its own tile tasks): ``experts`` must be the layer's GroupedExperts.
     needs_expert_weights: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
-        unknown = set(self.needs) - set(NEEDS)
-        if unknown:
-            raise TypeError(f"{type(self).__name__}.needs has unknown entries {sorted(unknown)}")
         self.ctx = ctx
         self.group = ctx.group
         self.placement = ctx.placement
@@ -186,6 +213,41 @@ class ExchangeHandle:
     in_splits_P: list[int]
     out_splits_P: list[int]
 
+    def splits(self, kind: str, forward: bool) -> tuple[list[int], list[int]]:
+        """``(send_P, recv_P)``: rows this rank sends to and receives from each rank of the
+        exchange group in the ``kind`` all-to-all (``"dispatch"`` or ``"combine"``), of rows
+        (``forward``) or of their gradients (the other way).
+
+        The dispatch sends ``in_splits_P`` and receives ``out_splits_P``; the combine and the
+        gradient of the dispatch swap them; the gradient of the combine swaps them back.
+        """
+        if kind not in EXCHANGE_KINDS:
+            raise ValueError(f"kind must be one of {EXCHANGE_KINDS}, got {kind!r}")
+        if (kind == "dispatch") == forward:
+            return self.in_splits_P, self.out_splits_P
+        return self.out_splits_P, self.in_splits_P
+
+
+EXCHANGE_KINDS = ("dispatch", "combine")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertRun:
+    """The experts that compute a phase strategy's rows, prepared once for one or more forwards.
+
+    Attributes:
+        fn: ``fn(x_MH, counts_e) -> y_MH`` over the received rows grouped by local expert.
+        stats: what preparing them sent (``hybrid``'s expert gathers; nothing by default).
+        finish_backward: for a pipelined step, the call that completes the backward of the
+            experts once every chunk's expert stage has run its own (``hybrid``: the gathered
+            copies' gradients reduced to their owners once, not once per chunk); None when
+            the chunks' backward already reaches the parameters.
+    """
+
+    fn: ExpertFn
+    stats: CommStats = field(default_factory=CommStats)
+    finish_backward: Callable[[], None] | None = None
+
 
 HandleT = TypeVar("HandleT", bound=ExchangeHandle)
 
@@ -223,8 +285,24 @@ class DispatchCombineStrategy(MoEStrategy, Generic[HandleT]):
       ``plan.unpermute`` weights and sums per token.
     """
 
+    supports: ClassVar[Supports] = Supports()  # every schedule runs the phases
     dispatch_what: ClassVar[str] = "dispatch all_to_all_v"
     combine_what: ClassVar[str] = "combine all_to_all_v"
+
+    @property
+    def exchange_group(self) -> EPGroup:
+        """The group the row all-to-alls run on (the expert-parallel group unless the strategy
+        exchanges rows over a subgroup, as ``hybrid`` does over its offset group); the handles'
+        splits have one entry per rank of it."""
+        return self.group
+
+    def prepare_experts(self, experts: ExpertFn, *, pipelined: bool = False) -> ExpertRun:
+        """The experts that compute the rows ``dispatch_recv`` returns: the layer's own by
+        default. A pipelined schedule calls this once per step before its first stage
+        (``pipelined=True``: the R chunks of the step share the result and the schedule calls
+        ``finish_backward`` after the last chunk's expert backward); the vanilla ``forward``
+        calls it once per forward."""
+        return ExpertRun(experts)
 
     @abstractmethod
     def dispatch_send(self, x_TH: torch.Tensor, plan: RoutingPlan) -> Outbound[HandleT]:
@@ -248,19 +326,20 @@ class DispatchCombineStrategy(MoEStrategy, Generic[HandleT]):
         """Returns ``(x_MH, counts_e, handle, stats)``: rows grouped by local expert."""
         out = self.dispatch_send(x_TH, plan)
         h = out.handle
-        rows = all_to_all_v(out.rows, self.group, h.in_splits_P, h.out_splits_P, self.dispatch_what)
+        send, recv = h.splits("dispatch", forward=True)
+        rows = all_to_all_v(out.rows, self.exchange_group, send, recv, self.dispatch_what)
         x_MH, counts_e = self.dispatch_recv(rows, h)
         return x_MH, counts_e, h, out.stats
 
     def combine(self, y_MH: torch.Tensor, handle: HandleT) -> torch.Tensor:
         """Expert outputs [M, H] -> the weighted sum per token [T, H]."""
-        send = self.combine_send(y_MH, handle)
-        rows = all_to_all_v(
-            send, self.group, handle.out_splits_P, handle.in_splits_P, self.combine_what
-        )
+        rows = self.combine_send(y_MH, handle)
+        send, recv = handle.splits("combine", forward=True)
+        rows = all_to_all_v(rows, self.exchange_group, send, recv, self.combine_what)
         return handle.plan.unpermute(self.combine_recv(rows, handle))
 
     def forward(self, x_TH: torch.Tensor, plan: RoutingPlan, experts: ExpertFn) -> StrategyOutput:
+        run = self.prepare_experts(experts)
         x_MH, counts_e, handle, stats = self.dispatch(x_TH, plan)
-        y_MH = experts(x_MH, counts_e)
-        return StrategyOutput(self.combine(y_MH, handle), stats)
+        y_MH = run.fn(x_MH, counts_e)
+        return StrategyOutput(self.combine(y_MH, handle), run.stats + stats)

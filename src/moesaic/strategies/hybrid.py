@@ -47,8 +47,14 @@ from moesaic.experts import GroupedExperts, expert_ffn
 from moesaic.placement import ExpertPlacement
 from moesaic.placement.topology import Topology
 from moesaic.routing import RoutingPlan, build_plan
-from moesaic.strategies.base import CommStats, MoEStrategy, StrategyContext, StrategyOutput
-from moesaic.strategies.dropless import DroplessStrategy
+from moesaic.strategies.base import (
+    CommStats,
+    DispatchCombineStrategy,
+    ExpertRun,
+    Outbound,
+    StrategyContext,
+)
+from moesaic.strategies.dropless import DroplessHandle, DroplessStrategy
 from moesaic.strategies.migration import Gathered, PendingGather, Weights, start_gather
 
 if TYPE_CHECKING:
@@ -129,11 +135,15 @@ def bundle_order(topo: Topology, m: int) -> list[int]:
     return order
 
 
-class HybridStrategy(MoEStrategy):
-    """HybridEP: expert all-gathers inside domains, dropless all-to-all between domains."""
+class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
+    """HybridEP: expert all-gathers inside domains, dropless all-to-all between domains.
+
+    A phase strategy: the gathers are ``prepare_experts`` (before a pipelined step's first
+    stage, or at the start of a vanilla forward), the phases are ``dropless``'s over the offset
+    group (``exchange_group``), so the pipelined schedules run it like any other.
+    """
 
     name = "hybrid"
-    moves_experts = True
     needs_expert_weights = True
 
     def __init__(self, ctx: StrategyContext) -> None:
@@ -266,32 +276,63 @@ class HybridStrategy(MoEStrategy):
             expert_bytes=sum(peers), collectives=pending.collectives, peer_bytes_P=tuple(peers)
         )
 
-    # ---- forward ------------------------------------------------------------------------------
+    # ---- the phases -----------------------------------------------------------------------
 
-    def forward(self, x_TH: torch.Tensor, plan: RoutingPlan, experts: ExpertFn) -> StrategyOutput:
+    @property
+    def exchange_group(self) -> EPGroup:
+        """The offset group: one rank per domain, the token exchange's all-to-alls run on it."""
+        return self._exchange.group
+
+    def prepare_experts(self, experts: ExpertFn, *, pipelined: bool = False) -> ExpertRun:
+        """The domain's experts (gathered, or from the cache or a prefetch) as one expert run.
+
+        Vanilla: the copies stay in the graph, so each forward's backward reduces their
+        gradients to the owners. Pipelined: the R chunks' expert stages share detached leaves
+        of them and ``finish_backward`` reduces the chunks' summed gradients once.
+        """
         weights = self._local_weights(experts)
+        if not self.levels:
+            return ExpertRun(_domain_ffn(weights), CommStats(peer_bytes_P=(0,) * self.group.size))
+        gathered, stats = self._gathered(weights)
+        used = tuple(
+            None
+            if w is None or g is None
+            else _GatheredExperts.apply(w, g, self.levels, self.position, f"hybrid experts.{n}")
+            for w, g, n in zip(weights, gathered, ("w1", "w3", "w2"))
+        )
+        if not pipelined:
+            return ExpertRun(_domain_ffn(used), stats)
+        leaves = tuple(None if u is None else u.detach().requires_grad_() for u in used)
+
+        def finish_backward() -> None:
+            # Every rank reduces every weight (zeros where its chunks left no gradient), so the
+            # level groups see the same all-to-alls on every rank.
+            pairs = [
+                (u, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+                for u, leaf in zip(used, leaves)
+                if u is not None and leaf is not None and u.requires_grad
+            ]
+            if pairs:
+                torch.autograd.backward([u for u, _ in pairs], [g for _, g in pairs])
+
+        return ExpertRun(_domain_ffn(leaves), stats, finish_backward)
+
+    def dispatch_send(self, x_TH: torch.Tensor, plan: RoutingPlan) -> Outbound[DroplessHandle]:
         if plan.placement != self._routing:  # a plan routed by the owners: re-route it
             plan = build_plan(plan.topk_ids_TK, plan.topk_weights_TK, self._routing, plan.capacity)
-        stats = CommStats(peer_bytes_P=(0,) * self.group.size)
-        if self.levels:
-            gathered, stats = self._gathered(weights)
-            names = ("w1", "w3", "w2")
-            used = tuple(
-                None
-                if w is None or g is None
-                else _GatheredExperts.apply(w, g, self.levels, self.position, f"hybrid experts.{n}")
-                for w, g, n in zip(weights, gathered, names)
-            )
-        else:
-            used = weights
+        out = self._exchange.dispatch_send(x_TH, plan)
+        return Outbound(out.rows, out.handle, self._to_group(out.stats))
 
-        def run(x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
-            w1, w3, w2 = used
-            assert w1 is not None and w2 is not None
-            return expert_ffn(x_MH, counts_e, w1, w3, w2)
+    def dispatch_recv(
+        self, rows: torch.Tensor, handle: DroplessHandle
+    ) -> tuple[torch.Tensor, list[int]]:
+        return self._exchange.dispatch_recv(rows, handle)
 
-        out = self._exchange.forward(x_TH, plan, run)
-        return StrategyOutput(out.y_TH, stats + self._to_group(out.stats))
+    def combine_send(self, y_MH: torch.Tensor, handle: DroplessHandle) -> torch.Tensor:
+        return self._exchange.combine_send(y_MH, handle)
+
+    def combine_recv(self, rows: torch.Tensor, handle: DroplessHandle) -> torch.Tensor:
+        return self._exchange.combine_recv(rows, handle)
 
     def _to_group(self, stats: CommStats) -> CommStats:
         """Statistics over the offset group -> over the expert-parallel group."""
@@ -299,3 +340,14 @@ class HybridStrategy(MoEStrategy):
         for q, b in enumerate(stats.peer_bytes_P or (0,) * len(self.offset_ranks)):
             peers[self.offset_ranks[q]] += b
         return dataclasses.replace(stats, peer_bytes_P=tuple(peers))
+
+
+def _domain_ffn(weights: tuple[torch.Tensor | None, ...]) -> ExpertFn:
+    """The expert FFN over the rows of the domain's experts, with ``weights`` (w1, w3, w2)."""
+    w1, w3, w2 = weights
+    assert w1 is not None and w2 is not None  # internal: w3 alone is optional
+
+    def run(x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
+        return expert_ffn(x_MH, counts_e, w1, w3, w2)
+
+    return run

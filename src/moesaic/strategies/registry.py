@@ -14,7 +14,13 @@ from moesaic.strategy_table import register_strategy, resolve_strategy, strategy
 if TYPE_CHECKING:
     from moesaic.strategies.base import MoEStrategy, StrategyContext
 
-__all__ = ["get_strategy", "make_strategy", "register_strategy", "strategy_names"]
+__all__ = [
+    "check_supported",
+    "get_strategy",
+    "make_strategy",
+    "register_strategy",
+    "strategy_names",
+]
 
 
 def get_strategy(name: str) -> type[MoEStrategy]:
@@ -23,13 +29,14 @@ def get_strategy(name: str) -> type[MoEStrategy]:
 
 
 def make_strategy(name: str, ctx: StrategyContext) -> MoEStrategy:
-    """Build strategy ``name`` for ``ctx`` after checking that ``ctx`` has what it needs."""
-    cls = get_strategy(name)
-    missing = sorted(need for need in cls.needs if getattr(ctx, need, None) is None)
-    if missing:
-        raise ValueError(
-            f"dispatcher {name!r} needs {', '.join(missing)}: pass "
-            + ", ".join(f"{m}=..." for m in missing)
-            + " to MoELayer"
-        )
-    return cls(ctx)
+    """Build strategy ``name`` for ``ctx``."""
+    return get_strategy(name)(ctx)
+
+
+def check_supported(name: str, *, schedule: str | None = None, capacity: bool = False) -> None:
+    """Refuse what strategy ``name`` does not support (its ``supports``), naming why.
+
+    Raises:
+        ValueError: the strategy, the schedule or option, and the strategy's reason.
+    """
+    get_strategy(name).supports.check(name, schedule=schedule, capacity=capacity)

@@ -33,6 +33,7 @@ from moesaic.strategies.base import (
     MoEStrategy,
     StrategyContext,
     StrategyOutput,
+    Supports,
 )
 from moesaic.taskflow.bucket import CompileOptions
 from moesaic.taskflow.plan import Plan
@@ -90,6 +91,13 @@ class TaskflowStrategy(MoEStrategy):
 
     name = "taskflow"
     needs_expert_weights = True
+    supports = Supports(
+        schedules=("vanilla",),
+        why=(
+            "its dispatch, GEMMs and combine are fused into tile tasks of one compiled plan, so "
+            "there are no row all-to-alls for a pipelined schedule to issue between stages"
+        ),
+    )
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)

@@ -42,12 +42,11 @@ from moesaic.taskflow.validate import (
     PlanFormatError,
     PlanRegionError,
     PlanVersionError,
-    PlanWorldError,
     check_plan,
-    check_world,
     ensure_validated,
     simulate,
 )
+from moesaic.taskflow.validate_world import PlanWorldError, check_world
 
 __all__ = [
     "PLAN_VERSION",

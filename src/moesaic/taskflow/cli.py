@@ -64,13 +64,21 @@ def _bucket(args) -> ShapeBucket:
     if slot is None:
         if min(args.tokens, args.topk, args.experts, tile) <= 0:
             raise ValueError("tokens, topk, experts and tile sizes must be > 0")
-        slot = slot_rows_for(math.ceil(args.tokens * args.topk / args.experts), tile,
-                             power_of_two_tiles=False)  # fmt: skip
+        slot = slot_rows_for(
+            math.ceil(args.tokens * args.topk / args.experts), tile, power_of_two_tiles=False
+        )
     return ShapeBucket(
-        tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, experts=args.experts,
-        top_k=args.topk, ep_size=args.ep, slot_rows=slot, tile_m=args.tile_m,
-        gmm_tile_m=args.gmm_tile_m, activation=args.activation,
-    )  # fmt: skip
+        tokens=args.tokens,
+        hidden=args.hidden,
+        ffn=args.ffn,
+        experts=args.experts,
+        top_k=args.topk,
+        ep_size=args.ep,
+        slot_rows=slot,
+        tile_m=args.tile_m,
+        gmm_tile_m=args.gmm_tile_m,
+        activation=args.activation,
+    )
 
 
 def _options(args) -> CompileOptions:
@@ -107,8 +115,11 @@ def _guard_size(args, bucket: ShapeBucket, direction: str, ranks: int) -> None:
 
 def _task_line(plan: Plan, uid: int) -> str:
     t = plan.tasks[uid]
-    wait = "-" if t.dependent_event < 0 else (
-        f"ev{t.dependent_event}/{plan.events[t.dependent_event].threshold}")  # fmt: skip
+    wait = (
+        "-"
+        if t.dependent_event < 0
+        else (f"ev{t.dependent_event}/{plan.events[t.dependent_event].threshold}")
+    )
     trig = ",".join(
         f"ev{r.event}" if r.rank == plan.rank else f"r{r.rank}:ev{r.event}"
         for r in t.trigger_events
@@ -118,8 +129,10 @@ def _task_line(plan: Plan, uid: int) -> str:
         where += f" -> rank {t.peer}"
     rows = "+".join(f"{r.buffer}[{r.start}:{r.stop}]" for r in t.outputs[:2])
     more = "+..." if len(t.outputs) > 2 else ""
-    return f"  {uid:>6}  {t.label:<22} {where:<22} wait {wait:<12} trigger {trig or '-':<14} " \
-           f"writes {rows}{more}"  # fmt: skip
+    return (
+        f"  {uid:>6}  {t.label:<22} {where:<22} wait {wait:<12} trigger {trig or '-':<14} "
+        f"writes {rows}{more}"
+    )
 
 
 def _first(n: int, limit: int) -> str:
@@ -199,7 +212,8 @@ def _ranks(ranks: list[int]) -> str:
 
 def _check(args) -> int:
     from moesaic.taskflow.plan_io import load_plan
-    from moesaic.taskflow.validate import PlanError, PlanWorldError, check_world, world_mismatch
+    from moesaic.taskflow.validate import PlanError
+    from moesaic.taskflow.validate_world import PlanWorldError, check_world, world_mismatch
 
     plans: list[Plan] = []
     for f in args.files:
@@ -208,8 +222,10 @@ def _check(args) -> int:
         except PlanError as exc:
             raise type(exc)(f"{f}: {exc}") from None
     for f, p in zip(args.files, plans):
-        print(f"{f}: ok ({p.direction}, rank {p.rank} of EP {p.bucket.ep_size}, "
-              f"{len(p.tasks)} tasks, {len(p.events)} events, world {p.world_fingerprint})")  # fmt: skip
+        print(
+            f"{f}: ok ({p.direction}, rank {p.rank} of EP {p.bucket.ep_size}, "
+            f"{len(p.tasks)} tasks, {len(p.events)} events, world {p.world_fingerprint})"
+        )
     names = [Path(f).name for f in args.files]
     for name, p in zip(names[1:], plans[1:]):
         diff = world_mismatch(plans[0], p)
@@ -219,8 +235,10 @@ def _check(args) -> int:
                 "world are compiled with the same shapes and options"
             )
     n = len(plans)
-    print(f"per-plan checks: {n} file{'s' if n > 1 else ''} ok (format, regions, events, "
-          "schedule, no single-rank deadlock)")  # fmt: skip
+    print(
+        f"per-plan checks: {n} file{'s' if n > 1 else ''} ok (format, regions, events, "
+        "schedule, no single-rank deadlock)"
+    )
     P = plans[0].bucket.ep_size
     for direction in ("forward", "backward"):
         given: dict[int, str] = {}
@@ -236,12 +254,16 @@ def _check(args) -> int:
             continue
         missing = sorted(set(range(P)) - set(given))
         if missing:
-            print(f"cross-rank check ({direction}): NOT run, {_ranks(missing)} of {P} missing "
-                  "(give every rank's plan to check that puts match and no rank waits forever)")  # fmt: skip
+            print(
+                f"cross-rank check ({direction}): NOT run, {_ranks(missing)} of {P} missing "
+                "(give every rank's plan to check that puts match and no rank waits forever)"
+            )
             continue
         check_world(sorted((p for p in plans if p.direction == direction), key=lambda p: p.rank))
-        print(f"cross-rank check ({direction}): ok, ranks 0-{P - 1} (every put matches its "
-              f"receiver's record, no deadlock of all {2 * P} queues)")  # fmt: skip
+        print(
+            f"cross-rank check ({direction}): ok, ranks 0-{P - 1} (every put matches its "
+            f"receiver's record, no deadlock of all {2 * P} queues)"
+        )
     return 0
 
 

@@ -18,7 +18,7 @@ Steps (paper §4.2-4.5), all offline and per rank:
 Per-rank compilation without seeing the other ranks' plans works because the plans are
 rank-symmetric: event ids are assigned from canonical writer keys (operator, rows written), which
 are the same on every rank, so the counter a put must bump on rank d is the counter the same rows
-have on this rank. ``validate.check_world`` verifies that claim on a whole world.
+have on this rank. ``validate_world.check_world`` verifies that claim on a whole world.
 """
 
 from __future__ import annotations
@@ -326,8 +326,10 @@ def schedule_two_queue(
     """The two-queue executor's schedule: each task on the queue of its type's class, in
     operator-topological order, then RATR and (backward) GMM interleaving. The pipelined order
     (``options.pipeline``) needs the whole world: ``compile_plan`` applies it."""
-    queues = {name: [t.uid for t in tasks if TASK_TYPES[t.task_type].queue_class == name]
-              for name in QUEUE_CLASSES}  # fmt: skip
+    queues = {
+        name: [t.uid for t in tasks if TASK_TYPES[t.task_type].queue_class == name]
+        for name in QUEUE_CLASSES
+    }
     if options.ratr:
         queues = {n: rank_aware_order(tasks, q, rank, bucket) for n, q in queues.items()}
     if options.interleave and direction == "backward":
@@ -357,7 +359,7 @@ def compile_world(
             for r in range(bucket.ep_size)
         ]
     if validate:
-        from moesaic.taskflow.validate import check_world
+        from moesaic.taskflow.validate_world import check_world
 
         check_world(plans)
     return plans

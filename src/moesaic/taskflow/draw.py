@@ -75,9 +75,15 @@ def draw_plan(
     for t in plan.tasks:
         s, e = start[t.uid], end[t.uid]
         ax.add_patch(
-            Rectangle((s, lane[t.uid] - 0.35), max(e - s, 1e-3), 0.7,
-                      facecolor=color[t.op], edgecolor="black", linewidth=0.3)
-        )  # fmt: skip
+            Rectangle(
+                (s, lane[t.uid] - 0.35),
+                max(e - s, 1e-3),
+                0.7,
+                facecolor=color[t.op],
+                edgecolor="black",
+                linewidth=0.3,
+            )
+        )
     by_key = {(t.op, t.task_index): t for t in plan.tasks}
     deps = [
         (by_key[(p.op, p.task_index)], t)
@@ -106,8 +112,10 @@ def draw_plan(
     )
     ax.legend(
         handles=[Patch(facecolor=color[o], label=o) for o in ops],
-        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-    )  # fmt: skip
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+    )
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=120)

@@ -174,9 +174,14 @@ class EventEngine(Generic[T]):
                 job = lane.jobs[self._pos[li]]
                 ev = job.wait
                 out.append(
-                    Stall(lane=lane.name, position=self._pos[li], job=job,
-                          count=self.count.get(ev, 0), threshold=self.thresholds.get(ev, 0))
-                )  # fmt: skip
+                    Stall(
+                        lane=lane.name,
+                        position=self._pos[li],
+                        job=job,
+                        count=self.count.get(ev, 0),
+                        threshold=self.thresholds.get(ev, 0),
+                    )
+                )
         return out
 
     def run(self) -> Timeline:

@@ -55,6 +55,7 @@ routing). ``plan_layout_writes`` maps a taskflow plan's communication buffers on
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -124,8 +125,17 @@ class SymmetricLayout:
     signal_bytes: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "local_experts", "capacity", "hidden_size", "dtype_bytes",
-                     "tile_m", "rounds", "buffers", "tile_n"):  # fmt: skip
+        for name in (
+            "world_size",
+            "local_experts",
+            "capacity",
+            "hidden_size",
+            "dtype_bytes",
+            "tile_m",
+            "rounds",
+            "buffers",
+            "tile_n",
+        ):
             check_positive_int(name, getattr(self, name))
         check_int("signal_bytes", self.signal_bytes, minimum=0)
 
@@ -133,9 +143,14 @@ class SymmetricLayout:
     def for_bucket(cls, bucket: ShapeBucket, dtype_bytes: int = 4) -> SymmetricLayout:
         """The layout a taskflow plan's communication buffers map onto: C = ``slot_rows``,
         bM = the GMM tile height (``slot_rows`` is a multiple of it, so C' = C)."""
-        return cls(world_size=bucket.ep_size, local_experts=bucket.local_experts,
-                   capacity=bucket.slot_rows, hidden_size=bucket.hidden,
-                   dtype_bytes=dtype_bytes, tile_m=bucket.gmm_rows)  # fmt: skip
+        return cls(
+            world_size=bucket.ep_size,
+            local_experts=bucket.local_experts,
+            capacity=bucket.slot_rows,
+            hidden_size=bucket.hidden,
+            dtype_bytes=dtype_bytes,
+            tile_m=bucket.gmm_rows,
+        )
 
     @property
     def aligned_capacity(self) -> int:
@@ -239,10 +254,18 @@ def symmetric_layout_bytes(
     """
     if capacity is None:
         capacity = expert_capacity(tokens, num_experts, top_k, capacity_factor)
-    layout = SymmetricLayout(world_size=1, local_experts=num_experts, capacity=capacity,
-                             hidden_size=hidden_size, dtype_bytes=dtype_bytes, tile_m=tile_m,
-                             rounds=rounds, buffers=buffers, tile_n=tile_n,
-                             signal_bytes=signal_bytes)  # fmt: skip
+    layout = SymmetricLayout(
+        world_size=1,
+        local_experts=num_experts,
+        capacity=capacity,
+        hidden_size=hidden_size,
+        dtype_bytes=dtype_bytes,
+        tile_m=tile_m,
+        rounds=rounds,
+        buffers=buffers,
+        tile_n=tile_n,
+        signal_bytes=signal_bytes,
+    )
     return layout.total_bytes
 
 
@@ -289,9 +312,11 @@ class LayoutWrite:
 
     def describe(self) -> str:
         """The writer, its ranks and its coordinates, for error messages."""
-        return (f"{self.writer!r} (rank {self.source} -> rank {self.target}: peer {self.peer}, "
-                f"round {self.round}, buffer {self.buffer}, expert {self.expert}, rows "
-                f"{self.slot}..{self.slot + self.rows - 1})")  # fmt: skip
+        return (
+            f"{self.writer!r} (rank {self.source} -> rank {self.target}: peer {self.peer}, "
+            f"round {self.round}, buffer {self.buffer}, expert {self.expert}, rows "
+            f"{self.slot}..{self.slot + self.rows - 1})"
+        )
 
 
 def _rule_violation(w: LayoutWrite) -> str | None:
@@ -369,26 +394,27 @@ def all_to_all_writes(
     """
     C = layout.aligned_capacity
     step = C if tile_rows is None else check_positive_int("tile_rows", tile_rows)
-    for s in range(layout.world_size):
-        for d in range(layout.world_size):
-            for j in range(layout.local_experts):
-                for c in range(0, C, step):
-                    n = min(step, C - c)
-                    tile = f"e{j} rows {c}"
-                    yield from (
-                        LayoutWrite(writer=f"rank {s} stage {tile} for rank {d}", source=s,
-                                    target=s, peer=d, round=DISPATCH_ROUND, buffer=STAGING,
-                                    expert=j, slot=c, rows=n),
-                        LayoutWrite(writer=f"rank {s} dispatch {tile} to rank {d}", source=s,
-                                    target=d, peer=s, round=DISPATCH_ROUND, buffer=INCOMING,
-                                    expert=j, slot=c, rows=n),
-                        LayoutWrite(writer=f"rank {d} stage {tile} for rank {s}", source=d,
-                                    target=d, peer=s, round=COMBINE_ROUND, buffer=STAGING,
-                                    expert=j, slot=c, rows=n),
-                        LayoutWrite(writer=f"rank {d} combine {tile} to rank {s}", source=d,
-                                    target=s, peer=d, round=COMBINE_ROUND, buffer=INCOMING,
-                                    expert=j, slot=c, rows=n),
-                    )  # fmt: skip
+    P, e = layout.world_size, layout.local_experts
+    for s, d, j, c in itertools.product(range(P), range(P), range(e), range(0, C, step)):
+        n, tile = min(step, C - c), f"e{j} rows {c}"
+        # (writer, source, target, peer, round, buffer) of the tile's four writes
+        for writer, source, target, peer, rnd, buf in (
+            (f"rank {s} stage {tile} for rank {d}", s, s, d, DISPATCH_ROUND, STAGING),
+            (f"rank {s} dispatch {tile} to rank {d}", s, d, s, DISPATCH_ROUND, INCOMING),
+            (f"rank {d} stage {tile} for rank {s}", d, d, s, COMBINE_ROUND, STAGING),
+            (f"rank {d} combine {tile} to rank {s}", d, s, d, COMBINE_ROUND, INCOMING),
+        ):
+            yield LayoutWrite(
+                writer=writer,
+                source=source,
+                target=target,
+                peer=peer,
+                round=rnd,
+                buffer=buf,
+                expert=j,
+                slot=c,
+                rows=n,
+            )
 
 
 # -- taskflow plans on L ------------------------------------------------------------------------
@@ -399,11 +425,17 @@ def all_to_all_writes(
 # expert g -> round 1, incoming, peer g // e (the expert's owner). Dispatch puts gather straight
 # from the token buffer, so round 0's staging cells are not used by these plans.
 PLAN_BUFFERS: dict[str, dict[str, tuple[int, int]]] = {
-    "forward": {"x_recv": (DISPATCH_ROUND, INCOMING), "y_rows": (COMBINE_ROUND, STAGING),
-                "y_ret": (COMBINE_ROUND, INCOMING)},
-    "backward": {"g_recv": (DISPATCH_ROUND, INCOMING), "dx_rows": (COMBINE_ROUND, STAGING),
-                 "dx_ret": (COMBINE_ROUND, INCOMING)},
-}  # fmt: skip
+    "forward": {
+        "x_recv": (DISPATCH_ROUND, INCOMING),
+        "y_rows": (COMBINE_ROUND, STAGING),
+        "y_ret": (COMBINE_ROUND, INCOMING),
+    },
+    "backward": {
+        "g_recv": (DISPATCH_ROUND, INCOMING),
+        "dx_rows": (COMBINE_ROUND, STAGING),
+        "dx_ret": (COMBINE_ROUND, INCOMING),
+    },
+}
 
 
 def plan_layout_writes(plan: Plan) -> list[LayoutWrite]:
@@ -413,10 +445,17 @@ def plan_layout_writes(plan: Plan) -> list[LayoutWrite]:
     b = plan.bucket
     P, e, S = b.ep_size, b.local_experts, b.slot_rows
     cells = PLAN_BUFFERS[plan.direction]
-    regions = [(f"rank {plan.rank} {t.label}", plan.rank, r)
-               for t in plan.tasks for r in t.outputs if r.rank == plan.rank]  # fmt: skip
-    regions += [(f"rank {w.rank} {w.op}[{w.task_index}]", w.rank, r)
-                for w in plan.remote_writes for r in w.regions]  # fmt: skip
+    regions = [
+        (f"rank {plan.rank} {t.label}", plan.rank, r)
+        for t in plan.tasks
+        for r in t.outputs
+        if r.rank == plan.rank
+    ]
+    regions += [
+        (f"rank {w.rank} {w.op}[{w.task_index}]", w.rank, r)
+        for w in plan.remote_writes
+        for r in w.regions
+    ]
     out = []
     for writer, source, r in regions:
         if r.buffer not in cells:
@@ -430,8 +469,19 @@ def plan_layout_writes(plan: Plan) -> list[LayoutWrite]:
                 peer, j = divmod(cell, e)  # return rows: global expert g = cell
             else:
                 j, peer = divmod(cell, P)  # receive / staging rows: slot (j * P + s)
-            out.append(LayoutWrite(writer=writer, source=source, target=plan.rank, peer=peer,
-                                   round=rnd, buffer=buf, expert=j, slot=c, rows=n))  # fmt: skip
+            out.append(
+                LayoutWrite(
+                    writer=writer,
+                    source=source,
+                    target=plan.rank,
+                    peer=peer,
+                    round=rnd,
+                    buffer=buf,
+                    expert=j,
+                    slot=c,
+                    rows=n,
+                )
+            )
             row += n
     return out
 

@@ -76,12 +76,18 @@ def compare_layout_memory(
     """
     check_positive_int("world_size", world_size)
     if num_experts % world_size:
-        raise ValueError(f"num_experts ({num_experts}) must be divisible by world_size "
-                         f"({world_size})")  # fmt: skip
+        raise ValueError(
+            f"num_experts ({num_experts}) must be divisible by world_size ({world_size})"
+        )
     C = expert_capacity(tokens, num_experts, top_k) if slot_rows is None else slot_rows
-    layout = SymmetricLayout(world_size=world_size, local_experts=num_experts // world_size,
-                             capacity=C, hidden_size=hidden_size, dtype_bytes=dtype_bytes,
-                             tile_m=tile_m)  # fmt: skip
+    layout = SymmetricLayout(
+        world_size=world_size,
+        local_experts=num_experts // world_size,
+        capacity=C,
+        hidden_size=hidden_size,
+        dtype_bytes=dtype_bytes,
+        tile_m=tile_m,
+    )
     N = tokens * top_k
     M = N if recv_rows is None else check_int("recv_rows", recv_rows, minimum=0)
     exchange = world_size > 1
@@ -94,5 +100,6 @@ def compare_layout_memory(
         "combine_recv": N if exchange else 0,
         "combine_gather": N,
     }
-    return LayoutMemory(symmetric_bytes=layout.total_bytes, dropless_rows=rows,
-                        row_bytes=layout.row_bytes)  # fmt: skip
+    return LayoutMemory(
+        symmetric_bytes=layout.total_bytes, dropless_rows=rows, row_bytes=layout.row_bytes
+    )

@@ -39,13 +39,24 @@ from moesaic.taskflow.tasks import BufferSpec, Event, EventRef, ProducerRef, Reg
 if TYPE_CHECKING:
     import torch
 
+    from moesaic.taskflow.runtime.executors import EngineLanes
     from moesaic.trace import Recorder
 
 __all__ = [
-    "ORDERS", "SwigluAddBuffers", "SwigluAddShape", "chain_graph", "make_buffers", "make_launch",
-    "noop_launch", "order_distance", "reference", "run_graph", "run_untiled", "swiglu_add_graph",
+    "ORDERS",
+    "SwigluAddBuffers",
+    "SwigluAddShape",
+    "chain_graph",
+    "make_buffers",
+    "make_launch",
+    "noop_launch",
+    "order_distance",
+    "reference",
+    "run_graph",
+    "run_untiled",
+    "swiglu_add_graph",
     "swiglu_add_schedule",
-]  # fmt: skip
+]
 
 ORDERS = ("serial", "interleaved")
 SWIGLU, ADD = "swiglu", "add"
@@ -101,20 +112,48 @@ def swiglu_add_graph(shape: SwigluAddShape) -> TaskGraph:
         events.append(
             Event(id=i, threshold=1, producers=(ProducerRef(rank=0, op=SWIGLU, task_index=i),))
         )
-        tasks.append(TaskDescriptor(uid=2 * i, op=SWIGLU, task_type=SWIGLU, dependent_event=-1,
-                                    trigger_events=(EventRef(rank=0, event=i),), inputs=(x,),
-                                    outputs=(s,), task_index=i, split_num=n,
-                                    split_value=shape.tile_m))  # fmt: skip
-        tasks.append(TaskDescriptor(uid=2 * i + 1, op=ADD, task_type=ADD, dependent_event=i,
-                                    trigger_events=(), inputs=(s, r), outputs=(out,),
-                                    task_index=i, split_num=n, split_value=shape.tile_m))  # fmt: skip
+        tasks.append(
+            TaskDescriptor(
+                uid=2 * i,
+                op=SWIGLU,
+                task_type=SWIGLU,
+                dependent_event=-1,
+                trigger_events=(EventRef(rank=0, event=i),),
+                inputs=(x,),
+                outputs=(s,),
+                task_index=i,
+                split_num=n,
+                split_value=shape.tile_m,
+            )
+        )
+        tasks.append(
+            TaskDescriptor(
+                uid=2 * i + 1,
+                op=ADD,
+                task_type=ADD,
+                dependent_event=i,
+                trigger_events=(),
+                inputs=(s, r),
+                outputs=(out,),
+                task_index=i,
+                split_num=n,
+                split_value=shape.tile_m,
+            )
+        )
     m, hi, ho = shape.rows, shape.h_in, shape.h_out
-    buffers = (BufferSpec(name="x", rows=m, cols=hi, kind="input"),
-               BufferSpec(name="r", rows=m, cols=ho, kind="input"),
-               BufferSpec(name="s", rows=m, cols=ho, kind="work"),
-               BufferSpec(name="out", rows=m, cols=ho, kind="output"))  # fmt: skip
-    return TaskGraph(buffers=buffers, tasks=tuple(tasks), events=tuple(events), remote_writes=(),
-                     task_num={SWIGLU: n, ADD: n})  # fmt: skip
+    buffers = (
+        BufferSpec(name="x", rows=m, cols=hi, kind="input"),
+        BufferSpec(name="r", rows=m, cols=ho, kind="input"),
+        BufferSpec(name="s", rows=m, cols=ho, kind="work"),
+        BufferSpec(name="out", rows=m, cols=ho, kind="output"),
+    )
+    return TaskGraph(
+        buffers=buffers,
+        tasks=tuple(tasks),
+        events=tuple(events),
+        remote_writes=(),
+        task_num={SWIGLU: n, ADD: n},
+    )
 
 
 def swiglu_add_schedule(graph: TaskGraph, order: str) -> Schedule:
@@ -144,13 +183,27 @@ def chain_graph(tasks: int) -> tuple[TaskGraph, Schedule]:
         events.append(
             Event(id=i, threshold=1, producers=(ProducerRef(rank=0, op="c", task_index=i),))
         )
-        graph_tasks.append(TaskDescriptor(uid=i, op="c", task_type="c", dependent_event=i - 1,
-                                          trigger_events=(EventRef(rank=0, event=i),),
-                                          inputs=(r,), outputs=(r,), task_index=i, split_num=n,
-                                          split_value=1))  # fmt: skip
-    graph = TaskGraph(buffers=(BufferSpec(name="c", rows=n, cols=1, kind="work"),),
-                      tasks=tuple(graph_tasks), events=tuple(events), remote_writes=(),
-                      task_num={"c": n})  # fmt: skip
+        graph_tasks.append(
+            TaskDescriptor(
+                uid=i,
+                op="c",
+                task_type="c",
+                dependent_event=i - 1,
+                trigger_events=(EventRef(rank=0, event=i),),
+                inputs=(r,),
+                outputs=(r,),
+                task_index=i,
+                split_num=n,
+                split_value=1,
+            )
+        )
+    graph = TaskGraph(
+        buffers=(BufferSpec(name="c", rows=n, cols=1, kind="work"),),
+        tasks=tuple(graph_tasks),
+        events=tuple(events),
+        remote_writes=(),
+        task_num={"c": n},
+    )
     return graph, Schedule(
         executor="two_queue", queues=(("matrix", ()), ("vector", tuple(range(n))))
     )
@@ -269,7 +322,7 @@ def run_graph(
     processors: int = 1,
     timeout_s: float = 60.0,
     recorder: Recorder | None = None,
-    lanes: object = None,
+    lanes: EngineLanes | None = None,
 ) -> None:
     """One run of ``graph`` on the "static" or "dynamic" executor with fresh counters.
 
@@ -294,8 +347,24 @@ def run_graph(
     check_one_of("executor", executor, EXECUTORS)
     counters = make_counters(graph, 0)
     if executor == "static":
-        run_static(graph, schedule, 0, launch, counters, timeout_s=timeout_s, recorder=recorder,
-                   lanes=lanes)  # type: ignore[arg-type]  # fmt: skip
+        run_static(
+            graph,
+            schedule,
+            0,
+            launch,
+            counters,
+            timeout_s=timeout_s,
+            recorder=recorder,
+            lanes=lanes,
+        )
     else:
-        run_dynamic(graph, schedule, 0, launch, counters, processors=processors,
-                    timeout_s=timeout_s, recorder=recorder)  # fmt: skip
+        run_dynamic(
+            graph,
+            schedule,
+            0,
+            launch,
+            counters,
+            processors=processors,
+            timeout_s=timeout_s,
+            recorder=recorder,
+        )

@@ -73,9 +73,17 @@ def fill_send_tokens(ctx: FillContext, op: str, layout: OpLayout, n: int) -> Fil
             for j in range(e)
         )
         tasks.append(
-            _task(ctx, op, layout, inputs=inputs, outputs=outs, task_index=0, split_num=1,
-                  split_value=S)
-        )  # fmt: skip
+            _task(
+                ctx,
+                op,
+                layout,
+                inputs=inputs,
+                outputs=outs,
+                task_index=0,
+                split_num=1,
+                split_value=S,
+            )
+        )
         for s in range(P):
             if s != me:
                 regs = tuple(
@@ -92,10 +100,19 @@ def fill_send_tokens(ctx: FillContext, op: str, layout: OpLayout, n: int) -> Fil
                 start = (j * P + me) * S + i * tile
                 reg = Region(buffer=out, rank=d, start=start, stop=start + tile)
                 tasks.append(
-                    _task(ctx, op, layout, inputs=inputs, outputs=(reg,),
-                          task_index=(d * e + j) * tps + i, split_num=n, split_value=tile,
-                          expert=d * e + j, peer=d)
-                )  # fmt: skip
+                    _task(
+                        ctx,
+                        op,
+                        layout,
+                        inputs=inputs,
+                        outputs=(reg,),
+                        task_index=(d * e + j) * tps + i,
+                        split_num=n,
+                        split_value=tile,
+                        expert=d * e + j,
+                        peer=d,
+                    )
+                )
     for s in range(P):
         if s == me:
             continue
@@ -131,9 +148,10 @@ def fill_send_rows(ctx: FillContext, op: str, layout: OpLayout, n: int) -> Fills
         )
         outs = tuple(ret(s, me * e + j, 0, S) for j, s in slots)
         tasks.append(
-            _task(ctx, op, layout, inputs=ins, outputs=outs, task_index=0, split_num=1,
-                  split_value=S)
-        )  # fmt: skip
+            _task(
+                ctx, op, layout, inputs=ins, outputs=outs, task_index=0, split_num=1, split_value=S
+            )
+        )
         for q in range(P):
             if q != me:
                 regs = tuple(ret(me, q * e + j, 0, S) for j in range(e))
@@ -145,9 +163,19 @@ def fill_send_rows(ctx: FillContext, op: str, layout: OpLayout, n: int) -> Fills
         j, s = divmod(a // S, P)
         reg_in = Region(buffer=src, rank=me, start=a, stop=a + tile)
         tasks.append(
-            _task(ctx, op, layout, inputs=(reg_in,), outputs=(ret(s, me * e + j, a % S, tile),),
-                  task_index=k, split_num=n, split_value=tile, expert=me * e + j, peer=s)
-        )  # fmt: skip
+            _task(
+                ctx,
+                op,
+                layout,
+                inputs=(reg_in,),
+                outputs=(ret(s, me * e + j, a % S, tile),),
+                task_index=k,
+                split_num=n,
+                split_value=tile,
+                expert=me * e + j,
+                peer=s,
+            )
+        )
     for q in range(P):
         if q == me:
             continue
@@ -175,9 +203,18 @@ def fill_rows(ctx: FillContext, op: str, layout: OpLayout, n: int) -> Fills:
             weights = tuple(ctx.whole(w) for w in layout.weight_inputs)
         outs = tuple(Region(buffer=y, rank=me, start=a, stop=z) for y in layout.outputs)
         tasks.append(
-            _task(ctx, op, layout, inputs=rows + weights, outputs=outs, task_index=k,
-                  split_num=n, split_value=tile, expert=me * b.local_experts + j if j >= 0 else -1)
-        )  # fmt: skip
+            _task(
+                ctx,
+                op,
+                layout,
+                inputs=rows + weights,
+                outputs=outs,
+                task_index=k,
+                split_num=n,
+                split_value=tile,
+                expert=me * b.local_experts + j if j >= 0 else -1,
+            )
+        )
     return tasks, []
 
 
@@ -198,9 +235,18 @@ def fill_experts(ctx: FillContext, op: str, layout: OpLayout, n: int) -> Fills:
             outs = tuple(ctx.expert_block(y, j) for y in layout.outputs)
         rows = tuple(Region(buffer=x, rank=me, start=a, stop=z) for x in layout.row_inputs)
         tasks.append(
-            _task(ctx, op, layout, inputs=rows, outputs=outs, task_index=j, split_num=n,
-                  split_value=z - a, expert=me * e + j if per_expert else -1)
-        )  # fmt: skip
+            _task(
+                ctx,
+                op,
+                layout,
+                inputs=rows,
+                outputs=outs,
+                task_index=j,
+                split_num=n,
+                split_value=z - a,
+                expert=me * e + j if per_expert else -1,
+            )
+        )
     return tasks, []
 
 
@@ -219,9 +265,17 @@ def fill_tokens(ctx: FillContext, op: str, layout: OpLayout, n: int) -> Fills:
         rows = tuple(Region(buffer=x, rank=me, start=a, stop=z) for x in layout.row_inputs)
         outs = tuple(Region(buffer=y, rank=me, start=a, stop=z) for y in layout.outputs)
         tasks.append(
-            _task(ctx, op, layout, inputs=rows + whole, outputs=outs, task_index=i,
-                  split_num=n, split_value=tile)
-        )  # fmt: skip
+            _task(
+                ctx,
+                op,
+                layout,
+                inputs=rows + whole,
+                outputs=outs,
+                task_index=i,
+                split_num=n,
+                split_value=tile,
+            )
+        )
     return tasks, []
 
 

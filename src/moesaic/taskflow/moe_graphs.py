@@ -31,6 +31,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 from moesaic.taskflow.bucket import ShapeBucket
 from moesaic.taskflow.graph import OperatorGraph, OperatorNode, SplitSpec, propagate_splits
@@ -41,36 +42,34 @@ def _types(*rows: TaskType) -> Mapping[str, TaskType]:
     return MappingProxyType({t.name: t for t in rows})  # read-only: a table, not state
 
 
-_T = TaskType
+def _t(name: str, queue_class: str, cost_class: str, **facts: Any) -> TaskType:
+    """A row of the table: a task type whose handler has the type's name."""
+    return TaskType(
+        name=name, queue_class=queue_class, handler=name, cost_class=cost_class, **facts
+    )
+
+
 # The task-type table: every per-type fact in one place. GMMs run on the matrix queue, everything
 # else on the vector/communication queue; puts carry a message tag class; row types are the
 # compute over receive slots whose tiles follow the GMM row partition (RATR orders them).
 TASK_TYPES: Mapping[str, TaskType] = _types(
-    _T(name="put_dispatch", queue_class="vector", handler="put_dispatch", cost_class="put",
-       put=True, comm="dispatch", put_tag=1),
-    _T(name="put_dispatch_grad", queue_class="vector", handler="put_dispatch_grad",
-       cost_class="put", put=True, comm="dispatch", put_tag=2),
-    _T(name="put_combine", queue_class="vector", handler="put_combine", cost_class="put",
-       put=True, comm="combine", put_tag=3),
-    _T(name="gmm_gate_up", queue_class="matrix", handler="gmm_gate_up", cost_class="gmm",
-       rows=True),
-    _T(name="swiglu", queue_class="vector", handler="swiglu", cost_class="act", rows=True),
-    _T(name="gelu", queue_class="vector", handler="gelu", cost_class="act", rows=True),
-    _T(name="gmm_down", queue_class="matrix", handler="gmm_down", cost_class="gmm", rows=True),
-    _T(name="topk_combine", queue_class="vector", handler="topk_combine", cost_class="reduce"),
-    _T(name="gmm_act_grad", queue_class="matrix", handler="gmm_act_grad", cost_class="gmm",
-       rows=True),
-    _T(name="gmm_w2_grad", queue_class="matrix", handler="gmm_w2_grad", cost_class="gmm"),
-    _T(name="swiglu_grad", queue_class="vector", handler="swiglu_grad", cost_class="act",
-       rows=True),
-    _T(name="gelu_grad", queue_class="vector", handler="gelu_grad", cost_class="act", rows=True),
-    _T(name="gmm_gate_grad", queue_class="matrix", handler="gmm_gate_grad", cost_class="gmm",
-       rows=True),
-    _T(name="gmm_w1_grad", queue_class="matrix", handler="gmm_w1_grad", cost_class="gmm"),
-    _T(name="sum_combine", queue_class="vector", handler="sum_combine", cost_class="reduce"),
-    _T(name="topk_weight_grad", queue_class="vector", handler="topk_weight_grad",
-       cost_class="reduce"),
-)  # fmt: skip
+    _t("put_dispatch", "vector", "put", put=True, comm="dispatch", put_tag=1),
+    _t("put_dispatch_grad", "vector", "put", put=True, comm="dispatch", put_tag=2),
+    _t("put_combine", "vector", "put", put=True, comm="combine", put_tag=3),
+    _t("gmm_gate_up", "matrix", "gmm", rows=True),
+    _t("swiglu", "vector", "act", rows=True),
+    _t("gelu", "vector", "act", rows=True),
+    _t("gmm_down", "matrix", "gmm", rows=True),
+    _t("topk_combine", "vector", "reduce"),
+    _t("gmm_act_grad", "matrix", "gmm", rows=True),
+    _t("gmm_w2_grad", "matrix", "gmm"),
+    _t("swiglu_grad", "vector", "act", rows=True),
+    _t("gelu_grad", "vector", "act", rows=True),
+    _t("gmm_gate_grad", "matrix", "gmm", rows=True),
+    _t("gmm_w1_grad", "matrix", "gmm"),
+    _t("sum_combine", "vector", "reduce"),
+    _t("topk_weight_grad", "vector", "reduce"),
+)
 # The queues of the two-queue executor (a schedule lists them in this order).
 QUEUE_CLASSES = ("matrix", "vector")
 # Nominal relative cost of one tile-row of work per cost class: a GMM tile does ~2x the work of
@@ -177,20 +176,71 @@ def forward_graph(activation: str = "swiglu") -> MoEGraph:
     L = OpLayout
     specs = [
         # Dispatch is the partition origin: its tiles partition x_recv by rows.
-        ("dispatch", L(kind="send_tokens", task_type="put_dispatch", whole_inputs=("x_TH",),
-                       outputs=("x_recv",)), ("routing",), None),
-        ("gmm1", L(kind="rows", task_type="gmm_gate_up", row_inputs=("x_recv",),
-                   weight_inputs=w_up, outputs=("h",)), (), ROWS),
-        ("act", L(kind="rows", task_type="swiglu" if swiglu else "gelu", row_inputs=("h",),
-                  outputs=("a",)), (), ROWS),
-        ("gmm2", L(kind="rows", task_type="gmm_down", row_inputs=("a",), weight_inputs=("w2",),
-                   outputs=("y_rows",)), (), ROWS),
+        (
+            "dispatch",
+            L(
+                kind="send_tokens",
+                task_type="put_dispatch",
+                whole_inputs=("x_TH",),
+                outputs=("x_recv",),
+            ),
+            ("routing",),
+            None,
+        ),
+        (
+            "gmm1",
+            L(
+                kind="rows",
+                task_type="gmm_gate_up",
+                row_inputs=("x_recv",),
+                weight_inputs=w_up,
+                outputs=("h",),
+            ),
+            (),
+            ROWS,
+        ),
+        (
+            "act",
+            L(
+                kind="rows",
+                task_type="swiglu" if swiglu else "gelu",
+                row_inputs=("h",),
+                outputs=("a",),
+            ),
+            (),
+            ROWS,
+        ),
+        (
+            "gmm2",
+            L(
+                kind="rows",
+                task_type="gmm_down",
+                row_inputs=("a",),
+                weight_inputs=("w2",),
+                outputs=("y_rows",),
+            ),
+            (),
+            ROWS,
+        ),
         # Combine checks only its data input (index 0), not the routing metadata.
-        ("combine", L(kind="send_rows", task_type="put_combine", row_inputs=("y_rows",),
-                      outputs=("y_ret",)), ("routing",), ROWS),
-        ("reduce", L(kind="tokens", task_type="topk_combine", whole_inputs=("y_ret",),
-                     outputs=("y_TH",)), ("routing",), None),
-    ]  # fmt: skip
+        (
+            "combine",
+            L(
+                kind="send_rows",
+                task_type="put_combine",
+                row_inputs=("y_rows",),
+                outputs=("y_ret",),
+            ),
+            ("routing",),
+            ROWS,
+        ),
+        (
+            "reduce",
+            L(kind="tokens", task_type="topk_combine", whole_inputs=("y_ret",), outputs=("y_TH",)),
+            ("routing",),
+            None,
+        ),
+    ]
     tensors = ["x_TH", "routing", *w_up, "w2", "x_recv", "h", "a", "y_rows", "y_ret", "y_TH"]
     return _build("forward", specs, tensors)
 
@@ -202,30 +252,119 @@ def backward_graph(activation: str = "swiglu") -> MoEGraph:
     dw_up = ("dw1", "dw3") if swiglu else ("dw1",)
     L = OpLayout
     specs = [
-        ("dispatch_bwd", L(kind="send_tokens", task_type="put_dispatch_grad",
-                           whole_inputs=("dy_TH",), outputs=("g_recv",)), ("routing",), None),
-        ("gmm_act_grad", L(kind="rows", task_type="gmm_act_grad", row_inputs=("g_recv",),
-                           weight_inputs=("w2",), outputs=("da",)), (), ROWS),
+        (
+            "dispatch_bwd",
+            L(
+                kind="send_tokens",
+                task_type="put_dispatch_grad",
+                whole_inputs=("dy_TH",),
+                outputs=("g_recv",),
+            ),
+            ("routing",),
+            None,
+        ),
+        (
+            "gmm_act_grad",
+            L(
+                kind="rows",
+                task_type="gmm_act_grad",
+                row_inputs=("g_recv",),
+                weight_inputs=("w2",),
+                outputs=("da",),
+            ),
+            (),
+            ROWS,
+        ),
         # Weight gradients reduce over rows: they never inherit the row split, one task per expert.
-        ("gmm_w2_grad", L(kind="experts", task_type="gmm_w2_grad", row_inputs=("a", "g_recv"),
-                          outputs=("dw2",)), (), None),
-        ("act_grad", L(kind="rows", task_type="swiglu_grad" if swiglu else "gelu_grad",
-                       row_inputs=("da", "h"), outputs=("dh",)), (), ROWS),
-        ("gmm_gate_grad", L(kind="rows", task_type="gmm_gate_grad", row_inputs=("dh",),
-                            weight_inputs=w_up, outputs=("dx_rows",)), (), ROWS),
-        ("combine_bwd", L(kind="send_rows", task_type="put_combine", row_inputs=("dx_rows",),
-                          outputs=("dx_ret",)), ("routing",), ROWS),
-        ("gmm_w1_grad", L(kind="experts", task_type="gmm_w1_grad", row_inputs=("x_recv", "dh"),
-                          outputs=dw_up), (), None),
-        ("reduce_bwd", L(kind="tokens", task_type="sum_combine", whole_inputs=("dx_ret",),
-                         outputs=("dx_TH",)), ("routing",), None),
-        ("topk_grad", L(kind="tokens", task_type="topk_weight_grad", row_inputs=("dy_TH",),
-                        whole_inputs=("y_ret",), outputs=("dtopk_TK",)), ("routing",), None),
-    ]  # fmt: skip
+        (
+            "gmm_w2_grad",
+            L(
+                kind="experts",
+                task_type="gmm_w2_grad",
+                row_inputs=("a", "g_recv"),
+                outputs=("dw2",),
+            ),
+            (),
+            None,
+        ),
+        (
+            "act_grad",
+            L(
+                kind="rows",
+                task_type="swiglu_grad" if swiglu else "gelu_grad",
+                row_inputs=("da", "h"),
+                outputs=("dh",),
+            ),
+            (),
+            ROWS,
+        ),
+        (
+            "gmm_gate_grad",
+            L(
+                kind="rows",
+                task_type="gmm_gate_grad",
+                row_inputs=("dh",),
+                weight_inputs=w_up,
+                outputs=("dx_rows",),
+            ),
+            (),
+            ROWS,
+        ),
+        (
+            "combine_bwd",
+            L(
+                kind="send_rows",
+                task_type="put_combine",
+                row_inputs=("dx_rows",),
+                outputs=("dx_ret",),
+            ),
+            ("routing",),
+            ROWS,
+        ),
+        (
+            "gmm_w1_grad",
+            L(kind="experts", task_type="gmm_w1_grad", row_inputs=("x_recv", "dh"), outputs=dw_up),
+            (),
+            None,
+        ),
+        (
+            "reduce_bwd",
+            L(kind="tokens", task_type="sum_combine", whole_inputs=("dx_ret",), outputs=("dx_TH",)),
+            ("routing",),
+            None,
+        ),
+        (
+            "topk_grad",
+            L(
+                kind="tokens",
+                task_type="topk_weight_grad",
+                row_inputs=("dy_TH",),
+                whole_inputs=("y_ret",),
+                outputs=("dtopk_TK",),
+            ),
+            ("routing",),
+            None,
+        ),
+    ]
     tensors = [
-        "dy_TH", "routing", *w_up, "w2", "x_recv", "h", "a", "y_ret",
-        "g_recv", "da", "dh", "dx_rows", "dx_ret", "dx_TH", "dtopk_TK", *dw_up, "dw2",
-    ]  # fmt: skip
+        "dy_TH",
+        "routing",
+        *w_up,
+        "w2",
+        "x_recv",
+        "h",
+        "a",
+        "y_ret",
+        "g_recv",
+        "da",
+        "dh",
+        "dx_rows",
+        "dx_ret",
+        "dx_TH",
+        "dtopk_TK",
+        *dw_up,
+        "dw2",
+    ]
     return _build("backward", specs, tensors)
 
 
@@ -251,8 +390,12 @@ def buffer_table(b: ShapeBucket, direction: str) -> tuple[BufferSpec, ...]:
     if swiglu:
         weights.append(buf("w3", e * H, F, "input"))
     weights.append(buf("w2", e * F, H, "input"))
-    saved = [buf("x_recv", R, H, ""), buf("h", R, A, ""), buf("a", R, F, ""),
-             buf("y_ret", Er, H, "")]  # fmt: skip
+    saved = [
+        buf("x_recv", R, H, ""),
+        buf("h", R, A, ""),
+        buf("a", R, F, ""),
+        buf("y_ret", Er, H, ""),
+    ]
     if direction == "forward":
         return (
             buf("x_TH", T, H, "input"),

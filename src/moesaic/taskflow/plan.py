@@ -195,13 +195,15 @@ class Plan:
         out: dict = {"direction": self.direction, "rank": self.rank, "tasks": len(self.tasks)}
         for name, uids in self.schedule.queues:
             out[f"{name}_tasks"] = len(uids)
-        out.update({
-            "events": len(self.events),
-            "remote_writes": len(self.remote_writes),
-            "max_threshold": max(thresholds, default=0),
-            "threshold_histogram": {str(k): v for k, v in sorted(thresholds.items())},
-            "task_num": dict(self.task_num),
-            "fell_back": list(self.fell_back),
-            "triggers": sum(len(t.trigger_events) for t in self.tasks),
-        })  # fmt: skip
+        out.update(
+            {
+                "events": len(self.events),
+                "remote_writes": len(self.remote_writes),
+                "max_threshold": max(thresholds, default=0),
+                "threshold_histogram": {str(k): v for k, v in sorted(thresholds.items())},
+                "task_num": dict(self.task_num),
+                "fell_back": list(self.fell_back),
+                "triggers": sum(len(t.trigger_events) for t in self.tasks),
+            }
+        )
         return out

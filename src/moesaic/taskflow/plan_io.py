@@ -47,10 +47,36 @@ from moesaic.taskflow.tasks import (
 )
 from moesaic.taskflow.validate import PlanFormatError, check_plan, version_error
 
-_TOP = {"format", "version", "direction", "rank", "world", "bucket", "options", "buffers",
-        "tasks", "events", "remote_writes", "task_num", "fell_back", "schedule"}  # fmt: skip
-_TASK = {"uid", "op", "task_type", "dependent_event", "trigger_events", "inputs", "outputs",
-         "task_index", "split_num", "split_value", "expert", "peer"}  # fmt: skip
+_TOP = {
+    "format",
+    "version",
+    "direction",
+    "rank",
+    "world",
+    "bucket",
+    "options",
+    "buffers",
+    "tasks",
+    "events",
+    "remote_writes",
+    "task_num",
+    "fell_back",
+    "schedule",
+}
+_TASK = {
+    "uid",
+    "op",
+    "task_type",
+    "dependent_event",
+    "trigger_events",
+    "inputs",
+    "outputs",
+    "task_index",
+    "split_num",
+    "split_value",
+    "expert",
+    "peer",
+}
 
 
 def _region_out(r: Region) -> list:
@@ -168,8 +194,18 @@ def _task(v: object, where: str) -> TaskDescriptor:
         if len(ref) != 2:
             raise PlanFormatError(f"{where}.trigger_events[{i}] must be [rank, event]")
         trig.append(EventRef(rank=_int(ref[0], where), event=_int(ref[1], where)))
-    ints = {k: _int(d[k], f"{where}.{k}") for k in
-            ("uid", "dependent_event", "task_index", "split_num", "split_value", "expert", "peer")}  # fmt: skip
+    ints = {
+        k: _int(d[k], f"{where}.{k}")
+        for k in (
+            "uid",
+            "dependent_event",
+            "task_index",
+            "split_num",
+            "split_value",
+            "expert",
+            "peer",
+        )
+    }
     return TaskDescriptor(
         op=_str(d["op"], f"{where}.op"),
         task_type=_str(d["task_type"], f"{where}.task_type"),

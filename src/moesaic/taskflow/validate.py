@@ -9,12 +9,12 @@ are also mapped onto the symmetric layout L and checked against Definition 5.3.2
 ``layout.check_plan_layout``); every event's threshold equals the number of its producers; the
 producers of a task's dependent event cover every row it reads; every tile is exactly the one
 the FillConfig generates for its (operator, task_index) (handlers derive rows, experts and
-destinations from the regions, so only the queue order and the events are free); the schedule puts every task once on the queue of its type's class; and the
-queues cannot deadlock (``simulate`` on the event engine: both queues consume in order and wait on
-their counters; writes of other ranks are assumed to arrive). ``check_world`` adds the cross-rank
-checks on all plans of a world: the same world settings (``Plan.world_settings``) and direction,
-every put matched by the receiver's remote-write record with the same rows and events, and no
-deadlock of all 2P queues together.
+destinations from the regions, so only the queue order and the events are free); the schedule
+puts every task once on the queue of its type's class; and the queues cannot deadlock
+(``simulate`` on the event engine: both queues consume in order and wait on their counters;
+writes of other ranks are assumed to arrive). The cross-rank checks on all plans of a world are
+``validate_world.check_world``'s; ``simulate`` also runs a whole world's queues, for them and for
+the simulator (``sim/taskflow.py``).
 
 A plan that passes ``check_plan`` is marked validated; ``ensure_validated`` (what executors call)
 checks a plan object only once.
@@ -75,10 +75,6 @@ class PlanDeadlockError(PlanError):
     """The queues cannot all run to completion."""
 
 
-class PlanWorldError(PlanError):
-    """Plans of different ranks that do not fit together."""
-
-
 def version_error(version: object) -> PlanVersionError:
     """The error for a plan of another format version, naming both versions."""
     return PlanVersionError(
@@ -115,8 +111,9 @@ def _check_region(plan: Plan, where: str, r: Region, *, write: bool, remote_ok: 
     if not 0 <= r.rank < plan.bucket.ep_size:
         raise PlanRegionError(f"{where}: rank {r.rank} is outside [0, {plan.bucket.ep_size})")
     if r.rank != plan.rank and not remote_ok:
-        raise PlanRegionError(f"{where}: region on rank {r.rank}; this task may only touch rank "
-                              f"{plan.rank}")  # fmt: skip
+        raise PlanRegionError(
+            f"{where}: region on rank {r.rank}; this task may only touch rank {plan.rank}"
+        )
     if write and b.kind == "input":
         raise PlanRegionError(f"{where}: writes input buffer {r.buffer!r}")
 
@@ -309,8 +306,11 @@ def _check_events(plan: Plan, writers: dict[tuple, list[Region]]) -> None:
             continue
         if t.dependent_event < 0:
             raise PlanEventError(f"{t.label}: reads {reads[0].buffer!r} but waits on no event")
-        got = [r for p in plan.events[t.dependent_event].producers
-               for r in writers.get((p.rank, p.op, p.task_index), [])]  # fmt: skip
+        got = [
+            r
+            for p in plan.events[t.dependent_event].producers
+            for r in writers.get((p.rank, p.op, p.task_index), [])
+        ]
         for r in reads:
             spans = sorted((w.start, w.stop) for w in got if w.buffer == r.buffer)
             pos = r.start
@@ -390,10 +390,14 @@ def _lanes(plans: Sequence[Plan], world: bool) -> list[Lane[TaskDescriptor]]:
         ]
         for name, uids in p.schedule.queues:
             jobs = [
-                Job((r, u), tasks[u], (r, tasks[u].dependent_event)
-                    if tasks[u].dependent_event >= 0 else None, trig[u])
+                Job(
+                    (r, u),
+                    tasks[u],
+                    (r, tasks[u].dependent_event) if tasks[u].dependent_event >= 0 else None,
+                    trig[u],
+                )
                 for u in uids
-            ]  # fmt: skip
+            ]
             lanes.append(Lane((r, name), jobs))
     return lanes
 
@@ -443,55 +447,3 @@ def simulate(
         ) from None
     except EngineError as exc:
         raise PlanEventError(str(exc)) from None
-
-
-def world_mismatch(a: Plan, b: Plan) -> str | None:
-    """The first world setting in which two plans differ, as ``name (a vs b)``; None if none."""
-    sa, sb = a.world_settings, b.world_settings
-    for k in sorted(set(sa) | set(sb)):
-        if sa.get(k) != sb.get(k):
-            return f"{k} ({sa.get(k)!r} vs {sb.get(k)!r})"
-    return None
-
-
-def check_world(plans: Sequence[Plan]) -> None:
-    """Cross-rank checks on the plans of every rank of one world (``plans[r]`` is rank r)."""
-    if not plans:
-        raise PlanWorldError("no plans given")
-    P = plans[0].bucket.ep_size
-    if len(plans) != P or [p.rank for p in plans] != list(range(P)):
-        raise PlanWorldError(
-            f"need the plans of ranks 0..{P - 1} in order, got ranks {[p.rank for p in plans]}"
-        )
-    for p in plans:
-        diff = world_mismatch(plans[0], p)
-        if diff is not None or p.direction != plans[0].direction:
-            raise PlanWorldError(
-                f"rank {p.rank}'s plan belongs to another world than rank 0's: "
-                f"{diff or f'direction ({plans[0].direction} vs {p.direction})'}"
-            )
-        ensure_validated(p)
-    stubs = [{(w.rank, w.op, w.task_index): w for w in p.remote_writes} for p in plans]
-    matched = [0] * P
-    for p in plans:
-        for t in p.tasks:
-            for d in sorted({r.rank for r in t.outputs} - {p.rank}):
-                w = stubs[d].get((p.rank, t.op, t.task_index))
-                regs = tuple(r for r in t.outputs if r.rank == d)
-                evs = tuple(ref.event for ref in t.trigger_events if ref.rank == d)
-                if (
-                    w is None
-                    or w.regions != regs
-                    or tuple(sorted(w.trigger_events)) != tuple(sorted(evs))
-                ):
-                    raise PlanWorldError(
-                        f"rank {p.rank} {t.label} writes rank {d}, whose plan does not expect "
-                        "exactly these rows and events"
-                    )
-                matched[d] += 1
-    for d, p in enumerate(plans):
-        if matched[d] != len(p.remote_writes):
-            raise PlanWorldError(
-                f"rank {d} expects {len(p.remote_writes)} remote writes, {matched[d]} are sent"
-            )
-    simulate(plans, world=True)

@@ -20,7 +20,7 @@ from typing import Any
 from moesaic.checks import check_bool, check_int, check_number, check_one_of, read_toml
 from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
-from moesaic.strategies.registry import strategy_names
+from moesaic.strategies.registry import check_supported, strategy_names
 from moesaic.train import domains
 from moesaic.train.option_rules import check_applicable
 from moesaic.train.schedule_options import (
@@ -244,7 +244,10 @@ class TrainConfig:
                 f"fault_kill_rank ({self.fault_kill_rank}) must be < the world size ({world_size})"
             )
         domains.check_cluster_and_domains(self.cluster, self.model.moe, ep)
-        domains.check_schedule_fits(self.schedule, self.model.moe.dispatcher)
+        moe = self.model.moe
+        check_supported(
+            moe.dispatcher, schedule=self.schedule, capacity=moe.capacity_factor is not None
+        )
         return ep
 
     def to_dict(self) -> dict[str, Any]:

@@ -203,18 +203,3 @@ def plan_training_domains(
         dense_blocks_before=dense_blocks_before(model),
         dense_ffn_hidden_size=model.dense_hidden or 4 * model.d_model,
     )
-
-
-def check_schedule_fits(schedule: str, dispatcher: str) -> None:
-    """The pipelined schedules run a strategy's dispatch/combine phases (a
-    ``DispatchCombineStrategy``); ``hybrid`` and ``taskflow`` have none."""
-    if schedule == "vanilla":
-        return
-    from moesaic.strategies import get_strategy
-    from moesaic.strategies.base import DispatchCombineStrategy
-
-    if not issubclass(get_strategy(dispatcher), DispatchCombineStrategy):
-        raise ValueError(
-            f"schedule ({schedule!r}) needs dispatch/combine phases, which the {dispatcher!r} "
-            f"strategy does not have: use --schedule vanilla with --strategy {dispatcher}"
-        )

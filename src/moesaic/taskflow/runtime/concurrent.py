@@ -198,11 +198,17 @@ class TaskflowRuntime:
         if int(agreed[1]) == 0:
             return None
         return ShapeBucket(
-            tokens=int(agreed[1]), hidden=hidden, ffn=ffn, experts=routing.counts_E.numel(),
-            top_k=K, ep_size=self.group.size,
+            tokens=int(agreed[1]),
+            hidden=hidden,
+            ffn=ffn,
+            experts=routing.counts_E.numel(),
+            top_k=K,
+            ep_size=self.group.size,
             slot_rows=slot_rows_for(int(agreed[0]), self.gmm_tile_m or self.tile_m),
-            tile_m=self.tile_m, gmm_tile_m=self.gmm_tile_m, activation=activation,
-        )  # fmt: skip
+            tile_m=self.tile_m,
+            gmm_tile_m=self.gmm_tile_m,
+            activation=activation,
+        )
 
     def plans(self, bucket: ShapeBucket) -> tuple[Plan, Plan]:
         """The (forward, backward) plans of this rank for ``bucket``, compiled once."""
@@ -255,8 +261,9 @@ class TaskflowRuntime:
         # The world check (an all-gather of plan fingerprints) runs on a bucket's first step
         # only: every rank reaches that step together (the bucket is agreed by all of them).
         key = (plan.bucket, direction)
-        group = check_step(plan, self.group, self.timeout_s, direction,
-                           world_checked=key in self._checked)  # fmt: skip
+        group = check_step(
+            plan, self.group, self.timeout_s, direction, world_checked=key in self._checked
+        )
         self._checked.add(key)
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
         if self.channel is not None and ref.device.type != "cpu":
@@ -295,13 +302,27 @@ class TaskflowRuntime:
             if self.executor == "static":
                 # the same lanes the sequential executor hands the event engine, kept per plan
                 lanes = plan.memo("lanes", lambda p: engine_lanes(p.graph, p.schedule, p.rank))
-                run_static(plan.graph, plan.schedule, plan.rank, step.launch, counters,
-                           timeout_s=self.timeout_s, recorder=self.recorder,
-                           lanes=cast(EngineLanes, lanes))  # fmt: skip
+                run_static(
+                    plan.graph,
+                    plan.schedule,
+                    plan.rank,
+                    step.launch,
+                    counters,
+                    timeout_s=self.timeout_s,
+                    recorder=self.recorder,
+                    lanes=cast(EngineLanes, lanes),
+                )
             else:
-                run_dynamic(plan.graph, plan.schedule, plan.rank, step.launch, counters,
-                            processors=self.processors, timeout_s=self.timeout_s,
-                            recorder=self.recorder)  # fmt: skip
+                run_dynamic(
+                    plan.graph,
+                    plan.schedule,
+                    plan.rank,
+                    step.launch,
+                    counters,
+                    processors=self.processors,
+                    timeout_s=self.timeout_s,
+                    recorder=self.recorder,
+                )
         except BaseException as exc:
             if self.channel is not None:
                 self.channel.fail(f"rank {plan.rank} stopped its step: {exc}")

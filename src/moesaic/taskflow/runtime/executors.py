@@ -2,7 +2,7 @@
 
 Generic: they run any ``TaskGraph`` (the MoE-FFN plans, a SwiGLU+Add microbenchmark) through a
 ``launch(task)`` callback that does the task's work; the executor owns the order and the event
-counters (``comm.onesided.EventCounters``: thresholds, deadline-bounded waits, listeners).
+counters (``comm.counters.EventCounters``: thresholds, deadline-bounded waits, listeners).
 After ``launch`` returns, the executor bumps the task's triggers on this rank; triggers on other
 ranks are the launch's business (its puts carry them).
 
@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable
 
 from moesaic.checks import check_positive, check_positive_int
 from moesaic.comm.collectives import CollectiveError
-from moesaic.comm.onesided import EventCounters
+from moesaic.comm.counters import EventCounters
 from moesaic.taskflow.engine import Job, Lane
 from moesaic.taskflow.plan import Schedule, TaskGraph
 from moesaic.taskflow.tasks import TaskDescriptor
