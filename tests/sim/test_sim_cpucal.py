@@ -13,8 +13,8 @@ from moesaic.sim.collectives import LinkModel
 from moesaic.sim.cpucal import elem_cpu_s, measure, non_gmm_elements
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
-from moesaic.sim.taskflow import layer_plan, tile_elements
-from moesaic.taskflow.bucket import CompileOptions, ShapeBucket
+from moesaic.sim.taskflow import layer_plan, model_bucket, tile_elements
+from moesaic.taskflow.bucket import CompileOptions
 from moesaic.taskflow.compile import compile_world
 from moesaic.taskflow.moe_graphs import TASK_TYPES
 
@@ -25,17 +25,7 @@ LOAD = LAYER.tokens * LAYER.top_k / LAYER.experts  # rows per slot, uniform rout
 
 
 def _rank0_tasks(direction: str, P: int = 2, tile_m: int = 512):
-    bucket = ShapeBucket(
-        tokens=LAYER.tokens,
-        hidden=LAYER.hidden,
-        ffn=LAYER.ffn_hidden,
-        experts=LAYER.experts,
-        top_k=LAYER.top_k,
-        ep_size=P,
-        slot_rows=512,
-        tile_m=tile_m,
-        activation=LAYER.activation,
-    )
+    bucket = model_bucket(LAYER, ep_size=P, slot_rows=512, tile_m=tile_m)
     return compile_world(bucket, direction, CompileOptions(pipeline=True))[0].tasks
 
 
@@ -122,15 +112,5 @@ def test_measure_times_every_handler_type_on_one_rank():
 
 
 def _small_tasks(model: ModelSpec, direction: str):
-    bucket = ShapeBucket(
-        tokens=model.tokens,
-        hidden=model.hidden,
-        ffn=model.ffn_hidden,
-        experts=model.experts,
-        top_k=model.top_k,
-        ep_size=1,
-        slot_rows=32,
-        tile_m=32,
-        activation=model.activation,
-    )
+    bucket = model_bucket(model, ep_size=1, slot_rows=32, tile_m=32)
     return compile_world(bucket, direction, CompileOptions(pipeline=True))[0].tasks

@@ -25,8 +25,8 @@ from moesaic.sim.hybrid import hybrid_parts
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import CollectiveShare, Profile
 from moesaic.sim.simulate import SimOptions, simulate
-from moesaic.sim.taskflow import layer_plan
-from moesaic.taskflow.bucket import CompileOptions, ShapeBucket
+from moesaic.sim.taskflow import layer_plan, model_bucket
+from moesaic.taskflow.bucket import CompileOptions
 from moesaic.taskflow.compile import compile_world
 from moesaic.taskflow.moe_graphs import TASK_TYPES
 
@@ -137,17 +137,7 @@ def test_collective_share_inverts_the_closed_form(kind):
 
 
 def _remote_puts(direction: str, tile_m: int) -> int:
-    bucket = ShapeBucket(
-        tokens=LAYER.tokens,
-        hidden=LAYER.hidden,
-        ffn=LAYER.ffn_hidden,
-        experts=LAYER.experts,
-        top_k=LAYER.top_k,
-        ep_size=2,
-        slot_rows=512,
-        tile_m=tile_m,
-        activation=LAYER.activation,
-    )
+    bucket = model_bucket(LAYER, ep_size=2, slot_rows=512, tile_m=tile_m)
     plan = compile_world(bucket, direction, CompileOptions())[0]
     return sum(
         1
@@ -176,34 +166,22 @@ def test_taskflow_puts_take_the_all_to_all_share():
 
 def test_put_and_tile_cpu_are_charged_per_put_and_per_tile():
     link = LinkModel(spec=PAIR)
-    base = Profile(flops_per_s=1e10)
-    plain = layer_plan(LAYER, link, base, "forward", tile_m=512, slot_rows=512)
+
+    def forward(**cpu: float):
+        profile = Profile(flops_per_s=1e10, **cpu)
+        return layer_plan(LAYER, link, profile, "forward", tile_m=512, slot_rows=512)
+
+    plain = forward()
     puts = _remote_puts("forward", 512)
     assert puts > 0
-    per_put = layer_plan(
-        LAYER, link, Profile(flops_per_s=1e10, put_cpu_s=1e-3), "forward", tile_m=512, slot_rows=512
-    )
+    per_put = forward(put_cpu_s=1e-3)
     assert per_put.cpu_s - plain.cpu_s == pytest.approx(puts * 1e-3)
     assert per_put.makespan > plain.makespan  # the queues carry it
     tiles = len(plain.spans)
-    per_tile = layer_plan(
-        LAYER,
-        link,
-        Profile(flops_per_s=1e10, tile_cpu_s=1e-4),
-        "forward",
-        tile_m=512,
-        slot_rows=512,
-    )
+    per_tile = forward(tile_cpu_s=1e-4)
     assert per_tile.cpu_s - plain.cpu_s == pytest.approx(tiles * 1e-4)
     # Bytes: every remote put carries rows x H x 4 B; 1 ns per byte adds their total.
-    per_byte = layer_plan(
-        LAYER,
-        link,
-        Profile(flops_per_s=1e10, put_cpu_per_byte_s=1e-9),
-        "forward",
-        tile_m=512,
-        slot_rows=512,
-    )
+    per_byte = forward(put_cpu_per_byte_s=1e-9)
     # The forward's dispatch sends half of the T K rows to the peer, the combine returns as many.
     sent = 2 * LAYER.tokens * LAYER.top_k / 2 * LAYER.hidden * LAYER.act_bytes
     assert per_byte.cpu_s - plain.cpu_s == pytest.approx(sent * 1e-9, rel=1e-6)

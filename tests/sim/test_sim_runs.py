@@ -135,3 +135,13 @@ def test_old_mixed_names_still_work(capsys, old, strategy, schedule, options):
     )
     rc, _, err = _cli(capsys, "--strategy", old, "--schedule", "vanilla")
     assert rc == 2 and f"--strategy {old} is the old name of --strategy {strategy}" in err
+
+
+def test_the_pairs_are_the_ones_training_runs():
+    """The simulator is torch-free, so it cannot read the strategies' ``supports`` (their
+    classes import torch): its rule must agree with theirs."""
+    from moesaic.strategies.registry import get_strategy
+
+    for name in STRATEGIES:
+        declared = get_strategy(name).supports.schedules or SCHEDULES
+        assert [r.schedule for r in runs(name, "all")] == list(declared), name

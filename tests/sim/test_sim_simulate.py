@@ -22,6 +22,7 @@ from moesaic.sim.simulate import SimOptions, simulate
 ROOT = Path(__file__).resolve().parents[2]
 FLOWMOE_CLUSTER = str(ROOT / "examples/clusters/flowmoe_2rank.toml")
 FLOWMOE_MODEL = str(ROOT / "examples/models/flowmoe_small.toml")
+BASE = ("--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL)
 FIELDS = ("iteration_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "bound_ms", "ranks", "wall_s")
 
 
@@ -99,12 +100,14 @@ def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
     assert chosen.domain_sizes == ref_plan.chosen.domain_sizes
 
 
-def _new_spelling(name: str, levels: int) -> tuple[str, str, dict]:
-    """A row's strategy (old mixed names, as the table was written) as strategy, schedule and
-    the options the old name fixed."""
-    legacy = legacy_run(name, levels)
+def _new_spelling(row: dict, levels: int) -> tuple[str, str, dict]:
+    """A row's run as strategy, schedule and the options an old mixed name fixed (the table
+    was written with the old names; a row with a ``schedule`` has the new ones)."""
+    if "schedule" in row:
+        return row["strategy"], row["schedule"], {}
+    legacy = legacy_run(row["strategy"], levels)
     if legacy is None:
-        return name, "vanilla", {}
+        return row["strategy"], "vanilla", {}
     (strategy, schedule), domains = legacy
     return strategy, schedule, {} if domains is None else {"domain_sizes": domains}
 
@@ -123,9 +126,8 @@ def test_committed_validation_table_is_what_simulate_predicts(capsys, tmp_path):
         if row["source"] == "flowmoe_cluster.json":
             prof = tmp_path / f"p{i}.json"
             Profile.from_dict(row["profile"]).save(prof)
-            strategy, schedule, _ = _new_spelling(row["strategy"], 1)
-            args = ["--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL, "--profile"]
-            args += [str(prof), "--strategy", strategy, "--schedule", schedule]
+            strategy, schedule, _ = _new_spelling(row, 1)
+            args = [*BASE, "--profile", str(prof), "--strategy", strategy, "--schedule", schedule]
             args += ["--degree", str(row["degree"])]
             if "sp_bytes" in row:
                 args += ["--sp-bytes", repr(row["sp_bytes"])]
@@ -138,7 +140,7 @@ def test_committed_validation_table_is_what_simulate_predicts(capsys, tmp_path):
                 name = row["source"].removesuffix(".json")
                 spec = ClusterSpec.from_toml(ROOT / f"examples/clusters/{name}.toml")
                 options = {"domain_sizes": tuple(row["domain_sizes"]), **row.get("options", {})}
-            strategy, schedule, fixed = _new_spelling(row["strategy"], spec.num_levels)
+            strategy, schedule, fixed = _new_spelling(row, spec.num_levels)
             opts = SimOptions(**{**options, **fixed})
             model, profile = ModelSpec(**row["model"]), Profile.from_dict(row["profile"])
             sim = simulate(spec, model, strategy, profile, opts, schedule=schedule)
@@ -151,25 +153,14 @@ def test_deterministic_output(capsys, tmp_path):
     outs = []
     for k in range(2):
         trace = tmp_path / f"t{k}.json"
-        rows = _cli_json(
-            capsys,
-            "--cluster",
-            FLOWMOE_CLUSTER,
-            "--model",
-            FLOWMOE_MODEL,
-            "--strategy",
-            "all",
-            "--trace",
-            str(trace),
-        )
-        outs.append(
-            ([{k: v for k, v in r.items() if k != "wall_s"} for r in rows], trace.read_bytes())
-        )
+        rows = _cli_json(capsys, *BASE, "--strategy", "all", "--trace", str(trace))
+        summaries = [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+        outs.append((summaries, trace.read_bytes()))
     assert outs[0] == outs[1]
 
 
 def test_json_fields_and_one_row_per_run(capsys):
-    rows = _cli_json(capsys, "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL)
+    rows = _cli_json(capsys, *BASE)
     assert [r["name"] for r in rows] == [r.name for r in runs("all", "all")]
     assert [(r["strategy"], r["schedule"]) for r in rows] == list(runs("all", "all"))
     for r in rows:
@@ -179,8 +170,7 @@ def test_json_fields_and_one_row_per_run(capsys):
         assert r["bound_ms"] <= r["iteration_ms"] + 1e-9
         assert r["iteration_ms"] <= r["compute_ms"] + r["comm_ms"] + 1e-9
         assert 0 <= r["exposed_comm_ms"] <= r["comm_ms"] + 1e-9
-    args = ["--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL, "--strategy", "dropless"]
-    one = _cli_json(capsys, *args, "--schedule", "flowmoe")
+    one = _cli_json(capsys, *BASE, "--strategy", "dropless", "--schedule", "flowmoe")
     assert isinstance(one, dict) and (one["strategy"], one["schedule"]) == ("dropless", "flowmoe")
     by = {r["name"]: r for r in rows}
     assert by["dropless+flowmoe"]["iteration_ms"] < by["dropless+vanilla"]["iteration_ms"]
@@ -189,7 +179,7 @@ def test_json_fields_and_one_row_per_run(capsys):
 
 def test_trace_png_and_layer_csv(capsys, tmp_path):
     trace, png, csv = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "l.csv"
-    common = ["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL]
+    common = ["simulate", *BASE]
     outputs = ["--trace", str(trace), "--png", str(png), "--csv", str(csv)]
     main([*common, "--strategy", "dropless", "--schedule", "flowmoe", *outputs])
     out = capsys.readouterr().out
@@ -276,7 +266,7 @@ def test_bad_cluster_file_names_the_field(capsys, tmp_path, text, field):
 
 
 def test_bad_options_are_clear_errors(capsys):
-    common = ["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL]
+    common = ["simulate", *BASE]
     assert main([*common, "--strategy", "nope"]) == 2
     assert "strategy" in capsys.readouterr().err
     assert main([*common, "--degree", "3"]) == 2  # 3 does not divide the batch of 8
@@ -293,34 +283,11 @@ def test_calibrate_writes_a_profile(capsys, tmp_path):
     prof = Profile.load(out)
     assert prof.flops_per_s > 1e6 and prof.task_overhead_s > 0
     assert 0 < prof.floor_s < 1e-2 and 0.5 < prof.bandwidth_scale <= 1.5
-    rows = _cli_json(
-        capsys,
-        "--cluster",
-        FLOWMOE_CLUSTER,
-        "--model",
-        FLOWMOE_MODEL,
-        "--profile",
-        str(out),
-        "--strategy",
-        "dropless",
-    )
+    rows = _cli_json(capsys, *BASE, "--profile", str(out), "--strategy", "dropless")
     assert rows["iteration_ms"] > 0
     bad = tmp_path / "bad.json"
     bad.write_text('{"flops_per_s": -1}')
-    assert (
-        main(
-            [
-                "simulate",
-                "--cluster",
-                FLOWMOE_CLUSTER,
-                "--model",
-                FLOWMOE_MODEL,
-                "--profile",
-                str(bad),
-            ]
-        )
-        == 2
-    )
+    assert main(["simulate", *BASE, "--profile", str(bad)]) == 2
     assert "profile.flops_per_s" in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""``moesaic simulate`` and ``moesaic calibrate``.
+"""``moesaic simulate`` (and ``moesaic calibrate``, :mod:`moesaic.sim.calibrate_cli`).
 
 ``simulate`` reads a cluster TOML (``moesaic cluster``'s format), a model TOML
 (:class:`moesaic.sim.model.ModelSpec`, or a ``moesaic train --config`` training config:
@@ -7,11 +7,7 @@ prints one iteration's summary per run, a strategy (``--strategy``) under a sche
 (``--schedule``), either of them ``all`` for every valid pair (:mod:`moesaic.sim.runs`);
 ``--json`` prints one JSON object (a list for several runs). ``--measured F.json`` simulates
 every point of a measured result instead and prints simulated against measured
-(:mod:`moesaic.sim.compare`). ``calibrate`` measures this machine's matmul rate
-and op overhead (torch, under a second) and writes a profile; ``--cluster`` brings the emulated
-cluster up and measures its links (:mod:`moesaic.sim.calibrate`, needs root), ``--links`` takes
-the link figures from a committed cluster check result instead (no network is built).
-Torch-free but for ``calibrate`` and ``--png`` (matplotlib).
+(:mod:`moesaic.sim.compare`). Torch-free but for ``--png`` (matplotlib).
 """
 
 from __future__ import annotations
@@ -320,6 +316,7 @@ COLUMNS = (
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    """``moesaic simulate``: the runs' summaries (a table, or JSON), and their outputs."""
     if args.measured:
         return _run_measured(args)
     from moesaic.sim.simulate import simulate
@@ -332,9 +329,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows[0] if len(rows) == 1 else rows))
         return 0
-    print(
-        f"{'strategy':9s} {'schedule':9s} {'ranks':>6s} " + " ".join(f"{c:>15s}" for c in COLUMNS)
-    )
+    head = " ".join(f"{c:>15s}" for c in COLUMNS)
+    print(f"{'strategy':9s} {'schedule':9s} {'ranks':>6s} {head}")
     for row in rows:
         vals = " ".join(f"{row[c]:15.4g}" for c in COLUMNS)
         print(f"{row['strategy']:9s} {row['schedule']:9s} {row['ranks']:6d} {vals}")
@@ -360,9 +356,8 @@ def _run_measured(args: argparse.Namespace) -> int:
         print(json.dumps(rows))
         return 0
     width = max(len("point"), *(len(r["point"]) for r in rows))
-    print(
-        f"{'point':{width}s} {'run':18s} {'R':>2s} {'measured_ms':>12s} {'simulated_ms':>12s} {'error':>8s}"
-    )
+    head = f"{'R':>2s} {'measured_ms':>12s} {'simulated_ms':>12s} {'error':>8s}"
+    print(f"{'point':{width}s} {'run':18s} {head}")
     for r in rows:
         print(
             f"{r['point']:{width}s} {r['name']:18s} {r.get('degree', 1):2d} "

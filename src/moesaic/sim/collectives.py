@@ -22,7 +22,9 @@ collective here is ``steps x (latency + bytes per step over the slowest crossed 
   level on the shard, then all-gathers back (NCCL-style 2D/tree-free hierarchy);
 * point-to-point: ``bytes / path bandwidth + path latency``;
 * level-local patterns (HybridEP's gathers and hops, :func:`level_exchange_s`): each rank talks to
-  ``n`` peers that differ from it only in the coordinate of one level.
+  ``n`` peers that differ from it only in the coordinate of one level;
+* every offset group's all-to-all-v at once (HybridEP's exchange under a pipelined schedule,
+  :func:`all_to_all_shares_s` with ``domain_sizes``).
 
 **Latency floor.** Every step pays ``max(link latency, floor_s)``: software and stack overhead
 that no real collective goes below (gloo on this machine's loopback: 0.15-0.2 ms per message,
@@ -34,8 +36,9 @@ share)`` points from ``calibrate --cluster``, :class:`moesaic.sim.profile.Collec
 further divide the bandwidth term of the all-to-all(-v)s and of the all-reduces / all-gathers
 (:meth:`LinkModel.share`: log-linear in the collective's bytes per rank, clamped to the measured
 range; 1.0 with none). :func:`p2p_s` uses the link rates alone (the taskflow strategy prices
-its puts, an all-to-all cut into tiles, at the all-to-all's share: ``sim.taskflow``). Level-local exchanges
-(:func:`level_exchange_s`) use the all-to-all share, or the all-reduce one for gathers.
+its puts, an all-to-all cut into tiles, at the all-to-all's share: ``sim.taskflow``).
+Level-local exchanges (:func:`level_exchange_s`) use the all-to-all share, or the all-reduce
+one for gathers.
 
 Torch-free, standard library only.
 """

@@ -122,22 +122,12 @@ def measure(model: Any, tile: int, steps: int = 9) -> dict[str, Any]:
 def non_gmm_elements(model: Any, tile_m: int, slot_rows: int) -> dict[str, float]:
     """Per task type, the elements the simulator counts for one rank's non-GMM tasks of one
     forward and one backward in a world of one (``tile_elements``, uniform routing)."""
-    from moesaic.sim.taskflow import tile_elements
-    from moesaic.taskflow.bucket import CompileOptions, ShapeBucket
+    from moesaic.sim.taskflow import model_bucket, tile_elements
+    from moesaic.taskflow.bucket import CompileOptions
     from moesaic.taskflow.compile import compile_world
     from moesaic.taskflow.moe_graphs import TASK_TYPES
 
-    bucket = ShapeBucket(
-        tokens=model.tokens,
-        hidden=model.hidden,
-        ffn=model.ffn_hidden,
-        experts=model.experts,
-        top_k=model.top_k,
-        ep_size=1,
-        slot_rows=slot_rows,
-        tile_m=tile_m,
-        activation=model.activation,
-    )
+    bucket = model_bucket(model, ep_size=1, slot_rows=slot_rows, tile_m=tile_m)
     load = model.tokens * model.top_k / model.experts
     out: dict[str, float] = defaultdict(float)
     for d in ("forward", "backward"):

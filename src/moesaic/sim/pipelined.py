@@ -1,5 +1,10 @@
 """Task graphs of the block-pipelined steps: ``vanilla``, ``moe-only`` (R) and ``flowmoe`` (R, Sp).
 
+The strategy is the row exchange the stages price (:class:`Costs`, ``EXCHANGES``): ``dropless``,
+``padded`` or ``hybrid`` (dropless over the offset group, with :class:`ExpertGathers`: every
+block's gathers before the pipeline, its gradient reduce once after its last chunk's expert
+backward).
+
 The orders are those of ``schedule/pipeline.py`` (its module docstring and ``BlockPipeline``'s
 ``_forward``/``_heads``/``_backward``), with the same task names; a test runs the real pipeline
 on a small model and checks that its recorded compute and all-to-all order equals this one.
@@ -28,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from moesaic.checks import check_one_of, check_positive, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
@@ -97,13 +103,17 @@ def check_degree(model: ModelSpec, degree: int) -> int:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ExpertGathers:
-    """HybridEP's expert migration in a pipelined step (``hybrid`` under moe-only or flowmoe).
+    """HybridEP's expert migration in a pipelined step (``hybrid`` under moe-only or flowmoe),
+    as ``BlockPipeline`` runs it (tasks named as it records them, ``G.{block}`` on the
+    ``gather`` lane, forward and backward).
 
-    Every block's gathers run once, on the network before the block pipeline (``prefetch``:
-    beside the first block's attention instead of before it); each block's gradient reduce of
-    the gathered copies runs once after its last chunk's expert backward, on the network after
-    that block's dispatch gradients, and the attention backward waits for it (the schedule
-    calls it on its own thread).
+    Every block's gathers run once, on the network before the block pipeline
+    (``prepare_experts``; ``prefetch``: beside the first block's attention instead of before
+    it); each block's gradient reduce of the gathered copies runs once after its last chunk's
+    expert backward (``finish_backward``) and the attention backward waits for it (the
+    schedule calls it on its own thread). The runtime issues it while the block's dispatch
+    gradients travel; here it follows them on the rank's one network, which moves the bytes of
+    both either way.
 
     Attributes:
         gather_s: one block's gathers, every level (``HybridParts.gather``).
@@ -152,10 +162,11 @@ class Costs:
         self.at_s = profile.compute_s(model.attention_flops(tokens))
         self.head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(tokens))
         if strategy == "padded":
-            rows = self._padded(tokens)
+            ex = _padded(model, link, tokens)
         else:
-            rows = self._dropless(tokens, domain_sizes)
-        self.e_s = profile.compute_s(model.expert_flops(rows))
+            ex = _dropless(model, link, tokens, domain_sizes)
+        self.a2a_bytes, self.a2a_s, self.counts_s = ex.nbytes, ex.seconds, ex.counts_s
+        self.e_s = profile.compute_s(model.expert_flops(ex.rows))
         self.block_grad_bytes = model.replicated_params_per_block() * model.param_bytes
         self.outer_grad_bytes = model.outer_params() * model.param_bytes
         params = model.layers * model.replicated_params_per_block() + model.outer_params()
@@ -163,45 +174,54 @@ class Costs:
         # AdamW: ~10 FLOPs per parameter; a layer timed alone takes no optimizer step.
         self.optimizer_s = 0.0 if model.layer_only else profile.compute_s(10.0 * params)
 
-    def _dropless(self, tokens: int, domain_sizes: Sequence[int] | None) -> float:
-        """Prices the all-to-all-v (over the offset groups with ``domain_sizes``); returns the
-        busiest rank's expert rows."""
-        model, link = self.model, self.link
-        kept = math.fsum(expert_shares(model))
-        if domain_sizes is None:
-            shares = rank_shares(model, link.world_size)
-        else:
-            shares = domain_shares(model, link.spec, domain_sizes)
-        Q = len(shares)
-        self.a2a_bytes = tokens * model.top_k * kept * model.hidden * model.act_bytes
-        ds = domain_sizes
-        self.a2a_s = (
-            all_to_all_shares_s(link, self.a2a_bytes, shares, domain_sizes=ds) if Q > 1 else 0.0
-        )
-        # dropless exchanges its counts first: one more collective of a few bytes.
-        self.counts_s = link.worst_latency_s(domain_sizes) if Q > 1 else 0.0
-        return tokens * model.top_k * kept * Q * max(shares)
-
-    def _padded(self, tokens: int) -> float:
-        """Prices the padded all-to-all; returns the expert rows (the whole buffer)."""
-        model, link = self.model, self.link
-        P, E = link.world_size, model.experts
-        if model.capacity_factor > 0:
-            capacity = math.ceil(model.capacity_factor * tokens * model.top_k / E)
-            self.counts_s = 0.0
-        else:  # the largest load, agreed by one all-reduce (MAX) of a scalar
-            capacity = math.ceil(tokens * model.top_k * max(expert_shares(model)))
-            self.counts_s = all_reduce_s(link, 8.0) if P > 1 else 0.0
-        pair_bytes = E // P * capacity * model.hidden * model.act_bytes
-        self.a2a_bytes = P * pair_bytes
-        self.a2a_s = all_to_all_s(link, pair_bytes) if P > 1 else 0.0
-        return P * (E // P) * capacity
-
     def grad_bytes(self) -> float:
         return self.model.layers * self.block_grad_bytes + self.outer_grad_bytes
 
     def all_reduce_s(self, nbytes: float) -> float:
         return all_reduce_s(self.link, nbytes)
+
+
+class _Exchange(NamedTuple):
+    """One chunk's row exchange: the busiest rank's expert rows, the bytes a rank sends, the
+    all-to-all's seconds and those of what precedes it (the counts, or the capacity)."""
+
+    rows: float
+    nbytes: float
+    seconds: float
+    counts_s: float
+
+
+def _dropless(
+    model: ModelSpec, link: LinkModel, tokens: int, domain_sizes: Sequence[int] | None
+) -> _Exchange:
+    """The all-to-all-v of the kept rows (over the offset groups with ``domain_sizes``)."""
+    kept = math.fsum(expert_shares(model))
+    if domain_sizes is None:
+        shares = rank_shares(model, link.world_size)
+    else:
+        shares = domain_shares(model, link.spec, domain_sizes)
+    Q = len(shares)
+    nbytes = tokens * model.top_k * kept * model.hidden * model.act_bytes
+    rows = tokens * model.top_k * kept * Q * max(shares)
+    if Q == 1:
+        return _Exchange(rows, nbytes, 0.0, 0.0)
+    seconds = all_to_all_shares_s(link, nbytes, shares, domain_sizes=domain_sizes)
+    # dropless exchanges its counts first: one more collective of a few bytes.
+    return _Exchange(rows, nbytes, seconds, link.worst_latency_s(domain_sizes))
+
+
+def _padded(model: ModelSpec, link: LinkModel, tokens: int) -> _Exchange:
+    """The padded all-to-all; the experts compute the whole buffer."""
+    P, E = link.world_size, model.experts
+    if model.capacity_factor > 0:
+        capacity = math.ceil(model.capacity_factor * tokens * model.top_k / E)
+        agree_s = 0.0
+    else:  # the largest load, agreed by one all-reduce (MAX) of a scalar
+        capacity = math.ceil(tokens * model.top_k * max(expert_shares(model)))
+        agree_s = all_reduce_s(link, 8.0) if P > 1 else 0.0
+    pair_bytes = E // P * capacity * model.hidden * model.act_bytes
+    seconds = all_to_all_s(link, pair_bytes) if P > 1 else 0.0
+    return _Exchange(P * (E // P) * capacity, P * pair_bytes, seconds, agree_s)
 
 
 def build_pipelined(costs: Costs, *, degree: int, overlap: bool) -> tuple[SimGraph, list[SimTask]]:
@@ -232,7 +252,7 @@ def _gathers(g: SimGraph, costs: Costs) -> SimTask | None:
     if ag is None or ag.gather_s == 0:
         return None
     for blk in range(1, costs.model.layers + 1):
-        last = g.add(NET, SimTask(f"AG{blk}", "gather", ag.gather_s, "fwd", blk))
+        last = g.add(NET, SimTask(f"G.{blk}", "gather", ag.gather_s, "fwd", blk))
     return None if ag.prefetch else last
 
 
@@ -287,7 +307,7 @@ def _backward(
         if c_.gathers is not None and c_.gathers.reduce_s > 0:
             # after the last chunk's expert backward (e); on the network after the D's, so
             # waiting for it is waiting for every D of the block too
-            rs = SimTask(f"RS{blk}", "gather", c_.gathers.reduce_s, "bwd", blk)
+            rs = SimTask(f"G.{blk}", "gather", c_.gathers.reduce_s, "bwd", blk)
             db = dict.fromkeys(rev, g.add(NET, rs, e))
         for r in rev:
             wait = db[r] if overlap else db[1]

@@ -44,7 +44,9 @@ __all__ = [
 
 STRATEGIES = ("dropless", "padded", "hybrid", "taskflow")
 SCHEDULES = schedule_names()
-# strategy -> why it runs the vanilla schedule only
+# strategy -> why it runs the vanilla schedule only. The strategies declare it too
+# (``MoEStrategy.supports``), but their classes import torch and this package does not; a test
+# keeps the two in step.
 VANILLA_ONLY = {
     "taskflow": "taskflow runs vanilla only: its dispatch, GEMMs and combine are fused into "
     "tile tasks",
@@ -74,8 +76,7 @@ class Run(NamedTuple):
 def check_strategy(strategy: object) -> str:
     """``strategy`` is one the simulator prices; a registered one it does not price, or an
     unknown name, is a ValueError naming the parameter and the priced ones."""
-    if strategy in STRATEGIES:
-        assert isinstance(strategy, str)
+    if isinstance(strategy, str) and strategy in STRATEGIES:
         return strategy
     if strategy in strategy_names():
         raise ValueError(
@@ -100,17 +101,15 @@ def check_run(strategy: object, schedule: object) -> Run:
 
 
 def runs(strategy: str, schedule: str) -> list[Run]:
-    """The runs of ``strategy`` under ``schedule``, either of them ``"all"``: every valid pair,
-    strategy by strategy (a vanilla-only strategy under ``schedule="all"`` runs vanilla; under
-    a named pipelined schedule with ``strategy="all"`` it is left out)."""
-    names = STRATEGIES if strategy == "all" else (check_strategy(strategy),)
-    scheds = SCHEDULES if schedule == "all" else (check_one_of("schedule", schedule, SCHEDULES),)
+    """The runs of ``strategy`` under ``schedule``, either of them ``"all"``: every pair that can
+    run, strategy by strategy (under ``schedule="all"`` a vanilla-only strategy runs vanilla;
+    under a named pipelined schedule ``strategy="all"`` leaves it out). Two names: that pair,
+    refused if it cannot run (:func:`check_run`)."""
     if strategy != "all" and schedule != "all":
         return [check_run(strategy, schedule)]
-    out = [Run(n, s) for n in names for s in scheds if s == "vanilla" or n not in VANILLA_ONLY]
-    if not out:  # a vanilla-only strategy under a named pipelined schedule
-        return [check_run(names[0], scheds[0])]
-    return out
+    names = STRATEGIES if strategy == "all" else (check_strategy(strategy),)
+    scheds = SCHEDULES if schedule == "all" else (check_one_of("schedule", schedule, SCHEDULES),)
+    return [Run(n, s) for n in names for s in scheds if s == "vanilla" or n not in VANILLA_ONLY]
 
 
 def legacy_run(name: object, num_levels: int) -> tuple[Run, tuple[int, ...] | None] | None:

@@ -7,10 +7,10 @@ The two axes are :mod:`moesaic.sim.runs`' (``STRATEGIES``: dropless, padded, hyb
   :mod:`moesaic.sim.pipelined` (vanilla: R = 1, one all-reduce after the backward; moe-only: R
   chunks; flowmoe: R chunks, attention pipelined too, Sp-byte all-reduce chunks in the gaps),
   hybrid's exchange over its offset group with its gathers before the pipeline and its gradient
-  reduce once per block (:func:`moesaic.sim.hybrid.hybrid_costs`);
-* hybrid under vanilla: HybridEP's step (:func:`moesaic.sim.hybrid.build_hybrid`, the domain
-  sizes its cost model picks unless given), as HybridEP's benchmark runs it: no data-parallel
-  all-reduce;
+  reduce once per block (:func:`moesaic.sim.hybrid.hybrid_costs`), the domain sizes its cost
+  model picks unless given (as for vanilla);
+* hybrid under vanilla: HybridEP's step (:func:`moesaic.sim.hybrid.build_hybrid`), as
+  HybridEP's benchmark runs it: no data-parallel all-reduce;
 * taskflow: each MoE layer runs its compiled tile plans (:mod:`moesaic.sim.taskflow`).
 
 Outputs use :mod:`moesaic.trace` (``Span``, Chrome trace, PNG, busy time) so simulated and
@@ -70,8 +70,9 @@ class SimOptions:
         degree: R, chunks of the pipelined schedules (must divide ``model.batch``); ``vanilla``
             runs one.
         sp_bytes: Sp of ``flowmoe``; None: the replicated gradients' bytes / 16.
-        domain_sizes: ``hybrid``'s domains; None: chosen by its cost model (the vanilla step's,
-            ``plan_step``'s rule) under every schedule.
+        domain_sizes: ``hybrid``'s domains; None: chosen by its cost model (``plan_step``'s
+            rule, HybridEP's step) on the tokens of one chunk under every schedule, as
+            ``moesaic train --domains auto`` plans them.
         prefetch: ``hybrid`` gathers prefetched under the pre-expert compute (vanilla) or beside
             the first block's attention (pipelined schedules).
         compression_ratio: ``hybrid``'s SR compression of gathered experts (+Migration: > 1).

@@ -36,6 +36,7 @@ Whole-world compilation is O(P) plans: this strategy is for worlds of up to ``MA
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from moesaic.sim.collectives import LinkModel, all_reduce_s, p2p_s
 from moesaic.sim.graph import SimGraph, SimTask
@@ -44,12 +45,16 @@ from moesaic.sim.profile import OPS_PER_TASK, Profile
 from moesaic.taskflow.tasks import Region, TaskDescriptor
 from moesaic.trace import Span
 
+if TYPE_CHECKING:
+    from moesaic.taskflow.bucket import ShapeBucket
+
 __all__ = [
     "MAX_RANKS",
     "LayerPlan",
     "build_taskflow",
     "default_tiles",
     "layer_plan",
+    "model_bucket",
     "step_cpu_s",
     "tile_elements",
     "valid_rows",
@@ -118,6 +123,23 @@ def default_tiles(
     return tile_m, slot_rows
 
 
+def model_bucket(model: ModelSpec, *, ep_size: int, slot_rows: int, tile_m: int) -> ShapeBucket:
+    """The compiler's shape bucket of ``model``'s MoE layer on ``ep_size`` ranks."""
+    from moesaic.taskflow.bucket import ShapeBucket
+
+    return ShapeBucket(
+        tokens=model.tokens,
+        hidden=model.hidden,
+        ffn=model.ffn_hidden,
+        experts=model.experts,
+        top_k=model.top_k,
+        ep_size=ep_size,
+        slot_rows=slot_rows,
+        tile_m=tile_m,
+        activation=model.activation,
+    )
+
+
 def layer_plan(
     model: ModelSpec,
     link: LinkModel,
@@ -133,7 +155,7 @@ def layer_plan(
     ``tile_m``, ``slot_rows``: the bucket's (:func:`default_tiles`); ``pipeline``: the
     list-scheduled queue order (``CompileOptions.pipeline``) instead of kernel order.
     """
-    from moesaic.taskflow.bucket import CompileOptions, ShapeBucket
+    from moesaic.taskflow.bucket import CompileOptions
     from moesaic.taskflow.compile import compile_world
     from moesaic.taskflow.moe_graphs import TASK_TYPES
     from moesaic.taskflow.validate import simulate
@@ -143,17 +165,7 @@ def layer_plan(
         raise ValueError(f"the taskflow strategy simulates worlds of <= {MAX_RANKS} ranks, got {P}")
     T, H, F = model.tokens, model.hidden, model.ffn_hidden
     tile_m, slot = default_tiles(model, tile_m, slot_rows)
-    bucket = ShapeBucket(
-        tokens=T,
-        hidden=H,
-        ffn=F,
-        experts=model.experts,
-        top_k=model.top_k,
-        ep_size=P,
-        slot_rows=slot,
-        tile_m=tile_m,
-        activation=model.activation,
-    )
+    bucket = model_bucket(model, ep_size=P, slot_rows=slot, tile_m=tile_m)
     plans = compile_world(bucket, direction, CompileOptions(pipeline=pipeline))
     launch_s = profile.task_overhead_s / OPS_PER_TASK
     swiglu = model.activation == "swiglu"
