@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -177,6 +178,51 @@ def test_second_run_on_a_locked_run_dir(data_file, tmp_path, capfd):
         RunLock(str(run)).acquire()
 
 
+def test_run_refused_by_the_lock_leaves_the_running_jobs_logs_alone(data_file, tmp_path):
+    # Issue 25 item 9: a torchrun refused by the run lock appended its traceback to the running
+    # job's logs/rank_0.log (and its other ranks to rank_N.log).
+    run = tmp_path / "run"
+    logs = run / "logs"
+    logs.mkdir(parents=True)
+    (logs / "rank_0.log").write_text("the running job's log\n")
+    code = (
+        "import sys, time; from moesaic.train.runlock import RunLock; "
+        "RunLock(sys.argv[1], job='moesaic-running').acquire(); print('locked', flush=True); "
+        "time.sleep(600)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", "2", "-m", "moesaic.train"]
+        cmd += [*tiny_args(data_file, run, "--steps", "2", "--timeout-s", "10")[1:]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode != 0
+    assert "is in use by another training run" in proc.stderr, proc.stderr[-2000:]
+    assert (logs / "rank_0.log").read_text() == "the running job's log\n"
+    assert sorted(p.name for p in logs.iterdir()) == ["rank_0.log"]
+    # the refused run's traceback went to the temp directory, and its line says where
+    assert "(traceback in " + tempfile.gettempdir() in proc.stderr, proc.stderr[-2000:]
+
+
+def test_lock_names_its_job(tmp_path):
+    from moesaic.train.runlock import held_by_other_job
+
+    with RunLock(str(tmp_path), job="moesaic-a"):
+        assert "job moesaic-a" in (tmp_path / ".lock").read_text()
+        assert held_by_other_job(str(tmp_path), "moesaic-b")
+        assert not held_by_other_job(str(tmp_path), "moesaic-a")
+        assert not held_by_other_job(str(tmp_path), None)  # not an elastic worker
+    assert not held_by_other_job(str(tmp_path), "moesaic-b")  # released: names nobody
+    with RunLock(str(tmp_path)):  # a holder without a job (an older moesaic, a script)
+        assert not held_by_other_job(str(tmp_path), "moesaic-b")
+
+
 def test_resume_past_steps(reference, data_file, tmp_path, capfd):
     # `--resume --steps 6` from a step-8 checkpoint exited 0 reporting "-2 this run".
     run = start_from(reference, 8, tmp_path / "a")
@@ -190,6 +236,69 @@ def test_resume_past_steps(reference, data_file, tmp_path, capfd):
     assert main(tiny_args(data_file, run, "--resume", "--steps", "8")) == 0
     assert "already at step 8 = --steps; nothing to do" in capfd.readouterr().err
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_ctrl_c_while_the_workers_start_is_one_line(data_file, tmp_path):
+    # Issue 25 item 9: a Ctrl-C in a run's first seconds interrupted every worker inside
+    # `import torch` (they shared the terminal's process group): 72 lines of tracebacks. The
+    # workers now run in sessions of their own; the launcher stops them.
+    run, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "moesaic", *tiny_args(data_file, run, "--steps", "100000")]
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp.glob("moesaic-elastic-*/config.json")):  # workers being started
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside their imports
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
+    assert err.strip().splitlines()[-1] == "moesaic train: interrupted; the workers were stopped"
+    assert not list(tmp.glob("moesaic-elastic-*")), "the agent's files stayed behind"
+    left = subprocess.run(["pgrep", "-f", f"moesaic.train.launched {tmp}"], capture_output=True)
+    assert left.stdout == b"", "workers outlived the launcher"
+
+
+def test_workers_die_with_the_launcher(data_file, tmp_path):
+    # Out of the terminal's process group, a worker must still die when its launcher does.
+    run, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "moesaic", *tiny_args(data_file, run, "--steps", "100000")]
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(
+        cmd,
+        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or not read_metrics(run):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher alone: the workers are elsewhere
+        proc.wait()
+    pattern = f"moesaic.train.launched {tmp}"
+    deadline = time.monotonic() + 10
+    while subprocess.run(["pgrep", "-f", pattern], capture_output=True).stdout:
+        assert time.monotonic() < deadline, "workers outlived their launcher"
+        time.sleep(0.2)
 
 
 def test_ctrl_c_is_one_line(data_file, tmp_path):

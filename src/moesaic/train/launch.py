@@ -14,13 +14,16 @@ holding its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,13 +44,6 @@ from moesaic.train.runlock import RunLock, check_run_dir
 # child tracebacks and "Terminating process ... via signal SIGTERM"; the launcher reports the
 # root cause itself, so keep only their critical logs.
 _QUIET_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
-
-
-def _worker_entry(cfg_dict: dict, launched: bool) -> dict:
-    # Imported in the worker, not here: the launcher never needs the training loop.
-    from moesaic.train.worker import worker_main
-
-    return worker_main(cfg_dict, launched=launched)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> int | None:
@@ -103,7 +99,8 @@ def launch(cfg: TrainConfig) -> dict:
     """
     validate_config(cfg, cfg.nproc)
     check_run_dir(cfg.run_dir)
-    with RunLock(cfg.run_dir):
+    job = f"moesaic-{uuid.uuid4().hex[:8]}"  # the workers' TORCHELASTIC_RUN_ID
+    with RunLock(cfg.run_dir, job=job):
         start = validate_checkpoints(cfg)
         if start is not None and start == cfg.steps:
             print(
@@ -112,7 +109,7 @@ def launch(cfg: TrainConfig) -> dict:
                 file=sys.stderr,
             )
             return {}
-        return _run_agent(cfg)
+        return _run_agent(cfg, job)
 
 
 def _quiet_torch_loggers() -> None:
@@ -149,7 +146,32 @@ def _last_attempt_records(log_dir: str) -> dict[int, Any]:
     return found
 
 
-def _run_agent(cfg: TrainConfig) -> dict:
+@contextlib.contextmanager
+def _ctrl_c_stops_workers_with_sigterm() -> Iterator[None]:
+    """Torch's agent stops its workers with the signal it got: on a Ctrl-C, SIGINT, which
+    interrupts a worker still starting its interpreter or in ``import torch`` with a traceback
+    (or "Fatal Python error: init_import_site"). Here a Ctrl-C stops them with SIGTERM, which
+    ends a Python process silently wherever it is; the launcher still reports "interrupted"."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stop(signum: int, frame: object) -> None:
+        raise SignalException("interrupted (Ctrl-C)", sigval=signal.SIGTERM)
+
+    key = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # the agent's own handlers: all but SIGINT
+    before = os.environ.get(key)
+    os.environ[key] = "SIGTERM,SIGHUP,SIGQUIT"
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def _run_agent(cfg: TrainConfig, job: str) -> dict:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -163,7 +185,7 @@ def _run_agent(cfg: TrainConfig) -> dict:
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=cfg.nproc,
-        run_id=f"moesaic-{uuid.uuid4().hex[:8]}",
+        run_id=job,
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         rdzv_configs={"timeout": int(max(60, cfg.timeout_s))},
@@ -173,7 +195,17 @@ def _run_agent(cfg: TrainConfig) -> dict:
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     try:
-        results = elastic_launch(config, _worker_entry)(cfg.to_dict(), True)
+        # Workers as commands (moesaic.train.launched): each in a session of its own, so a
+        # Ctrl-C reaches this launcher alone and stops them without a traceback each.
+        config_file = Path(log_dir) / "config.json"
+        config_file.write_text(json.dumps(cfg.to_dict()))
+        summary_file = Path(log_dir) / "summary.json"
+        args = ("-m", "moesaic.train.launched", str(config_file), str(summary_file), os.getpid())
+        with _ctrl_c_stops_workers_with_sigterm():
+            elastic_launch(config, sys.executable)(*args)
+        if summary_file.is_file():
+            return json.loads(summary_file.read_text())
+        return {}
     except ChildFailedError as exc:
         failures = {**_last_attempt_records(log_dir), **exc.failures}
         rank, line = pick_root_cause(failures)
@@ -194,4 +226,3 @@ def _run_agent(cfg: TrainConfig) -> dict:
         raise RuntimeError(f"stopped by signal {exc.sigval.name}") from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
-    return results.get(0) or {}

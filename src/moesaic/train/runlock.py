@@ -1,7 +1,9 @@
 """One training run per run directory: a writability check and an exclusive lock.
 
-The lock is an ``fcntl.flock`` on ``RUN_DIR/.lock``, which holds the holder's PID, host and
-start time. The kernel drops a flock when its process dies, however it dies, so a lock left by
+The lock is an ``fcntl.flock`` on ``RUN_DIR/.lock``, which holds the holder's PID, host, start
+time and job (the torch elastic run id its workers see as ``TORCHELASTIC_RUN_ID``: a worker
+writes into the run directory's logs only when the lock names its own job, see
+:func:`held_by_other_job`). The kernel drops a flock when its process dies, however it dies, so a lock left by
 a killed run is recovered by simply taking it again: the file's contents only name the holder
 in the message a second run sees. (flock is per open file: a run is locked against every other
 process, including a second ``moesaic train`` of the same user; on NFS it is only as good as the
@@ -56,8 +58,9 @@ class RunLock:
         RunDirError: another live process holds the lock (the message names its PID and host).
     """
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, job: str | None = None) -> None:
         self.path = Path(run_dir) / LOCK_NAME
+        self.job = job
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
@@ -76,7 +79,8 @@ class RunLock:
                 ) from None
             raise RunDirError(f"cannot lock {self.path}: {exc.strerror}") from None
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        info = f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n"
+        info = f"pid {os.getpid()} on host {socket.gethostname()}, started {started}"
+        info += f"{_JOB}{self.job}\n" if self.job else "\n"
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode(), 0)
         self._fd = fd
@@ -104,6 +108,25 @@ class RunLock:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+def held_by_other_job(run_dir: str, job: str | None) -> bool:
+    """True when ``run_dir``'s lock names a job other than ``job`` (another run holds it).
+
+    False when the lock names no job (released, or not taken yet: the rank that takes it may
+    not have got there) or when ``job`` is None (not a worker of an elastic job).
+    """
+    if not job:
+        return False
+    try:
+        text = (Path(run_dir) / LOCK_NAME).read_text(errors="replace")
+    except OSError:
+        return False
+    _, found, holder = text.strip().partition(_JOB)
+    return bool(found) and holder != job
+
+
+_JOB = ", job "
 
 
 def _read_holder(fd: int) -> str:

@@ -38,8 +38,14 @@ __all__ = ["fail", "worker_main", "write_traceback"]
 
 
 def _log_candidates(run_dir: str, rank: int) -> list[Path]:
-    """``run_dir/logs/rank_<rank>.log``, then a file in the temp directory."""
+    """``run_dir/logs/rank_<rank>.log``, then a file in the temp directory; only the latter
+    when another job holds the run directory (a run refused by its lock must not append to
+    the running job's logs)."""
+    from moesaic.train.runlock import held_by_other_job
+
     tmp = Path(tempfile.gettempdir()) / f"moesaic-train-rank_{rank}-{os.getpid()}.log"
+    if held_by_other_job(run_dir, os.environ.get("TORCHELASTIC_RUN_ID")):
+        return [tmp]
     return [Path(run_dir) / "logs" / f"rank_{rank}.log", tmp]
 
 
@@ -147,7 +153,7 @@ def worker_main(cfg_dict: dict, *, launched: bool) -> dict:
         cfg = TrainConfig.from_dict(cfg_dict)
         if not launched and rank == 0:
             check_run_dir(cfg.run_dir)
-            lock = RunLock(cfg.run_dir).acquire()
+            lock = RunLock(cfg.run_dir, job=os.environ.get("TORCHELASTIC_RUN_ID")).acquire()
         path = latest_checkpoint(cfg.run_dir) if cfg.resume else None
         if path is not None:
             check_resume_step(path, read_checkpoint_meta(path, verify=False), cfg.steps)

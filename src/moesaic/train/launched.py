@@ -1,0 +1,51 @@
+"""A worker of ``moesaic train``'s own launcher: ``python -m moesaic.train.launched CONFIG SUMMARY
+LAUNCHER_PID``.
+
+The launcher starts its workers as commands, not as spawned functions, so that torch elastic
+puts each in a session of its own: a Ctrl-C in the terminal then reaches the launcher alone,
+whose agent stops the workers with SIGTERM (``launch._ctrl_c_stops_workers_with_sigterm``),
+which ends a worker silently wherever it is. Spawned functions shared the terminal's process
+group, and a Ctrl-C in a run's first seconds interrupted every worker inside ``import torch``:
+72 lines of interleaved tracebacks. Out of the process group, a worker no longer dies with its
+launcher by the terminal's signal, so it asks the kernel for SIGKILL when the launcher dies
+(``PR_SET_PDEATHSIG``; Linux).
+
+``CONFIG`` holds the run's ``TrainConfig.to_dict()`` as JSON; rank 0 writes its summary to
+``SUMMARY``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_launcher(launcher_pid: int) -> None:
+    """SIGKILL this process when the launcher dies (already dead: exit now)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != launcher_pid:  # it died before the request: nobody would stop us
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, summary, launcher_pid = sys.argv[1:] if argv is None else argv
+    die_with_launcher(int(launcher_pid))
+    from moesaic.train.worker import worker_main
+
+    result = worker_main(json.loads(Path(config).read_text()), launched=True)
+    if result:
+        Path(summary).write_text(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
