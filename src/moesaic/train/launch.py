@@ -146,6 +146,11 @@ def _last_attempt_records(log_dir: str) -> dict[int, Any]:
     return found
 
 
+# The signals torch's agent turns into a shutdown that forwards the same signal: all but SIGINT,
+# which _ctrl_c_stops_workers_with_sigterm handles.
+_AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
+
+
 @contextlib.contextmanager
 def _ctrl_c_stops_workers_with_sigterm() -> Iterator[None]:
     """Torch's agent stops its workers with the signal it got: on a Ctrl-C, SIGINT, which
@@ -157,18 +162,11 @@ def _ctrl_c_stops_workers_with_sigterm() -> Iterator[None]:
     def stop(signum: int, frame: object) -> None:
         raise SignalException("interrupted (Ctrl-C)", sigval=signal.SIGTERM)
 
-    key = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # the agent's own handlers: all but SIGINT
-    before = os.environ.get(key)
-    os.environ[key] = "SIGTERM,SIGHUP,SIGQUIT"
-    previous = signal.signal(signal.SIGINT, stop)
+    previous = signal.signal(signal.SIGINT, stop)  # the agent handles the others (_SIGNALS)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
 
 
 def _run_agent(cfg: TrainConfig, job: str) -> dict:
@@ -193,6 +191,7 @@ def _run_agent(cfg: TrainConfig, job: str) -> dict:
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        signals_to_handle=_AGENT_SIGNALS,
     )
     try:
         # Workers as commands (moesaic.train.launched): each in a session of its own, so a
