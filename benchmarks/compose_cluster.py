@@ -39,8 +39,8 @@ from typing import Any
 
 MODEL = {
     "d_model": 128,
-    "n_layers": 3,
-    "dense_layers": 1,
+    "n_layers": 2,  # two MoE blocks, no dense one: a model the simulator expresses
+    "dense_layers": 0,
     "n_heads": 4,
     "seq_len": 64,
     "moe": {

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from moesaic.cli import main
+from moesaic.strategies import strategy_names
 
 
 def test_help_lists_commands(capsys):
@@ -27,6 +28,10 @@ def test_bench_layer_tiny(tmp_path):
     assert result["meta"]["torch"] and result["config"]["ep_sizes"] == [1, 2]
     rows = {(r["ep"], r["impl"], r["routing"]): r for r in result["rows"]}
     assert {(2, "padded", "skewed"), (2, "dropless", "uniform")} <= set(rows)
+    # By default every registered strategy that runs without a cluster description: all the
+    # built-in ones.
+    assert result["config"]["strategies"] == list(strategy_names())
+    assert {impl for _, impl, _ in rows} >= set(strategy_names())
     # Skewed routing pads more: padded sends at least what dropless sends.
     assert rows[(2, "padded", "skewed")]["bytes_vs_dropless"] >= 1.0
     assert rows[(2, "padded", "skewed")]["load"]["max_over_mean"] > 1.5

@@ -47,12 +47,48 @@ SCENARIOS = [
     ("all-to-one-expert", {"top_k": 1}, lambda r: 9, "one_rank"),
     ("one-token-per-rank", {}, lambda r: 1, None),
     ("k-equals-E", {"top_k": E}, lambda r: 6, None),
+    # DeepSeek-V3 / Qwen2-MoE layer features: a gated shared expert, 4 groups of which a
+    # token keeps 2, scaled weights; then a score bias moving choices ("bias": set below),
+    # the sequence-wise loss and the global-batch balance loss (loads all-reduced; rank 1,
+    # without tokens, still takes part in that all-reduce)
+    (
+        "shared-groups-scaled",
+        {
+            "score_func": "sigmoid",
+            "num_shared_experts": 1,
+            "shared_expert_hidden_size": 8,
+            "shared_expert_gate": True,
+            "num_expert_groups": 4,
+            "topk_groups": 2,
+            "routed_scaling_factor": 2.5,
+        },
+        lambda r: 12,
+        None,
+    ),
+    (
+        "bias-seq-global",
+        {
+            "score_bias_update_rate": 1e-3,
+            "seq_aux_loss_coef": 0.3,
+            "balance_loss_scope": "global",
+            "aux_loss_coef": 0.5,
+        },
+        lambda r: 0 if r == 1 else 4 + 3 * r,
+        "bias",
+    ),
 ]
-CASES = [
-    (f"{scenario}/{strategy}", {**overrides, "dispatcher": strategy}, tokens, routing)
-    for strategy in strategy_names()
-    for scenario, overrides, tokens, routing in SCENARIOS
-]
+
+
+def parity_cases(strategies: tuple[str, ...]) -> list:
+    """Every scenario for each of ``strategies``: ``(name, overrides, tokens, routing)``."""
+    return [
+        (f"{scenario}/{strategy}", {**overrides, "dispatcher": strategy}, tokens, routing)
+        for strategy in strategies
+        for scenario, overrides, tokens, routing in SCENARIOS
+    ]
+
+
+CASES = parity_cases(strategy_names())
 
 
 def _inputs(rank: int, n_tokens: int, one_rank: bool) -> torch.Tensor:
@@ -71,6 +107,9 @@ def _build(overrides: dict, routing: str | None):
     torch.manual_seed(4321)
     layer = moesaic.MoELayer(cfg)
     sd = route_all_to_first_experts(layer) if routing == "one_rank" else layer.full_state_dict()
+    if routing == "bias":  # large enough to move choices (softmax scores of 8 experts)
+        sd["router.score_bias"] = torch.linspace(-0.2, 0.2, E)
+        layer.load_full_state_dict(sd)
     return cfg, layer, sd
 
 
@@ -78,7 +117,9 @@ def _init_cfg() -> moesaic.MoEConfig:
     return moesaic.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E)
 
 
-def ep_worker(rank: int, world: int) -> dict:
+def ep_worker(rank: int, world: int, strategies: tuple[str, ...] | None = None) -> dict:
+    """Every case of ``strategies`` (default: every registered one) on this rank."""
+    cases = CASES if strategies is None else parity_cases(strategies)
     # Initialisation independent of the EP size: this rank's shard, and the gathered whole.
     torch.manual_seed(99)
     layer = moesaic.MoELayer(_init_cfg())
@@ -97,7 +138,7 @@ def ep_worker(rank: int, world: int) -> dict:
     layer.load_full_state_dict(other)
     for key, value in layer.full_state_dict().items():
         assert torch.equal(value, other[key]), key
-    for name, overrides, tokens, routing in CASES:
+    for name, overrides, tokens, routing in cases:
         cfg, layer, sd = _build(overrides, routing)
         xs = [_inputs(p, tokens(p), routing == "one_rank") for p in range(world)]
         gs = [
@@ -150,10 +191,10 @@ def ep_worker(rank: int, world: int) -> dict:
     return results
 
 
-def _ep1_outputs(world: int) -> dict:
+def _ep1_outputs(world: int, cases: list) -> dict:
     """The same cases on an EP = 1 layer in this process."""
     out = {}
-    for name, overrides, tokens, routing in CASES:
+    for name, overrides, tokens, routing in cases:
         _, layer, _ = _build(overrides, routing)
         ys = []
         for p in range(world):
@@ -178,15 +219,22 @@ def _check_init(per_rank: list[dict], world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_equals_reference_and_ep1(world):
     per_rank = run_world(ep_worker, world, timeout_s=240)
+    check_parity(per_rank, world, strategy_names())
+
+
+def check_parity(per_rank: list[dict], world: int, strategies: tuple[str, ...]) -> None:
+    """What ``ep_worker`` returned for ``strategies`` against EP = 1 and each other (the
+    reference was checked on the ranks)."""
     _check_init(per_rank, world)
-    ep1 = _ep1_outputs(world)
-    for name, *_ in CASES:
+    cases = parity_cases(strategies)
+    ep1 = _ep1_outputs(world, cases)
+    for name, *_ in cases:
         for r in range(world):
             # EP = N and EP = 1 run the same fp32 ops on the same rows, grouped differently
             # into matmuls; CPU GEMM blocking may change the last bits, not more.
             torch.testing.assert_close(per_rank[r][name]["y"], ep1[name][r], rtol=1e-5, atol=1e-6)
     # Without drops every strategy computes the same thing (same tolerance, same reason).
-    first, *others = strategy_names()
+    first, *others = strategies
     for scenario in ("default", "capacity-large", "rank-without-tokens", "all-to-one-rank"):
         for other in others:
             for r in range(world):
@@ -197,7 +245,7 @@ def test_ep_equals_reference_and_ep1(world):
                     atol=1e-6,
                 )
     # Ranks 1.. receive nothing when every token goes to experts 0 and 1, yet took part.
-    for strategy in strategy_names():
+    for strategy in strategies:
         for r in range(world):
             counts = per_rank[r][f"all-to-one-rank/{strategy}"]["counts"]
             assert counts[2:].sum() == 0 and counts[:2].sum() == 9 * 2

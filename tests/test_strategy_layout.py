@@ -61,18 +61,27 @@ class _RecordingExperts:
         return (ids_M + 1).unsqueeze(1).expand(-1, H).clone()
 
 
-def _row_strategies() -> list[str]:
-    """Strategies that hand rows to the ``experts`` callable. Those that compute with the
-    weights themselves (``needs_expert_weights``: hybrid moves experts, taskflow runs them in tile
-    tasks) are checked row by row in their own tests (tests/placement/test_hybrid.py,
+def scenarios_for(world: int) -> list:
+    """The scenarios a world of ``world`` ranks can hold (explicit owners name ranks < world)."""
+    return [s for s in SCENARIOS if s[4] is None or max(s[4]) < world]
+
+
+def row_strategies(names: tuple[str, ...] | None = None) -> list[str]:
+    """Strategies (of ``names``, default every registered one) that hand rows to the
+    ``experts`` callable. Those that compute with the weights themselves
+    (``needs_expert_weights``: hybrid moves experts, taskflow runs them in tile tasks) are
+    checked row by row in their own tests (tests/placement/test_hybrid.py,
     tests/taskflow/test_concurrent.py)."""
-    return [s for s in strategy_names() if not get_strategy(s).needs_expert_weights]
+    names = strategy_names() if names is None else names
+    return [s for s in names if not get_strategy(s).needs_expert_weights]
 
 
-def _layout_worker(rank: int, world: int) -> list[str]:
+def layout_worker(rank: int, world: int, names: tuple[str, ...] | None = None) -> list[str]:
+    """Every scenario that fits ``world`` ranks (``scenarios_for``) for each of
+    ``row_strategies(names)``; returns the tags checked."""
     checked = []
-    for strategy in _row_strategies():
-        for scenario, K, tokens, capacity, owners in SCENARIOS:
+    for strategy in row_strategies(names):
+        for scenario, K, tokens, capacity, owners in scenarios_for(world):
             tag = f"{strategy}/{scenario} rank {rank}"
             cfg = moesaic.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=E, top_k=K)
             if owners is None:
@@ -112,11 +121,11 @@ def _layout_worker(rank: int, world: int) -> list[str]:
     return checked
 
 
-def _placed_layer_worker(rank: int, world: int) -> list[str]:
+def placed_layer_worker(rank: int, world: int, names: tuple[str, ...] | None = None) -> list[str]:
     """A layer with experts placed out of order computes what the contiguous one does."""
     owners = (2, 0, 1, 0, 2, 1)
     checked = []
-    for strategy in strategy_names():
+    for strategy in strategy_names() if names is None else names:
         cfg = moesaic.MoEConfig(
             hidden_size=H, ffn_hidden_size=8, num_experts=E, init_std=0.5, dispatcher=strategy
         )
@@ -138,13 +147,13 @@ def _placed_layer_worker(rank: int, world: int) -> list[str]:
 
 
 def test_every_strategy_delivers_rows_exactly():
-    per_rank = run_world(_layout_worker, 3, timeout_s=120)
-    want = len(_row_strategies()) * len(SCENARIOS)
+    per_rank = run_world(layout_worker, 3, timeout_s=120)
+    want = len(row_strategies()) * len(SCENARIOS)  # all of them fit 3 ranks
     assert all(len(tags) == want for tags in per_rank)
 
 
 def test_layer_with_experts_placed_out_of_order_matches_contiguous():
-    per_rank = run_world(_placed_layer_worker, 3, timeout_s=120)
+    per_rank = run_world(placed_layer_worker, 3, timeout_s=120)
     assert all(tags == list(strategy_names()) for tags in per_rank)
 
 

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from moesaic.checks import (
     check_bool,
+    check_int,
     check_non_negative,
     check_number,
     check_one_of,
+    check_positive,
     check_positive_int,
 )
 from moesaic.strategy_table import strategy_names
@@ -24,6 +26,7 @@ __all__ = ["ACTIVATIONS", "SCORE_FUNCS", "MoEConfig", "check_positive_int"]
 SCORE_FUNCS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "gelu")
 BALANCE_CHOICES = ("all", "first")
+BALANCE_SCOPES = ("local", "global")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,6 +59,30 @@ class MoEConfig:
             (GShard, Megatron, Tutel: a dropped choice just contributes zero).
         balance_loss_choices: "all" counts all K choices in the load fractions of the balance
             loss (Switch/Megatron); "first" counts first choices only (DeepSpeed-MoE, GShard).
+        num_shared_experts: dense SwiGLU experts every token passes through (DeepSeek-MoE,
+            Qwen2-MoE), added to the routed output; replicated like the router (their gradients
+            all-reduce with the dense parameters). 0: none.
+        shared_expert_hidden_size: hidden width of each shared expert; None: ``ffn_hidden_size``.
+        shared_expert_gate: multiply the shared output by ``sigmoid(x @ g)`` (Qwen2-MoE's gate,
+            a learned [1, H] vector); needs ``num_shared_experts > 0``.
+        score_bias_update_rate: gamma of DeepSeek-V3's auxiliary-loss-free balancing. A
+            per-expert bias (buffer ``router.score_bias``) is added to the scores for the top-k
+            choice only (never to the combine weights); after each optimizer step
+            ``bias += gamma * sign(mean_load - load_e)`` with the step's loads over every rank
+            and forward (``MoELayer.update_score_bias``). 0: off (no bias).
+        num_expert_groups: G, DeepSeek-V3's group-limited routing: the E experts split into G
+            consecutive groups of E / G; 1: off.
+        topk_groups: a token keeps the ``topk_groups`` groups with the highest sum of their two
+            best (choice) scores and picks its top-k experts inside them; None: all G groups.
+        routed_scaling_factor: multiplies the routed combine weights (after any
+            ``normalize_topk``; DeepSeek-V2/V3). Shared experts are not scaled.
+        seq_aux_loss_coef: weight of DeepSeek-V3's complementary sequence-wise balance loss:
+            the balance loss of each sequence (the input's second-to-last dimension is the
+            sequence; a 2-D input is one sequence), then the mean over sequences.
+        balance_loss_scope: "local": the balance loss' load fractions f_e count this rank's
+            tokens; "global": every rank's tokens of the step (the counts all-reduced over
+            the layer's balance group, by default the whole world: Qwen3's global-batch
+            balancing). Both are exact when a batch is split into microbatches or chunks.
         domain_sizes: HybridEP expert-domain sizes ``S_ED^l`` per level, outermost first (the
             ``hybrid`` dispatcher's topology; ``moesaic plan`` chooses them). The levels are
             those of the layer's cluster description, or one level of the whole expert-parallel
@@ -94,6 +121,15 @@ class MoEConfig:
     init_std: float | None = None
     renormalize_after_drop: bool = False
     balance_loss_choices: str = "all"
+    num_shared_experts: int = 0
+    shared_expert_hidden_size: int | None = None
+    shared_expert_gate: bool = False
+    score_bias_update_rate: float = 0.0
+    num_expert_groups: int = 1
+    topk_groups: int | None = None
+    routed_scaling_factor: float = 1.0
+    seq_aux_loss_coef: float = 0.0
+    balance_loss_scope: str = "local"
     domain_sizes: tuple[int, ...] | None = None
     expert_compression_ratio: float = 1.0
     shared_expert_every: int = 1
@@ -127,6 +163,7 @@ class MoEConfig:
             check_non_negative("init_std", self.init_std)
         check_bool("renormalize_after_drop", self.renormalize_after_drop)
         check_one_of("balance_loss_choices", self.balance_loss_choices, BALANCE_CHOICES)
+        self._check_routing_features()
         if self.domain_sizes is not None:
             if isinstance(self.domain_sizes, (str, bytes)) or not isinstance(
                 self.domain_sizes, (tuple, list)
@@ -147,6 +184,39 @@ class MoEConfig:
         check_one_of("taskflow_executor", self.taskflow_executor, ("static", "dynamic"))
         check_positive_int("taskflow_tile_m", self.taskflow_tile_m)
         check_bool("taskflow_pipeline", self.taskflow_pipeline)
+
+    def _check_routing_features(self) -> None:
+        """Shared experts, bias balancing, group-limited routing, scaling, sequence loss."""
+        check_int("num_shared_experts", self.num_shared_experts, 0)
+        if self.shared_expert_hidden_size is not None:
+            check_positive_int("shared_expert_hidden_size", self.shared_expert_hidden_size)
+        check_bool("shared_expert_gate", self.shared_expert_gate)
+        if self.shared_expert_gate and self.num_shared_experts == 0:
+            raise ValueError("shared_expert_gate (True) needs num_shared_experts > 0, got 0")
+        check_non_negative("score_bias_update_rate", self.score_bias_update_rate)
+        check_positive_int("num_expert_groups", self.num_expert_groups)
+        if self.num_experts % self.num_expert_groups:
+            raise ValueError(
+                f"num_expert_groups ({self.num_expert_groups}) must divide num_experts "
+                f"({self.num_experts})"
+            )
+        if self.topk_groups is not None:
+            check_int("topk_groups", self.topk_groups, 1, self.num_expert_groups)
+            reachable = self.topk_groups * (self.num_experts // self.num_expert_groups)
+            if self.top_k > reachable:
+                raise ValueError(
+                    f"top_k ({self.top_k}) must be <= topk_groups ({self.topk_groups}) x experts "
+                    f"per group ({self.num_experts // self.num_expert_groups}) = {reachable}"
+                )
+        check_positive("routed_scaling_factor", self.routed_scaling_factor)
+        check_non_negative("seq_aux_loss_coef", self.seq_aux_loss_coef)
+        check_one_of("balance_loss_scope", self.balance_loss_scope, BALANCE_SCOPES)
+
+    @property
+    def shared_hidden(self) -> int:
+        """Hidden width of all shared experts together (they run as one SwiGLU); 0: none."""
+        per_expert = self.shared_expert_hidden_size or self.ffn_hidden_size
+        return self.num_shared_experts * per_expert
 
     def capacity(self, num_tokens: int) -> int | None:
         """Token slots per expert for ``num_tokens`` local tokens; None when dropless."""

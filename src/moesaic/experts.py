@@ -103,8 +103,20 @@ def _fast_path_ok(device: torch.device, dtype: torch.dtype, native: bool = False
     mode (a first forward under ``no_grad`` or ``inference_mode`` must not cache "no")."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    with torch.inference_mode(False), torch.enable_grad():
+    # Its own small graph, whatever the caller's context: an enclosing activation checkpoint
+    # must not pack it (its unpack would recompute the caller's block mid-forward, and the
+    # recomputation, cached here, would save fewer tensors), nor autocast change its dtype.
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is),
+        torch.autocast(device.type, enabled=False),
+    ):
         return _probe(device, dtype, native)
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _probe(device: torch.device, dtype: torch.dtype, native: bool) -> bool:
@@ -283,3 +295,46 @@ def expert_ffn(
     else:
         h_MF = F.gelu(h_MF)
     return grouped_mm(h_MF, w2_eFH, counts_e, offs_e=offs_e).to(dtype)
+
+
+class SharedExperts(nn.Module):
+    """The ``num_shared_experts`` dense SwiGLU experts every token passes through (DeepSeek-MoE,
+    Qwen2-MoE), replicated on every rank (their gradients all-reduce with the dense parameters).
+
+    S experts of width Fs are one SwiGLU of width ``S * Fs`` (the sum of S FFNs is the FFN of
+    their concatenated hidden units), so they run as three plain matmuls:
+    ``w1``, ``w3`` [H, S*Fs] and ``w2`` [S*Fs, H]; expert s owns hidden units
+    ``[s*Fs, (s+1)*Fs)``. With ``shared_expert_gate`` (Qwen2-MoE) the output is multiplied by
+    ``sigmoid(x @ gate.T)``, ``gate`` [1, H].
+    """
+
+    gate: nn.Parameter | None
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        H, Fs = config.hidden_size, config.shared_hidden
+        self.w1 = nn.Parameter(torch.empty(H, Fs))
+        self.w3 = nn.Parameter(torch.empty(H, Fs))
+        self.w2 = nn.Parameter(torch.empty(Fs, H))
+        self.gate = nn.Parameter(torch.empty(1, H)) if config.shared_expert_gate else None
+
+    @torch.no_grad()
+    def reset_parameters(self, gate_std: float) -> None:
+        """From the default RNG (replicated: ranks seeded alike draw alike): experts with std
+        1/sqrt(fan_in), as the routed ones, and the gate N(0, gate_std), as the router."""
+        H, Fs = self.w1.shape
+        self.w1.normal_(0.0, 1.0 / math.sqrt(H))
+        self.w3.normal_(0.0, 1.0 / math.sqrt(H))
+        self.w2.normal_(0.0, 1.0 / math.sqrt(Fs))
+        if self.gate is not None:
+            self.gate.normal_(0.0, gate_std)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        dtype = x_TH.dtype
+        compute = expert_compute_dtype(x_TH.device, dtype)
+        x_TH = x_TH.to(compute)
+        w1, w3, w2 = (w.to(compute) for w in (self.w1, self.w3, self.w2))
+        y_TH = (F.silu(x_TH @ w1) * (x_TH @ w3)) @ w2
+        if self.gate is not None:
+            y_TH = y_TH * torch.sigmoid(x_TH @ self.gate.to(compute).t())
+        return y_TH.to(dtype)

@@ -8,11 +8,13 @@ group. Parameters marked ``_moesaic_expert`` (w1, w2, w3) are sharded over that 
 gradients already hold the contributions of every rank's tokens (the combine all-to-all carries
 them back), so they must be all-reduced only across replicas of the same shard (the DP
 dimension), never across the EP group. The router (and everything else) is replicated: its
-gradient must be all-reduced across all ranks. See docs/architecture.md.
+gradient must be all-reduced across all ranks. See docs/architecture.md. Shared experts
+(``num_shared_experts``) are replicated too, and so is the router's ``score_bias`` buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
@@ -25,9 +27,9 @@ from torch import nn
 from moesaic.comm.agree import check_ranks_agree
 from moesaic.comm.collectives import EPGroup
 from moesaic.config import MoEConfig
-from moesaic.experts import GroupedExperts
+from moesaic.experts import GroupedExperts, SharedExperts
 from moesaic.placement import ExpertPlacement
-from moesaic.routing import AuxTerms, Router, RoutingPlan, combine_aux, fold_aux
+from moesaic.routing import AuxTerms, Router, RoutingPlan, combine_aux, count_ids, fold_aux
 from moesaic.strategies import make_strategy
 from moesaic.strategies.base import (
     CommStats,
@@ -53,9 +55,11 @@ class LayerStats:
 
     Several forwards (microbatch chunks of one step, gradient-accumulation steps, evaluation)
     add up: ``forwards`` counts them, ``counts_E`` sums the kept assignments per expert on this
-    rank, ``comm`` sums the communication (``CommStats.__add__``) and ``aux_loss`` sums each
-    forward's own weighted aux + z loss (detached, kept as a tensor: no device sync per
-    forward; the differentiable loss of the forwards taken together is ``moesaic.aux_loss``).
+    rank, ``routed_E`` all T*K assignments before any capacity drop (the load auxiliary-loss-free
+    balancing corrects), ``comm`` sums the communication (``CommStats.__add__``) and
+    ``aux_loss`` sums each forward's own weighted aux + z loss (detached, kept as a tensor: no
+    device sync per forward; the differentiable loss of the forwards taken together is
+    ``moesaic.aux_loss``).
     """
 
     forwards: int = 0
@@ -63,14 +67,24 @@ class LayerStats:
     counts_E: torch.Tensor | None = None
     comm: CommStats = field(default_factory=CommStats)
     aux_loss: torch.Tensor | None = None
+    routed_E: torch.Tensor | None = None
 
-    def add(self, tokens: int, counts_E: torch.Tensor, comm: CommStats, aux: torch.Tensor) -> None:
+    def add(
+        self,
+        tokens: int,
+        counts_E: torch.Tensor,
+        comm: CommStats,
+        aux: torch.Tensor,
+        routed_E: torch.Tensor | None = None,
+    ) -> None:
         self.forwards += 1
         self.tokens += tokens
         counts, aux = counts_E.detach(), aux.detach()
         self.counts_E = counts.clone() if self.counts_E is None else self.counts_E + counts
         self.aux_loss = aux.clone() if self.aux_loss is None else self.aux_loss + aux
         self.comm = self.comm + comm
+        if routed_E is not None:
+            self.routed_E = routed_E if self.routed_E is None else self.routed_E + routed_E
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +107,10 @@ class MoELayer(nn.Module):
         placement: which rank holds which expert; None = contiguous (rank p holds experts
             ``[p*e, (p+1)*e)``).
         topology: the cluster description, for strategies that plan by the network.
+        balance_group: the ranks whose tokens the "global" ``balance_loss_scope`` counts (their
+            load counts are all-reduced over it); None: the default world when
+            torch.distributed is initialised (every rank's batch: the global batch), else this
+            process. Unused with the "local" scope.
 
     Per-forward state adds up until it is read: every forward adds its aux-loss terms to a
     pending list that ``moesaic.aux_loss(model)`` turns into the loss of all those forwards'
@@ -101,6 +119,10 @@ class MoELayer(nn.Module):
     clears them).
     """
 
+    # The rows' dtype for the strategy and experts outside an autocast region (None: the
+    # input's): ``MoEGPT.set_autocast`` sets it, for the pipelined schedules' ``send``.
+    autocast_dtype: torch.dtype | None = None
+
     def __init__(
         self,
         config: MoEConfig,
@@ -108,10 +130,15 @@ class MoELayer(nn.Module):
         *,
         placement: ExpertPlacement | None = None,
         topology: ClusterSpec | None = None,
+        balance_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.ep = EPGroup(group, config.collective_timeout_s)
+        # "global" balance scope: the group whose loads the balance loss counts
+        self.balance: EPGroup | None = None
+        if config.balance_loss_scope == "global":
+            self.balance = EPGroup(balance_group, config.collective_timeout_s)
         config.check_ep_size(self.ep.size)
         if placement is None:
             placement = ExpertPlacement.contiguous(config.num_experts, self.ep.size)
@@ -130,10 +157,13 @@ class MoELayer(nn.Module):
         self.num_local_experts = placement.num_local
         self.router = Router(config)
         self.experts = GroupedExperts(config, placement.local_experts(self.ep.rank))
+        self.shared_experts = SharedExperts(config) if config.num_shared_experts else None
         ctx = StrategyContext(config, self.ep, placement, topology=topology)
         self.strategy = make_strategy(config.dispatcher, ctx)
         self.stats = LayerStats()
         self._pending_aux: list[AuxTerms] = []
+        # True while activation checkpointing recomputes a forward (``recomputation``).
+        self._recomputing = False
         self.reset_parameters()
 
     @property
@@ -148,7 +178,27 @@ class MoELayer(nn.Module):
         without gradient are folded into one term.
         """
         terms, self._pending_aux = self._pending_aux, []
-        return combine_aux(terms)
+        return combine_aux(terms, self._global_load(terms))
+
+    def _global_load(self, terms: list[AuxTerms]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The "global" scope's loads: the pending forwards' assignment counts and tokens summed
+        over the balance group (one all-reduce; a collective every rank of it must enter).
+
+        Only for forwards with gradient (training): evaluation forwards use their own loads and
+        never communicate, so a rank may evaluate alone.
+        """
+        group = self.balance
+        if group is None or self.config.aux_loss_coef == 0 or not terms:
+            return None
+        if not any(t.requires_grad for t in terms):
+            return None
+        # float64: counts and token totals stay exact integers (fp32 is exact only to 2**24)
+        counts = torch.stack([t.assign_counts_E for t in terms]).sum(dim=0).double()
+        tokens = counts.new_full((1,), float(sum(t.tokens for t in terms)))
+        buf = torch.cat([counts, tokens]).to(group.control_device)
+        group.all_reduce(buf, what="all_reduce of the global-batch expert loads")
+        buf = buf.to(counts.device)
+        return buf[:-1], buf[-1]  # no host read of the total: it stays on the device
 
     def take_aux_loss(self) -> torch.Tensor | None:
         """The aux + z loss of every forward since the last call as one batch (in the graph),
@@ -174,14 +224,35 @@ class MoELayer(nn.Module):
         self.router.weight.normal_(0.0, std)
         base_seed = int(torch.randint(0, 2**62, (1,)).item())
         self.experts.reset_parameters(base_seed)
+        if self.shared_experts is not None:  # replicated: drawn alike on every rank
+            self.shared_experts.reset_parameters(std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MoE FFN to ``x`` [..., H]; returns the same shape and dtype.
 
-        The same as ``run_experts(route(x))``: pipelined schedules (FlowMoE's attention + gate
-        stage, then the all-to-all and expert stages) call the two halves separately.
+        The same as ``run_experts(route(x)) + shared_output(x)``: pipelined schedules (FlowMoE's
+        attention + gate stage, then the all-to-all and expert stages) call the parts
+        separately (``models/gpt.py``: the shared experts join the attention stage).
         """
-        return self.run_experts(self.route(x))
+        y = self.run_experts(self.route(x))
+        shared = self.shared_output(x)
+        return y if shared is None else y + shared
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output for ``x`` [..., H] (shape and dtype of ``x``); None when
+        the layer has none. No communication."""
+        if self.shared_experts is None:
+            return None
+        H = self.config.hidden_size
+        return self.shared_experts(x.reshape(-1, H)).view(x.shape)
+
+    @torch.no_grad()
+    def update_score_bias(self, load_E: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing after an optimizer step (``Router.update_score_bias``):
+        ``load_E`` is the step's assignments per expert summed over every rank and forward
+        (``LayerStats.routed_E`` all-reduced; ``moesaic train`` does it). No-op without a bias.
+        """
+        self.router.update_score_bias(load_E)
 
     def route(self, x: torch.Tensor) -> Routed:
         """The gate: route ``x`` [..., H] (no communication); adds its aux loss to the sum."""
@@ -194,17 +265,19 @@ class MoELayer(nn.Module):
                 f"hidden_size ({H})"
             )
         x_TH = x.reshape(-1, H)
-        plan, aux = self.router(x_TH, self.strategy.routing_placement)
+        # The sequence-wise loss' sequences: the second-to-last dimension (a 2-D input is one).
+        seq_len = x.shape[-2] if x.dim() >= 2 else 1
+        plan, aux = self.router(x_TH, self.strategy.routing_placement, seq_len=seq_len)
         self._add_aux(aux)
         return Routed(x, plan, aux)
 
     def run_experts(self, routed: Routed) -> torch.Tensor:
         """The strategy's communication and the experts for a routed input; output like ``x``."""
         x = routed.x
-        x_TH = x.reshape(-1, self.config.hidden_size)
+        x_TH = autocast_rows(x.reshape(-1, self.config.hidden_size), self.autocast_dtype)
         self._check_dtypes_agree(x_TH)
         out = self.strategy.forward(x_TH, routed.plan, self.experts)
-        self.stats.add(x_TH.shape[0], routed.plan.counts_E, out.stats, routed.aux.loss())
+        self._record(x_TH.shape[0], routed, out.stats)
         return out.y_TH.to(x.dtype).view(x.shape)
 
     # ---- the phases of run_experts, for pipelined schedules ---------------------------------
@@ -234,10 +307,10 @@ class MoELayer(nn.Module):
 
     def send(self, routed: Routed) -> Outbound:
         """Phase 1 of ``run_experts``: the rows to send for a routed input (statistics added)."""
-        x_TH = routed.x.reshape(-1, self.config.hidden_size)
+        x_TH = autocast_rows(routed.x.reshape(-1, self.config.hidden_size), self.autocast_dtype)
         self._check_dtypes_agree(x_TH)
         out = self.exchange_strategy().dispatch_send(x_TH, routed.plan)
-        self.stats.add(x_TH.shape[0], routed.plan.counts_E, out.stats, routed.aux.loss())
+        self._record(x_TH.shape[0], routed, out.stats)
         return out
 
     def expert_rows(
@@ -262,6 +335,14 @@ class MoELayer(nn.Module):
         plan = dataclasses.replace(handle.plan, topk_weights_TK=weights_TK)
         return plan.unpermute(y_NH).to(like.dtype).view(like.shape)
 
+    def _routed(self, routed: Routed) -> torch.Tensor | None:
+        """All T*K assignments per expert (before drops), for the bias update; None without
+        a bias (nothing reads them)."""
+        if self.router.score_bias is None:
+            return None
+        ids = routed.plan.topk_ids_TK.reshape(-1)
+        return count_ids(ids, self.config.num_experts)
+
     def _check_dtypes_agree(self, x_TH: torch.Tensor) -> None:
         """Once (on the first forward): every rank runs the same activation and weight dtypes.
 
@@ -279,7 +360,26 @@ class MoELayer(nn.Module):
             )
         self._agreed_dtypes = dtypes
 
+    def recomputation(self) -> contextlib.AbstractContextManager:
+        """Inside: forwards repeat one that already ran (activation checkpointing's recompute
+        in the backward, ``MoEGPT``), so they add no aux terms and no statistics (loads, bias
+        counts, communication): the forward they repeat added them once. Reusable (a second
+        backward through the same graph recomputes again)."""
+        return _Recomputing(self)
+
+    def _record(self, tokens: int, routed: Routed, comm: CommStats) -> None:
+        """Add one forward to ``stats`` (not a recomputed one, see ``recomputation``)."""
+        if self._recomputing:
+            return
+        # No graph: a recomputation, which skips this, must save the same tensors as the
+        # forward it repeats (checkpointing matches them by order).
+        with torch.no_grad():
+            aux = routed.aux.loss()
+        self.stats.add(tokens, routed.plan.counts_E, comm, aux, self._routed(routed))
+
     def _add_aux(self, aux: AuxTerms) -> None:
+        if self._recomputing:  # the forward this repeats added its terms (and their graph)
+            return
         pending = self._pending_aux
         if not aux.requires_grad:  # evaluation: fold into one entry (same batch loss)
             aux = aux.detach()
@@ -301,9 +401,11 @@ class MoELayer(nn.Module):
         """The whole layer's state (all E experts), gathered over the EP group; same on all ranks.
 
         Keys: ``router.weight`` [E, H], ``experts.w1`` / ``experts.w3`` [E, H, F],
-        ``experts.w2`` [E, F, H]. A collective: every rank of the group must call it.
+        ``experts.w2`` [E, F, H]; with them the replicated ``router.score_bias`` [E] and
+        ``shared_experts.w1`` / ``w3`` [H, S*Fs], ``w2`` [S*Fs, H], ``gate`` [1, H] when the
+        config has them. A collective: every rank of the group must call it.
         """
-        sd = {"router.weight": self.router.weight.detach().clone()}
+        sd = {k: v.detach().clone() for k, v in self._replicated_state().items()}
         # The gather is in slot order (rank-major); put experts back in global-id order.
         slot_E = self.placement.slot_tensor()
         for name in EXPERT_PARAMS:
@@ -325,7 +427,8 @@ class MoELayer(nn.Module):
                 f"state dict keys must be {sorted(expected)}; missing {sorted(missing)}, "
                 f"unexpected {sorted(extra)}"
             )
-        self._copy_checked("router.weight", self.router.weight, sd["router.weight"])
+        for key, dst in self._replicated_state().items():
+            self._copy_checked(key, dst, sd[key])
         local = torch.tensor(self.experts.expert_ids, dtype=torch.long)
         for name in EXPERT_PARAMS:
             w = getattr(self.experts, name)
@@ -340,8 +443,18 @@ class MoELayer(nn.Module):
                 )
             w.copy_(full.index_select(0, local.to(full.device)))
 
+    def _replicated_state(self) -> dict[str, torch.Tensor]:
+        """The tensors every rank holds whole, by full-state key."""
+        out: dict[str, torch.Tensor] = {"router.weight": self.router.weight}
+        if self.router.score_bias is not None:
+            out["router.score_bias"] = self.router.score_bias
+        if self.shared_experts is not None:
+            for name, p in self.shared_experts.named_parameters():
+                out[f"shared_experts.{name}"] = p
+        return out
+
     def full_state_keys(self) -> list[str]:
-        keys = ["router.weight"]
+        keys = list(self._replicated_state())
         keys += [f"experts.{n}" for n in EXPERT_PARAMS if getattr(self.experts, n) is not None]
         return keys
 
@@ -350,6 +463,27 @@ class MoELayer(nn.Module):
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"{name} has shape {tuple(src.shape)}, must be {tuple(dst.shape)}")
         dst.copy_(src)
+
+
+class _Recomputing(contextlib.AbstractContextManager):
+    def __init__(self, layer: MoELayer) -> None:
+        self.layer = layer
+
+    def __enter__(self) -> None:
+        self.layer._recomputing = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.layer._recomputing = False
+
+
+def autocast_rows(x_TH: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x_TH`` in the autocast dtype when autocast is on for its device, else in ``dtype``
+    (the layer's ``autocast_dtype``), else as it is: the experts' grouped matmuls (no autocast
+    op) then compute in it, as an ``nn.Linear`` would, and the all-to-alls move its bytes."""
+    device = x_TH.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    return x_TH if dtype is None else x_TH.to(dtype)
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:

@@ -18,6 +18,12 @@ Capacity rule (only when ``capacity_factor`` is set): every expert keeps at most
 ``C = ceil(cf * T * K / E)`` assignments from this rank. Assignments are admitted first by choice
 rank (all first choices before any second choice, as in GShard), then by token index; the rest
 are dropped and contribute zero to the token's output (the kept weights are not renormalised).
+
+Choice and weights (DeepSeek-V3): the top-k is chosen on ``scores + score_bias`` (the bias of
+auxiliary-loss-free balancing, a buffer; none when ``score_bias_update_rate`` is 0) among the
+``topk_groups`` expert groups whose two best choice scores sum highest (group-limited routing);
+the combine weights are the unbiased scores of the chosen experts, normalised when
+``normalize_topk``, times ``routed_scaling_factor``.
 """
 
 from __future__ import annotations
@@ -247,6 +253,10 @@ class AuxTerms:
         probs_mean_E: mean router probability per expert over the T tokens (in the graph).
         z: the z-loss of these tokens (in the graph).
         top_k, aux_coef, z_coef: K and the two weights.
+        seqs: sequences of this forward (for the sequence-wise loss).
+        seq_sum: the sum over those sequences of each one's balance loss (in the graph), or
+            None when ``seq_coef`` is 0.
+        seq_coef: weight of the sequence-wise balance loss (the mean over sequences).
     """
 
     tokens: int
@@ -256,6 +266,9 @@ class AuxTerms:
     top_k: int
     aux_coef: float
     z_coef: float
+    seqs: int = 0
+    seq_sum: torch.Tensor | None = None
+    seq_coef: float = 0.0
 
     def loss(self) -> torch.Tensor:
         """The weighted aux + z loss of this forward's tokens alone."""
@@ -266,18 +279,17 @@ class AuxTerms:
         return self.probs_mean_E.requires_grad or self.z.requires_grad
 
     def detach(self) -> AuxTerms:
-        return AuxTerms(
-            tokens=self.tokens,
-            assign_counts_E=self.assign_counts_E,
+        return dataclasses.replace(
+            self,
             probs_mean_E=self.probs_mean_E.detach(),
             z=self.z.detach(),
-            top_k=self.top_k,
-            aux_coef=self.aux_coef,
-            z_coef=self.z_coef,
+            seq_sum=None if self.seq_sum is None else self.seq_sum.detach(),
         )
 
 
-def combine_aux(terms: list[AuxTerms]) -> list[torch.Tensor]:
+def combine_aux(
+    terms: list[AuxTerms], load: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Per-forward loss terms whose sum is the aux + z loss of all the forwards' tokens.
 
     With N = sum of the forwards' T, ``f_e = sum_s counts_s[e] / (N * K)`` (all forwards' loads,
@@ -286,6 +298,14 @@ def combine_aux(terms: list[AuxTerms]) -> list[torch.Tensor]:
     alone gives its own Switch balance loss and z-loss. Splitting a batch into R chunks therefore
     leaves the loss and every gradient the same (up to summation order), and each chunk's term
     stays in its own chunk's graph (a pipelined backward runs each chunk's part separately).
+    The sequence-wise loss is the mean over all S sequences of the forwards: forward s adds
+    ``seq_coef * seq_sum_s / S``.
+
+    Args:
+        terms: the forwards' terms.
+        load: ``(counts_E, N_load)`` (N_load a 0-d tensor or [1]), the loads f_e count instead
+            of the forwards' own (the global-batch scope: every rank's counts and tokens
+            summed); None: the forwards' own.
     """
     if not terms:
         return []
@@ -293,12 +313,19 @@ def combine_aux(terms: list[AuxTerms]) -> list[torch.Tensor]:
     K, E = terms[0].top_k, terms[0].assign_counts_E.numel()
     if N == 0:  # no tokens anywhere: zero terms that keep the router in the graph
         return [t.probs_mean_E.sum() * 0.0 + t.z * 0.0 for t in terms]
-    f_E = torch.stack([t.assign_counts_E for t in terms]).sum(dim=0) / (N * K)
+    if load is not None:
+        f_E = load[0] / (load[1].clamp_min(1) * K)
+    else:
+        f_E = torch.stack([t.assign_counts_E for t in terms]).sum(dim=0) / (N * K)
+    S = sum(t.seqs for t in terms)
     out = []
     for t in terms:
         share = t.tokens / N
-        balance = E * torch.dot(f_E.to(t.probs_mean_E.dtype), t.probs_mean_E) * share
-        out.append(t.aux_coef * balance + t.z_coef * share * t.z)
+        balance = E * torch.dot(f_E.to(t.probs_mean_E), t.probs_mean_E) * share
+        term = t.aux_coef * balance + t.z_coef * share * t.z
+        if t.seq_sum is not None and S:
+            term = term + t.seq_coef * t.seq_sum / S
+        out.append(term)
     return out
 
 
@@ -306,14 +333,17 @@ def fold_aux(a: AuxTerms, b: AuxTerms) -> AuxTerms:
     """Two forwards' terms as one (token-weighted means, summed loads): same batch loss."""
     n = a.tokens + b.tokens
     wa, wb = (a.tokens / n, b.tokens / n) if n else (0.5, 0.5)
-    return AuxTerms(
+    seq_sum = None
+    if a.seq_sum is not None and b.seq_sum is not None:
+        seq_sum = a.seq_sum + b.seq_sum
+    return dataclasses.replace(
+        a,
         tokens=n,
         assign_counts_E=a.assign_counts_E + b.assign_counts_E,
         probs_mean_E=wa * a.probs_mean_E + wb * b.probs_mean_E,
         z=wa * a.z + wb * b.z,
-        top_k=a.top_k,
-        aux_coef=a.aux_coef,
-        z_coef=a.z_coef,
+        seqs=a.seqs + b.seqs,
+        seq_sum=seq_sum,
     )
 
 
@@ -331,6 +361,30 @@ def load_balancing_loss(probs_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> to
     return E * torch.dot(f_E, probs_TE.mean(dim=0))
 
 
+def sequence_balance_sum(
+    probs_TE: torch.Tensor, topk_ids_TK: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, summed over the T / L sequences of L tokens.
+
+    Per sequence b: ``f_e = E / (K * L) * #{(t, k) in b : id = e}`` and ``P_e`` the mean over
+    its tokens of the (per-token normalised) scores ``probs_TE``; its loss is
+    ``sum_e f_e * P_e`` (1.0 at a uniform router). Only P_e carries a gradient.
+    """
+    T, E = probs_TE.shape
+    K = topk_ids_TK.shape[1]
+    if T == 0:
+        return probs_TE.sum() * 0.0
+    if seq_len <= 0 or T % seq_len:
+        raise ValueError(f"seq_len ({seq_len}) must be > 0 and divide the tokens ({T})")
+    B = T // seq_len
+    ids_BM = topk_ids_TK.reshape(B, seq_len * K)
+    counts_BE = torch.zeros(B, E, dtype=probs_TE.dtype, device=probs_TE.device)
+    counts_BE.scatter_add_(1, ids_BM, torch.ones_like(ids_BM, dtype=probs_TE.dtype))
+    f_BE = counts_BE * (E / (K * seq_len))
+    P_BE = probs_TE.reshape(B, seq_len, E).mean(dim=1)
+    return (f_BE * P_BE).sum()
+
+
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """Router z-loss (ST-MoE): mean squared log-sum-exp of the logits."""
     if logits_TE.shape[0] == 0:
@@ -341,35 +395,86 @@ def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
 class Router(nn.Module):
     """Linear gate computing in fp32, with top-k selection and the auxiliary losses.
 
-    The weight is ``[E, H]`` (like ``nn.Linear(H, E)``) and replicated on every rank.
+    The weight is ``[E, H]`` (like ``nn.Linear(H, E)``) and replicated on every rank, and so is
+    the fp32 buffer ``score_bias`` [E] of auxiliary-loss-free balancing (None when
+    ``score_bias_update_rate`` is 0): it moves only through ``update_score_bias``.
     """
+
+    score_bias: torch.Tensor | None
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        bias = torch.zeros(config.num_experts) if config.score_bias_update_rate > 0 else None
+        self.register_buffer("score_bias", bias)
+
+    @torch.no_grad()
+    def update_score_bias(self, load_E: torch.Tensor) -> None:
+        """DeepSeek-V3's update after an optimizer step: ``bias += gamma * sign(mean - load_e)``.
+
+        ``load_E`` must be the step's assignments per expert over every rank and forward (the
+        same on every rank, so every rank's bias stays the same). No-op without a bias.
+        """
+        if self.score_bias is None:
+            return
+        load_E = load_E.to(self.score_bias.device, torch.float64)
+        step_E = torch.sign(load_E.mean() - load_E) * self.config.score_bias_update_rate
+        self.score_bias.add_(step_E.to(self.score_bias.dtype))
+
+    def choose(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """The top-k expert ids [T, K] for ``scores_TE``: on the scores plus the bias, inside
+        the ``topk_groups`` best groups (their two best choice scores summed), best first."""
+        cfg = self.config
+        G = cfg.num_expert_groups
+        keep = cfg.topk_groups if cfg.topk_groups is not None else G
+        limited = keep < G
+        if self.score_bias is None and not limited:
+            return torch.topk(scores_TE, cfg.top_k, dim=-1).indices
+        choice_TE = scores_TE.detach()
+        if self.score_bias is not None:
+            choice_TE = choice_TE + self.score_bias.to(choice_TE.dtype)
+        if limited:
+            T, E = choice_TE.shape
+            per = E // G
+            grouped_TGp = choice_TE.view(T, G, per)
+            group_TG = grouped_TGp.topk(min(2, per), dim=-1).values.sum(dim=-1)
+            best_TG = torch.topk(group_TG, keep, dim=-1).indices
+            allowed_TG = torch.zeros(T, G, dtype=torch.bool, device=choice_TE.device)
+            allowed_TG.scatter_(1, best_TG, True)
+            allowed_TE = allowed_TG.repeat_interleave(per, dim=1)
+            choice_TE = choice_TE.masked_fill(~allowed_TE, float("-inf"))
+        return torch.topk(choice_TE, cfg.top_k, dim=-1).indices
 
     def scores(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 logits and scores (softmax probabilities or sigmoid affinities), both [T, E]."""
-        logits_TE = F.linear(x_TH.float(), self.weight.float())
+        # fp32 under autocast too (--dtype bf16), which would run this linear in bf16.
+        with torch.autocast(x_TH.device.type, enabled=False):
+            logits_TE = F.linear(x_TH.float(), self.weight.float())
         if self.config.score_func == "softmax":
             return logits_TE, torch.softmax(logits_TE, dim=-1)
         return logits_TE, torch.sigmoid(logits_TE)
 
     def forward(
-        self, x_TH: torch.Tensor, placement: ExpertPlacement | None = None
+        self,
+        x_TH: torch.Tensor,
+        placement: ExpertPlacement | None = None,
+        seq_len: int | None = None,
     ) -> tuple[RoutingPlan, AuxTerms]:
         """Route ``x_TH`` to experts placed by ``placement`` (None: all on this rank).
 
         Returns the plan and this forward's aux-loss terms (``terms.loss()`` is the weighted
-        load-balancing + z loss of these tokens).
+        load-balancing + z loss of these tokens). ``seq_len``: tokens per sequence for the
+        sequence-wise loss (the T tokens are consecutive sequences); None: one sequence.
         """
         cfg = self.config
         logits_TE, scores_TE = self.scores(x_TH)
-        topk_scores_TK, topk_ids_TK = torch.topk(scores_TE, cfg.top_k, dim=-1)
-        weights_TK = topk_scores_TK
+        topk_ids_TK = self.choose(scores_TE)
+        weights_TK = scores_TE.gather(1, topk_ids_TK)
         if cfg.normalize_topk:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            weights_TK = weights_TK * cfg.routed_scaling_factor
         # For sigmoid scores the balancing loss uses the scores normalised per token (DeepSeek-V3).
         probs_TE = scores_TE
         if cfg.score_func == "sigmoid":
@@ -386,6 +491,12 @@ class Router(nn.Module):
             aux_coef=cfg.aux_loss_coef,
             z_coef=cfg.z_loss_coef,
         )
+        if cfg.seq_aux_loss_coef > 0:
+            L = seq_len if seq_len is not None else T
+            seq_sum = sequence_balance_sum(probs_TE, topk_ids_TK, L)
+            aux = dataclasses.replace(
+                aux, seqs=T // L if L else 0, seq_sum=seq_sum, seq_coef=cfg.seq_aux_loss_coef
+            )
         plan = build_plan(
             topk_ids_TK,
             weights_TK,

@@ -80,7 +80,8 @@ def reference_world(cfg: MoEConfig, sd: dict, xs: list, gs: list) -> dict:
 
     Loss: ``sum_r (y_r * g_r).sum() + aux_r``. Returns ``{dtype: (ys, auxes, x_grads,
     param_grads)}``: per-rank outputs and aux losses, per-rank input gradients, and the
-    gradients of the full (all-expert) parameters by name.
+    gradients of the full (all-expert) parameters by name. With the "global"
+    ``balance_loss_scope`` every rank's aux counts the loads of all ranks' tokens.
     """
     from moesaic.reference import ReferenceMoE
 
@@ -89,8 +90,10 @@ def reference_world(cfg: MoEConfig, sd: dict, xs: list, gs: list) -> dict:
         ref = ReferenceMoE.from_full_state_dict(cfg, sd).to(dtype)
         xs_d = [x.detach().to(dtype).clone().requires_grad_() for x in xs]
         ys, auxes, terms = [], [], []
+        every = torch.cat([x.detach().reshape(-1, cfg.hidden_size) for x in xs_d])
+        balance_x = every if cfg.balance_loss_scope == "global" else None
         for x, g in zip(xs_d, gs):
-            y, aux = ref(x)
+            y, aux = ref(x, balance_x)
             ys.append(y)
             auxes.append(aux)
             terms.append((y * g.to(dtype)).sum() + aux)

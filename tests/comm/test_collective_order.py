@@ -57,6 +57,7 @@ Entry = tuple[Any, ...]  # (global ranks, lane, op, what)
 
 PIPELINED = [name for name in schedule_names() if name != "vanilla"]
 
+
 def _runs(strategy: str, schedule: str) -> bool:
     """What the strategy declares it runs under (``MoEStrategy.supports``)."""
     schedules = get_strategy(strategy).supports.schedules
@@ -89,7 +90,8 @@ def _config(strategy: str, domain_sizes: tuple[int, ...] | None) -> MoEGPTConfig
     moe = {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 16, "dispatcher": strategy}
     moe |= {"aux_loss_coef": 0.01, "domain_sizes": domain_sizes}
     return MoEGPTConfig.from_dict(
-        {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": T, "moe": moe}
+        # layernorm: _skew moves ln2's bias (RMSNorm has none)
+        {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": T, "norm": "layernorm", "moe": moe}
     )
 
 
@@ -132,8 +134,9 @@ def assert_same_order(logs: Sequence[Sequence[Entry]], label: str = "") -> None:
 
 
 def _run_case(layout, schedule, strategy, domain_sizes, skew, batches):
+    from moesaic.strategies.prefetch import ExpertPrefetcher
+    from moesaic.train.hooks import ModelHooks
     from moesaic.train.parallel import GradientSync
-    from moesaic.train.prefetch import ExpertPrefetcher
 
     with record_collectives() as log:  # step 0: construction (agreements, groups)
         torch.manual_seed(0)
@@ -141,10 +144,10 @@ def _run_case(layout, schedule, strategy, domain_sizes, skew, batches):
         if skew:
             _skew(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        # as training attaches it (train/loop.py): gathers start after each optimizer step
-        prefetcher = ExpertPrefetcher(model)
-        if prefetcher.layers:
-            prefetcher.attach(optimizer)
+        # as training attaches them (train/loop.py): hybrid's gathers start after each
+        # optimizer step
+        hooks = ModelHooks(model).attach(optimizer)
+        prefetchers = [h for h in hooks.hooks if isinstance(h, ExpertPrefetcher)]
         parts = StepParts(
             model=model,
             loss_fn=_lm_loss,
@@ -158,7 +161,8 @@ def _run_case(layout, schedule, strategy, domain_sizes, skew, batches):
     for x_BT in batches:
         with record_collectives() as log:
             assert step.run(x_BT[:, :-1], x_BT[:, 1:]).applied
-            prefetcher.wait()
+            for prefetcher in prefetchers:  # its gathers are part of the step's log
+                prefetcher.wait()
         logs.append(list(log))
         counts = [block.moe.take_stats().counts_E for block in model.blocks]
         received.append(torch.stack(counts).sum(0).tolist())
@@ -169,7 +173,7 @@ def _run_case(layout, schedule, strategy, domain_sizes, skew, batches):
     )
     if hasattr(step, "close"):
         step.close()
-    prefetcher.close()
+    hooks.close()
     return {"logs": logs, "counts_E": received, "puts": puts}
 
 

@@ -20,6 +20,7 @@ from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.placement.compress import compressed_nbytes, shared_expert, sr_decode, sr_encode
 from moesaic.strategies.hybrid import HybridStrategy
 from moesaic.strategies.migration import decode_experts, encode_experts
+from moesaic.strategies.prefetch import ExpertPrefetcher
 from moesaic.testing import (
     assert_close_to_ref,
     reference_world,
@@ -27,7 +28,6 @@ from moesaic.testing import (
     run_world,
 )
 from moesaic.trace import Recorder
-from moesaic.train.prefetch import ExpertPrefetcher
 
 H, F, E = 16, 24, 8
 WORLD = 4

@@ -41,17 +41,38 @@ CASES += [(s, r, False) for s in ("moe-only", "flowmoe") for r in (1, 2, 3, 4)]
 # Skewed router: every token of both ranks goes to rank 0's experts, so rank 1 receives no rows.
 CASES += [("vanilla", 1, True), ("moe-only", 2, True), ("flowmoe", 2, True)]
 MOE_BLOCKS = (2, 3)  # block numbers of the MoE blocks (block 1 is dense)
+# Today's layer features (first phased strategy only): a gated shared expert, group-limited
+# biased routing with scaled weights, the sequence-wise and the global-batch balance losses,
+# and every second block MoE (blocks 1 and 3; block 2 dense between them).
+FEATURE_CASES = [
+    ("vanilla", 1, "features"),
+    ("flowmoe", 2, "features"),
+    ("moe-only", 4, "features"),
+]
+FEATURES = {
+    "num_shared_experts": 1,
+    "shared_expert_gate": True,
+    "num_expert_groups": 2,
+    "topk_groups": 1,
+    "score_bias_update_rate": 0.01,
+    "routed_scaling_factor": 2.0,
+    "seq_aux_loss_coef": 0.05,
+    "balance_loss_scope": "global",
+}
 
 
-def _config(dispatcher: str) -> MoEGPTConfig:
+def _config(dispatcher: str, features: bool = False) -> MoEGPTConfig:
     return MoEGPTConfig.from_dict(
         {
             "d_model": 32,
             "n_layers": 3,
-            "dense_layers": 1,
+            "dense_layers": 0 if features else 1,
+            **({"moe_layer_freq": 2} if features else {}),
             "n_heads": 2,
             "seq_len": T,
+            "norm": "layernorm",  # _skew moves ln2's bias (RMSNorm has none)
             "moe": {
+                **(FEATURES if features else {}),
                 "num_experts": 4,
                 "top_k": 2,
                 "ffn_hidden_size": 32,
@@ -84,9 +105,12 @@ def _run_case(layout, dispatcher, name, R, skew, batches, rank):
     from moesaic.train.parallel import GradientSync
 
     torch.manual_seed(0)
-    model = MoEGPT(_config(dispatcher), ep_group=layout.ep_group)
-    if skew:
+    model = MoEGPT(_config(dispatcher, skew == "features"), ep_group=layout.ep_group)
+    if skew is True:
         _skew(model)
+    for _, layer in model.moe_layers():  # a bias that moves choices (zero at init)
+        if layer.router.score_bias is not None:
+            layer.router.score_bias.copy_(torch.tensor([0.3, -0.3, 0.1, 0.0]))
     rec = Recorder(rank)
     parts = StepParts(
         model=model,
@@ -122,7 +146,8 @@ def _world(rank, world_size, dispatcher):
     layout = build_layout(2, 60.0)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
     batches = [torch.randint(0, 256, (B, T + 1), generator=gen) for _ in range(STEPS)]
-    return {case: _run_case(layout, dispatcher, *case, batches, rank) for case in CASES}
+    cases = CASES + (FEATURE_CASES if dispatcher == PHASED[0] else [])
+    return {case: _run_case(layout, dispatcher, *case, batches, rank) for case in cases}
 
 
 @functools.cache
@@ -159,6 +184,24 @@ def test_same_parameters_as_vanilla(dispatcher, name):
                     torch.testing.assert_close(
                         w, ref["params"][s][k], rtol=1e-5, atol=1e-6, msg=f"R={R} step {s} {k}"
                     )
+
+
+def test_layer_features_same_parameters_as_vanilla():
+    """The same for a model with today's layer features (``FEATURES``): the shared experts
+    computed in the attention stage, the global-batch loads all-reduced once per layer after
+    all chunks are routed and the sequence-wise loss over whole sequences leave flowmoe R = 2
+    and moe-only R = 4 equal to vanilla (same tolerance, same reason)."""
+    for rank_results in _results(PHASED[0]):
+        ref = rank_results[("vanilla", 1, "features")]
+        for case in FEATURE_CASES[1:]:
+            got = rank_results[case]
+            for s in range(STEPS):
+                assert got["losses"][s] == pytest.approx(ref["losses"][s], rel=1e-5)
+                for k, w in got["params"][s].items():
+                    torch.testing.assert_close(
+                        w, ref["params"][s][k], rtol=1e-5, atol=1e-6, msg=f"{case} step {s} {k}"
+                    )
+        assert any("shared_experts" in k for k in ref["params"][0])
 
 
 @pytest.mark.parametrize("dispatcher", PHASED)

@@ -17,6 +17,7 @@ from moesaic.train.config import TrainConfig, config_from_args
 from moesaic.train.option_rules import RULES
 
 ROOT = Path(__file__).resolve().parents[2]
+HF_CONFIG = ROOT / "examples" / "hf" / "mixtral.json"  # read by TrainConfig: a real file
 SMALL = ROOT / "examples" / "clusters" / "2dc_2node_small.toml"  # 2 x 2 ranks
 
 # dest -> flags setting it to a value valid on its own (paths are only checked at launch).
@@ -57,12 +58,26 @@ SAMPLES: dict[str, list[str]] = {
     "fault_kill_rank": ["--fault-kill-rank", "0", "--fault-kill-step", "1"],
     "fault_kill_step": ["--fault-kill-step", "1", "--fault-kill-rank", "0"],
     "cluster": ["--cluster", "cluster.toml"],
+    "hf_config": ["--hf-config", str(HF_CONFIG)],
+    "dtype": ["--dtype", "bf16"],
+    "activation_checkpointing": ["--activation-checkpointing"],
     "model.seq_len": ["--seq-len", "32"],
     "model.d_model": ["--d-model", "32"],
     "model.n_layers": ["--n-layers", "3"],
     "model.n_heads": ["--n-heads", "2"],
     "model.dense_layers": ["--dense-layers", "1"],
     "model.dense_hidden": ["--dense-hidden", "64"],
+    "model.norm": ["--norm", "layernorm"],
+    "model.positions": ["--positions", "learned"],
+    "model.moe_layer_freq": ["--moe-layer-freq", "2"],
+    "model.moe.num_shared_experts": ["--shared-experts", "1"],
+    "model.moe.shared_expert_hidden_size": ["--shared-expert-hidden", "32"],
+    "model.moe.seq_aux_loss_coef": ["--seq-aux-loss-coef", "0.001"],
+    "model.moe.balance_loss_scope": ["--balance-loss-scope", "global"],
+    "model.moe.score_bias_update_rate": ["--score-bias-update-rate", "0.001"],
+    "model.moe.num_expert_groups": ["--expert-groups", "2"],
+    "model.moe.topk_groups": ["--topk-groups", "1"],
+    "model.moe.routed_scaling_factor": ["--routed-scaling-factor", "2.5"],
     "model.moe.num_experts": ["--experts", "4"],
     "model.moe.top_k": ["--top-k", "1"],
     "model.moe.ffn_hidden_size": ["--expert-hidden", "32"],

@@ -93,7 +93,7 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     layer = kinds.add_parser(
         "layer",
-        help="fwd+bwd tokens/s and bytes of dropless vs padded dispatch, with transformers' "
+        help="fwd+bwd tokens/s and bytes of the MoE strategies, with transformers' "
         "Mixtral block as a peer",
         description="Forward+backward throughput and bytes of the dispatch strategies. Only the "
         f"default run writes {DEFAULT_OUT} (the committed result); any other run needs --out.",
@@ -120,8 +120,9 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     layer.add_argument(
         "--strategies",
         type=_names,
-        default=("dropless", "padded"),
-        help="moesaic strategies to time, comma-separated (default dropless,padded)",
+        default=None,
+        help="moesaic strategies to time, comma-separated (default: every registered strategy "
+        "that runs without a cluster description)",
     )
     layer.add_argument(
         "--peers",
@@ -193,7 +194,7 @@ def _run_layer(args: argparse.Namespace) -> int:
     # Before torch: an unknown strategy or a peer that is not installed is refused at once.
     from moesaic.bench.peer_names import check_names
 
-    check_names(args.strategies, args.peers)
+    check_names(args.strategies or (), args.peers)
     # Ctrl-C: one KeyboardInterrupt, no worker tracebacks; entered before torch is imported
     # (moesaic.bench.interrupt says why).
     with interrupts_to_main_thread():
@@ -214,7 +215,7 @@ def _measure_layer(args: argparse.Namespace, ep_sizes: tuple[int, ...]) -> int:
         warmup=_resolved(args, "warmup"),
         with_transformers=not args.no_transformers and _has_transformers(),
         cluster=args.cluster,
-        strategies=args.strategies,
+        **({"strategies": args.strategies} if args.strategies else {}),
         peers=args.peers,
         capacity_factor=args.capacity_factor,
         retain_freed_memory=not args.malloc_default,

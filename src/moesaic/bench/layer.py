@@ -1,6 +1,7 @@
 """``moesaic bench layer``: forward+backward throughput and bytes of the dispatchers.
 
-The moesaic strategies asked for (default dropless and padded), the peers asked for
+The moesaic strategies asked for (default: every registered one that runs without a cluster
+description, ``bench_strategies``), the peers asked for
 (``--peers torchtitan,deepspeed``, see ``moesaic.bench.peers``: same weights, outputs and
 gradients checked against ours before timing) and, at EP = 1, transformers' Mixtral block run
 interleaved, round by round, in one process per rank, so their ratios are measured side by side.
@@ -16,7 +17,7 @@ the single-thread fp32 GEMM rate measured in the same run.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -31,11 +32,17 @@ from moesaic.comm.collectives import EPGroup
 from moesaic.comm.world import run_world
 from moesaic.config import MoEConfig
 from moesaic.layer import LayerStats, MoELayer, aux_loss
-from moesaic.strategies import strategy_names
+from moesaic.strategies import get_strategy, strategy_names
 
 ROUTINGS = ("uniform", "skewed")
 # Deadline of every collective of a benchmark world (its layers' and its own agreements).
 COLLECTIVE_TIMEOUT_S = 120.0
+
+
+def bench_strategies() -> tuple[str, ...]:
+    """Every registered strategy that can run in this benchmark: the layers get no cluster
+    description, so those that need one (``needs_topology``) are left out."""
+    return tuple(n for n in strategy_names() if not get_strategy(n).needs_topology)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,8 +61,8 @@ class LayerBench:
     # by this many logits per expert id (gives a max/mean expert load of ~3 at the defaults).
     skew_logits_per_expert: float = 0.5
     with_transformers: bool = True
-    # moesaic strategies timed (those that run on one machine; "hybrid" needs a plan).
-    strategies: tuple[str, ...] = ("dropless", "padded")
+    # moesaic strategies timed; default: every registered one that can run here.
+    strategies: tuple[str, ...] = field(default_factory=lambda: bench_strategies())
     # Other libraries' layers timed beside ours (moesaic.bench.peers.PEERS), when installed.
     peers: tuple[str, ...] = ()
     # Capacity factor of the padded layer compared with DeepSpeed (and of DeepSpeed's layer).
@@ -136,7 +143,10 @@ def _inputs(bench: LayerBench, routing: str, rank: int) -> tuple[torch.Tensor, t
 
 
 def _train_step(module, x: torch.Tensor, g: torch.Tensor) -> None:
-    """One timed step: forward, the loss a user of that library writes, backward."""
+    """One timed step: forward, the loss a user of that library writes, backward, and the
+    weights marked changed as an optimizer step would (an in-place no-op): what a strategy
+    caches per weight version (``hybrid``'s gathered experts) is redone every step, as in
+    training."""
     x = x.detach().requires_grad_()
     y = module(x)
     y = y[0] if isinstance(y, tuple) else y
@@ -149,6 +159,9 @@ def _train_step(module, x: torch.Tensor, g: torch.Tensor) -> None:
             loss = loss + extra
     loss.backward()
     module.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0)  # bumps the version counter, as the optimizer's in-place update does
 
 
 def _check_step(module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,16 +277,21 @@ def ep_worker(rank: int, world: int, bench: LayerBench) -> dict:
     for routing in ROUTINGS:
         x, g = _inputs(bench, routing, rank)
         modules, checks = _modules(bench, routing, world)
+        ours = {n: m for n, m in modules.items() if isinstance(m, MoELayer)}
+        before = {n: m.ep.traffic.collectives for n, m in ours.items()}
         times = _interleaved(bench, modules, x, g)
         for name, module in modules.items():
             entry: dict = {"times": times[name]}
             if isinstance(module, MoELayer):
                 counts, stats = _per_forward(module.take_stats())
                 counts = group.all_reduce(counts.to(group.control_device), what="expert loads")
-                collectives = stats.pop("collectives")
+                del stats["collectives"]  # the forward's; a step's are counted instead
                 entry.update(stats)
-                # the backward repeats the two all-to-alls of rows
-                entry["collectives_per_step"] = collectives + 2 if world > 1 else 0
+                # what the layer's group issued in the timed steps (forward and backward: the
+                # backward's all-to-alls, hybrid's gradient reduces), per step
+                issued = module.ep.traffic.collectives - before[name]
+                steps = bench.warmup + bench.iters
+                entry["collectives_per_step"] = issued // steps if world > 1 else 0
                 entry["load"] = _load_stats(counts)
             if name in checks:
                 entry["check"] = checks[name]

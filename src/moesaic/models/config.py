@@ -15,8 +15,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from moesaic.checks import check_int, check_positive_int
+from moesaic.checks import check_int, check_one_of, check_positive_int
 from moesaic.config import MoEConfig
+
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("rope", "learned")
+# What a model saved before ``norm`` and ``positions`` existed used: a checkpoint's meta.json
+# without the keys means these (``with_legacy_architecture``), not today's defaults.
+LEGACY_ARCHITECTURE = {"norm": "layernorm", "positions": "learned"}
 
 # moesaic 0.1 flat [model] key -> the MoEConfig field it now lives in ([model.moe]).
 LEGACY_MOE_KEYS = {
@@ -45,20 +51,29 @@ def default_moe(d_model: object = 128) -> MoEConfig:
 class MoEGPTConfig:
     """Shape of an MoEGPT.
 
-    The default (4 blocks of width 128, 8 experts of width 256, top-2) trains visibly on two CPU
-    cores within about three minutes: see docs/training.md for the measured curve.
+    The default (4 blocks of width 128, 8 experts of width 256, top-2, RMSNorm, rotary
+    positions) trains visibly on two CPU cores within about three minutes: see README.md for
+    the measured losses and a sample.
 
     Attributes:
         vocab_size: V; 256 for raw bytes.
-        seq_len: T, the longest context (learned position embeddings).
+        seq_len: T, the longest context.
         d_model: D, the residual width.
         n_layers: number of transformer blocks.
         n_heads: attention heads; must divide ``d_model``.
-        dense_layers: the first this-many blocks use a dense MLP instead of experts.
+        dense_layers: the first this-many blocks use a dense MLP instead of experts
+            (DeepSeek's ``first_k_dense_replace``).
+        moe_layer_freq: N, every N-th block is an MoE block: block i (from 0) has experts when
+            ``i >= dense_layers and i % N == 0`` (DeepSeek's ``moe_layer_freq``), the others a
+            dense MLP; 1: every block past ``dense_layers``.
         dense_hidden: hidden width of those dense MLPs (SwiGLU); None = 4 * d_model.
         moe: the ``MoEConfig`` of every MoE block; its ``hidden_size`` must equal ``d_model``
             (``from_dict`` fills it in). In a training run ``TrainConfig.timeout_s`` sets its
             ``collective_timeout_s``.
+        norm: "rmsnorm" (no bias) or "layernorm" (GPT-2's, what models saved before this
+            field existed use).
+        positions: "rope" (rotary embeddings of queries and keys, base 10000) or "learned"
+            (an absolute position embedding added to the bytes', GPT-2's).
     """
 
     vocab_size: int = 256
@@ -68,7 +83,10 @@ class MoEGPTConfig:
     n_heads: int = 4
     dense_layers: int = 0
     dense_hidden: int | None = None
+    moe_layer_freq: int = 1
     moe: MoEConfig = field(default_factory=default_moe)
+    norm: str = "rmsnorm"
+    positions: str = "rope"
 
     def __post_init__(self) -> None:
         check_positive_int("vocab_size", self.vocab_size)
@@ -77,12 +95,20 @@ class MoEGPTConfig:
         check_positive_int("n_layers", self.n_layers)
         check_positive_int("n_heads", self.n_heads)
         check_int("dense_layers", self.dense_layers, 0, self.n_layers)
+        check_positive_int("moe_layer_freq", self.moe_layer_freq)
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
             )
         if self.dense_hidden is not None:
             check_positive_int("dense_hidden", self.dense_hidden)
+        check_one_of("norm", self.norm, NORMS)
+        check_one_of("positions", self.positions, POSITIONS)
+        if self.positions == "rope" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"positions 'rope' needs an even head width, got d_model / n_heads = "
+                f"{self.d_model // self.n_heads}: rotary embeddings rotate pairs of channels"
+            )
         if not isinstance(self.moe, MoEConfig):
             raise ValueError(f"moe must be a MoEConfig, got {type(self.moe).__name__}")
         if self.moe.hidden_size != self.d_model:
@@ -91,9 +117,18 @@ class MoEGPTConfig:
                 "the MoE blocks read and write the residual stream"
             )
 
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block ``i`` (0-based) has experts (``dense_layers``, ``moe_layer_freq``)."""
+        return i >= self.dense_layers and i % self.moe_layer_freq == 0
+
     @property
     def num_moe_layers(self) -> int:
-        return self.n_layers - self.dense_layers
+        return sum(self.is_moe_block(i) for i in range(self.n_layers))
+
+    @property
+    def first_moe_block(self) -> int | None:
+        """The index of the first MoE block (the dense blocks before it), None when none."""
+        return next((i for i in range(self.n_layers) if self.is_moe_block(i)), None)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (``moe`` as a nested dict); ``from_dict`` reads it back."""
@@ -135,6 +170,16 @@ class MoEGPTConfig:
         if unknown:
             raise ValueError(f"unknown model.moe option(s) {unknown}; known: {sorted(moe_known)}")
         return cls(moe=dataclasses.replace(base, **moe), **d)
+
+
+def with_legacy_architecture(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a saved ``[model]`` dict with ``LEGACY_ARCHITECTURE`` for the keys it lacks.
+
+    For what a checkpoint's meta.json describes: a model saved before ``norm`` and
+    ``positions`` existed was built with LayerNorm and learned positions, whatever today's
+    defaults are. (A TOML file's missing keys mean the defaults: not for those.)
+    """
+    return {**LEGACY_ARCHITECTURE, **d}
 
 
 def nest_legacy_keys(d: dict[str, Any]) -> dict[str, Any]:

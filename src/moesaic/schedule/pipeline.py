@@ -227,6 +227,7 @@ class BlockPipeline:
         self.timeout_s = min((m.ep.timeout_s for _, _, m in self.moe_blocks), default=60.0)
         self.pool: A2AIssuer | None = None  # set for the duration of run()
         self.runs: list[ExpertRun] = []  # each MoE block's experts, for the duration of run()
+        self._prepared_at: list[float] = []  # when each block's experts were prepared
 
     # ---- recording ----------------------------------------------------------------------
 
@@ -236,17 +237,26 @@ class BlockPipeline:
         return maybe_span(self.recorder, resource, name, **args)
 
     def _prepare_experts(self) -> list[ExpertRun]:
-        """Each MoE block's experts for the step, before its first stage (``hybrid``'s gathers:
-        a ``gather`` span ``G.{block}`` when they communicated)."""
-        runs = []
-        for blk, _, layer in self.moe_blocks:
-            start = time.perf_counter()
-            run = layer.prepare_experts()
-            if self.recorder is not None and run.stats.collectives:
-                end = time.perf_counter()
-                self.recorder.add("gather", f"G.{blk}", start, end, phase="fwd", block=blk)
-            runs.append(run)
+        """Each MoE block's experts for the step, prepared before its first stage (``hybrid``
+        issues its gathers here; ``_experts_ready`` waits for them)."""
+        self._prepared_at = []
+        runs: list[ExpertRun] = []
+        for _, _, layer in self.moe_blocks:
+            self._prepared_at.append(time.perf_counter())
+            runs.append(layer.prepare_experts())
         return runs
+
+    def _experts_ready(self, j: int) -> None:
+        """Before MoE block j's first expert stage: what preparing its experts started has
+        arrived (a ``gather`` span ``G.{block}`` from the preparation to here when it
+        communicated: the transfer was in flight during the stages in between)."""
+        run = self.runs[j]
+        if run.wait is not None:
+            run.wait()
+        if self.recorder is not None and run.stats.collectives:
+            blk = self.moe_blocks[j][0]
+            start, end = self._prepared_at[j], time.perf_counter()
+            self.recorder.add("gather", f"G.{blk}", start, end, phase="fwd", block=blk)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -291,6 +301,7 @@ class BlockPipeline:
                 for c in chunks:
                     self._dispatch(c, j)
             aux = aux + self._aux(chunks, layer).to(aux.device)
+            self._experts_ready(j)
             for c in chunks:
                 rows = self._wait(c)
                 with self._span(f"E{c.r}.{blk}", phase="fwd", block=blk, chunk=c.r):

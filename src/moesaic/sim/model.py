@@ -148,6 +148,11 @@ class ModelSpec:
                 f"model.dense_layers ({model.dense_layers}) > 0: the simulator's model has MoE "
                 "blocks only (set dense_layers = 0 to simulate it)"
             )
+        if model.moe_layer_freq > 1:
+            raise ValueError(
+                f"model.moe_layer_freq ({model.moe_layer_freq}) > 1: the simulator's model has "
+                "MoE blocks only (set moe_layer_freq = 1 to simulate it)"
+            )
         return cls(
             name=name,
             layers=model.n_layers,

@@ -16,7 +16,7 @@ including ranks with no tokens, forward and backward, so that no rank hangs its 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -29,6 +29,7 @@ from moesaic.routing import RoutingPlan
 
 if TYPE_CHECKING:
     from moesaic.cluster.spec import ClusterSpec
+    from moesaic.trace import Recorder
 
 ExpertFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
@@ -144,6 +145,25 @@ class Supports:
             )
 
 
+class StrategyHooks:
+    """What a strategy does at the points of a training run between forwards, for all of its
+    layers in one model (:meth:`MoEStrategy.training_hooks` builds it). Every method is
+    called on every rank at the same point, so a hook may issue collectives; all do nothing
+    here.
+    """
+
+    def after_optimizer_step(self) -> None:
+        """Right after each applied optimizer step (the weights just changed): ``hybrid``
+        starts the next forwards' expert gathers here."""
+
+    def before_evaluation(self) -> None:
+        """Before the validation forwards (no gradient, the weights unchanged since the last
+        step)."""
+
+    def close(self) -> None:
+        """At the end of the run: release threads and streams."""
+
+
 class MoEStrategy(ABC):
     """Moves routed tokens to the experts and their outputs back, combined.
 
@@ -160,6 +180,11 @@ class MoEStrategy(ABC):
     # True when the strategy computes with the expert weights itself (moving them, or running
     # them in its own tile tasks): ``experts`` must be the layer's GroupedExperts.
     needs_expert_weights: ClassVar[bool] = False
+    # True when the strategy cannot run without a cluster description (``ctx.topology``):
+    # ``moesaic bench layer`` leaves it out unless given ``--cluster``.
+    needs_topology: ClassVar[bool] = False
+    # The ``MoEConfig`` fields only this strategy reads (its options); the others ignore them.
+    config_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -175,6 +200,37 @@ class MoEStrategy(ABC):
         gathered copies).
         """
         return self.placement
+
+    # ---- lifecycle hooks: what a run asks of the strategy outside its forwards ---------------
+
+    @classmethod  # noqa: B027 (a hook: nothing to refuse is the default, not abstract)
+    def check_levels(cls, config: MoEConfig, level_sizes: tuple[int, ...]) -> None:
+        """Refuse ``config`` on an expert-parallel group whose cluster levels have
+        ``level_sizes`` (outermost first; one level of the group's size without a cluster
+        description), before any worker starts. Nothing to refuse by default.
+
+        Raises:
+            ValueError: starting with the ``MoEConfig`` field at fault (the caller prefixes
+                where it comes from, e.g. ``model.moe.``).
+        """
+
+    @classmethod
+    def training_hooks(
+        cls,
+        layers: Sequence[tuple[MoEStrategy, ExpertFn]],
+        *,
+        recorder: Recorder | None = None,
+    ) -> StrategyHooks:
+        """The hooks of a training run for ``layers`` (this class's strategies of one model,
+        in layer order, each with its layer's experts); ``recorder`` receives their spans.
+        Hooks that do nothing by default."""
+        return StrategyHooks()
+
+    @classmethod
+    def inference_config(cls, config: MoEConfig) -> MoEConfig:
+        """The config of this strategy's layers in a model that one process holds whole (a
+        checkpoint of any EP size loaded for inference): ``config`` itself by default."""
+        return config
 
     @abstractmethod
     def forward(self, x_TH: torch.Tensor, plan: RoutingPlan, experts: ExpertFn) -> StrategyOutput:
@@ -242,11 +298,15 @@ class ExpertRun:
             experts once every chunk's expert stage has run its own (``hybrid``: the gathered
             copies' gradients reduced to their owners once, not once per chunk); None when
             the chunks' backward already reaches the parameters.
+        wait: for a pipelined step, completes what preparing started (``hybrid``: waits for
+            the gathers it issued); the schedule calls it before the block's first expert
+            stage, so the stages before it overlap the transfer. None: ready at once.
     """
 
     fn: ExpertFn
     stats: CommStats = field(default_factory=CommStats)
     finish_backward: Callable[[], None] | None = None
+    wait: Callable[[], None] | None = None
 
 
 HandleT = TypeVar("HandleT", bound=ExchangeHandle)

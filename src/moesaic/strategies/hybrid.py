@@ -12,8 +12,8 @@ layer's cluster description (or one level of P ranks), cut into domains of ``con
    (one group per level with a domain size above 1: the slow links carry the smallest
    bundles, as the cost model prices it). The
    gathered copies are cached per weight version (gradient accumulation and evaluation gather
-   once per optimizer step) and can be prefetched (:class:`~moesaic.train.prefetch.
-   ExpertPrefetcher`). Own experts always enter the computation exactly.
+   once per optimizer step) and can be prefetched (:class:`~moesaic.strategies.prefetch.
+   ExpertPrefetcher`, its training hooks). Own experts always enter the computation exactly.
 2. **Exchange** (partition): a token for expert ``g`` goes to the one rank that holds ``g``
    after the gathers and has this rank's offsets at every level (the same rank when ``g`` is in
    this rank's domain): the members of this rank's *offset group* (one per domain). That is a
@@ -36,6 +36,7 @@ versions, changes on every rank together at the optimizer step).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,11 @@ from moesaic.strategies.dropless import DroplessHandle, DroplessStrategy
 from moesaic.strategies.migration import Gathered, PendingGather, Weights, start_gather
 
 if TYPE_CHECKING:
-    from moesaic.strategies.base import ExpertFn
+    from collections.abc import Sequence
+
+    from moesaic.config import MoEConfig
+    from moesaic.strategies.base import ExpertFn, MoEStrategy, StrategyHooks
+    from moesaic.trace import Recorder
 
 __all__ = ["HybridStrategy", "hybrid_topology"]
 
@@ -145,6 +150,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
 
     name = "hybrid"
     needs_expert_weights = True
+    config_fields = ("domain_sizes", "expert_compression_ratio", "shared_expert_every")
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -234,6 +240,13 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
     def _gathered(self, weights: Weights) -> tuple[Weights, CommStats]:
         """The domain's experts (detached, decoded) for the current weights, and what the
         gathers sent (nothing when cached)."""
+        finish, stats = self._begin_gathered(weights)
+        return finish(), stats
+
+    def _begin_gathered(self, weights: Weights) -> tuple[Callable[[], Weights], CommStats]:
+        """Start what ``_gathered`` returns: the gathers are issued (their first level) now,
+        the returned call waits for them, runs the inner levels and decodes; a prefetch or the
+        cache is resolved now."""
         key = self._key(weights)
         stats = CommStats()
         if self._pending is not None:  # a prefetch was reserved on every rank: consume it
@@ -252,11 +265,16 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
             stats = stats + self._gather_stats(pending)
             if pkey == key:
                 self._cache = (key, tensors)
-        if self._cache is None or self._cache[0] != key:
-            pending = self._start(weights, self.levels)
+        if self._cache is not None and self._cache[0] == key:
+            cached = self._cache[1]
+            return (lambda: cached), stats
+        pending = self._start(weights, self.levels)
+
+        def finish() -> Weights:
             self._cache = (key, pending.result())
-            stats = stats + self._gather_stats(pending)
-        return self._cache[1], stats
+            return self._cache[1]
+
+        return finish, stats + self._gather_stats(pending)
 
     def _start(self, weights: Weights, groups: list[EPGroup]) -> PendingGather:
         """One gather; the shared experts are recomputed every ``shared_expert_every``-th."""
@@ -287,35 +305,56 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         """The domain's experts (gathered, or from the cache or a prefetch) as one expert run.
 
         Vanilla: the copies stay in the graph, so each forward's backward reduces their
-        gradients to the owners. Pipelined: the R chunks' expert stages share detached leaves
-        of them and ``finish_backward`` reduces the chunks' summed gradients once.
+        gradients to the owners. Pipelined: the gathers are only issued here and waited for by
+        the run's ``wait`` (the schedule calls it before the block's first expert stage, so the
+        attention and gate stages before it overlap them); the R chunks' expert stages share
+        detached leaves of the copies and ``finish_backward`` reduces their summed gradients
+        once.
         """
         weights = self._local_weights(experts)
         if not self.levels:
             return ExpertRun(_domain_ffn(weights), CommStats(peer_bytes_P=(0,) * self.group.size))
-        gathered, stats = self._gathered(weights)
-        used = tuple(
-            None
-            if w is None or g is None
-            else _GatheredExperts.apply(w, g, self.levels, self.position, f"hybrid experts.{n}")
-            for w, g, n in zip(weights, gathered, ("w1", "w3", "w2"))
-        )
         if not pipelined:
-            return ExpertRun(_domain_ffn(used), stats)
-        leaves = tuple(None if u is None else u.detach().requires_grad_() for u in used)
+            gathered, stats = self._gathered(weights)
+            return ExpertRun(_domain_ffn(self._in_graph(weights, gathered)), stats)
+        finish, stats = self._begin_gathered(weights)
+        copies: list[tuple[torch.Tensor | None, ...]] = []  # [used, leaves] once waited for
+
+        def wait() -> None:
+            if not copies:
+                used = self._in_graph(weights, finish())
+                copies.extend([used, tuple(None if u is None else u.detach() for u in used)])
+                for leaf in copies[1]:
+                    if leaf is not None:
+                        leaf.requires_grad_()
+
+        def run(x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
+            wait()
+            return _domain_ffn(copies[1])(x_MH, counts_e)
 
         def finish_backward() -> None:
             # Every rank reduces every weight (zeros where its chunks left no gradient), so the
             # level groups see the same all-to-alls on every rank.
+            wait()
             pairs = [
                 (u, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-                for u, leaf in zip(used, leaves)
+                for u, leaf in zip(*copies)
                 if u is not None and leaf is not None and u.requires_grad
             ]
             if pairs:
                 torch.autograd.backward([u for u, _ in pairs], [g for _, g in pairs])
 
-        return ExpertRun(_domain_ffn(leaves), stats, finish_backward)
+        return ExpertRun(run, stats, finish_backward, wait)
+
+    def _in_graph(self, weights: Weights, gathered: Weights) -> tuple[torch.Tensor | None, ...]:
+        """The domain's experts: the gathered copies with this rank's own (exact) weights in
+        place, in the autograd graph of the local weights (``_GatheredExperts``)."""
+        return tuple(
+            None
+            if w is None or g is None
+            else _GatheredExperts.apply(w, g, self.levels, self.position, f"hybrid experts.{n}")
+            for w, g, n in zip(weights, gathered, ("w1", "w3", "w2"))
+        )
 
     def dispatch_send(self, x_TH: torch.Tensor, plan: RoutingPlan) -> Outbound[DroplessHandle]:
         if plan.placement != self._routing:  # a plan routed by the owners: re-route it
@@ -340,6 +379,34 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         for q, b in enumerate(stats.peer_bytes_P or (0,) * len(self.offset_ranks)):
             peers[self.offset_ranks[q]] += b
         return dataclasses.replace(stats, peer_bytes_P=tuple(peers))
+
+    # ---- lifecycle hooks --------------------------------------------------------------------
+
+    @classmethod
+    def check_levels(cls, config: MoEConfig, level_sizes: tuple[int, ...]) -> None:
+        """``domain_sizes`` must have one size per level, each dividing the level's size."""
+        if config.domain_sizes is not None:
+            Topology(scaling_factors=tuple(level_sizes), domain_sizes=config.domain_sizes)
+
+    @classmethod
+    def training_hooks(
+        cls,
+        layers: Sequence[tuple[MoEStrategy, ExpertFn]],
+        *,
+        recorder: Recorder | None = None,
+    ) -> StrategyHooks:
+        """The asynchronous communicator (:class:`~moesaic.strategies.prefetch.
+        ExpertPrefetcher`): the next forwards' gathers start after every optimizer step."""
+        from moesaic.strategies.prefetch import ExpertPrefetcher
+
+        return ExpertPrefetcher(layers, recorder=recorder)
+
+    @classmethod
+    def inference_config(cls, config: MoEConfig) -> MoEConfig:
+        """``dropless`` without domains: one process holds every expert, so the domains (sized
+        for the training cluster's levels) gather nothing and ``hybrid`` at EP 1 computes what
+        ``dropless`` computes."""
+        return dataclasses.replace(config, dispatcher="dropless", domain_sizes=None)
 
 
 def _domain_ffn(weights: tuple[torch.Tensor | None, ...]) -> ExpertFn:

@@ -1,6 +1,6 @@
 """HybridEP's expert migration (§IV-B): SR-encoded expert all-gathers (the asynchronous
 communicator of Fig. 10 that issues them ahead of the forward is
-:class:`moesaic.train.prefetch.ExpertPrefetcher`).
+:class:`moesaic.strategies.prefetch.ExpertPrefetcher`).
 
 Shape legend: e local experts, S ranks of the expert domain, X the shape of one expert weight
 (H x F or F x H), N = numel(X), k kept residual entries, B bytes of one encoded expert.

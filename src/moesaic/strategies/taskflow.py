@@ -91,6 +91,7 @@ class TaskflowStrategy(MoEStrategy):
 
     name = "taskflow"
     needs_expert_weights = True
+    config_fields = ("taskflow_executor", "taskflow_tile_m", "taskflow_pipeline")
     supports = Supports(
         schedules=("vanilla",),
         why=(

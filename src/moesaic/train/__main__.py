@@ -9,7 +9,7 @@ directory's lock; each rank prints its own error as one line (its traceback goes
 import argparse
 import sys
 
-from moesaic.train.config import add_train_arguments, config_from_args
+from moesaic.train.flags import add_train_arguments, config_from_args
 from moesaic.train.worker import worker_main
 
 

@@ -8,7 +8,9 @@ Layout of ``RUN_DIR/checkpoints/``::
 
 Keys of the DCP state dict:
 
-* ``model.<param>``: replicated parameters (equal on every rank; DCP writes one copy);
+* ``model.<param>``: replicated parameters (equal on every rank; DCP writes one copy), and the
+  same for persistent buffers (the routers' ``score_bias``: replicated, so any EP size loads
+  it whole; one missing from an older checkpoint keeps its initial value);
 * ``model.<layer>.experts.<w>.<g>``: global expert g's slice of an expert parameter, so a rank
   saves and loads exactly the experts it holds, whatever the EP size was at save time;
 * ``optim.<same key>.<state>``: AdamW's ``exp_avg`` / ``exp_avg_sq`` (per expert for experts)
@@ -45,7 +47,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from moesaic.layer import is_expert_param
+from moesaic.models.config import with_legacy_architecture
 from moesaic.models.gpt import MoEGPT, MoEGPTConfig
+from moesaic.strategies.registry import get_strategy
 from moesaic.train.errors import (
     CheckpointError,
     checkpoint_cause,
@@ -69,10 +73,16 @@ SHAPE_FIELDS = (
     "n_heads",
     "dense_layers",
     "dense_hidden",
+    "moe_layer_freq",
+    "norm",
+    "positions",
     "moe.num_experts",
     "moe.top_k",
     "moe.ffn_hidden_size",
     "moe.activation",
+    "moe.num_shared_experts",
+    "moe.shared_expert_hidden_size",
+    "moe.shared_expert_gate",
 )
 
 
@@ -101,7 +111,14 @@ def tensor_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
         for k, v in state.items():
             if torch.is_tensor(v) and v.shape != p.shape:
                 out[f"optim.{name}.{k}"] = v  # AdamW's scalar step
+    out.update(buffer_entries(model))
     return out
+
+
+def buffer_entries(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{model.<buffer>: tensor}`` of the persistent buffers (all replicated)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    return {f"model.{n}": b for n, b in model.named_buffers() if n in persistent}
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -373,6 +390,12 @@ def check_resume_step(path: Path, meta: dict, steps: int) -> None:
         )
 
 
+def saved_model_config(meta: dict) -> MoEGPTConfig:
+    """The model a checkpoint's ``meta`` describes (one saved before ``norm`` and ``positions``
+    existed used LayerNorm and learned positions: ``with_legacy_architecture``)."""
+    return MoEGPTConfig.from_dict(with_legacy_architecture(meta["model"]))
+
+
 def read_checkpoint_meta(
     path: Path, model_cfg: MoEGPTConfig | None = None, *, verify: bool = True
 ) -> dict:
@@ -385,7 +408,7 @@ def read_checkpoint_meta(
     meta_path = path / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
-        saved = MoEGPTConfig.from_dict(meta["model"])
+        saved = saved_model_config(meta)
         int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
@@ -433,6 +456,9 @@ def load_checkpoint(
         init_optimizer_state(optimizer)
     views = tensor_entries(model, optimizer)
     md = dcp.FileSystemReader(str(path)).read_metadata()
+    for key in buffer_entries(model):  # a buffer the checkpoint predates keeps its init
+        if key not in md.state_dict_metadata:
+            views.pop(key)
     missing = sorted(k for k in views if k not in md.state_dict_metadata)
     if missing:
         raise CheckpointError(
@@ -471,13 +497,19 @@ def load_checkpoint(
 def load_model_for_inference(path: Path) -> tuple[MoEGPT, dict]:
     """The whole model (all experts, one process) from a checkpoint of any EP size."""
     meta = read_checkpoint_meta(path)
-    cfg = MoEGPTConfig.from_dict(meta["model"])
-    if cfg.moe.dispatcher == "hybrid":
-        # One process holds every expert: hybrid's domains (sized for the training cluster's
-        # levels) gather nothing here, and at EP 1 it computes what dropless computes.
-        moe = dataclasses.replace(cfg.moe, dispatcher="dropless", domain_sizes=None)
-        cfg = dataclasses.replace(cfg, moe=moe)
-    model = MoEGPT(cfg)
+    cfg = saved_model_config(meta)
+    # One process holds every expert: the strategy says what its layers run as then.
+    moe = get_strategy(cfg.moe.dispatcher).inference_config(cfg.moe)
+    cfg = dataclasses.replace(cfg, moe=moe)
+    model = MoEGPT(cfg) if "hf_config" not in meta else _hf_model(meta["hf_config"], cfg)
     load_checkpoint(path, model=model, optimizer=None, rank=0)
     model.eval()
     return model, meta
+
+
+def _hf_model(hf_config: dict, cfg: MoEGPTConfig) -> MoEGPT:
+    """The model of a ``--hf-config`` run (typed as what it stands in for: it has the
+    ``forward``, ``moe_layers``, ``config`` and ``generate`` of an MoEGPT)."""
+    from moesaic.train.hf_model import HFCausalLM
+
+    return cast(MoEGPT, HFCausalLM(hf_config, cfg))

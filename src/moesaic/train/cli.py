@@ -26,7 +26,7 @@ EXIT_INTERRUPTED = 130
 def _train(args: argparse.Namespace) -> int:
     import sys
 
-    from moesaic.train.config import config_from_args
+    from moesaic.train.flags import config_from_args
     from moesaic.train.launch import launch
 
     try:
@@ -54,7 +54,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def add_subparser(subparsers) -> None:
     """Add ``train`` and ``generate`` to the top-level ``moesaic`` parser."""
-    from moesaic.train.config import add_train_arguments
+    from moesaic.train.config import TrainConfig
+    from moesaic.train.flags import add_train_arguments
 
     train = subparsers.add_parser(
         "train",
@@ -75,8 +76,12 @@ def add_subparser(subparsers) -> None:
         help="sample text from a trained checkpoint",
         description="Sample bytes from a checkpoint (any EP size) in one process.",
     )
+    run_dir = TrainConfig.__dataclass_fields__["run_dir"].default
     gen.add_argument(
-        "--checkpoint", required=True, metavar="DIR", help="a checkpoint or a run directory"
+        "--checkpoint",
+        default=run_dir,
+        metavar="DIR",
+        help=f"a checkpoint or a run directory (default: {run_dir}, the default run's)",
     )
     gen.add_argument("--prompt", default="", help="text to continue (default: empty)")
     gen.add_argument("--max-new-tokens", type=int, default=200, help="bytes to sample")

@@ -2,37 +2,36 @@
 
 A TOML file holds the run's keys at top level, the model's under ``[model]`` and its MoE blocks'
 under ``[model.moe]``, with the names of the dataclass fields (``batch_size``, ``d_model``,
-``num_experts``); flags use the same names with dashes (a few are shorter: ``--experts``).
-Torch-free: ``moesaic train --help`` and the launcher's validation never import torch.
+``num_experts``); flags use the same names with dashes (a few are shorter: ``--experts``). The
+flags and the merge of defaults, file and flags are :mod:`moesaic.train.flags`
+(``add_train_arguments`` and ``config_from_args`` are still importable from here). Torch-free:
+``moesaic train --help`` never imports torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
-from moesaic.checks import check_bool, check_int, check_number, check_one_of, read_toml
+from moesaic.checks import check_bool, check_int, check_number, check_one_of
+from moesaic.interop.hf_families import apply_hf_shape, family_of, read_hf_config
 from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
-from moesaic.strategies.registry import check_supported, strategy_names
+from moesaic.strategies.registry import check_supported
 from moesaic.train import domains
-from moesaic.train.option_rules import check_applicable
 from moesaic.train.schedule_options import (
     auto_pipeline_degree,
     parse_ar_chunk,
-    parse_pipeline_degree,
 )
 
 BACKENDS = ("auto", "gloo", "nccl")
 
 
 NONFINITE_POLICIES = ("stop", "skip")
+# --dtype: what the blocks compute in (weights, optimizer state and the router stay fp32).
+DTYPES = ("fp32", "bf16")
 
 # --trace / --trace-png keep the spans of the run's last this many steps (one step is a few
 # hundred spans per rank at R = 4, so a trace stays small; earlier steps include warm-up).
@@ -103,6 +102,23 @@ class TrainConfig:
             ``moesaic plan`` on ``cluster`` (needed), at rank 0's measured GEMM throughput
             (``moesaic.train.domains``); other strategies have no domains (``moesaic train``
             refuses the flag: ``moesaic.train.option_rules``).
+        hf_config: a transformers config file (``config.json``) of a supported MoE family
+            (``moesaic.interop.hf_families``): the run trains that architecture from random
+            initialisation, its MoE blocks made expert-parallel by
+            ``moesaic.interop.hf.expert_parallel``; ``model``'s shape fields are filled in from
+            it (``apply_hf_shape``). Data stay bytes, so its ``vocab_size`` must be >= 256.
+            Every schedule runs, except the pipelined ones for a family whose decoder layers
+            do not split into their stages (``Family.no_pipeline``: Granite-MoE). None: an
+            MoEGPT.
+        dtype: "fp32", or "bf16": the blocks run under ``torch.autocast`` to bfloat16 with
+            fp32 master weights (the optimizer updates fp32 weights; the embedding, head,
+            loss and MoE routers compute in fp32). On a CPU without native bf16 matmuls
+            (AVX512-BF16 or AMX) bf16 is slower than fp32.
+        activation_checkpointing: keep only each block's input in the forward and recompute
+            the block in the backward (``MoEGPT.activation_checkpointing``): less activation
+            memory for one more forward (all-to-alls included) per block. The recomputation
+            adds no aux loss or expert statistics a second time. Vanilla schedule only (the
+            pipelined ones run the block stages themselves: ``option_rules``).
     """
 
     model: MoEGPTConfig = field(default_factory=MoEGPTConfig)
@@ -141,6 +157,9 @@ class TrainConfig:
     fault_kill_step: int | None = None
     cluster: str | None = None
     auto_domains: bool = False
+    hf_config: str | None = None
+    dtype: str = "fp32"
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MoEGPTConfig):
@@ -182,6 +201,8 @@ class TrainConfig:
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"run_dir must be a non-empty path, got {self.run_dir!r}")
         self._check_domains()
+        self._check_hf_config()
+        self._check_memory_options()
         for name in ("trace", "trace_png", "cluster"):
             path = getattr(self, name)
             if path is not None and (not isinstance(path, str) or not path):
@@ -211,6 +232,39 @@ class TrainConfig:
                 "whole batch at once"
             )
         self.ar_chunk = parse_ar_chunk(self.ar_chunk)
+
+    def _check_memory_options(self) -> None:
+        # activation_checkpointing under a pipelined schedule has no effect (the schedule
+        # calls the block stages, never MoEGPT.forward): option_rules refuses the flag there.
+        check_one_of("dtype", self.dtype, DTYPES)
+        check_bool("activation_checkpointing", self.activation_checkpointing)
+        used = ["dtype bf16"] if self.dtype == "bf16" else []
+        if self.activation_checkpointing:
+            used.append("activation_checkpointing")
+        if used and self.hf_config is not None:
+            raise ValueError(
+                f"{' and '.join(used)} apply to moesaic's MoEGPT; a transformers model "
+                f"(--hf-config {self.hf_config}) trains in fp32 without them"
+            )
+
+    def _check_hf_config(self) -> None:
+        path = self.hf_config
+        if path is None:
+            return
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"hf_config must be a non-empty path or None, got {path!r}")
+        family = family_of(read_hf_config(path)["model_type"], f"transformers config {path}")
+        if self.schedule != "vanilla" and family.no_pipeline is not None:
+            raise ValueError(
+                f"schedule {self.schedule!r} cuts the decoder layers into stages, and "
+                f"{family.model_type} (--hf-config {path}) cannot be: {family.no_pipeline}; "
+                "run it with --schedule vanilla"
+            )
+        if self.model.vocab_size < 256:
+            raise ValueError(
+                f"the transformers config {path} has vocab_size {self.model.vocab_size}: "
+                "moesaic train feeds bytes (token ids 0-255), which need vocab_size >= 256"
+            )
 
     def _check_domains(self) -> None:
         check_bool("auto_domains", self.auto_domains)
@@ -265,6 +319,7 @@ class TrainConfig:
         """
         per_node = {"nproc", "threads", "progress", "max_restarts", "run_dir", "data", "model"}
         per_node |= {"fault_kill_rank", "fault_kill_step", "trace", "trace_png", "cluster"}
+        per_node |= {"hf_config"}  # a path; the loop compares the file's contents
         out: dict[str, object] = {f"model.{k}": v for k, v in self.model.fields_flat().items()}
         # Where a trace goes is per node, whether there is one is not: gathering it is a
         # collective every rank must take part in.
@@ -289,6 +344,8 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
         model, auto = domains.split_auto_domains(nest_legacy_keys(model))
+        if d.get("hf_config") is not None:
+            model = apply_hf_shape(model, d["hf_config"])
         if auto:
             d["auto_domains"] = True
         moe = model.get("moe")
@@ -302,228 +359,15 @@ class TrainConfig:
         return cls(model=MoEGPTConfig.from_dict(model), **d)
 
 
-# (flag, field, type) of every option; a model field is a path under [model] ("moe.top_k").
-_MODEL_FLAGS = (
-    ("--seq-len", "seq_len", int),
-    ("--d-model", "d_model", int),
-    ("--n-layers", "n_layers", int),
-    ("--n-heads", "n_heads", int),
-    ("--experts", "moe.num_experts", int),
-    ("--top-k", "moe.top_k", int),
-    ("--expert-hidden", "moe.ffn_hidden_size", int),
-    ("--dense-layers", "dense_layers", int),
-    ("--dense-hidden", "dense_hidden", int),
-    ("--aux-loss-coef", "moe.aux_loss_coef", float),
-    ("--z-loss-coef", "moe.z_loss_coef", float),
-    ("--dispatcher", "moe.dispatcher", str),
-    ("--domains", "moe.domain_sizes", str),
-    ("--expert-compression-ratio", "moe.expert_compression_ratio", float),
-)
-# Other spellings of a flag (same option): --strategy is --dispatcher.
-_ALIASES = {"--dispatcher": ("--strategy",)}
-_RUN_FLAGS = (
-    ("--nproc", "nproc", int),
-    ("--ep", "ep", int),
-    ("--steps", "steps", int),
-    ("--batch-size", "batch_size", int),
-    ("--lr", "lr", float),
-    ("--min-lr-ratio", "min_lr_ratio", float),
-    ("--warmup-steps", "warmup_steps", int),
-    ("--weight-decay", "weight_decay", float),
-    ("--grad-clip", "grad_clip", float),
-    ("--schedule", "schedule", str),
-    ("--pipeline-degree", "pipeline_degree", parse_pipeline_degree),
-    ("--ar-chunk", "ar_chunk", str),
-    ("--trace", "trace", str),
-    ("--trace-png", "trace_png", str),
-    ("--on-nonfinite", "on_nonfinite", str),
-    ("--nonfinite-skip-limit", "nonfinite_skip_limit", int),
-    ("--seed", "seed", int),
-    ("--data", "data", str),
-    ("--data-max-bytes", "data_max_bytes", int),
-    ("--val-fraction", "val_fraction", float),
-    ("--eval-every", "eval_every", int),
-    ("--eval-batches", "eval_batches", int),
-    ("--ckpt-every", "ckpt_every", int),
-    ("--keep-checkpoints", "keep_checkpoints", int),
-    ("--run-dir", "run_dir", str),
-    ("--max-restarts", "max_restarts", int),
-    ("--backend", "backend", str),
-    ("--timeout-s", "timeout_s", float),
-    ("--threads", "threads", int),
-    ("--fault-kill-rank", "fault_kill_rank", int),
-    ("--fault-kill-step", "fault_kill_step", int),
-    ("--cluster", "cluster", str),
-)
-_HELP = {
-    "seq_len": "context length T",
-    "d_model": "model width D",
-    "n_layers": "transformer blocks",
-    "n_heads": "attention heads",
-    "moe.num_experts": "routed experts E per MoE block",
-    "moe.top_k": "experts per token K",
-    "moe.ffn_hidden_size": "hidden width of each expert (SwiGLU)",
-    "dense_layers": "the first N blocks use a dense MLP instead of experts",
-    "dense_hidden": "dense MLP width (default 4 * d_model)",
-    "moe.aux_loss_coef": "load-balancing loss weight",
-    "moe.z_loss_coef": "router z-loss weight",
-    "moe.dispatcher": "MoE execution strategy (moesaic.strategies; --strategy is the same): "
-    + ", ".join(strategy_names()),
-    "moe.domain_sizes": "hybrid's expert-domain sizes S0,S1,... (one per --cluster level, "
-    "outermost first), or 'auto': chosen by the cost model of `moesaic plan` on --cluster",
-    "moe.expert_compression_ratio": "hybrid: SR compression ratio CR of gathered experts "
-    "(1 = exact)",
-    "nproc": "worker processes on this node",
-    "ep": "expert-parallel group size (default: all ranks); DP = world / EP",
-    "steps": "optimizer steps (length of the LR schedule)",
-    "batch_size": "sequences per rank per step",
-    "lr": "peak learning rate (AdamW, warm-up then cosine)",
-    "min_lr_ratio": "final LR as a fraction of --lr",
-    "warmup_steps": "linear warm-up steps",
-    "weight_decay": "AdamW weight decay of matrices",
-    "grad_clip": "global gradient-norm clip (0 = off)",
-    "schedule": f"training-step schedule: {', '.join(schedule_names())}",
-    "pipeline_degree": "R: chunks of each rank's batch in a pipelined schedule (divides "
-    "--batch-size); 'auto': 2 for a pipelined schedule when it divides --batch-size, else 1",
-    "ar_chunk": "Sp: gradient all-reduce chunk of moe-only and flowmoe, 'auto' (flowmoe: tuned "
-    "online) or bytes ('4MiB')",
-    "trace": f"write a Chrome trace (Perfetto) of the last {TRACE_STEPS} steps of every rank",
-    "trace_png": "draw the same timeline as a PNG (matplotlib)",
-    "on_nonfinite": "a non-finite loss or gradient: stop the run, or skip that step",
-    "nonfinite_skip_limit": "with --on-nonfinite skip: this many in a row stop the run",
-    "seed": "init and data-order seed",
-    "data": "text file or directory (default: this Python's standard library source)",
-    "data_max_bytes": "read at most this many corpus bytes",
-    "val_fraction": "corpus tail held out for validation",
-    "eval_every": "validation every N steps (0 = only at the end)",
-    "eval_batches": "validation batches per rank",
-    "ckpt_every": "checkpoint every N steps (0 = only at the end)",
-    "keep_checkpoints": "checkpoints kept",
-    "run_dir": "checkpoints and metrics.jsonl go here",
-    "max_restarts": "elastic restarts of a failed worker group (each resumes from the latest "
-    "checkpoint)",
-    "backend": "auto, gloo or nccl",
-    "timeout_s": "deadline of every collective, seconds",
-    "threads": "torch threads per worker (default: cores / nproc)",
-    "fault_kill_rank": "fault injection: this rank SIGKILLs itself (first attempt only)",
-    "fault_kill_step": "fault injection: at the start of this step",
-    "cluster": "cluster description (TOML) of one EP group: the MoE layers' topology",
-}
+# Moved to moesaic.train.flags (which imports this module, so not re-exported eagerly).
+_MOVED_TO_FLAGS = ("add_train_arguments", "config_from_args", "load_toml")
 
 
-_METAVARS = {
-    "pipeline_degree": "auto|R",
-    "ar_chunk": "auto|BYTES",
-    "trace": "FILE.json",
-    "trace_png": "FILE.png",
-    "schedule": "|".join(schedule_names()),
-    "cluster": "FILE.toml",
-    "moe.domain_sizes": "auto|S0,S1,...",
-    "moe.expert_compression_ratio": "CR",
-    "moe.dispatcher": "|".join(strategy_names()),
-}
+def __getattr__(name: str) -> Any:
+    """``add_train_arguments``, ``config_from_args`` and ``load_toml`` from
+    :mod:`moesaic.train.flags`, where they live now."""
+    if name in _MOVED_TO_FLAGS:
+        from moesaic.train import flags
 
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every training option; unset flags stay absent so that TOML values survive."""
-    defaults = TrainConfig()
-    parser.add_argument("--config", metavar="FILE", help="TOML file of options (flags override it)")
-    run = parser.add_argument_group("run")
-    for flag, name, typ in _RUN_FLAGS:
-        # The declared default ("auto"), not what __post_init__ resolved it to.
-        declared = TrainConfig.__dataclass_fields__[name].default
-        default = declared if declared is not dataclasses.MISSING else getattr(defaults, name)
-        run.add_argument(
-            flag,
-            dest=name,
-            type=typ,
-            default=argparse.SUPPRESS,
-            metavar=_METAVARS.get(name),
-            help=f"{_HELP[name]} (default: {default})",
-        )
-    run.add_argument(
-        "--resume",
-        dest="resume",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="continue from the latest checkpoint in --run-dir",
-    )
-    run.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        default=argparse.SUPPRESS,
-        help="no progress bar (log lines only)",
-    )
-    model = parser.add_argument_group("model")
-    for flag, name, typ in _MODEL_FLAGS:
-        default = attrgetter(name)(defaults.model)
-        model.add_argument(
-            flag,
-            *_ALIASES.get(flag, ()),
-            dest=f"model.{name}",
-            metavar=_METAVARS.get(name, name.rsplit(".", 1)[-1].upper()),
-            type=typ,
-            default=argparse.SUPPRESS,
-            help=f"{_HELP[name]} (default: {default})",
-        )
-
-
-def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML config file (run keys at top level, model keys under ``[model]``)."""
-    return read_toml(path, "config file")
-
-
-# dest -> the flag that sets it (its first spelling), for messages.
-_FLAG_OF = {name: flag for flag, name, _ in _RUN_FLAGS}
-_FLAG_OF |= {f"model.{name}": _ALIASES.get(flag, (flag,))[0] for flag, name, _ in _MODEL_FLAGS}
-_FLAG_OF |= {"config": "--config", "resume": "--resume", "progress": "--no-progress"}
-
-
-def _toml_keys(d: dict[str, Any]) -> list[str]:
-    """The options a TOML file sets, as dests (``ar_chunk``, ``model.moe.domain_sizes``)."""
-    keys = [k for k in d if k != "model"]
-    model = d.get("model", {})
-    keys += [f"model.{k}" for k in model if k != "moe"]
-    return keys + [f"model.moe.{k}" for k in model.get("moe", {})]
-
-
-def _stderr_note(line: str) -> None:
-    print(f"moesaic train: note: {line}", file=sys.stderr)
-
-
-def config_from_args(
-    args: argparse.Namespace, *, note: Callable[[str], None] = _stderr_note
-) -> TrainConfig:
-    """Defaults, then the ``--config`` TOML file, then the flags given.
-
-    The options set (not the defaults) must apply to the run's strategy and schedule
-    (``moesaic.train.option_rules``): a flag that does not is refused (ValueError), a TOML key
-    that does not gets one ``note`` line saying it has no effect.
-    """
-    config: str | None = getattr(args, "config", None)
-    d: dict[str, Any] = load_toml(config) if config else {}
-    model = d.get("model", {})
-    if not isinstance(model, dict):
-        raise ValueError("model must be a table of MoEGPTConfig fields")
-    model = nest_legacy_keys(model)  # before the flags, so that a flag wins over a 0.1 key
-    if not isinstance(model.get("moe", {}), dict):
-        raise ValueError(f"model.moe must be a table of MoEConfig fields, got {model['moe']!r}")
-    model["moe"] = dict(model.get("moe", {}))
-    d = {**d, "model": model}
-    given: dict[str, str] = dict.fromkeys(_toml_keys(d), str(config))
-    for key, value in vars(args).items():
-        if key.startswith("model.moe."):
-            model["moe"][key.removeprefix("model.moe.")] = value
-        elif key.startswith("model."):
-            model[key.removeprefix("model.")] = value
-        elif key in TrainConfig.__dataclass_fields__:
-            d[key] = value
-    given |= {key: _FLAG_OF[key] for key in vars(args) if key in _FLAG_OF}
-    # Whether an option applies comes before whether its value is right (no point fixing a
-    # value that will be refused); unknown names are left to TrainConfig's own messages.
-    strategy = model["moe"].get("dispatcher", MoEGPTConfig().moe.dispatcher)
-    schedule = d.get("schedule", TrainConfig.__dataclass_fields__["schedule"].default)
-    if strategy in strategy_names() and schedule in schedule_names():
-        check_applicable(given, strategy=strategy, schedule=schedule, note=note)
-    return TrainConfig.from_dict(d)
+        return getattr(flags, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,12 +11,14 @@ What the cost model is told about a training run (the same rules for ``moesaic p
 * ``T``, tokens per rank per MoE forward: ``batch_size x seq_len / pipeline_degree`` (a
   pipelined schedule runs each MoE layer once per chunk);
 * the priced MoE block is the steady-state one: with several MoE blocks, the second and later
-  ones have only their own attention (and router) in front (``m = 0`` dense blocks before, Eq. 2);
-  with a single MoE block the ``dense_layers`` dense blocks before it count (``m = dense_layers``);
+  ones have only their own attention (and router) in front (``m = 0`` dense blocks before, Eq. 2;
+  ``m = moe_layer_freq - 1`` when only every N-th block is MoE); with a single MoE block the
+  dense blocks before it count (``m = dense_layers``, or its index with ``moe_layer_freq``);
   the first of several MoE blocks has more cover than the plan assumes, never less;
 * bytes per element: 4 (``moesaic train`` trains in fp32), for tokens and experts alike.
 
-Torch-free: the launcher's validation and ``moesaic plan`` use it without torch.
+Torch-free to import: ``moesaic plan`` uses it without torch (:func:`check_cluster_and_domains`
+imports the strategy's class, and with it torch).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from moesaic.checks import check_positive_int, is_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.config import MoEConfig
 from moesaic.models.config import MoEGPTConfig
-from moesaic.placement.topology import Topology
 from moesaic.planning.costmodel import StreamInputs, stream_inputs
 from moesaic.planning.stepmodel import StepPlan, plan_step
 
@@ -105,8 +106,9 @@ def check_cluster_and_domains(
     """The run's cluster (None without ``--cluster``), checked against the EP size and the domains.
 
     Raises ValueError when the cluster's world size is not the expert-parallel size, or when
-    ``hybrid``'s domain sizes do not fit its levels (one per cluster level, each dividing the
-    level's size; without a cluster, one level of the EP size).
+    the strategy refuses its options on the cluster's levels (without a cluster, one level of
+    the EP size): :meth:`MoEStrategy.check_levels`, e.g. ``hybrid``'s domain sizes must have
+    one size per level, each dividing the level's size.
     """
     spec = None if cluster is None else load_cluster(cluster)
     if spec is not None and spec.world_size != ep_size:
@@ -115,13 +117,14 @@ def check_cluster_and_domains(
             f"group has ep = {ep_size}: the cluster file must describe one EP group "
             "(its world_size must equal --ep, or the number of ranks when --ep is not given)"
         )
-    if moe.dispatcher == "hybrid" and moe.domain_sizes is not None:
-        levels = [lv.size for lv in spec.levels] if spec is not None else [ep_size]
-        where = f"the levels of cluster {cluster}" if spec is not None else "one level of ep"
-        try:
-            Topology(scaling_factors=tuple(levels), domain_sizes=moe.domain_sizes)
-        except ValueError as exc:
-            raise ValueError(f"model.moe.{exc} ({where}: sizes {levels})") from None
+    from moesaic.strategies.registry import get_strategy  # the class imports torch
+
+    levels = [lv.size for lv in spec.levels] if spec is not None else [ep_size]
+    where = f"the levels of cluster {cluster}" if spec is not None else "one level of ep"
+    try:
+        get_strategy(moe.dispatcher).check_levels(moe, tuple(levels))
+    except ValueError as exc:
+        raise ValueError(f"model.moe.{exc} ({where}: sizes {levels})") from None
     return spec
 
 
@@ -133,7 +136,9 @@ def tokens_per_forward(batch_size: int, seq_len: int, pipeline_degree: int) -> i
 
 def dense_blocks_before(model: MoEGPTConfig) -> int:
     """``m`` of Eq. 2 for the priced MoE block (see the module docstring)."""
-    return model.dense_layers if model.num_moe_layers == 1 else 0
+    if model.num_moe_layers == 1:
+        return model.first_moe_block or 0
+    return model.moe_layer_freq - 1
 
 
 def model_stream_inputs(
@@ -193,7 +198,7 @@ def plan_training_domains(
         moe,
         tokens_per_rank=tokens_per_forward(batch_size, model.seq_len, pipeline_degree),
         flops_per_s=flops_per_s,
-        blocks=max(1, model.n_layers - model.dense_layers),
+        blocks=max(1, model.num_moe_layers),
         seq_len=model.seq_len,
         act_bytes=TRAIN_DTYPE_BYTES,
         param_bytes=TRAIN_DTYPE_BYTES,

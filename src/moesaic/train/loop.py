@@ -23,10 +23,12 @@ import torch.nn.functional as F
 from moesaic.comm.agree import check_ranks_agree
 from moesaic.comm.spans import gather_spans
 from moesaic.comm.world import init_world
+from moesaic.interop.hf_families import read_hf_config
 from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.schedule import make_step
 from moesaic.schedule.base import StepParts
+from moesaic.strategies import get_strategy
 from moesaic.trace import (
     Recorder,
     StepFigures,
@@ -46,8 +48,9 @@ from moesaic.train.config import TRACE_STEPS, TrainConfig
 from moesaic.train.data import PackedData, load_splits
 from moesaic.train.domains import check_cluster_and_domains, plan_training_domains
 from moesaic.train.health import NonFiniteError, nonfinite_message
+from moesaic.train.hf_model import build_model
+from moesaic.train.hooks import ModelHooks
 from moesaic.train.parallel import GradientSync, Layout, build_layout
-from moesaic.train.prefetch import ExpertPrefetcher
 from moesaic.train.report import Reporter
 
 # The optimizer every run uses (part of what ranks must agree on).
@@ -121,11 +124,12 @@ def check_config_agrees(
     ``ValueError``) naming the first field that differs and the ranks on each side.
     """
     fields = cfg.agreement_fields()
-    fields["dtype"] = torch.get_default_dtype()
+    fields["default_dtype"] = torch.get_default_dtype()
     fields["optimizer"] = f"AdamW(betas={ADAMW_BETAS}, foreach=False)"
     fields["world_size"] = layout.world_size
     fields["data_windows"] = data
     fields["cluster"] = cluster  # its contents (the path may differ between nodes)
+    fields["hf_config"] = None if cfg.hf_config is None else read_hf_config(cfg.hf_config)
     check_ranks_agree(fields, timeout_s=cfg.timeout_s, what="training config")
 
 
@@ -152,30 +156,60 @@ def _drain_layer_state(model: MoEGPT) -> None:
         layer.take_stats()
 
 
-def _step_stats(model: MoEGPT, ce, aux, layout: Layout, device) -> tuple[float, float, list]:
+def _step_stats(
+    model: MoEGPT, ce, aux, layout: Layout, device
+) -> tuple[float, float, list, list[torch.Tensor]]:
     """Mean loss and aux loss over all ranks, and each MoE layer's global expert load (summed
-    over every forward of the step: ``take_stats`` adds up all chunks of a pipelined step)."""
+    over every forward of the step: ``take_stats`` adds up all chunks of a pipelined step).
+
+    Also, in the same all-reduce, the global assignments before drops (``routed_E``) of the
+    layers with a score bias, for ``update_score_bias`` (fourth value, in layer order)."""
     E = model.config.moe.num_experts
-    counts = []
+    counts, routed = [], []
     for _, layer in model.moe_layers():
-        counts_E = layer.take_stats().counts_E
+        stats = layer.take_stats()
         zeros_E = torch.zeros(E, dtype=torch.float64, device=device)
-        counts.append(zeros_E if counts_E is None else counts_E.to(device).double())
-    buf = torch.cat([torch.stack([ce.detach().double(), aux.detach().double()]), *counts])
+        counts.append(zeros_E if stats.counts_E is None else stats.counts_E.to(device).double())
+        if layer.router.score_bias is not None:
+            routed_E = stats.routed_E
+            routed.append(zeros_E if routed_E is None else routed_E.to(device).double())
+    buf = torch.cat([torch.stack([ce.detach().double(), aux.detach().double()]), *counts, *routed])
     layout.world.all_reduce(buf, what="all_reduce of step statistics")
-    loads = buf[2:].view(-1, E).long().tolist() if counts else []
+    L = len(counts)
+    loads = buf[2 : 2 + L * E].view(-1, E).long().tolist() if counts else []
+    routed_loads = list(buf[2 + L * E :].view(-1, E)) if routed else []
     W = layout.world_size
-    return float(buf[0]) / W, float(buf[1]) / W, loads
+    return float(buf[0]) / W, float(buf[1]) / W, loads, routed_loads
+
+
+def _update_score_biases(model: MoEGPT, routed_loads: list[torch.Tensor]) -> None:
+    """Auxiliary-loss-free balancing after an applied optimizer step: each layer with a score
+    bias moves it by the step's global load (the same numbers on every rank)."""
+    biased = [layer for _, layer in model.moe_layers() if layer.router.score_bias is not None]
+    for layer, load_E in zip(biased, routed_loads, strict=True):
+        layer.update_score_bias(load_E)
+
+
+def _check_biases_agree(model: MoEGPT, cfg: TrainConfig) -> None:
+    """Before a checkpoint: every rank holds the same score biases (they are saved once)."""
+    biases = {
+        f"{name}.router.score_bias": layer.router.score_bias.tolist()
+        for name, layer in model.moe_layers()
+        if layer.router.score_bias is not None
+    }
+    if biases:
+        check_ranks_agree(biases, timeout_s=cfg.timeout_s, what="routers' score biases")
 
 
 def resolve_auto_domains(cfg: TrainConfig, spec, layout: Layout, device) -> TrainConfig:
-    """``--domains auto``: ``cfg`` with the ``hybrid`` domain sizes of the cost model (a collective).
+    """``--domains auto``: ``cfg`` with the domain sizes of the cost model (a collective), for a
+    strategy that reads them (``domain_sizes`` in its ``config_fields``: ``hybrid``).
 
     Rank 0 measures its GEMM throughput (with this worker's threads) and every rank takes rank
     0's number (an all-gather), so all of them compute the same plan; rank 0 logs it.
     """
     moe = cfg.model.moe
-    if not cfg.auto_domains or moe.dispatcher != "hybrid":
+    if not cfg.auto_domains or "domain_sizes" not in get_strategy(moe.dispatcher).config_fields:
         return cfg
     if layout.rank == 0:
         from moesaic.planning.costmodel import measure_gemm_flops
@@ -238,7 +272,10 @@ def train(cfg: TrainConfig) -> dict:
     cfg = resolve_auto_domains(cfg, spec, layout, device)
     torch.manual_seed(cfg.seed)  # alike on every rank: replicated weights agree
     # cfg.model.moe.collective_timeout_s is cfg.timeout_s (TrainConfig sets it).
-    model = MoEGPT(cfg.model, ep_group=layout.ep_group, topology=spec).to(device)
+    model = build_model(cfg, layout.ep_group, spec).to(device)  # MoEGPT, or --hf-config's
+    if isinstance(model, MoEGPT):  # TrainConfig refuses both for a transformers model
+        model.set_autocast(torch.bfloat16 if cfg.dtype == "bf16" else None)
+        model.activation_checkpointing = cfg.activation_checkpointing
     optimizer = _make_optimizer(model, cfg)
     tracing = cfg.trace is not None or cfg.trace_png is not None
     recorder = Recorder(rank=layout.rank) if tracing else None
@@ -253,15 +290,15 @@ def train(cfg: TrainConfig) -> dict:
         recorder=recorder,
     )
     train_step = make_step(cfg.schedule, parts)
-    # HybridEP's asynchronous communicator: the next step's expert gathers start right after
-    # each optimizer step (a no-op without hybrid layers).
-    prefetcher = ExpertPrefetcher(model, recorder=recorder)
-    if prefetcher.layers:
-        prefetcher.attach(optimizer)
+    # The strategies' hooks (hybrid: the next step's expert gathers start right after each
+    # optimizer step); they do nothing for the others.
+    hooks = ModelHooks(model, recorder=recorder).attach(optimizer)
     start, consumed, resumed_from = _maybe_resume(cfg, model, optimizer, layout)
     reporter = Reporter(cfg, layout, start, resumed_from)
     meta = {"model": cfg.model.to_dict(), "train": cfg.to_dict(), "world_size": world}
     meta["ep_size"] = ep_size
+    if cfg.hf_config is not None:  # the file's contents: what rebuilds the model
+        meta["hf_config"] = read_hf_config(cfg.hf_config)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tokens_per_step = world * cfg.batch_size * cfg.model.seq_len
     skipped_in_a_row = 0
@@ -287,7 +324,11 @@ def train(cfg: TrainConfig) -> dict:
         with maybe_span(recorder, "step", f"step{step}", step=step):
             result = train_step.run(x_BT.to(device), y_BT.to(device))
         consumed += world * cfg.batch_size
-        loss, aux_val, loads = _step_stats(model, result.ce, result.aux, layout, device)
+        loss, aux_val, loads, routed_loads = _step_stats(
+            model, result.ce, result.aux, layout, device
+        )
+        if result.applied:
+            _update_score_biases(model, routed_loads)
         dt = time.perf_counter() - t0
         reporter.train_step(
             step,
@@ -311,8 +352,10 @@ def train(cfg: TrainConfig) -> dict:
                 )
         last = step == cfg.steps
         if last or (cfg.eval_every and step % cfg.eval_every == 0):
+            hooks.before_evaluation()
             reporter.validation(step, evaluate(model, val_data, cfg, layout, device))
         if last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+            _check_biases_agree(model, cfg)
             path = save_checkpoint(
                 cfg.run_dir,
                 model=model,
@@ -324,7 +367,7 @@ def train(cfg: TrainConfig) -> dict:
                 keep=cfg.keep_checkpoints,
             )
             reporter.checkpoint(step, path)
-    prefetcher.close()
+    hooks.close()
     if recorder is not None:
         _write_trace(cfg, layout, recorder, start)
     summary = reporter.finish()

@@ -104,6 +104,16 @@ RULES: dict[str, Applies] = {
         what="the topology whose levels hold hybrid's expert domains; no other strategy reads it",
     ),
     # ``--domains auto`` (a TOML file may also say ``auto_domains = true``)
+    "dtype": EVERYWHERE,
+    "activation_checkpointing": Applies(
+        schedules=("vanilla",),
+        what="recomputing each block forward in the backward; the pipelined schedules run "
+        "the blocks' stages chunk by chunk with their own stage-wise backward, never a whole "
+        "block forward to recompute",
+    ),
+    # Every strategy and schedule; a family whose layers do not split into the pipelined
+    # stages (Granite-MoE) is a value error of TrainConfig naming why.
+    "hf_config": EVERYWHERE,
     "auto_domains": Applies(
         strategies=("hybrid",),
         what="hybrid's expert domains chosen by the cost model; no other strategy has domains",
@@ -115,6 +125,17 @@ RULES: dict[str, Applies] = {
     "model.n_heads": EVERYWHERE,
     "model.dense_layers": EVERYWHERE,
     "model.dense_hidden": EVERYWHERE,
+    "model.norm": EVERYWHERE,
+    "model.positions": EVERYWHERE,
+    "model.moe_layer_freq": EVERYWHERE,
+    "model.moe.num_shared_experts": EVERYWHERE,
+    "model.moe.shared_expert_hidden_size": EVERYWHERE,
+    "model.moe.seq_aux_loss_coef": EVERYWHERE,
+    "model.moe.balance_loss_scope": EVERYWHERE,
+    "model.moe.score_bias_update_rate": EVERYWHERE,
+    "model.moe.num_expert_groups": EVERYWHERE,
+    "model.moe.topk_groups": EVERYWHERE,
+    "model.moe.routed_scaling_factor": EVERYWHERE,
     "model.moe.num_experts": EVERYWHERE,
     "model.moe.top_k": EVERYWHERE,
     "model.moe.ffn_hidden_size": EVERYWHERE,
