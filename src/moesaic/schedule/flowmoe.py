@@ -127,9 +127,11 @@ class _PipelinedStep(TrainStep):
             self._early = self._unreduced_and_flags(sets, ce, aux)
 
     def _unreduced_and_flags(
-        self, sets: list[tuple[tuple[int, ...], list[torch.nn.Parameter]]], ce: torch.Tensor,
+        self,
+        sets: list[tuple[tuple[int, ...], list[torch.nn.Parameter]]],
+        ce: torch.Tensor,
         aux: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         local = torch.zeros((), dtype=torch.float64, device=ce.device)
         for ranks, params in sets:
             if len(ranks) == 1:
