@@ -19,6 +19,7 @@ from moesaic.checks import (
     check_positive,
     check_positive_int,
 )
+from moesaic.kernels import KERNELS, require_triton
 from moesaic.strategy_table import strategy_names
 
 __all__ = ["ACTIVATIONS", "SCORE_FUNCS", "MoEConfig", "check_positive_int"]
@@ -104,6 +105,9 @@ class MoEConfig:
             (``CompileOptions.pipeline``: GMM2 and combine tiles start while GMM1 tiles remain)
             instead of the kernel-by-kernel order. Off by default: on the emulated CPU cluster
             it measured 3-5% slower (benchmarks/results/taskflow_cluster.json).
+        kernels: the expert path's implementation: "torch" (plain torch, the default) or
+            "triton" (``moesaic.kernels``: permute, grouped GEMMs with SwiGLU fused into the
+            first, combine; needs Triton, which is not a dependency of moesaic).
     """
 
     hidden_size: int
@@ -136,6 +140,7 @@ class MoEConfig:
     taskflow_executor: str = "static"
     taskflow_tile_m: int = 128
     taskflow_pipeline: bool = False
+    kernels: str = "torch"
 
     def __post_init__(self) -> None:
         check_positive_int("hidden_size", self.hidden_size)
@@ -184,6 +189,9 @@ class MoEConfig:
         check_one_of("taskflow_executor", self.taskflow_executor, ("static", "dynamic"))
         check_positive_int("taskflow_tile_m", self.taskflow_tile_m)
         check_bool("taskflow_pipeline", self.taskflow_pipeline)
+        check_one_of("kernels", self.kernels, KERNELS)
+        if self.kernels == "triton":
+            require_triton()
 
     def _check_routing_features(self) -> None:
         """Shared experts, bias balancing, group-limited routing, scaling, sequence loss."""

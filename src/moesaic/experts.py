@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moesaic.config import MoEConfig
+from moesaic.kernels import load as load_kernels
 
 
 class GroupCounts(list[int]):
@@ -267,7 +268,7 @@ class GroupedExperts(nn.Module):
                 w[i].copy_(block)
 
     def forward(self, x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
-        return expert_ffn(x_MH, counts_e, self.w1, self.w3, self.w2)
+        return expert_ffn(x_MH, counts_e, self.w1, self.w3, self.w2, kernels=self.config.kernels)
 
 
 def expert_ffn(
@@ -276,16 +277,23 @@ def expert_ffn(
     w1_eHF: torch.Tensor,
     w3_eHF: torch.Tensor | None,
     w2_eFH: torch.Tensor,
+    *,
+    kernels: str = "torch",
 ) -> torch.Tensor:
     """The experts' FFN on expert-grouped rows with the given weights (any e of them).
 
     ``GroupedExperts.forward`` with its own weights; the ``hybrid`` strategy passes experts it
     gathered from other ranks. ``w3_eHF`` None means GELU, else SwiGLU. The grouped matmuls'
     offsets are made once (on the device from a ``GroupCounts``) for the three weights.
+    ``kernels="triton"``: the Triton grouped GEMMs (``moesaic.kernels``, SwiGLU fused into the
+    first) on the same device offsets.
     """
     dtype = x_MH.dtype
     compute = expert_compute_dtype(x_MH.device, dtype)
     x_MH = x_MH.to(compute)  # a no-op unless a half type is emulated on this CPU
+    if kernels == "triton":
+        ends_e = group_offsets(counts_e, x_MH.device)
+        return load_kernels().expert_ffn(x_MH, ends_e, w1_eHF, w3_eHF, w2_eFH).to(dtype)
     # w1, w3 [e, H, F] and w2 [e, F, H] have the same strides to align: one decision for all
     fast = _fast_mode(x_MH, w1_eHF) is not None
     offs_e = group_offsets(counts_e, x_MH.device) if fast else None

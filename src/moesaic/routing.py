@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moesaic.config import MoEConfig
+from moesaic.kernels import load as load_kernels
 from moesaic.placement import ExpertPlacement
 
 
@@ -62,6 +63,8 @@ class RoutingPlan:
         capacity: slots per expert, or None when dropless.
         num_kept: N when the host knows it (T*K without a capacity), else None until
             ``order_N`` reads it.
+        kernels: how ``permute`` / ``unpermute`` run: "torch" or "triton"
+            (``MoEConfig.kernels``; the Triton kernels of ``moesaic.kernels``).
     """
 
     topk_ids_TK: torch.Tensor
@@ -73,6 +76,7 @@ class RoutingPlan:
     placement: ExpertPlacement
     capacity: int | None
     num_kept: int | None
+    kernels: str
 
     def __init__(
         self,
@@ -87,6 +91,7 @@ class RoutingPlan:
         order_TK: torch.Tensor | None = None,
         num_kept: int | None = None,
         order_N: torch.Tensor | None = None,
+        kernels: str = "torch",
     ) -> None:
         if (order_TK is None) == (order_N is None):
             raise TypeError("RoutingPlan takes exactly one of order_TK and order_N")
@@ -102,6 +107,7 @@ class RoutingPlan:
             "placement": placement,
             "capacity": capacity,
             "num_kept": num_kept,
+            "kernels": kernels,
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)  # frozen: the dataclass' own __init__ does so
@@ -148,7 +154,18 @@ class RoutingPlan:
                 static shape).
         """
         order_R = self.order_N if rows is None else self.order_TK[:rows]
+        if self.kernels == "triton":
+            return load_kernels().permute(x_TH, self.slot_TK(order_R), order_R.numel())
         return x_TH.index_select(0, order_R // self.top_k)
+
+    def slot_TK(self, order_R: torch.Tensor) -> torch.Tensor:
+        """Row of each assignment among the R of ``order_R`` (a leading part of ``order_TK``),
+        -1 for the assignments past R: the slot map of the ``moesaic.kernels`` permute and
+        combine [T, K]."""
+        T, K = self.topk_ids_TK.shape
+        slot_TK = torch.full((T * K,), -1, dtype=torch.long, device=order_R.device)
+        slot_TK[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+        return slot_TK.view(T, K)
 
     def unpermute(self, y_RH: torch.Tensor) -> torch.Tensor:
         """Weighted sum of expert outputs back per token: [R, H] -> [T, H].
@@ -164,6 +181,8 @@ class RoutingPlan:
         T, K = self.topk_ids_TK.shape
         R, H = y_RH.shape
         order_R = self.order_TK[:R]
+        if self.kernels == "triton":
+            return load_kernels().combine(y_RH, self.slot_TK(order_R), self.topk_weights_TK)
         if R == T * K:  # every assignment: a permutation, read straight from y_RH (no copy)
             slot_TK = torch.empty_like(order_R)
             slot_TK[order_R] = torch.arange(R, device=y_RH.device)
@@ -503,6 +522,8 @@ class Router(nn.Module):
             placement if placement is not None else cfg.num_experts,
             capacity=cfg.capacity(x_TH.shape[0]),
         )
+        if cfg.kernels != "torch":
+            plan = dataclasses.replace(plan, kernels=cfg.kernels)
         if cfg.renormalize_after_drop and plan.capacity is not None:
             # Kept weights rescaled to the token's original top-k sum (DeepSpeed-MoE); a token
             # with every choice dropped keeps zero weights.

@@ -61,6 +61,7 @@ SAMPLES: dict[str, list[str]] = {
     "hf_config": ["--hf-config", str(HF_CONFIG)],
     "dtype": ["--dtype", "bf16"],
     "activation_checkpointing": ["--activation-checkpointing"],
+    "emulate": ["--emulate", str(ROOT / "examples" / "clusters" / "flowmoe_2rank.toml")],
     "model.seq_len": ["--seq-len", "32"],
     "model.d_model": ["--d-model", "32"],
     "model.n_layers": ["--n-layers", "3"],

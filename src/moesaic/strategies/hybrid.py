@@ -312,11 +312,14 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         once.
         """
         weights = self._local_weights(experts)
+        kernels = self.ctx.config.kernels
         if not self.levels:
-            return ExpertRun(_domain_ffn(weights), CommStats(peer_bytes_P=(0,) * self.group.size))
+            return ExpertRun(
+                _domain_ffn(weights, kernels), CommStats(peer_bytes_P=(0,) * self.group.size)
+            )
         if not pipelined:
             gathered, stats = self._gathered(weights)
-            return ExpertRun(_domain_ffn(self._in_graph(weights, gathered)), stats)
+            return ExpertRun(_domain_ffn(self._in_graph(weights, gathered), kernels), stats)
         finish, stats = self._begin_gathered(weights)
         copies: list[tuple[torch.Tensor | None, ...]] = []  # [used, leaves] once waited for
 
@@ -330,7 +333,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
 
         def run(x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
             wait()
-            return _domain_ffn(copies[1])(x_MH, counts_e)
+            return _domain_ffn(copies[1], kernels)(x_MH, counts_e)
 
         def finish_backward() -> None:
             # Every rank reduces every weight (zeros where its chunks left no gradient), so the
@@ -409,12 +412,13 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         return dataclasses.replace(config, dispatcher="dropless", domain_sizes=None)
 
 
-def _domain_ffn(weights: tuple[torch.Tensor | None, ...]) -> ExpertFn:
-    """The expert FFN over the rows of the domain's experts, with ``weights`` (w1, w3, w2)."""
+def _domain_ffn(weights: tuple[torch.Tensor | None, ...], kernels: str = "torch") -> ExpertFn:
+    """The expert FFN over the rows of the domain's experts, with ``weights`` (w1, w3, w2) on
+    the ``kernels`` implementation (``MoEConfig.kernels``)."""
     w1, w3, w2 = weights
     assert w1 is not None and w2 is not None  # internal: w3 alone is optional
 
     def run(x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
-        return expert_ffn(x_MH, counts_e, w1, w3, w2)
+        return expert_ffn(x_MH, counts_e, w1, w3, w2, kernels=kernels)
 
     return run

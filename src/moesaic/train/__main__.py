@@ -24,6 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"moesaic train: error: {exc}", file=sys.stderr)
         return 2
+    if cfg.emulate is not None:
+        print(
+            f"moesaic train: error: --emulate {cfg.emulate} starts the workers itself, inside "
+            "the emulated cluster: run `moesaic train --emulate ...`, not torchrun",
+            file=sys.stderr,
+        )
+        return 2
     worker_main(cfg.to_dict(), launched=False)
     return 0
 

@@ -13,6 +13,7 @@ examples:
   moesaic train --config examples/train_tiny.toml --schedule flowmoe --pipeline-degree 2 \\
       --trace trace.json --trace-png trace.png  # FlowMoE pipeline, timeline of the last steps
   moesaic train --max-restarts 2                # survive a killed worker
+  moesaic train --emulate examples/clusters/flowmoe_2rank.toml  # on an emulated network (root)
 multi-node (each node):
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m moesaic.train --ep 8 --run-dir /shared/run

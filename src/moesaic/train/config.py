@@ -21,6 +21,7 @@ from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
 from moesaic.strategies.registry import check_supported
 from moesaic.train import domains
+from moesaic.train.option_rules import RULES
 from moesaic.train.schedule_options import (
     auto_pipeline_degree,
     parse_ar_chunk,
@@ -119,12 +120,19 @@ class TrainConfig:
             memory for one more forward (all-to-alls included) per block. The recomputation
             adds no aux loss or expert statistics a second time. Vanilla schedule only (the
             pipelined ones run the block stages themselves: ``option_rules``).
+        emulate: a cluster description (TOML, ``moesaic.cluster.spec``): the launcher builds
+            that cluster's emulated network (``moesaic.cluster``, root only) and runs one
+            worker per rank inside the rank's namespace, so every collective crosses the
+            shaped links (``moesaic.train.emulate``). ``nproc`` must be its world size (the
+            flags set it so when ``--nproc`` is not given), ``backend`` gloo ("auto" becomes
+            gloo; NCCL would bypass the links), and ``cluster`` defaults to the same file for
+            a strategy that reads it (``hybrid``) when the EP group is the whole world.
     """
 
     model: MoEGPTConfig = field(default_factory=MoEGPTConfig)
     nproc: int = 2
     ep: int | None = None
-    steps: int = 360
+    steps: int = 600
     batch_size: int = 8
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -160,6 +168,7 @@ class TrainConfig:
     hf_config: str | None = None
     dtype: str = "fp32"
     activation_checkpointing: bool = False
+    emulate: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MoEGPTConfig):
@@ -200,6 +209,7 @@ class TrainConfig:
         check_bool("progress", self.progress)
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"run_dir must be a non-empty path, got {self.run_dir!r}")
+        self._check_emulate()
         self._check_domains()
         self._check_hf_config()
         self._check_memory_options()
@@ -266,6 +276,29 @@ class TrainConfig:
                 "moesaic train feeds bytes (token ids 0-255), which need vocab_size >= 256"
             )
 
+    def _check_emulate(self) -> None:
+        path = self.emulate
+        if path is None:
+            return
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"emulate must be a non-empty path or None, got {path!r}")
+        spec = domains.load_cluster(path, option="emulate")
+        if self.nproc != spec.world_size:
+            raise ValueError(
+                f"nproc ({self.nproc}) must be the world size ({spec.world_size}) of the emulated "
+                f"cluster {path}: one worker runs in each rank's namespace (leave --nproc out)"
+            )
+        if self.backend == "nccl":
+            raise ValueError(
+                f"backend 'nccl' cannot train on the emulated cluster {path}: its traffic would "
+                "not cross the emulated links; use gloo (what 'auto' means there)"
+            )
+        self.backend = "gloo"
+        readers = RULES["cluster"].strategies or ()
+        whole_world = self.ep is None or self.ep == spec.world_size
+        if self.cluster is None and self.model.moe.dispatcher in readers and whole_world:
+            self.cluster = path  # the topology the MoE layers plan on is the one emulated
+
     def _check_domains(self) -> None:
         check_bool("auto_domains", self.auto_domains)
         if self.auto_domains and self.model.moe.domain_sizes is not None:
@@ -320,6 +353,7 @@ class TrainConfig:
         per_node = {"nproc", "threads", "progress", "max_restarts", "run_dir", "data", "model"}
         per_node |= {"fault_kill_rank", "fault_kill_step", "trace", "trace_png", "cluster"}
         per_node |= {"hf_config"}  # a path; the loop compares the file's contents
+        per_node |= {"emulate"}  # how the ranks were started, not what they compute
         out: dict[str, object] = {f"model.{k}": v for k, v in self.model.fields_flat().items()}
         # Where a trace goes is per node, whether there is one is not: gathering it is a
         # collective every rank must take part in.

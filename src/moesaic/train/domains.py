@@ -90,14 +90,15 @@ def split_auto_domains(model: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return {**model, "moe": moe}, False
 
 
-def load_cluster(path: str) -> ClusterSpec:
-    """The cluster description of ``--cluster`` (errors name the option and the file)."""
+def load_cluster(path: str, *, option: str = "cluster") -> ClusterSpec:
+    """The cluster description of ``--cluster`` (or of ``option``, e.g. ``emulate``); errors
+    name the option and the file."""
     try:
         return ClusterSpec.from_toml(path)
     except FileNotFoundError as exc:
-        raise FileNotFoundError(f"cluster: {exc}") from None
+        raise FileNotFoundError(f"{option}: {exc}") from None
     except ValueError as exc:
-        raise ValueError(f"cluster ({path}): {exc}") from None
+        raise ValueError(f"{option} ({path}): {exc}") from None
 
 
 def check_cluster_and_domains(

@@ -24,6 +24,7 @@ from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
 from moesaic.strategies.registry import strategy_names
 from moesaic.train.config import TRACE_STEPS, TrainConfig
+from moesaic.train.domains import load_cluster
 from moesaic.train.option_rules import check_applicable
 from moesaic.train.schedule_options import parse_pipeline_degree
 
@@ -95,6 +96,7 @@ _RUN_FLAGS = (
     ("--cluster", "cluster", str),
     ("--hf-config", "hf_config", str),
     ("--dtype", "dtype", str),
+    ("--emulate", "emulate", str),
 )
 _HELP = {
     "seq_len": "context length T",
@@ -162,6 +164,9 @@ _HELP = {
     "fault_kill_rank": "fault injection: this rank SIGKILLs itself (first attempt only)",
     "fault_kill_step": "fault injection: at the start of this step",
     "cluster": "cluster description (TOML) of one EP group: the MoE layers' topology",
+    "emulate": "train on this cluster's emulated network (root): one worker per rank in its "
+    "network namespace, every collective over the shaped links (--nproc: its world size; "
+    "--cluster: this file, for hybrid)",
     "dtype": "fp32, or bf16: the blocks under autocast, fp32 master weights and router (needs "
     "native bf16 matmuls: a GPU, or a CPU with AVX512-BF16 or AMX)",
     "hf_config": "train this transformers MoE architecture from random init, expert-parallel "
@@ -177,6 +182,7 @@ _METAVARS = {
     "trace_png": "FILE.png",
     "schedule": "|".join(schedule_names()),
     "cluster": "FILE.toml",
+    "emulate": "CLUSTER.toml",
     "hf_config": "FILE.json",
     "dtype": "fp32|bf16",
     "norm": "rmsnorm|layernorm",
@@ -298,4 +304,8 @@ def config_from_args(
     schedule = d.get("schedule", TrainConfig.__dataclass_fields__["schedule"].default)
     if strategy in strategy_names() and schedule in schedule_names():
         check_applicable(given, strategy=strategy, schedule=schedule, note=note)
+    emulate = d.get("emulate")
+    if isinstance(emulate, str) and emulate and "nproc" not in d:
+        # One worker per rank of the emulated cluster; a --nproc that disagrees is refused.
+        d["nproc"] = load_cluster(emulate, option="emulate").world_size
     return TrainConfig.from_dict(d)

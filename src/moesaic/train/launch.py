@@ -5,6 +5,8 @@ mistake is one clear error before any worker starts, then runs ``cfg.nproc`` wor
 elastic agent on this node: a standalone c10d rendezvous on a free local port, and up to
 ``cfg.max_restarts`` restarts of the whole group when a worker dies (the workers resume from the
 latest checkpoint). Several nodes: run ``torchrun ... -m moesaic.train`` on each (docs/training.md).
+With ``--emulate CLUSTER.toml`` the workers run instead in the namespaces of an emulated cluster
+(``emulate.py``), with the same lock, error records and root-cause line.
 
 The launcher holds the run directory's lock (``runlock.py``) for the whole run, and turns a
 failed worker group into one line: the error of the rank that failed first for a reason of its
@@ -98,6 +100,10 @@ def launch(cfg: TrainConfig) -> dict:
         KeyboardInterrupt: interrupted (Ctrl-C or SIGTERM); the workers were stopped.
     """
     validate_config(cfg, cfg.nproc)
+    if cfg.emulate is not None:
+        from moesaic.train.emulate import check_can_emulate
+
+        check_can_emulate(cfg)
     check_run_dir(cfg.run_dir)
     job = f"moesaic-{uuid.uuid4().hex[:8]}"  # the workers' TORCHELASTIC_RUN_ID
     with RunLock(cfg.run_dir, job=job):
@@ -109,7 +115,29 @@ def launch(cfg: TrainConfig) -> dict:
                 file=sys.stderr,
             )
             return {}
+        if cfg.emulate is not None:
+            from moesaic.train.emulate import run_emulated
+
+            return run_emulated(cfg, job)
         return _run_agent(cfg, job)
+
+
+def failure_line(failures: dict[int, Any], max_restarts: int) -> str:
+    """The one line of a failed worker group: the root cause's (``pick_root_cause``), or how
+    the rank ended when it left no record; ``failures`` maps rank to a ``ProcessFailure`` (or
+    anything with its ``exitcode``, ``signal_name()``, ``error_file_data`` and ``timestamp``)."""
+    rank, line = pick_root_cause(failures)
+    if line is None:
+        failure = failures[rank]
+        how = (
+            f"was killed by signal {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exited with code {failure.exitcode}"
+        )
+        line = f"rank {rank} {how} without reporting an error"
+    if max_restarts:
+        line += f" (the group was restarted {max_restarts} time(s) before)"
+    return line
 
 
 def _quiet_torch_loggers() -> None:
@@ -207,18 +235,7 @@ def _run_agent(cfg: TrainConfig, job: str) -> dict:
         return {}
     except ChildFailedError as exc:
         failures = {**_last_attempt_records(log_dir), **exc.failures}
-        rank, line = pick_root_cause(failures)
-        if line is None:
-            failure = failures[rank]
-            how = (
-                f"was killed by signal {failure.signal_name()}"
-                if failure.exitcode < 0
-                else f"exited with code {failure.exitcode}"
-            )
-            line = f"rank {rank} {how} without reporting an error"
-        if cfg.max_restarts:
-            line += f" (the group was restarted {cfg.max_restarts} time(s) before)"
-        raise RuntimeError(line) from None
+        raise RuntimeError(failure_line(failures, cfg.max_restarts)) from None
     except SignalException as exc:
         if exc.sigval in (signal.SIGINT, signal.SIGTERM):
             raise KeyboardInterrupt from None

@@ -114,6 +114,8 @@ RULES: dict[str, Applies] = {
     # Every strategy and schedule; a family whose layers do not split into the pipelined
     # stages (Granite-MoE) is a value error of TrainConfig naming why.
     "hf_config": EVERYWHERE,
+    # How the workers are started (moesaic.train.emulate), not what they compute.
+    "emulate": EVERYWHERE,
     "auto_domains": Applies(
         strategies=("hybrid",),
         what="hybrid's expert domains chosen by the cost model; no other strategy has domains",

@@ -4,8 +4,10 @@
 ``{"kind": "train", "step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s",
 "expert_load": [[per-expert assignments] per MoE layer], "imbalance": [max/mean per layer],
 "attempt"}``, ``{"kind": "val", "step", "val_loss"}``, ``{"kind": "checkpoint", "step",
-"path"}`` and a final ``{"kind": "summary", ...}``. Every line is strict JSON: a NaN or infinite
-number (a diverged loss) is written as ``null``.
+"path"}`` and a final ``{"kind": "summary", ...}``, after which a run on an emulated cluster's
+launcher appends ``{"kind": "network", "cluster", "tx_bytes", "rx_bytes"}`` (per rank:
+``moesaic.train.emulate``). Every line is strict JSON: a NaN or infinite number (a diverged
+loss) is written as ``null``.
 
 A metrics file that cannot be written (a full disk) raises ``OSError`` naming the file.
 """

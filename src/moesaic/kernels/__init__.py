@@ -1,0 +1,59 @@
+"""Triton kernels of the expert path, each beside the plain-torch reference it must equal.
+
+Shape legend: T tokens, K top-k, H hidden, F expert hidden, e local experts, M and R rows
+(expert-grouped), N output columns of a grouped GEMM.
+
+``MoEConfig.kernels`` picks the implementation: "torch" (the default: ``RoutingPlan.permute`` /
+``unpermute`` and ``experts.grouped_mm``) or "triton" (the kernels here). This module imports no
+Triton: the kernel modules do, and only ``load("triton")`` reaches them, so the torch path never
+needs Triton installed (it is in the ``test`` extra, not a dependency).
+
+Kernels (one file each: the ``@triton.jit`` kernels, a launcher, the ``autograd.Function`` and
+an ``*_reference`` in plain torch):
+
+* ``permute``: tokens to rows by a slot map ``slot_TK`` (row of assignment (t, k), -1 when
+  dropped), any row layout: expert-contiguous (``RoutingPlan.slot_TK``) or the symmetric
+  window's padded cells (``window.window_slots``, torch only). Backward: each token sums its
+  K rows' gradients (a gather, deterministic).
+* ``grouped_gemm``: rows of group i times ``w[i]`` with device-side end offsets (no host sync),
+  and both backward GEMMs (``dx = dy @ w[i]^T`` and ``dw[i] = x_i^T @ dy_i``); fp32 and bf16
+  with fp32 accumulation.
+* ``combine``: the weighted top-k sum of rows back to tokens (the unpermute), and its backward
+  (row gradients and the weights' gradients).
+* ``swiglu``: the first expert GEMM with SwiGLU fused into its epilogue:
+  ``silu(x @ w1[i]) * (x @ w3[i])`` from one pass over ``x``.
+
+Tested against the references under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU in
+tests/kernels; nothing here has run on a GPU yet. Two interpreter defects (Triton 3.9) are
+worked around only under it: bf16 ``tl.dot`` (tiles cast to fp32 first, ``_launch.upcast_dot``)
+and fp32-to-bf16 casts that truncate (rounded by hand, ``_jit.cast_out``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+
+KERNELS = ("torch", "triton")
+
+INSTALL_HINT = 'pip install "triton>=3.0" (or pip install -e ".[test]")'
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def require_triton() -> None:
+    """Raise a clear error when ``kernels="triton"`` is asked for without Triton installed."""
+    if not triton_available():
+        raise ModuleNotFoundError(
+            f'kernels="triton" needs Triton, which is not installed: {INSTALL_HINT}; '
+            'or use kernels="torch"'
+        )
+
+
+def load() -> ModuleType:
+    """The Triton expert path (``moesaic.kernels.ffn``), importing Triton on first use."""
+    require_triton()
+    return importlib.import_module("moesaic.kernels.ffn")

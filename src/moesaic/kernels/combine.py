@@ -1,0 +1,122 @@
+"""Combine: the weighted top-k sum of expert rows back to tokens (the unpermute), and its
+backward.
+
+Shape legend: T tokens, K top-k, H hidden, R rows.
+
+``y_TH[t] = sum_k w_TK[t, k] * rows_RH[slot_TK[t, k]]`` over the assignments with a row
+(``slot >= 0``; a dropped one contributes zero), summed in choice order with fp32 accumulation
+(deterministic: a gather per token, no atomics). Backward: ``drows[slot[t, k]] = w[t, k] *
+dy[t]`` (rows nobody reads get zero) and ``dw[t, k] = <dy[t], rows[slot[t, k]]>``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moesaic.kernels._jit import cast_out
+from moesaic.kernels._launch import check_device, check_float, check_slots
+
+BLOCK_H = 64  # columns per program / per step of the dw reduction; not tuned on a GPU
+
+
+def combine_reference(
+    rows_RH: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor
+) -> torch.Tensor:
+    """Plain torch, as ``RoutingPlan.unpermute``: gather the K rows, weight (in the rows'
+    dtype), sum over k."""
+    T, K = slot_TK.shape
+    H = rows_RH.shape[1]
+    padded_RH = torch.cat([rows_RH, rows_RH.new_zeros(1, H)])  # row R: the dropped ones' zero
+    R = rows_RH.shape[0]
+    flat = torch.where(slot_TK >= 0, slot_TK, R).reshape(-1)
+    y_TKH = padded_RH.index_select(0, flat).view(T, K, H)
+    return (y_TKH * w_TK.to(rows_RH.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+@triton.jit
+def _has_row(cols, slot):
+    """``slot >= 0`` as a vector like ``cols``: the interpreter (Triton 3.9) turns ``vector &
+    scalar_bool`` into an int32 mask that its loads reject."""
+    return cols * 0 + slot >= 0
+
+
+@triton.jit
+def _combine_fwd(rows_ptr, slot_ptr, w_ptr, y_ptr, H, K, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(K):
+        slot = tl.load(slot_ptr + t * K + k).to(tl.int64)
+        w = tl.load(w_ptr + t * K + k).to(tl.float32)
+        row = tl.load(rows_ptr + slot * H + cols, mask=inside & _has_row(cols, slot), other=0.0)
+        acc += w * row.to(tl.float32)
+    tl.store(y_ptr + t * H + cols, cast_out(acc, y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _combine_bwd(dy_ptr, rows_ptr, slot_ptr, w_ptr, drows_ptr, dw_ptr, H, K, BLOCK: tl.constexpr):
+    tk = tl.program_id(0)  # one assignment per program: it owns its row, so no write conflicts
+    t = (tk // K).to(tl.int64)  # 64-bit: T * H passes 2^31 at 1M tokens of 4096
+    slot = tl.load(slot_ptr + tk).to(tl.int64)
+    w = tl.load(w_ptr + tk).to(tl.float32)
+    dot = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, H, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = (cols < H) & _has_row(cols, slot)
+        dy = tl.load(dy_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(rows_ptr + slot * H + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(
+            drows_ptr + slot * H + cols, cast_out(w * dy, drows_ptr.dtype.element_ty), mask=mask
+        )
+        dot += dy * row
+    tl.store(dw_ptr + tk, cast_out(tl.sum(dot, axis=0), dw_ptr.dtype.element_ty))
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_RH, slot_TK, w_TK):
+        ctx.save_for_backward(rows_RH, slot_TK, w_TK)
+        T, K = slot_TK.shape
+        H = rows_RH.shape[1]
+        y_TH = rows_RH.new_empty(T, H)
+        if T and H:
+            grid = (T, triton.cdiv(H, BLOCK_H))
+            _combine_fwd[grid](rows_RH, slot_TK, w_TK, y_TH, H, K, BLOCK=BLOCK_H)
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        rows_RH, slot_TK, w_TK = ctx.saved_tensors
+        T, K = slot_TK.shape
+        H = rows_RH.shape[1]
+        drows_RH = torch.zeros_like(rows_RH)
+        dw_TK = torch.zeros_like(w_TK)
+        if T * K:
+            _combine_bwd[(T * K,)](
+                dy_TH.contiguous(), rows_RH, slot_TK, w_TK, drows_RH, dw_TK, H, K, BLOCK=BLOCK_H
+            )
+        return drows_RH, None, dw_TK
+
+
+def combine(rows_RH: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """``y_TH[t] = sum_k w_TK[t, k] * rows_RH[slot_TK[t, k]]`` (slot -1: nothing), in the rows'
+    dtype with fp32 accumulation.
+
+    Args:
+        rows_RH: expert output rows (fp32, bf16 or fp16).
+        slot_TK: row of each assignment, -1 for none; distinct rows, all < R (not checked on
+            the device).
+        w_TK: combine weights (any float dtype; the gradient comes back in it).
+    """
+    check_float("rows_RH", rows_RH)
+    check_device("rows_RH", rows_RH)
+    check_slots(slot_TK)
+    if w_TK.shape != slot_TK.shape:
+        raise ValueError(
+            f"w_TK {tuple(w_TK.shape)} must have slot_TK's shape {tuple(slot_TK.shape)}"
+        )
+    check_float("w_TK", w_TK)
+    return _Combine.apply(rows_RH.contiguous(), slot_TK.contiguous(), w_TK.contiguous())

@@ -1,0 +1,90 @@
+"""MoELayer with ``kernels="triton"`` computes what ``kernels="torch"`` does (EP 1, forward and
+every gradient), and the switch's errors; under Triton's interpreter (tests/kernels/conftest.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+import moesaic
+from moesaic.reference import ReferenceMoE
+from moesaic.testing import assert_close_to_ref, route_all_to_first_experts
+
+CASES = [
+    ({}, False),  # dropless SwiGLU: permute, fused SwiGLU GEMM, GEMM, combine
+    ({}, True),  # every token to experts 0 and 1: three empty experts
+    ({"capacity_factor": 0.5}, False),  # capacity drops: the dropped assignments get no row
+    ({"activation": "gelu", "score_func": "sigmoid"}, False),  # the unfused GEMM pair
+    ({"dispatcher": "padded"}, False),  # the padded dispatcher (at P = 1: grouped rows)
+    ({"dispatcher": "hybrid"}, False),  # hybrid's domain FFN (at P = 1: no gathers)
+]
+
+
+def _run(cfg: moesaic.MoEConfig, sd: dict, x: torch.Tensor, g: torch.Tensor):
+    layer = moesaic.MoELayer(cfg)
+    layer.load_state_dict(sd)
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    ((y * g).sum() + moesaic.aux_loss(layer)).backward()
+    return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize(("extra", "skew"), CASES)
+def test_layer_triton_matches_torch(extra, skew, monkeypatch):
+    pytest.importorskip("triton")
+    from moesaic.kernels import ffn
+
+    calls: Counter[str] = Counter()
+    for name in ("permute", "expert_ffn", "combine"):
+        monkeypatch.setattr(ffn, name, _spy(calls, name, getattr(ffn, name)))
+    # E = 5 (prime), T = 13, H = 24, F = 40: odd sizes everywhere
+    cfg = moesaic.MoEConfig(
+        hidden_size=24, ffn_hidden_size=40, num_experts=5, top_k=2, init_std=0.5, **extra
+    )
+    torch.manual_seed(0)
+    layer = moesaic.MoELayer(cfg)
+    if skew:
+        route_all_to_first_experts(layer)
+    sd = layer.state_dict()
+    x = torch.randn(13, 24)
+    if skew:
+        x[:, 0] = 5.0
+    g = torch.randn(13, 24)
+    y, gx, grads = _run(dataclasses.replace(cfg, kernels="triton"), sd, x, g)
+    assert calls == {"permute": 1, "expert_ffn": 1, "combine": 1}  # it took the kernels
+    y_t, gx_t, grads_t = _run(cfg, sd, x, g)
+    assert calls["expert_ffn"] == 1, "the torch path called the kernels"
+    full = moesaic.MoELayer(cfg)
+    full.load_state_dict(sd)
+    ref64 = ReferenceMoE.from_full_state_dict(cfg, full.full_state_dict()).double()
+    xr = x.double().requires_grad_()
+    yr, aux = ref64(xr)
+    ((yr * g.double()).sum() + aux).backward()
+    p64 = dict(ref64.named_parameters())
+    assert_close_to_ref(y, y_t, yr.detach(), "y")
+    assert_close_to_ref(gx, gx_t, xr.grad, "x.grad")
+    for name, grad in grads.items():
+        assert_close_to_ref(grad, grads_t[name], p64[name].grad, f"{name}.grad")
+
+
+def _spy(calls: Counter[str], name: str, fn):
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def test_kernels_switch_is_validated(monkeypatch):
+    with pytest.raises(ValueError, match="kernels \\('cuda'\\) must be one of 'torch', 'triton'"):
+        moesaic.MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=2, kernels="cuda")
+    monkeypatch.setattr("moesaic.kernels.triton_available", lambda: False)
+    with pytest.raises(ModuleNotFoundError, match=re.escape('pip install "triton>=3.0"')):
+        moesaic.MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=2, kernels="triton")
+    # the torch path never needs Triton
+    moesaic.MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=2, kernels="torch")
