@@ -4,6 +4,8 @@ its moesaic counterpart where it is installed (skipped cleanly where not)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
 
 import pytest
@@ -58,6 +60,52 @@ def test_compare_accepts_a_faithful_peer_and_catches_a_wrong_weight(name):
         peer.inner.get_parameter("experts.w2")[1] *= 1.01
     bad = compare(peer, layer, x, g, bench_layer._check_step, _reference_grads)
     assert bad.max_rel_y > 1e-4 and bad.max_rel_dw > 1e-4, bad
+
+
+def _shared_layer(*, gate: bool) -> MoELayer:
+    torch.manual_seed(0)
+    config = dataclasses.replace(
+        BASE, num_shared_experts=2, shared_expert_hidden_size=24, shared_expert_gate=gate
+    )
+    return MoELayer(counterpart_config("torchtitan", config, capacity_factor=1.0))
+
+
+def test_compare_covers_the_shared_experts():
+    layer = _shared_layer(gate=True)
+    twin = copy.deepcopy(layer)  # a stand-in peer holding the same weights
+    peer = PeerModule(twin, lambda x: (twin(x), None))
+
+    def grads(p: PeerModule) -> dict[str, torch.Tensor]:
+        named = dict(p.inner.named_parameters())
+        return {k: named[k if "." in k else f"experts.{k}"].grad for k in named_grads}
+
+    named_grads = ("w1", "w3", "w2", *(f"shared_experts.{n}" for n in ("w1", "w3", "w2", "gate")))
+    x, g = _inputs(skewed=False)
+    assert compare(peer, layer, x, g, bench_layer._check_step, grads).worst == 0.0
+    with torch.no_grad():
+        twin.shared_experts.w2[3] *= 1.01
+    bad = compare(peer, layer, x, g, bench_layer._check_step, grads)
+    assert bad.max_rel_y > 1e-4 and bad.max_rel_dw > 1e-4, bad
+    # A peer that does not give the shared experts' gradients is not taken as agreeing.
+    with pytest.raises(KeyError, match="shared_experts"):
+        compare(peer, layer, x, g, bench_layer._check_step, _reference_grads_of_twin)
+
+
+def _reference_grads_of_twin(peer: PeerModule) -> dict[str, torch.Tensor]:
+    return {n: peer.inner.get_parameter(f"experts.{n}").grad for n in ("w1", "w3", "w2")}
+
+
+def test_bench_refuses_shared_experts_where_a_peer_has_none():
+    with pytest.raises(ValueError, match="Mixtral"):
+        bench_layer.LayerBench(num_shared_experts=1)
+    with pytest.raises(ValueError, match="deepspeed"):
+        bench_layer.LayerBench(num_shared_experts=1, with_transformers=False, peers=("deepspeed",))
+    with pytest.raises(ValueError, match="num_shared_experts > 0"):
+        bench_layer.LayerBench(shared_expert_hidden_size=64)
+    bench = bench_layer.LayerBench(num_shared_experts=2, with_transformers=False)
+    # The bound counts the shared experts' FLOPs: width K*F + S*Fs per token (here 2x).
+    plain = bench_layer.LayerBench(with_transformers=False)
+    assert bench_layer._expert_flops(bench, 10) == 2 * bench_layer._expert_flops(plain, 10)
 
 
 def test_counterparts_match_the_peers_semantics():
@@ -130,6 +178,34 @@ def _check_real_peer(rank: int, world: int, name: str, skewed: bool) -> float:
 @pytest.mark.parametrize("skewed", [False, True])
 def test_torchtitan_agrees_with_dropless(skewed):
     assert _check_real_peer(0, 1, "torchtitan", skewed) < 1e-5
+
+
+def _check_shared_peer(rank: int, world: int, gate: bool) -> tuple[float, float]:
+    """torchtitan with shared experts vs ours: worst error as built, and with one shared
+    weight of torchtitan's changed by 1% (which the check must see)."""
+    from moesaic.bench.peers import build_peer
+
+    layer = _shared_layer(gate=gate)
+    peer = build_peer("torchtitan", layer)
+    x, g = _inputs(True, rank)
+    good = compare(peer, layer, x, g, bench_layer._check_step).worst
+    with torch.no_grad():
+        peer.inner.shared_experts.w1.weight[5] *= 1.01
+    bad = compare(peer, layer, x, g, bench_layer._check_step)
+    return good, min(bad.max_rel_y, bad.max_rel_dw)
+
+
+@_needs("torchtitan")
+@pytest.mark.parametrize("gate", [False, True])
+def test_torchtitan_with_shared_experts_agrees_with_dropless(gate):
+    good, bad = _check_shared_peer(0, 1, gate)
+    assert good < 1e-5 and bad > 1e-4, (good, bad)
+
+
+@_needs("torchtitan")
+def test_torchtitan_with_shared_experts_agrees_at_ep2():
+    results = run_world(_check_shared_peer, 2, True, timeout_s=180)
+    assert all(good < 1e-5 and bad > 1e-4 for good, bad in results), results
 
 
 @_needs("deepspeed")

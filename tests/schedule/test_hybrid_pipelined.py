@@ -1,7 +1,7 @@
 """``hybrid`` under the pipelined schedules (issue 22 item 2): one SGD step at lr 1 of hybrid under
 ``flowmoe`` (R = 1, 2, 4) and ``moe-only`` (R = 2) equals the vanilla-schedule hybrid step, for
-domains that gather nothing, gather inside a datacenter, across datacenters, or everything, on a
-2 x 2 cluster; the gathers and their gradient reduce run once per block and step, not per chunk.
+domains that gather nothing, gather inside a datacenter, or everything, on a 2 x 2 cluster; the
+gathers and their gradient reduce run once per block and step, not per chunk.
 
 One spawned world of 4 ranks runs every case; each rank has its own tokens. The world runs in
 float64: after one fp32 step at lr 1 the chunked and the whole-batch parameters differ by
@@ -34,8 +34,9 @@ TWO_BY_TWO = ClusterSpec(
         Level(name="rank", size=2, bandwidth_gbps=10.0, latency_ms=0.1),
     )
 )
-# domain sizes per level: none gathered (classic EP), inside a DC, across DCs, everything
-DOMAINS = [(1, 1), (1, 2), (2, 1), (2, 2)]
+# domain sizes per level: none gathered (classic EP), inside a DC (tokens across), everything
+# (no token exchange left). moe-only runs the same phases in another order: one case.
+DOMAINS = [(1, 1), (1, 2), (2, 2)]
 STEPS_OF = {"vanilla": VanillaStep, "moe-only": MoeOnlyStep, "flowmoe": FlowMoEStep}
 CASES = [("vanilla", 1), ("flowmoe", 1), ("flowmoe", 2), ("flowmoe", 4), ("moe-only", 2)]
 MOE_BLOCKS = 2
@@ -104,7 +105,8 @@ def _world(rank, world_size):
     layout = build_layout(WORLD, 60.0)
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randint(0, 256, (B, T + 1), generator=gen) for _ in range(STEPS)]
-    return {(d, *case): _run(layout, d, *case, batches, rank) for d in DOMAINS for case in CASES}
+    runs = [(d, *CASES[0]) for d in DOMAINS] + PAIRS
+    return {(d, name, R): _run(layout, d, name, R, batches, rank) for d, name, R in runs}
 
 
 @functools.cache
@@ -112,8 +114,12 @@ def _results() -> list[dict]:
     return run_world(_world, WORLD, timeout_s=600.0)
 
 
-@pytest.mark.parametrize("domains", DOMAINS, ids=lambda d: "x".join(map(str, d)))
-@pytest.mark.parametrize("name,R", CASES[1:])
+PAIRS = [(d, *case) for d in DOMAINS for case in CASES[1:] if case[0] != "moe-only" or d == (1, 2)]
+
+
+@pytest.mark.parametrize(
+    "domains,name,R", PAIRS, ids=["x".join(map(str, d)) + f"-{n}-{r}" for d, n, r in PAIRS]
+)
 def test_one_sgd_step_equals_vanilla_hybrid(domains, name, R):
     """Parameters after each SGD step (lr 1) equal vanilla hybrid's to rtol 1e-5 (atol 1e-6):
     the chunks change only the summation order (module docstring of tests/schedule/
@@ -137,6 +143,8 @@ def test_gathers_and_their_reduce_run_once_per_block(domains):
         ref = results[(domains, "vanilla", 1)]["reduces"]
         assert ref[0] > 0
         for name, R in CASES[1:]:
+            if (domains, name, R) not in results:
+                continue
             got = results[(domains, name, R)]
             assert got["reduces"] == ref, (name, R)
             blocks = [f"G.{b}" for b in range(2, 2 + MOE_BLOCKS)]

@@ -30,6 +30,8 @@ _OPTIONS = {
     "ffn_hidden_size": "--ffn",
     "num_experts": "--experts",
     "top_k": "--topk",
+    "num_shared_experts": "--shared-experts",
+    "shared_expert_hidden_size": "--shared-expert-hidden",
     "tokens_per_rank": "--tokens",
     "ep_sizes": "--ep",
     "iters": "--iters",
@@ -103,6 +105,19 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     layer.add_argument("--ffn", type=pos, default=512, help="expert hidden size F (default 512)")
     layer.add_argument("--experts", type=pos, default=8, help="experts E (default 8)")
     layer.add_argument("--topk", type=pos, default=2, help="experts per token K (default 2)")
+    layer.add_argument(
+        "--shared-experts",
+        type=_non_negative_int,
+        default=0,
+        help="shared experts every token passes through (default 0; the torchtitan peer gets "
+        "them too, the transformers Mixtral block is then skipped and deepspeed refused)",
+    )
+    layer.add_argument(
+        "--shared-expert-hidden",
+        type=pos,
+        default=None,
+        help="hidden size of each shared expert (default: --ffn)",
+    )
     layer.add_argument("--tokens", type=pos, help="tokens per rank (default 1024; --quick 256)")
     layer.add_argument(
         "--ep",
@@ -209,11 +224,15 @@ def _measure_layer(args: argparse.Namespace, ep_sizes: tuple[int, ...]) -> int:
         ffn_hidden_size=args.ffn,
         num_experts=args.experts,
         top_k=args.topk,
+        num_shared_experts=args.shared_experts,
+        shared_expert_hidden_size=args.shared_expert_hidden,
         tokens_per_rank=_resolved(args, "tokens"),
         ep_sizes=ep_sizes,
         iters=_resolved(args, "iters"),
         warmup=_resolved(args, "warmup"),
-        with_transformers=not args.no_transformers and _has_transformers(),
+        with_transformers=not args.no_transformers
+        and _mixtral_fits(args.shared_experts)
+        and _has_transformers(),
         cluster=args.cluster,
         **({"strategies": args.strategies} if args.strategies else {}),
         peers=args.peers,
@@ -225,10 +244,14 @@ def _measure_layer(args: argparse.Namespace, ep_sizes: tuple[int, ...]) -> int:
         args.out, default_run=not differences, differences=differences, cluster=args.cluster
     )
     sizes = ",".join(map(str, bench.ep_sizes))
+    shared = ""
+    if bench.num_shared_experts:
+        width = bench.shared_expert_hidden_size or bench.ffn_hidden_size
+        shared = f"{bench.num_shared_experts} shared expert(s) of {width}, "
     print(
         f"bench layer: EP {sizes}, T={bench.tokens_per_rank} per rank, H={bench.hidden_size}, "
         f"F={bench.ffn_hidden_size}, E={bench.num_experts}, K={bench.top_k}, "
-        f"{bench.iters} iters; result -> {out}",
+        f"{shared}{bench.iters} iters; result -> {out}",
         flush=True,
     )
     result = run(bench)
@@ -250,6 +273,13 @@ def _differences(bench, default, *, quick: bool) -> str:
     if bench.retain_freed_memory != default.retain_freed_memory:
         out.append("--malloc-default")
     return ", ".join(out)
+
+
+def _mixtral_fits(shared_experts: int) -> bool:
+    if shared_experts:
+        print("shared experts: skipping the transformers Mixtral peer (it has none)")
+        return False
+    return True
 
 
 def _has_transformers() -> bool:

@@ -8,7 +8,8 @@ interleaved, round by round, in one process per rank, so their ratios are measur
 For EP = 2 and 4 everything runs on a gloo world of that size (one thread per rank; on a 2-core
 machine EP = 4 is oversubscribed and says so in the result). Bytes are what each rank sent
 to other ranks per forward (dispatch + combine payload, plus metadata), at uniform and at skewed
-routing.
+routing. With shared experts (``num_shared_experts``, ``--shared-experts``) every layer has
+them, the torchtitan peer too (same weights); the Mixtral block and deepspeed have none.
 
 The physical bound reported beside the throughput is the expert matmul FLOPs of a step divided by
 the single-thread fp32 GEMM rate measured in the same run.
@@ -53,6 +54,11 @@ class LayerBench:
     ffn_hidden_size: int = 512
     num_experts: int = 8
     top_k: int = 2
+    # Shared experts every token passes through (MoEConfig.num_shared_experts; replicated), each
+    # of width shared_expert_hidden_size (None: ffn_hidden_size). The transformers Mixtral
+    # block has none (with_transformers must be False) nor has the deepspeed peer.
+    num_shared_experts: int = 0
+    shared_expert_hidden_size: int | None = None
     tokens_per_rank: int = 1024
     ep_sizes: tuple[int, ...] = (1, 2, 4)
     iters: int = 8
@@ -89,6 +95,22 @@ class LayerBench:
             check_one_of(f"strategies[{i}]", name, strategy_names())
         for i, name in enumerate(self.peers):
             check_one_of(f"peers[{i}]", name, PEERS)
+        if self.shared_expert_hidden_size is not None and not self.num_shared_experts:
+            raise ValueError(
+                "shared_expert_hidden_size needs num_shared_experts > 0 (--shared-experts), "
+                f"got {self.shared_expert_hidden_size} with 0"
+            )
+        if self.num_shared_experts:
+            if self.with_transformers:
+                raise ValueError(
+                    "with_transformers needs num_shared_experts 0: the transformers Mixtral "
+                    f"block has no shared experts (got {self.num_shared_experts})"
+                )
+            if "deepspeed" in self.peers:
+                raise ValueError(
+                    "the deepspeed peer needs num_shared_experts 0: its MoE has no shared "
+                    f"experts (got {self.num_shared_experts})"
+                )
         check_positive("capacity_factor", self.capacity_factor)
         check_number("check_tolerance", self.check_tolerance)
         check_positive("check_tolerance", self.check_tolerance)
@@ -117,6 +139,8 @@ class LayerBench:
             "ffn_hidden_size": self.ffn_hidden_size,
             "num_experts": self.num_experts,
             "top_k": self.top_k,
+            "num_shared_experts": self.num_shared_experts,
+            "shared_expert_hidden_size": self.shared_expert_hidden_size,
             "dispatcher": dispatcher,
             "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
         }
@@ -234,8 +258,11 @@ def _interleaved(bench: LayerBench, modules: dict, x: torch.Tensor, g: torch.Ten
 
 
 def _expert_flops(bench: LayerBench, tokens: int) -> float:
-    """fwd+bwd matmul FLOPs of the experts: 3 GEMMs of 2*H*F per routed row, x3 for backward."""
-    return 3 * 3 * 2 * bench.hidden_size * bench.ffn_hidden_size * tokens * bench.top_k
+    """fwd+bwd matmul FLOPs of the experts: 3 GEMMs of 2*H*F per routed row, x3 for backward,
+    and as many of 2*H*S*Fs per token for the shared experts (their gate's GEMV left out)."""
+    shared = bench.num_shared_experts * (bench.shared_expert_hidden_size or bench.ffn_hidden_size)
+    width = bench.ffn_hidden_size * bench.top_k + shared
+    return 3 * 3 * 2 * bench.hidden_size * width * tokens
 
 
 def _gemm_gflops(bench: LayerBench) -> float:

@@ -9,13 +9,17 @@ docs/performance.md), and nothing here imports a peer's package before it is ask
 * ``torchtitan`` (0.3.0): ``torchtitan.models.common.moe.MoE`` with its ``AllToAllTokenDispatcher``
   (over a gloo device mesh at EP > 1), softmax router with ``route_norm``, no load-balancing
   bias. Its experts cast to bf16 for the grouped GEMMs; the peer runs them in the activations'
-  dtype (fp32 here), as ours do. Counterpart: ``dropless``.
+  dtype (fp32 here), as ours do. Our shared experts (``num_shared_experts``, one fused SwiGLU
+  of width S*Fs) become its ``shared_experts`` ``FeedForward`` of that width (a
+  ``SigmoidGatedFeedForward`` with ``shared_expert_gate``), weights transposed to its
+  ``nn.Linear`` layout; the check covers their gradients too. Counterpart: ``dropless``.
 * ``deepspeed`` (0.19.8): ``deepspeed.moe.layer.MoE`` with SwiGLU experts (``w2(silu(w1 x) *
   w3 x)``, no biases), top-2 gating without random token selection or second-expert sampling,
   capacity ``ceil(cf * T * K / E)`` (``min_capacity`` 1). It renormalises kept weights after a
   drop and counts first choices in its balance loss, so the counterpart is ``padded`` at the same
   capacity factor with ``renormalize_after_drop=True`` and ``balance_loss_choices="first"``.
-  Its ``l_aux`` is added to the loss with our ``aux_loss_coef``.
+  Its ``l_aux`` is added to the loss with our ``aux_loss_coef``. It has no shared experts (its
+  ``use_residual`` is PR-MoE's learned mix, not a sum), so a layer with them is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 from moesaic.bench.peer_names import PEERS, check_names
 from moesaic.checks import check_one_of
 from moesaic.config import MoEConfig
+from moesaic.experts import SharedExperts
 from moesaic.layer import MoELayer
 
 
@@ -110,6 +115,7 @@ def _torchtitan(layer: MoELayer) -> PeerModule:
     if cfg.activation != "swiglu" or cfg.score_func != "softmax" or not cfg.normalize_topk:
         raise ValueError("the torchtitan peer needs a softmax, normalize_topk, swiglu layer")
     H, Fh, E, e = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, layer.num_local_experts
+    shared = layer.shared_experts
     config = tt.MoE.Config(
         num_experts=E,
         routed_experts=tt.RoutedExperts.Config(
@@ -124,6 +130,7 @@ def _torchtitan(layer: MoELayer) -> PeerModule:
             route_norm=True,
         ),
         load_balance_coeff=None,
+        shared_experts=None if shared is None else _torchtitan_shared_config(shared),
     )
     module = config.build()
     experts = module.routed_experts.inner_experts
@@ -134,6 +141,13 @@ def _torchtitan(layer: MoELayer) -> PeerModule:
         experts.w1_EFD.copy_(layer.experts.w1.transpose(1, 2))
         experts.w3_EFD.copy_(layer.experts.w3.transpose(1, 2))
         experts.w2_EDF.copy_(layer.experts.w2.transpose(1, 2))
+        if shared is not None:  # ours [H, S*Fs] / [S*Fs, H]; nn.Linear's weight is [out, in]
+            ffn = module.shared_experts
+            ffn.w1.weight.copy_(shared.w1.t())
+            ffn.w3.weight.copy_(shared.w3.t())
+            ffn.w2.weight.copy_(shared.w2.t())
+            if shared.gate is not None:
+                ffn.gate.weight.copy_(shared.gate)
     if layer.ep_size > 1:
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -151,6 +165,25 @@ def _torchtitan(layer: MoELayer) -> PeerModule:
             return module(x.view(1, -1, H)).view(x.shape), None
 
     return PeerModule(module, forward)
+
+
+def _torchtitan_shared_config(shared: SharedExperts):
+    """torchtitan's shared-experts FFN config for ours: one SwiGLU of our fused width S*Fs
+    (torchtitan's MoE models size theirs the same way), sigmoid-gated when ours is."""
+    from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
+    from torchtitan.models.common.linear import Linear
+
+    H, Fs = shared.w1.shape
+    linears = {
+        "w1": Linear.Config(in_features=H, out_features=Fs),
+        "w2": Linear.Config(in_features=Fs, out_features=H),
+        "w3": Linear.Config(in_features=H, out_features=Fs),
+    }
+    if shared.gate is None:
+        return FeedForward.Config(**linears)
+    return SigmoidGatedFeedForward.Config(
+        **linears, gate=Linear.Config(in_features=H, out_features=1)
+    )
 
 
 class SwiGLUExpert(nn.Module):
@@ -175,6 +208,8 @@ def _deepspeed(layer: MoELayer, capacity_factor: float) -> PeerModule:
     cfg = layer.config
     if cfg.activation != "swiglu" or cfg.score_func != "softmax" or cfg.top_k > 2:
         raise ValueError("the deepspeed peer needs a softmax, swiglu layer with top_k <= 2")
+    if layer.shared_experts is not None:
+        raise ValueError("the deepspeed peer has no shared experts (num_shared_experts must be 0)")
     H, Fh, P = cfg.hidden_size, cfg.ffn_hidden_size, layer.ep_size
     if P > 1 and not deepspeed.comm.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -229,15 +264,23 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def peer_expert_grads(peer: PeerModule) -> dict[str, torch.Tensor]:
-    """The peer's expert gradients in our layout (w1/w3 [e, H, F], w2 [e, F, H])."""
+    """The peer's expert gradients in our layout (w1/w3 [e, H, F], w2 [e, F, H]), and its shared
+    experts' as ``shared_experts.<name>`` (w1/w3 [H, S*Fs], w2 [S*Fs, H], gate [1, H])."""
     inner: Any = peer.inner
     if hasattr(inner, "routed_experts"):  # torchtitan
         ex = inner.routed_experts.inner_experts
-        return {
+        grads = {
             "w1": ex.w1_EFD.grad.transpose(1, 2),
             "w3": ex.w3_EFD.grad.transpose(1, 2),
             "w2": ex.w2_EDF.grad.transpose(1, 2),
         }
+        ffn = inner.shared_experts
+        if ffn is not None:
+            for name in ("w1", "w3", "w2"):
+                grads[f"shared_experts.{name}"] = getattr(ffn, name).weight.grad.t()
+            if hasattr(ffn, "gate"):
+                grads["shared_experts.gate"] = ffn.gate.weight.grad
+        return grads
     experts = inner.deepspeed_moe.experts.deepspeed_experts
     return {
         name: torch.stack([getattr(x, name).weight.grad.t() for x in experts])
@@ -254,10 +297,14 @@ def compare(
     expert_grads: Callable[[Any], dict[str, torch.Tensor]] = peer_expert_grads,
 ) -> Agreement:
     """One forward+backward of each (``step(module, x, g) -> (y, dx)``): relative max errors
-    of the output, the input gradient and the expert weight gradients (vs ours)."""
+    of the output, the input gradient and the expert weight gradients (vs ours; the shared
+    experts' too when ``ours`` has them: ``expert_grads`` must then give them)."""
     y_p, dx_p = step(peer, x, g)
     y_o, dx_o = step(ours, x, g)
     ours_dw = {n: getattr(ours.experts, n).grad for n in ("w1", "w3", "w2")}
+    if ours.shared_experts is not None:
+        for n, p in ours.shared_experts.named_parameters():
+            ours_dw[f"shared_experts.{n}"] = p.grad
     peer_dw = expert_grads(peer)
     dw = max(_rel(peer_dw[n], ours_dw[n]) for n in ours_dw)
     return Agreement(max_rel_y=_rel(y_p, y_o), max_rel_dx=_rel(dx_p, dx_o), max_rel_dw=dw)
