@@ -42,6 +42,10 @@ MODEL = {
     "n_layers": 4,
     "n_heads": 4,
     "seq_len": 64,
+    # the architecture the committed results were measured with (MoEGPT's defaults before
+    # RMSNorm and rotary positions), so that old and new figures compare
+    "norm": "layernorm",
+    "positions": "learned",
     "moe": {
         "num_experts": 4,
         "top_k": 2,
