@@ -31,11 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# The step timing and the median/p10/p90 of flowmoe_cluster.py (same directory: the workers
+# import both scripts by module name).
+from flowmoe_cluster import _stats, _timed_step
 
 MODEL = {
     "d_model": 128,
@@ -136,26 +139,6 @@ def _build(layout: Any, rank: int, spec: Any, config: tuple, domains: Any) -> An
     return make_step(schedule, parts)
 
 
-def _timed_step(step: Any, x_BT: Any) -> dict[str, float]:
-    from moesaic.trace import COMM_RESOURCES, COMPUTE_RESOURCES, busy_time, overlap_bound
-
-    rec = step.parts.recorder
-    rec.clear()
-    t0 = time.perf_counter()
-    result = step.run(x_BT[:, :-1], x_BT[:, 1:])
-    seconds = time.perf_counter() - t0
-    if not result.applied:
-        raise RuntimeError(f"step was not applied: {result.nonfinite}")
-    spans = rec.events
-    return {
-        "time_s": seconds,
-        "bound_s": overlap_bound(spans),
-        "compute_s": busy_time(spans, COMPUTE_RESOURCES),
-        "comm_s": busy_time(spans, COMM_RESOURCES),
-        "gather_s": busy_time(spans, "gather"),
-    }
-
-
 def timing_worker(
     rank: int, world: int, spec_dict: dict, steps: int, timeout_s: float, shape: dict
 ) -> dict:
@@ -189,16 +172,6 @@ def timing_worker(
         if hasattr(step, "close"):
             step.close()
     return {"rounds": rounds, "domains": list(domains), "reason": reason}
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    q = sorted(values)
-    return {
-        "median": statistics.median(q),
-        "p10": q[int(0.1 * (len(q) - 1))],
-        "p90": q[round(0.9 * (len(q) - 1))],
-        "n": len(q),
-    }
 
 
 def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -149,6 +149,7 @@ def _timed_step(step: Any, x_BT: Any) -> dict[str, float]:
         "comm_s": busy_time(spans, COMM_RESOURCES),
         "a2a_s": busy_time(spans, "a2a"),
         "allreduce_s": busy_time(spans, "allreduce"),
+        "gather_s": busy_time(spans, "gather"),  # hybrid's expert gathers (compose_cluster.py)
         "sp_bytes": float(result.metrics.get("ar_chunk_bytes", 0.0)),
     }
 

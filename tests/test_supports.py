@@ -3,6 +3,8 @@ any worker starts, naming the strategy, the schedule or option, and the strategy
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from moesaic.schedule import schedule_names
@@ -35,7 +37,7 @@ def test_phase_strategies_run_every_schedule_and_the_rest_say_why(strategy):
             check_supported(strategy, schedule=schedule)
         else:
             assert cls.supports.why
-            with pytest.raises(ValueError, match=cls.supports.why[:30]):
+            with pytest.raises(ValueError, match=re.escape(cls.supports.why)):
                 check_supported(strategy, schedule=schedule)
 
 

@@ -238,22 +238,32 @@ def test_resume_past_steps(reference, data_file, tmp_path, capfd):
     assert not (run / "metrics.jsonl").exists()
 
 
+def _endless_run(data_file, tmp_path, stderr):
+    """``moesaic train`` of 100,000 steps in a session of its own (as a terminal's job), with
+    its own temp directory; returns the process and the pattern that finds its workers."""
+    run, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "moesaic", *tiny_args(data_file, run, "--steps", "100000")]
+    proc = subprocess.Popen(
+        cmd,
+        stderr=stderr,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+        start_new_session=True,
+    )
+    return proc, tmp, f"moesaic.train.launched {tmp}"
+
+
+def _workers(pattern: str) -> list[bytes]:
+    return subprocess.run(["pgrep", "-f", pattern], capture_output=True).stdout.split()
+
+
 def test_ctrl_c_while_the_workers_start_is_one_line(data_file, tmp_path):
     # Issue 25 item 9: a Ctrl-C in a run's first seconds interrupted every worker inside
     # `import torch` (they shared the terminal's process group): 72 lines of tracebacks. The
     # workers now run in sessions of their own; the launcher stops them.
-    run, tmp = tmp_path / "run", tmp_path / "tmp"
-    tmp.mkdir()
-    cmd = [sys.executable, "-m", "moesaic", *tiny_args(data_file, run, "--steps", "100000")]
-    env = {**os.environ, "TMPDIR": str(tmp)}
-    proc = subprocess.Popen(
-        cmd,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    proc, tmp, pattern = _endless_run(data_file, tmp_path, subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while not list(tmp.glob("moesaic-elastic-*/config.json")):  # workers being started
@@ -269,34 +279,22 @@ def test_ctrl_c_while_the_workers_start_is_one_line(data_file, tmp_path):
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
     assert err.strip().splitlines()[-1] == "moesaic train: interrupted; the workers were stopped"
     assert not list(tmp.glob("moesaic-elastic-*")), "the agent's files stayed behind"
-    left = subprocess.run(["pgrep", "-f", f"moesaic.train.launched {tmp}"], capture_output=True)
-    assert left.stdout == b"", "workers outlived the launcher"
+    assert _workers(pattern) == [], "workers outlived the launcher"
 
 
 def test_workers_die_with_the_launcher(data_file, tmp_path):
     # Out of the terminal's process group, a worker must still die when its launcher does.
-    run, tmp = tmp_path / "run", tmp_path / "tmp"
-    tmp.mkdir()
-    cmd = [sys.executable, "-m", "moesaic", *tiny_args(data_file, run, "--steps", "100000")]
-    env = {**os.environ, "TMPDIR": str(tmp)}
-    proc = subprocess.Popen(
-        cmd,
-        stderr=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
-    pattern = f"moesaic.train.launched {tmp}"
+    proc, _, pattern = _endless_run(data_file, tmp_path, subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while len(subprocess.run(["pgrep", "-f", pattern], capture_output=True).stdout.split()) < 2:
+        while len(_workers(pattern)) < 2:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher alone: the workers are elsewhere
         proc.wait()
     deadline = time.monotonic() + 10
-    while subprocess.run(["pgrep", "-f", pattern], capture_output=True).stdout:
+    while _workers(pattern):
         assert time.monotonic() < deadline, "workers outlived their launcher"
         time.sleep(0.2)
 

@@ -28,7 +28,7 @@ from moesaic.models.config import MoEGPTConfig
 if TYPE_CHECKING:
     from moesaic.cluster.spec import ClusterSpec
 
-__all__ = ["Block", "MoEGPT", "MoEGPTConfig"]
+__all__ = ["Block", "MoEGPT", "MoEGPTConfig", "sample_next"]
 
 
 def make_norm(cfg: MoEGPTConfig) -> nn.Module:
@@ -292,14 +292,23 @@ class MoEGPT(nn.Module):
         for _ in range(max_new_tokens):
             ctx_BT = idx_BT[:, -self.config.seq_len :]
             logits_BV = self(ctx_BT)[:, -1, :].float()
-            if temperature == 0:
-                nxt_B1 = logits_BV.argmax(dim=-1, keepdim=True)
-            else:
-                logits_BV = logits_BV / temperature
-                if top_k is not None:
-                    kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1])).values[:, -1:]
-                    logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-                probs_BV = torch.softmax(logits_BV, dim=-1)
-                nxt_B1 = torch.multinomial(probs_BV, 1, generator=generator)
+            nxt_B1 = sample_next(logits_BV, temperature, top_k, generator)
             idx_BT = torch.cat([idx_BT, nxt_B1], dim=1)
         return idx_BT
+
+
+def sample_next(
+    logits_BV: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The next token of each sequence [B, 1]: greedy at temperature 0, else sampled from the
+    softmax of ``logits / temperature`` restricted to the ``top_k`` largest (None: all)."""
+    if temperature == 0:
+        return logits_BV.argmax(dim=-1, keepdim=True)
+    logits_BV = logits_BV / temperature
+    if top_k is not None:
+        kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1])).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    return torch.multinomial(torch.softmax(logits_BV, dim=-1), 1, generator=generator)

@@ -28,7 +28,7 @@ from moesaic.interop.hf import HFMoEBlock, expert_parallel, to_hf_state_dict
 from moesaic.interop.hf_families import FIXED_MOE_FIELDS, read_hf_config
 from moesaic.layer import MoELayer
 from moesaic.models.config import MoEGPTConfig
-from moesaic.models.gpt import MoEGPT
+from moesaic.models.gpt import MoEGPT, sample_next
 
 if TYPE_CHECKING:
     from moesaic.cluster.spec import ClusterSpec
@@ -182,16 +182,8 @@ class HFCausalLM(nn.Module):
         temperature 0 is greedy); the whole context is run again for every token."""
         for _ in range(max_new_tokens):
             logits_BV = self(idx_BT[:, -self.config.seq_len :])[:, -1, :256].float()
-            if temperature == 0:
-                nxt = logits_BV.argmax(-1, keepdim=True)
-            else:
-                logits_BV = logits_BV / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1])).values[:, -1:]
-                    logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
-                probs = torch.softmax(logits_BV, -1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
-            idx_BT = torch.cat([idx_BT, nxt], dim=1)
+            nxt_B1 = sample_next(logits_BV, temperature, top_k, generator)
+            idx_BT = torch.cat([idx_BT, nxt_B1], dim=1)
             for _, layer in self.moe_layers():  # inference: no aux loss, no statistics kept
                 layer.take_aux_loss()
                 layer.take_stats()
