@@ -1,0 +1,180 @@
+"""The simulator on configurations it was not developed on (issue 24 item 3): measure, predict,
+compare, and check what the planner would have picked.
+
+**The rule that chooses the configurations** (fixed on 2026-11-25, committed before any of them
+was measured or simulated; nothing in it may change after the first measurement):
+
+Five factors at two levels each, in a 2^(5-2) fractional factorial of 8 runs (resolution III:
+every factor at each level in 4 runs; main effects are not aliased with each other). The first
+three factors take every combination; the last two are the generators ``D = A x B`` and
+``E = A x C`` of the levels coded -1 / +1:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.2 Gbit/s, 1.5 ms one way       0.8 Gbit/s, 0.3 ms
+B     routed experts E (top-2)              4                                16
+C     expert width F / H                    2                                8
+D     tokens per rank (sequences of 128)    512                              2048
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 192, 4 heads, 2 transformer blocks, both MoE, no shared experts, fp32,
+the training defaults otherwise (RMSNorm, RoPE, AdamW); with 4 ranks the ranks of one node share
+a 3 Gbit/s, 0.1 ms level. None of these clusters or models is a file of the project, and none
+equals a configuration the simulator was developed against (``benchmarks/sim_validate.py``'s
+85 points, the issue's 120 Mbit/s example).
+
+**What runs on each**: every strategy x schedule that runs there (``check_supported``):
+``dropless``, ``padded`` (capacity factor 1.25) and ``hybrid`` (``--domains auto``) under
+``vanilla``, ``moe-only`` and ``flowmoe``, and ``taskflow`` under ``vanilla``; the pipelined
+schedules at R = 2 with their default Sp. Each is a real training run on the emulated cluster,
+``moesaic train --emulate CLUSTER.toml`` (``WARMUP`` + ``STEPS`` steps, no evaluation or
+checkpoint in between); its step time is the median of rank 0's step times after the warm-up
+(``metrics.jsonl``: tokens per step / ``tokens_per_s``). The prediction is ``moesaic simulate
+--json`` with a profile that ``moesaic calibrate`` measured on that configuration's cluster and
+model before its runs (so nothing is fitted to the measured steps). Error: ``|predicted -
+measured| / measured``; the table's summary is the geometric mean of ``1 + error`` minus 1 over
+every point, and per configuration whether the fastest measured combination is ranked first by
+the prediction (or within 5% of the first).
+
+Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
+
+    python benchmarks/sim_unseen.py --list            # the eight configurations, nothing run
+    python benchmarks/sim_unseen.py [--only 0,3] [--out benchmarks/results/sim_unseen.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
+WARMUP, STEPS = 2, 6
+PIPELINE_DEGREE = 2
+PADDED_CAPACITY = 1.25
+INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
+
+FACTORS: dict[str, tuple[Any, Any]] = {
+    "link": ((0.2, 1.5), (0.8, 0.3)),
+    "experts": (4, 16),
+    "f_over_h": (2, 8),
+    "tokens_per_rank": (512, 2048),
+    "ranks": (2, 4),
+}
+COMBINATIONS = (
+    ("dropless", "vanilla"),
+    ("dropless", "moe-only"),
+    ("dropless", "flowmoe"),
+    ("padded", "vanilla"),
+    ("padded", "moe-only"),
+    ("padded", "flowmoe"),
+    ("hybrid", "vanilla"),
+    ("hybrid", "moe-only"),
+    ("hybrid", "flowmoe"),
+    ("taskflow", "vanilla"),
+)
+
+
+def configurations() -> list[dict[str, Any]]:
+    """The eight configurations of the rule, in standard order (A slowest-varying)."""
+    out = []
+    for a, b, c in itertools.product((-1, 1), repeat=3):
+        d, e = a * b, a * c
+        levels = dict(zip(FACTORS, (a, b, c, d, e), strict=True))
+        cfg = {k: FACTORS[k][0 if v < 0 else 1] for k, v in levels.items()}
+        cfg["coded"] = levels
+        cfg["name"] = "u{}".format("".join("+" if v > 0 else "-" for v in (a, b, c, d, e)))
+        out.append(cfg)
+    return out
+
+
+def cluster_toml(cfg: dict[str, Any]) -> str:
+    bw, lat = cfg["link"]
+    lines = [f'name = "{cfg["name"]}"', f"world_size = {cfg['ranks']}", ""]
+    lines += ["[[levels]]", 'name = "node"', "size = 2", f"bandwidth_gbps = {bw}"]
+    lines += [f"latency_ms = {lat}", ""]
+    if cfg["ranks"] == 4:
+        lines += ["[[levels]]", 'name = "rank"', "size = 2"]
+        lines += [f"bandwidth_gbps = {INTRA_NODE[0]}", f"latency_ms = {INTRA_NODE[1]}", ""]
+    return "\n".join(lines)
+
+
+def train_toml(cfg: dict[str, Any], run_dir: Path, strategy: str) -> str:
+    batch = cfg["tokens_per_rank"] // SEQ
+    moe = [f"num_experts = {cfg['experts']}", f"top_k = {TOP_K}"]
+    moe.append(f"ffn_hidden_size = {cfg['f_over_h'] * H}")
+    if strategy == "padded":
+        moe.append(f"capacity_factor = {PADDED_CAPACITY}")
+    run = [f"nproc = {cfg['ranks']}", f"ep = {cfg['ranks']}", f"steps = {WARMUP + STEPS}"]
+    run += [f"batch_size = {batch}", "eval_every = 0", "ckpt_every = 0", f'run_dir = "{run_dir}"']
+    model = [f"seq_len = {SEQ}", f"d_model = {H}", f"n_layers = {BLOCKS}", f"n_heads = {HEADS}"]
+    return "\n".join([*run, "", "[model]", *model, "", "[model.moe]", *moe, ""])
+
+
+def combo_flags(strategy: str, schedule: str) -> list[str]:
+    flags = ["--strategy", strategy, "--schedule", schedule]
+    if schedule != "vanilla":
+        flags += ["--pipeline-degree", str(PIPELINE_DEGREE)]
+    if strategy == "hybrid":
+        flags += ["--domains", "auto"]
+    return flags
+
+
+def measure(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> dict[str, Any]:
+    """One emulated training run; rank 0's median step time after the warm-up."""
+    run_dir = work / f"run_{strategy}_{schedule}"
+    config = work / f"train_{strategy}.toml"
+    config.write_text(train_toml(cfg, run_dir, strategy))
+    cluster = str(work / "cluster.toml")
+    args = [sys.executable, "-m", "moesaic", "train", "--config", str(config)]
+    args += ["--emulate", cluster, *combo_flags(strategy, schedule)]
+    if strategy == "hybrid":  # its domains are planned on the cluster's levels
+        args += ["--cluster", cluster]
+    t0 = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:], "wall_s": wall}
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if x.get("kind") == "train"]
+    tokens = cfg["ranks"] * cfg["tokens_per_rank"]
+    step_s = [tokens / x["tokens_per_s"] for x in train[WARMUP:]]
+    return {"measured_s": statistics.median(step_s), "steps_s": step_s, "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="print the configurations only")
+    parser.add_argument("--only", default=None, help="comma-separated configuration indices")
+    parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
+    args = parser.parse_args()
+    cfgs = configurations()
+    if args.list:
+        for i, c in enumerate(cfgs):
+            print(i, c["name"], {k: c[k] for k in FACTORS})
+        return
+    chosen = range(len(cfgs)) if args.only is None else [int(x) for x in args.only.split(",")]
+    results: list[dict[str, Any]] = []
+    for i in chosen:
+        cfg = cfgs[i]
+        work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))
+        (work / "cluster.toml").write_text(cluster_toml(cfg))
+        for strategy, schedule in COMBINATIONS:
+            point = {"configuration": cfg["name"], "strategy": strategy, "schedule": schedule}
+            point.update(measure(work, cfg, strategy, schedule))
+            results.append(point)
+            print(json.dumps(point), flush=True)
+    Path(args.out).write_text(json.dumps({"rule": __doc__, "points": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
