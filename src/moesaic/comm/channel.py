@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ from moesaic.comm.collectives import CollectiveError, EPGroup, wait_work
 from moesaic.comm.counters import EventCounters
 from moesaic.trace import Recorder
 
-__all__ = ["PutChannel"]
+__all__ = ["PutChannel", "PutTransport"]
 
 _HEADER_TAG = 0x5201
 _PAYLOAD_TAG = 0x5202
@@ -57,6 +57,40 @@ _FIXED = 4  # source, offset, numel, number of events
 _MAX_PENDING = 512
 # How long finish() waits for the Subscriber of a step that already failed.
 _BROKEN_GRACE_S = 1.0
+
+
+class PutTransport(Protocol):
+    """The seam the taskflow runtime puts tiles through: :class:`PutChannel` (gloo, CPU) and
+    ``comm.symmetric.SymmetricMemoryChannel`` (torch's symmetric memory, CUDA); the runtime
+    picks one per step by ``comm.symmetric.pick_transport``.
+
+    ``window`` allocates a receive window (once per bucket, on every rank in the same order);
+    ``begin`` / ``put`` / ``finish`` / ``fail`` are one step, as documented on
+    :class:`PutChannel`; ``puts_P``, ``bytes_P`` and ``header_bytes`` are the statistics."""
+
+    puts_P: list[int]
+    bytes_P: list[int]
+
+    @property
+    def header_bytes(self) -> int: ...
+
+    def window(
+        self, numel: int, dtype: torch.dtype, device: torch.device, num_events: int
+    ) -> torch.Tensor: ...
+
+    def begin(
+        self,
+        buffer: torch.Tensor,
+        counters: EventCounters,
+        expected: int,
+        recorder: Recorder | None = None,
+    ) -> None: ...
+
+    def put(self, src: torch.Tensor, dst_rank: int, offset: int, events: Sequence[int]) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def fail(self, message: str) -> None: ...
 
 
 class PutChannel:
@@ -96,6 +130,12 @@ class PutChannel:
     def header_bytes(self) -> int:
         """Bytes of one put's header message."""
         return (_FIXED + self.max_events) * 8
+
+    def window(
+        self, numel: int, dtype: torch.dtype, device: torch.device, num_events: int
+    ) -> torch.Tensor:
+        """A zeroed flat receive window (gloo needs no registration: any CPU tensor will do)."""
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     # -- one step -----------------------------------------------------------------------------
     def begin(

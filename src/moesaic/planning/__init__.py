@@ -7,7 +7,8 @@
   (forward, backward, gradient reduce, prefetched gathers) per candidate.
 
 Used by ``moesaic train --domains auto``, ``moesaic plan`` and the simulator; imports only the
-XX
+config, the cluster description, the placement's topology and compression size rules (torch-free
+at import).
 """
 
 from moesaic.planning.costmodel import (

@@ -3,13 +3,17 @@
 Shape legend: T tokens per rank, H hidden, F expert hidden, E experts, e local experts, K top-k,
 P ranks, S slot rows.
 
-One runtime per MoE layer (it owns the layer's :class:`~moesaic.comm.channel.PutChannel`, a
-process group made once). Per shape bucket it compiles the forward and backward plans once
-(``compile_plan``, validated) and allocates the **receive window** once: one flat tensor holding
-the plan's incoming buffers (forward ``x_recv`` and ``y_ret``, backward ``g_recv`` and
-``dx_ret``), the same size on every rank (the bucket is agreed by the group), so that a put names
-its destination by an element offset that is the same on every rank: FlashDMoE's symmetric
-layout, its incoming cells ordered (expert, source rank, slot) as the plans' rows are.
+One runtime per MoE layer (it owns the layer's transports, ``comm.channel.PutTransport``: the
+gloo :class:`~moesaic.comm.channel.PutChannel`, a process group made once, and on CUDA
+``comm.symmetric.SymmetricMemoryChannel``; ``comm.symmetric.pick_transport`` picks one per step
+from the ``transport`` switch, the tensors' device and whether symmetric memory is available).
+Per shape bucket it compiles the forward and backward plans once (``compile_plan``, validated)
+and allocates the **receive window** once (by the step's transport: symmetric memory must be
+mapped when it is allocated): one flat tensor holding the plan's incoming buffers (forward
+``x_recv`` and ``y_ret``, backward ``g_recv`` and ``dx_ret``), the same size on every rank (the
+bucket is agreed by the group), so that a put names its destination by an element offset that
+is the same on every rank: FlashDMoE's symmetric layout, its incoming cells ordered (expert,
+source rank, slot) as the plans' rows are.
 
 A step (``forward`` / ``backward``):
 
@@ -33,14 +37,21 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 import torch
 
 from moesaic.checks import check_one_of, check_positive, check_positive_int
-from moesaic.comm.channel import PutChannel
+from moesaic.comm.channel import PutChannel, PutTransport
 from moesaic.comm.collectives import EPGroup
+from moesaic.comm.symmetric import (
+    TRANSPORTS,
+    SymmetricMemoryChannel,
+    pick_transport,
+    symmetric_available,
+)
 from moesaic.routing import RoutingPlan
 from moesaic.taskflow.bucket import CompileOptions, ShapeBucket, slot_rows_for
 from moesaic.taskflow.compile import compile_plan
@@ -87,19 +98,20 @@ class _Window:
         return self.data[off : off + rows * cols].view(rows, cols)
 
 
-def _window(plan: Plan, dtype: torch.dtype, device: torch.device) -> _Window:
+def _window(plan: Plan, allocate: Callable[[int], torch.Tensor]) -> _Window:
+    """``plan``'s receive buffers in one flat tensor of ``allocate(numel)`` (zeroed)."""
     offsets, off = {}, 0
     for spec in plan.buffers:
         if spec.name in RECEIVE_BUFFERS and spec.kind != "input":  # not the saved copies
             offsets[spec.name] = (off, spec.rows, spec.cols)
             off += spec.rows * spec.cols
-    return _Window(data=torch.zeros(max(off, 1), dtype=dtype, device=device), offsets=offsets)
+    return _Window(data=allocate(max(off, 1)), offsets=offsets)
 
 
 class _Step(StepRows):
     """One step of one plan on the concurrent executors: the handlers' ``run`` object."""
 
-    def __init__(self, plan, bufs, route, window: _Window, channel: PutChannel | None) -> None:
+    def __init__(self, plan, bufs, route, window: _Window, channel: PutTransport | None) -> None:
         super().__init__(plan, bufs, route)
         self.window, self.channel = window, channel
         self.outbox: dict[int, list[tuple[Region, torch.Tensor]]] = {}
@@ -153,6 +165,10 @@ class TaskflowRuntime:
         options: compile options (RATR, interleaving).
         timeout_s: bound on every wait for a peer.
         recorder: records executed tasks (lanes per queue or processor, and the subscriber).
+        transport: how tiles move (``comm.symmetric.TRANSPORTS``): ``"gloo"`` (the default:
+            CPU tensors), ``"auto"`` (symmetric memory for CUDA tensors on several ranks when
+            available, else gloo) or ``"symmetric"`` (also on one rank: its window and fences).
+            Symmetric memory is opt-in until its CUDA path has run on a GPU.
     """
 
     def __init__(
@@ -166,8 +182,10 @@ class TaskflowRuntime:
         options: CompileOptions | None = None,
         timeout_s: float = 60.0,
         recorder: Recorder | None = None,
+        transport: str = "gloo",
     ) -> None:
         self.group = group
+        self.transport = check_one_of("transport", transport, TRANSPORTS)
         self.executor = check_one_of("executor", executor, EXECUTORS)
         self.processors = check_positive_int("processors", processors)
         self.tile_m = check_positive_int("tile_m", tile_m)
@@ -175,7 +193,14 @@ class TaskflowRuntime:
         self.options = options or CompileOptions()
         self.timeout_s = check_positive("timeout_s", timeout_s)
         self.recorder = recorder
-        self.channel = PutChannel(group, timeout_s) if group.size > 1 else None
+        self._gloo = PutChannel(group, timeout_s) if group.size > 1 else None
+        # no collective: symmetric memory is mapped per window (``window``)
+        self._symmetric = (
+            SymmetricMemoryChannel(group, timeout_s)
+            if transport != "gloo" and symmetric_available(group)
+            else None
+        )
+        self._last: PutTransport | None = self._gloo
         self._plans: dict[ShapeBucket, tuple[Plan, Plan]] = {}
         self._windows: dict[tuple[ShapeBucket, str, torch.dtype, str], _Window] = {}
         self._scratch: dict[tuple, torch.Tensor] = {}
@@ -221,11 +246,32 @@ class TaskflowRuntime:
                 )
             return self._plans[bucket]
 
+    @property
+    def channel(self) -> PutTransport | None:
+        """The transport of the latest step (before any step, the gloo channel)."""
+        return self._last
+
+    def transport_for(self, device: torch.device) -> PutTransport | None:
+        """The transport of a step on ``device`` (``comm.symmetric.pick_transport``)."""
+        ready = self._symmetric is not None
+        kind = pick_transport(self.transport, device.type, self.group.size, ready)
+        return self._symmetric if kind == "symmetric" else self._gloo if kind == "gloo" else None
+
     def window(self, plan: Plan, dtype: torch.dtype, device: torch.device) -> _Window:
+        """``plan``'s receive window, allocated once per bucket by the step's transport (a
+        collective for symmetric memory: every rank reaches a bucket's first step)."""
         key = (plan.bucket, plan.direction, dtype, str(device))
         with self._lock:
             if key not in self._windows:
-                self._windows[key] = _window(plan, dtype, device)
+                channel = self.transport_for(device)
+                events = max(1, len(plan.graph.events))
+
+                def allocate(numel: int) -> torch.Tensor:
+                    if channel is None:
+                        return torch.zeros(numel, dtype=dtype, device=device)
+                    return channel.window(numel, dtype, device, events)
+
+                self._windows[key] = _window(plan, allocate)
             return self._windows[key]
 
     def scratch(self, plan: Plan, spec, ref: torch.Tensor) -> torch.Tensor:
@@ -266,16 +312,11 @@ class TaskflowRuntime:
         )
         self._checked.add(key)
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
-        if self.channel is not None and ref.device.type != "cpu":
-            # NCCL supports neither host threads per queue nor receives from any source, and
-            # gloo's point-to-point hands the window's raw pointer to TCP (no device copy).
-            raise ValueError(
-                f"dispatcher 'taskflow' runs its expert-parallel steps on CPU tensors only (got "
-                f"{ref.device.type} tensors on {self.group.size} ranks): its runtime moves tiles "
-                "with host threads per queue and point-to-point puts from any source. On a GPU "
-                "use dispatcher 'dropless' (the device data plane of taskflow is a separate "
-                "issue)"
-            )
+        # NCCL supports neither host threads per queue nor receives from any source, and gloo's
+        # point-to-point hands the window's raw pointer to TCP (no device copy): device tiles
+        # between ranks need symmetric memory (pick_transport refuses them otherwise).
+        channel = self.transport_for(ref.device)
+        self._last = channel
         window = self.window(plan, ref.dtype, ref.device)
 
         def work(spec):
@@ -291,13 +332,13 @@ class TaskflowRuntime:
 
         bufs = make_buffers(plan, inputs, ref, work)
         route: StepRouting = step_routing(plan, routing, group)  # also the step fence
-        step = _Step(plan, bufs, route, window, self.channel)
+        step = _Step(plan, bufs, route, window, channel)
         if "w3" in inputs:  # [w1 | w3] once per weight version, shared by forward and backward
             step.memo["w_up"] = self._w_up(inputs["w1"], inputs["w3"], ref.dtype)
         counters = make_counters(plan.graph, plan.rank)
         expected = step.expected_puts(counters)
-        if self.channel is not None:
-            self.channel.begin(window.data, counters, expected, self.recorder)
+        if channel is not None:
+            channel.begin(window.data, counters, expected, self.recorder)
         try:
             if self.executor == "static":
                 # the same lanes the sequential executor hands the event engine, kept per plan
@@ -324,13 +365,13 @@ class TaskflowRuntime:
                     recorder=self.recorder,
                 )
         except BaseException as exc:
-            if self.channel is not None:
-                self.channel.fail(f"rank {plan.rank} stopped its step: {exc}")
+            if channel is not None:
+                channel.fail(f"rank {plan.rank} stopped its step: {exc}")
                 with contextlib.suppress(Exception):  # the executor's error is the one to report
-                    self.channel.finish()
+                    channel.finish()
             raise
-        if self.channel is not None:
-            self.channel.finish()
+        if channel is not None:
+            channel.finish()
         return bufs, route
 
     def forward(
