@@ -84,7 +84,7 @@ def _model_config(strategy: str, domains: tuple[int, ...] | None) -> Any:
 
     moe = {**MODEL["moe"], "dispatcher": strategy}  # type: ignore[dict-item]
     if strategy == "hybrid":
-        moe["domain_sizes"] = list(domains) if domains else None
+        moe["options"] = {"domain_sizes": list(domains) if domains else None}
     return MoEGPTConfig.from_dict({**MODEL, "moe": moe})
 
 

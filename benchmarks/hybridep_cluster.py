@@ -58,6 +58,12 @@ VARIANTS = ("classic EP", "Partition", "+Migration")
 COMPUTE = "compute only"  # every expert local, no communication: the step's compute
 
 
+def _hybrid_options(domains: Any, cr: float) -> dict[str, Any]:
+    """hybrid's options: compressed gathers recompute the shared experts every SHARED_EVERY."""
+    every = SHARED_EVERY if cr > 1 else 1
+    return {"domain_sizes": domains, "compression_ratio": cr, "shared_expert_every": every}
+
+
 def _moe_config(F: int, dispatcher: str, domains: Any = None, cr: float = 1.0) -> Any:
     """The MoE layer; compressed gathers recompute the shared experts every SHARED_EVERY."""
     from moesaic import MoEConfig
@@ -68,9 +74,7 @@ def _moe_config(F: int, dispatcher: str, domains: Any = None, cr: float = 1.0) -
         num_experts=E,
         top_k=K,
         dispatcher=dispatcher,
-        domain_sizes=domains,
-        expert_compression_ratio=cr,
-        shared_expert_every=SHARED_EVERY if cr > 1 else 1,
+        options=_hybrid_options(domains, cr) if dispatcher == "hybrid" else None,
         collective_timeout_s=120.0,
     )
 

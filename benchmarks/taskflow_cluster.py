@@ -61,10 +61,18 @@ def _layer(
 
     from moesaic import MoEConfig, MoELayer
 
-    cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K,
-                    dispatcher=dispatcher, taskflow_executor=executor, taskflow_tile_m=tile,
-                    taskflow_pipeline=pipe,
-                    collective_timeout_s=120.0, aux_loss_coef=0.0, z_loss_coef=0.0)  # fmt: skip
+    options = {"executor": executor, "tile_m": tile, "pipeline": pipe}
+    cfg = MoEConfig(
+        hidden_size=H,
+        ffn_hidden_size=F,
+        num_experts=E,
+        top_k=K,
+        dispatcher=dispatcher,
+        options=options if dispatcher == "taskflow" else None,
+        collective_timeout_s=120.0,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+    )
     torch.manual_seed(0)
     return MoELayer(cfg, group=group)
 
@@ -221,7 +229,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", default=None, help="Chrome trace of the last static step")
     parser.add_argument("--loopback", action="store_true", help="no emulated network")
-    parser.add_argument("--tile", type=int, default=TILE, help="taskflow_tile_m")
+    parser.add_argument("--tile", type=int, default=TILE, help="taskflow's tile_m option")
     args = parser.parse_args()
 
     import taskflow_cluster as mod  # workers unpickle the functions by this module name

@@ -209,7 +209,7 @@ CASES = [
     ("padded", {"dispatcher": "padded"}, True, 1),
     ("padded capacity (CPU path)", {"dispatcher": "padded", "capacity_factor": 0.75}, False, 1),
     ("padded (CPU path)", {"dispatcher": "padded"}, False, 2),
-    ("hybrid", {"dispatcher": "hybrid", "domain_sizes": (2,)}, False, 1),
+    ("hybrid", {"dispatcher": "hybrid", "options": {"domain_sizes": (2,)}}, False, 1),
     ("taskflow", {"dispatcher": "taskflow"}, False, 19),
 ]
 

@@ -47,11 +47,15 @@ def test_generate_temperature_must_be_finite(bad):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), 0.5, -1.0, float("inf")])
-def test_expert_compression_ratio_has_one_rule(bad):
+def test_compression_ratio_has_one_rule(bad):
     """nan said ">= 0" while 0.5 said ">= 1": one rule for every bad value now."""
     from moesaic.config import MoEConfig
 
-    with pytest.raises(
-        ValueError, match=r"expert_compression_ratio \(.*\) must be a finite number >= 1"
-    ):
-        MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=2, expert_compression_ratio=bad)
+    with pytest.raises(ValueError, match=r"^compression_ratio \(.*\) must be a finite number >= 1"):
+        MoEConfig(
+            hidden_size=8,
+            ffn_hidden_size=8,
+            num_experts=2,
+            dispatcher="hybrid",
+            options={"compression_ratio": bad},
+        )

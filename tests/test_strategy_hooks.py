@@ -13,6 +13,7 @@ import moesaic
 from moesaic.strategies import get_strategy, strategy_names
 from moesaic.strategies.base import StrategyHooks
 from moesaic.strategies.prefetch import ExpertPrefetcher
+from moesaic.strategy_options import StrategyOptions
 from moesaic.train.hooks import ModelHooks
 
 TRAIN_DIR = Path(moesaic.__file__).parent / "train"
@@ -37,11 +38,11 @@ def test_default_hooks_do_nothing(name):
 
 def test_hybrid_hooks():
     cls = get_strategy("hybrid")
-    cls.check_levels(_cfg(dispatcher="hybrid", domain_sizes=(1, 2)), (2, 4))
-    with pytest.raises(ValueError, match=r"^domain_sizes"):
-        cls.check_levels(_cfg(dispatcher="hybrid", domain_sizes=(3,)), (4,))
-    cfg = cls.inference_config(_cfg(dispatcher="hybrid", domain_sizes=(2,)))
-    assert cfg.dispatcher == "dropless" and cfg.domain_sizes is None
+    cls.check_levels(_cfg(dispatcher="hybrid", options={"domain_sizes": (1, 2)}), (2, 4))
+    with pytest.raises(ValueError, match=r"^options\.domain_sizes"):
+        cls.check_levels(_cfg(dispatcher="hybrid", options={"domain_sizes": (3,)}), (4,))
+    cfg = cls.inference_config(_cfg(dispatcher="hybrid", options={"domain_sizes": (2,)}))
+    assert cfg.dispatcher == "dropless" and cfg.options == StrategyOptions()
     with cls.training_hooks([], recorder=None) as hooks:
         assert isinstance(hooks, ExpertPrefetcher) and hooks.layers == []
 

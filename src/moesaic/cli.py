@@ -29,7 +29,7 @@ _MODULES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("moesaic.taskflow.cli", (("taskflow", "compile, inspect and check static MoE taskflows"),)),
     (
         "moesaic.sim.plan_cli",
-        (("plan", "HybridEP expert-domain sizes for a model on a cluster (cost model)"),),
+        (("plan", "rank strategy x schedule x knobs for a model on a cluster (simulator)"),),
     ),
     (
         "moesaic.sim.cli",

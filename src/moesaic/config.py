@@ -8,19 +8,21 @@ error (or a hang) deep inside a collective.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from moesaic.checks import (
     check_bool,
     check_int,
     check_non_negative,
-    check_number,
     check_one_of,
     check_positive,
     check_positive_int,
 )
 from moesaic.kernels import KERNELS, require_triton
-from moesaic.strategy_table import strategy_names
+from moesaic.strategy_options import StrategyOptions
+from moesaic.strategy_table import options_class, strategy_names
 
 __all__ = ["ACTIVATIONS", "SCORE_FUNCS", "MoEConfig", "check_positive_int"]
 
@@ -28,6 +30,7 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "gelu")
 BALANCE_CHOICES = ("all", "first")
 BALANCE_SCOPES = ("local", "global")
+OptionsT = TypeVar("OptionsT", bound=StrategyOptions)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,27 +87,12 @@ class MoEConfig:
             tokens; "global": every rank's tokens of the step (the counts all-reduced over
             the layer's balance group, by default the whole world: Qwen3's global-batch
             balancing). Both are exact when a batch is split into microbatches or chunks.
-        domain_sizes: HybridEP expert-domain sizes ``S_ED^l`` per level, outermost first (the
-            ``hybrid`` dispatcher's topology; ``moesaic plan`` chooses them). The levels are
-            those of the layer's cluster description, or one level of the whole expert-parallel
-            group when it has none. None: one domain of the whole group (every expert gathered
-            everywhere, tokens never leave their rank: the paper's p = 0). Other dispatchers
-            ignore it.
-        expert_compression_ratio: CR of the SR compression (``moesaic.placement.compress``) of
-            experts the ``hybrid`` dispatcher gathers; 1.0 gathers them exactly.
-        shared_expert_every: compressed gathers recompute the shared expert (the domain's
-            mean expert: an all-reduce of one expert's size) every this many gathers and reuse
-            it in between (1: every gather, as the paper). Encoder and decoder always use the
-            same one; a stale one only leaves larger residuals for the top-k to keep.
-        taskflow_executor: how the ``taskflow`` dispatcher runs its compiled tile plans:
-            "static" (one worker per queue in compiled order, HyperParallel-MoE) or "dynamic"
-            (a scheduler and a processor pool deciding at run time, FlashDMoE).
-        taskflow_tile_m: rows of a ``taskflow`` dispatch / GMM tile (the bucket's slot rows
-            are a power-of-two number of tiles).
-        taskflow_pipeline: compile ``taskflow`` plans with the list-scheduled queue order
-            (``CompileOptions.pipeline``: GMM2 and combine tiles start while GMM1 tiles remain)
-            instead of the kernel-by-kernel order. Off by default: on the emulated CPU cluster
-            it measured 3-5% slower (benchmarks/results/taskflow_cluster.json).
+        options: the options of the ``dispatcher`` (``moesaic.strategy_options``): its own
+            dataclass (``HybridOptions``: domain sizes, compression; ``TaskflowOptions``:
+            executor, tile rows; an empty ``StrategyOptions`` for a strategy without options),
+            or a dict of its fields (a TOML ``[model.moe.options]`` table), or None for its
+            defaults. Another strategy's options are refused; after construction it is always
+            the dispatcher's options class (``options_as`` reads it typed).
         kernels: the expert path's implementation: "torch" (plain torch, the default) or
             "triton" (``moesaic.kernels``: permute, grouped GEMMs with SwiGLU fused into the
             first, combine; needs Triton, which is not a dependency of moesaic).
@@ -134,12 +122,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     seq_aux_loss_coef: float = 0.0
     balance_loss_scope: str = "local"
-    domain_sizes: tuple[int, ...] | None = None
-    expert_compression_ratio: float = 1.0
-    shared_expert_every: int = 1
-    taskflow_executor: str = "static"
-    taskflow_tile_m: int = 128
-    taskflow_pipeline: bool = False
+    options: StrategyOptions | Mapping[str, Any] | None = None
     kernels: str = "torch"
 
     def __post_init__(self) -> None:
@@ -169,29 +152,45 @@ class MoEConfig:
         check_bool("renormalize_after_drop", self.renormalize_after_drop)
         check_one_of("balance_loss_choices", self.balance_loss_choices, BALANCE_CHOICES)
         self._check_routing_features()
-        if self.domain_sizes is not None:
-            if isinstance(self.domain_sizes, (str, bytes)) or not isinstance(
-                self.domain_sizes, (tuple, list)
-            ):
-                raise ValueError(
-                    f"domain_sizes ({self.domain_sizes!r}) must be a list of positive ints "
-                    "(one per cluster level, outermost first) or None"
-                )
-            self.domain_sizes = tuple(self.domain_sizes)
-            if not self.domain_sizes:
-                raise ValueError("domain_sizes must not be empty (None: not set)")
-            for i, s in enumerate(self.domain_sizes):
-                check_positive_int(f"domain_sizes[{i}]", s)
-        check_positive_int("shared_expert_every", self.shared_expert_every)
-        # one rule for every bad value (nan said ">= 0" while 0.5 said ">= 1"); 1: exact
-        check_number("expert_compression_ratio", self.expert_compression_ratio, 1.0)
-
-        check_one_of("taskflow_executor", self.taskflow_executor, ("static", "dynamic"))
-        check_positive_int("taskflow_tile_m", self.taskflow_tile_m)
-        check_bool("taskflow_pipeline", self.taskflow_pipeline)
+        self._resolve_options()
         check_one_of("kernels", self.kernels, KERNELS)
         if self.kernels == "triton":
             require_triton()
+
+    def _resolve_options(self) -> None:
+        """``options`` -> an instance of the dispatcher's options class (None or an empty
+        ``StrategyOptions``: its defaults; a dict: its fields)."""
+        cls = options_class(self.dispatcher)
+        opts = self.options
+        if opts is None or type(opts) is StrategyOptions:
+            self.options = cls()
+        elif isinstance(opts, StrategyOptions):
+            if type(opts) is not cls:
+                raise ValueError(
+                    f"options ({type(opts).__name__}) are not those of dispatcher "
+                    f"{self.dispatcher!r} ({cls.__name__}): give its own, or None for its "
+                    "defaults (dataclasses.replace of the dispatcher needs options=None too)"
+                )
+        elif isinstance(opts, Mapping):
+            self.options = cls.from_dict(opts, strategy=self.dispatcher)
+        else:
+            raise ValueError(
+                f"options ({opts!r}) must be the dispatcher's options ({cls.__name__}), a dict "
+                "of its fields, or None"
+            )
+
+    def options_as(self, cls: type[OptionsT]) -> OptionsT:
+        """``options``, typed as the options class ``cls`` of the dispatcher.
+
+        Raises:
+            TypeError: the dispatcher's options are not ``cls`` (another strategy's config).
+        """
+        if not isinstance(self.options, cls):
+            raise TypeError(
+                f"dispatcher {self.dispatcher!r} has options {type(self.options).__name__}, "
+                f"not {cls.__name__}"
+            )
+        return self.options
 
     def _check_routing_features(self) -> None:
         """Shared experts, bias balancing, group-limited routing, scaling, sequence loss."""

@@ -88,7 +88,9 @@ SP = 4096
 
 def _config(strategy: str, domain_sizes: tuple[int, ...] | None) -> MoEGPTConfig:
     moe = {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 16, "dispatcher": strategy}
-    moe |= {"aux_loss_coef": 0.01, "domain_sizes": domain_sizes}
+    moe["aux_loss_coef"] = 0.01
+    if domain_sizes is not None:  # hybrid's option
+        moe["options"] = {"domain_sizes": domain_sizes}
     return MoEGPTConfig.from_dict(
         # layernorm: _skew moves ln2's bias (RMSNorm has none)
         {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": T, "norm": "layernorm", "moe": moe}

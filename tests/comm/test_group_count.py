@@ -70,7 +70,8 @@ CASES = {
 
 def _config(strategy: str, domain_sizes: tuple[int, ...] | None, layers: int) -> MoEGPTConfig:
     moe = {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 16, "dispatcher": strategy}
-    moe |= {"domain_sizes": domain_sizes}
+    if domain_sizes is not None:  # hybrid's option
+        moe["options"] = {"domain_sizes": domain_sizes}
     return MoEGPTConfig.from_dict(
         {"d_model": 16, "n_layers": layers, "n_heads": 2, "seq_len": T, "moe": moe}
     )

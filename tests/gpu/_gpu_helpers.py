@@ -69,7 +69,7 @@ def layer_cases(world: int) -> list[tuple[str, dict[str, Any], Callable[[int], i
         cases.append((f"{s}/uneven", {"dispatcher": s}, lambda r: 6 + 3 * r))
         cases.append((f"{s}/capacity", {"dispatcher": s, "capacity_factor": 0.75}, lambda r: 12))
     if world == 4:
-        hybrid = {"dispatcher": "hybrid", "domain_sizes": (2,)}
+        hybrid = {"dispatcher": "hybrid", "options": {"domain_sizes": (2,)}}
         cases.append(("hybrid/domains-2", hybrid, lambda r: 12))
     return cases
 

@@ -64,16 +64,15 @@ def _inputs(rank: int, n: int, one_rank: bool) -> torch.Tensor:
     return x
 
 
-def _layer(domains, two_level: bool, overrides=(), routing=None, **extra):
+def _layer(domains, two_level: bool, overrides=(), routing=None, **options):
     cfg = moesaic.MoEConfig(
         hidden_size=H,
         ffn_hidden_size=F,
         num_experts=E,
         init_std=0.5,
         dispatcher="hybrid",
-        domain_sizes=domains,
+        options={"domain_sizes": domains, **options},
         **dict(overrides),
-        **extra,
     )
     torch.manual_seed(4321)
     layer = moesaic.MoELayer(cfg, topology=TWO_BY_TWO if two_level else None)
@@ -165,7 +164,7 @@ def _cache_and_prefetch(rank: int) -> dict:
 
 def _compressed(rank: int) -> dict:
     cr = 4.0
-    _, layer, sd = _layer((2,), False, expert_compression_ratio=cr)
+    _, layer, sd = _layer((2,), False, compression_ratio=cr)
     x = _inputs(rank, 10, False).requires_grad_()
     y = layer(x)
     y.square().sum().backward()
@@ -178,7 +177,7 @@ def _compressed(rank: int) -> dict:
     exact.load_full_state_dict(sd)
     y_exact = exact(x.detach())
     # Shared experts recomputed every 2nd gather: the gather after an update reuses them.
-    _, every2, _ = _layer((2,), False, expert_compression_ratio=cr, shared_expert_every=2)
+    _, every2, _ = _layer((2,), False, compression_ratio=cr, shared_expert_every=2)
     sent = []
     for _ in range(3):
         every2(x.detach())

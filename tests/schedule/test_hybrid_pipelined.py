@@ -55,7 +55,7 @@ def _config(domains: tuple[int, ...]) -> MoEGPTConfig:
                 "top_k": 2,
                 "ffn_hidden_size": 16,
                 "dispatcher": "hybrid",
-                "domain_sizes": list(domains),
+                "options": {"domain_sizes": list(domains)},
                 "aux_loss_coef": 0.1,
                 "z_loss_coef": 0.01,
             },

@@ -85,7 +85,7 @@ def _config(dispatcher: str, features: bool = False) -> MoEGPTConfig:
                 "z_loss_coef": 0.01,
                 # hybrid: domains of one rank, so its rows cross the group as in the other
                 # strategies (its gathers are tested in tests/schedule/test_hybrid_pipelined.py)
-                **({"domain_sizes": [1]} if dispatcher == "hybrid" else {}),
+                **({"options": {"domain_sizes": [1]}} if dispatcher == "hybrid" else {}),
             },
         }
     )

@@ -1,5 +1,8 @@
-"""``moesaic plan``: every candidate in the table, ``--json`` equal to ``plan_domains``, the
-inputs derived from the training TOML, torch-free with a given rate, one-line errors."""
+"""``moesaic plan``: the ranking of every runnable combination (the table, and ``--json`` equal
+to ``plan_runs``; the 1,000-DC example is tests/planning/test_planner.py's) and
+``--domains-only``, HybridEP's domain sizes (every candidate in the table, ``--json`` equal to
+``plan_domains``, the inputs derived from the training TOML); torch-free with a given rate,
+one-line errors."""
 
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ def _model(tmp_path: Path, **moe: object) -> Path:
 
 
 def _plan(capsys, *argv: str) -> str:
-    assert main(["plan", *argv]) == 0
+    """``moesaic plan --domains-only`` (HybridEP's domain sizes alone)."""
+    assert main(["plan", "--domains-only", *argv]) == 0
     return capsys.readouterr().out
 
 
@@ -167,8 +171,9 @@ print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
 """
 
 
-def test_plan_with_a_given_rate_does_not_import_torch():
-    argv = ["plan", "--cluster", str(SMALL), "--model", str(TINY), "--flops-per-s", "1e10"]
+@pytest.mark.parametrize("mode", [[], ["--domains-only"]], ids=["ranking", "domains-only"])
+def test_plan_with_a_given_rate_does_not_import_torch(mode):
+    argv = ["plan", "--cluster", str(SMALL), "--model", str(TINY), "--flops-per-s", "1e10", *mode]
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120
     )
@@ -237,7 +242,7 @@ def test_errors_are_one_line_naming_the_field(make_argv, words, tmp_path, capsys
     argv = make_argv(tmp_path)
     if "--flops-per-s" not in argv:
         argv += ["--flops-per-s", "1e10"]
-    assert main(["plan", *argv]) == 2
+    assert main(["plan", "--domains-only", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moesaic plan: error: ") and "\n" not in err, err
     for word in words:
@@ -248,3 +253,70 @@ def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "broken.toml"
     path.write_text(text)
     return path
+
+
+# ------------------------------------------------------------------ the ranking (default mode)
+
+
+# 2 x 2 ranks, the tiny example's model: every strategy runs there, and fast to simulate
+SMALL_TINY = ["--cluster", str(SMALL), "--model", str(TINY)]
+
+
+def _rank(capsys, *argv: str) -> str:
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_json_is_plan_runs_and_the_table_its_head(capsys):
+    """``--json`` lists every combination of ``plan_runs`` in its order with the documented
+    keys; the table shows the first ``--top`` of them, the pick and the same reason."""
+    from moesaic.sim.model import load_model_spec
+    from moesaic.sim.planner import plan_runs
+    from moesaic.sim.profile import Profile
+
+    rows = json.loads(_rank(capsys, *SMALL_TINY, "--flops-per-s", "2e10", "--json"))
+    spec = ClusterSpec.from_toml(SMALL)
+    model = load_model_spec(TINY)
+    plan = plan_runs(spec, model, Profile(flops_per_s=2e10))
+    assert [r["rank"] for r in rows] == list(range(1, len(plan.ranked) + 1))
+    for row, c in zip(rows, plan.ranked, strict=True):
+        assert {"strategy", "schedule", "options", "predicted_ms", "bound_ms"} <= set(row)
+        assert (row["strategy"], row["schedule"], row["options"]) == (
+            c.strategy,
+            c.schedule,
+            c.options,
+        )
+        assert row["predicted_ms"] == pytest.approx(c.predicted_ms, rel=1e-12)
+    assert rows[0]["reason"] == plan.reason and "reason" not in rows[1]
+    text = _rank(capsys, *SMALL_TINY, "--flops-per-s", "2e10", "--top", "3")
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["#", "strategy", "schedule"]
+    for i, (line, c) in enumerate(zip(lines[1:4], plan.ranked[:3], strict=True)):
+        cells = line.split()
+        assert cells[:3] == [str(i + 1), c.strategy, c.schedule]
+        assert f"{c.predicted_ms:.4g}" in cells and f"{c.bound_ms:.4g}" in cells
+    assert lines[4] == f"... {len(plan.ranked) - 3} more (--top N, or --json for every one)"
+    assert f"pick     {plan.chosen.name} {plan.chosen.knobs()}" in lines
+    assert f"reason   {plan.reason}" in lines
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--top", "0"], ["top (--top)"]),
+        (["--tokens-per-rank", "8"], ["--tokens-per-rank", "--domains-only"]),
+        (["--compression-ratio", "4,x"], ["compression_ratio", "comma-separated"]),
+        (["--compression-ratio", "1,0.5"], ["compression_ratio", ">= 1"]),
+        (["--flops-per-s", "-1"], ["flops_per_s"]),
+    ],
+    ids=["top", "domains-only-flag", "cr-text", "cr-small", "flops"],
+)
+def test_ranking_errors_name_the_flag(extra, words, capsys):
+    argv = [*SMALL_TINY, *extra]
+    if "--flops-per-s" not in argv:
+        argv += ["--flops-per-s", "1e10"]
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moesaic plan: error: ") and "\n" not in err, err
+    for word in words:
+        assert word in err, err

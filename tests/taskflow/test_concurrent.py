@@ -203,8 +203,13 @@ def layer_world(rank: int, world: int) -> list[str]:
     import moesaic
 
     torch.set_num_threads(1)
-    cfg = moesaic.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E,
-                            dispatcher="taskflow", taskflow_tile_m=64)  # fmt: skip
+    cfg = moesaic.MoEConfig(
+        hidden_size=H,
+        ffn_hidden_size=F,
+        num_experts=E,
+        dispatcher="taskflow",
+        options={"tile_m": 64},
+    )
     torch.manual_seed(0)
     layer = moesaic.MoELayer(cfg)
     x = torch.randn(16, H, generator=torch.Generator().manual_seed(rank))
@@ -242,8 +247,13 @@ def test_inference_keeps_no_activations(monkeypatch):
         return out
 
     monkeypatch.setattr(concurrent.TaskflowRuntime, "forward", spy)
-    cfg = moesaic.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E,
-                            dispatcher="taskflow", taskflow_tile_m=4)  # fmt: skip
+    cfg = moesaic.MoEConfig(
+        hidden_size=H,
+        ffn_hidden_size=F,
+        num_experts=E,
+        dispatcher="taskflow",
+        options={"tile_m": 4},
+    )
     torch.manual_seed(0)
     layer = moesaic.MoELayer(cfg)
     x = torch.randn(10, H)

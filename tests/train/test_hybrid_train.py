@@ -45,10 +45,11 @@ def test_strategy_is_the_dispatcher_option(tmp_path):
 
 def test_domains_sizes_auto_and_compression(tmp_path):
     cfg = _cfg("--strategy", "hybrid", "--domains", "1,2", "--expert-compression-ratio", "4")
-    assert cfg.model.moe.domain_sizes == (1, 2) and not cfg.auto_domains
-    assert cfg.model.moe.expert_compression_ratio == 4.0
+    assert cfg.model.moe.options.domain_sizes == (1, 2) and not cfg.auto_domains
+    assert cfg.model.moe.options.compression_ratio == 4.0
     cfg = _cfg("--strategy", "hybrid", "--domains", "auto", "--cluster", str(SMALL))
-    assert cfg.auto_domains and cfg.model.moe.domain_sizes is None and cfg.cluster == str(SMALL)
+    assert cfg.auto_domains and cfg.model.moe.options.domain_sizes is None
+    assert cfg.cluster == str(SMALL)
     # the same in TOML, and a flag over it
     toml = tmp_path / "run.toml"
     toml.write_text(
@@ -56,9 +57,11 @@ def test_domains_sizes_auto_and_compression(tmp_path):
     )
     assert _cfg("--config", str(toml)).auto_domains
     over = _cfg("--config", str(toml), "--strategy", "hybrid", "--domains", "2,1")
-    assert over.model.moe.domain_sizes == (2, 1) and not over.auto_domains
-    toml.write_text('[model.moe]\ndispatcher = "hybrid"\ndomain_sizes = [2, 2]\n')
-    assert _cfg("--config", str(toml)).model.moe.domain_sizes == (2, 2)
+    assert over.model.moe.options.domain_sizes == (2, 1) and not over.auto_domains
+    toml.write_text(
+        '[model.moe]\ndispatcher = "hybrid"\n[model.moe.options]\ndomain_sizes = [2, 2]\n'
+    )
+    assert _cfg("--config", str(toml)).model.moe.options.domain_sizes == (2, 2)
     # the workers get cfg.to_dict(): "auto" and the cluster survive it
     cfg = _cfg("--domains", "auto", "--cluster", str(SMALL), "--strategy", "hybrid")
     back = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
@@ -71,17 +74,23 @@ def test_domains_sizes_auto_and_compression(tmp_path):
         (["--strategy", "hybrid", "--domains", "auto"], ["'auto'", "cluster"]),
         (
             ["--strategy", "hybrid", "--domains", "1,x"],
-            ["model.moe.domain_sizes ('1,x')", "'auto' or positive ints"],
+            ["model.moe.options.domain_sizes ('1,x')", "'auto' or positive ints"],
         ),
-        (["--strategy", "hybrid", "--domains", "0"], ["model.moe.domain_sizes[0] (0)"]),
+        (["--strategy", "hybrid", "--domains", "0"], ["model.moe.options.domain_sizes[0] (0)"]),
         # the cluster must describe the EP group (2 ranks here, 4 in the file)
         (["--strategy", "hybrid", "--cluster", str(SMALL)], ["describes 4 ranks", "ep = 2"]),
         # without a cluster, one level of the EP size (2)
-        (["--strategy", "hybrid", "--domains", "3"], ["model.moe.domain_sizes[0] (3)", "divide"]),
-        (["--strategy", "hybrid", "--domains", "1,1"], ["model.moe.domain_sizes", "one entry"]),
+        (
+            ["--strategy", "hybrid", "--domains", "3"],
+            ["model.moe.options.domain_sizes[0] (3)", "divide"],
+        ),
+        (
+            ["--strategy", "hybrid", "--domains", "1,1"],
+            ["model.moe.options.domain_sizes", "one entry"],
+        ),
         (
             ["--strategy", "hybrid", "--expert-compression-ratio", "0.5"],
-            ["expert_compression_ratio (0.5)"],
+            ["compression_ratio (0.5)"],
         ),
         (
             ["--strategy", "taskflow", "--schedule", "moe-only"],
@@ -153,7 +162,7 @@ def test_auto_domains_are_rank_0s_plan_on_every_rank(rank, rate0, sizes, tmp_pat
     )
     layout = argparse.Namespace(rank=rank, world=_Gather(rate0))
     out = resolve_auto_domains(cfg, load_cluster(cluster), layout, torch.device("cpu"))
-    assert out.model.moe.domain_sizes == sizes and not out.auto_domains
+    assert out.model.moe.options.domain_sizes == sizes and not out.auto_domains
     # other strategies ignore domain_sizes = "auto" from a shared TOML (the flag is refused,
     # the key only noted): nothing measured, nothing set
     shared = tmp_path / "shared.toml"
@@ -180,11 +189,11 @@ def test_hybrid_auto_run_and_its_checkpoint_loads_elsewhere(data_file, tmp_path,
     # Tiny experts (32 x 32) on a 100 Mbit/s link: gathering them beats moving the tokens at
     # any rate from 1 MFLOP/s to 1 PFLOP/s, so [2] whatever rank 0 measured; one process
     # (generate, below) cannot build a domain of 2 (checkpoint.load_model_for_inference).
-    assert moe["dispatcher"] == "hybrid" and moe["domain_sizes"] == [2]
+    assert moe["dispatcher"] == "hybrid" and moe["options"]["domain_sizes"] == [2]
     # tensor shapes do not depend on the strategy: a padded single-process model loads it
     saved = MoEGPTConfig.from_dict(read_checkpoint_meta(path)["model"])
     other = MoEGPTConfig.from_dict(
-        {**saved.to_dict(), "moe": {**moe, "dispatcher": "padded", "domain_sizes": None}}
+        {**saved.to_dict(), "moe": {**moe, "dispatcher": "padded", "options": None}}
     )
     read_checkpoint_meta(path, other)
     assert load_checkpoint(path, model=MoEGPT(other), optimizer=None, rank=0)[0] == 4

@@ -13,6 +13,7 @@ import pytest
 from moesaic.cli import build_parser, main
 from moesaic.schedule import schedule_names
 from moesaic.strategies import strategy_names
+from moesaic.strategies.hybrid_options import HybridOptions
 from moesaic.train.config import TrainConfig, config_from_args
 from moesaic.train.option_rules import RULES
 
@@ -62,6 +63,7 @@ SAMPLES: dict[str, list[str]] = {
     "dtype": ["--dtype", "bf16"],
     "activation_checkpointing": ["--activation-checkpointing"],
     "emulate": ["--emulate", str(ROOT / "examples" / "clusters" / "flowmoe_2rank.toml")],
+    "plan": [],  # chooses the walk's axes itself: tests/train/test_train_plan.py
     "model.seq_len": ["--seq-len", "32"],
     "model.d_model": ["--d-model", "32"],
     "model.n_layers": ["--n-layers", "3"],
@@ -85,8 +87,8 @@ SAMPLES: dict[str, list[str]] = {
     "model.moe.aux_loss_coef": ["--aux-loss-coef", "0.02"],
     "model.moe.z_loss_coef": ["--z-loss-coef", "0.002"],
     "model.moe.dispatcher": [],  # the axis of the walk: always given
-    "model.moe.domain_sizes": ["--domains", "2"],
-    "model.moe.expert_compression_ratio": ["--expert-compression-ratio", "2"],
+    "model.moe.options.domain_sizes": ["--domains", "2"],
+    "model.moe.options.compression_ratio": ["--expert-compression-ratio", "2"],
 }
 
 
@@ -198,7 +200,7 @@ def test_the_applying_combinations_are_accepted():
     assert _cfg("--schedule", "flowmoe", "--ar-chunk", "4MiB").ar_chunk_bytes == 4 * 2**20
     assert _cfg("--schedule", "moe-only", "--ar-chunk", "4MiB").ar_chunk_bytes == 4 * 2**20
     cfg = _cfg("--strategy", "hybrid", "--domains", "1,2", "--expert-compression-ratio", "4")
-    assert cfg.model.moe.domain_sizes == (1, 2) and cfg.model.moe.expert_compression_ratio == 4
+    assert cfg.model.moe.options == HybridOptions(domain_sizes=(1, 2), compression_ratio=4.0)
     cfg = _cfg("--strategy", "hybrid", "--cluster", str(SMALL), "--domains", "auto")
     assert cfg.auto_domains and cfg.cluster == str(SMALL)
 
@@ -220,7 +222,8 @@ def test_toml_keys_that_do_not_apply_are_noted_not_refused(tmp_path, capsys):
     )
     notes: list[str] = []
     cfg = _cfg("--config", str(toml), "--strategy", "padded", notes=notes)
-    assert cfg.model.moe.dispatcher == "padded" and cfg.auto_domains
+    # hybrid's options are dropped after their notes: padded has none, so no domains either
+    assert cfg.model.moe.dispatcher == "padded" and not cfg.auto_domains
     assert notes == [
         f"ar_chunk in {toml} has no effect with --schedule vanilla: it applies only to "
         "--schedule moe-only or flowmoe (Sp, the chunk size of their gradient all-reduce pool; "
@@ -228,10 +231,10 @@ def test_toml_keys_that_do_not_apply_are_noted_not_refused(tmp_path, capsys):
         f"cluster in {toml} has no effect with --strategy padded: it applies only to --strategy "
         "hybrid (the topology whose levels hold hybrid's expert domains; no other strategy reads "
         "it)",
-        f"model.moe.domain_sizes in {toml} has no effect with --strategy padded: it applies only "
-        "to --strategy hybrid (the sizes of hybrid's expert domains; no other strategy has "
-        "domains)",
-        f"model.moe.expert_compression_ratio in {toml} has no effect with --strategy padded: it "
+        f"model.moe.options.domain_sizes in {toml} has no effect with --strategy padded: it "
+        "applies only to --strategy hybrid (the sizes of hybrid's expert domains; no other "
+        "strategy has domains)",
+        f"model.moe.options.compression_ratio in {toml} has no effect with --strategy padded: it "
         "applies only to --strategy hybrid (the compression of the experts hybrid gathers; no "
         "other strategy gathers experts)",
     ]

@@ -40,7 +40,7 @@ def _model(dispatcher: str, group=None, **model) -> MoEGPT:
     torch.manual_seed(0)  # alike on every rank and in both runs of a comparison
     moe = {"num_experts": 4, "ffn_hidden_size": 32, "dispatcher": dispatcher, **FEATURES}
     if dispatcher == "hybrid":  # domains of 2: the experts are gathered, no token exchange
-        moe["domain_sizes"] = [2]
+        moe["options"] = {"domain_sizes": [2]}
     cfg = MoEGPTConfig.from_dict({**TINY, **model, "moe": {**moe, "z_loss_coef": 0.01}})
     return MoEGPT(cfg, ep_group=group)
 

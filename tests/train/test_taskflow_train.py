@@ -13,9 +13,9 @@ from moesaic.cli import main
 def test_taskflow_run_matches_the_dropless_reference(executor, data_file, reference, tmp_path):
     run_dir = tmp_path / "run"
     args = tiny_args(data_file, run_dir, "--strategy", "taskflow")
-    if executor == "dynamic":  # the executor is a model-config field: set it in a config file
+    if executor == "dynamic":  # the executor is a taskflow option: set it in a config file
         cfg = tmp_path / "tf.toml"
-        cfg.write_text('[model.moe]\ntaskflow_executor = "dynamic"\n')
+        cfg.write_text('[model.moe.options]\nexecutor = "dynamic"\n')
         args += ["--config", str(cfg)]
     assert main(args) == 0
     want, got = train_losses(reference), train_losses(run_dir)
@@ -23,7 +23,7 @@ def test_taskflow_run_matches_the_dropless_reference(executor, data_file, refere
     for step, loss in want.items():  # same math, other tiling and summation order
         assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-5), step
     metas = sorted(run_dir.glob("checkpoints/step_*/meta.json"))
-    assert metas and f'"taskflow_executor": "{executor}"' in metas[-1].read_text()
+    assert metas and f'"executor": "{executor}"' in metas[-1].read_text()
 
 
 def test_ctrl_c_on_taskflow_stops_within_seconds(data_file, tmp_path):

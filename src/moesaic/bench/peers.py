@@ -46,10 +46,13 @@ def counterpart_config(name: str, config: MoEConfig, capacity_factor: float) -> 
     """Our layer config a peer is built from and checked against (same routing semantics)."""
     check_one_of("peer", name, PEERS)
     if name == "torchtitan":
-        return dataclasses.replace(config, dispatcher="dropless", capacity_factor=None)
+        return dataclasses.replace(
+            config, dispatcher="dropless", capacity_factor=None, options=None
+        )
     return dataclasses.replace(
         config,
         dispatcher="padded",
+        options=None,
         capacity_factor=capacity_factor,
         renormalize_after_drop=True,
         balance_loss_choices="first",

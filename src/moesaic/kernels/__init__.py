@@ -22,6 +22,9 @@ an ``*_reference`` in plain torch):
   (row gradients and the weights' gradients).
 * ``swiglu``: the first expert GEMM with SwiGLU fused into its epilogue:
   ``silu(x @ w1[i]) * (x @ w3[i])`` from one pass over ``x``.
+* ``persistent``: one persistent kernel per direction that runs a lowered taskflow plan
+  (``taskflow.lower``; its table vocabulary is ``task_ops``, which imports no Triton): the
+  ``taskflow`` dispatcher's path with ``kernels="triton"`` (EP 1).
 
 Tested against the references under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU in
 tests/kernels; nothing here has run on a GPU yet. Two interpreter defects (Triton 3.9) are

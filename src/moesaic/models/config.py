@@ -6,7 +6,10 @@ A TOML file gives the model under ``[model]`` and its MoE blocks under ``[model.
 ``MoEConfig``'s field names (``num_experts``, ``top_k``, ``ffn_hidden_size``, ``dispatcher``,
 ...); ``hidden_size`` is the model width and is filled in from ``d_model``. The flat keys of
 moesaic 0.1 (``num_experts`` ... under ``[model]``, as old checkpoints' ``meta.json`` hold them)
-are still read and moved into ``moe``: see ``LEGACY_MOE_KEYS``.
+are still read and moved into ``moe``: see ``LEGACY_MOE_KEYS``. The strategy options live in
+``[model.moe.options]`` (``MoEConfig.options``, the dispatcher's); the flat ``[model.moe]`` keys
+they had before (``domain_sizes``, ``taskflow_executor``, ..., as checkpoints saved until then
+hold them) are still read and moved there: see ``LEGACY_OPTION_KEYS``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 from moesaic.checks import check_int, check_one_of, check_positive_int
 from moesaic.config import MoEConfig
+from moesaic.strategy_options import StrategyOptions
 
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
@@ -33,6 +37,17 @@ LEGACY_MOE_KEYS = {
     "z_loss_coef": "z_loss_coef",
     "dispatcher": "dispatcher",
     "collective_timeout_s": "collective_timeout_s",
+}
+
+# A flat [model.moe] key of before the strategy options -> (the strategy that read it, its name
+# in that strategy's options, [model.moe.options]).
+LEGACY_OPTION_KEYS = {
+    "domain_sizes": ("hybrid", "domain_sizes"),
+    "expert_compression_ratio": ("hybrid", "compression_ratio"),
+    "shared_expert_every": ("hybrid", "shared_expert_every"),
+    "taskflow_executor": ("taskflow", "executor"),
+    "taskflow_tile_m": ("taskflow", "tile_m"),
+    "taskflow_pipeline": ("taskflow", "pipeline"),
 }
 
 
@@ -135,22 +150,29 @@ class MoEGPTConfig:
         return dataclasses.asdict(self)
 
     def fields_flat(self) -> dict[str, object]:
-        """Every field, ``moe``'s as ``moe.<name>``: what ranks compare before building."""
+        """Every field, ``moe``'s as ``moe.<name>`` and its strategy options' as
+        ``moe.options.<name>``: what ranks compare before building."""
         out: dict[str, object] = {}
         for f in dataclasses.fields(self):
             if f.name != "moe":
                 out[f.name] = getattr(self, f.name)
         for f in dataclasses.fields(self.moe):
-            out[f"moe.{f.name}"] = getattr(self.moe, f.name)
+            if f.name != "options":
+                out[f"moe.{f.name}"] = getattr(self.moe, f.name)
+        options = self.moe.options
+        assert isinstance(options, StrategyOptions)  # internal: MoEConfig resolved it
+        for name, value in options.to_dict().items():
+            out[f"moe.options.{name}"] = value
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MoEGPTConfig:
         """Build from ``to_dict()`` output or a TOML ``[model]`` table.
 
-        ``moe`` is a table of ``MoEConfig`` fields (``hidden_size`` defaults to ``d_model``);
-        the flat keys of moesaic 0.1 are moved into it (``nest_legacy_keys``). Unknown keys are
-        an error naming them.
+        ``moe`` is a table of ``MoEConfig`` fields (``hidden_size`` defaults to ``d_model``,
+        ``options`` a table of the dispatcher's options); the flat keys of moesaic 0.1 are moved
+        into it and its flat option keys into ``options`` (``nest_legacy_keys``). Unknown keys
+        are an error naming them.
         """
         d = nest_legacy_keys(d)
         known = {f.name for f in dataclasses.fields(cls)}
@@ -182,16 +204,22 @@ def with_legacy_architecture(d: dict[str, Any]) -> dict[str, Any]:
     return {**LEGACY_ARCHITECTURE, **d}
 
 
-def nest_legacy_keys(d: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the ``[model]`` dict ``d`` with moesaic 0.1's flat MoE keys moved into ``moe``.
+def nest_legacy_keys(d: dict[str, Any], *, keep_other_options: bool = False) -> dict[str, Any]:
+    """A copy of the ``[model]`` dict ``d`` with moesaic 0.1's flat MoE keys moved into ``moe``
+    and the flat strategy option keys of ``moe`` into ``moe.options``.
 
     ``{"num_experts": 4, "expert_hidden": 64}`` becomes
-    ``{"moe": {"num_experts": 4, "ffn_hidden_size": 64}}``. A key given both ways with two
-    different values is an error naming both places.
+    ``{"moe": {"num_experts": 4, "ffn_hidden_size": 64}}``; ``{"moe": {"dispatcher": "hybrid",
+    "expert_compression_ratio": 4.0}}`` becomes ``{"moe": {"dispatcher": "hybrid", "options":
+    {"compression_ratio": 4.0}}}`` (``LEGACY_OPTION_KEYS``). A flat option key of another
+    strategy than the dispatcher is dropped: it never had an effect (a checkpoint saved every
+    one), unless ``keep_other_options`` (``moesaic train`` notes, then drops, what does not
+    apply to the strategy its flags choose). A key given both ways with two different values is
+    an error naming both places.
     """
     d = dict(d)
     legacy = {k: d.pop(k) for k in list(d) if k in LEGACY_MOE_KEYS}
-    if not legacy:
+    if not legacy and not isinstance(d.get("moe"), dict):
         return d
     moe = d.get("moe", {})
     if not isinstance(moe, dict):
@@ -205,5 +233,36 @@ def nest_legacy_keys(d: dict[str, Any]) -> dict[str, Any]:
                 f"{old} moved to [model.moe] as {new}: give it there only"
             )
         moe[new] = value
-    d["moe"] = moe
+    d["moe"] = _nest_option_keys(moe, keep_others=keep_other_options)
     return d
+
+
+def _nest_option_keys(moe: dict[str, Any], *, keep_others: bool) -> dict[str, Any]:
+    """``moe`` with its flat option keys (``LEGACY_OPTION_KEYS``) moved into ``options``."""
+    flat = {k: moe.pop(k) for k in list(moe) if k in LEGACY_OPTION_KEYS}
+    if not flat:
+        return moe
+    dispatcher = moe.get("dispatcher", MoEConfig.__dataclass_fields__["dispatcher"].default)
+    options = moe.get("options")
+    if isinstance(options, StrategyOptions):
+        options = options.to_dict()
+    if not isinstance(options, dict | None):
+        raise ValueError(f"model.moe.options must be a table of option names, got {options!r}")
+    options = dict(options or {})
+    for old, value in flat.items():
+        strategy, new = LEGACY_OPTION_KEYS[old]
+        if strategy != dispatcher and not keep_others:
+            continue
+        if new in options and _plain(options[new]) != _plain(value):
+            raise ValueError(
+                f"model.moe.{old} ({value!r}) and model.moe.options.{new} ({options[new]!r}) "
+                f"differ; {old} moved to [model.moe.options] as {new}: give it there only"
+            )
+        options[new] = value
+    moe["options"] = options
+    return moe
+
+
+def _plain(value: object) -> object:
+    """``value`` with tuples as lists (a TOML list and a config's tuple compare equal)."""
+    return list(value) if isinstance(value, tuple) else value

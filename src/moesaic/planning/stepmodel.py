@@ -91,7 +91,8 @@ def predict_step(
         param_bytes: Bytes per expert parameter.
         compression_ratio: SR compression ratio of the gathers (1: none).
         shared_expert_every: The shared experts' all-reduce runs every this many gathers
-            (``MoEConfig.shared_expert_every``): its time is spread over them.
+            (``hybrid``'s option ``HybridOptions.shared_expert_every``): its time is spread over
+            them.
         prefetch: Gathers prefetched under the pre-expert computation (Fig. 10).
         dense_blocks_before: Dense blocks before each MoE block (``stream_inputs``).
         dense_ffn_hidden_size: Their FFN width (``stream_inputs``).

@@ -48,8 +48,7 @@ def _layer(dispatcher: str, tile: int, model: Any) -> Any:
         num_experts=model.experts,
         top_k=model.top_k,
         dispatcher=dispatcher,
-        taskflow_executor="static",
-        taskflow_tile_m=tile,
+        options={"executor": "static", "tile_m": tile} if dispatcher == "taskflow" else None,
         aux_loss_coef=0.0,
         z_loss_coef=0.0,
     )
@@ -108,7 +107,7 @@ def _worker(rank: int, world: int, model: Any, tile: int, steps: int) -> dict[st
 
 def measure(model: Any, tile: int, steps: int = 9) -> dict[str, Any]:
     """One rank (a world of one, one torch thread) running ``model``'s layer (a layer-only
-    ``ModelSpec``) at ``taskflow_tile_m`` = ``tile``, forward and backward, ``steps`` times
+    ``ModelSpec``) at ``taskflow``'s ``tile_m`` = ``tile``, forward and backward, ``steps`` times
     after a warm-up: per-step medians of the wall and process CPU seconds of
     :data:`VARIANTS`, of the static executor's handlers' thread CPU seconds per task type
     (``handler_cpu_s``), and the bucket's ``slot_rows`` and ``tile_m``."""

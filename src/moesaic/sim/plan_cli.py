@@ -1,24 +1,33 @@
-"""``moesaic plan``: HybridEP's domain sizes for a model on a cluster, with every candidate priced.
+"""``moesaic plan``: every runnable strategy x schedule x knobs for a model on a cluster, ranked.
 
-Reads the cluster TOML of ``moesaic cluster`` (``--cluster``) and, for ``--model``, the
-training TOML of ``moesaic train --config`` or the simulator's model file (``moesaic simulate
---model``, :func:`moesaic.sim.model.load_model`: a model file plans as the training config of its
-model and batch with the default run options, ``--dtype-bytes`` defaulting to its
-``act_bytes``), derives the cost model's inputs the way
-``moesaic train --domains auto`` does (``moesaic.train.domains``: tokens per MoE forward, the
-steady-state MoE block, fp32), and prints ``plan_domains``'s result: the chosen domain sizes and
-``p`` per level, a table of every candidate and the one-line reason; ``--json`` prints the same
-as one JSON object.
+Reads the cluster TOML of ``moesaic cluster`` (``--cluster``), the model (``--model``: the
+simulator's model file or a training config, :func:`moesaic.sim.model.load_model_spec`) and the
+machine's rates (``--profile`` of ``moesaic calibrate``, or ``--flops-per-s``, or measured here
+in about a second), and prints :func:`moesaic.sim.planner.plan_runs`'s ranking: a table of the
+fastest ``--top`` combinations (strategy, schedule, R, Sp, domains, compression) with their
+predicted step and perfect-overlap bound, the pick and the reason, and the pairs that cannot run
+here with why. ``--json`` prints the ranking as a list of objects (``strategy``, ``schedule``,
+``options``, ``predicted_ms``, ``bound_ms``, ...; the first also has ``reason``), which
+``moesaic train --plan FILE.json`` trains with.
+
+``--domains-only`` prints the earlier report instead: HybridEP's domain sizes alone, every
+candidate priced by the stream cost model (``plan_domains``) and the training-step model of
+``moesaic train --domains auto`` (:func:`build_plan`), from the training config's inputs
+(``moesaic.train.domains``: tokens per MoE forward, the steady-state MoE block, fp32; a model
+file plans as the training config of its model and batch, ``--dtype-bytes`` defaulting to its
+``act_bytes``).
 
 The cluster's ranks are the expert-parallel group (the TOML's ``nproc`` and ``ep`` are not
-used). Torch-free, except when no ``--flops-per-s`` is given: the GEMM throughput is then
-measured with torch on this machine (``measure_gemm_flops``).
+used). Torch-free, except when neither ``--profile`` nor ``--flops-per-s`` is given: the rates
+are then measured with torch on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from typing import Any
 
 from moesaic.cluster.spec import ClusterSpec
@@ -27,22 +36,28 @@ from moesaic.sim.cli_files import load_option
 
 PLAN_EPILOG = """\
 examples:
-  moesaic plan --cluster examples/clusters/2dc_2node_small.toml --model examples/train_tiny.toml
-  moesaic plan --cluster examples/clusters/hybridep_2dc.toml \\
-      --model examples/models/hybridep_small.toml --flops-per-s 1e12
-  moesaic plan --cluster examples/clusters/2dc_2node.toml --model examples/train_tiny.toml \\
-      --flops-per-s 1e12 --tokens-per-rank 8192 --compression-ratio 50 --json
+  moesaic plan --cluster examples/clusters/flowmoe_2rank.toml \\
+      --model examples/models/flowmoe_small.toml --profile profile.json
+  moesaic plan --cluster examples/clusters/hybridep_1000dc.toml \\
+      --model examples/models/hybridep_1000dc.toml --flops-per-s 1e14 --json > plan.json
+  moesaic train --config examples/train_tiny.toml --plan plan.json
+  moesaic plan --cluster examples/clusters/2dc_2node_small.toml \\
+      --model examples/train_tiny.toml --domains-only   # HybridEP's domain sizes alone
 """
+
+# Rows of the ranking's table by default (--top).
+DEFAULT_TOP = 15
 
 
 def add_subparser(subparsers) -> None:
     """Add ``plan`` to the top-level ``moesaic`` parser."""
     p = subparsers.add_parser(
         "plan",
-        help="HybridEP expert-domain sizes for a model on a cluster (cost model)",
+        help="rank strategy x schedule x knobs for a model on a cluster (simulator)",
         description=(
-            "Price every choice of HybridEP expert-domain sizes (one per cluster level) with the "
-            "stream-based cost model and print the fastest, a table of all of them and why."
+            "Simulate every runnable combination of strategy, schedule and knobs (R, Sp, "
+            "HybridEP domains, compression) of a model on a cluster and rank them by predicted "
+            "step time; --domains-only prices HybridEP's domain sizes alone."
         ),
         epilog=PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -57,34 +72,77 @@ def add_subparser(subparsers) -> None:
         help="training config (`moesaic train --config`) or model file (`moesaic simulate "
         "--model`), told apart by their keys",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--profile", metavar="FILE.json", help="machine profile (moesaic calibrate)")
+    p.add_argument(
+        "--allow-profile-mismatch",
+        action="store_true",
+        help="use a --profile measured on another cluster (its figures extrapolated)",
+    )
     p.add_argument(
         "--flops-per-s",
         type=float,
         metavar="X",
-        help="a rank's GEMM throughput, FLOP/s (default: measured here with torch)",
+        help="a rank's matmul FLOP/s; with --profile, overrides its matmul rates (default: "
+        "the profile's, or measured here with torch)",
+    )
+    p.add_argument(
+        "--top",
+        type=int,
+        default=DEFAULT_TOP,
+        metavar="N",
+        help=f"rows of the ranking's table (default {DEFAULT_TOP}; --json lists every one)",
+    )
+    p.add_argument(
+        "--compression-ratio",
+        metavar="CR[,CR..]",
+        help="hybrid's SR compression ratios of gathered experts to try (default: 1, exact; "
+        "--domains-only: one, default the model's hybrid option compression_ratio)",
+    )
+    p.add_argument(
+        "--all-reduce",
+        choices=("ring", "hierarchical", "best"),
+        default="best",
+        help="gradient all-reduce algorithm: the faster of ring and hierarchical per size, as "
+        "NCCL picks (default), or gloo's ring",
+    )
+    p.add_argument(
+        "--domains-only",
+        action="store_true",
+        help="HybridEP's domain sizes alone, priced by the stream cost model (the earlier report)",
     )
     p.add_argument(
         "--tokens-per-rank",
         type=int,
         metavar="T",
-        help="tokens per rank per MoE forward (default: batch_size x seq_len / pipeline_degree)",
-    )
-    p.add_argument(
-        "--compression-ratio",
-        type=float,
-        metavar="CR",
-        help="SR compression ratio of gathered experts (default: the model's "
-        "expert_compression_ratio)",
+        help="--domains-only: tokens per rank per MoE forward (default: batch_size x seq_len / "
+        "pipeline_degree)",
     )
     p.add_argument(
         "--dtype-bytes",
         type=int,
         metavar="N",
-        help="bytes per token element and weight (default: 4, moesaic train's fp32; a model "
-        "file's act_bytes)",
+        help="--domains-only: bytes per token element and weight (default: 4, moesaic train's "
+        "fp32; a model file's act_bytes)",
     )
     p.set_defaults(func=run_plan)
+
+
+def _ratios(text: str | None) -> tuple[float, ...] | None:
+    """``--compression-ratio CR[,CR..]``: each a number >= 1 (None: not given)."""
+    if text is None:
+        return None
+    try:
+        ratios = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"compression_ratio (--compression-ratio {text!r}) must be numbers >= 1, "
+            "comma-separated"
+        ) from None
+    for cr in ratios:
+        if not cr >= 1:
+            raise ValueError(f"compression_ratio (--compression-ratio {cr:g}) must be >= 1")
+    return ratios
 
 
 def _train_config(path: str) -> tuple[Any, int]:
@@ -102,10 +160,11 @@ def _train_config(path: str) -> tuple[Any, int]:
 
 
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
-    """The plan of ``args`` as plain data (what ``--json`` prints)."""
+    """The ``--domains-only`` plan of ``args`` as plain data (what its ``--json`` prints)."""
     from moesaic.checks import check_positive, check_positive_int
     from moesaic.train.domains import (
         dense_blocks_before,
+        hybrid_options,
         model_stream_inputs,
         plan_training_domains,
         tokens_per_forward,
@@ -128,11 +187,15 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         flops = measure_gemm_flops()
     else:
         flops = check_positive("flops_per_s (--flops-per-s)", args.flops_per_s)
-    cr = model.moe.expert_compression_ratio
-    if args.compression_ratio is not None:
-        cr = args.compression_ratio
-        if not cr >= 1:
-            raise ValueError(f"compression_ratio (--compression-ratio {cr}) must be >= 1")
+    cr = hybrid_options(model.moe).compression_ratio
+    ratios = _ratios(args.compression_ratio)
+    if ratios is not None:
+        if len(ratios) != 1:
+            raise ValueError(
+                f"--domains-only prices one compression ratio: --compression-ratio "
+                f"{args.compression_ratio!r} gives {len(ratios)}"
+            )
+        cr = ratios[0]
     inputs = model_stream_inputs(
         model,
         tokens_per_rank=tokens,
@@ -224,7 +287,7 @@ def _bytes(n: float) -> str:
 
 
 def format_plan(plan: dict[str, Any]) -> str:
-    """The human-readable report of :func:`build_plan`'s result."""
+    """The human-readable ``--domains-only`` report of :func:`build_plan`'s result."""
     c, m, i = plan["cluster"], plan["model"], plan["inputs"]
     sizes = " x ".join(f"{n} {s}" for n, s in zip(c["levels"], c["level_sizes"]))
     how = "measured here" if plan["flops_measured"] else "given"
@@ -269,7 +332,115 @@ def format_plan(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _note(line: str) -> None:
+    """One line on stderr (stdout stays the table, or the JSON with ``--json``)."""
+    print(f"moesaic plan: {line}", file=sys.stderr)
+
+
+def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
+    """``--profile`` (checked against the cluster, ``--flops-per-s`` overriding its matmul
+    rates), a profile of ``--flops-per-s`` alone, or this machine measured (torch)."""
+    import dataclasses
+
+    from moesaic.checks import check_positive
+    from moesaic.sim.cli import _check_profile
+    from moesaic.sim.profile import Profile
+
+    flops = args.flops_per_s
+    if flops is not None:
+        check_positive("flops_per_s (--flops-per-s)", flops)
+    if args.profile:
+        profile = load_option("profile", args.profile, Profile.load)
+        _check_profile(args, profile, spec)
+        if flops is None:
+            return profile
+        return dataclasses.replace(profile, flops_per_s=flops, half_flops_per_s=0.0)
+    if flops is not None:
+        return Profile(flops_per_s=flops, source="--flops-per-s")
+    from moesaic.sim.profile import measure
+
+    rates = measure()
+    return Profile(
+        flops_per_s=rates["flops_per_s"],
+        half_flops_per_s=rates["half_flops_per_s"],
+        task_overhead_s=rates["task_overhead_s"],
+        source="measured here by moesaic plan (matmul and op overhead)",
+    )
+
+
+def build_ranking(args: argparse.Namespace) -> tuple[Any, float]:
+    """The ranking of ``args`` (:class:`moesaic.sim.planner.Plan`) and its wall seconds."""
+    from moesaic.checks import check_positive_int
+    from moesaic.sim.model import load_model_spec
+    from moesaic.sim.planner import plan_runs
+
+    check_positive_int("top (--top)", args.top)
+    for flag in ("tokens_per_rank", "dtype_bytes"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --domains-only only")
+    spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
+    model = load_option("model", args.model, load_model_spec)
+    profile = _profile(args, spec)
+    ratios = _ratios(args.compression_ratio) or (1.0,)
+    t0 = time.perf_counter()
+    plan = plan_runs(spec, model, profile, compression_ratios=ratios, all_reduce=args.all_reduce)
+    return plan, time.perf_counter() - t0
+
+
+def ranking_json(plan: Any) -> list[dict[str, Any]]:
+    """``--json``: every candidate, fastest first, with its rank; the first with the reason."""
+    rows = [{"rank": i + 1, **c.to_dict()} for i, c in enumerate(plan.ranked)]
+    rows[0]["reason"] = plan.reason
+    return rows
+
+
+def format_ranking(plan: Any, *, top: int, wall_s: float) -> str:
+    """The table of the ``top`` fastest combinations, the pick, the reason, what cannot run."""
+    header = ["#", "strategy", "schedule", "knobs", "predicted ms", "bound ms", "compute ms"]
+    header.append("comm ms")
+    rows = [
+        [
+            str(i + 1),
+            c.strategy,
+            c.schedule,
+            c.knobs(),
+            f"{c.predicted_ms:.4g}",
+            f"{c.bound_ms:.4g}",
+            f"{c.compute_ms:.4g}",
+            f"{c.comm_ms:.4g}",
+        ]
+        for i, c in enumerate(plan.ranked[:top])
+    ]
+    widths = [max(len(row[k]) for row in [header, *rows]) for k in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(0, "  ".join(cell.ljust(w) for cell, w in zip(header, widths)).rstrip())
+    if len(plan.ranked) > top:
+        lines.append(f"... {len(plan.ranked) - top} more (--top N, or --json for every one)")
+    best = plan.chosen
+    lines += [
+        "(bound = max(compute, communication): the step with every transfer hidden)",
+        "",
+        f"pick     {best.name} {best.knobs()}",
+        f"reason   {plan.reason}",
+    ]
+    lines += [f"skipped  {name}: {why}" for name, why in plan.skipped]
+    lines.append(
+        f"priced   {len(plan.ranked)} combinations with {plan.simulations} simulations in "
+        f"{wall_s:.2f} s (one representative rank each)"
+    )
+    return "\n".join(lines)
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    plan = build_plan(args)
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    if args.domains_only:
+        plan = build_plan(args)
+        print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+        return 0
+    ranking, wall_s = build_ranking(args)
+    if args.json:
+        for name, why in ranking.skipped:
+            _note(f"skipped {name}: {why}")
+        print(json.dumps(ranking_json(ranking), indent=1))
+    else:
+        print(format_ranking(ranking, top=args.top, wall_s=wall_s))
     return 0

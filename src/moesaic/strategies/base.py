@@ -26,6 +26,7 @@ from moesaic.comm.collectives import EPGroup, all_to_all_v
 from moesaic.config import MoEConfig
 from moesaic.placement import ExpertPlacement
 from moesaic.routing import RoutingPlan
+from moesaic.strategy_options import StrategyOptions
 
 if TYPE_CHECKING:
     from moesaic.cluster.spec import ClusterSpec
@@ -183,8 +184,11 @@ class MoEStrategy(ABC):
     # True when the strategy cannot run without a cluster description (``ctx.topology``):
     # ``moesaic bench layer`` leaves it out unless given ``--cluster``.
     needs_topology: ClassVar[bool] = False
-    # The ``MoEConfig`` fields only this strategy reads (its options); the others ignore them.
-    config_fields: ClassVar[tuple[str, ...]] = ()
+    # The class of its options (``MoEConfig.options``; ``moesaic.strategy_options``): none by
+    # default. It lives in a torch-free module named by the strategy's registry entry too
+    # (``moesaic.strategy_table``), so that a config is validated without importing torch;
+    # ``get_strategy`` checks that the two agree.
+    options_class: ClassVar[type[StrategyOptions]] = StrategyOptions
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

@@ -4,11 +4,12 @@ Shape legend: T tokens on this rank, H hidden, e local experts, P ranks of the e
 group, S = prod(S_ED^l) ranks of an expert domain (all levels), Q = P / S domains.
 
 The group is described by a :class:`~moesaic.placement.topology.Topology`: the levels of the
-layer's cluster description (or one level of P ranks), cut into domains of ``config.domain_sizes``
-(None: one domain of the whole group). Every forward:
+layer's cluster description (or one level of P ranks), cut into domains of its options'
+``domain_sizes`` (:class:`~moesaic.strategies.hybrid_options.HybridOptions`, ``config.options``;
+None: one domain of the whole group). Every forward:
 
 1. **Gather** (migration): each rank all-gathers the experts of its domain (``S * e`` experts,
-   SR-compressed when ``config.expert_compression_ratio > 1``) level by level, outermost first
+   SR-compressed when the options' ``compression_ratio > 1``) level by level, outermost first
    (one group per level with a domain size above 1: the slow links carry the smallest
    bundles, as the cost model prices it). The
    gathered copies are cached per weight version (gradient accumulation and evaluation gather
@@ -56,6 +57,7 @@ from moesaic.strategies.base import (
     StrategyContext,
 )
 from moesaic.strategies.dropless import DroplessHandle, DroplessStrategy
+from moesaic.strategies.hybrid_options import HybridOptions
 from moesaic.strategies.migration import Gathered, PendingGather, Weights, start_gather
 
 if TYPE_CHECKING:
@@ -80,7 +82,8 @@ def hybrid_topology(ctx: StrategyContext) -> Topology:
             )
     else:
         levels = (P,)
-    sizes = ctx.config.domain_sizes if ctx.config.domain_sizes is not None else levels
+    domain_sizes = ctx.config.options_as(HybridOptions).domain_sizes
+    sizes = domain_sizes if domain_sizes is not None else levels
     if len(sizes) != len(levels):
         raise ValueError(
             f"domain_sizes ({list(sizes)}) must have one entry per cluster level ({len(levels)}: "
@@ -150,13 +153,14 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
 
     name = "hybrid"
     needs_expert_weights = True
-    config_fields = ("domain_sizes", "expert_compression_ratio", "shared_expert_every")
+    options_class = HybridOptions
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self.topology = topo = hybrid_topology(ctx)
         me, P = self.group.rank, self.group.size
-        self.compression_ratio = float(ctx.config.expert_compression_ratio)
+        self.options = ctx.config.options_as(HybridOptions)
+        self.compression_ratio = float(self.options.compression_ratio)
         self.domain_ranks = topo.domain_ranks(me)
         self.offset_ranks = self._offset_group_ranks(topo, me)
         self.bundle = bundle_order(topo, me)
@@ -278,7 +282,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
 
     def _start(self, weights: Weights, groups: list[EPGroup]) -> PendingGather:
         """One gather; the shared experts are recomputed every ``shared_expert_every``-th."""
-        every = self.ctx.config.shared_expert_every
+        every = self.options.shared_expert_every
         shared = None if self._gathers % every == 0 else self._shared
         pending = start_gather(weights, groups, self.compression_ratio, shared=shared)
         self._shared, self._gathers = pending.shared, self._gathers + 1
@@ -387,9 +391,14 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
 
     @classmethod
     def check_levels(cls, config: MoEConfig, level_sizes: tuple[int, ...]) -> None:
-        """``domain_sizes`` must have one size per level, each dividing the level's size."""
-        if config.domain_sizes is not None:
-            Topology(scaling_factors=tuple(level_sizes), domain_sizes=config.domain_sizes)
+        """``options.domain_sizes`` must have one size per level, each dividing the level's
+        size."""
+        sizes = config.options_as(HybridOptions).domain_sizes
+        if sizes is not None:
+            try:
+                Topology(scaling_factors=tuple(level_sizes), domain_sizes=sizes)
+            except ValueError as exc:
+                raise ValueError(f"options.{exc}") from None
 
     @classmethod
     def training_hooks(
@@ -409,7 +418,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         """``dropless`` without domains: one process holds every expert, so the domains (sized
         for the training cluster's levels) gather nothing and ``hybrid`` at EP 1 computes what
         ``dropless`` computes."""
-        return dataclasses.replace(config, dispatcher="dropless", domain_sizes=None)
+        return dataclasses.replace(config, dispatcher="dropless", options=None)
 
 
 def _domain_ffn(weights: tuple[torch.Tensor | None, ...], kernels: str = "torch") -> ExpertFn:

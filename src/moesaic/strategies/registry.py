@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from moesaic.strategy_table import register_strategy, resolve_strategy, strategy_names
+from moesaic.strategy_table import (
+    options_class,
+    register_strategy,
+    resolve_strategy,
+    strategy_names,
+)
 
 if TYPE_CHECKING:
     from moesaic.strategies.base import MoEStrategy, StrategyContext
@@ -24,8 +29,22 @@ __all__ = [
 
 
 def get_strategy(name: str) -> type[MoEStrategy]:
-    """The class registered under ``name`` (imports its module on first use)."""
-    return cast("type[MoEStrategy]", resolve_strategy(name))
+    """The class registered under ``name`` (imports its module on first use).
+
+    Raises:
+        ValueError: the class's ``options_class`` is not the options class its registry entry
+            names (``MoEConfig`` validates ``options`` by the entry, without the class).
+    """
+    cls = cast("type[MoEStrategy]", resolve_strategy(name))
+    declared, registered = getattr(cls, "options_class", None), options_class(name)
+    if declared is not None and declared is not registered:
+        raise ValueError(
+            f"strategy {name!r}: {cls.__name__}.options_class is {declared.__name__} but its "
+            f"registry entry names {registered.__name__}; register it with its options "
+            "(register_strategy(name, target, options=...), or name=module:Class+module:Options "
+            "in MOESAIC_STRATEGIES)"
+        )
+    return cls
 
 
 def make_strategy(name: str, ctx: StrategyContext) -> MoEStrategy:

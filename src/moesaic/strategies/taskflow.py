@@ -6,7 +6,8 @@ F expert hidden, E experts, e local experts, K top-k, P ranks.
 
 Per step the group agrees on a shape bucket (one all-reduce of the largest expert load and token
 count; ``TaskflowRuntime.bucket``), the layer's runtime compiles that bucket's forward and
-backward plans once and runs them on the configured executor (``MoEConfig.taskflow_executor``:
+backward plans once and runs them on the configured executor (its options' ``executor``,
+:class:`~moesaic.strategies.taskflow_options.TaskflowOptions`:
 "static" two-queue workers or "dynamic" scheduler + processors) with one-sided tile puts, only
 valid rows travelling. Autograd: one Function whose forward runs the forward plan and whose
 backward runs the backward plan, returning the gradients of the tokens, of the routing weights
@@ -35,9 +36,11 @@ from moesaic.strategies.base import (
     StrategyOutput,
     Supports,
 )
+from moesaic.strategies.taskflow_options import TaskflowOptions
 from moesaic.taskflow.bucket import CompileOptions
 from moesaic.taskflow.plan import Plan
 from moesaic.taskflow.runtime.concurrent import TaskflowRuntime
+from moesaic.taskflow.runtime.persistent import PersistentRuntime
 from moesaic.trace import Recorder
 
 __all__ = ["TaskflowStrategy", "pad_routing"]
@@ -62,6 +65,15 @@ def pad_routing(plan: RoutingPlan, tokens: int) -> RoutingPlan:
         placement=plan.placement,
         capacity=plan.capacity,
     )
+
+
+def _runtime_for(cfg) -> tuple[type[TaskflowRuntime], dict]:
+    """The runtime class for ``cfg.kernels`` and its extra arguments: ``kernels="triton"``
+    runs the plans in one persistent Triton kernel per direction (EP 1, SwiGLU; it refuses
+    anything else when built)."""
+    if cfg.kernels == "triton":
+        return PersistentRuntime, {"activation": cfg.activation}
+    return TaskflowRuntime, {}
 
 
 class _TaskflowFn(torch.autograd.Function):
@@ -91,7 +103,7 @@ class TaskflowStrategy(MoEStrategy):
 
     name = "taskflow"
     needs_expert_weights = True
-    config_fields = ("taskflow_executor", "taskflow_tile_m", "taskflow_pipeline")
+    options_class = TaskflowOptions
     supports = Supports(
         schedules=("vanilla",),
         why=(
@@ -103,16 +115,19 @@ class TaskflowStrategy(MoEStrategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
+        opts = cfg.options_as(TaskflowOptions)
         #: Executed tasks per worker lane and the subscriber's puts (``trace.Span``s); off
         #: until ``recorder.enabled = True``; see ``trace.write_chrome_trace``.
         self.recorder = Recorder(rank=ctx.group.rank, enabled=False)
-        self.runtime = TaskflowRuntime(
+        runtime_cls, extra = _runtime_for(cfg)
+        self.runtime = runtime_cls(
             ctx.group,
-            executor=cfg.taskflow_executor,
-            tile_m=cfg.taskflow_tile_m,
-            options=CompileOptions(pipeline=cfg.taskflow_pipeline),
+            executor=opts.executor,
+            tile_m=opts.tile_m,
+            options=CompileOptions(pipeline=opts.pipeline),
             timeout_s=cfg.collective_timeout_s,
             recorder=self.recorder,
+            **extra,
         )
 
     def plans(self, plan: RoutingPlan) -> tuple[Plan, Plan] | None:

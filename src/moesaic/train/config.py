@@ -98,8 +98,8 @@ class TrainConfig:
         cluster: a cluster description (TOML, ``moesaic.cluster.spec``) of one expert-parallel
             group, handed to every MoE layer as its topology (the ``hybrid`` strategy's levels);
             its world size must equal the EP size. None: no topology.
-        auto_domains: ``--domains auto`` (``model.moe.domain_sizes = "auto"``): at the start of
-            the run the ``hybrid`` strategy's domain sizes are chosen by the cost model of
+        auto_domains: ``--domains auto`` (``model.moe.options.domain_sizes = "auto"``): at the
+            start of the run the ``hybrid`` strategy's domain sizes are chosen by the cost model of
             ``moesaic plan`` on ``cluster`` (needed), at rank 0's measured GEMM throughput
             (``moesaic.train.domains``); other strategies have no domains (``moesaic train``
             refuses the flag: ``moesaic.train.option_rules``).
@@ -127,6 +127,11 @@ class TrainConfig:
             flags set it so when ``--nproc`` is not given), ``backend`` gloo ("auto" becomes
             gloo; NCCL would bypass the links), and ``cluster`` defaults to the same file for
             a strategy that reads it (``hybrid``) when the EP group is the whole world.
+        plan: where the strategy, schedule and their options come from (``moesaic.train.plan``):
+            a JSON file of ``moesaic plan --json`` (its first entry, applied by
+            ``config_from_args``; recorded here), or "auto": at the start of the run rank 0
+            plans on ``cluster`` (needed) with a quick measurement of its machine and every
+            rank trains with its pick (``moesaic.train.plan_auto``). None: the options given.
     """
 
     model: MoEGPTConfig = field(default_factory=MoEGPTConfig)
@@ -169,6 +174,7 @@ class TrainConfig:
     dtype: str = "fp32"
     activation_checkpointing: bool = False
     emulate: str | None = None
+    plan: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MoEGPTConfig):
@@ -211,6 +217,7 @@ class TrainConfig:
             raise ValueError(f"run_dir must be a non-empty path, got {self.run_dir!r}")
         self._check_emulate()
         self._check_domains()
+        self._check_plan()
         self._check_hf_config()
         self._check_memory_options()
         for name in ("trace", "trace_png", "cluster"):
@@ -296,19 +303,37 @@ class TrainConfig:
         self.backend = "gloo"
         readers = RULES["cluster"].strategies or ()
         whole_world = self.ep is None or self.ep == spec.world_size
-        if self.cluster is None and self.model.moe.dispatcher in readers and whole_world:
+        reads = self.model.moe.dispatcher in readers or self.plan == "auto"  # may pick hybrid
+        if self.cluster is None and reads and whole_world:
             self.cluster = path  # the topology the MoE layers plan on is the one emulated
 
     def _check_domains(self) -> None:
         check_bool("auto_domains", self.auto_domains)
-        if self.auto_domains and self.model.moe.domain_sizes is not None:
-            raise ValueError(
-                f"model.moe.domain_sizes is both 'auto' and {list(self.model.moe.domain_sizes)}"
-            )
+        sizes = getattr(self.model.moe.options, "domain_sizes", None)
+        if self.auto_domains and sizes is not None:
+            raise ValueError(f"model.moe.options.domain_sizes is both 'auto' and {list(sizes)}")
         if self.auto_domains and self.cluster is None:
             raise ValueError(
                 "domain_sizes 'auto' (--domains auto) needs cluster (--cluster FILE.toml): the "
                 "cost model prices the cluster's links"
+            )
+
+    def _check_plan(self) -> None:
+        if self.plan is None:
+            return
+        if not isinstance(self.plan, str) or not self.plan:
+            raise ValueError(f"plan must be 'auto', a JSON file or None, got {self.plan!r}")
+        if self.plan != "auto":
+            return
+        if self.cluster is None:
+            raise ValueError(
+                "plan 'auto' (--plan auto) needs cluster (--cluster FILE.toml): the planner "
+                "prices the cluster's links"
+            )
+        if self.auto_domains:
+            raise ValueError(
+                "plan 'auto' chooses hybrid's domain sizes itself: drop domain_sizes 'auto' "
+                "(--domains auto)"
             )
 
     @property
@@ -354,10 +379,12 @@ class TrainConfig:
         per_node |= {"fault_kill_rank", "fault_kill_step", "trace", "trace_png", "cluster"}
         per_node |= {"hf_config"}  # a path; the loop compares the file's contents
         per_node |= {"emulate"}  # how the ranks were started, not what they compute
+        per_node |= {"plan"}  # a path; what it set is compared (and "auto" below)
         out: dict[str, object] = {f"model.{k}": v for k, v in self.model.fields_flat().items()}
         # Where a trace goes is per node, whether there is one is not: gathering it is a
         # collective every rank must take part in.
         out["tracing"] = self.trace is not None or self.trace_png is not None
+        out["plan_auto"] = self.plan == "auto"  # rank 0 plans, every rank takes part
         for f in dataclasses.fields(self):
             if f.name not in per_node:
                 out[f.name] = getattr(self, f.name)

@@ -1,8 +1,9 @@
 """HybridEP expert domains of a training run: ``--domains auto|S0,S1,...`` and ``--cluster``.
 
-``model.moe.domain_sizes`` (``--domains``) is given as sizes (``[1, 2]`` in TOML, ``1,2`` as a
-flag) or as ``"auto"``; ``"auto"`` becomes ``TrainConfig.auto_domains`` and is resolved when the
-run starts (:func:`plan_training_domains`): the training-step model
+``model.moe.options.domain_sizes`` (``--domains``, a ``hybrid`` option) is given as sizes
+(``[1, 2]`` in TOML, ``1,2`` as a flag) or as ``"auto"``; ``"auto"`` becomes
+``TrainConfig.auto_domains`` and is resolved when the run starts (:func:`plan_training_domains`):
+the training-step model
 (:func:`moesaic.planning.stepmodel.plan_step`, the last line of ``moesaic plan``) on the inputs
 below, from the cluster description (``--cluster FILE.toml``) and a measured GEMM throughput.
 
@@ -31,12 +32,14 @@ from moesaic.config import MoEConfig
 from moesaic.models.config import MoEGPTConfig
 from moesaic.planning.costmodel import StreamInputs, stream_inputs
 from moesaic.planning.stepmodel import StepPlan, plan_step
+from moesaic.strategies.hybrid_options import HybridOptions
 
 __all__ = [
     "AUTO",
     "TRAIN_DTYPE_BYTES",
     "check_cluster_and_domains",
     "dense_blocks_before",
+    "hybrid_options",
     "load_cluster",
     "model_stream_inputs",
     "parse_domain_sizes",
@@ -51,7 +54,7 @@ TRAIN_DTYPE_BYTES = 4
 
 
 def parse_domain_sizes(value: object) -> str | tuple[int, ...] | None:
-    """``model.moe.domain_sizes`` as given: None, ``"auto"``, ints, or a string ``"S0,S1,..."``.
+    """``model.moe.options.domain_sizes`` as given: None, ``"auto"``, ints, or ``"S0,S1,..."``.
 
     Returns ``"auto"``, a tuple of ints, or None; each size is checked to be a positive int.
     """
@@ -63,31 +66,35 @@ def parse_domain_sizes(value: object) -> str | tuple[int, ...] | None:
     if isinstance(value, str):
         parts = [p.strip() for p in value.split(",")]
         if not all(p.isdigit() for p in parts):
-            raise ValueError(f"model.moe.domain_sizes ({value!r}) {rule}")
+            raise ValueError(f"model.moe.options.domain_sizes ({value!r}) {rule}")
         value = [int(p) for p in parts]
     if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"model.moe.domain_sizes ({value!r}) {rule}")
+        raise ValueError(f"model.moe.options.domain_sizes ({value!r}) {rule}")
     for i, s in enumerate(value):
         if not is_int(s) or s < 1:
-            raise ValueError(f"model.moe.domain_sizes[{i}] ({s!r}) {rule}")
+            raise ValueError(f"model.moe.options.domain_sizes[{i}] ({s!r}) {rule}")
     return tuple(value)
 
 
 def split_auto_domains(model: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """``[model]`` with ``moe.domain_sizes`` parsed; ``"auto"`` is taken out and returned as True.
+    """``[model]`` with ``moe.options.domain_sizes`` parsed; ``"auto"`` is taken out and returned
+    as True.
 
     ``model`` is a ``[model]`` table after ``nest_legacy_keys`` (not modified).
     """
     moe = model.get("moe")
-    if not isinstance(moe, dict) or "domain_sizes" not in moe:
+    if not isinstance(moe, dict):
         return model, False
-    sizes = parse_domain_sizes(moe["domain_sizes"])
-    moe = dict(moe)
+    options = moe.get("options")
+    if not isinstance(options, dict) or "domain_sizes" not in options:
+        return model, False
+    sizes = parse_domain_sizes(options["domain_sizes"])
+    options = dict(options)
     if sizes == AUTO:
-        del moe["domain_sizes"]
-        return {**model, "moe": moe}, True
-    moe["domain_sizes"] = sizes
-    return {**model, "moe": moe}, False
+        del options["domain_sizes"]
+    else:
+        options["domain_sizes"] = sizes
+    return {**model, "moe": {**moe, "options": options}}, sizes == AUTO
 
 
 def load_cluster(path: str, *, option: str = "cluster") -> ClusterSpec:
@@ -129,6 +136,12 @@ def check_cluster_and_domains(
     return spec
 
 
+def hybrid_options(moe: MoEConfig) -> HybridOptions:
+    """``moe``'s ``hybrid`` options, or their defaults when ``moe`` runs another strategy (the
+    cost model prices ``hybrid`` whatever the model's dispatcher)."""
+    return moe.options if isinstance(moe.options, HybridOptions) else HybridOptions()
+
+
 def tokens_per_forward(batch_size: int, seq_len: int, pipeline_degree: int) -> int:
     """``T`` of the cost model: tokens one MoE forward of one rank sees."""
     check_positive_int("pipeline_degree", pipeline_degree)
@@ -158,7 +171,7 @@ def model_stream_inputs(
             f"num_experts ({moe.num_experts}) must be divisible by the cluster's world size "
             f"({ep_size}): each rank holds num_experts / world_size experts"
         )
-    cr = moe.expert_compression_ratio if compression_ratio is None else compression_ratio
+    cr = hybrid_options(moe).compression_ratio if compression_ratio is None else compression_ratio
     return stream_inputs(
         moe,
         tokens_per_rank=tokens_per_rank,
@@ -203,8 +216,8 @@ def plan_training_domains(
         seq_len=model.seq_len,
         act_bytes=TRAIN_DTYPE_BYTES,
         param_bytes=TRAIN_DTYPE_BYTES,
-        compression_ratio=moe.expert_compression_ratio,
-        shared_expert_every=moe.shared_expert_every,
+        compression_ratio=hybrid_options(moe).compression_ratio,
+        shared_expert_every=hybrid_options(moe).shared_expert_every,
         prefetch=True,
         dense_blocks_before=dense_blocks_before(model),
         dense_ffn_hidden_size=model.dense_hidden or 4 * model.d_model,

@@ -23,9 +23,11 @@ from moesaic.interop.hf_families import FAMILIES as HF_FAMILIES
 from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
 from moesaic.strategies.registry import strategy_names
+from moesaic.strategy_table import options_class
 from moesaic.train.config import TRACE_STEPS, TrainConfig
 from moesaic.train.domains import load_cluster
-from moesaic.train.option_rules import check_applicable
+from moesaic.train.option_rules import check_applicable, drop_other_options
+from moesaic.train.plan import apply_plan_option
 from moesaic.train.schedule_options import parse_pipeline_degree
 
 __all__ = ["add_train_arguments", "config_from_args", "load_toml"]
@@ -56,8 +58,8 @@ _MODEL_FLAGS = (
     ("--topk-groups", "moe.topk_groups", int),
     ("--routed-scaling-factor", "moe.routed_scaling_factor", float),
     ("--dispatcher", "moe.dispatcher", str),
-    ("--domains", "moe.domain_sizes", str),
-    ("--expert-compression-ratio", "moe.expert_compression_ratio", float),
+    ("--domains", "moe.options.domain_sizes", str),
+    ("--expert-compression-ratio", "moe.options.compression_ratio", float),
 )
 # Other spellings of a flag (same option): --strategy is --dispatcher.
 _ALIASES = {"--dispatcher": ("--strategy",)}
@@ -97,6 +99,7 @@ _RUN_FLAGS = (
     ("--hf-config", "hf_config", str),
     ("--dtype", "dtype", str),
     ("--emulate", "emulate", str),
+    ("--plan", "plan", str),
 )
 _HELP = {
     "seq_len": "context length T",
@@ -125,9 +128,9 @@ _HELP = {
     "moe.routed_scaling_factor": "multiplies the routed experts' combine weights",
     "moe.dispatcher": "MoE execution strategy (moesaic.strategies; --strategy is the same): "
     + ", ".join(strategy_names()),
-    "moe.domain_sizes": "hybrid's expert-domain sizes S0,S1,... (one per --cluster level, "
+    "moe.options.domain_sizes": "hybrid's expert-domain sizes S0,S1,... (one per --cluster level, "
     "outermost first), or 'auto': chosen by the cost model of `moesaic plan` on --cluster",
-    "moe.expert_compression_ratio": "hybrid: SR compression ratio CR of gathered experts "
+    "moe.options.compression_ratio": "hybrid: SR compression ratio CR of gathered experts "
     "(1 = exact)",
     "nproc": "worker processes on this node",
     "ep": "expert-parallel group size (default: all ranks); DP = world / EP",
@@ -167,6 +170,9 @@ _HELP = {
     "emulate": "train on this cluster's emulated network (root): one worker per rank in its "
     "network namespace, every collective over the shaped links (--nproc: its world size; "
     "--cluster: this file, for hybrid)",
+    "plan": "train with the first combination of `moesaic plan --json`'s FILE.json (strategy, "
+    "schedule, R, Sp, domains, ...), or 'auto': plan on rank 0 at the start from --cluster and "
+    "a quick measurement of this machine",
     "dtype": "fp32, or bf16: the blocks under autocast, fp32 master weights and router (needs "
     "native bf16 matmuls: a GPU, or a CPU with AVX512-BF16 or AMX)",
     "hf_config": "train this transformers MoE architecture from random init, expert-parallel "
@@ -183,12 +189,13 @@ _METAVARS = {
     "schedule": "|".join(schedule_names()),
     "cluster": "FILE.toml",
     "emulate": "CLUSTER.toml",
+    "plan": "FILE.json|auto",
     "hf_config": "FILE.json",
     "dtype": "fp32|bf16",
     "norm": "rmsnorm|layernorm",
     "positions": "rope|learned",
-    "moe.domain_sizes": "auto|S0,S1,...",
-    "moe.expert_compression_ratio": "CR",
+    "moe.options.domain_sizes": "auto|S0,S1,...",
+    "moe.options.compression_ratio": "CR",
     "moe.dispatcher": "|".join(strategy_names()),
 }
 
@@ -234,7 +241,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model = parser.add_argument_group("model")
     for flag, name, typ in _MODEL_FLAGS:
-        default = attrgetter(name)(defaults.model)
+        default = _model_default(defaults.model, name)
         model.add_argument(
             flag,
             *_ALIASES.get(flag, ()),
@@ -244,6 +251,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             help=f"{_HELP[name]} (default: {default})",
         )
+
+
+def _model_default(model: MoEGPTConfig, name: str) -> object:
+    """The default of model field ``name``; of a strategy option (``moe.options.<option>``): its
+    default in the options of the first strategy that has it."""
+    option = name.removeprefix("moe.options.")
+    if option == name:
+        return attrgetter(name)(model)
+    cls = next(options_class(s) for s in strategy_names() if option in options_class(s).names())
+    return getattr(cls(), option)
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -259,11 +276,13 @@ _FLAG_OF |= {"activation_checkpointing": "--activation-checkpointing"}
 
 
 def _toml_keys(d: dict[str, Any]) -> list[str]:
-    """The options a TOML file sets, as dests (``ar_chunk``, ``model.moe.domain_sizes``)."""
+    """The options a TOML file sets, as dests (``ar_chunk``, ``model.moe.options.domain_sizes``)."""
     keys = [k for k in d if k != "model"]
     model = d.get("model", {})
     keys += [f"model.{k}" for k in model if k != "moe"]
-    return keys + [f"model.moe.{k}" for k in model.get("moe", {})]
+    moe = model.get("moe", {})
+    keys += [f"model.moe.{k}" for k in moe if k != "options"]
+    return keys + [f"model.moe.options.{k}" for k in moe.get("options", {})]
 
 
 def _stderr_note(line: str) -> None:
@@ -284,26 +303,39 @@ def config_from_args(
     model = d.get("model", {})
     if not isinstance(model, dict):
         raise ValueError("model must be a table of MoEGPTConfig fields")
-    model = nest_legacy_keys(model)  # before the flags, so that a flag wins over a 0.1 key
+    # before the flags, so that a flag wins over a 0.1 key; every strategy's flat option keys
+    # kept in options, where those of other strategies than the run's are noted, then dropped
+    model = nest_legacy_keys(model, keep_other_options=True)
     if not isinstance(model.get("moe", {}), dict):
         raise ValueError(f"model.moe must be a table of MoEConfig fields, got {model['moe']!r}")
     model["moe"] = dict(model.get("moe", {}))
+    options = model["moe"].get("options", {})
+    if not isinstance(options, dict):
+        raise ValueError(f"model.moe.options must be a table of option names, got {options!r}")
+    model["moe"]["options"] = dict(options)
     d = {**d, "model": model}
     given: dict[str, str] = dict.fromkeys(_toml_keys(d), str(config))
     for key, value in vars(args).items():
-        if key.startswith("model.moe."):
+        if key.startswith("model.moe.options."):
+            model["moe"]["options"][key.removeprefix("model.moe.options.")] = value
+        elif key.startswith("model.moe."):
             model["moe"][key.removeprefix("model.moe.")] = value
         elif key.startswith("model."):
             model[key.removeprefix("model.")] = value
         elif key in TrainConfig.__dataclass_fields__:
             d[key] = value
     given |= {key: _FLAG_OF[key] for key in vars(args) if key in _FLAG_OF}
+    # --plan FILE.json sets the strategy, schedule and options it names; auto leaves them open
+    planned = apply_plan_option(d, given, note)
+    given = {key: source for key, source in given.items() if key not in planned}
     # Whether an option applies comes before whether its value is right (no point fixing a
     # value that will be refused); unknown names are left to TrainConfig's own messages.
     strategy = model["moe"].get("dispatcher", MoEGPTConfig().moe.dispatcher)
     schedule = d.get("schedule", TrainConfig.__dataclass_fields__["schedule"].default)
     if strategy in strategy_names() and schedule in schedule_names():
         check_applicable(given, strategy=strategy, schedule=schedule, note=note)
+        # what was noted as another strategy's option has no effect: not the run's options
+        model["moe"]["options"] = drop_other_options(model["moe"]["options"], strategy)
     emulate = d.get("emulate")
     if isinstance(emulate, str) and emulate and "nproc" not in d:
         # One worker per rank of the emulated cluster; a --nproc that disagrees is refused.

@@ -51,6 +51,7 @@ from moesaic.train.health import NonFiniteError, nonfinite_message
 from moesaic.train.hf_model import build_model
 from moesaic.train.hooks import ModelHooks
 from moesaic.train.parallel import GradientSync, Layout, build_layout
+from moesaic.train.plan_auto import resolve_auto_plan
 from moesaic.train.report import Reporter
 
 # The optimizer every run uses (part of what ranks must agree on).
@@ -203,13 +204,14 @@ def _check_biases_agree(model: MoEGPT, cfg: TrainConfig) -> None:
 
 def resolve_auto_domains(cfg: TrainConfig, spec, layout: Layout, device) -> TrainConfig:
     """``--domains auto``: ``cfg`` with the domain sizes of the cost model (a collective), for a
-    strategy that reads them (``domain_sizes`` in its ``config_fields``: ``hybrid``).
+    strategy that has them (``domain_sizes`` among its options: ``hybrid``).
 
     Rank 0 measures its GEMM throughput (with this worker's threads) and every rank takes rank
     0's number (an all-gather), so all of them compute the same plan; rank 0 logs it.
     """
     moe = cfg.model.moe
-    if not cfg.auto_domains or "domain_sizes" not in get_strategy(moe.dispatcher).config_fields:
+    options = moe.options_as(get_strategy(moe.dispatcher).options_class)
+    if not cfg.auto_domains or "domain_sizes" not in options.names():
         return cfg
     if layout.rank == 0:
         from moesaic.planning.costmodel import measure_gemm_flops
@@ -234,7 +236,8 @@ def resolve_auto_domains(cfg: TrainConfig, spec, layout: Layout, device) -> Trai
             flush=True,
         )
     sizes = plan.chosen.domain_sizes
-    model = dataclasses.replace(cfg.model, moe=dataclasses.replace(moe, domain_sizes=sizes))
+    options = dataclasses.replace(options, **{"domain_sizes": sizes})  # checked: it has them
+    model = dataclasses.replace(cfg.model, moe=dataclasses.replace(moe, options=options))
     return dataclasses.replace(cfg, model=model, auto_domains=False)
 
 
@@ -269,6 +272,7 @@ def train(cfg: TrainConfig) -> dict:
     # Before any collective depends on it (a model with another num_experts aborts gloo).
     windows = (train_data.num_windows, val_data.num_windows)
     check_config_agrees(cfg, layout, windows, None if spec is None else spec.to_dict())
+    cfg = resolve_auto_plan(cfg, layout, device)  # --plan auto: rank 0's pick, on every rank
     cfg = resolve_auto_domains(cfg, spec, layout, device)
     torch.manual_seed(cfg.seed)  # alike on every rank: replicated weights agree
     # cfg.model.moe.collective_timeout_s is cfg.timeout_s (TrainConfig sets it).

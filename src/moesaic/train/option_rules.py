@@ -16,6 +16,12 @@ defaults), after their values were validated and before anything is created:
   (``--config base.toml --schedule flowmoe``), and refusing its other keys would force a file
   per choice.
 
+A strategy option (``model.moe.options.<name>``, a TOML ``[model.moe.options]`` key) without its
+own entry applies to the strategies whose options have that name (:func:`rule_of`, from the
+strategies' options classes): a new strategy's options need no entry here. What does not apply
+is dropped after its note (:func:`drop_other_options`), so that the run's strategy only gets its
+own options.
+
 Whether a *value* fits (``--pipeline-degree 2`` needs a pipelined schedule, ``--domains`` must
 fit the cluster's levels) stays with the value's own check. Torch-free.
 """
@@ -24,8 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["RULES", "Applies", "check_applicable"]
+from moesaic.strategy_table import options_class, strategy_names
+
+__all__ = ["RULES", "Applies", "check_applicable", "drop_other_options", "rule_of"]
+
+# A strategy option's dest: ``model.moe.options.<name>`` (``MoEConfig.options``).
+OPTIONS = "model.moe.options."
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +128,8 @@ RULES: dict[str, Applies] = {
     "hf_config": EVERYWHERE,
     # How the workers are started (moesaic.train.emulate), not what they compute.
     "emulate": EVERYWHERE,
+    # What chooses the strategy and schedule (moesaic.train.plan): any of them.
+    "plan": EVERYWHERE,
     "auto_domains": Applies(
         strategies=("hybrid",),
         what="hybrid's expert domains chosen by the cost model; no other strategy has domains",
@@ -144,11 +158,11 @@ RULES: dict[str, Applies] = {
     "model.moe.aux_loss_coef": EVERYWHERE,
     "model.moe.z_loss_coef": EVERYWHERE,
     "model.moe.dispatcher": EVERYWHERE,
-    "model.moe.domain_sizes": Applies(
+    "model.moe.options.domain_sizes": Applies(
         strategies=("hybrid",),
         what="the sizes of hybrid's expert domains; no other strategy has domains",
     ),
-    "model.moe.expert_compression_ratio": Applies(
+    "model.moe.options.compression_ratio": Applies(
         strategies=("hybrid",),
         what="the compression of the experts hybrid gathers; no other strategy gathers experts",
     ),
@@ -178,7 +192,7 @@ def check_applicable(
     """
     refused = []
     for key, source in given.items():
-        rule = RULES.get(key)
+        rule = rule_of(key)
         misfit = None if rule is None else rule.misfit(strategy, schedule)
         if rule is None or misfit is None:
             continue
@@ -196,3 +210,29 @@ def check_applicable(
             )
     if refused:  # all of them at once, so that one fix is enough
         raise ValueError("; ".join(refused))
+
+
+def rule_of(key: str) -> Applies | None:
+    """The rule of option ``key``: its entry in :data:`RULES`, or for a strategy option without
+    one, the strategies whose options have it; None when neither (a name no registered strategy
+    has is left to ``MoEConfig``, which refuses it naming the strategy's options)."""
+    rule = RULES.get(key)
+    if rule is not None or not key.startswith(OPTIONS):
+        return rule
+    owners = _owners(key.removeprefix(OPTIONS))
+    if not owners:
+        return None
+    return Applies(strategies=owners, what=f"an option of {' and '.join(owners)} only")
+
+
+def _owners(option: str) -> tuple[str, ...]:
+    """The registered strategies whose options have a field ``option``."""
+    return tuple(s for s in strategy_names() if option in options_class(s).names())
+
+
+def drop_other_options(options: Mapping[str, Any], strategy: str) -> dict[str, Any]:
+    """``options`` without those of other strategies than ``strategy`` (noted as without
+    effect by :func:`check_applicable`); names no strategy has stay, for ``MoEConfig`` to
+    refuse."""
+    own = options_class(strategy).names()
+    return {k: v for k, v in options.items() if k in own or not _owners(k)}

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from moesaic.train.config import TrainConfig
+from moesaic.train.plan import plan_record
 
 
 def strict_json(value):
@@ -163,6 +164,9 @@ class Reporter:
             "expert_imbalance_last": self.last_imbalance,
             "run_dir": self.cfg.run_dir,
         }
+        plan = plan_record(self.cfg)  # --plan: the combination it chose
+        if plan is not None:
+            summary["plan"] = plan
         self._write(summary)
         try:
             self.metrics.close()
@@ -187,6 +191,11 @@ def format_summary(s: dict) -> str:
         ("expert max/mean", ", ".join(f"{x:.2f}" for x in s["expert_imbalance_last"]) or "-"),
         ("run directory", s["run_dir"]),
     ]
+    if "plan" in s:  # --plan: what it chose
+        p = s["plan"]
+        rows.append(
+            ("plan", f"{p['strategy']}+{p['schedule']} R={p['pipeline_degree']} ({p['source']})")
+        )
     width = max(len(k) for k, _ in rows)
     lines = ["", "summary", "-" * (width + 40)]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]

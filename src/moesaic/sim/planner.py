@@ -1,0 +1,423 @@
+"""Rank every runnable combination of strategy, schedule and knobs by its simulated step time.
+
+:func:`plan_runs` enumerates, for a model on a cluster under a profile:
+
+* every pair of :mod:`moesaic.sim.runs` (a strategy the simulator prices under each schedule it
+  supports; taskflow vanilla only), the pairs that cannot simulate this cluster and model left
+  out with their reason (``unsupported_reason``);
+* the knobs of each pair (option names are those of ``moesaic train``, so that a plan entry
+  becomes flags one for one: :mod:`moesaic.train.plan`):
+
+  - ``pipeline_degree`` R: 1 under ``vanilla``; every one of ``PIPELINE_DEGREES`` that divides
+    the batch under ``moe-only`` and ``flowmoe``;
+  - ``ar_chunk`` Sp (``flowmoe``): the replicated gradients' bytes G over each of
+    ``SP_DIVISORS``, at least ``MIN_AR_CHUNK_BYTES`` (what training accepts);
+  - ``domain_sizes`` and ``compression_ratio`` (``hybrid``): for each compression ratio asked
+    for, the ``DOMAIN_CANDIDATES`` best domain tuples of HybridEP's fast step model
+    (:func:`moesaic.sim.hybrid.hybrid_parts`, the rule of ``plan_domains_fast``) on the tokens
+    of one chunk, not the cross product of every divisor tuple; gathers prefetched, as
+    training runs them;
+  - ``pipeline`` (``taskflow``): its plans in kernel order and in list-scheduled order;
+
+and prices each with :func:`moesaic.sim.simulate.simulate`, so that whatever the simulator learns
+(its compute and link models) flows into the ranking. ``hybrid`` under ``vanilla`` is priced as
+a training step: the simulator's ``hybrid`` vanilla graph is HybridEP's benchmark step, which has
+no data-parallel all-reduce of the replicated gradients, and a training step has one; the block
+pipeline at R = 1 (the model of every other strategy under ``vanilla``) has it, so that pair is
+simulated as ``moe-only`` with R = 1, which is that pipeline.
+
+Rank symmetry keeps the count of simulations small at any scale: each simulation prices one
+representative rank (``SimGraph``) and the domain shortlist is closed-form, so the number of
+simulations depends on the knobs, never on the number of ranks (:attr:`Plan.simulations`; the
+1,000-datacenter example plans in well under a second). Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from moesaic.checks import check_number, check_one_of, check_positive_int
+from moesaic.cluster.spec import ClusterSpec
+from moesaic.planning.costmodel import domain_size_choices
+from moesaic.sim.hybrid import hybrid_parts
+from moesaic.sim.model import ModelSpec
+from moesaic.sim.profile import Profile
+from moesaic.sim.runs import SCHEDULES, STRATEGIES, Run, runs, unsupported_reason
+from moesaic.sim.simulate import SimOptions, SimResult, link_model, simulate
+
+__all__ = [
+    "DOMAIN_CANDIDATES",
+    "MIN_AR_CHUNK_BYTES",
+    "PIPELINE_DEGREES",
+    "SP_DIVISORS",
+    "TIE",
+    "Candidate",
+    "Plan",
+    "plan_runs",
+]
+
+# R of the pipelined schedules tried (those dividing the batch): the emulated 2-rank cluster
+# measured R = 2 and 4 within 3% of each other (flowmoe 1.49x and 1.45x vanilla,
+# flowmoe_cluster.json); 8 for batches that chunk finer.
+PIPELINE_DEGREES = (2, 4, 8)
+# Sp = G / n for each n: the simulator's default n = 16 and one step either side by 4x.
+SP_DIVISORS = (4, 16, 64)
+# The least Sp training accepts (moesaic.train.schedule_options.MIN_AR_CHUNK_BYTES: below it
+# a gloo all-reduce costs its latency whatever its size); the same number, which this
+# torch-free simulator package may not import from train.
+MIN_AR_CHUNK_BYTES = 4096
+# Domain tuples per compression ratio and R that the simulator prices: the fast step model
+# ranks every divisor tuple (64 at 1,000 DCs x 8) in milliseconds; the simulator decides among
+# its best few.
+DOMAIN_CANDIDATES = 3
+# Candidates predicted within this fraction of the pick are named with it: closer than the
+# simulator's validated error (7.2% geometric mean), so a measurement should decide among them.
+TIE = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One ranked combination and its simulated step.
+
+    Attributes:
+        strategy: ``runs.STRATEGIES``.
+        schedule: ``runs.SCHEDULES``.
+        options: the knobs, named as ``moesaic train``'s options (``pipeline_degree``,
+            ``ar_chunk``) and of the strategy's options class (``domain_sizes``,
+            ``compression_ratio``; ``pipeline``).
+        predicted_ms: the simulated iteration.
+        bound_ms: the perfect-overlap bound max(total compute, total communication).
+        compute_ms: compute busy time.
+        comm_ms: communication busy time.
+    """
+
+    strategy: str
+    schedule: str
+    options: dict[str, Any]
+    predicted_ms: float
+    bound_ms: float
+    compute_ms: float
+    comm_ms: float
+
+    @property
+    def name(self) -> str:
+        """``strategy+schedule``."""
+        return Run(self.strategy, self.schedule).name
+
+    def knobs(self) -> str:
+        """The options in one short line (``R=2 Sp=1.2MB domains=[1, 2]``)."""
+        o = self.options
+        parts = [f"R={o['pipeline_degree']}"]
+        if "ar_chunk" in o:
+            parts.append(f"Sp={_bytes(o['ar_chunk'])}")
+        if "domain_sizes" in o:
+            parts.append(f"domains={o['domain_sizes']}")
+        if o.get("compression_ratio", 1.0) != 1.0:
+            parts.append(f"CR={o['compression_ratio']:g}")
+        if o.get("pipeline"):
+            parts.append("pipelined plan")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of ``moesaic plan --json``."""
+        return {
+            "strategy": self.strategy,
+            "schedule": self.schedule,
+            "options": dict(self.options),
+            "predicted_ms": self.predicted_ms,
+            "bound_ms": self.bound_ms,
+            "compute_ms": self.compute_ms,
+            "comm_ms": self.comm_ms,
+        }
+
+
+@dataclass(slots=True)
+class Plan:
+    """Every priced combination, fastest first, and what was left out.
+
+    Attributes:
+        ranked: the candidates by predicted step time (equal to 9 digits: in enumeration
+            order, strategy by strategy, vanilla first, smaller R first).
+        skipped: ``(strategy+schedule, why)`` of the pairs that cannot run here.
+        simulations: how many simulations were run (independent of the number of ranks).
+    """
+
+    ranked: list[Candidate]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    simulations: int = 0
+
+    @property
+    def chosen(self) -> Candidate:
+        """The fastest combination."""
+        return self.ranked[0]
+
+    @property
+    def reason(self) -> str:
+        """Why the pick: what bounds it, what ties with it (within ``TIE``) and by how much it
+        beats the best combination of another strategy and of another schedule."""
+        best = self.chosen
+        bound = "compute" if best.compute_ms >= best.comm_ms else "communication"
+        text = (
+            f"{best.name} ({best.knobs()}) predicted {best.predicted_ms:.4g} ms, "
+            f"{bound}-bound (compute {best.compute_ms:.4g} ms, communication "
+            f"{best.comm_ms:.4g} ms, {100 * _hidden_share(best):.0f}% of it hidden; bound "
+            f"{best.bound_ms:.4g} ms)"
+        )
+        ties = [c for c in self.ranked[1:] if c.predicted_ms <= best.predicted_ms * (1 + TIE)]
+        if ties:
+            names = ", ".join(f"{c.name} ({c.knobs()})" for c in ties[:3])
+            more = f" and {len(ties) - 3} more" if len(ties) > 3 else ""
+            text += f"; within {100 * TIE:g}%: {names}{more}"
+        for axis in ("strategy", "schedule"):
+            mine = getattr(best, axis)
+            other = next((c for c in self.ranked if getattr(c, axis) != mine), None)
+            if other is not None:
+                ratio = other.predicted_ms / best.predicted_ms
+                text += (
+                    f"; {ratio:.3f}x faster than the best of another {axis}, {other.name} "
+                    f"({other.knobs()})"
+                )
+        return text
+
+
+def _hidden_share(c: Candidate) -> float:
+    """Share of the communication that overlaps compute (1 when there is none)."""
+    if c.comm_ms <= 0:
+        return 1.0
+    exposed = min(max(c.predicted_ms - c.compute_ms, 0.0), c.comm_ms)
+    return 1.0 - exposed / c.comm_ms
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}B"
+
+
+def _check_choices(
+    degrees: Sequence[int], sp_divisors: Sequence[float], compression_ratios: Sequence[float]
+) -> None:
+    for name, values in (
+        ("degrees", degrees),
+        ("sp_divisors", sp_divisors),
+        ("compression_ratios", compression_ratios),
+    ):
+        if not values:
+            raise ValueError(f"{name} must not be empty")
+    for i, r in enumerate(degrees):
+        check_positive_int(f"degrees[{i}]", r)
+    for i, n in enumerate(sp_divisors):
+        check_number(f"sp_divisors[{i}]", n, 0.0, lo_open=True)
+    for i, cr in enumerate(compression_ratios):
+        check_number(f"compression_ratios[{i}]", cr, 1.0, 1e6)
+
+
+class _Pricer:
+    """Runs the simulations of one plan and counts them."""
+
+    def __init__(self, spec: ClusterSpec, model: ModelSpec, profile: Profile, all_reduce: str):
+        self.spec, self.model, self.profile, self.all_reduce = spec, model, profile, all_reduce
+        self.simulations = 0
+
+    def run(self, run: Run, **opts: Any) -> SimResult:
+        self.simulations += 1
+        options = SimOptions(all_reduce=self.all_reduce, **opts)
+        schedule = run.schedule
+        if run.strategy == "hybrid" and schedule == "vanilla":
+            # a training step's vanilla hybrid: the block pipeline at R = 1 (module docstring)
+            schedule, options = "moe-only", dataclasses.replace(options, degree=1)
+        return simulate(
+            self.spec, self.model, run.strategy, self.profile, options, schedule=schedule
+        )
+
+    def candidate(self, run: Run, options: dict[str, Any], **opts: Any) -> Candidate:
+        r = self.run(run, **opts)
+        return Candidate(
+            strategy=run.strategy,
+            schedule=run.schedule,
+            options=options,
+            predicted_ms=r.iteration_s * 1e3,
+            bound_ms=r.bound_s * 1e3,
+            compute_ms=r.compute_s * 1e3,
+            comm_ms=r.comm_s * 1e3,
+        )
+
+
+def _degrees(run: Run, model: ModelSpec, degrees: Sequence[int]) -> list[int]:
+    if run.schedule == "vanilla":
+        return [1]
+    return sorted({r for r in degrees if model.batch % r == 0})
+
+
+def _best_domains(
+    spec: ClusterSpec,
+    model: ModelSpec,
+    profile: Profile,
+    *,
+    degree: int,
+    compression_ratio: float,
+    count: int,
+) -> list[tuple[int, ...]]:
+    """The ``count`` best domain tuples by HybridEP's fast step model on one chunk's tokens
+    (ties to smaller domains, as ``plan_domains_fast``)."""
+    chunk = dataclasses.replace(model, batch=model.batch // degree)
+    prof = profile.for_model(model.act_bytes)
+    link = link_model(spec, prof)
+    scored = [
+        (
+            hybrid_parts(
+                link,
+                chunk,
+                ds,
+                prof.flops_per_s,
+                prefetch=True,
+                compression_ratio=compression_ratio,
+            ).step_s,
+            math.prod(ds),
+            ds,
+        )
+        for ds in domain_size_choices(spec)
+    ]
+    scored.sort(key=lambda t: (t[0], t[1]))
+    return [ds for _, _, ds in scored[:count]]
+
+
+def _pair_candidates(
+    pricer: _Pricer,
+    run: Run,
+    *,
+    degrees: Sequence[int],
+    sp_divisors: Sequence[float],
+    compression_ratios: Sequence[float],
+    domain_candidates: int,
+) -> list[Candidate]:
+    """Every knob setting of one pair, priced."""
+    out: list[Candidate] = []
+    for R in _degrees(run, pricer.model, degrees):
+        if run.strategy == "taskflow":
+            for pipeline in (False, True):
+                opts = {"pipeline_degree": 1, "pipeline": pipeline}
+                out.append(pricer.candidate(run, opts, taskflow_pipeline=pipeline))
+            continue
+        settings: list[tuple[dict[str, Any], dict[str, Any]]] = [({}, {})]
+        if run.strategy == "hybrid":
+            settings = [
+                (
+                    {"domain_sizes": list(ds), "compression_ratio": cr},
+                    {"domain_sizes": ds, "compression_ratio": cr, "prefetch": True},
+                )
+                for cr in compression_ratios
+                for ds in _best_domains(
+                    pricer.spec,
+                    pricer.model,
+                    pricer.profile,
+                    degree=R,
+                    compression_ratio=cr,
+                    count=domain_candidates,
+                )
+            ]
+        for shown, sim in settings:
+            base = {"pipeline_degree": R, **shown}
+            if run.schedule != "flowmoe":
+                out.append(pricer.candidate(run, base, degree=R, **sim))
+                continue
+            out += _sp_candidates(pricer, run, base, sp_divisors, degree=R, **sim)
+    return out
+
+
+def _sp_candidates(
+    pricer: _Pricer,
+    run: Run,
+    base: dict[str, Any],
+    sp_divisors: Sequence[float],
+    **sim: Any,
+) -> list[Candidate]:
+    """``flowmoe`` at each Sp = G / n (G read off the simulator's default, G / 16)."""
+    first = pricer.run(run, **sim)
+    default_sp = first.details.get("sp_bytes")
+    if default_sp is None:  # nothing to all-reduce (a layer-only model): one setting
+        return [pricer.candidate(run, base, **sim)]
+    grad_bytes = 16 * default_sp
+    sps = sorted({max(MIN_AR_CHUNK_BYTES, int(grad_bytes / n)) for n in sp_divisors})
+    return [pricer.candidate(run, {**base, "ar_chunk": sp}, sp_bytes=sp, **sim) for sp in sps]
+
+
+def plan_runs(
+    spec: ClusterSpec,
+    model: ModelSpec,
+    profile: Profile,
+    *,
+    strategies: Sequence[str] = STRATEGIES,
+    schedules: Sequence[str] = SCHEDULES,
+    degrees: Sequence[int] = PIPELINE_DEGREES,
+    sp_divisors: Sequence[float] = SP_DIVISORS,
+    compression_ratios: Sequence[float] = (1.0,),
+    domain_candidates: int = DOMAIN_CANDIDATES,
+    all_reduce: str = "best",
+) -> Plan:
+    """Every runnable combination of ``model`` on ``spec``, simulated and ranked.
+
+    Args:
+        spec: the cluster (one expert-parallel group).
+        model: the model and one rank's batch.
+        profile: the machine's rates (``moesaic calibrate``).
+        strategies: the strategies to consider (default: every one the simulator prices).
+        schedules: the schedules to consider (default: every one).
+        degrees: R of the pipelined schedules (those dividing ``model.batch`` are tried).
+        sp_divisors: ``flowmoe``'s Sp = G / n for each n.
+        compression_ratios: ``hybrid``'s SR compression ratios (1: exact gathers).
+        domain_candidates: ``hybrid``'s domain tuples priced per R and compression ratio.
+        all_reduce: the gradient all-reduce's algorithm (``SimOptions.all_reduce``).
+
+    Raises:
+        ValueError: an unknown strategy or schedule, a bad knob, or no combination that can
+            run (naming why each pair cannot), or a model that does not fit the world.
+    """
+    _check_choices(degrees, sp_divisors, compression_ratios)
+    check_positive_int("domain_candidates", domain_candidates)
+    if model.experts % spec.world_size:
+        raise ValueError(
+            f"model.experts ({model.experts}) must be a multiple of the cluster's world_size "
+            f"({spec.world_size}): each rank holds experts / world_size experts"
+        )
+    pairs = _pairs(strategies, schedules)
+    pricer = _Pricer(spec, model, profile, all_reduce)
+    ranked: list[Candidate] = []
+    skipped: list[tuple[str, str]] = []
+    for run in pairs:
+        why = unsupported_reason(spec, model, run)
+        if why is None and run.schedule != "vanilla" and not _degrees(run, model, degrees):
+            why = f"no R of {list(degrees)} divides model.batch ({model.batch})"
+        if why is not None:
+            skipped.append((run.name, why))
+            continue
+        ranked += _pair_candidates(
+            pricer,
+            run,
+            degrees=degrees,
+            sp_divisors=sp_divisors,
+            compression_ratios=compression_ratios,
+            domain_candidates=domain_candidates,
+        )
+    if not ranked:
+        left = "; ".join(f"{name}: {why}" for name, why in skipped) or "none asked for"
+        raise ValueError(f"no combination can run this model on this cluster ({left})")
+    # Equal to 9 digits (float noise between equivalent graphs) is a tie, which goes to the
+    # earlier enumerated, simpler combination: vanilla before the pipelined, smaller R first.
+    order = {id(c): i for i, c in enumerate(ranked)}
+    ranked.sort(key=lambda c: (float(f"{c.predicted_ms:.9g}"), order[id(c)]))
+    return Plan(ranked=ranked, skipped=skipped, simulations=pricer.simulations)
+
+
+def _pairs(strategies: Sequence[str], schedules: Sequence[str]) -> list[Run]:
+    """The pairs of the strategies and schedules asked for that can run together (taskflow
+    under a pipelined schedule cannot), strategy by strategy."""
+    for i, t in enumerate(schedules):
+        check_one_of(f"schedules[{i}]", t, SCHEDULES)
+    pairs = [r for s in strategies for r in runs(s, "all") if r.schedule in schedules]
+    return list(dict.fromkeys(pairs))

@@ -1,0 +1,56 @@
+"""``hybrid``'s options (``MoEConfig.options`` when ``dispatcher = "hybrid"``):
+:class:`HybridOptions`.
+
+Torch-free (its own module, not :mod:`moesaic.strategies.hybrid`, which imports torch): a config
+is validated, and ``moesaic plan`` reads the compression ratio, without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moesaic.checks import check_number, check_positive_int
+from moesaic.strategy_options import StrategyOptions
+
+__all__ = ["HybridOptions"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HybridOptions(StrategyOptions):
+    """How HybridEP moves experts (``moesaic.strategies.hybrid``).
+
+    Attributes:
+        domain_sizes: expert-domain sizes ``S_ED^l`` per level, outermost first (``moesaic
+            plan`` chooses them). The levels are those of the layer's cluster description, or
+            one level of the whole expert-parallel group when it has none. None: one domain of
+            the whole group (every expert gathered everywhere, tokens never leave their rank:
+            the paper's p = 0).
+        compression_ratio: CR of the SR compression (``moesaic.placement.compress``) of the
+            experts it gathers; 1.0 gathers them exactly.
+        shared_expert_every: compressed gathers recompute the shared expert (the domain's mean
+            expert: an all-reduce of one expert's size) every this many gathers and reuse it in
+            between (1: every gather, as the paper). Encoder and decoder always use the same
+            one; a stale one only leaves larger residuals for the top-k to keep.
+    """
+
+    domain_sizes: tuple[int, ...] | None = None
+    compression_ratio: float = 1.0
+    shared_expert_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.domain_sizes is not None:
+            if isinstance(self.domain_sizes, (str, bytes)) or not isinstance(
+                self.domain_sizes, (tuple, list)
+            ):
+                raise ValueError(
+                    f"domain_sizes ({self.domain_sizes!r}) must be a list of positive ints "
+                    "(one per cluster level, outermost first) or None"
+                )
+            object.__setattr__(self, "domain_sizes", tuple(self.domain_sizes))
+            if not self.domain_sizes:
+                raise ValueError("domain_sizes must not be empty (None: not set)")
+            for i, s in enumerate(self.domain_sizes):
+                check_positive_int(f"domain_sizes[{i}]", s)
+        # one rule for every bad value (nan said ">= 0" while 0.5 said ">= 1"); 1: exact
+        check_number("compression_ratio", self.compression_ratio, 1.0)
+        check_positive_int("shared_expert_every", self.shared_expert_every)

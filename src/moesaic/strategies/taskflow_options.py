@@ -1,0 +1,42 @@
+"""``taskflow``'s options (``MoEConfig.options`` when ``dispatcher = "taskflow"``):
+:class:`TaskflowOptions`.
+
+Torch-free (its own module, not :mod:`moesaic.strategies.taskflow`, which imports torch), so that
+a config is validated without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moesaic.checks import check_bool, check_one_of, check_positive_int
+from moesaic.strategy_options import StrategyOptions
+
+__all__ = ["EXECUTORS", "TaskflowOptions"]
+
+EXECUTORS = ("static", "dynamic")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskflowOptions(StrategyOptions):
+    """How ``taskflow`` compiles and runs its tile plans (``moesaic.strategies.taskflow``).
+
+    Attributes:
+        executor: "static" (one worker per queue in compiled order, HyperParallel-MoE) or
+            "dynamic" (a scheduler and a processor pool deciding at run time, FlashDMoE).
+        tile_m: rows of a dispatch / GMM tile (the bucket's slot rows are a power-of-two number
+            of tiles).
+        pipeline: compile the plans with the list-scheduled queue order
+            (``CompileOptions.pipeline``: GMM2 and combine tiles start while GMM1 tiles remain)
+            instead of the kernel-by-kernel order. Off by default: on the emulated CPU cluster
+            it measured 3-5% slower (benchmarks/results/taskflow_cluster.json).
+    """
+
+    executor: str = "static"
+    tile_m: int = 128
+    pipeline: bool = False
+
+    def __post_init__(self) -> None:
+        check_one_of("executor", self.executor, EXECUTORS)
+        check_positive_int("tile_m", self.tile_m)
+        check_bool("pipeline", self.pipeline)

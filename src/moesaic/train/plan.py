@@ -1,0 +1,279 @@
+"""``moesaic train --plan FILE.json|auto``: train with the combination ``moesaic plan`` ranked first.
+
+A plan entry is one object of ``moesaic plan --json``'s list: ``strategy``, ``schedule`` and
+``options`` (and its prediction, which training does not need). ``--plan FILE.json`` reads that
+list and takes its first entry (or a file holding one such object). ``strategy`` sets
+``model.moe.dispatcher`` (``--strategy``), ``schedule`` the schedule; among the options,
+``pipeline_degree`` and ``ar_chunk`` (``RUN_OPTIONS``) set the run options of those names, and
+every other one is an option of the strategy's options class (``MoEConfig.options``: the domain
+sizes, compression ratio, plan order, ...), as its flag would set it (``--domains``).
+
+A flag that sets one of them to another value than the plan is refused (naming both); a TOML
+key is overridden with a note (a config file is often shared by runs, as ``option_rules`` says).
+The strategy options go through :func:`strategy_option_dest`, the one place that knows where a
+strategy's options live in the configuration.
+
+``--plan auto`` chooses at the start of the run instead (:mod:`moesaic.train.plan_auto`): it
+needs ``--cluster``, and the options it chooses may not be given too, nor options that apply to
+some strategies or schedules only (which the plan may not pick). Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from moesaic.schedule import schedule_names
+from moesaic.strategy_table import options_class, strategy_names
+from moesaic.train.domains import parse_domain_sizes
+from moesaic.train.option_rules import rule_of
+from moesaic.train.schedule_options import parse_ar_chunk, parse_pipeline_degree
+
+__all__ = [
+    "AUTO",
+    "RUN_OPTIONS",
+    "apply_plan_option",
+    "check_auto_options",
+    "check_entry",
+    "plan_record",
+    "plan_settings",
+    "read_plan",
+    "set_plan",
+    "strategy_option_dest",
+    "strategy_options",
+]
+
+AUTO = "auto"
+# The plan options that are run options of the same name; the others are strategy options.
+RUN_OPTIONS = ("pipeline_degree", "ar_chunk")
+# The dests a plan decides besides its strategy's options.
+CHOSEN = ("model.moe.dispatcher", "schedule", *RUN_OPTIONS)
+
+
+def strategy_option_dest(option: str) -> str:
+    """Where strategy option ``option`` lives in a training configuration (an argparse dest and
+    a path in the TOML layout): ``model.moe.options.<option>`` (``MoEConfig.options``). The one
+    place that knows it."""
+    return f"model.moe.options.{option}"
+
+
+def strategy_options(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The strategy options among ``settings`` (by dest, :func:`plan_settings`), by option name:
+    what ``MoEConfig.options`` takes."""
+    prefix = strategy_option_dest("")
+    return {k.removeprefix(prefix): v for k, v in settings.items() if k.startswith(prefix)}
+
+
+def _chosen(dest: str) -> bool:
+    """Whether a plan decides ``dest``: the strategy, the schedule, the run options it sets and
+    every strategy option (the plan picks the strategy, and with it whose options apply)."""
+    return dest in CHOSEN or dest.startswith(strategy_option_dest(""))
+
+
+def check_entry(entry: object, where: str) -> dict[str, Any]:
+    """``entry`` is a plan entry: an object with a registered ``strategy``, a ``schedule`` and
+    ``options`` that are ``RUN_OPTIONS`` or options of the strategy (errors name ``where``)."""
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{where}: a plan entry must be an object, got {type(entry).__name__}")
+    missing = [k for k in ("strategy", "schedule", "options") if k not in entry]
+    if missing:
+        raise ValueError(f"{where}: the plan entry has no {', '.join(missing)}")
+    strategy, schedule, options = entry["strategy"], entry["schedule"], entry["options"]
+    if strategy not in strategy_names():
+        raise ValueError(
+            f"{where}: strategy {strategy!r} is not registered ({', '.join(strategy_names())})"
+        )
+    if schedule not in schedule_names():
+        raise ValueError(
+            f"{where}: schedule {schedule!r} is not one of {', '.join(schedule_names())}"
+        )
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{where}: options must be an object, got {options!r}")
+    own = options_class(strategy).names()
+    for name in options:
+        if name not in RUN_OPTIONS and name not in own:
+            raise ValueError(
+                f"{where}: option {name!r} is neither a run option ({', '.join(RUN_OPTIONS)}) "
+                f"nor one of strategy {strategy!r} ({', '.join(own) or 'it has none'})"
+            )
+    return dict(entry)
+
+
+def read_plan(path: str) -> dict[str, Any]:
+    """The entry of ``--plan FILE.json``: the first of ``moesaic plan --json``'s list, or the
+    file's one object."""
+    where = f"--plan {path}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: not a JSON plan ({exc})") from None
+    if isinstance(data, list):
+        if not data:
+            raise ValueError(f"{where}: the plan lists no combination")
+        data = data[0]
+    return check_entry(data, where)
+
+
+def plan_settings(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The options an entry sets, by dest (``schedule``, ``model.moe.dispatcher``, ...): the
+    pipeline degree 1 when the entry has none; Sp only when it has one (``ar_chunk`` applies
+    to the pooled schedules only)."""
+    options = entry["options"]
+    out: dict[str, Any] = {
+        "model.moe.dispatcher": entry["strategy"],
+        "schedule": entry["schedule"],
+        "pipeline_degree": options.get("pipeline_degree", 1),
+    }
+    if "ar_chunk" in options:
+        out["ar_chunk"] = options["ar_chunk"]
+    for name, value in options.items():
+        if name not in RUN_OPTIONS:
+            out[strategy_option_dest(name)] = value
+    return out
+
+
+def _normal(dest: str, value: Any) -> Any:
+    """A value as its option's parser reads it, so that ``--ar-chunk 4KiB`` equals 4096."""
+    if dest == "pipeline_degree":
+        return parse_pipeline_degree(value)
+    if dest == "ar_chunk":
+        return parse_ar_chunk(value)
+    if dest == strategy_option_dest("domain_sizes"):
+        return parse_domain_sizes(value)
+    if dest == strategy_option_dest("compression_ratio") and isinstance(value, (int, float)):
+        return float(value)
+    return value
+
+
+def _get(d: Mapping[str, Any], dest: str) -> Any:
+    node: Any = d
+    for part in dest.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _set(d: dict[str, Any], dest: str, value: Any) -> None:
+    *path, last = dest.split(".")
+    node = d
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def set_plan(
+    d: dict[str, Any],
+    given: dict[str, str],
+    path: str,
+    *,
+    note: Callable[[str], None],
+) -> None:
+    """``--plan FILE.json`` applied to the merged options ``d`` (TOML layout, flags in):
+    ``given`` (dest -> a flag or the TOML file) says what the user set.
+
+    Raises:
+        ValueError: a flag sets an option of the plan to another value (all of them named), or
+            the file is not a plan entry.
+    """
+    settings = plan_settings(read_plan(path))
+    conflicts = []
+    for dest, value in settings.items():
+        source = given.get(dest)
+        if source is None:
+            continue
+        mine = _get(d, dest)
+        if _normal(dest, mine) == _normal(dest, value):
+            continue
+        if source.startswith("--"):
+            conflicts.append(f"{source} {mine} (the plan: {value})")
+        else:
+            note(f"{dest} = {mine!r} in {source} is overridden by --plan {path}: {value!r}")
+    if conflicts:
+        raise ValueError(
+            f"--plan {path} sets what these flags set, to other values: {'; '.join(conflicts)}; "
+            "drop the flags or the plan"
+        )
+    for dest, value in settings.items():
+        _set(d, dest, value)
+        given[dest] = f"--plan {path}"  # judged like a flag: a plan option must apply
+
+
+def check_auto_options(given: Mapping[str, str], note: Callable[[str], None]) -> list[str]:
+    """``--plan auto``: the options given that it would contradict. A flag among the options
+    the plan chooses, or among those that apply to some strategies or schedules only, is
+    refused; such a TOML key gets a note (it is overridden, or may have no effect). Returns
+    the dests to leave out of ``option_rules.check_applicable`` (the plan decides them).
+
+    Raises:
+        ValueError: naming every such flag.
+    """
+    refused, judged = [], []
+    for dest, source in given.items():
+        if dest in ("cluster", "plan"):  # what the plan is made from
+            judged.append(dest)
+            continue
+        rule = rule_of(dest)
+        limited = rule is not None and (rule.strategies is not None or rule.schedules is not None)
+        if not _chosen(dest) and not limited:
+            continue
+        judged.append(dest)
+        why = "chooses it"
+        if not _chosen(dest) and rule is not None:
+            why = f"may pick what it does not apply to ({rule.what})"
+        if source.startswith("--"):
+            refused.append(f"{source} (--plan auto {why})")
+        else:
+            note(f"{dest} in {source}: --plan auto {why}; the plan decides")
+    if refused:
+        raise ValueError(
+            f"--plan auto chooses the strategy, schedule and their options itself: drop "
+            f"{'; '.join(refused)}, or plan first (moesaic plan --json > plan.json) and train "
+            "with --plan plan.json"
+        )
+    return judged
+
+
+def apply_plan_option(
+    d: dict[str, Any], given: dict[str, str], note: Callable[[str], None]
+) -> set[str]:
+    """``d["plan"]`` (the merged options of ``moesaic train``), applied: a file's entry set into
+    ``d`` (:func:`set_plan`), ``auto``'s options checked (:func:`check_auto_options`). Returns
+    the dests ``option_rules.check_applicable`` must leave to the plan (``cluster``, which a
+    plan is made on, is noted rather than refused when the pick does not read it)."""
+    plan = d.get("plan")
+    if plan is None:
+        return set()
+    if plan == AUTO:
+        return set(check_auto_options(given, note))
+    if not isinstance(plan, str) or not plan:
+        raise ValueError(f"plan must be 'auto' or a JSON file of moesaic plan, got {plan!r}")
+    set_plan(d, given, plan, note=note)
+    # The cluster a plan was made on is worth giving whatever it picked: a note, not a refusal,
+    # when the pick does not read it.
+    rule = rule_of("cluster")
+    strategy = _get(d, "model.moe.dispatcher")
+    if "cluster" in given and rule is not None and rule.misfit(strategy, d["schedule"]):
+        note(f"cluster ({given['cluster']}) has no effect with the plan's strategy {strategy!r}")
+    return {"cluster"}
+
+
+def plan_record(cfg: Any) -> dict[str, Any] | None:
+    """What a run with ``--plan`` trained (a ``TrainConfig``, after ``auto`` was resolved): its
+    source and the strategy, schedule and options it set, for the run's summary (None without
+    ``--plan``)."""
+    if cfg.plan is None:
+        return None
+    moe = cfg.model.moe
+    return {
+        "source": cfg.plan,
+        "strategy": moe.dispatcher,
+        "schedule": cfg.schedule,
+        "pipeline_degree": cfg.pipeline_degree,
+        "ar_chunk": cfg.ar_chunk,
+        "options": moe.options.to_dict(),
+    }

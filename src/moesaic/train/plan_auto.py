@@ -1,0 +1,181 @@
+"""``moesaic train --plan auto``: rank 0 plans at the start of the run, every rank trains its pick.
+
+Rank 0 runs ``moesaic plan --json`` on the run's cluster (``--cluster``) and model (a training
+config written from the run's, ``moesaic.sim.model.load_model`` reads it) with no profile, so
+the planner measures rank 0's machine first (a quick calibration: the matmul rates and the
+per-op overhead, about a second), and takes the ranking's first entry. The planner is the
+simulator's (``moesaic.sim.planner``), which reads training configs and so sits above this
+package: it runs as the ``moesaic plan`` command in a child process, its interface the
+documented JSON, rather than as an import that would close a circle between the two packages.
+
+Every rank receives rank 0's entry (two all-gathers: its length, then its bytes; an error on
+rank 0 reaches every rank the same way) and applies it (:func:`apply_entry`) before anything is
+built, as ``--domains auto`` shares rank 0's measurement. Rank 0 logs the pick and its reason and
+writes the whole ranking to ``<run_dir>/plan.json``; a resumed or restarted run trains the
+combination recorded there instead of planning again, so that its checkpoints keep their
+strategy and options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moesaic.comm.agree import check_ranks_agree
+from moesaic.config import MoEConfig
+from moesaic.train.config import TrainConfig
+from moesaic.train.plan import AUTO, check_entry, plan_record, plan_settings, strategy_options
+
+__all__ = ["PLAN_FILE", "apply_entry", "model_toml", "resolve_auto_plan"]
+
+# Where rank 0 records the ranking, in the run directory.
+PLAN_FILE = "plan.json"
+
+
+def _toml_value(value: Any) -> str | None:
+    """``value`` as TOML (None: not representable, left out: None, tables, non-finite)."""
+    if isinstance(value, (bool, int, str)):
+        return json.dumps(value)
+    if isinstance(value, float):
+        return json.dumps(value) if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in value
+    ):
+        return json.dumps(list(value))
+    return None
+
+
+def model_toml(cfg: TrainConfig) -> str:
+    """A training config of ``cfg``'s batch and model (no strategy options, no deadline: what
+    the planner chooses or does not read), as ``moesaic plan --model`` reads one."""
+    lines = [f"batch_size = {cfg.batch_size}", "", "[model]"]
+    model = cfg.model.to_dict()
+    moe = model.pop("moe")
+    skip_moe = {"options", "dispatcher", "collective_timeout_s"}
+    for table, values, skip in (("", model, set()), ("[model.moe]", moe, skip_moe)):
+        if table:
+            lines += ["", table]
+        for key, value in values.items():
+            text = None if key in skip else _toml_value(value)
+            if text is not None:
+                lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+def _plan_here(cfg: TrainConfig, all_reduce: str) -> list[dict[str, Any]]:
+    """``moesaic plan --json`` of ``cfg`` on this machine (rank 0): the ranking."""
+    assert cfg.cluster is not None  # internal: TrainConfig requires it with plan "auto"
+    with tempfile.TemporaryDirectory(prefix="moesaic-plan-") as tmp:
+        model = Path(tmp) / "model.toml"
+        model.write_text(model_toml(cfg))
+        cmd = [sys.executable, "-m", "moesaic", "plan", "--cluster", cfg.cluster]
+        cmd += ["--model", str(model), "--json", "--all-reduce", all_reduce]
+        # this moesaic, wherever the worker found it (installed or on a path of its own)
+        here = str(Path(__file__).resolve().parents[2])  # the directory holding moesaic/
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+        }
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=cfg.timeout_s / 2, check=False, env=env
+        )
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+        raise ValueError(f"--plan auto: moesaic plan failed: {lines[-1]}")
+    return json.loads(proc.stdout)
+
+
+def _recorded(cfg: TrainConfig) -> dict[str, Any] | None:
+    """The entry a resumed or restarted run recorded, if any."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    path = Path(cfg.run_dir) / PLAN_FILE
+    if not (cfg.resume or restarted) or not path.exists():
+        return None
+    return json.loads(path.read_text())["ranking"][0]
+
+
+def _choose(cfg: TrainConfig, all_reduce: str) -> str:
+    """Rank 0: the chosen entry as JSON (``{"entry": ...}`` or ``{"error": ...}``)."""
+    try:
+        entry = _recorded(cfg)
+        if entry is not None:
+            print(
+                f"moesaic train: --plan auto: resuming with the plan in {cfg.run_dir}/{PLAN_FILE}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return json.dumps({"entry": entry})
+        ranking = _plan_here(cfg, all_reduce)
+        entry = check_entry(ranking[0], "--plan auto")
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        record = {"source": AUTO, "cluster": cfg.cluster, "ranking": ranking}
+        (Path(cfg.run_dir) / PLAN_FILE).write_text(json.dumps(record, indent=1))
+        print(
+            f"moesaic train: --plan auto on {cfg.cluster}: {entry.get('reason', '')} "
+            f"(ranking in {cfg.run_dir}/{PLAN_FILE})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return json.dumps({"entry": entry})
+    except (OSError, ValueError, subprocess.TimeoutExpired, KeyError, IndexError) as exc:
+        return json.dumps({"error": str(exc)})
+
+
+def _share(text: str, layout, device) -> str:
+    """Rank 0's ``text`` on every rank (other ranks pass anything)."""
+    data = text.encode() if layout.rank == 0 else b""
+    n_t = torch.tensor([[len(data)]], dtype=torch.int64, device=device)
+    n = int(layout.world.all_gather_dim0(n_t, "all_gather of the plan's length")[0, 0])
+    buf = torch.zeros((1, max(n, 1)), dtype=torch.uint8, device=device)
+    if layout.rank == 0 and n:
+        buf[0, :n] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = layout.world.all_gather_dim0(buf, "all_gather of the plan")
+    return bytes(out[0, :n].cpu().tolist()).decode()
+
+
+def apply_entry(cfg: TrainConfig, entry: dict[str, Any]) -> TrainConfig:
+    """``cfg`` training ``entry``'s strategy, schedule and options (validated again)."""
+    settings = plan_settings(check_entry(entry, "--plan auto"))
+    moe: MoEConfig = dataclasses.replace(
+        cfg.model.moe,
+        dispatcher=settings["model.moe.dispatcher"],
+        options=strategy_options(settings),
+    )
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, moe=moe),
+        schedule=settings["schedule"],
+        pipeline_degree=settings["pipeline_degree"],
+        ar_chunk=settings.get("ar_chunk", "auto"),  # auto: flowmoe tunes it, moe-only one chunk
+    )
+
+
+def resolve_auto_plan(cfg: TrainConfig, layout, device) -> TrainConfig:
+    """``--plan auto``: ``cfg`` with rank 0's pick (a collective; every rank gets the same);
+    other runs unchanged.
+
+    Raises:
+        ValueError: on every rank, when rank 0 could not plan (its reason), or the pick does
+            not fit the run (``TrainConfig.check_world``).
+    """
+    if cfg.plan != AUTO:
+        return cfg
+    all_reduce = "best" if torch.device(device).type == "cuda" else "ring"  # NCCL vs gloo
+    text = _choose(cfg, all_reduce) if layout.rank == 0 else ""
+    shared = json.loads(_share(text, layout, device))
+    if "error" in shared:
+        raise ValueError(shared["error"])
+    cfg = apply_entry(cfg, shared["entry"])
+    cfg.check_world(layout.world_size)
+    # Every rank trains the same pick: compared, as the configuration was before it.
+    check_ranks_agree(plan_record(cfg) or {}, timeout_s=cfg.timeout_s, what="--plan auto's pick")
+    return cfg

@@ -1,0 +1,215 @@
+"""The planner (issue 24, items 4 and 6): every runnable strategy x schedule x knobs priced by the
+simulator and ranked; each entry is what ``simulate`` gives for its options and what training
+accepts; what cannot run is said; the 1,000-DC case costs as many simulations as a 2-rank one."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.planning.costmodel import domain_size_choices
+from moesaic.sim.hybrid import plan_domains_fast
+from moesaic.sim.model import ModelSpec, load_model_spec
+from moesaic.sim.planner import (
+    DOMAIN_CANDIDATES,
+    MIN_AR_CHUNK_BYTES,
+    PIPELINE_DEGREES,
+    SP_DIVISORS,
+    plan_runs,
+)
+from moesaic.sim.profile import Profile
+from moesaic.sim.simulate import SimOptions, link_model, simulate
+from moesaic.strategies.registry import check_supported
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTERS = ROOT / "examples" / "clusters"
+MODELS = ROOT / "examples" / "models"
+# 2 x 2 ranks: every strategy runs, hybrid has 4 domain tuples (3 priced)
+SMALL = ClusterSpec.from_toml(CLUSTERS / "2dc_2node_small.toml")
+MODEL = ModelSpec(layers=2, batch=4, seq_len=32, hidden=64, ffn_hidden=128, experts=4, top_k=2)
+PROFILE = Profile(flops_per_s=2e10)
+
+
+def _dcs(n: int) -> ClusterSpec:
+    """n datacenters x 8 ranks (benchmarks/sim_scale.py's cluster)."""
+    dc = Level(name="datacenter", size=n, bandwidth_gbps=10.0, latency_ms=10.0)
+    rank = Level(name="rank", size=8, bandwidth_gbps=400.0, latency_ms=0.01)
+    return ClusterSpec(name=f"{n}dc", levels=(dc, rank))
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    return plan_runs(SMALL, MODEL, PROFILE, compression_ratios=(1.0, 4.0))
+
+
+def test_ranked_fastest_first_and_runnable(small_plan):
+    """Sorted; each entry is a pair training supports, with the knobs it accepts."""
+    ranked = small_plan.ranked
+    # sorted; equal to 9 digits is a tie, which goes to the simpler (earlier) combination
+    assert all(a.predicted_ms <= b.predicted_ms * (1 + 1e-9) for a, b in itertools.pairwise(ranked))
+    assert small_plan.skipped == []
+    for c in ranked:
+        check_supported(c.strategy, schedule=c.schedule)  # raises if it cannot run
+        R = c.options["pipeline_degree"]
+        assert R == 1 if c.schedule == "vanilla" else R in PIPELINE_DEGREES and MODEL.batch % R == 0
+        assert ("ar_chunk" in c.options) == (c.schedule == "flowmoe")
+        assert c.options.get("ar_chunk", MIN_AR_CHUNK_BYTES) >= MIN_AR_CHUNK_BYTES
+        assert ("domain_sizes" in c.options) == (c.strategy == "hybrid")
+        if c.strategy == "hybrid":
+            ds = c.options["domain_sizes"]
+            assert all(lv.size % s == 0 for s, lv in zip(ds, SMALL.levels, strict=True))
+        assert c.bound_ms == pytest.approx(max(c.compute_ms, c.comm_ms))
+        assert c.bound_ms <= c.predicted_ms * (1 + 1e-9)
+
+
+def test_sp_floor_is_trainings():
+    """The planner's least Sp is the one ``moesaic train`` accepts (a copy: sim/ may not import
+    train/)."""
+    from moesaic.train.schedule_options import MIN_AR_CHUNK_BYTES as TRAIN_MIN
+
+    assert MIN_AR_CHUNK_BYTES == TRAIN_MIN
+
+
+def test_every_combination_is_enumerated(small_plan):
+    """The count is the stated cross product: per non-taskflow pair R values x Sp values (flowmoe)
+    x (hybrid) compression ratios x DOMAIN_CANDIDATES tuples; taskflow's two plan orders."""
+    Rs = [r for r in PIPELINE_DEGREES if MODEL.batch % r == 0]
+    per_strategy = 1 + len(Rs) + len(Rs) * len(SP_DIVISORS)
+    hybrid = 2 * min(DOMAIN_CANDIDATES, len(domain_size_choices(SMALL)))
+    expected = 2 * per_strategy + hybrid * per_strategy + 2
+    assert len(small_plan.ranked) == expected
+    keys = [(c.strategy, c.schedule, repr(sorted(c.options.items()))) for c in small_plan.ranked]
+    assert len(set(keys)) == len(keys)
+    assert {c.strategy for c in small_plan.ranked} == {"dropless", "padded", "hybrid", "taskflow"}
+
+
+@pytest.mark.parametrize("index", [0, 1, 5, 17, -1])
+def test_entry_is_what_simulate_gives(small_plan, index):
+    """The planner's number for an entry equals ``simulate`` run directly with its options."""
+    c = small_plan.ranked[index]
+    o = c.options
+    opts = SimOptions(
+        degree=o["pipeline_degree"],
+        sp_bytes=o.get("ar_chunk"),
+        domain_sizes=tuple(o["domain_sizes"]) if "domain_sizes" in o else None,
+        compression_ratio=o.get("compression_ratio", 1.0),
+        prefetch=c.strategy == "hybrid",
+        taskflow_pipeline=o.get("pipeline", False),
+    )
+    schedule = c.schedule
+    if (c.strategy, c.schedule) == ("hybrid", "vanilla"):
+        schedule = "moe-only"  # a training step: the block pipeline at R = 1
+    r = simulate(SMALL, MODEL, c.strategy, PROFILE, opts, schedule=schedule)
+    assert c.predicted_ms == pytest.approx(r.iteration_s * 1e3, rel=1e-12)
+    assert c.bound_ms == pytest.approx(r.bound_s * 1e3, rel=1e-12)
+
+
+def test_hybrid_vanilla_includes_the_gradient_all_reduce(small_plan):
+    """HybridEP's benchmark step (simulate's hybrid+vanilla graph) has no data-parallel
+    all-reduce; the planner's hybrid+vanilla is a training step, which has one (``AR1``) on top
+    of the same gathers and exchanges."""
+    c = next(c for c in small_plan.ranked if c.name == "hybrid+vanilla")
+    ds = tuple(c.options["domain_sizes"])
+    cr = c.options["compression_ratio"]
+    opts = SimOptions(domain_sizes=ds, prefetch=True, compression_ratio=cr)
+    bench = simulate(SMALL, MODEL, "hybrid", PROFILE, opts)
+    assert not [s for s in bench.spans if s.resource == "allreduce"]
+    step = simulate(
+        SMALL, MODEL, "hybrid", PROFILE, dataclasses.replace(opts, degree=1), schedule="moe-only"
+    )
+    reduces = [s for s in step.spans if s.resource == "allreduce"]
+    assert [s.name for s in reduces] == ["AR1"] and reduces[0].duration > 0
+    assert c.predicted_ms == pytest.approx(step.iteration_s * 1e3, rel=1e-12)
+
+
+def test_domain_shortlist_starts_with_the_fast_planners_pick():
+    """The first tuple priced for hybrid is plan_domains_fast's choice (the same rule)."""
+    plan = plan_runs(SMALL, MODEL, PROFILE, strategies=("hybrid",), schedules=("vanilla",))
+    link = link_model(SMALL, PROFILE)
+    chosen, _ = plan_domains_fast(link, MODEL, PROFILE.flops_per_s, prefetch=True)
+    priced = [tuple(c.options["domain_sizes"]) for c in plan.ranked]
+    assert len(priced) == min(DOMAIN_CANDIDATES, len(domain_size_choices(SMALL)))
+    assert chosen.domain_sizes in priced
+
+
+def test_reason_names_the_pick_and_the_margin(small_plan):
+    best = small_plan.chosen
+    reason = small_plan.reason
+    assert reason.startswith(f"{best.name} ({best.knobs()}) predicted")
+    other = next(c for c in small_plan.ranked if c.strategy != best.strategy)
+    ratio = other.predicted_ms / best.predicted_ms
+    assert f"{ratio:.3f}x faster than the best of another strategy, {other.name}" in reason
+
+
+def test_what_cannot_run_is_said():
+    """A world beyond taskflow's simulated size, and a batch no R divides, are skipped with why;
+    a layer-only model leaves hybrid out."""
+    odd = dataclasses.replace(MODEL, batch=3, experts=80)
+    plan = plan_runs(_dcs(10), odd, PROFILE, strategies=("dropless", "taskflow"))
+    skipped = dict(plan.skipped)
+    assert skipped["taskflow+vanilla"] == "simulates worlds of <= 64 ranks, the cluster has 80"
+    assert skipped["dropless+moe-only"] == "no R of [2, 4, 8] divides model.batch (3)"
+    assert skipped["dropless+flowmoe"] == skipped["dropless+moe-only"]
+    assert {c.name for c in plan.ranked} == {"dropless+vanilla"}
+    layer = dataclasses.replace(MODEL, layer_only=True)
+    plan = plan_runs(SMALL, layer, PROFILE, strategies=("hybrid", "dropless"))
+    assert [name for name, _ in plan.skipped] == [
+        "hybrid+vanilla",
+        "hybrid+moe-only",
+        "hybrid+flowmoe",
+    ]
+    assert all("model.layer_only" in why for _, why in plan.skipped)
+    assert {c.strategy for c in plan.ranked} == {"dropless"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"degrees": ()}, ["degrees", "empty"]),
+        ({"degrees": (0,)}, ["degrees[0]"]),
+        ({"compression_ratios": (0.5,)}, ["compression_ratios[0]"]),
+        ({"sp_divisors": (0,)}, ["sp_divisors[0]"]),
+        ({"schedules": ("pipelined",)}, ["schedules[0]", "'pipelined'"]),
+        ({"strategies": ("nope",)}, ["'nope'"]),
+        ({"domain_candidates": 0}, ["domain_candidates"]),
+    ],
+)
+def test_bad_arguments_name_the_parameter(kwargs, words):
+    with pytest.raises(ValueError) as exc:
+        plan_runs(SMALL, MODEL, PROFILE, **kwargs)
+    for word in words:
+        assert word in str(exc.value)
+
+
+def test_experts_must_fit_the_world():
+    with pytest.raises(ValueError, match=r"model.experts \(6\).*world_size \(4\)"):
+        plan_runs(SMALL, dataclasses.replace(MODEL, experts=6), PROFILE)
+
+
+def test_1000_datacenters_cost_the_simulations_of_10():
+    """Rank symmetry: planning 8,000 ranks runs exactly as many (one-rank) simulations as
+    planning 80, and the example's plan returns in about a second (the bound is a guard
+    against an explosion on a loaded machine, not a benchmark)."""
+    model = load_model_spec(MODELS / "hybridep_1000dc.toml")
+    spec = ClusterSpec.from_toml(CLUSTERS / "hybridep_1000dc.toml")
+    assert spec.world_size == 8000 and model.experts == 8000
+    profile = Profile(flops_per_s=1e14)
+    t0 = time.perf_counter()
+    big = plan_runs(spec, model, profile)
+    wall = time.perf_counter() - t0
+    small = plan_runs(_dcs(10), dataclasses.replace(model, experts=80), profile)
+    assert big.simulations == small.simulations
+    assert len(big.ranked) == len(small.ranked)
+    Rs = [r for r in PIPELINE_DEGREES if model.batch % r == 0]
+    per_pair = 1 + len(Rs) + len(Rs) * (1 + len(SP_DIVISORS))  # flowmoe: one run finds G
+    assert big.simulations == (2 + DOMAIN_CANDIDATES) * per_pair
+    why = "simulates worlds of <= 64 ranks, the cluster has 8000"
+    assert dict(big.skipped) == {"taskflow+vanilla": why}
+    assert wall < 20, f"planning 8,000 ranks took {wall:.1f} s"
+    assert math.isfinite(big.chosen.predicted_ms)

@@ -1,0 +1,185 @@
+"""``moesaic train --plan FILE.json|auto`` (issue 24, item 4): ``moesaic plan --json``'s entries
+become the training options the flags set; a flag that disagrees is refused, a TOML key is
+overridden with a note; ``auto`` plans on rank 0, every rank trains the same pick, recorded in
+the run's summary and ``plan.json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from _train_helpers import fails, read_metrics, tiny_args
+
+from moesaic.cli import main
+from moesaic.train.flags import add_train_arguments, config_from_args
+from moesaic.train.plan_auto import PLAN_FILE
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ROOT / "examples" / "clusters" / "2dc_2node_small.toml"  # 2 x 2 ranks
+TINY = ROOT / "examples" / "train_tiny.toml"  # batch 8: R 2, 4, 8 all divide it
+RUN = ["--config", str(TINY), "--cluster", str(SMALL), "--nproc", "4", "--ep", "4"]
+
+
+@pytest.fixture(scope="module")
+def ranking(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """``moesaic plan --json`` of the tiny example on 2 x 2 ranks (every strategy runs)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    argv = ["plan", "--cluster", str(SMALL), "--model", str(TINY), "--flops-per-s", "2e10"]
+    with contextlib.redirect_stdout(out):
+        assert main([*argv, "--json", "--compression-ratio", "1,4"]) == 0
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    path.write_text(out.getvalue())
+    return path, json.loads(out.getvalue())
+
+
+def _config(*argv: str, notes: list[str] | None = None):
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    sink = notes if notes is not None else []
+    return config_from_args(parser.parse_args(list(argv)), note=sink.append)
+
+
+def _trained(cfg) -> dict:
+    """What a config trains, in a plan entry's terms."""
+    moe = cfg.model.moe
+    options = {"pipeline_degree": cfg.pipeline_degree}
+    if cfg.ar_chunk != "auto":
+        options["ar_chunk"] = cfg.ar_chunk
+    opts = moe.options.to_dict()
+    if moe.dispatcher == "hybrid":
+        options["domain_sizes"] = list(opts["domain_sizes"])
+        options["compression_ratio"] = opts["compression_ratio"]
+    if moe.dispatcher == "taskflow":
+        options["pipeline"] = opts["pipeline"]
+    return {"strategy": moe.dispatcher, "schedule": cfg.schedule, "options": options}
+
+
+def test_every_pair_round_trips(ranking, tmp_path):
+    """The file's first entry, and the best entry of every pair (one object per file), set
+    exactly what the entry says; training accepts each (supports, the cluster's levels)."""
+    path, rows = ranking
+    cfg = _config(*RUN, "--plan", str(path))
+    first = rows[0]
+    assert _trained(cfg) == {k: first[k] for k in ("strategy", "schedule", "options")}
+    assert cfg.plan == str(path)
+    best = {}
+    for row in rows:
+        best.setdefault((row["strategy"], row["schedule"]), row)
+    assert len(best) == 10  # 3 strategies x 3 schedules + taskflow's vanilla
+    for i, row in enumerate(best.values()):
+        one = tmp_path / f"entry{i}.json"
+        one.write_text(json.dumps(row))
+        cfg = _config(*RUN, "--plan", str(one))
+        assert _trained(cfg) == {k: row[k] for k in ("strategy", "schedule", "options")}
+        assert cfg.check_world(4) == 4
+
+
+def test_agreeing_flags_pass_disagreeing_are_refused(ranking, tmp_path):
+    _, rows = ranking
+    flow = next(r for r in rows if r["schedule"] == "flowmoe" and r["strategy"] == "dropless")
+    one = tmp_path / "flow.json"
+    one.write_text(json.dumps(flow))
+    sp = flow["options"]["ar_chunk"]
+    R = flow["options"]["pipeline_degree"]
+    # the same values, spelled as flags spell them
+    cfg = _config(*RUN, "--plan", str(one), "--schedule", "flowmoe", "--ar-chunk", f"{sp}B")
+    assert cfg.ar_chunk == sp and cfg.pipeline_degree == R
+    with pytest.raises(ValueError) as exc:
+        _config(*RUN, "--plan", str(one), "--schedule", "vanilla", "--strategy", "padded")
+    msg = str(exc.value)
+    assert "--schedule vanilla (the plan: flowmoe)" in msg
+    assert "--strategy padded (the plan: dropless)" in msg
+    hybrid = next(r for r in rows if r["strategy"] == "hybrid")
+    one.write_text(json.dumps(hybrid))
+    other = "1,1" if hybrid["options"]["domain_sizes"] != [1, 1] else "2,2"
+    with pytest.raises(ValueError, match=r"--domains 1,1|--domains 2,2"):
+        _config(*RUN, "--plan", str(one), "--domains", other)
+
+
+def test_a_toml_key_is_overridden_with_a_note(ranking, tmp_path):
+    path, rows = ranking
+    entry = rows[0]
+    other = "moe-only" if entry["schedule"] != "moe-only" else "flowmoe"
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'schedule = "{other}"\n' + TINY.read_text())
+    notes: list[str] = []
+    cluster = ["--cluster", str(SMALL), "--nproc", "4", "--ep", "4"]
+    cfg = _config("--config", str(toml), *cluster, "--plan", str(path), notes=notes)
+    assert cfg.schedule == entry["schedule"]
+    assert f"schedule = {other!r} in {toml} is overridden by --plan {path}" in " ".join(notes)
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (None, ["--plan", "no such file"]),
+        ("{", ["--plan", "not a JSON plan"]),
+        ("[]", ["lists no combination"]),
+        ('{"strategy": "dropless", "schedule": "vanilla"}', ["no options"]),
+        ('{"strategy": "nope", "schedule": "vanilla", "options": {}}', ["'nope'", "registered"]),
+        ('{"strategy": "dropless", "schedule": "x", "options": {}}', ["schedule 'x'"]),
+        ('{"strategy": "dropless", "schedule": "vanilla", "options": {"R": 2}}', ["'R'"]),
+        (
+            '{"strategy": "dropless", "schedule": "vanilla", "options": {"domain_sizes": [2]}}',
+            ["option 'domain_sizes' is neither a run option", "strategy 'dropless' (it has none)"],
+        ),
+    ],
+    ids=["missing", "not-json", "empty", "no-options", "strategy", "schedule", "option", "owner"],
+)
+def test_bad_plan_files_are_one_line_errors(content, words, tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    err = fails(["train", *RUN, "--plan", str(path)], capsys)
+    for word in words:
+        assert word in err, err
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--schedule", "flowmoe"], ["--schedule (--plan auto chooses it)"]),
+        (["--domains", "auto"], ["--domains (--plan auto chooses it)"]),
+        (["--activation-checkpointing"], ["--activation-checkpointing", "may pick"]),
+    ],
+    ids=["chosen", "domains", "limited"],
+)
+def test_auto_refuses_what_it_would_contradict(extra, words, capsys):
+    err = fails(["train", *RUN, "--plan", "auto", *extra], capsys)
+    for word in words:
+        assert word in err, err
+
+
+def test_auto_needs_a_cluster(capsys):
+    err = fails(["train", "--config", str(TINY), "--plan", "auto"], capsys)
+    assert "--plan auto" in err and "--cluster" in err
+
+
+def test_auto_trains_rank_0s_pick_on_every_rank(data_file, tmp_path):
+    """A 2-rank run plans on rank 0, every rank applies the same pick (compared by a
+    collective after it), and the summary and plan.json record it."""
+    cluster = tmp_path / "two.toml"
+    cluster.write_text(
+        'name = "two"\nworld_size = 2\n\n[[levels]]\nname = "link"\nsize = 2\n'
+        "bandwidth_gbps = 0.1\nlatency_ms = 1.0\n"
+    )
+    run_dir = tmp_path / "run"
+    args = tiny_args(data_file, run_dir, "--plan", "auto", "--cluster", str(cluster))
+    args[args.index("--steps") + 1] = "2"
+    assert main(args) == 0
+    recorded = json.loads((run_dir / PLAN_FILE).read_text())
+    assert recorded["source"] == "auto" and recorded["cluster"] == str(cluster)
+    first = recorded["ranking"][0]
+    summary = read_metrics(run_dir)[-1]
+    assert summary["kind"] == "summary"
+    plan = summary["plan"]
+    assert plan["source"] == "auto"
+    assert (plan["strategy"], plan["schedule"]) == (first["strategy"], first["schedule"])
+    assert plan["pipeline_degree"] == first["options"]["pipeline_degree"]
+    if "domain_sizes" in first["options"]:
+        assert plan["options"]["domain_sizes"] == first["options"]["domain_sizes"]
