@@ -69,8 +69,9 @@ def test_each_strategy_resolves_its_own_options_class():
         (TaskflowOptions, {"executor": "eager"}, r"^executor \('eager'\) must be one of"),
         (TaskflowOptions, {"tile_m": 0}, r"^tile_m \(0\)"),
         (TaskflowOptions, {"pipeline": 1}, r"^pipeline"),
+        (TaskflowOptions, {"transport": "nccl"}, r"^transport \('nccl'\) must be one of"),
     ],
-    ids=["sizes-str", "sizes-empty", "size-zero", "cr", "every", "executor", "tile", "pipe"],
+    ids=["sizes-str", "sizes-empty", "size-zero", "cr", "every", "executor", "tile", "pipe", "tr"],
 )
 def test_options_validate_naming_the_field_and_the_rule(cls, fields, match):
     with pytest.raises(ValueError, match=match):
@@ -245,3 +246,18 @@ def test_options_are_resolved_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["(2,)", "128", "False"]
+
+
+def test_the_taskflow_transport_option_reaches_the_runtime():
+    """``options.transport`` is what the layer's runtime picks its transport by (a world of
+    one: no process group is needed)."""
+    from moesaic.layer import MoELayer
+
+    cfg = MoEConfig(
+        hidden_size=8,
+        ffn_hidden_size=8,
+        num_experts=2,
+        dispatcher="taskflow",
+        options={"transport": "auto"},
+    )
+    assert MoELayer(cfg).strategy.runtime.transport == "auto"

@@ -29,7 +29,21 @@ from dataclasses import dataclass
 
 from moesaic.checks import check_int, check_positive_int
 
-__all__ = ["WORD", "Arrivals", "SignalLayout", "SignalLedger", "ahead_or_equal", "wrap_delta"]
+__all__ = [
+    "TRANSPORTS",
+    "WORD",
+    "Arrivals",
+    "SignalLayout",
+    "SignalLedger",
+    "ahead_or_equal",
+    "wrap_delta",
+]
+
+# How a taskflow step's tiles move (``comm.symmetric.pick_transport``): "auto": symmetric memory
+# for CUDA tensors on more than one rank when it is available, else gloo; "gloo": always the
+# gloo PutChannel (CPU tensors only); "symmetric": always symmetric memory (CUDA tensors and an
+# initialised torch.distributed required), also on one rank. Here, torch-free, for the options.
+TRANSPORTS = ("auto", "gloo", "symmetric")
 
 WORD = 1 << 32  # signal words are 32-bit: totals wrap modulo WORD
 _HALF = 1 << 31

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from moesaic.checks import check_int, check_one_of, check_positive
 from moesaic.comm.collectives import CollectiveError, EPGroup
 from moesaic.comm.counters import EventCounters
-from moesaic.comm.signals import WORD, Arrivals, SignalLayout, SignalLedger
+from moesaic.comm.signals import TRANSPORTS, WORD, Arrivals, SignalLayout, SignalLedger
 from moesaic.trace import Recorder
 
 __all__ = [
@@ -68,10 +68,6 @@ __all__ = [
     "symmetric_available",
 ]
 
-# "auto": symmetric memory for CUDA tensors on more than one rank when it is available, else
-# gloo; "gloo": always the gloo PutChannel (CPU tensors only); "symmetric": always symmetric
-# memory (CUDA tensors and an initialised torch.distributed required), also on one rank.
-TRANSPORTS = ("auto", "gloo", "symmetric")
 _POLL_MAX_S = 200e-6  # the Subscriber's longest sleep between snapshots that showed nothing new
 
 

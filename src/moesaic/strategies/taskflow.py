@@ -125,6 +125,7 @@ class TaskflowStrategy(MoEStrategy):
             executor=opts.executor,
             tile_m=opts.tile_m,
             options=CompileOptions(pipeline=opts.pipeline),
+            transport=opts.transport,
             timeout_s=cfg.collective_timeout_s,
             recorder=self.recorder,
             **extra,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moesaic.checks import check_bool, check_one_of, check_positive_int
+from moesaic.comm.signals import TRANSPORTS
 from moesaic.strategy_options import StrategyOptions
 
 __all__ = ["EXECUTORS", "TaskflowOptions"]
@@ -30,13 +31,20 @@ class TaskflowOptions(StrategyOptions):
             (``CompileOptions.pipeline``: GMM2 and combine tiles start while GMM1 tiles remain)
             instead of the kernel-by-kernel order. Off by default: on the emulated CPU cluster
             it measured 3-5% slower (benchmarks/results/taskflow_cluster.json).
+        transport: how tiles reach other ranks (``moesaic.comm.signals.TRANSPORTS``): "gloo"
+            (the default: point-to-point messages, CPU tensors), "auto" (torch's symmetric
+            memory for CUDA tensors on several ranks when available, else gloo) or
+            "symmetric" (always symmetric memory; CUDA only). Symmetric memory is opt-in: its
+            CUDA path has not run on a GPU yet (docs/taskflow.md).
     """
 
     executor: str = "static"
     tile_m: int = 128
     pipeline: bool = False
+    transport: str = "gloo"
 
     def __post_init__(self) -> None:
         check_one_of("executor", self.executor, EXECUTORS)
         check_positive_int("tile_m", self.tile_m)
         check_bool("pipeline", self.pipeline)
+        check_one_of("transport", self.transport, TRANSPORTS)
