@@ -33,11 +33,30 @@ def _interpreter_in_time():
         )
 
 
+# ``MOESAIC_KERNEL_ERRORS=FILE.json``: every comparison's figures (``testing.ref_errors``) are
+# written there at the end of the session, keyed by test and tensor: the worst errors a closing
+# note or benchmarks/results/ quotes.
+_ERRORS_FILE = os.environ.get("MOESAIC_KERNEL_ERRORS")
+_errors: list[dict] = []
+
+
 def _close(fast: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor, name: str) -> None:
-    from moesaic.testing import assert_close_to_ref
+    from moesaic.testing import assert_close_to_ref, ref_errors
 
     assert fast.dtype == ref.dtype, f"{name}: {fast.dtype} != {ref.dtype}"
+    if _ERRORS_FILE:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        figures = ref_errors(fast, ref, ref64, fast.dtype)
+        _errors.append({"test": test, "tensor": name, "dtype": str(fast.dtype), **figures})
     assert_close_to_ref(fast, ref, ref64, name)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _ERRORS_FILE and _errors:
+        import json
+
+        with open(_ERRORS_FILE, "w") as f:
+            json.dump(_errors, f, indent=1)
 
 
 @pytest.fixture
