@@ -101,7 +101,7 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     toml.write_text(PAIR_TOML)
     out = tmp_path / "p.json"
     args = ["calibrate", "--out", str(out), "--size", "64", "--cluster", str(toml)]
-    assert main([*args, "--duration-s", "0.2", "--sustain-s", "0.2"]) == 0
+    assert main([*args, "--duration-s", "0.2", "--sustain-s", "0.2", "--contention-s", "0.3"]) == 0
     p = Profile.load(out)
     assert [x.level_name for x in p.links] == ["node"]
     (link,) = p.links
@@ -123,6 +123,9 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     assert all(0.05 < x.share < 3.0 and x.measured_s > 0 for x in p.collectives), p.collectives
     assert 0.0 < p.put_cpu_s < 0.05 and p.put_cpu_per_byte_s >= 0.0
     assert p.cores >= 1 and p.ranks_per_machine == 2
+    # the puts' CPU as the collectives', and what a stream costs the compute beyond it
+    assert (p.comm_cpu_s, p.comm_cpu_per_byte_s) == (p.put_cpu_s, p.put_cpu_per_byte_s)
+    assert 0.0 <= p.comm_cpu_busy <= 1.0
     assert p.cluster == ClusterSpec.from_toml(toml)  # what simulate checks its cluster against
     assert json.loads(out.read_text())["links"][0]["level_name"] == "node"
 

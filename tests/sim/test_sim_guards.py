@@ -67,8 +67,10 @@ def test_calibrate_cluster_records_the_cluster(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(cal, "measure_links", lambda *a, **k: fake)
     out = tmp_path / "p.json"
     toml = CLUSTERS / "hybridep_2dc.toml"
-    assert main(["calibrate", "--out", str(out), "--size", "32", "--cluster", str(toml)]) == 0
+    argv = ["calibrate", "--out", str(out), "--size", "32", "--cluster", str(toml)]
+    assert main([*argv, "--contention-s", "0"]) == 0  # 0: no cluster brought up for the CPU
     assert Profile.load(out).cluster == ClusterSpec.from_toml(toml)
+    assert Profile.load(out).comm_cpu_busy == 0.0
     assert json.loads(out.read_text())["cluster"]["world_size"] == 2
 
 

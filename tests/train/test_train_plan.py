@@ -183,3 +183,25 @@ def test_auto_trains_rank_0s_pick_on_every_rank(data_file, tmp_path):
     assert plan["pipeline_degree"] == first["options"]["pipeline_degree"]
     if "domain_sizes" in first["options"]:
         assert plan["options"]["domain_sizes"] == first["options"]["domain_sizes"]
+
+
+def test_auto_keeps_the_configs_options_the_plan_leaves_unset(ranking):
+    """``--plan auto``'s pick sets the options it chose; the others stay the config's when the
+    pick keeps the config's strategy, and are the new strategy's defaults otherwise."""
+    import dataclasses
+
+    from moesaic.train.plan_auto import apply_entry
+
+    _, entries = ranking
+    pick = next(e for e in entries if e["strategy"] == "taskflow")
+    cfg = _config(*RUN, "--strategy", "hybrid")
+    moe = dataclasses.replace(
+        cfg.model.moe, dispatcher="taskflow", options={"tile_m": 64, "transport": "auto"}
+    )
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
+    opts = apply_entry(cfg, pick).model.moe.options.to_dict()
+    assert (opts["tile_m"], opts["transport"]) == (64, "auto")
+    assert opts["pipeline"] == pick["options"]["pipeline"]
+    other = next(e for e in entries if e["strategy"] == "hybrid")
+    hybrid = apply_entry(cfg, other).model.moe.options.to_dict()
+    assert list(hybrid["domain_sizes"]) == other["options"]["domain_sizes"]

@@ -196,7 +196,9 @@ class CudaSymmetricMemory:
         from torch._C._distributed_c10d import _SymmetricMemory
 
         with torch.cuda.stream(self._pair(words.device)[0]):
-            _SymmetricMemory.stream_write_value32(words, index, value)
+            # The op takes a flat, contiguous uint32 tensor only (symm_mem::stream_write_value32_
+            # refuses int32); the signal words stay int32 for the host's reads: the same bits.
+            _SymmetricMemory.stream_write_value32(words.view(torch.uint32), index, value)
 
     def read(self, words: torch.Tensor) -> list[int]:
         with torch.cuda.stream(self._pair(words.device)[1]):

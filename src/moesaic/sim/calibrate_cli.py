@@ -4,7 +4,10 @@ simulator profile (:class:`moesaic.sim.profile.Profile`).
 It measures this machine's matmul rate and op overhead (torch, under a second) and writes a
 profile; ``--cluster`` brings the emulated cluster up and measures its links
 (:mod:`moesaic.sim.calibrate`, needs root), ``--links`` takes the link figures from a committed
-cluster check result instead (no network is built).
+cluster check result instead (no network is built). ``--model`` times the model's own operations
+on this machine (:mod:`moesaic.sim.opmeasure`, seconds) into the profile's ``ops``, from which
+the simulator prices its compute (:mod:`moesaic.sim.opcal`); with ``--cluster`` too, its experts
+are spread over the cluster's ranks and timed with the threads each rank trains with.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from moesaic.checks import check_output_file, check_positive_int
+from moesaic.checks import check_non_negative, check_output_file, check_positive_int
 from moesaic.sim.cli_files import load_option
 
 __all__ = ["add_calibrate", "run_calibrate"]
@@ -48,9 +51,28 @@ def add_calibrate(subparsers) -> None:
         "(default 1.0; 0: idle collective shares only)",
     )
     c.add_argument(
+        "--contention-s",
+        type=float,
+        default=1.0,
+        help="--cluster: seconds of each half of the communication-CPU measurement "
+        "(compute alone, then beside an all-to-all stream; default 1.0; 0: skip it)",
+    )
+    c.add_argument(
         "--no-floor",
         action="store_true",
         help="--cluster: skip the unshaped pair (floor_s = 0)",
+    )
+    c.add_argument(
+        "--model",
+        metavar="M.toml",
+        help="time this model's operations (a model file or training config) into the profile",
+    )
+    c.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="--model: torch threads per rank (default: CPU cores / the cluster's ranks, "
+        "as moesaic train runs them; all cores without --cluster)",
     )
     c.add_argument(
         "--size",
@@ -80,6 +102,56 @@ def _print_calibration(cal: Any, shares: tuple[Any, ...]) -> None:
         )
 
 
+def _comm_cpu_busy(args: argparse.Namespace, spec: Any, cpu: dict[str, Any]) -> float:
+    """``--cluster``: the cores a rank's communication keeps busy beyond its measured CPU per
+    call and byte (:mod:`moesaic.sim.cpuload`); 0 with ``--contention-s 0``."""
+    if args.contention_s == 0:
+        return 0.0
+    from moesaic.cluster.netns import EmulatedCluster
+    from moesaic.sim.cpuload import measure_comm_cpu
+
+    with EmulatedCluster(spec) as cluster:
+        found = measure_comm_cpu(
+            cluster,
+            cores_per_rank=cpu["cores"] / cpu["ranks_per_machine"] if cpu["cores"] else 1.0,
+            comm_cpu_s=cpu["comm_cpu_s"],
+            comm_cpu_per_byte_s=cpu["comm_cpu_per_byte_s"],
+            seconds=args.contention_s,
+        )
+    print(
+        f"compute beside an all-to-all stream: {found.slowdown:.2f}x slower, the communication "
+        f"keeps {found.cores:.2f} cores busy ({found.busy:.2f} beyond its CPU per call and byte, "
+        f"at {found.bytes_per_s / 1e6:.1f} MB/s)"
+    )
+    return found.busy
+
+
+def _measure_model(args: argparse.Namespace, world: int) -> Any:
+    """``--model``'s operations timed (an ``OpCal``), None without ``--model``."""
+    if args.threads is not None:
+        check_positive_int("--threads", args.threads)
+    if args.model is None:
+        if args.threads is not None:
+            raise ValueError("--threads applies to --model only")
+        return None
+    from moesaic.sim.model import load_model_spec
+    from moesaic.sim.opmeasure import measure_ops
+
+    model = load_option("model", args.model, load_model_spec)
+    if model.experts % world:
+        raise ValueError(
+            f"--model {args.model}: model.experts ({model.experts}) must be a multiple of the "
+            f"cluster's world size ({world})"
+        )
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    ops = measure_ops(model, world=world, threads=threads)
+    print(
+        f"model {model.name!r}: {len(ops.fwd)} operations timed at {ops.tokens[0]} and "
+        f"{ops.tokens[1]} tokens, {threads} thread(s), {ops.expert_count} experts per rank"
+    )
+    return ops
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -94,6 +166,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
     size = default_matmul_size(device) if args.size is None else args.size
     check_positive_int("--size", size)
     check_output_file("--out", args.out)  # before the measurement, not after it
+    check_non_negative("--contention-s", args.contention_s)
+    spec = None
+    if args.cluster:
+        from moesaic.cluster.spec import ClusterSpec
+
+        spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
+    ops = _measure_model(args, 1 if spec is None else spec.world_size)
     measured = measure(size)
     floor_s, scale, source = 0.0, 1.0, f"measured matmul {size}^3 here; links as specified"
     links: tuple[Any, ...] = ()
@@ -102,11 +181,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.links:
         floor_s, scale = load_option("links", args.links, links_from_cluster_check)
         source = f"measured matmul {size}^3 here; links from {args.links}"
-    elif args.cluster:
-        from moesaic.cluster.spec import ClusterSpec
+    elif spec is not None:
         from moesaic.sim.calibrate import measure_links
 
-        spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
         cal = measure_links(
             spec, duration_s=args.duration_s, floor=not args.no_floor, sustain_s=args.sustain_s
         )
@@ -115,16 +192,22 @@ def run_calibrate(args: argparse.Namespace) -> int:
         cpu = {
             "put_cpu_s": cal.put_cpu_s,
             "put_cpu_per_byte_s": cal.put_cpu_per_byte_s,
+            # a collective's CPU as the puts': per call and per byte sent (both sides)
+            "comm_cpu_s": cal.put_cpu_s,
+            "comm_cpu_per_byte_s": cal.put_cpu_per_byte_s,
             "cores": os.cpu_count() or 0,
             "ranks_per_machine": spec.world_size,
             "cluster": spec,  # what was measured: simulate checks it against its cluster
         }
+        cpu["comm_cpu_busy"] = _comm_cpu_busy(args, spec, cpu)
         floor = "no floor" if args.no_floor else "floor from an unshaped pair"
         source = (
             f"measured matmul {size}^3 here; links measured on the emulated "
             f"{args.cluster} ({floor})"
         )
         _print_calibration(cal, shares)
+    if ops is not None:
+        source += f"; operations of model {ops.model.name!r} timed here ({ops.threads} threads)"
     profile = Profile(
         flops_per_s=measured["flops_per_s"],
         half_flops_per_s=measured["half_flops_per_s"],
@@ -134,6 +217,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         source=source,
         links=links,
         collectives=shares,
+        ops=ops,
         **cpu,
     )
     profile.save(args.out)

@@ -324,6 +324,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     spec, model, profile, opts = _inputs(args)
     jobs = _runs(args, spec, model, opts)
     results = [simulate(spec, model, r.strategy, profile, o, schedule=r.schedule) for r, o in jobs]
+    for line in dict.fromkeys(x for r in results for x in r.details.get("extrapolated", ())):
+        _note(f"--profile: {line}")  # the profile's operations were measured on another model
     _write_outputs(args, results)
     rows = [r.summary() for r in results]
     if args.json:

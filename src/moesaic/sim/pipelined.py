@@ -46,6 +46,7 @@ from moesaic.sim.collectives import (
 )
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, expert_shares
+from moesaic.sim.opcal import OpPrices
 from moesaic.sim.profile import Profile
 from moesaic.taskflow.engine import Timeline
 
@@ -136,6 +137,10 @@ class Costs:
     found by one all-reduce) or ``hybrid`` (dropless over the offset group of
     ``domain_sizes``: one rank per domain, each computing its domain's experts; with
     ``gathers``, the migration around the pipeline).
+
+    Compute: with the profile's per-operation measurements (``profile.ops``) each task is
+    priced from them (:class:`~moesaic.sim.opcal.OpPrices`; ``notes`` says what was
+    extrapolated to this model), else at ``flops_per_s`` (backward twice the forward).
     """
 
     def __init__(
@@ -159,20 +164,44 @@ class Costs:
         self.model, self.link, self.profile = model, link, profile
         self.gathers = gathers
         tokens = model.tokens // degree
-        self.at_s = profile.compute_s(model.attention_flops(tokens))
-        self.head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(tokens))
         if strategy == "padded":
             ex = _padded(model, link, tokens)
         else:
             ex = _dropless(model, link, tokens, domain_sizes)
         self.a2a_bytes, self.a2a_s, self.counts_s = ex.nbytes, ex.seconds, ex.counts_s
-        self.e_s = profile.compute_s(model.expert_flops(ex.rows))
         self.block_grad_bytes = model.replicated_params_per_block() * model.param_bytes
         self.outer_grad_bytes = model.outer_params() * model.param_bytes
         params = model.layers * model.replicated_params_per_block() + model.outer_params()
         params += model.layers * model.experts // P * model.mats * model.hidden * model.ffn_hidden
+        self.notes: list[str] = []
+        if profile.ops is None:
+            self._price_flops(profile, tokens, ex.rows, params)
+        else:
+            self._price_ops(OpPrices(profile.ops, model), tokens, ex.rows, params)
+
+    def _price_flops(self, profile: Profile, tokens: int, rows: float, params: float) -> None:
+        """Every task at the profile's FLOP rate plus its overhead; backward twice forward."""
+        model = self.model
+        self.at_s = profile.compute_s(model.attention_flops(tokens))
+        self.head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(tokens))
+        self.e_s = profile.compute_s(model.expert_flops(rows))
+        self.at_bwd_s, self.e_bwd_s, self.head_bwd_s = 2 * self.at_s, 2 * self.e_s, 2 * self.head_s
         # AdamW: ~10 FLOPs per parameter; a layer timed alone takes no optimizer step.
         self.optimizer_s = 0.0 if model.layer_only else profile.compute_s(10.0 * params)
+
+    def _price_ops(self, prices: OpPrices, tokens: int, rows: float, params: float) -> None:
+        """Every task from the model's measured operations (``moesaic.sim.opcal``)."""
+        self.at_s = prices.stage_s(tokens)
+        self.at_bwd_s = prices.stage_s(tokens, backward=True)
+        self.e_s = prices.expert_s(rows)
+        self.e_bwd_s = prices.expert_s(rows, backward=True)
+        self.head_s = prices.head_s(tokens)
+        self.head_bwd_s = prices.head_s(tokens, backward=True)
+        layer_only = self.model.layer_only
+        self.optimizer_s = (
+            0.0 if layer_only else prices.optimizer_s(params * self.model.param_bytes)
+        )
+        self.notes = list(prices.notes)
 
     def grad_bytes(self) -> float:
         return self.model.layers * self.block_grad_bytes + self.outer_grad_bytes
@@ -294,7 +323,7 @@ def _backward(
     done: list[SimTask] = [heads[1]] * L
     prev: dict[int, SimTask] = {}
     for r in rev:
-        prev[r] = g.add("compute", _comp(f"head{r}", 2 * c_.head_s, "bwd", 0, r))
+        prev[r] = g.add("compute", _comp(f"head{r}", c_.head_bwd_s, "bwd", 0, r))
     for blk in range(L, 0, -1):
         cb = {}
         for r in rev:
@@ -302,7 +331,7 @@ def _backward(
             cb[r] = g.add(NET, _a2a(c_, f"C{r}.{blk}", c_.a2a_s, "bwd", blk, r), wait)
         db: dict[int, SimTask] = {}
         for r in rev:
-            e = g.add("compute", _comp(f"E{r}.{blk}", 2 * c_.e_s, "bwd", blk, r), cb[r])
+            e = g.add("compute", _comp(f"E{r}.{blk}", c_.e_bwd_s, "bwd", blk, r), cb[r])
             db[r] = g.add(NET, _a2a(c_, f"D{r}.{blk}", c_.a2a_s, "bwd", blk, r), e)
         if c_.gathers is not None and c_.gathers.reduce_s > 0:
             # after the last chunk's expert backward (e); on the network after the D's, so
@@ -311,7 +340,7 @@ def _backward(
             db = dict.fromkeys(rev, g.add(NET, rs, e))
         for r in rev:
             wait = db[r] if overlap else db[1]
-            prev[r] = g.add("compute", _comp(f"AT{r}.{blk}", 2 * c_.at_s, "bwd", blk, r), wait)
+            prev[r] = g.add("compute", _comp(f"AT{r}.{blk}", c_.at_bwd_s, "bwd", blk, r), wait)
         done[blk - 1] = prev[1]
     return done
 

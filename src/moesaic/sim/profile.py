@@ -33,7 +33,19 @@ measured and what is taken from elsewhere:
   queues (:mod:`moesaic.sim.taskflow`); ``tile_elem_cpu_s``: the handlers' CPU per element of
   an elementwise, reduction or put tile (:mod:`moesaic.sim.cpucal`, one rank, no network);
 * ``cores``, ``ranks_per_machine``: when both are > 0, a taskflow step takes at least its
-  rank's CPU time / (cores / ranks_per_machine) (its queues' threads share those cores);
+  rank's CPU time / (cores / ranks_per_machine) (its queues' threads share those cores); with
+  ``comm_cpu_per_byte_s`` or ``ops`` too, the other strategies' compute slows down where the
+  rank's threads and its communication's CPU want more than its cores (:mod:`moesaic.sim.contention`);
+* ``comm_cpu_s``, ``comm_cpu_per_byte_s``: CPU seconds a rank spends per collective call and
+  per byte it sends (the communication thread, gloo, the kernel's stack and the emulated link's
+  queue), measured by ``calibrate --cluster`` as the remote puts' (sender and receiver
+  together: a rank of an all-to-all sends and receives about as many bytes); 0: not modelled;
+* ``comm_cpu_busy``: cores a rank's communication keeps busy for as long as a collective is in
+  flight beyond those two, measured by ``calibrate --cluster`` as its compute's slowdown while
+  an all-to-all stream runs (:mod:`moesaic.sim.cpuload`); 0: not modelled;
+* ``ops``: with ``calibrate --model``, the model's own operations timed on this machine
+  (:class:`moesaic.sim.opcal.OpCal`): the pipelined strategies price their tasks from them
+  instead of ``flops_per_s`` (:class:`moesaic.sim.opcal.OpPrices`); None in older profiles;
 * ``links``: with ``--cluster``, every level's configured and measured bandwidth and latency
   (:class:`LinkLevel`). A simulation of a cluster whose level has the same name, bandwidth and
   latency as a measured one runs that level at its measured bandwidth; other levels run at
@@ -60,11 +72,13 @@ from typing import Any, TypeVar
 from moesaic.checks import (
     check_int,
     check_non_negative,
+    check_number,
     check_one_of,
     check_positive,
     check_positive_int,
 )
 from moesaic.cluster.spec import ClusterSpec
+from moesaic.sim.opcal import OpCal
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -179,6 +193,12 @@ class Profile:
             measured, such tiles cost 10 FLOPs per element at ``flops_per_s``.
         cluster: The cluster ``links``, ``collectives`` and ``ranks_per_machine`` were measured
             on (``calibrate --cluster``); None: not recorded (older profiles) or no cluster.
+        comm_cpu_s: CPU seconds of one rank per collective call (0: not modelled).
+        comm_cpu_per_byte_s: CPU seconds of one rank per byte it sends (0: not modelled).
+        comm_cpu_busy: Cores a rank's communication keeps busy while a collective is in
+            flight, beyond the per-call and per-byte CPU (0: not modelled).
+        ops: The per-operation measurements of one model (``calibrate --model``); None: every
+            task is priced at ``flops_per_s``.
     """
 
     flops_per_s: float
@@ -196,8 +216,17 @@ class Profile:
     ranks_per_machine: int = 0
     tile_elem_cpu_s: float = 0.0
     cluster: ClusterSpec | None = None
+    comm_cpu_s: float = 0.0
+    comm_cpu_per_byte_s: float = 0.0
+    comm_cpu_busy: float = 0.0
+    ops: OpCal | None = None
 
     def __post_init__(self) -> None:
+        check_non_negative("profile.comm_cpu_s", self.comm_cpu_s)
+        check_non_negative("profile.comm_cpu_per_byte_s", self.comm_cpu_per_byte_s)
+        check_number("profile.comm_cpu_busy", self.comm_cpu_busy, 0.0, 1.0)
+        if self.ops is not None and not isinstance(self.ops, OpCal):
+            raise ValueError("profile.ops must be an OpCal or None")
         check_non_negative("profile.tile_cpu_s", self.tile_cpu_s)
         check_non_negative("profile.tile_elem_cpu_s", self.tile_elem_cpu_s)
         check_non_negative("profile.put_cpu_s", self.put_cpu_s)
@@ -298,6 +327,7 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["cluster"] = None if self.cluster is None else self.cluster.to_dict()
+        data["ops"] = None if self.ops is None else self.ops.to_dict()
         return data
 
     @classmethod
@@ -317,7 +347,10 @@ class Profile:
                 cluster = ClusterSpec.from_dict(cluster)
             except ValueError as exc:
                 raise ValueError(f"profile.cluster: {exc}") from None
-        return cls(**data, links=links, collectives=shares, cluster=cluster)
+        ops = data.pop("ops", None)
+        if ops is not None:
+            ops = OpCal.from_dict(ops)
+        return cls(**data, links=links, collectives=shares, cluster=cluster, ops=ops)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

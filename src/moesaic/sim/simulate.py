@@ -13,6 +13,12 @@ The two axes are :mod:`moesaic.sim.runs`' (``STRATEGIES``: dropless, padded, hyb
   HybridEP's benchmark runs it: no data-parallel all-reduce;
 * taskflow: each MoE layer runs its compiled tile plans (:mod:`moesaic.sim.taskflow`).
 
+Compute is priced from the profile's per-operation measurements when it has them (the block
+pipeline: :mod:`moesaic.sim.opcal`; ``details["compute_model"]``, ``"extrapolated"``), else at
+its FLOP rate; with a CPU model in the profile, every run but taskflow's (which has its own CPU
+floor) is re-simulated with its compute slowed by CPU contention (:mod:`moesaic.sim.contention`,
+``details["contention"]``).
+
 Outputs use :mod:`moesaic.trace` (``Span``, Chrome trace, PNG, busy time) so simulated and
 measured timelines look alike.
 """
@@ -31,6 +37,7 @@ from typing import Any
 from moesaic.checks import check_bool, check_number, check_one_of, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.sim.collectives import ALL_REDUCE_ALGORITHMS, LinkModel
+from moesaic.sim.contention import CpuModel, contend
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.hybrid import (
     HybridParts,
@@ -56,6 +63,7 @@ from moesaic.trace import COMM_RESOURCES, COMPUTE_RESOURCES, Span, busy_time
 __all__ = [
     "SimOptions",
     "SimResult",
+    "link_model",
     "simulate",
     "unsupported_reason",
     "write_layer_csv",
@@ -77,12 +85,12 @@ class SimOptions:
             the first block's attention (pipelined schedules).
         compression_ratio: ``hybrid``'s SR compression of gathered experts (+Migration: > 1).
         shared_expert_every: the shared experts' all-reduce every this many gathers.
-        taskflow_tile_m: ``taskflow``'s tile rows (``MoEConfig.taskflow_tile_m``); None: the
+        taskflow_tile_m: ``taskflow``'s tile rows (``TaskflowOptions.tile_m``); None: the
             simulator's size-based default (``sim.taskflow.default_tiles``).
         taskflow_slot_rows: ``taskflow``'s bucket slot rows (rows per source rank and expert,
             a multiple of the tile); None: the mean load rounded up as the runtime rounds.
         taskflow_pipeline: ``taskflow`` plans in the list-scheduled (pipelined) queue order
-            (``MoEConfig.taskflow_pipeline``) rather than kernel order.
+            (``TaskflowOptions.pipeline``) rather than kernel order.
         all_reduce: the gradient all-reduce's algorithm (``collectives.ALL_REDUCE_ALGORITHMS``):
             ``"best"`` (default) the faster of ring and hierarchical at each size, as NCCL's
             tuner picks; ``"ring"`` what gloo runs. The same on a one-level cluster.
@@ -184,12 +192,24 @@ def _graph(
         sp = opts.sp_bytes if opts.sp_bytes is not None else costs.grad_bytes() / 16
     overlap = run.schedule == "flowmoe"
     g, tl = run_pipelined(costs, degree=R, overlap=overlap, chunk_bytes=sp)
-    details: dict[str, Any] = {"degree": R}
+    details: dict[str, Any] = {"degree": R, **_compute_details(profile, costs.notes)}
     if sp is not None:
         details["sp_bytes"] = sp
     if parts is not None:
         details["domain_sizes"] = list(parts.domain_sizes)
     return g, tl, details
+
+
+def _compute_details(profile: Profile, notes: list[str]) -> dict[str, Any]:
+    """How the run's compute was priced: ``compute_model`` ``"ops"`` (the profile's measured
+    operations of ``ops_model``; ``extrapolated``: what differs from the simulated model) or
+    ``"flops"`` (``flops_per_s``)."""
+    if profile.ops is None:
+        return {"compute_model": "flops"}
+    out: dict[str, Any] = {"compute_model": "ops", "ops_model": profile.ops.model.name}
+    if notes:
+        out["extrapolated"] = list(notes)
+    return out
 
 
 def _hybrid_parts(
@@ -241,6 +261,20 @@ def _resolve(
     return run, opts
 
 
+def link_model(spec: ClusterSpec, profile: Profile, all_reduce: str = "best") -> LinkModel:
+    """The links ``simulate`` prices ``spec`` on under ``profile``: measured levels at their
+    measured rates, the profile's floor and collective shares, ``all_reduce``'s algorithm."""
+    link_spec, scale = profile.link_spec(spec)
+    return LinkModel(
+        spec=link_spec,
+        floor_s=profile.floor_s,
+        bandwidth_scale=scale,
+        a2a_shares=profile.collective_shares("all_to_all"),
+        allreduce_shares=profile.collective_shares("all_reduce"),
+        all_reduce=all_reduce,
+    )
+
+
 def simulate(
     spec: ClusterSpec,
     model: ModelSpec,
@@ -280,16 +314,11 @@ def simulate(
             "block's attention"
         )
     profile = profile.for_model(model.act_bytes)  # a bf16 model at the bf16 matmul rate
-    link_spec, scale = profile.link_spec(spec)  # measured levels at their measured rates
-    link = LinkModel(
-        spec=link_spec,
-        floor_s=profile.floor_s,
-        bandwidth_scale=scale,
-        a2a_shares=profile.collective_shares("all_to_all"),
-        allreduce_shares=profile.collective_shares("all_reduce"),
-        all_reduce=opts.all_reduce,
-    )
+    link = link_model(spec, profile, opts.all_reduce)
     g, tl, details = _graph(run, model, link, profile, opts)
+    cpu = CpuModel.of(profile) if run.strategy != "taskflow" else None  # taskflow: its floor
+    if cpu is not None:
+        tl, details["contention"] = contend(g, tl, cpu)
     plans = details.pop("plans", None)
     spans = [_span(t, tl) for t in g.tasks() if t.key in tl.end]
     if plans is not None:  # each layer task expanded into its plan's tiles

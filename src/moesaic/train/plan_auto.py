@@ -32,6 +32,7 @@ import torch
 
 from moesaic.comm.agree import check_ranks_agree
 from moesaic.config import MoEConfig
+from moesaic.strategy_options import StrategyOptions
 from moesaic.train.config import TrainConfig
 from moesaic.train.plan import AUTO, check_entry, plan_record, plan_settings, strategy_options
 
@@ -145,11 +146,11 @@ def _share(text: str, layout, device) -> str:
 def apply_entry(cfg: TrainConfig, entry: dict[str, Any]) -> TrainConfig:
     """``cfg`` training ``entry``'s strategy, schedule and options (validated again)."""
     settings = plan_settings(check_entry(entry, "--plan auto"))
-    moe: MoEConfig = dataclasses.replace(
-        cfg.model.moe,
-        dispatcher=settings["model.moe.dispatcher"],
-        options=strategy_options(settings),
-    )
+    dispatcher = settings["model.moe.dispatcher"]
+    options = strategy_options(settings)
+    if dispatcher == cfg.model.moe.dispatcher:  # what the plan leaves unset stays the config's
+        options = {**cfg.model.moe.options_as(StrategyOptions).to_dict(), **options}
+    moe: MoEConfig = dataclasses.replace(cfg.model.moe, dispatcher=dispatcher, options=options)
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, moe=moe),

@@ -303,14 +303,19 @@ class TaskflowRuntime:
         return sum(w.data.numel() * w.data.element_size() for w in self._windows.values())
 
     # -- steps ------------------------------------------------------------------------------------
-    def _run(self, plan, inputs, routing, direction):
-        # The world check (an all-gather of plan fingerprints) runs on a bucket's first step
-        # only: every rank reaches that step together (the bucket is agreed by all of them).
+    def _check_step(self, plan: Plan, direction: str) -> EPGroup:
+        """``check_step`` of a step of ``plan``: the world check (an all-gather of plan
+        fingerprints) runs on a bucket's first step only, which every rank reaches together (the
+        bucket is agreed by all of them). Returns the step's group."""
         key = (plan.bucket, direction)
         group = check_step(
             plan, self.group, self.timeout_s, direction, world_checked=key in self._checked
         )
         self._checked.add(key)
+        return group
+
+    def _run(self, plan, inputs, routing, direction):
+        group = self._check_step(plan, direction)
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
         # NCCL supports neither host threads per queue nor receives from any source, and gloo's
         # point-to-point hands the window's raw pointer to TCP (no device copy): device tiles

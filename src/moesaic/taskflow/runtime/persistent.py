@@ -25,7 +25,7 @@ from moesaic.kernels import require_triton
 from moesaic.taskflow.lower import MODES, DeviceTables, lower, step_tables
 from moesaic.taskflow.plan import Plan
 from moesaic.taskflow.runtime.concurrent import TaskflowRuntime
-from moesaic.taskflow.runtime.sequential import check_step, make_buffers, step_routing
+from moesaic.taskflow.runtime.sequential import make_buffers, step_routing
 
 __all__ = ["PersistentRuntime"]
 
@@ -73,11 +73,7 @@ class PersistentRuntime(TaskflowRuntime):
         return self._tables[key]
 
     def _run(self, plan, inputs, routing, direction):
-        key = (plan.bucket, direction)
-        group = check_step(
-            plan, self.group, self.timeout_s, direction, world_checked=key in self._checked
-        )
-        self._checked.add(key)
+        group = self._check_step(plan, direction)
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
         bufs = make_buffers(plan, inputs, ref)
         route = step_routing(plan, routing, group)

@@ -1,0 +1,182 @@
+"""CPU contention: a rank's compute slows down where its threads and its communication want more
+CPU than its share of the machine's cores.
+
+The emulated clusters run every rank on one machine (``calibrate --cluster`` records ``cores``
+and ``ranks_per_machine``), and a rank's compute shares its ``c = cores / ranks_per_machine``
+cores with its own communication: the collective thread (gloo), the kernel's network stack and
+the emulated link's queue. The compute was measured on an otherwise idle machine with ``n``
+torch threads (``OpCal.threads``; 1 without per-operation measurements). The model:
+
+* a communication task of ``b`` bytes that lasts ``d`` seconds keeps ``L = min(1, comm_cpu_busy
+  + (comm_cpu_s + b x comm_cpu_per_byte_s) / d)`` cores busy while it runs (its per-call and
+  per-byte CPU spread evenly over it, and what a collective costs for as long as it is in
+  flight, :mod:`moesaic.sim.cpuload`; at most one thread's worth);
+* at a moment when the rank's communication keeps ``L`` cores busy (the sum over the tasks in
+  flight), its ``n`` compute threads get a fair share of the cores and take ``s(L) = max(1,
+  (n + L) / c)`` times as long as on cores of their own: unslowed while ``n + L <= c``;
+* relative to what the compute times hold: the per-operation measurements (``ops``) were taken
+  in one process on an otherwise idle machine, so compute advances at ``1 / s(L)`` of them;
+  a FLOP rate measured some other way (a benchmark's compute-only step, as the validation's)
+  is taken to have been measured with the run's ranks sharing the cores already, so compute
+  advances at ``s(0) / s(L)`` of it (only the communication's CPU slows it further);
+* the timeline is a fixed point: simulate, stretch every compute task (``COMPUTE_RESOURCES``:
+  stages, optimizer) by integrating that rate from its start over the communication in flight,
+  simulate again with the stretched durations; :data:`ITERATIONS` rounds (each from the
+  measured durations, against the previous round's communication).
+
+Communication itself is not slowed here: the profile's loaded collective shares were measured
+while every rank computed, so they already hold what a busy CPU costs the collectives. The
+FlowMoE pool's all-reduce chunks stay where the uncontended timeline placed them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+from moesaic.checks import check_non_negative, check_positive, check_positive_int
+from moesaic.sim.graph import SimGraph, SimTask
+from moesaic.sim.profile import Profile
+from moesaic.taskflow.engine import Timeline
+from moesaic.trace import COMM_RESOURCES, COMPUTE_RESOURCES
+
+__all__ = ["ITERATIONS", "CpuModel", "contend"]
+
+# Rounds of the fixed point; on the pipelined graphs tried the third round moved the step by
+# < 0.5% of the second.
+ITERATIONS = 3
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CpuModel:
+    """A rank's CPU (see the module docstring).
+
+    Attributes:
+        cores_per_rank: ``c``, cores / ranks per machine.
+        threads: ``n``, the compute threads the compute times were measured with.
+        comm_cpu_s: CPU seconds per communication task.
+        comm_cpu_per_byte_s: CPU seconds per byte a communication task sends.
+        comm_cpu_busy: Cores a communication task keeps busy for as long as it runs, beyond
+            the two above.
+        measured_alone: the compute times were measured by one process on an idle machine
+            (``ops``); False: with the ranks already sharing the cores (module docstring).
+    """
+
+    cores_per_rank: float
+    threads: int = 1
+    comm_cpu_s: float = 0.0
+    comm_cpu_per_byte_s: float = 0.0
+    comm_cpu_busy: float = 0.0
+    measured_alone: bool = True
+
+    def __post_init__(self) -> None:
+        check_positive("cores_per_rank", self.cores_per_rank)
+        check_positive_int("threads", self.threads)
+        check_non_negative("comm_cpu_s", self.comm_cpu_s)
+        check_non_negative("comm_cpu_per_byte_s", self.comm_cpu_per_byte_s)
+        check_non_negative("comm_cpu_busy", self.comm_cpu_busy)
+
+    @classmethod
+    def of(cls, profile: Profile) -> CpuModel | None:
+        """The profile's CPU: None when it models none (no ``cores`` and ``ranks_per_machine``,
+        or neither communication CPU nor per-operation measurements: older profiles)."""
+        cores = profile.cores_per_rank
+        modelled = (
+            profile.comm_cpu_s
+            or profile.comm_cpu_per_byte_s
+            or profile.comm_cpu_busy
+            or profile.ops
+        )
+        if cores is None or not modelled:
+            return None
+        return cls(
+            cores_per_rank=cores,
+            threads=profile.ops.threads if profile.ops is not None else 1,
+            comm_cpu_s=profile.comm_cpu_s,
+            comm_cpu_per_byte_s=profile.comm_cpu_per_byte_s,
+            comm_cpu_busy=profile.comm_cpu_busy,
+            measured_alone=profile.ops is not None,
+        )
+
+    def load(self, task: SimTask, seconds: float) -> float:
+        """Cores a communication task keeps busy while it runs for ``seconds``."""
+        if seconds <= 0:
+            return 0.0
+        per_task = self.comm_cpu_s + task.nbytes * self.comm_cpu_per_byte_s
+        return min(1.0, self.comm_cpu_busy + per_task / seconds)
+
+    def slowdown(self, load: float) -> float:
+        """How much longer compute takes than its measured time while communication keeps
+        ``load`` cores busy."""
+        shared = max(1.0, (self.threads + load) / self.cores_per_rank)
+        if self.measured_alone:
+            return shared
+        return shared / max(1.0, self.threads / self.cores_per_rank)
+
+
+class _Load:
+    """The communication's CPU load over time: a step function from the comm tasks' spans."""
+
+    def __init__(self, intervals: list[tuple[float, float, float]]):
+        deltas: dict[float, float] = {}
+        for start, end, load in intervals:
+            if end > start and load > 0:
+                deltas[start] = deltas.get(start, 0.0) + load
+                deltas[end] = deltas.get(end, 0.0) - load
+        self.times = sorted(deltas)
+        self.levels: list[float] = []
+        level = 0.0
+        for t in self.times:
+            level += deltas[t]
+            self.levels.append(max(level, 0.0))
+
+    def finish(self, start: float, work: float, cpu: CpuModel) -> float:
+        """When ``work`` seconds of compute (at the measured rate) started at ``start`` end."""
+        i = bisect.bisect_right(self.times, start) - 1
+        t = start
+        while True:
+            level = self.levels[i] if i >= 0 else 0.0
+            rate = 1.0 / cpu.slowdown(level)
+            nxt = self.times[i + 1] if i + 1 < len(self.times) else float("inf")
+            if t + work / rate <= nxt:
+                return t + work / rate
+            work -= (nxt - t) * rate
+            t, i = nxt, i + 1
+
+
+def contend(g: SimGraph, tl: Timeline, cpu: CpuModel) -> tuple[Timeline, dict[str, Any]]:
+    """``g`` re-simulated with its compute slowed by ``cpu`` (module docstring); ``g``'s lanes
+    take the stretched durations. Returns the timeline and ``{"threads", "cores_per_rank",
+    "compute_added_ms"}`` (compute seconds the contention added)."""
+    base = {t.key: t.seconds for t in g.tasks()}
+    lanes = g.lanes
+    for _ in range(ITERATIONS):
+        comm = [
+            (tl.start[t.key], tl.end[t.key], cpu.load(t, tl.end[t.key] - tl.start[t.key]))
+            for t in g.tasks()
+            if t.resource in COMM_RESOURCES and t.key in tl.end
+        ]
+        load = _Load(comm)
+        lanes = {
+            name: [(_stretched(t, base, tl, load, cpu), w) for t, w in jobs]
+            for name, jobs in g.lanes.items()
+        }
+        tl = g.run(lanes)
+    g.lanes = lanes
+    added = sum(t.seconds - base[t.key] for t in g.tasks())
+    info = {
+        "threads": cpu.threads,
+        "cores_per_rank": cpu.cores_per_rank,
+        "compute_added_ms": max(added, 0.0) * 1e3,  # >= 0 but for rounding
+    }
+    return tl, info
+
+
+def _stretched(
+    t: SimTask, base: dict[str, float], tl: Timeline, load: _Load, cpu: CpuModel
+) -> SimTask:
+    if t.resource not in COMPUTE_RESOURCES or t.key not in tl.start:
+        return t
+    start = tl.start[t.key]
+    return t._replace(seconds=load.finish(start, base[t.key], cpu) - start)

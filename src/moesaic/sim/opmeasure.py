@@ -1,0 +1,214 @@
+"""Time a model's own operations on this machine into an :class:`~moesaic.sim.opcal.OpCal`
+(``moesaic calibrate --model``).
+
+The model is the real ``MoEGPT`` that ``moesaic train`` builds from the model (one process, no
+process group: its MoE layer holds every expert and exchanges nothing). With ``threads`` torch
+threads (training's per-rank count), every piece is timed forward and backward at two batch
+sizes (a quarter of the model's batch and the whole, at least 1 and 2 sequences), ``repeats``
+times after one warm-up, the fastest (the machine may be shared: the fastest call is the least
+disturbed one; the simulator adds the slowdown of the run's own CPU sharing,
+:mod:`moesaic.sim.contention`):
+
+* ``attention``: block 0's ``attention_stage`` (its outputs' backward with fixed gradients);
+* ``experts``: a ``GroupedExperts`` of ``expert_count`` experts on ``T K`` rows spread evenly
+  (the rows a rank's experts get from every rank under uniform routing), fitted per row;
+* ``moe_local``: block 0's ``expert_stage`` (router, permutation, the experts of all ``E`` at
+  one rank, combine, residual) minus the same rows through all ``E`` experts' GEMMs;
+* ``head``: ``MoEGPT.head`` and the cross-entropy;
+* ``optimizer``: ``torch.optim.AdamW.step`` over block 0's parameters and over the whole model's,
+  fitted per parameter byte.
+
+A tiny model takes about a second; the issue's H 160, F 1536, 8 x 64 tokens about five.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from moesaic.checks import check_positive_int
+from moesaic.sim.model import ModelSpec, train_config_of
+from moesaic.sim.opcal import OpCal, OpFit, fit_line
+
+__all__ = ["measure_ops"]
+
+
+def _fastest(fn: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
+    """The fastest forward and backward seconds of ``fn`` (which returns both) over
+    ``repeats`` calls after a warm-up: the least disturbed by other work on the machine."""
+    fn()
+    runs = [fn() for _ in range(repeats)]
+    return min(r[0] for r in runs), min(r[1] for r in runs)
+
+
+def _timed(forward: Callable[[], Any], grads: Callable[[Any], Any]) -> tuple[float, float]:
+    """One forward and its backward (``grads(out)``: the outputs' gradients), seconds each."""
+    import torch
+
+    t0 = time.perf_counter()
+    out = forward()
+    t1 = time.perf_counter()
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, grads(outs))
+    return t1 - t0, time.perf_counter() - t1
+
+
+def _even_counts(rows: int, experts: int) -> list[int]:
+    base, extra = divmod(rows, experts)
+    return [base + (1 if i < extra else 0) for i in range(experts)]
+
+
+def measure_ops(
+    model: ModelSpec, *, world: int = 1, threads: int = 1, repeats: int = 5, seed: int = 0
+) -> OpCal:
+    """Times ``model``'s pieces (module docstring). ``world``: the ranks its experts are spread
+    over (``expert_count = experts / world``); ``threads``: torch threads (restored after)."""
+    import torch
+
+    check_positive_int("world", world)
+    check_positive_int("threads", threads)
+    check_positive_int("repeats", repeats)
+    if model.experts % world:
+        raise ValueError(f"model.experts ({model.experts}) must be a multiple of world ({world})")
+    # layer_only and routing skew change what a simulation runs, not the pieces' shapes
+    shape = dataclasses.replace(model, layer_only=False, routing_skew=0.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return _measure(model, shape, world, threads, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(model: ModelSpec, shape: ModelSpec, world: int, threads: int, repeats: int) -> OpCal:
+    from moesaic.experts import GroupedExperts
+    from moesaic.models import MoEGPT
+
+    cfg = train_config_of(shape).model
+    net = MoEGPT(cfg)
+    block: Any = net.blocks[0]
+    e_rank = shape.experts // world
+    rank_experts = GroupedExperts(block.moe.config, range(e_rank))
+    rank_experts.reset_parameters(0)
+    S, K = shape.seq_len, shape.top_k
+    lo = max(1, shape.batch // 4)
+    sizes = (lo, max(shape.batch, lo + 1))  # sequences
+    fwd: dict[str, list[float]] = {}
+    bwd: dict[str, list[float]] = {}
+    for b in sizes:
+        for name, (f, bk) in _pieces_at(net, rank_experts, shape, b, repeats).items():
+            fwd.setdefault(name, []).append(f)
+            bwd.setdefault(name, []).append(bk)
+    tokens = (sizes[0] * S, sizes[1] * S)
+    fits_f: dict[str, OpFit] = {}
+    fits_b: dict[str, OpFit] = {}
+    for table, out in ((fwd, fits_f), (bwd, fits_b)):
+        local = [max(0.0, s - a) for s, a in zip(table["stage"], table["all"])]
+        per_token = {"attention": table["attention"], "moe_local": local, "head": table["head"]}
+        for name, (t1, t2) in per_token.items():
+            out[name] = fit_line(tokens[0], t1, tokens[1], t2)
+        out["experts"] = fit_line(
+            tokens[0] * K, table["experts"][0], tokens[1] * K, table["experts"][1]
+        )
+    return OpCal(
+        model=model,
+        threads=threads,
+        expert_count=e_rank,
+        tokens=tokens,
+        fwd=fits_f,
+        bwd=fits_b,
+        optimizer=_optimizer_fit(net, block, repeats),
+        op_overhead_s=_op_overhead(repeats),
+    )
+
+
+def _like(outs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Random output gradients, one per output."""
+    import torch
+
+    return tuple(torch.randn_like(o) for o in outs)
+
+
+def _pieces_at(
+    net: Any, rank_experts: Any, shape: ModelSpec, b: int, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """Median forward and backward seconds of every piece at ``b`` sequences: ``attention``,
+    ``stage`` (the whole expert stage), ``all`` (its rows through all E experts), ``experts``
+    (through the rank's), ``head``."""
+    import torch
+    import torch.nn.functional as F
+
+    block = net.blocks[0]
+    moe = block.moe
+    S, H, K = shape.seq_len, shape.hidden, shape.top_k
+    x = torch.randn(b, S, H, requires_grad=True)
+    h = torch.randn(b, S, H, requires_grad=True)
+    rows = b * S * K
+    x_all = torch.randn(rows, H, requires_grad=True)
+    counts_all = _even_counts(rows, shape.experts)
+    counts_rank = _even_counts(rows, rank_experts.num_local_experts)
+    y = torch.randint(0, shape.vocab, (b, S))
+
+    def stage() -> Any:
+        out = block.expert_stage(x, h)
+        moe.take_aux_terms()  # the pending aux terms would grow with every call
+        return out
+
+    def head() -> Any:
+        return F.cross_entropy(net.head(x).flatten(0, 1), y.flatten())
+
+    pieces: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
+        "attention": (lambda: block.attention_stage(x), _like),
+        "stage": (stage, _like),
+        "all": (lambda: moe.experts(x_all, counts_all), _like),
+        "experts": (lambda: rank_experts(x_all, counts_rank), _like),
+        "head": (head, lambda outs: (torch.ones_like(outs[0]),)),
+    }
+    return {name: _fastest(_bound(fn, grads), repeats) for name, (fn, grads) in pieces.items()}
+
+
+def _bound(
+    forward: Callable[[], Any], grads: Callable[[Any], Any]
+) -> Callable[[], tuple[float, float]]:
+    """A call of :func:`_timed` on these arguments."""
+    return lambda: _timed(forward, grads)
+
+
+def _optimizer_fit(net: Any, block: Any, repeats: int) -> OpFit:
+    """AdamW's step over one block's parameters and over the whole model's, per byte."""
+    import torch
+
+    points = []
+    for params in (list(block.parameters()), list(net.parameters())):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+
+        def step(opt: Any = opt) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            opt.step()
+            return time.perf_counter() - t0, 0.0
+
+        points.append((float(nbytes), _fastest(step, repeats)[0]))
+    (n1, t1), (n2, t2) = points
+    return fit_line(n1, t1, n2, t2)
+
+
+def _op_overhead(repeats: int) -> float:
+    """Seconds of one tiny torch op (a 1 x 1 matmul), the fastest of ``repeats`` x 100."""
+    import torch
+
+    tiny = torch.randn(1, 1)
+
+    def hundred() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        for _ in range(100):
+            tiny @ tiny
+        return (time.perf_counter() - t0) / 100, 0.0
+
+    return _fastest(hundred, repeats)[0]
