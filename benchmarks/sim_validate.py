@@ -83,9 +83,9 @@ FLOWMOE = {  # result key -> (strategy, R, Sp: "all" = G, "fixed" = G/16, "tuned
 # HybridEP variants: (result name, strategy, options as hybridep_cluster.py ran them)
 VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("classic EP", "ep", {}),
-    ("Partition", "hybrid", {}),
+    ("Partition", "hybrid", {"hybrid_step": "benchmark"}),
     ("+Migration", "hybrid", {"prefetch": True, "compression_ratio": 16.0,
-                              "shared_expert_every": 4}),
+                              "shared_expert_every": 4, "hybrid_step": "benchmark"}),
 )  # fmt: skip
 
 

@@ -102,27 +102,27 @@ def test_entry_is_what_simulate_gives(small_plan, index):
         prefetch=c.strategy == "hybrid",
         taskflow_pipeline=o.get("pipeline", False),
     )
-    schedule = c.schedule
-    if (c.strategy, c.schedule) == ("hybrid", "vanilla"):
-        schedule = "moe-only"  # a training step: the block pipeline at R = 1
-    r = simulate(SMALL, MODEL, c.strategy, PROFILE, opts, schedule=schedule)
+    r = simulate(SMALL, MODEL, c.strategy, PROFILE, opts, schedule=c.schedule)
     assert c.predicted_ms == pytest.approx(r.iteration_s * 1e3, rel=1e-12)
     assert c.bound_ms == pytest.approx(r.bound_s * 1e3, rel=1e-12)
 
 
 def test_hybrid_vanilla_includes_the_gradient_all_reduce(small_plan):
-    """HybridEP's benchmark step (simulate's hybrid+vanilla graph) has no data-parallel
-    all-reduce; the planner's hybrid+vanilla is a training step, which has one (``AR1``) on top
-    of the same gathers and exchanges."""
+    """HybridEP's benchmark step (``hybrid_step="benchmark"``) has no data-parallel all-reduce;
+    hybrid+vanilla as trained (the simulator's default, what the planner ranks) has one
+    (``AR1``) on top of the same gathers and exchanges: the block pipeline at R = 1."""
     c = next(c for c in small_plan.ranked if c.name == "hybrid+vanilla")
     ds = tuple(c.options["domain_sizes"])
     cr = c.options["compression_ratio"]
     opts = SimOptions(domain_sizes=ds, prefetch=True, compression_ratio=cr)
-    bench = simulate(SMALL, MODEL, "hybrid", PROFILE, opts)
+    bench_opts = dataclasses.replace(opts, hybrid_step="benchmark")
+    bench = simulate(SMALL, MODEL, "hybrid", PROFILE, bench_opts)
     assert not [s for s in bench.spans if s.resource == "allreduce"]
-    step = simulate(
+    step = simulate(SMALL, MODEL, "hybrid", PROFILE, opts)
+    pipeline = simulate(
         SMALL, MODEL, "hybrid", PROFILE, dataclasses.replace(opts, degree=1), schedule="moe-only"
     )
+    assert step.iteration_s == pytest.approx(pipeline.iteration_s, rel=1e-12)
     reduces = [s for s in step.spans if s.resource == "allreduce"]
     assert [s.name for s in reduces] == ["AR1"] and reduces[0].duration > 0
     assert c.predicted_ms == pytest.approx(step.iteration_s * 1e3, rel=1e-12)

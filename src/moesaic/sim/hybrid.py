@@ -16,7 +16,8 @@ prefetched under the pre-expert compute; one dropless exchange per hop)::
 Domain sizes all 1 is classic EP (``dropless``): no gathers, one all-to-all per hop.
 
 That graph is ``hybrid`` under the ``vanilla`` schedule as HybridEP's benchmark runs it (no
-data-parallel gradient all-reduce). Under ``moe-only`` and ``flowmoe``, :func:`hybrid_costs`
+data-parallel gradient all-reduce; ``SimOptions.hybrid_step = "benchmark"``); a training step
+under ``vanilla`` is the block pipeline at R = 1 with :func:`hybrid_costs`. Under ``moe-only`` and ``flowmoe``, :func:`hybrid_costs`
 gives the block pipeline of :mod:`moesaic.sim.pipelined` the same gathers and gradient reduce
 around dropless's exchange over the offset group, as the runtime pipelines it.
 """

@@ -21,10 +21,9 @@
 
 and prices each with :func:`moesaic.sim.simulate.simulate`, so that whatever the simulator learns
 (its compute and link models) flows into the ranking. ``hybrid`` under ``vanilla`` is priced as
-a training step: the simulator's ``hybrid`` vanilla graph is HybridEP's benchmark step, which has
-no data-parallel all-reduce of the replicated gradients, and a training step has one; the block
-pipeline at R = 1 (the model of every other strategy under ``vanilla``) has it, so that pair is
-simulated as ``moe-only`` with R = 1, which is that pipeline.
+the training step it is (``SimOptions.hybrid_step = "training"``, the simulator's default: the
+block pipeline at R = 1 with the all-reduce of the replicated gradients), not as HybridEP's
+benchmark step.
 
 Rank symmetry keeps the count of simulations small at any scale: each simulation prices one
 representative rank (``SimGraph``) and the domain shortlist is closed-form, so the number of
@@ -227,12 +226,8 @@ class _Pricer:
     def run(self, run: Run, **opts: Any) -> SimResult:
         self.simulations += 1
         options = SimOptions(all_reduce=self.all_reduce, **opts)
-        schedule = run.schedule
-        if run.strategy == "hybrid" and schedule == "vanilla":
-            # a training step's vanilla hybrid: the block pipeline at R = 1 (module docstring)
-            schedule, options = "moe-only", dataclasses.replace(options, degree=1)
         return simulate(
-            self.spec, self.model, run.strategy, self.profile, options, schedule=schedule
+            self.spec, self.model, run.strategy, self.profile, options, schedule=run.schedule
         )
 
     def candidate(self, run: Run, options: dict[str, Any], **opts: Any) -> Candidate:

@@ -9,8 +9,11 @@ The two axes are :mod:`moesaic.sim.runs`' (``STRATEGIES``: dropless, padded, hyb
   hybrid's exchange over its offset group with its gathers before the pipeline and its gradient
   reduce once per block (:func:`moesaic.sim.hybrid.hybrid_costs`), the domain sizes its cost
   model picks unless given (as for vanilla);
-* hybrid under vanilla: HybridEP's step (:func:`moesaic.sim.hybrid.build_hybrid`), as
-  HybridEP's benchmark runs it: no data-parallel all-reduce;
+* hybrid under vanilla: a training step, as ``moesaic train`` runs it: the block pipeline at
+  R = 1 with hybrid's gathers, gradient reduce and the replicated gradients' all-reduce
+  (``SimOptions.hybrid_step = "training"``, the default); or HybridEP's benchmark step
+  (:func:`moesaic.sim.hybrid.build_hybrid`: no data-parallel all-reduce, no head or optimizer
+  per byte; ``hybrid_step = "benchmark"``, what ``benchmarks/hybridep_cluster.py`` measures);
 * taskflow: each MoE layer runs its compiled tile plans (:mod:`moesaic.sim.taskflow`).
 
 Compute is priced from the profile's per-operation measurements when it has them (the block
@@ -70,6 +73,10 @@ __all__ = [
 ]
 
 
+# What ``hybrid`` under ``vanilla`` simulates (``SimOptions.hybrid_step``).
+HYBRID_STEPS = ("training", "benchmark")
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SimOptions:
     """Knobs of the strategies and schedules.
@@ -94,6 +101,10 @@ class SimOptions:
         all_reduce: the gradient all-reduce's algorithm (``collectives.ALL_REDUCE_ALGORITHMS``):
             ``"best"`` (default) the faster of ring and hierarchical at each size, as NCCL's
             tuner picks; ``"ring"`` what gloo runs. The same on a one-level cluster.
+        hybrid_step: what ``hybrid`` under ``vanilla`` is: ``"training"`` (default) a training
+            step, the block pipeline at R = 1 (with the all-reduce of the replicated
+            gradients); ``"benchmark"`` HybridEP's benchmark step (``sim.hybrid.build_hybrid``,
+            no all-reduce), as ``benchmarks/hybridep_cluster.py`` runs it.
     """
 
     degree: int = 2
@@ -106,6 +117,7 @@ class SimOptions:
     taskflow_slot_rows: int | None = None
     taskflow_pipeline: bool = False
     all_reduce: str = "best"
+    hybrid_step: str = "training"
 
     def __post_init__(self) -> None:
         check_positive_int("degree", self.degree)
@@ -119,6 +131,7 @@ class SimOptions:
             check_positive_int("taskflow_slot_rows", self.taskflow_slot_rows)
         check_bool("taskflow_pipeline", self.taskflow_pipeline)
         check_one_of("all_reduce", self.all_reduce, ALL_REDUCE_ALGORITHMS)
+        check_one_of("hybrid_step", self.hybrid_step, HYBRID_STEPS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -180,7 +193,7 @@ def _graph(
         # planned on the tokens of one chunk, as training plans --domains auto
         chunk = dataclasses.replace(model, batch=model.batch // R)
         parts = _hybrid_parts(chunk, link, profile, opts)
-    if parts is not None and run.schedule == "vanilla":
+    if parts is not None and run.schedule == "vanilla" and opts.hybrid_step == "benchmark":
         g = build_hybrid(parts, model, profile)
         return g, g.run(), {"domain_sizes": list(parts.domain_sizes)}
     if parts is not None:

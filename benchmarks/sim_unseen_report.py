@@ -1,0 +1,99 @@
+"""The table of ``benchmarks/sim_unseen.py``'s result: per point the measured and predicted step
+and the error; per configuration whether the prediction ranks the fastest measured combination
+first (or within 5% of the first) and how the planner's pick measured against the best measured
+combination; the geometric-mean error over every point.
+
+Usage::
+
+    python benchmarks/sim_unseen_report.py [benchmarks/results/sim_unseen.json] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+
+def summarize(data: dict[str, Any]) -> dict[str, Any]:
+    points = [p for p in data["points"] if "measured_s" in p and "predicted_s" in p]
+    errors = [abs(p["predicted_s"] - p["measured_s"]) / p["measured_s"] for p in points]
+    geo = math.exp(sum(math.log1p(e) for e in errors) / len(errors)) - 1 if errors else None
+    configs = []
+    for c in data["configurations"]:
+        mine = [p for p in points if p["configuration"] == c["name"]]
+        if not mine:
+            continue
+        best = min(mine, key=lambda p: p["measured_s"])
+        ranked_first = min(mine, key=lambda p: p["predicted_s"])
+        # the measured-fastest is "ranked first" when its prediction is within 5% of the first's
+        ok = best["predicted_s"] <= 1.05 * ranked_first["predicted_s"]
+        pick = c.get("plan_measured", {})
+        pick_ratio = pick["measured_s"] / best["measured_s"] if "measured_s" in pick else None
+        configs.append(
+            {
+                "configuration": c["name"],
+                "best_measured": f"{best['strategy']}+{best['schedule']}",
+                "best_measured_s": best["measured_s"],
+                "ranked_first": f"{ranked_first['strategy']}+{ranked_first['schedule']}",
+                "best_ranked_first_or_within_5pct": ok,
+                "plan_pick": (
+                    f"{pick['pick']['strategy']}+{pick['pick']['schedule']} "
+                    f"{json.dumps(pick['pick']['options'])}"
+                    if "pick" in pick
+                    else None
+                ),
+                "plan_pick_measured_s": pick.get("measured_s"),
+                "plan_pick_over_best_measured": pick_ratio,
+            }
+        )
+    return {
+        "points": len(points),
+        "failed_points": [p for p in data["points"] if "measured_s" not in p],
+        "geomean_error": geo,
+        "median_error": sorted(errors)[len(errors) // 2] if errors else None,
+        "configurations": configs,
+    }
+
+
+def markdown(data: dict[str, Any], s: dict[str, Any]) -> str:
+    rows = [
+        "| configuration | combination | measured ms | predicted ms | error |",
+        "|---|---|---|---|---|",
+    ]
+    for p in data["points"]:
+        if "measured_s" in p and "predicted_s" in p:
+            err = (p["predicted_s"] - p["measured_s"]) / p["measured_s"]
+            rows.append(
+                f"| {p['configuration']} | {p['strategy']}+{p['schedule']} | "
+                f"{p['measured_s'] * 1e3:.0f} | {p['predicted_s'] * 1e3:.0f} | {err:+.0%} |"
+            )
+    rows += ["", "| configuration | best measured | ranked first | ok | plan pick | pick / best |"]
+    rows.append("|---|---|---|---|---|---|")
+    for c in s["configurations"]:
+        ratio = c["plan_pick_over_best_measured"]
+        rows.append(
+            f"| {c['configuration']} | {c['best_measured']} ({c['best_measured_s'] * 1e3:.0f} ms) "
+            f"| {c['ranked_first']} | {'yes' if c['best_ranked_first_or_within_5pct'] else 'no'} "
+            f"| {c['plan_pick']} | {'-' if ratio is None else f'{ratio:.2f}'} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", nargs="?", default="benchmarks/results/sim_unseen.json")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    with open(args.path) as f:
+        data = json.load(f)
+    s = summarize(data)
+    if args.markdown:
+        print(markdown(data, s))
+    print(json.dumps({k: v for k, v in s.items() if k != "failed_points"}, indent=1))
+    print("failed points:", len(s["failed_points"]))
+
+
+if __name__ == "__main__":
+    main()
