@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -151,29 +152,130 @@ def measure(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> di
     return {"measured_s": statistics.median(step_s), "steps_s": step_s, "wall_s": wall}
 
 
+def run_cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "moesaic", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def calibrate(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``moesaic calibrate --cluster --model``: the profile every prediction of ``cfg`` uses,
+    measured before any of its runs."""
+    (work / "train_dropless.toml").write_text(train_toml(cfg, work / "unused", "dropless"))
+    args = ["calibrate", "--cluster", str(work / "cluster.toml"), "--out", str(work / "p.json")]
+    t0 = time.perf_counter()
+    proc = run_cli([*args, "--model", str(work / "train_dropless.toml")])
+    if proc.returncode != 0:
+        raise RuntimeError(f"calibrate failed: {proc.stderr.strip()[-500:]}")
+    return {"calibrate_s": time.perf_counter() - t0}
+
+
+def plan(work: Path) -> list[dict[str, Any]]:
+    """``moesaic plan --json`` with the configuration's profile (before any measurement)."""
+    args = ["plan", "--cluster", str(work / "cluster.toml"), "--model"]
+    args += [str(work / "train_dropless.toml"), "--profile", str(work / "p.json"), "--json"]
+    proc = run_cli(args)
+    if proc.returncode != 0:
+        raise RuntimeError(f"plan failed: {proc.stderr.strip()[-500:]}")
+    ranking = json.loads(proc.stdout)
+    (work / "plan.json").write_text(json.dumps(ranking[:1]))
+    return ranking
+
+
+def predict(work: Path, strategy: str, schedule: str) -> dict[str, Any]:
+    """``moesaic simulate --json`` of one combination with the configuration's profile."""
+    args = ["simulate", "--cluster", str(work / "cluster.toml"), "--model"]
+    args += [str(work / f"train_{strategy}.toml"), "--profile", str(work / "p.json")]
+    args += ["--strategy", strategy, "--schedule", schedule, "--json"]
+    if schedule != "vanilla":
+        args += ["--degree", str(PIPELINE_DEGREE)]
+    proc = run_cli(args)
+    if proc.returncode != 0:
+        return {"predict_error": proc.stderr.strip().splitlines()[-1:]}
+    out = json.loads(proc.stdout)
+    out = out[0] if isinstance(out, list) else out
+    return {"predicted_s": out["iteration_ms"] / 1e3, "bound_s": out["bound_ms"] / 1e3}
+
+
+def measure_plan(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The planner's pick trained with ``moesaic train --plan plan.json --emulate``."""
+    pick = json.loads((work / "plan.json").read_text())[0]
+    strategy = pick["strategy"]
+    run_dir = work / "run_plan"
+    config = work / f"train_{strategy}.toml"
+    config.write_text(train_toml(cfg, run_dir, strategy))
+    cluster = str(work / "cluster.toml")
+    args = [sys.executable, "-m", "moesaic", "train", "--config", str(config)]
+    args += ["--emulate", cluster, "--plan", str(work / "plan.json")]
+    if strategy == "hybrid":
+        args += ["--cluster", cluster]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if x.get("kind") == "train"]
+    tokens = cfg["ranks"] * cfg["tokens_per_rank"]
+    step_s = [tokens / x["tokens_per_s"] for x in train[WARMUP:]]
+    return {"measured_s": statistics.median(step_s), "steps_s": step_s, "pick": pick}
+
+
+def repredict(path: Path) -> None:
+    """Every point of a result predicted again by the simulator as it is now (same profiles,
+    the configuration's files rebuilt from the rule); the first prediction is kept as
+    ``predicted_s_first``."""
+    data = json.loads(path.read_text())
+    by_name = {c["name"]: c for c in data["configurations"]}
+    for name, entry in by_name.items():
+        cfg = next(c for c in configurations() if c["name"] == name)
+        work = Path(tempfile.mkdtemp(prefix=f"unseen_re_{name}_"))
+        (work / "cluster.toml").write_text(cluster_toml(cfg))
+        (work / "p.json").write_text(json.dumps(entry["profile"]))
+        for strategy in {p["strategy"] for p in data["points"] if p["configuration"] == name}:
+            (work / f"train_{strategy}.toml").write_text(train_toml(cfg, work / "r", strategy))
+        for point in (p for p in data["points"] if p["configuration"] == name):
+            point.setdefault("predicted_s_first", point.get("predicted_s"))
+            point.update(predict(work, point["strategy"], point["schedule"]))
+    path.write_text(json.dumps(data, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
+    parser.add_argument(
+        "--repredict", action="store_true", help="predict --out's points again, measure nothing"
+    )
     args = parser.parse_args()
+    if args.repredict:
+        repredict(Path(args.out))
+        return
     cfgs = configurations()
     if args.list:
         for i, c in enumerate(cfgs):
             print(i, c["name"], {k: c[k] for k in FACTORS})
         return
     chosen = range(len(cfgs)) if args.only is None else [int(x) for x in args.only.split(",")]
-    results: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"rule": __doc__, "configurations": [], "points": []}
     for i in chosen:
         cfg = cfgs[i]
         work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))
         (work / "cluster.toml").write_text(cluster_toml(cfg))
+        entry: dict[str, Any] = {"index": i, **cfg, "load_before": os.getloadavg()}
+        entry.update(calibrate(work, cfg))
+        ranking = plan(work)
+        entry["plan_top3"] = ranking[:3]
         for strategy, schedule in COMBINATIONS:
             point = {"configuration": cfg["name"], "strategy": strategy, "schedule": schedule}
             point.update(measure(work, cfg, strategy, schedule))
-            results.append(point)
+            point.update(predict(work, strategy, schedule))
+            out["points"].append(point)
             print(json.dumps(point), flush=True)
-    Path(args.out).write_text(json.dumps({"rule": __doc__, "points": results}, indent=1))
+        entry["plan_measured"] = measure_plan(work, cfg)
+        entry["profile"] = json.loads((work / "p.json").read_text())
+        entry["load_after"] = os.getloadavg()
+        out["configurations"].append(entry)
+        print(json.dumps({k: v for k, v in entry.items() if k != "profile"}), flush=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

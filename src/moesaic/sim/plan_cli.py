@@ -404,7 +404,7 @@ def format_ranking(plan: Any, *, top: int, wall_s: float) -> str:
             c.strategy,
             c.schedule,
             c.knobs(),
-            f"{c.predicted_ms:.4g}",
+            f"{c.predicted_ms:.4g}" + (" !" if c.caveat else ""),
             f"{c.bound_ms:.4g}",
             f"{c.compute_ms:.4g}",
             f"{c.comm_ms:.4g}",
@@ -423,6 +423,8 @@ def format_ranking(plan: Any, *, top: int, wall_s: float) -> str:
         f"pick     {best.name} {best.knobs()}",
         f"reason   {plan.reason}",
     ]
+    caveats = dict.fromkeys(f"{c.name}: {c.caveat}" for c in plan.ranked if c.caveat)
+    lines += [f"caveat   {text} (marked !)" for text in caveats]
     lines += [f"skipped  {name}: {why}" for name, why in plan.skipped]
     lines.append(
         f"priced   {len(plan.ranked)} combinations with {plan.simulations} simulations in "

@@ -92,6 +92,9 @@ class Candidate:
         bound_ms: the perfect-overlap bound max(total compute, total communication).
         compute_ms: compute busy time.
         comm_ms: communication busy time.
+        caveat: why this prediction is not to be trusted with this profile (its cost model
+            lacks a measured input, :func:`uncalibrated_reason`), None when it is: such a
+            combination ranks after every other, whatever its prediction.
     """
 
     strategy: str
@@ -101,6 +104,7 @@ class Candidate:
     bound_ms: float
     compute_ms: float
     comm_ms: float
+    caveat: str | None = None
 
     @property
     def name(self) -> str:
@@ -131,6 +135,7 @@ class Candidate:
             "bound_ms": self.bound_ms,
             "compute_ms": self.compute_ms,
             "comm_ms": self.comm_ms,
+            **({"caveat": self.caveat} if self.caveat else {}),
         }
 
 
@@ -140,7 +145,8 @@ class Plan:
 
     Attributes:
         ranked: the candidates by predicted step time (equal to 9 digits: in enumeration
-            order, strategy by strategy, vanilla first, smaller R first).
+            order, strategy by strategy, vanilla first, smaller R first), those with a
+            ``caveat`` after all the others.
         skipped: ``(strategy+schedule, why)`` of the pairs that cannot run here.
         simulations: how many simulations were run (independent of the number of ranks).
     """
@@ -240,7 +246,27 @@ class _Pricer:
             bound_ms=r.bound_s * 1e3,
             compute_ms=r.compute_s * 1e3,
             comm_ms=r.comm_s * 1e3,
+            caveat=uncalibrated_reason(self.profile, run),
         )
+
+
+def uncalibrated_reason(profile: Profile, run: Run) -> str | None:
+    """Why ``run``'s prediction lacks a measured input of ``profile``, or None.
+
+    ``taskflow``'s tiles run on host threads whose per-task and per-element CPU
+    (``tile_cpu_s``, ``tile_elem_cpu_s``) dominate its step on a CPU; ``moesaic calibrate``
+    does not measure them, and without them they are priced at zero. On the unseen
+    configurations of ``benchmarks/sim_unseen.py`` such taskflow predictions were 42-75% under
+    the measured steps, and the planner picked taskflow in 4 of 8 configurations where it
+    measured 1.35-2.27x the best combination.
+    """
+    if run.strategy == "taskflow" and profile.tile_cpu_s == 0 and profile.tile_elem_cpu_s == 0:
+        return (
+            "the profile has no taskflow CPU figures (tile_cpu_s, tile_elem_cpu_s; "
+            "`python -m moesaic.sim.cpucal` measures the latter), so its tiles' host CPU is "
+            "priced at zero: ranked last"
+        )
+    return None
 
 
 def _degrees(run: Run, model: ModelSpec, degrees: Sequence[int]) -> list[int]:
@@ -405,7 +431,7 @@ def plan_runs(
     # Equal to 9 digits (float noise between equivalent graphs) is a tie, which goes to the
     # earlier enumerated, simpler combination: vanilla before the pipelined, smaller R first.
     order = {id(c): i for i, c in enumerate(ranked)}
-    ranked.sort(key=lambda c: (float(f"{c.predicted_ms:.9g}"), order[id(c)]))
+    ranked.sort(key=lambda c: (c.caveat is not None, float(f"{c.predicted_ms:.9g}"), order[id(c)]))
     return Plan(ranked=ranked, skipped=skipped, simulations=pricer.simulations)
 
 
