@@ -24,7 +24,8 @@ vector) spinning on each other's counters: the GPU mode; it needs every program 
 once (two here), which a GPU grants. It has **not run on a GPU**: under the interpreter a wait
 on another program's bump could never end, so the launcher refuses it there.
 
-Math as the sequential executor's handlers (``taskflow.runtime.handlers``), in fp32 with one
+The tiles' bodies are ``kernels.persistent_tiles``; this module is the task loop (wait, run,
+bump), the two kernels and the launcher. Math as the sequential executor's handlers (``taskflow.runtime.handlers``), in fp32 with one
 rounding to the buffers' dtype (fp32, bf16, fp16).
 """
 
@@ -35,8 +36,17 @@ import triton
 import triton.language as tl
 
 from moesaic.kernels import task_ops as ops
-from moesaic.kernels._jit import cast_out, mma
 from moesaic.kernels._launch import check_device, check_float, interpreting, upcast_dot
+from moesaic.kernels.persistent_tiles import (
+    copy_rows,
+    gather_rows,
+    row_gemm,
+    swiglu_grad_rows,
+    swiglu_rows,
+    topk_grad_rows,
+    topk_rows,
+    weight_grad,
+)
 
 __all__ = ["BACKWARD_BUFFERS", "FORWARD_BUFFERS", "run_tables"]
 
@@ -118,266 +128,6 @@ def _valid(count_ptr, row_ptr):
     return n
 
 
-# -- tiles -------------------------------------------------------------------------------------
-@triton.jit
-def _row_gemm(
-    a_ptr,
-    lda,
-    b_ptr,
-    sbk,
-    sbn,
-    a2_ptr,
-    b2_ptr,
-    c_ptr,
-    ldc,
-    row0,
-    nrows,
-    KD,
-    N,
-    TWO: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """``c[rows, :N] = a[rows, :KD] @ b (+ a2[rows] @ b2 when TWO)``, ``b[k, n]`` at
-    ``b_ptr + k * sbk + n * sbn`` (strides: a transposed weight is a view)."""
-    for m0 in range(0, nrows, BM):
-        r = m0 + tl.arange(0, BM)
-        row_ok = r < nrows
-        rows = (row0 + r).to(tl.int64)
-        for n0 in range(0, N, BN):
-            cols = n0 + tl.arange(0, BN)
-            col_ok = cols < N
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, KD, BK):
-                ks = k0 + tl.arange(0, BK)
-                k_ok = ks < KD
-                a_idx = rows[:, None] * lda + ks[None, :]
-                a_mask = row_ok[:, None] & k_ok[None, :]
-                b_idx = ks[:, None] * sbk + cols[None, :] * sbn
-                b_mask = k_ok[:, None] & col_ok[None, :]
-                x = tl.load(a_ptr + a_idx, mask=a_mask, other=0.0)
-                w = tl.load(b_ptr + b_idx, mask=b_mask, other=0.0)
-                acc = mma(x, w, acc, UPCAST)
-                if TWO:
-                    x2 = tl.load(a2_ptr + a_idx, mask=a_mask, other=0.0)
-                    w2 = tl.load(b2_ptr + b_idx, mask=b_mask, other=0.0)
-                    acc = mma(x2, w2, acc, UPCAST)
-            out = c_ptr + rows[:, None] * ldc + cols[None, :]
-            mask = row_ok[:, None] & col_ok[None, :]
-            tl.store(out, cast_out(acc, c_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _weight_grad(
-    a_ptr,
-    lda,
-    b_ptr,
-    ldb,
-    c_ptr,
-    ldc,
-    count_ptr,
-    j,
-    P,
-    S,
-    KD,
-    N,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """``c[:KD, :N] = sum over the valid rows of expert j's P slots of a[rows]^T b[rows]``
-    (zeros for an expert without rows), slot by slot in a fixed order."""
-    for k0 in range(0, KD, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_ok = ks < KD
-        for n0 in range(0, N, BN):
-            cols = n0 + tl.arange(0, BN)
-            col_ok = cols < N
-            acc = tl.zeros((BK, BN), dtype=tl.float32)
-            for s in range(0, P):
-                slot = j * P + s
-                base = slot.to(tl.int64) * S
-                valid = tl.load(count_ptr + slot)
-                for m0 in range(0, valid, BM):
-                    r = m0 + tl.arange(0, BM)
-                    r_ok = r < valid
-                    rows = base + r
-                    x = tl.load(
-                        a_ptr + rows[None, :] * lda + ks[:, None],
-                        mask=k_ok[:, None] & r_ok[None, :],
-                        other=0.0,
-                    )
-                    y = tl.load(
-                        b_ptr + rows[:, None] * ldb + cols[None, :],
-                        mask=r_ok[:, None] & col_ok[None, :],
-                        other=0.0,
-                    )
-                    acc = mma(x, y, acc, UPCAST)
-            out = c_ptr + ks[:, None] * ldc + cols[None, :]
-            mask = k_ok[:, None] & col_ok[None, :]
-            tl.store(out, cast_out(acc, c_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gather_rows(
-    src_ptr,
-    dst_ptr,
-    tok_ptr,
-    wt_ptr,
-    pos0,
-    dst0,
-    nrows,
-    H,
-    WEIGHTED: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-):
-    """Dispatch: ``dst[dst0 + i] = src[tok[pos0 + i]]`` (times ``wt[pos0 + i]`` if WEIGHTED)."""
-    for m0 in range(0, nrows, BM):
-        r = m0 + tl.arange(0, BM)
-        ok = r < nrows
-        tok = tl.load(tok_ptr + pos0 + r, mask=ok, other=0).to(tl.int64)
-        if WEIGHTED:
-            w = tl.load(wt_ptr + pos0 + r, mask=ok, other=0.0)
-        dst_rows = (dst0 + r).to(tl.int64)
-        for h0 in range(0, H, BN):
-            cols = h0 + tl.arange(0, BN)
-            mask = ok[:, None] & (cols < H)[None, :]
-            v = tl.load(src_ptr + tok[:, None] * H + cols[None, :], mask=mask, other=0.0)
-            if WEIGHTED:
-                v = cast_out(v.to(tl.float32) * w[:, None], dst_ptr.dtype.element_ty)
-            tl.store(dst_ptr + dst_rows[:, None] * H + cols[None, :], v, mask=mask)
-
-
-@triton.jit
-def _copy_rows(src_ptr, dst_ptr, src0, dst0, nrows, H, BM: tl.constexpr, BN: tl.constexpr):
-    """Combine put at EP 1: ``dst[dst0 + i] = src[src0 + i]``."""
-    for m0 in range(0, nrows, BM):
-        r = m0 + tl.arange(0, BM)
-        ok = r < nrows
-        src_rows = (src0 + r).to(tl.int64)
-        dst_rows = (dst0 + r).to(tl.int64)
-        for h0 in range(0, H, BN):
-            cols = h0 + tl.arange(0, BN)
-            mask = ok[:, None] & (cols < H)[None, :]
-            v = tl.load(src_ptr + src_rows[:, None] * H + cols[None, :], mask=mask, other=0.0)
-            tl.store(dst_ptr + dst_rows[:, None] * H + cols[None, :], v, mask=mask)
-
-
-@triton.jit
-def _swiglu_rows(h_ptr, a_ptr, row0, nrows, F, BM: tl.constexpr, BN: tl.constexpr):
-    """``a = silu(h[:, :F]) * h[:, F:]`` on the tile's rows."""
-    for m0 in range(0, nrows, BM):
-        r = m0 + tl.arange(0, BM)
-        ok = r < nrows
-        rows = (row0 + r).to(tl.int64)
-        for f0 in range(0, F, BN):
-            cols = f0 + tl.arange(0, BN)
-            mask = ok[:, None] & (cols < F)[None, :]
-            hp = h_ptr + rows[:, None] * (2 * F) + cols[None, :]
-            h1 = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-            h3 = tl.load(hp + F, mask=mask, other=0.0).to(tl.float32)
-            act = h1 * tl.sigmoid(h1) * h3
-            out = a_ptr + rows[:, None] * F + cols[None, :]
-            tl.store(out, cast_out(act, a_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _swiglu_grad_rows(da_ptr, h_ptr, dh_ptr, row0, nrows, F, BM: tl.constexpr, BN: tl.constexpr):
-    """``dh1 = da * h3 * silu'(h1)``, ``dh3 = da * silu(h1)`` on the tile's rows."""
-    for m0 in range(0, nrows, BM):
-        r = m0 + tl.arange(0, BM)
-        ok = r < nrows
-        rows = (row0 + r).to(tl.int64)
-        for f0 in range(0, F, BN):
-            cols = f0 + tl.arange(0, BN)
-            mask = ok[:, None] & (cols < F)[None, :]
-            hp = h_ptr + rows[:, None] * (2 * F) + cols[None, :]
-            h1 = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-            h3 = tl.load(hp + F, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(da_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0)
-            g = g.to(tl.float32)
-            sig = tl.sigmoid(h1)
-            silu = h1 * sig
-            dp = dh_ptr + rows[:, None] * (2 * F) + cols[None, :]
-            ty = dh_ptr.dtype.element_ty
-            tl.store(dp, cast_out(g * h3 * (sig + silu * (1.0 - sig)), ty), mask=mask)
-            tl.store(dp + F, cast_out(g * silu, ty), mask=mask)
-
-
-@triton.jit
-def _topk_rows(
-    ret_ptr,
-    idx_ptr,
-    w_ptr,
-    out_ptr,
-    t0,
-    nt,
-    H,
-    K,
-    WEIGHTED: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-):
-    """``out[t] = sum_k (w[t, k] *) ret[idx[t, k]]`` in k order; idx -1 (dropped) adds 0."""
-    for m0 in range(0, nt, BM):
-        r = m0 + tl.arange(0, BM)
-        ok = r < nt
-        tok = (t0 + r).to(tl.int64)
-        for h0 in range(0, H, BN):
-            cols = h0 + tl.arange(0, BN)
-            col_ok = cols < H
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k in range(0, K):
-                row = tl.load(idx_ptr + tok * K + k, mask=ok, other=-1)
-                keep = ok & (row >= 0)
-                v = tl.load(
-                    ret_ptr + row.to(tl.int64)[:, None] * H + cols[None, :],
-                    mask=keep[:, None] & col_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                if WEIGHTED:
-                    v = v * tl.load(w_ptr + tok * K + k, mask=keep, other=0.0)[:, None]
-                acc += v
-            out = out_ptr + tok[:, None] * H + cols[None, :]
-            mask = ok[:, None] & col_ok[None, :]
-            tl.store(out, cast_out(acc, out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _topk_grad_rows(
-    dy_ptr, ret_ptr, idx_ptr, out_ptr, t0, nt, H, K, BM: tl.constexpr, BN: tl.constexpr
-):
-    """``out[t, k] = <dy[t], ret[idx[t, k]]>`` (0 where dropped)."""
-    for m0 in range(0, nt, BM):
-        r = m0 + tl.arange(0, BM)
-        ok = r < nt
-        tok = (t0 + r).to(tl.int64)
-        for k in range(0, K):
-            row = tl.load(idx_ptr + tok * K + k, mask=ok, other=-1)
-            keep = ok & (row >= 0)
-            acc = tl.zeros((BM,), dtype=tl.float32)
-            for h0 in range(0, H, BN):
-                cols = h0 + tl.arange(0, BN)
-                col_ok = cols < H
-                dy = tl.load(
-                    dy_ptr + tok[:, None] * H + cols[None, :],
-                    mask=ok[:, None] & col_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                y = tl.load(
-                    ret_ptr + row.to(tl.int64)[:, None] * H + cols[None, :],
-                    mask=keep[:, None] & col_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                acc += tl.sum(dy * y, axis=1)
-            tl.store(out_ptr + tok * K + k, cast_out(acc, out_ptr.dtype.element_ty), mask=ok)
-
-
-# -- the persistent kernels ------------------------------------------------------------------
 @triton.jit
 def _forward_kernel(
     tasks_ptr,
@@ -427,9 +177,9 @@ def _forward_kernel(
                 jw = tl.maximum(tl.load(row_ptr + C_EXPERT), 0).to(tl.int64) * H * F
                 if op == OP_DISPATCH:
                     dst0 = tl.load(row_ptr + C_DST0)
-                    _gather_rows(x_ptr, xr_ptr, tok_ptr, wt_ptr, row0, dst0, n, H, False, BM, BN)
+                    gather_rows(x_ptr, xr_ptr, tok_ptr, wt_ptr, row0, dst0, n, H, False, BM, BN)
                 elif op == OP_GATE_UP:
-                    _row_gemm(
+                    row_gemm(
                         xr_ptr,
                         H,
                         w1_ptr + jw,
@@ -449,7 +199,7 @@ def _forward_kernel(
                         BK,
                         UPCAST,
                     )
-                    _row_gemm(
+                    row_gemm(
                         xr_ptr,
                         H,
                         w3_ptr + jw,
@@ -470,9 +220,9 @@ def _forward_kernel(
                         UPCAST,
                     )
                 elif op == OP_SWIGLU:
-                    _swiglu_rows(h_ptr, a_ptr, row0, n, F, BM, BN)
+                    swiglu_rows(h_ptr, a_ptr, row0, n, F, BM, BN)
                 elif op == OP_DOWN:
-                    _row_gemm(
+                    row_gemm(
                         a_ptr,
                         F,
                         w2_ptr + jw,
@@ -493,9 +243,9 @@ def _forward_kernel(
                         UPCAST,
                     )
                 elif op == OP_COMBINE:
-                    _copy_rows(yr_ptr, yret_ptr, row0, tl.load(row_ptr + C_DST0), n, H, BM, BN)
+                    copy_rows(yr_ptr, yret_ptr, row0, tl.load(row_ptr + C_DST0), n, H, BM, BN)
                 elif op == OP_TOPK:
-                    _topk_rows(yret_ptr, ret_ptr, wtk_ptr, y_ptr, row0, n, H, K, True, BM, BN)
+                    topk_rows(yret_ptr, ret_ptr, wtk_ptr, y_ptr, row0, n, H, K, True, BM, BN)
                 _bump(cnt_ptr, trig_ptr, row_ptr, trace_ptr, i, TRACE)
             else:
                 failed = i + 1
@@ -559,9 +309,9 @@ def _backward_kernel(
                 jw = j.to(tl.int64) * H * F
                 if op == OP_DISPATCH_GRAD:
                     dst0 = tl.load(row_ptr + C_DST0)
-                    _gather_rows(dy_ptr, g_ptr, tok_ptr, wt_ptr, row0, dst0, n, H, True, BM, BN)
+                    gather_rows(dy_ptr, g_ptr, tok_ptr, wt_ptr, row0, dst0, n, H, True, BM, BN)
                 elif op == OP_ACT_GRAD:  # da = g @ w2[j]^T: b[k=h, n=f] = w2[j][f, h]
-                    _row_gemm(
+                    row_gemm(
                         g_ptr,
                         H,
                         w2_ptr + jw,
@@ -582,7 +332,7 @@ def _backward_kernel(
                         UPCAST,
                     )
                 elif op == OP_W2_GRAD:  # dw2[j] = a^T g
-                    _weight_grad(
+                    weight_grad(
                         a_ptr,
                         F,
                         g_ptr,
@@ -601,9 +351,9 @@ def _backward_kernel(
                         UPCAST,
                     )
                 elif op == OP_SWIGLU_GRAD:
-                    _swiglu_grad_rows(da_ptr, h_ptr, dh_ptr, row0, n, F, BM, BN)
+                    swiglu_grad_rows(da_ptr, h_ptr, dh_ptr, row0, n, F, BM, BN)
                 elif op == OP_GATE_GRAD:  # dx = dh1 @ w1[j]^T + dh3 @ w3[j]^T
-                    _row_gemm(
+                    row_gemm(
                         dh_ptr,
                         2 * F,
                         w1_ptr + jw,
@@ -625,9 +375,9 @@ def _backward_kernel(
                     )
                 elif op == OP_COMBINE:
                     dst0 = tl.load(row_ptr + C_DST0)
-                    _copy_rows(dxr_ptr, dxret_ptr, row0, dst0, n, H, BM, BN)
+                    copy_rows(dxr_ptr, dxret_ptr, row0, dst0, n, H, BM, BN)
                 elif op == OP_W1_GRAD:  # dw1[j] = x^T dh1, dw3[j] = x^T dh3
-                    _weight_grad(
+                    weight_grad(
                         xr_ptr,
                         H,
                         dh_ptr,
@@ -645,7 +395,7 @@ def _backward_kernel(
                         BK,
                         UPCAST,
                     )
-                    _weight_grad(
+                    weight_grad(
                         xr_ptr,
                         H,
                         dh_ptr + F,
@@ -664,9 +414,9 @@ def _backward_kernel(
                         UPCAST,
                     )
                 elif op == OP_SUM:
-                    _topk_rows(dxret_ptr, ret_ptr, wt_ptr, dx_ptr, row0, n, H, K, False, BM, BN)
+                    topk_rows(dxret_ptr, ret_ptr, wt_ptr, dx_ptr, row0, n, H, K, False, BM, BN)
                 elif op == OP_TOPK_GRAD:
-                    _topk_grad_rows(dy_ptr, yret_ptr, ret_ptr, dtopk_ptr, row0, n, H, K, BM, BN)
+                    topk_grad_rows(dy_ptr, yret_ptr, ret_ptr, dtopk_ptr, row0, n, H, K, BM, BN)
                 _bump(cnt_ptr, trig_ptr, row_ptr, trace_ptr, i, TRACE)
             else:
                 failed = i + 1
