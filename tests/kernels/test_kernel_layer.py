@@ -9,11 +9,11 @@ import re
 from collections import Counter
 
 import pytest
-import torch
+from _layer_case import odd_layer_case, run_layer
 
 import moesaic
 from moesaic.reference import ReferenceMoE
-from moesaic.testing import assert_close_to_ref, route_all_to_first_experts
+from moesaic.testing import assert_close_to_ref
 
 CASES = [
     ({}, False),  # dropless SwiGLU: permute, fused SwiGLU GEMM, GEMM, combine
@@ -25,15 +25,6 @@ CASES = [
 ]
 
 
-def _run(cfg: moesaic.MoEConfig, sd: dict, x: torch.Tensor, g: torch.Tensor):
-    layer = moesaic.MoELayer(cfg)
-    layer.load_state_dict(sd)
-    x = x.clone().requires_grad_()
-    y = layer(x)
-    ((y * g).sum() + moesaic.aux_loss(layer)).backward()
-    return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
-
-
 @pytest.mark.parametrize(("extra", "skew"), CASES)
 def test_layer_triton_matches_torch(extra, skew, monkeypatch):
     pytest.importorskip("triton")
@@ -42,22 +33,10 @@ def test_layer_triton_matches_torch(extra, skew, monkeypatch):
     calls: Counter[str] = Counter()
     for name in ("permute", "expert_ffn", "combine"):
         monkeypatch.setattr(ffn, name, _spy(calls, name, getattr(ffn, name)))
-    # E = 5 (prime), T = 13, H = 24, F = 40: odd sizes everywhere
-    cfg = moesaic.MoEConfig(
-        hidden_size=24, ffn_hidden_size=40, num_experts=5, top_k=2, init_std=0.5, **extra
-    )
-    torch.manual_seed(0)
-    layer = moesaic.MoELayer(cfg)
-    if skew:
-        route_all_to_first_experts(layer)
-    sd = layer.state_dict()
-    x = torch.randn(13, 24)
-    if skew:
-        x[:, 0] = 5.0
-    g = torch.randn(13, 24)
-    y, gx, grads = _run(dataclasses.replace(cfg, kernels="triton"), sd, x, g)
+    cfg, sd, x, g = odd_layer_case(extra, skew)
+    y, gx, grads = run_layer(dataclasses.replace(cfg, kernels="triton"), sd, x, g)
     assert calls == {"permute": 1, "expert_ffn": 1, "combine": 1}  # it took the kernels
-    y_t, gx_t, grads_t = _run(cfg, sd, x, g)
+    y_t, gx_t, grads_t = run_layer(cfg, sd, x, g)
     assert calls["expert_ffn"] == 1, "the torch path called the kernels"
     full = moesaic.MoELayer(cfg)
     full.load_state_dict(sd)

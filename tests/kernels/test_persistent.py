@@ -19,6 +19,7 @@ import os
 
 import pytest
 import torch
+from _layer_case import odd_layer_case, run_layer
 
 import moesaic
 from moesaic.comm.collectives import EPGroup
@@ -28,7 +29,7 @@ from moesaic.routing import build_plan
 from moesaic.taskflow import CompileOptions, ShapeBucket, compile_plan, slot_rows_for
 from moesaic.taskflow.lower import TableError, check_tables, lower
 from moesaic.taskflow.runtime import run_backward, run_forward
-from moesaic.testing import assert_close_to_ref, route_all_to_first_experts
+from moesaic.testing import assert_close_to_ref
 
 pytest.importorskip("triton")
 
@@ -127,15 +128,6 @@ CASES = [
 ]
 
 
-def _layer_run(cfg, sd, x, g):
-    layer = moesaic.MoELayer(cfg)
-    layer.load_state_dict(sd)
-    x = x.clone().requires_grad_()
-    y = layer(x)
-    ((y * g).sum() + moesaic.aux_loss(layer)).backward()
-    return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
-
-
 @pytest.mark.parametrize(("extra", "skew"), CASES)
 def test_layer_matches_dropless_and_static_executor(extra, skew, monkeypatch):
     from moesaic.kernels import persistent
@@ -145,22 +137,11 @@ def test_layer_matches_dropless_and_static_executor(extra, skew, monkeypatch):
     monkeypatch.setattr(
         persistent, "run_tables", lambda d, *a, **k: launches.append(d) or real(d, *a, **k)
     )
-    cfg = moesaic.MoEConfig(
-        hidden_size=24, ffn_hidden_size=40, num_experts=5, top_k=2, init_std=0.5, **extra
-    )
-    torch.manual_seed(0)
-    layer = moesaic.MoELayer(cfg)
-    if skew:
-        route_all_to_first_experts(layer)
-    sd = layer.state_dict()
-    x = torch.randn(13, 24)
-    if skew:
-        x[:, 0] = 5.0
-    g = torch.randn(13, 24)
-    fast = _layer_run(dataclasses.replace(cfg, dispatcher="taskflow", kernels="triton"), sd, x, g)
+    cfg, sd, x, g = odd_layer_case(extra, skew)
+    fast = run_layer(dataclasses.replace(cfg, dispatcher="taskflow", kernels="triton"), sd, x, g)
     assert launches == ["forward", "backward"]  # one persistent kernel per direction
-    static = _layer_run(dataclasses.replace(cfg, dispatcher="taskflow"), sd, x, g)
-    dropless = _layer_run(dataclasses.replace(cfg, dispatcher="dropless"), sd, x, g)
+    static = run_layer(dataclasses.replace(cfg, dispatcher="taskflow"), sd, x, g)
+    dropless = run_layer(dataclasses.replace(cfg, dispatcher="dropless"), sd, x, g)
     assert launches == ["forward", "backward"]
     full = moesaic.MoELayer(cfg)
     full.load_state_dict(sd)

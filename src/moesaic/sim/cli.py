@@ -21,7 +21,7 @@ from typing import Any
 
 from moesaic.checks import check_number
 from moesaic.sim.calibrate_cli import add_calibrate
-from moesaic.sim.cli_files import load_option
+from moesaic.sim.cli_files import add_all_reduce_option, check_profile, load_option
 
 __all__ = ["add_subparser"]
 
@@ -109,13 +109,7 @@ def add_subparser(subparsers) -> None:
         metavar="N",
         help="hybrid: shared experts' all-reduce every N gathers",
     )
-    p.add_argument(
-        "--all-reduce",
-        choices=("ring", "hierarchical", "best"),
-        default="best",
-        help="gradient all-reduce algorithm: the faster of ring and hierarchical per size, as "
-        "NCCL picks (default), or gloo's ring",
-    )
+    add_all_reduce_option(p)
     p.add_argument("--trace", metavar="F.json", help="write a Chrome trace (one process per run)")
     p.add_argument(
         "--png",
@@ -137,37 +131,6 @@ def _note(line: str) -> None:
     print(f"moesaic simulate: {line}", file=sys.stderr)
 
 
-def _check_profile(args: argparse.Namespace, profile: Any, spec: Any) -> None:
-    """Refuses a profile measured on another cluster unless ``--allow-profile-mismatch``; says
-    in one line when the profile does not record its cluster, or what is extrapolated."""
-    from moesaic.sim.profile import describe_cluster
-
-    if profile.cluster is None:
-        if profile.cluster_bound:
-            _note(
-                f"--profile {args.profile} does not record the cluster it was measured on "
-                f"(written before profiles did); its link and collective figures are applied "
-                f"to {spec.name!r} unchecked"
-            )
-        return
-    diff = profile.cluster_differences(spec)
-    if not diff:
-        return
-    measured = (
-        f"--profile {args.profile} was measured on {describe_cluster(profile.cluster)}, "
-        f"not on --cluster {args.cluster} {describe_cluster(spec)}: {'; '.join(diff)}"
-    )
-    if not args.allow_profile_mismatch:
-        raise ValueError(
-            f"{measured}; its collective shares and link rates would be extrapolated "
-            "(--allow-profile-mismatch does so)"
-        )
-    _note(
-        f"--allow-profile-mismatch: extrapolating the collective shares and link rates of "
-        f"{describe_cluster(profile.cluster)} to {describe_cluster(spec)} ({'; '.join(diff)})"
-    )
-
-
 def _profile(args: argparse.Namespace, spec: Any) -> Any:
     """``--profile`` (checked against the cluster) with ``--flops-per-s`` as an override of its
     matmul rates, or a profile of ``--flops-per-s`` (default 1e11) alone."""
@@ -181,7 +144,7 @@ def _profile(args: argparse.Namespace, spec: Any) -> Any:
     if not args.profile:
         return Profile(flops_per_s=1e11 if flops is None else flops, source="--flops-per-s")
     profile = load_option("profile", args.profile, Profile.load)
-    _check_profile(args, profile, spec)
+    check_profile(args, profile, spec, note=_note)
     if flops is None:
         return profile
     half = f", bf16 {profile.half_flops_per_s:.3g}" if profile.half_flops_per_s else ""

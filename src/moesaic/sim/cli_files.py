@@ -1,12 +1,14 @@
-"""Reading the files the simulator's commands are given (``simulate``, ``calibrate``,
-``plan``): errors that name the option and the file. Torch-free."""
+"""What the simulator's commands (``simulate``, ``calibrate``, ``plan``) share: reading the files
+they are given (errors that name the option and the file), checking a ``--profile`` against
+the ``--cluster``, and the ``--all-reduce`` option. Torch-free."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load_option"]
+__all__ = ["add_all_reduce_option", "check_profile", "load_option"]
 
 
 def load_option(option: str, path: str, load: Callable[[str], Any]) -> Any:
@@ -17,3 +19,50 @@ def load_option(option: str, path: str, load: Callable[[str], Any]) -> Any:
         raise FileNotFoundError(f"--{option}: {exc}") from None
     except ValueError as exc:
         raise ValueError(f"--{option} {path}: {exc}") from None
+
+
+def add_all_reduce_option(parser: argparse.ArgumentParser) -> None:
+    """``--all-reduce``: the gradient all-reduce's algorithm (``SimOptions.all_reduce``)."""
+    from moesaic.sim.collectives import ALL_REDUCE_ALGORITHMS
+
+    parser.add_argument(
+        "--all-reduce",
+        choices=ALL_REDUCE_ALGORITHMS,
+        default="best",
+        help="gradient all-reduce algorithm: the faster of ring and hierarchical per size, as "
+        "NCCL picks (default), or gloo's ring",
+    )
+
+
+def check_profile(
+    args: argparse.Namespace, profile: Any, spec: Any, *, note: Callable[[str], None]
+) -> None:
+    """Refuses a profile measured on another cluster unless ``--allow-profile-mismatch``; says
+    in one line (``note``) when the profile does not record its cluster, or what is extrapolated.
+    ``args`` has ``profile``, ``cluster`` and ``allow_profile_mismatch``."""
+    from moesaic.sim.profile import describe_cluster
+
+    if profile.cluster is None:
+        if profile.cluster_bound:
+            note(
+                f"--profile {args.profile} does not record the cluster it was measured on "
+                f"(written before profiles did); its link and collective figures are applied "
+                f"to {spec.name!r} unchecked"
+            )
+        return
+    diff = profile.cluster_differences(spec)
+    if not diff:
+        return
+    measured = (
+        f"--profile {args.profile} was measured on {describe_cluster(profile.cluster)}, "
+        f"not on --cluster {args.cluster} {describe_cluster(spec)}: {'; '.join(diff)}"
+    )
+    if not args.allow_profile_mismatch:
+        raise ValueError(
+            f"{measured}; its collective shares and link rates would be extrapolated "
+            "(--allow-profile-mismatch does so)"
+        )
+    note(
+        f"--allow-profile-mismatch: extrapolating the collective shares and link rates of "
+        f"{describe_cluster(profile.cluster)} to {describe_cluster(spec)} ({'; '.join(diff)})"
+    )

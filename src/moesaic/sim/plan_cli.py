@@ -32,7 +32,7 @@ from typing import Any
 
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.planning.costmodel import DomainCandidate, DomainPlan, StreamInputs, plan_domains
-from moesaic.sim.cli_files import load_option
+from moesaic.sim.cli_files import add_all_reduce_option, check_profile, load_option
 
 PLAN_EPILOG = """\
 examples:
@@ -99,13 +99,7 @@ def add_subparser(subparsers) -> None:
         help="hybrid's SR compression ratios of gathered experts to try (default: 1, exact; "
         "--domains-only: one, default the model's hybrid option compression_ratio)",
     )
-    p.add_argument(
-        "--all-reduce",
-        choices=("ring", "hierarchical", "best"),
-        default="best",
-        help="gradient all-reduce algorithm: the faster of ring and hierarchical per size, as "
-        "NCCL picks (default), or gloo's ring",
-    )
+    add_all_reduce_option(p)
     p.add_argument(
         "--domains-only",
         action="store_true",
@@ -343,7 +337,6 @@ def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
     import dataclasses
 
     from moesaic.checks import check_positive
-    from moesaic.sim.cli import _check_profile
     from moesaic.sim.profile import Profile
 
     flops = args.flops_per_s
@@ -351,7 +344,7 @@ def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
         check_positive("flops_per_s (--flops-per-s)", flops)
     if args.profile:
         profile = load_option("profile", args.profile, Profile.load)
-        _check_profile(args, profile, spec)
+        check_profile(args, profile, spec, note=_note)
         if flops is None:
             return profile
         return dataclasses.replace(profile, flops_per_s=flops, half_flops_per_s=0.0)

@@ -1,0 +1,39 @@
+"""The layer-level case the kernel tests share: a small MoE layer at odd sizes (E = 5, a prime;
+T = 13, H = 24, F = 40), its weights, an input and an output gradient, and one forward and
+backward of a layer built from those weights."""
+
+from __future__ import annotations
+
+import torch
+
+import moesaic
+from moesaic.testing import route_all_to_first_experts
+
+
+def odd_layer_case(extra: dict, skew: bool):
+    """``(cfg, state_dict, x, g)``; ``extra`` are further ``MoEConfig`` fields, ``skew`` routes
+    every token to experts 0 and 1 (the others stay empty)."""
+    cfg = moesaic.MoEConfig(
+        hidden_size=24, ffn_hidden_size=40, num_experts=5, top_k=2, init_std=0.5, **extra
+    )
+    torch.manual_seed(0)
+    layer = moesaic.MoELayer(cfg)
+    if skew:
+        route_all_to_first_experts(layer)
+    sd = layer.state_dict()
+    x = torch.randn(13, 24)
+    if skew:
+        x[:, 0] = 5.0
+    g = torch.randn(13, 24)
+    return cfg, sd, x, g
+
+
+def run_layer(cfg: moesaic.MoEConfig, sd: dict, x: torch.Tensor, g: torch.Tensor):
+    """Output, input gradient and every parameter's gradient of a layer of ``cfg`` loaded with
+    ``sd``, for the loss ``sum(y * g) + aux``."""
+    layer = moesaic.MoELayer(cfg)
+    layer.load_state_dict(sd)
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    ((y * g).sum() + moesaic.aux_loss(layer)).backward()
+    return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
