@@ -52,3 +52,33 @@ def fails(args: list[str], capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("moesaic train: error: ") and "\n" not in err, err
     return err
+
+
+INTERRUPTED = "moesaic train: interrupted; the workers were stopped"
+
+
+def interrupt_when(proc, ready, *, wait_s: float, settle_s: float = 0.0) -> str:
+    """Once ``ready()`` (polled while ``proc`` runs, for at most ``wait_s``) and ``settle_s``
+    later, Ctrl-C ``proc``'s process group as a terminal does; checks the one-line interrupt
+    (exit 130, no traceback, the last line :data:`INTERRUPTED`) and returns its stderr.
+    ``proc`` was started with ``start_new_session=True`` and ``stderr=PIPE``; it is killed if
+    anything fails on the way."""
+    import os
+    import signal
+    import time
+
+    try:
+        deadline = time.monotonic() + wait_s
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(settle_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == INTERRUPTED, err
+    return err

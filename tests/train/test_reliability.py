@@ -13,7 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from _train_helpers import read_metrics, start_from, tiny_args
+from _train_helpers import interrupt_when, read_metrics, start_from, tiny_args
 
 from moesaic.cli import main
 from moesaic.train.errors import describe, pick_root_cause
@@ -264,20 +264,10 @@ def test_ctrl_c_while_the_workers_start_is_one_line(data_file, tmp_path):
     # `import torch` (they shared the terminal's process group): 72 lines of tracebacks. The
     # workers now run in sessions of their own; the launcher stops them.
     proc, tmp, pattern = _endless_run(data_file, tmp_path, subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while not list(tmp.glob("moesaic-elastic-*/config.json")):  # workers being started
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(0.5)  # inside their imports
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
-    assert err.strip().splitlines()[-1] == "moesaic train: interrupted; the workers were stopped"
+    # settle: the workers are inside their imports
+    started = lambda: list(tmp.glob("moesaic-elastic-*/config.json"))  # noqa: E731
+    err = interrupt_when(proc, started, wait_s=60, settle_s=0.5)
+    assert len(err.strip().splitlines()) <= 2, err
     assert not list(tmp.glob("moesaic-elastic-*")), "the agent's files stayed behind"
     assert _workers(pattern) == [], "workers outlived the launcher"
 
@@ -305,19 +295,8 @@ def test_ctrl_c_is_one_line(data_file, tmp_path):
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not (run / "metrics.jsonl").is_file() or not read_metrics(run):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err, err
-    assert err.strip().splitlines()[-1] == "moesaic train: interrupted; the workers were stopped"
+    stepped = lambda: (run / "metrics.jsonl").is_file() and read_metrics(run)  # noqa: E731
+    interrupt_when(proc, stepped, wait_s=120)
     # The lock went with the run.
     with RunLock(str(run)):
         pass
