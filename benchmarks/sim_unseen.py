@@ -130,6 +130,16 @@ def combo_flags(strategy: str, schedule: str) -> list[str]:
     return flags
 
 
+def _steps(run_dir: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's step times after the warm-up (``metrics.jsonl``: tokens per step /
+    ``tokens_per_s``) and their median."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if x.get("kind") == "train"]
+    tokens = cfg["ranks"] * cfg["tokens_per_rank"]
+    step_s = [tokens / x["tokens_per_s"] for x in train[WARMUP:]]
+    return {"measured_s": statistics.median(step_s), "steps_s": step_s}
+
+
 def measure(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> dict[str, Any]:
     """One emulated training run; rank 0's median step time after the warm-up."""
     run_dir = work / f"run_{strategy}_{schedule}"
@@ -145,11 +155,7 @@ def measure(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> di
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:], "wall_s": wall}
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [x for x in lines if x.get("kind") == "train"]
-    tokens = cfg["ranks"] * cfg["tokens_per_rank"]
-    step_s = [tokens / x["tokens_per_s"] for x in train[WARMUP:]]
-    return {"measured_s": statistics.median(step_s), "steps_s": step_s, "wall_s": wall}
+    return {**_steps(run_dir, cfg), "wall_s": wall}
 
 
 def run_cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
@@ -211,11 +217,7 @@ def measure_plan(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [x for x in lines if x.get("kind") == "train"]
-    tokens = cfg["ranks"] * cfg["tokens_per_rank"]
-    step_s = [tokens / x["tokens_per_s"] for x in train[WARMUP:]]
-    return {"measured_s": statistics.median(step_s), "steps_s": step_s, "pick": pick}
+    return {**_steps(run_dir, cfg), "pick": pick}
 
 
 def repredict(path: Path) -> None:
