@@ -9,6 +9,8 @@ error paths (a failing task, a wait that never ends) surface on the calling thre
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -195,6 +197,30 @@ def test_executors_order_and_errors(run):
     with pytest.raises(CollectiveError):
         run(graph, lost, 0, lambda t: None, counters, timeout_s=0.5)
     assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("run", [run_static, run_dynamic])
+def test_interrupted_caller_stops_its_workers(run):
+    # Ctrl-C while the calling thread waits for the workers (it hung `bench layer` at EP 1): the
+    # run raises KeyboardInterrupt at once and leaves no worker waiting out its 60 s deadline.
+    graph, _ = _chain(2)
+    stuck = Schedule(executor="two_queue", queues=(("matrix", ()), ("vector", (1,))))
+    main = threading.main_thread().ident
+    assert threading.current_thread().ident == main and main is not None
+    timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+    start = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        run(graph, stuck, 0, lambda t: None, make_counters(graph, 0), timeout_s=60)
+    timer.join()
+    assert time.perf_counter() - start < 10
+
+    def workers() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("moesaic-")]
+
+    while workers() and time.perf_counter() - start < 10:  # a finished worker is gone at once
+        time.sleep(0.01)
+    assert not workers()
 
 
 def layer_world(rank: int, world: int) -> list[str]:

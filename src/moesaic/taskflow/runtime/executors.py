@@ -72,6 +72,54 @@ class _Failures:
             raise self.errors[0]
 
 
+class _Worker(threading.Thread):
+    """One worker thread of a run, daemonic (a worker stranded by an interrupted caller never
+    keeps the interpreter from exiting) and with its own ``finished`` flag: after a join that a
+    signal interrupted, CPython 3.11's ``Thread.join`` may report a running thread as stopped
+    (bpo-45274's fix releases the thread's own state lock), so ``_run_threads`` waits for the
+    flag instead of joining again."""
+
+    def __init__(self, target: Callable[..., None], name: str, *args: object) -> None:
+        super().__init__(name=name, daemon=True)
+        self._work, self._work_args = target, args
+        self.finished = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self._work(*self._work_args)
+        finally:
+            self.finished.set()
+
+
+def _run_threads(
+    threads: list[_Worker],
+    failures: _Failures,
+    main: Callable[[], object] | None = None,
+    stop: Callable[[], None] | None = None,
+) -> None:
+    """Start ``threads``, run ``main`` on the calling thread, join them, raise the first error.
+
+    An exception in the calling thread outside ``main`` (a Ctrl-C while it joins) fails the
+    run's counters and calls ``stop``, so the workers return instead of waiting out their
+    deadline; it waits for them to finish, then re-raises it."""
+    try:
+        for th in threads:
+            th.start()
+        if main is not None:
+            main()
+        for th in threads:
+            th.join()
+    except BaseException as exc:
+        failures.add("the calling thread", exc)
+        if stop is not None:
+            stop()
+        for th in threads:
+            if th.ident is not None:
+                th.finished.wait()
+        raise
+    failures.raise_first()
+
+
 def _bump_local(counters: EventCounters, task: TaskDescriptor, rank: int) -> None:
     for ref in task.trigger_events:
         if ref.rank == rank:
@@ -155,17 +203,8 @@ def run_static(
         except BaseException as exc:
             failures.add(f"the {name} worker", exc)
 
-    threads = [
-        threading.Thread(target=work, args=(lane,), name=f"moesaic-{lane.name}-{rank}")
-        for lane in queues[1:]
-    ]
-    for th in threads:
-        th.start()
-    if queues:
-        work(queues[0])
-    for th in threads:
-        th.join()
-    failures.raise_first()
+    threads = [_Worker(work, f"moesaic-{lane.name}-{rank}", lane) for lane in queues[1:]]
+    _run_threads(threads, failures, lambda: work(queues[0]) if queues else None)
 
 
 def run_dynamic(
@@ -270,13 +309,6 @@ def run_dynamic(
 
     if total == 0:
         return
-    threads = [threading.Thread(target=scheduler, name=f"moesaic-scheduler-{rank}")]
-    threads += [
-        threading.Thread(target=processor, args=(k,), name=f"moesaic-processor{k}-{rank}")
-        for k in range(processors)
-    ]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    failures.raise_first()
+    threads = [_Worker(scheduler, f"moesaic-scheduler-{rank}")]
+    threads += [_Worker(processor, f"moesaic-processor{k}-{rank}", k) for k in range(processors)]
+    _run_threads(threads, failures, stop=stop_all)
