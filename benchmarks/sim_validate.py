@@ -82,7 +82,7 @@ FLOWMOE = {  # result key -> (strategy, R, Sp: "all" = G, "fixed" = G/16, "tuned
 
 # HybridEP variants: (result name, strategy, options as hybridep_cluster.py ran them)
 VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("classic EP", "ep", {}),
+    ("classic EP", "ep", {"hybrid_step": "benchmark"}),  # "ep" is hybrid at domains (1, ..)
     ("Partition", "hybrid", {"hybrid_step": "benchmark"}),
     ("+Migration", "hybrid", {"prefetch": True, "compression_ratio": 16.0,
                               "shared_expert_every": 4, "hybrid_step": "benchmark"}),
@@ -223,6 +223,7 @@ def _row(source: str, cluster: str, label: str, measured_s: float, sim: Any) -> 
         "cluster": cluster,
         "point": label,
         "strategy": sim.strategy,
+        "schedule": sim.schedule,
         "measured_ms": measured_s * 1e3,
         "simulated_ms": sim.iteration_s * 1e3,
         "error": sim.iteration_s / measured_s - 1,

@@ -189,6 +189,8 @@ def test_calibrate_model_writes_the_operations(tmp_path, capsys):
     assert profile.ops is not None and profile.ops.model == _tiny()
     assert profile.ops.threads == 1 and profile.ops.expert_count == 2  # no cluster: one rank
     assert "operations of model 'tiny' timed here (1 threads)" in profile.source
+    # and the taskflow runtime's CPU at the model's layer (the planner's caveat without them)
+    assert profile.tile_cpu_s > 0 and profile.tile_elem_cpu_s > 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["ops"]["model"]["name"] == "tiny"
     assert main(["calibrate", "--out", str(tmp_path / "q.json"), "--threads", "1"]) == 2
     assert "--threads applies to --model only" in capsys.readouterr().err

@@ -126,14 +126,16 @@ def _comm_cpu_busy(args: argparse.Namespace, spec: Any, cpu: dict[str, Any]) -> 
     return found.busy
 
 
-def _measure_model(args: argparse.Namespace, world: int) -> Any:
-    """``--model``'s operations timed (an ``OpCal``), None without ``--model``."""
+def _measure_model(args: argparse.Namespace, world: int) -> tuple[Any, dict[str, float]]:
+    """``--model``'s operations timed (an ``OpCal``) and the taskflow runtime's CPU figures at
+    its MoE layer (``sim.cpucal.tile_cpu_figures``); None and none without ``--model``."""
     if args.threads is not None:
         check_positive_int("--threads", args.threads)
     if args.model is None:
         if args.threads is not None:
             raise ValueError("--threads applies to --model only")
-        return None
+        return None, {}
+    from moesaic.sim.cpucal import tile_cpu_figures
     from moesaic.sim.model import load_model_spec
     from moesaic.sim.opmeasure import measure_ops
 
@@ -149,7 +151,12 @@ def _measure_model(args: argparse.Namespace, world: int) -> Any:
         f"model {model.name!r}: {len(ops.fwd)} operations timed at {ops.tokens[0]} and "
         f"{ops.tokens[1]} tokens, {threads} thread(s), {ops.expert_count} experts per rank"
     )
-    return ops
+    tiles = tile_cpu_figures(model)
+    print(
+        f"taskflow runtime: {tiles['tile_cpu_s'] * 1e6:.1f} us of CPU per task, "
+        f"{tiles['tile_elem_cpu_s'] * 1e9:.2f} ns per element of its vector tiles"
+    )
+    return ops, tiles
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -172,7 +179,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         from moesaic.cluster.spec import ClusterSpec
 
         spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
-    ops = _measure_model(args, 1 if spec is None else spec.world_size)
+    ops, tiles = _measure_model(args, 1 if spec is None else spec.world_size)
     measured = measure(size)
     floor_s, scale, source = 0.0, 1.0, f"measured matmul {size}^3 here; links as specified"
     links: tuple[Any, ...] = ()
@@ -218,6 +225,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         links=links,
         collectives=shares,
         ops=ops,
+        tile_cpu_s=tiles.get("tile_cpu_s", 0.0),
+        tile_elem_cpu_s=tiles.get("tile_elem_cpu_s", 0.0),
         **cpu,
     )
     profile.save(args.out)

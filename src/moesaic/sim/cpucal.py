@@ -31,7 +31,7 @@ from typing import Any
 
 from moesaic.checks import check_positive_int
 
-__all__ = ["VARIANTS", "elem_cpu_s", "measure", "non_gmm_elements"]
+__all__ = ["VARIANTS", "elem_cpu_s", "measure", "non_gmm_elements", "tile_cpu_figures"]
 
 VARIANTS = ("compute only", "taskflow static")
 WARMUP = 3
@@ -143,6 +143,37 @@ def elem_cpu_s(model: Any, measured: dict[str, Any]) -> float:
     elems = non_gmm_elements(model, measured["tile_m"], measured["slot_rows"])
     cpu = sum(measured["handler_cpu_s"].get(k, 0.0) for k in elems)
     return cpu / sum(elems.values())
+
+
+def tile_cpu_figures(model: Any, steps: int = 5) -> dict[str, float]:
+    """The profile's taskflow CPU figures for ``model`` (a ``ModelSpec``; its MoE layer alone,
+    at the simulator's default tiles, ``moesaic calibrate --model``):
+
+    * ``tile_elem_cpu_s``: :func:`elem_cpu_s`;
+    * ``tile_cpu_s``: the runtime's own CPU per task: the step's process CPU less every
+      handler's thread CPU, over the tasks of its forward and backward plans (it also holds
+      the layer's router and routing plan, which the simulator prices in the attention stage
+      too: a few percent of a step here)."""
+    import dataclasses
+
+    from moesaic.sim.taskflow import default_tiles, model_bucket
+    from moesaic.taskflow.bucket import CompileOptions
+    from moesaic.taskflow.compile import compile_world
+
+    layer = dataclasses.replace(model, layer_only=True)
+    measured = measure(layer, default_tiles(layer)[0], steps)
+    bucket = model_bucket(
+        layer, ep_size=1, slot_rows=measured["slot_rows"], tile_m=measured["tile_m"]
+    )
+    tasks = sum(
+        len(compile_world(bucket, d, CompileOptions(pipeline=True))[0].tasks)
+        for d in ("forward", "backward")
+    )
+    runtime_s = measured["cpu_s"]["taskflow static"] - sum(measured["handler_cpu_s"].values())
+    return {
+        "tile_cpu_s": max(0.0, runtime_s) / tasks,
+        "tile_elem_cpu_s": elem_cpu_s(layer, measured),
+    }
 
 
 def main() -> int:

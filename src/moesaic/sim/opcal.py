@@ -114,6 +114,9 @@ class OpCal:
         bwd: Backward fit per piece.
         optimizer: AdamW's step, per parameter byte.
         op_overhead_s: One tiny torch op (a 1 x 1 matmul), for the record.
+        device: Where the pieces ran (``measure_ops`` runs them on the CPU): the ``padded``
+            strategy skips its padding rows there (``strategies.padded``), so the simulator
+            prices its experts on the kept rows only.
     """
 
     model: ModelSpec
@@ -124,6 +127,7 @@ class OpCal:
     bwd: Mapping[str, OpFit]
     optimizer: OpFit
     op_overhead_s: float = 0.0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelSpec):
@@ -145,6 +149,7 @@ class OpCal:
             "bwd": {k: dataclasses.asdict(v) for k, v in self.bwd.items()},
             "optimizer": dataclasses.asdict(self.optimizer),
             "op_overhead_s": self.op_overhead_s,
+            "device": self.device,
         }
 
     @classmethod
@@ -154,7 +159,7 @@ class OpCal:
             raise ValueError("profile.ops must be an object")
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(data) - set(allowed))
-        missing = sorted(set(allowed) - set(data) - {"op_overhead_s"})
+        missing = sorted(set(allowed) - set(data) - {"op_overhead_s", "device"})
         if unknown or missing:
             raise ValueError(
                 f"profile.ops: unknown field(s) {unknown}, missing {missing}; fields are {allowed}"
@@ -180,6 +185,7 @@ class OpCal:
             bwd=bwd,
             optimizer=optimizer,
             op_overhead_s=data.get("op_overhead_s", 0.0),
+            device=str(data.get("device", "cpu")),
         )
 
 

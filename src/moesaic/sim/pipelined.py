@@ -133,8 +133,9 @@ class Costs:
     ``strategy`` prices the row exchange (``EXCHANGES``): ``dropless`` (an all-to-all-v of the
     kept rows over the world, after one count exchange), ``padded`` (``C`` rows from every rank
     to every expert, zeros included: a uniform all-to-all; the experts compute the whole
-    buffer, as GShard and DeepSpeed do; without a capacity factor ``C`` is the largest load,
-    found by one all-reduce) or ``hybrid`` (dropless over the offset group of
+    buffer, as GShard and DeepSpeed do, except where the per-operation measurements were
+    taken on a CPU and the activation allows it (:func:`skips_padding`): the kept rows only;
+    without a capacity factor ``C`` is the largest load, found by one all-reduce) or ``hybrid`` (dropless over the offset group of
     ``domain_sizes``: one rank per domain, each computing its domain's experts; with
     ``gathers``, the migration around the pipeline).
 
@@ -166,6 +167,9 @@ class Costs:
         tokens = model.tokens // degree
         if strategy == "padded":
             ex = _padded(model, link, tokens)
+            if profile.ops is not None and skips_padding(profile.ops.device, model.activation):
+                # the experts compute the kept rows only: dropless's count, padded's wire bytes
+                ex = ex._replace(rows=_dropless(model, link, tokens, None).rows)
         else:
             ex = _dropless(model, link, tokens, domain_sizes)
         self.a2a_bytes, self.a2a_s, self.counts_s = ex.nbytes, ex.seconds, ex.counts_s
@@ -208,6 +212,13 @@ class Costs:
 
     def all_reduce_s(self, nbytes: float) -> float:
         return all_reduce_s(self.link, nbytes)
+
+
+def skips_padding(device: str, activation: str) -> bool:
+    """Whether ``padded``'s experts compute on the filled rows only (its ``skip_padding`` rule,
+    ``strategies.padded``): on a CPU, where finding them costs no device sync, and for an
+    activation that maps a zero row to a zero row and zero gradients (SwiGLU, not GELU)."""
+    return device == "cpu" and activation == "swiglu"
 
 
 class _Exchange(NamedTuple):

@@ -252,7 +252,7 @@ def _taskflow(
         slot_rows=opts.taskflow_slot_rows,
         pipeline=opts.taskflow_pipeline,
     )
-    cpu_s = step_cpu_s(model, profile, plans)
+    cpu_s = step_cpu_s(model, profile, plans, link.world_size)
     # A rank's queues share its cores: a step takes at least its CPU time over them.
     cores = profile.cores_per_rank
     floor = 0.0 if cores is None else cpu_s / cores

@@ -9,7 +9,9 @@ the nominal ones the plan drawing uses:
 * every tile handles its valid rows only (:func:`valid_rows`, uniform routing: each slot of
   the bucket holds ``T K / E`` rows; padding costs nothing, an empty put sends nothing);
 * GMM tiles: ``2 x rows x H x F`` FLOPs (twice that for SwiGLU's gate-and-up GMMs and their
-  gradients) at ``flops_per_s``;
+  gradients) at the experts' measured FLOP rate in that direction when the profile has the
+  model's operations (``profile.ops``: the rank's grouped expert GEMMs at their shapes, per
+  row, :func:`gmm_flops_per_s`), else at ``flops_per_s``;
 * elementwise and reduction tiles: their elements (:func:`tile_elements`) x the profile's
   measured ``tile_elem_cpu_s`` (memory-bound torch calls; puts pay it for their row copies
   too), or, when it is 0 (not measured), ``10`` FLOPs per element at ``flops_per_s``;
@@ -17,15 +19,27 @@ the nominal ones the plan drawing uses:
   (:func:`moesaic.sim.collectives.p2p_s`), at the all-to-all's measured share of the links at
   the layer's exchange (``T K H`` bytes per rank): a layer's puts are its dispatch and combine
   cut into tiles, every rank sending and receiving at once; a put to itself is a copy and
-  costs no network time;
+  costs no network time. A remote put pays ``PUT_LATENCIES`` one-way latencies of its path,
+  not one: ``PutChannel`` sends a header and then the payload, gloo sends each message only
+  once the receiver has posted its receive (a ready notice and the data: a round trip), and
+  the receiving thread posts the payload's receive after the header arrived;
 * every tile: ``task_overhead_s / OPS_PER_TASK`` (one launch, where a pipeline stage has ~30)
   plus the profile's ``tile_cpu_s`` (the runtime's own per-task cost);
 * every remote put: the profile's ``put_cpu_s`` + ``put_cpu_per_byte_s`` x its bytes of CPU
   on its queue, before the wire time.
 
+The rest of the step (:func:`host_prices`): with ``profile.ops`` each block's attention stage
+and the layer's host work (router, routing plan: the ``moe_local`` fit, which also holds a
+dropless layer's permute and combine, so it slightly over-prices taskflow's, whose
+permute and combine are tiles), the head and AdamW over the rank's parameters are priced from
+their measurements as in the other strategies; without, at ``flops_per_s`` (backward twice the
+forward) and an optimizer of one task's overhead.
+
 **CPU.** A rank's CPU time in a plan is its tiles' and puts' costs but the wire time
 (:attr:`LayerPlan.cpu_s`); the step's (:func:`step_cpu_s`) adds the attention, head and
-optimizer. When the profile knows the cores per rank (``Profile.cores_per_rank``) the
+optimizer. Where more ranks than cores share a machine, every CPU cost in the timeline is
+stretched by :func:`cpu_slowdown` (what the contention model of the other strategies,
+:mod:`moesaic.sim.contention`, charges their compute with no communication in flight). When the profile knows the cores per rank (``Profile.cores_per_rank``) the
 strategy's iteration is at least the step's CPU time over them (``simulate``).
 
 The layer's forward (backward) plan runs between the attention forward (backward) stages; its
@@ -36,7 +50,7 @@ Whole-world compilation is O(P) plans: this strategy is for worlds of up to ``MA
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from moesaic.sim.collectives import LinkModel, all_reduce_s, p2p_s
 from moesaic.sim.graph import SimGraph, SimTask
@@ -50,9 +64,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_RANKS",
+    "HostPrices",
     "LayerPlan",
     "build_taskflow",
+    "cpu_slowdown",
     "default_tiles",
+    "gmm_flops_per_s",
+    "host_prices",
     "layer_plan",
     "model_bucket",
     "step_cpu_s",
@@ -61,6 +79,10 @@ __all__ = [
 ]
 
 MAX_RANKS = 64
+# One-way latencies a remote put takes on its path (module docstring): two messages, each a
+# round trip. Measured on an emulated pair at 1.5 ms one way: 6.5-7.2 ms per put in a stream of
+# 20 puts of 256 B or 24 KB (4.3-4.8 latencies, the rest its CPU).
+PUT_LATENCIES = 4
 
 
 class LayerPlan:
@@ -71,6 +93,70 @@ class LayerPlan:
         self.makespan = makespan
         self.spans = spans
         self.cpu_s = cpu_s
+
+
+class HostPrices(NamedTuple):
+    """Seconds of a taskflow step's tasks outside its layer plans (one block's attention
+    stage, the head, forward and backward; the optimizer step) and its GMM tiles' FLOP rates
+    by direction (:func:`host_prices`)."""
+
+    at_fwd_s: float
+    at_bwd_s: float
+    head_fwd_s: float
+    head_bwd_s: float
+    optimizer_s: float
+    gmm_flops_per_s: dict[str, float]
+
+
+def gmm_flops_per_s(model: ModelSpec, profile: Profile, direction: str) -> float:
+    """FLOPs per second of ``direction``'s GMM tiles: the rate of the model's measured expert
+    GEMMs (``profile.ops``: per routed row, a whole expert's forward is ``expert_flops(1)``,
+    its backward twice that), else the profile's ``flops_per_s``."""
+    if profile.ops is None:
+        return profile.flops_per_s
+    from moesaic.sim.opcal import OpPrices
+
+    prices = OpPrices(profile.ops, model)
+    backward = direction == "backward"
+    per_row = (prices.bwd if backward else prices.fwd)["experts"].per_unit_s
+    flops = model.expert_flops(1) * (2.0 if backward else 1.0)
+    return flops / per_row if per_row > 0 else profile.flops_per_s
+
+
+def cpu_slowdown(profile: Profile) -> float:
+    """How much longer a rank's CPU work takes when the machine's cores are shared by more
+    ranks than it has cores (``Profile.cores_per_rank`` < 1): one torch thread per rank (the
+    training default there) gets ``cores_per_rank`` of a core; 1 when not modelled."""
+    cores = profile.cores_per_rank
+    return 1.0 if cores is None else max(1.0, 1.0 / cores)
+
+
+def host_prices(model: ModelSpec, profile: Profile, world: int) -> HostPrices:
+    """The step's tasks outside its layer plans on a world of ``world`` ranks (the module
+    docstring says how each is priced)."""
+    T = model.tokens
+    rates = {d: gmm_flops_per_s(model, profile, d) for d in ("forward", "backward")}
+    grads = model.layers * model.replicated_params_per_block() + model.outer_params()
+    if profile.ops is None:
+        at_s = profile.compute_s(model.attention_flops(T))
+        head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(T))
+        optimizer_s = profile.task_overhead_s if grads * model.param_bytes else 0.0
+        return HostPrices(at_s, 2 * at_s, head_s, 2 * head_s, optimizer_s, rates)
+    from moesaic.sim.opcal import OpPrices
+
+    prices = OpPrices(profile.ops, model)
+    params = grads + model.layers * model.experts // world * model.mats * model.hidden * (
+        model.ffn_hidden
+    )
+    optimizer_s = 0.0 if model.layer_only else prices.optimizer_s(params * model.param_bytes)
+    return HostPrices(
+        prices.stage_s(T),
+        prices.stage_s(T, backward=True),
+        prices.head_s(T),
+        prices.head_s(T, backward=True),
+        optimizer_s,
+        rates,
+    )
 
 
 def valid_rows(region: Region, slot_rows: int, load: float) -> float:
@@ -174,6 +260,7 @@ def layer_plan(
 
     launch_s += profile.tile_cpu_s
     elem_s = profile.tile_elem_cpu_s
+    gmm_rate = gmm_flops_per_s(model, profile, direction)
 
     def ends(t: TaskDescriptor) -> tuple[int, int]:
         """A put's source and destination ranks."""
@@ -193,15 +280,28 @@ def layer_plan(
     def wire(t: TaskDescriptor) -> float:
         """A put's network seconds (0 for every other task and for empty or self puts)."""
         nbytes = put_bytes(t)
-        return p2p_s(link, *ends(t), nbytes / share) if nbytes else 0.0
+        if not nbytes:
+            return 0.0
+        src, dst = ends(t)
+        rounds = (PUT_LATENCIES - 1) * max(link.spec.path(src, dst).latency_ms * 1e-3, link.floor_s)
+        return p2p_s(link, src, dst, nbytes / share) + rounds
+
+    slow = cpu_slowdown(profile)
 
     def cost(t: TaskDescriptor) -> float:
+        kind = TASK_TYPES[t.task_type]
+        if kind.put and put_bytes(t):
+            return slow * cpu_cost(t) + wire(t)
+        return slow * cpu_cost(t)
+
+    def cpu_cost(t: TaskDescriptor) -> float:
+        """A task's CPU seconds on cores of its own (a put's: without its wire time)."""
         kind = TASK_TYPES[t.task_type]
         if kind.cost_class == "gmm" and not kind.put:
             # Handlers compute on the valid rows only: the tile's share of them.
             m = t.split_value * valid_rows(t.inputs[0], slot, load) / t.inputs[0].rows
             wide = swiglu and ("gate" in t.task_type or "w1" in t.task_type)
-            return launch_s + 2.0 * m * H * F * (2 if wide else 1) / profile.flops_per_s
+            return launch_s + 2.0 * m * H * F * (2 if wide else 1) / gmm_rate
         elems = tile_elements(t, model, slot, load)
         # measured memory-bound handler CPU per element, else 10 FLOPs per element (puts: none)
         handler = (
@@ -212,14 +312,12 @@ def layer_plan(
             if nbytes == 0:
                 return launch_s + handler
             cpu = profile.put_cpu_s + nbytes * profile.put_cpu_per_byte_s
-            return launch_s + handler + cpu + wire(t)
+            return launch_s + handler + cpu
         return launch_s + handler
 
     tl = simulate(plans, world=True, cost=cost)
     plan = plans[0]
-    cpu_s = math.fsum(
-        cost(t) - (wire(t) if TASK_TYPES[t.task_type].put else 0.0) for t in plan.tasks
-    )
+    cpu_s = math.fsum(cpu_cost(t) for t in plan.tasks)
     spans = []
     for t in plan.tasks:
         kind = TASK_TYPES[t.task_type]
@@ -236,16 +334,15 @@ def layer_plan(
     return LayerPlan(tl.makespan, spans, cpu_s)
 
 
-def step_cpu_s(model: ModelSpec, profile: Profile, plans: dict[str, LayerPlan]) -> float:
-    """A rank's CPU seconds in one taskflow step: every block's attention (forward and twice
-    that backward) and its layer's plans, the head and the optimizer; none of the wire time."""
-    T = model.tokens
-    at_s = profile.compute_s(model.attention_flops(T))
-    head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(T))
-    grad = model.layers * model.replicated_params_per_block() + model.outer_params()
-    optimizer_s = profile.task_overhead_s if grad * model.param_bytes else 0.0
-    per_block = 3 * at_s + plans["forward"].cpu_s + plans["backward"].cpu_s
-    return model.layers * per_block + 3 * head_s + optimizer_s
+def step_cpu_s(
+    model: ModelSpec, profile: Profile, plans: dict[str, LayerPlan], world: int = 1
+) -> float:
+    """A rank's CPU seconds in one taskflow step on ``world`` ranks: every block's attention
+    stage (forward and backward) and its layer's plans, the head and the optimizer
+    (:func:`host_prices`); none of the wire time."""
+    p = host_prices(model, profile, world)
+    per_block = p.at_fwd_s + p.at_bwd_s + plans["forward"].cpu_s + plans["backward"].cpu_s
+    return model.layers * per_block + p.head_fwd_s + p.head_bwd_s + p.optimizer_s
 
 
 def build_taskflow(
@@ -266,18 +363,24 @@ def build_taskflow(
         d: layer_plan(model, link, profile, d, pipeline=pipeline, **knobs)
         for d in ("forward", "backward")
     }
-    T = model.tokens
-    at_s = profile.compute_s(model.attention_flops(T))
+    p = host_prices(model, profile, link.world_size)
+    slow = cpu_slowdown(profile)
+    p = p._replace(
+        at_fwd_s=slow * p.at_fwd_s,
+        at_bwd_s=slow * p.at_bwd_s,
+        head_fwd_s=slow * p.head_fwd_s,
+        head_bwd_s=slow * p.head_bwd_s,
+        optimizer_s=slow * p.optimizer_s,
+    )
     g = SimGraph()
     for blk in range(1, model.layers + 1):
-        g.add("compute", SimTask(f"AT1.{blk}", "compute", at_s, "fwd", blk, 1))
+        g.add("compute", SimTask(f"AT1.{blk}", "compute", p.at_fwd_s, "fwd", blk, 1))
         g.add("compute", SimTask(f"MoE{blk}", "taskflow", plans["forward"].makespan, "fwd", blk))
-    head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(T))
-    g.add("compute", SimTask("head1", "compute", head_s, "fwd"))
-    g.add("compute", SimTask("head1", "compute", 2 * head_s, "bwd"))
+    g.add("compute", SimTask("head1", "compute", p.head_fwd_s, "fwd"))
+    g.add("compute", SimTask("head1", "compute", p.head_bwd_s, "bwd"))
     for blk in range(model.layers, 0, -1):
         g.add("compute", SimTask(f"MoE{blk}", "taskflow", plans["backward"].makespan, "bwd", blk))
-        last = g.add("compute", SimTask(f"AT1.{blk}", "compute", 2 * at_s, "bwd", blk, 1))
+        last = g.add("compute", SimTask(f"AT1.{blk}", "compute", p.at_bwd_s, "bwd", blk, 1))
     grad = model.layers * model.replicated_params_per_block() + model.outer_params()
     nbytes = grad * model.param_bytes
     if nbytes == 0:  # layer_only: no replicated gradient, no optimizer step
@@ -285,5 +388,5 @@ def build_taskflow(
     ar = g.add(
         "net", SimTask("AR1", "allreduce", all_reduce_s(link, nbytes), "bwd", 0, 0, nbytes), last
     )
-    g.add("compute", SimTask("optimizer", "optimizer", profile.task_overhead_s), ar)
+    g.add("compute", SimTask("optimizer", "optimizer", p.optimizer_s), ar)
     return g, plans
