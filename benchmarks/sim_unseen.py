@@ -38,10 +38,30 @@ measured| / measured``; the table's summary is the geometric mean of ``1 + error
 every point, and per configuration whether the fastest measured combination is ranked first by
 the prediction (or within 5% of the first).
 
+**The second rule** (``--rule 2``; fixed on 2026-11-25 at 22:15 UTC, committed before any of
+its configurations was measured or simulated, after the simulator was changed on what the
+first rule's eight showed; nothing in it may change after its first measurement): the same
+design with other levels, another cluster shape and other generators, ``D = B x C`` and
+``E = A x B x C``; names start with ``v``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.3 Gbit/s, 1.0 ms one way       1.2 Gbit/s, 0.2 ms
+B     routed experts E (top-2)              8                                32
+C     expert width F / H                    1                                4
+D     tokens per rank (sequences of 128)    768                              1536
+E     ranks                                 2 (2 nodes x 1)                  4 (4 nodes x 1)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 256, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise; every rank is a node of its own (one level: every pair crosses the slow
+link). What runs, how it is measured and predicted: as for the first rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list            # the eight configurations, nothing run
-    python benchmarks/sim_unseen.py [--only 0,3] [--out benchmarks/results/sim_unseen.json]
+    python benchmarks/sim_unseen.py --list [--rule 2]   # the eight configurations, nothing run
+    python benchmarks/sim_unseen.py [--rule 2] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -85,25 +105,47 @@ COMBINATIONS = (
 )
 
 
-def configurations() -> list[dict[str, Any]]:
-    """The eight configurations of the rule, in standard order (A slowest-varying)."""
+# The second rule's factors (the docstring's second table) and its fixed hidden size.
+FACTORS_2: dict[str, tuple[Any, Any]] = {
+    "link": ((0.3, 1.0), (1.2, 0.2)),
+    "experts": (8, 32),
+    "f_over_h": (1, 4),
+    "tokens_per_rank": (768, 1536),
+    "ranks": (2, 4),
+}
+H_2 = 256
+
+
+def configurations(rule: int = 1) -> list[dict[str, Any]]:
+    """The eight configurations of ``rule`` (1 or 2), in standard order (A slowest-varying)."""
+    if rule not in (1, 2):
+        raise ValueError(f"rule ({rule}) must be 1 or 2")
+    factors, prefix = (FACTORS, "u") if rule == 1 else (FACTORS_2, "v")
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
-        d, e = a * b, a * c
-        levels = dict(zip(FACTORS, (a, b, c, d, e), strict=True))
-        cfg = {k: FACTORS[k][0 if v < 0 else 1] for k, v in levels.items()}
+        d, e = (a * b, a * c) if rule == 1 else (b * c, a * b * c)
+        levels = dict(zip(factors, (a, b, c, d, e), strict=True))
+        cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
         cfg["coded"] = levels
-        cfg["name"] = "u{}".format("".join("+" if v > 0 else "-" for v in (a, b, c, d, e)))
+        cfg["name"] = prefix + "".join("+" if v > 0 else "-" for v in (a, b, c, d, e))
+        cfg["hidden"] = H if rule == 1 else H_2
+        cfg["flat"] = rule == 2  # every rank a node of its own
         out.append(cfg)
     return out
+
+
+def find_configuration(name: str) -> dict[str, Any]:
+    """The configuration called ``name`` under either rule."""
+    return next(c for rule in (1, 2) for c in configurations(rule) if c["name"] == name)
 
 
 def cluster_toml(cfg: dict[str, Any]) -> str:
     bw, lat = cfg["link"]
     lines = [f'name = "{cfg["name"]}"', f"world_size = {cfg['ranks']}", ""]
-    lines += ["[[levels]]", 'name = "node"', "size = 2", f"bandwidth_gbps = {bw}"]
+    nodes = cfg["ranks"] if cfg.get("flat") else 2
+    lines += ["[[levels]]", 'name = "node"', f"size = {nodes}", f"bandwidth_gbps = {bw}"]
     lines += [f"latency_ms = {lat}", ""]
-    if cfg["ranks"] == 4:
+    if cfg["ranks"] == 4 and not cfg.get("flat"):
         lines += ["[[levels]]", 'name = "rank"', "size = 2"]
         lines += [f"bandwidth_gbps = {INTRA_NODE[0]}", f"latency_ms = {INTRA_NODE[1]}", ""]
     return "\n".join(lines)
@@ -112,12 +154,14 @@ def cluster_toml(cfg: dict[str, Any]) -> str:
 def train_toml(cfg: dict[str, Any], run_dir: Path, strategy: str) -> str:
     batch = cfg["tokens_per_rank"] // SEQ
     moe = [f"num_experts = {cfg['experts']}", f"top_k = {TOP_K}"]
-    moe.append(f"ffn_hidden_size = {cfg['f_over_h'] * H}")
+    hidden = cfg.get("hidden", H)
+    moe.append(f"ffn_hidden_size = {cfg['f_over_h'] * hidden}")
     if strategy == "padded":
         moe.append(f"capacity_factor = {PADDED_CAPACITY}")
     run = [f"nproc = {cfg['ranks']}", f"ep = {cfg['ranks']}", f"steps = {WARMUP + STEPS}"]
     run += [f"batch_size = {batch}", "eval_every = 0", "ckpt_every = 0", f'run_dir = "{run_dir}"']
-    model = [f"seq_len = {SEQ}", f"d_model = {H}", f"n_layers = {BLOCKS}", f"n_heads = {HEADS}"]
+    model = [f"seq_len = {SEQ}", f"d_model = {hidden}", f"n_layers = {BLOCKS}"]
+    model.append(f"n_heads = {HEADS}")
     return "\n".join([*run, "", "[model]", *model, "", "[model.moe]", *moe, ""])
 
 
@@ -227,7 +271,7 @@ def repredict(path: Path) -> None:
     data = json.loads(path.read_text())
     by_name = {c["name"]: c for c in data["configurations"]}
     for name, entry in by_name.items():
-        cfg = next(c for c in configurations() if c["name"] == name)
+        cfg = find_configuration(name)
         work = Path(tempfile.mkdtemp(prefix=f"unseen_re_{name}_"))
         (work / "cluster.toml").write_text(cluster_toml(cfg))
         (work / "p.json").write_text(json.dumps(entry["profile"]))
@@ -242,6 +286,7 @@ def repredict(path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
+    parser.add_argument("--rule", type=int, default=1, help="1 or 2 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
@@ -251,13 +296,18 @@ def main() -> None:
     if args.repredict:
         repredict(Path(args.out))
         return
-    cfgs = configurations()
+    cfgs = configurations(args.rule)
     if args.list:
         for i, c in enumerate(cfgs):
-            print(i, c["name"], {k: c[k] for k in FACTORS})
+            print(i, c["name"], {k: c[k] for k in FACTORS}, "hidden", c["hidden"])
         return
     chosen = range(len(cfgs)) if args.only is None else [int(x) for x in args.only.split(",")]
-    out: dict[str, Any] = {"rule": __doc__, "configurations": [], "points": []}
+    out: dict[str, Any] = {
+        "rule": __doc__,
+        "rule_number": args.rule,
+        "configurations": [],
+        "points": [],
+    }
     for i in chosen:
         cfg = cfgs[i]
         work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))
