@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from moesaic.comm.agree import RankMismatchError, check_ranks_agree, digest
 from moesaic.comm.world import run_world
 
@@ -20,15 +22,29 @@ def test_digest_is_stable_and_distinguishes():
     assert 0 <= digest("x") < 2**63
 
 
+def _agree_each(rank: int, world: int, cases: list[list[dict]]) -> list[str]:
+    return [_agree(rank, world, fields_per_rank) for fields_per_rank in cases]
+
+
+FIELDS = {"num_experts": 8, "dtype": "torch.float32", "lr": 1e-3}
+BASE = {"num_experts": 8, "ffn_hidden_size": 64, "lr": 1e-3}
+OTHER = {**BASE, "ffn_hidden_size": 32, "lr": 2e-3}
+# The 3-rank cases, one after the other in one spawned world (a spawn costs seconds).
+CASES_3 = {"equal": [FIELDS] * 3, "differing": [BASE, BASE, OTHER]}
+
+
+@functools.cache
+def _world_of_3() -> dict[str, list[str]]:
+    per_rank = run_world(_agree_each, 3, list(CASES_3.values()))
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES_3)}
+
+
 def test_equal_fields_pass():
-    fields = {"num_experts": 8, "dtype": "torch.float32", "lr": 1e-3}
-    assert run_world(_agree, 3, [fields] * 3) == ["ok"] * 3
+    assert _world_of_3()["equal"] == ["ok"] * 3
 
 
 def test_first_differing_field_and_ranks_are_named():
-    base = {"num_experts": 8, "ffn_hidden_size": 64, "lr": 1e-3}
-    other = {**base, "ffn_hidden_size": 32, "lr": 2e-3}
-    out = run_world(_agree, 3, [base, base, other])
+    out = _world_of_3()["differing"]
     for msg in out:
         assert "field 'ffn_hidden_size' differs" in msg  # the first differing field, not lr
         assert "ranks [0, 1] vs ranks [2]" in msg

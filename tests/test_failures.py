@@ -26,25 +26,32 @@ def _layer(dispatcher: str = "dropless") -> moesaic.MoELayer:
     return moesaic.MoELayer(cfg)
 
 
-def absent_peer_worker(rank: int, world: int, mode: str):
+def absent_peer_worker(rank: int, world: int, mode: str, done: str):
     layer = _layer()
     layer(torch.randn(3, 8))  # the first forward also checks that the ranks' dtypes agree
     if rank == 1:
         if mode == "dies":
             os._exit(17)  # killed: its sockets close under rank 0
-        time.sleep(TIMEOUT_S + 2)  # alive but never joins the collective
+        # Alive but never joins the collective: for TIMEOUT_S + 2 s, or until rank 0 is done.
+        deadline = time.monotonic() + TIMEOUT_S + 2
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.02)
         return None
     start = time.monotonic()
     try:
         layer(torch.randn(5, 8))
     except moesaic.CollectiveError as exc:
-        return str(exc), time.monotonic() - start
-    return "no error", time.monotonic() - start
+        result = str(exc), time.monotonic() - start
+    else:
+        result = "no error", time.monotonic() - start
+    open(done, "w").close()
+    return result
 
 
 @pytest.mark.parametrize("mode", ["hangs", "dies"])
-def test_absent_peer_is_a_clear_error(mode):
-    results = run_world(absent_peer_worker, 2, mode, timeout_s=60, allow_dead=True)
+def test_absent_peer_is_a_clear_error(mode, tmp_path):
+    done = str(tmp_path / "done")
+    results = run_world(absent_peer_worker, 2, mode, done, timeout_s=60, allow_dead=True)
     message, elapsed = results[0]
     assert results[1] is None
     assert "dispatch counts failed on rank 0/2 of the expert-parallel group" in message

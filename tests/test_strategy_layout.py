@@ -11,6 +11,8 @@ Nothing here branches on a strategy's name; a new registered strategy is tested 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -146,14 +148,24 @@ def placed_layer_worker(rank: int, world: int, names: tuple[str, ...] | None = N
     return checked
 
 
+def _both_workers(rank: int, world: int) -> tuple[list, list]:
+    return layout_worker(rank, world), placed_layer_worker(rank, world)
+
+
+@functools.cache
+def _world_of_3() -> list[tuple[list, list]]:
+    """Both checks, one after the other, in one spawned world of 3 (a spawn costs seconds)."""
+    return run_world(_both_workers, 3, timeout_s=120)
+
+
 def test_every_strategy_delivers_rows_exactly():
-    per_rank = run_world(layout_worker, 3, timeout_s=120)
+    per_rank = [layout for layout, _ in _world_of_3()]
     want = len(row_strategies()) * len(SCENARIOS)  # all of them fit 3 ranks
     assert all(len(tags) == want for tags in per_rank)
 
 
 def test_layer_with_experts_placed_out_of_order_matches_contiguous():
-    per_rank = run_world(placed_layer_worker, 3, timeout_s=120)
+    per_rank = [placed for _, placed in _world_of_3()]
     assert all(tags == list(strategy_names()) for tags in per_rank)
 
 

@@ -154,9 +154,22 @@ def _world(rank, world_size, dispatcher):
     return {case: _run_case(layout, dispatcher, *case, batches, rank) for case in cases}
 
 
+def _shared_world(rank, world_size):
+    out = {dispatcher: _world(rank, world_size, dispatcher) for dispatcher in PHASED}
+    out["tuning"] = _tuning_world(rank, world_size, 4)
+    out["nan"] = _nan_world(rank, world_size)
+    return out
+
+
 @functools.cache
+def _all_results() -> list[dict]:
+    """Every dispatcher's cases, then the tuning and the non-finite worlds' checks, one after
+    the other in one spawned world (a spawn costs seconds on 2 cores)."""
+    return run_world(_shared_world, 2, timeout_s=300.0)
+
+
 def _results(dispatcher: str) -> list[dict]:
-    return run_world(_world, 2, dispatcher, timeout_s=300.0)
+    return [r[dispatcher] for r in _all_results()]
 
 
 # ---- same mathematics --------------------------------------------------------------------
@@ -497,7 +510,7 @@ def test_rank_zero_tunes_sp_and_every_rank_follows():
     """Sp tuned online: rank 0's tuner observes each step and moves between samples; rank 1's
     tuner never observes, yet rank 1 uses rank 0's Sp every step (else the ranks would cut
     different all-reduce chunks and hang)."""
-    (used0, hist0), (used1, hist1) = run_world(_tuning_world, 2, 4, timeout_s=300.0)
+    (used0, hist0), (used1, hist1) = _results("tuning")
     assert used0 == used1
     assert used0 == hist0  # step k ran at rank 0's k-th sample
     assert hist1 == []
@@ -539,7 +552,7 @@ def _nan_world(rank, world_size):
 def test_flowmoe_nonfinite_loss_on_one_rank_is_skipped_on_all():
     """flowmoe gathers the loss flags early (with the unreduced norm): a NaN loss on rank 1 in
     step 2 is named on both ranks, and neither updates; steps 1 and 3 update."""
-    for steps in run_world(_nan_world, 2):
+    for steps in _results("nan"):
         (nf1, ok1, same1), (nf2, ok2, same2), (nf3, ok3, same3) = steps
         assert ok1 and not same1 and ok3 and not same3 and not nf1 and not nf3
         assert nf2[0] == "loss on rank(s) [1]" and nf2[-1].startswith("gradients")

@@ -1,13 +1,16 @@
 """CommPool (FlowMoE Alg. 2) on 2-rank gloo worlds: averaged gradients, chunk boundaries, the
 priority rule (read from the recorded spans and the recorded issue order), and deadlines.
 
-Each world runs several checks in one spawn (a spawn costs ~2 s on this machine); the workers
-return plain data and the assertions run here.
+Each world runs several checks in one spawn (a spawn costs ~2 s on this machine): the
+equivalence, priority, tail and clone workers share one world; the workers return plain data
+and the assertions run here.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import time
 
 import pytest
@@ -96,7 +99,7 @@ def _equivalence_worker(rank: int, world: int) -> dict:
 
 
 def test_pool_grads_equal_plain_all_reduce_and_chunk_boundaries():
-    res = run_world(_equivalence_worker, 2)
+    res = _shared_world("equivalence")
     for r in res:
         # chunked all-reduce sums the same two values per element as the flat one: bitwise equal
         assert r["equal"] == [True] * (len(SP_BYTES) + 1)
@@ -154,7 +157,7 @@ def _priority_worker(rank: int, world: int) -> dict:
 
 
 def test_pool_priority_all_to_all_first_and_one_chunk_per_gap():
-    res = run_world(_priority_worker, 2)
+    res = _shared_world("priority")
     assert res[0]["logs"] == res[1]["logs"]  # one issue order on both ranks
     for r in res:
         spans = r["spans"]
@@ -206,7 +209,7 @@ def _tail_worker(rank: int, world: int) -> dict:
 def test_pool_tail_chunks_go_at_once_after_the_last_all_to_all():
     """After end_all_to_alls and the completion of the last all-to-all, the ready chunks are
     issued without waiting one by one (several in flight), never while it is in flight."""
-    res = run_world(_tail_worker, 2)
+    res = _shared_world("tail")
     assert all(r["equal"] for r in res)
     spans = res[0]["spans"]
     a_start, a_end = next((s[2], s[3]) for s in spans if s[0] == "a2a")
@@ -254,13 +257,35 @@ def test_pool_all_to_alls_on_their_own_group_do_not_block_the_ep_group():
     """With a2a_groups, the rows travel on a clone of the EP group: a synchronous exchange on
     the EP group itself (a strategy's counts) completes while rows are still in flight (on
     one group, rank 0's counts would be paired with rank 1's rows, or wait behind them)."""
-    res = run_world(_clone_worker, 2)
+    res = _shared_world("clone")
     assert res[0]["counts"] == [0, 1] and res[1]["counts"] == [0, 1]
     assert res[0]["rows"] == res[1]["rows"] == [[0.0], [1.0]]  # rows from rank 0, rank 1
     assert res[0]["early_s"] > 0.2  # rank 0's counts were done long before its rows
 
 
-def _deadline_worker(rank: int, world: int) -> str:
+def _shared_worker(rank: int, world: int) -> dict:
+    """The equivalence, priority, tail and clone checks, one after another in one world (each
+    builds its own model and pool and closes it)."""
+    workers = {
+        "equivalence": _equivalence_worker,
+        "priority": _priority_worker,
+        "tail": _tail_worker,
+        "clone": _clone_worker,
+    }
+    return {name: worker(rank, world) for name, worker in workers.items()}
+
+
+@functools.cache
+def _results() -> list[dict]:
+    return run_world(_shared_worker, 2)
+
+
+def _shared_world(name: str) -> list[dict]:
+    """Per rank, what ``name``'s worker returned in the shared world."""
+    return [r[name] for r in _results()]
+
+
+def _deadline_worker(rank: int, world: int, done: str) -> str:
     timeout_s = 1.5
     layout = build_layout(ep_size=world, timeout_s=timeout_s)
     model = _model()
@@ -287,13 +312,18 @@ def _deadline_worker(rank: int, world: int) -> str:
                     ).wait()
             except CollectiveError as exc:
                 msgs.append(str(exc))
+        open(done, "w").close()
     else:
-        time.sleep(2 * timeout_s + 1.5)  # no backward, no finish, no all-to-all: never joins
+        # No backward, no finish, no all-to-all: never joins (until rank 0 is done, at most
+        # 2 * timeout_s + 1.5 s).
+        deadline = time.monotonic() + 2 * timeout_s + 1.5
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.02)
     return "\n".join(msgs)
 
 
-def test_pool_peer_that_never_joins_is_a_collective_error():
-    msg0, _ = run_world(_deadline_worker, 2)
+def test_pool_peer_that_never_joins_is_a_collective_error(tmp_path):
+    msg0, _ = run_world(_deadline_worker, 2, str(tmp_path / "done"))
     lines = msg0.splitlines()
     assert len(lines) == 2, msg0
     assert "all_reduce chunk AR" in lines[0] and "rank 0" in lines[0]

@@ -4,6 +4,7 @@ finite; ranks refuse a configuration that differs; --timeout-s reaches the MoE l
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -107,9 +108,7 @@ def _nan_on_one_rank_world(rank, world_size):
 
 
 def test_nonfinite_on_one_rank_is_skipped_on_all():
-    for nonfinite, applied, unchanged, no_state, applied2, changed in run_world(
-        _nan_on_one_rank_world, 2
-    ):
+    for nonfinite, applied, unchanged, no_state, applied2, changed in _world_results("nan"):
         # Rank 0's own loss was fine; the agreed flags still name rank 1 on both ranks.
         assert nonfinite[0] == "loss on rank(s) [1]" and nonfinite[-1].startswith("gradients")
         assert not applied and unchanged and no_state
@@ -145,8 +144,24 @@ def _disagreeing_world(rank, world_size):
     return messages
 
 
+def _both_worlds(rank, world_size):
+    nan = _nan_on_one_rank_world(rank, world_size)
+    return {"nan": nan, "disagree": _disagreeing_world(rank, world_size)}
+
+
+@functools.cache
+def _results() -> list[dict]:
+    """The non-finite and the disagreement checks, one after the other in one spawned world of
+    2 (a spawn costs seconds): both leave the world usable."""
+    return run_world(_both_worlds, 2)
+
+
+def _world_results(name: str) -> list:
+    return [r[name] for r in _results()]
+
+
 def test_ranks_that_disagree_refuse_to_start():
-    for messages in run_world(_disagreeing_world, 2):
+    for messages in _world_results("disagree"):
         assert sorted(messages) == sorted(
             ["lr", "model.moe.num_experts", "model.moe.ffn_hidden_size", "data_windows"]
         )
@@ -155,9 +170,11 @@ def test_ranks_that_disagree_refuse_to_start():
             assert "ranks [0] vs ranks [1]" in message
 
 
-def _stopped_peer_world(rank, world_size, timeout_s):
+def _stopped_peer_world(rank, world_size, timeout_s, done):
     """Rank 1 stops (sleeps) before the first MoE forward; rank 0's layer must give up after
     --timeout-s, naming it (it waited 300 s and named 300 before)."""
+    import os
+
     from moesaic.comm.collectives import CollectiveError
     from moesaic.train.parallel import build_layout
 
@@ -166,18 +183,25 @@ def _stopped_peer_world(rank, world_size, timeout_s):
     model = MoEGPT(cfg.model, ep_group=layout.ep_group)
     timeouts = {layer.ep.timeout_s for _, layer in model.moe_layers()}
     if rank == 1:
-        time.sleep(timeout_s + 2.0)
+        # stopped for timeout_s + 2 s, or until rank 0 is done
+        deadline = time.monotonic() + timeout_s + 2.0
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.02)
         return timeouts, None, 0.0
     t0 = time.perf_counter()
     try:
         model(torch.zeros(1, 8, dtype=torch.long))
     except CollectiveError as exc:
-        return timeouts, str(exc), time.perf_counter() - t0
-    return timeouts, None, time.perf_counter() - t0
+        result = timeouts, str(exc), time.perf_counter() - t0
+    else:
+        result = timeouts, None, time.perf_counter() - t0
+    open(done, "w").close()
+    return result
 
 
-def test_timeout_reaches_the_moe_layers_of_a_world():
-    (timeouts0, message, waited), (timeouts1, _, _) = run_world(_stopped_peer_world, 2, 1.5)
+def test_timeout_reaches_the_moe_layers_of_a_world(tmp_path):
+    done = str(tmp_path / "done")
+    (timeouts0, message, waited), (timeouts1, _, _) = run_world(_stopped_peer_world, 2, 1.5, done)
     assert timeouts0 == timeouts1 == {1.5}
     assert message is not None and "collective_timeout_s=1.5" in message, message
     assert waited < 4.0

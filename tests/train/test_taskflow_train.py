@@ -64,10 +64,11 @@ def test_ctrl_c_on_taskflow_stops_within_seconds(data_file, tmp_path):
         assert took < 15, f"interrupt {k} ({delay_s} s into a step) took {took:.1f} s: {err}"
 
 
-def _broken_step_worker(rank: int, world: int) -> float | None:
+def _broken_step_worker(rank: int, world: int, done: str) -> float | None:
     """Rank 0 expects one put that rank 1 (interrupted) never sends; after ``fail`` its
     ``finish`` must return at once, not after the deadline."""
     import contextlib
+    import os
     import time
 
     import torch
@@ -78,20 +79,26 @@ def _broken_step_worker(rank: int, world: int) -> float | None:
 
     channel = PutChannel(EPGroup(None, 60.0), timeout_s=60.0)
     if rank == 1:
-        time.sleep(4.0)  # alive, but never puts: the interrupted peer
+        # Alive, but never puts: the interrupted peer. It stays 4 s, or until rank 0 has
+        # measured its finish (a finish that waits for the peer still waits > 3 s).
+        deadline = time.monotonic() + 4.0
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.02)
         return None
     channel.begin(torch.zeros(16), EventCounters(1), expected=1)
     channel.fail("rank 0 stopped its step: KeyboardInterrupt")
     t0 = time.monotonic()
     with contextlib.suppress(CollectiveError):
         channel.finish()
-    return time.monotonic() - t0
+    took = time.monotonic() - t0
+    open(done, "w").close()
+    return took
 
 
-def test_finish_of_a_broken_step_does_not_wait_the_deadline():
+def test_finish_of_a_broken_step_does_not_wait_the_deadline(tmp_path):
     """The mechanism behind the slow Ctrl-C, deterministically: ``finish`` of a failed step
     waited up to ``timeout_s`` (60 s here) for a Subscriber blocked in ``irecv``."""
     from moesaic.comm.world import run_world
 
-    took, _ = run_world(_broken_step_worker, 2, timeout_s=120)
+    took, _ = run_world(_broken_step_worker, 2, str(tmp_path / "done"), timeout_s=120)
     assert took is not None and took < 3.0, took

@@ -4,7 +4,7 @@ The run on a slow emulated cluster must be the same job as the loopback referenc
 losses bitwise: the network changes when the bytes arrive, not what they are) while its bytes
 demonstrably crossed the emulated links (the kernel's counters of every rank's ``eth0``, which
 only the namespaces have) and its steps took at least the links' latency bound (a loopback step
-of this model takes 35-50 ms on the 2-core machine, the emulated one ~700 ms).
+of this model takes 35-50 ms on the 2-core machine, the emulated one ~350 ms at 10 ms).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from moesaic.cluster.system import leftover_namespaces, support_problem
 
 PROBLEM = support_problem(probe=True)
 
-LATENCY_MS = 20.0
-# 2 ranks behind one switch: 50 Mbit/s, 20 ms one way (the delay line is accurate to a few %
+LATENCY_MS = 10.0
+# 2 ranks behind one switch: 50 Mbit/s, 10 ms one way (the delay line is accurate to a few %
 # at >= 3 ms: docs/cluster.md).
 SLOW = f"""\
 name = "slow2"

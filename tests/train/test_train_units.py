@@ -161,6 +161,10 @@ def _grads_world(rank, world_size, ep):
     return {n: p.grad for n, p in model.named_parameters()}, layout.ep.rank
 
 
+def _grads_worlds(rank, world_size, eps):
+    return [_grads_world(rank, world_size, ep) for ep in eps]
+
+
 def test_gradient_rules_match_one_process():
     cfg = small(moe=dict(aux_loss_coef=0.0, z_loss_coef=0.0))
     x_WBT = torch.randint(0, 256, (2, 2, 17), generator=torch.Generator().manual_seed(1))
@@ -168,8 +172,10 @@ def test_gradient_rules_match_one_process():
     ref = MoEGPT(cfg)
     x_BT = x_WBT.flatten(0, 1)
     F.cross_entropy(ref(x_BT[:, :-1]).flatten(0, 1), x_BT[:, 1:].flatten()).backward()
-    for ep in (1, 2):  # DP 2 x EP 1, and DP 1 x EP 2
-        for grads, ep_rank in run_world(_grads_world, 2, ep, timeout_s=120):
+    eps = (1, 2)  # DP 2 x EP 1, and DP 1 x EP 2: one spawned world runs both
+    per_rank = run_world(_grads_worlds, 2, eps, timeout_s=120)
+    for i, ep in enumerate(eps):
+        for grads, ep_rank in (r[i] for r in per_rank):
             for name, p in ref.named_parameters():
                 want = p.grad
                 if ".experts." in name:
