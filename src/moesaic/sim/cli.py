@@ -21,7 +21,13 @@ from typing import Any
 
 from moesaic.checks import check_number
 from moesaic.sim.calibrate_cli import add_calibrate
-from moesaic.sim.cli_files import add_all_reduce_option, check_profile, load_option
+from moesaic.sim.cli_files import (
+    add_all_reduce_option,
+    add_loads_option,
+    apply_loads,
+    check_profile,
+    load_option,
+)
 
 __all__ = ["add_subparser"]
 
@@ -110,6 +116,7 @@ def add_subparser(subparsers) -> None:
         help="hybrid: shared experts' all-reduce every N gathers",
     )
     add_all_reduce_option(p)
+    add_loads_option(p)
     p.add_argument("--trace", metavar="F.json", help="write a Chrome trace (one process per run)")
     p.add_argument(
         "--png",
@@ -235,6 +242,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 
     spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
     model = load_option("model", args.model, load_model_spec)
+    model = apply_loads(args, model, note=_note)
     return spec, model, _profile(args, spec), _options(args)
 
 

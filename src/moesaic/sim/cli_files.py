@@ -8,7 +8,13 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["add_all_reduce_option", "check_profile", "load_option"]
+__all__ = [
+    "add_all_reduce_option",
+    "add_loads_option",
+    "apply_loads",
+    "check_profile",
+    "load_option",
+]
 
 
 def load_option(option: str, path: str, load: Callable[[str], Any]) -> Any:
@@ -32,6 +38,37 @@ def add_all_reduce_option(parser: argparse.ArgumentParser) -> None:
         help="gradient all-reduce algorithm: the faster of ring and hierarchical per size, as "
         "NCCL picks (default), or gloo's ring",
     )
+
+
+def add_loads_option(parser: argparse.ArgumentParser) -> None:
+    """``--loads RUN/metrics.jsonl``: price the experts' loads a run measured."""
+    parser.add_argument(
+        "--loads",
+        default=None,
+        metavar="METRICS",
+        help="a moesaic train run's metrics.jsonl: price the expert loads it measured (its "
+        "routing, summed over layers and steps after the first 2) instead of uniform routing",
+    )
+
+
+def apply_loads(args: argparse.Namespace, model: Any, *, note: Callable[[str], None]) -> Any:
+    """``model`` with ``--loads``' measured loads (unchanged without it); says what it read."""
+    if getattr(args, "loads", None) is None:
+        return model
+    import dataclasses
+
+    from moesaic.sim.model import measured_loads
+
+    loads = load_option("loads", args.loads, measured_loads)
+    if len(loads) != model.experts:
+        raise ValueError(
+            f"--loads {args.loads}: the run had {len(loads)} experts, the model {model.experts}"
+        )
+    note(
+        f"--loads: expert loads of {args.loads}: the busiest expert "
+        f"{max(loads) * len(loads) / sum(loads):.2f}x the mean"
+    )
+    return dataclasses.replace(model, measured_loads=loads)
 
 
 def check_profile(

@@ -15,6 +15,7 @@ A model file is TOML with one ``[model]`` table::
     vocab = 256
     capacity_factor = 0.0   # 0: dropless; > 0: each expert admits ceil(cf T K / E) rows
     routing_skew = 0.0      # Zipf exponent of expert popularity (0: uniform)
+    measured_loads = []     # rows each expert got in a run, in placement order (overrides the skew)
     activation = "swiglu"   # or "gelu"
     act_bytes = 4           # bytes per activation element on the wire
     param_bytes = 4         # bytes per parameter (gradients are reduced in this width)
@@ -50,7 +51,7 @@ from moesaic.checks import check_bool, check_number, check_one_of, check_positiv
 if TYPE_CHECKING:
     from moesaic.train.config import TrainConfig
 
-__all__ = ["ModelSpec", "expert_shares", "load_model", "train_config_of"]
+__all__ = ["ModelSpec", "expert_shares", "load_model", "measured_loads", "train_config_of"]
 
 # [model] keys only the model format has, and those only a training config's [model] has.
 MODEL_ONLY_KEYS = (
@@ -64,6 +65,7 @@ MODEL_ONLY_KEYS = (
     "vocab",
     "capacity_factor",
     "routing_skew",
+    "measured_loads",
     "activation",
     "act_bytes",
     "param_bytes",
@@ -87,6 +89,7 @@ class ModelSpec:
     vocab: int = 256
     capacity_factor: float = 0.0
     routing_skew: float = 0.0
+    measured_loads: tuple[float, ...] = ()
     activation: str = "swiglu"
     act_bytes: int = 4
     param_bytes: int = 4
@@ -105,6 +108,18 @@ class ModelSpec:
             raise ValueError(f"model.hidden ({self.hidden}) must be divisible by model.heads")
         check_number("model.capacity_factor", self.capacity_factor, 0.0, 1e3)
         check_number("model.routing_skew", self.routing_skew, 0.0, 10.0)
+        loads = tuple(self.measured_loads)
+        object.__setattr__(self, "measured_loads", loads)  # a list from TOML or JSON
+        if loads:
+            if len(loads) != self.experts:
+                raise ValueError(
+                    f"model.measured_loads has {len(loads)} entries; it must have one per "
+                    f"expert (model.experts = {self.experts})"
+                )
+            for i, x in enumerate(loads):
+                check_number(f"model.measured_loads[{i}]", x, 0.0, 1e18)
+            if not math.fsum(loads) > 0:
+                raise ValueError("model.measured_loads must not be all zero")
         check_one_of("model.activation", self.activation, ("swiglu", "gelu"))
         check_bool("model.layer_only", self.layer_only)
 
@@ -227,19 +242,51 @@ class ModelSpec:
 
 
 def expert_shares(model: ModelSpec) -> list[float]:
-    """Share of routed rows each expert receives: Zipf(``routing_skew``), uniform at 0.
+    """Share of routed rows each expert receives, in placement order: ``measured_loads``
+    normalised when given (a run's loads, :func:`measured_loads`), else Zipf(``routing_skew``),
+    uniform at 0.
 
     With a capacity factor, an expert's share is capped at ``cf / E`` of the rows and the
     rest is dropped (the shares then sum to less than 1).
     """
     E = model.experts
-    w = [(e + 1) ** -model.routing_skew for e in range(E)]
+    w = list(model.measured_loads) or [(e + 1) ** -model.routing_skew for e in range(E)]
     total = math.fsum(w)
     shares = [x / total for x in w]
     if model.capacity_factor > 0:
         cap = model.capacity_factor / E
         shares = [min(s, cap) for s in shares]
     return shares
+
+
+def measured_loads(path: str | Path, *, skip: int = 2) -> tuple[float, ...]:
+    """Rows each expert received in a training run, from its ``metrics.jsonl``: every train
+    record's ``expert_load`` (one list per MoE layer, experts in placement order) summed over
+    the layers and the records after the first ``skip`` (warm-up; all of them when there are no
+    more). The busiest rank of a real job carries these, not a uniform share."""
+    import json
+
+    path = Path(path)
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+        if isinstance(row, dict) and row.get("kind") == "train" and row.get("expert_load"):
+            records.append(row["expert_load"])
+    if not records:
+        raise ValueError(
+            f"{path}: no train record with expert_load (a moesaic train metrics.jsonl)"
+        )
+    records = records[skip:] or records
+    widths = {len(layer) for rec in records for layer in rec}
+    if len(widths) != 1:
+        raise ValueError(f"{path}: expert_load rows of different lengths {sorted(widths)}")
+    E = widths.pop()
+    return tuple(float(sum(layer[e] for rec in records for layer in rec)) for e in range(E))
 
 
 def _train_keys() -> tuple[set[str], set[str]]:

@@ -32,7 +32,13 @@ from typing import Any
 
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.planning.costmodel import DomainCandidate, DomainPlan, StreamInputs, plan_domains
-from moesaic.sim.cli_files import add_all_reduce_option, check_profile, load_option
+from moesaic.sim.cli_files import (
+    add_all_reduce_option,
+    add_loads_option,
+    apply_loads,
+    check_profile,
+    load_option,
+)
 
 PLAN_EPILOG = """\
 examples:
@@ -100,6 +106,7 @@ def add_subparser(subparsers) -> None:
         "--domains-only: one, default the model's hybrid option compression_ratio)",
     )
     add_all_reduce_option(p)
+    add_loads_option(p)
     p.add_argument(
         "--domains-only",
         action="store_true",
@@ -156,6 +163,9 @@ def _train_config(path: str) -> tuple[Any, int]:
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--domains-only`` plan of ``args`` as plain data (what its ``--json`` prints)."""
     from moesaic.checks import check_positive, check_positive_int
+
+    if args.loads is not None:
+        raise ValueError("--loads applies to the ranking, not to --domains-only")
     from moesaic.train.domains import (
         dense_blocks_before,
         hybrid_options,
@@ -372,7 +382,7 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float]:
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} applies to --domains-only only")
     spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
-    model = load_option("model", args.model, load_model_spec)
+    model = apply_loads(args, load_option("model", args.model, load_model_spec), note=_note)
     profile = _profile(args, spec)
     ratios = _ratios(args.compression_ratio) or (1.0,)
     t0 = time.perf_counter()
