@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 import moesaic
-from moesaic.testing import route_all_to_first_experts
+from moesaic.reference import ReferenceMoE
+from moesaic.testing import assert_close_to_ref, route_all_to_first_experts
 
 
 def odd_layer_case(extra: dict, skew: bool):
@@ -37,3 +38,23 @@ def run_layer(cfg: moesaic.MoEConfig, sd: dict, x: torch.Tensor, g: torch.Tensor
     y = layer(x)
     ((y * g).sum() + moesaic.aux_loss(layer)).backward()
     return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def reference_run(cfg: moesaic.MoEConfig, sd: dict, x: torch.Tensor, g: torch.Tensor):
+    """:func:`run_layer`'s triple from ``ReferenceMoE`` in float64 (the yardstick the fast paths'
+    errors are measured against)."""
+    full = moesaic.MoELayer(cfg)
+    full.load_state_dict(sd)
+    ref64 = ReferenceMoE.from_full_state_dict(cfg, full.full_state_dict()).double()
+    x = x.double().requires_grad_()
+    y, aux = ref64(x)
+    ((y * g.double()).sum() + aux).backward()
+    return y.detach(), x.grad, {n: p.grad for n, p in ref64.named_parameters()}
+
+
+def assert_runs_close(fast, other, ref) -> None:
+    """Two :func:`run_layer` triples agree, each within what its dtype allows of ``ref``."""
+    assert_close_to_ref(fast[0], other[0], ref[0], "y")
+    assert_close_to_ref(fast[1], other[1], ref[1], "x.grad")
+    for name, grad in fast[2].items():
+        assert_close_to_ref(grad, other[2][name], ref[2][name], f"{name}.grad")

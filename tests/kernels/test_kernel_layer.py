@@ -9,11 +9,9 @@ import re
 from collections import Counter
 
 import pytest
-from _layer_case import odd_layer_case, run_layer
+from _layer_case import assert_runs_close, odd_layer_case, reference_run, run_layer
 
 import moesaic
-from moesaic.reference import ReferenceMoE
-from moesaic.testing import assert_close_to_ref
 
 CASES = [
     ({}, False),  # dropless SwiGLU: permute, fused SwiGLU GEMM, GEMM, combine
@@ -38,17 +36,7 @@ def test_layer_triton_matches_torch(extra, skew, monkeypatch):
     assert calls == {"permute": 1, "expert_ffn": 1, "combine": 1}  # it took the kernels
     y_t, gx_t, grads_t = run_layer(cfg, sd, x, g)
     assert calls["expert_ffn"] == 1, "the torch path called the kernels"
-    full = moesaic.MoELayer(cfg)
-    full.load_state_dict(sd)
-    ref64 = ReferenceMoE.from_full_state_dict(cfg, full.full_state_dict()).double()
-    xr = x.double().requires_grad_()
-    yr, aux = ref64(xr)
-    ((yr * g.double()).sum() + aux).backward()
-    p64 = dict(ref64.named_parameters())
-    assert_close_to_ref(y, y_t, yr.detach(), "y")
-    assert_close_to_ref(gx, gx_t, xr.grad, "x.grad")
-    for name, grad in grads.items():
-        assert_close_to_ref(grad, grads_t[name], p64[name].grad, f"{name}.grad")
+    assert_runs_close((y, gx, grads), (y_t, gx_t, grads_t), reference_run(cfg, sd, x, g))
 
 
 def _spy(calls: Counter[str], name: str, fn):

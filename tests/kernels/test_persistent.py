@@ -19,17 +19,14 @@ import os
 
 import pytest
 import torch
-from _layer_case import odd_layer_case, run_layer
+from _layer_case import assert_runs_close, odd_layer_case, reference_run, run_layer
 
-import moesaic
 from moesaic.comm.collectives import EPGroup
 from moesaic.kernels import task_ops as ops
-from moesaic.reference import ReferenceMoE
 from moesaic.routing import build_plan
 from moesaic.taskflow import CompileOptions, ShapeBucket, compile_plan, slot_rows_for
 from moesaic.taskflow.lower import TableError, check_tables, lower
 from moesaic.taskflow.runtime import run_backward, run_forward
-from moesaic.testing import assert_close_to_ref
 
 pytest.importorskip("triton")
 
@@ -143,18 +140,9 @@ def test_layer_matches_dropless_and_static_executor(extra, skew, monkeypatch):
     static = run_layer(dataclasses.replace(cfg, dispatcher="taskflow"), sd, x, g)
     dropless = run_layer(dataclasses.replace(cfg, dispatcher="dropless"), sd, x, g)
     assert launches == ["forward", "backward"]
-    full = moesaic.MoELayer(cfg)
-    full.load_state_dict(sd)
-    ref64 = ReferenceMoE.from_full_state_dict(cfg, full.full_state_dict()).double()
-    xr = x.double().requires_grad_()
-    yr, aux = ref64(xr)
-    ((yr * g.double()).sum() + aux).backward()
-    p64 = dict(ref64.named_parameters())
+    ref = reference_run(cfg, sd, x, g)
     for other in (static, dropless):
-        assert_close_to_ref(fast[0], other[0], yr.detach(), "y")
-        assert_close_to_ref(fast[1], other[1], xr.grad, "x.grad")
-        for name, grad in fast[2].items():
-            assert_close_to_ref(grad, other[2][name], p64[name].grad, f"{name}.grad")
+        assert_runs_close(fast, other, ref)
 
 
 def _simulate(tables, rows):
