@@ -62,7 +62,8 @@ def apply_loads(args: argparse.Namespace, model: Any, *, note: Callable[[str], N
     loads = load_option("loads", args.loads, measured_loads)
     if len(loads) != model.experts:
         raise ValueError(
-            f"--loads {args.loads}: the run had {len(loads)} experts, the model {model.experts}"
+            f"--loads {args.loads}: the run had {len(loads)} experts, the model "
+            f"{model.experts}: the loads must have one entry per expert of --model"
         )
     note(
         f"--loads: expert loads of {args.loads}: the busiest expert "

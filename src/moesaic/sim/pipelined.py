@@ -169,7 +169,9 @@ class Costs:
             ex = _padded(model, link, tokens)
             if profile.ops is not None and skips_padding(profile.ops.device, model.activation):
                 # the experts compute the kept rows only: dropless's count, padded's wire bytes
-                ex = ex._replace(rows=_dropless(model, link, tokens, None).rows)
+                ex = ex._replace(
+                    rows=_kept_rows(model, tokens, rank_shares(model, link.world_size))
+                )
         else:
             ex = _dropless(model, link, tokens, domain_sizes)
         self.a2a_bytes, self.a2a_s, self.counts_s = ex.nbytes, ex.seconds, ex.counts_s
@@ -242,12 +244,19 @@ def _dropless(
         shares = domain_shares(model, link.spec, domain_sizes)
     Q = len(shares)
     nbytes = tokens * model.top_k * kept * model.hidden * model.act_bytes
-    rows = tokens * model.top_k * kept * Q * max(shares)
+    rows = _kept_rows(model, tokens, shares)
     if Q == 1:
         return _Exchange(rows, nbytes, 0.0, 0.0)
     seconds = all_to_all_shares_s(link, nbytes, shares, domain_sizes=domain_sizes)
     # dropless exchanges its counts first: one more collective of a few bytes.
     return _Exchange(rows, nbytes, seconds, link.worst_latency_s(domain_sizes))
+
+
+def _kept_rows(model: ModelSpec, tokens: int, shares: Sequence[float]) -> float:
+    """The kept rows the busiest of the ``len(shares)`` receivers computes (its share of the
+    world's kept rows; ``shares`` sum to 1)."""
+    kept = math.fsum(expert_shares(model))
+    return tokens * model.top_k * kept * len(shares) * max(shares)
 
 
 def _padded(model: ModelSpec, link: LinkModel, tokens: int) -> _Exchange:

@@ -289,10 +289,7 @@ def layer_plan(
     slow = cpu_slowdown(profile)
 
     def cost(t: TaskDescriptor) -> float:
-        kind = TASK_TYPES[t.task_type]
-        if kind.put and put_bytes(t):
-            return slow * cpu_cost(t) + wire(t)
-        return slow * cpu_cost(t)
+        return slow * cpu_cost(t) + (wire(t) if TASK_TYPES[t.task_type].put else 0.0)
 
     def cpu_cost(t: TaskDescriptor) -> float:
         """A task's CPU seconds on cores of its own (a put's: without its wire time)."""
