@@ -12,6 +12,8 @@ import pytest
 
 from moesaic.cli import main
 from moesaic.sim.model import ModelSpec, expert_shares, measured_loads
+from moesaic.sim.pipelined import rank_shares
+from moesaic.sim.profile import Profile, RoutingLoads
 
 ROOT = Path(__file__).resolve().parents[2]
 FLOWMOE_2RANK = ROOT / "examples" / "clusters" / "flowmoe_2rank.toml"
@@ -31,23 +33,27 @@ def _metrics(path: Path, loads_per_step: list[list[list[int]]]) -> Path:
     return path
 
 
-def test_loads_sum_the_layers_after_the_warm_up(tmp_path):
+def test_loads_are_per_layer_summed_after_the_warm_up(tmp_path):
     warm = [[100, 0, 0, 0], [0, 100, 0, 0]]  # the first two steps are left out
     hot = [[30, 5, 3, 2], [20, 10, 6, 4]]
     path = _metrics(tmp_path / "m.jsonl", [warm, warm, hot, hot])
-    assert measured_loads(path) == (100.0, 30.0, 18.0, 12.0)
-    assert measured_loads(_metrics(tmp_path / "short.jsonl", [hot])) == (50.0, 15.0, 9.0, 6.0)
+    assert measured_loads(path) == ((60.0, 10.0, 6.0, 4.0), (40.0, 20.0, 12.0, 8.0))
+    short = measured_loads(_metrics(tmp_path / "short.jsonl", [hot]))
+    assert short == ((30.0, 5.0, 3.0, 2.0), (20.0, 10.0, 6.0, 4.0))
     (tmp_path / "none.jsonl").write_text('{"kind": "eval"}\n')
     with pytest.raises(ValueError, match="no train record with expert_load"):
         measured_loads(tmp_path / "none.jsonl")
     (tmp_path / "bad.jsonl").write_text("{oops\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: not JSON"):
         measured_loads(tmp_path / "bad.jsonl")
+    ragged = _metrics(tmp_path / "ragged.jsonl", [hot, [[1, 2, 3, 4]]])
+    with pytest.raises(ValueError, match="expert_load records of different shapes"):
+        measured_loads(ragged)
 
 
 def test_measured_loads_are_the_expert_shares_and_capacity_caps_them():
     model = dataclasses.replace(MODEL, measured_loads=[6, 2, 1, 1])  # a list, as from JSON
-    assert model.measured_loads == (6.0, 2.0, 1.0, 1.0)
+    assert model.measured_loads == ((6.0, 2.0, 1.0, 1.0),)  # one row: every layer
     assert expert_shares(model) == pytest.approx([0.6, 0.2, 0.1, 0.1])
     capped = dataclasses.replace(model, capacity_factor=1.25)  # at most 1.25 / 4 each
     assert expert_shares(capped) == pytest.approx([0.3125, 0.2, 0.1, 0.1])
@@ -58,6 +64,23 @@ def test_measured_loads_are_the_expert_shares_and_capacity_caps_them():
         dataclasses.replace(MODEL, measured_loads=(1, -1, 1, 1))
     with pytest.raises(ValueError, match="must not be all zero"):
         dataclasses.replace(MODEL, measured_loads=(0, 0, 0, 0))
+    with pytest.raises(ValueError, match=r"model.measured_loads\[1\] has 3 entries"):
+        dataclasses.replace(MODEL, measured_loads=[[1, 1, 1, 1], [1, 1, 1]])
+    with pytest.raises(ValueError, match=r"model.measured_loads\[1\] must be a list"):
+        dataclasses.replace(MODEL, measured_loads=[[1, 1, 1, 1], 1])
+
+
+def test_each_layers_busiest_rank_counts_not_their_sum():
+    """Layer 1's hot expert is on rank 0, layer 2's on rank 1: summed as placed the two ranks
+    would look half as hot; the step waits for each layer's busiest rank."""
+    model = dataclasses.replace(MODEL, measured_loads=[[7, 1, 1, 1], [1, 1, 1, 7]])
+    assert expert_shares(model) == pytest.approx([0.4, 0.1, 0.1, 0.4])  # placement kept
+    assert rank_shares(model, 2) == pytest.approx([0.8, 0.2])  # the busiest rank first
+    assert expert_shares(model, 4) == pytest.approx([0.7, 0.1, 0.1, 0.1])
+    summed = dataclasses.replace(MODEL, measured_loads=[8, 2, 2, 8])
+    assert rank_shares(summed, 2) == pytest.approx([0.5, 0.5])
+    with pytest.raises(ValueError, match=r"groups \(3\) must divide model.experts \(4\)"):
+        expert_shares(model, 3)
 
 
 def test_simulate_and_plan_take_a_runs_loads(tmp_path, capsys):
@@ -83,3 +106,70 @@ def test_simulate_and_plan_take_a_runs_loads(tmp_path, capsys):
     assert main([*plan, "--flops-per-s", "1e10", "--json"]) == 0
     captured = capsys.readouterr()
     assert "the busiest expert" in captured.err and json.loads(captured.out)
+
+
+def _profile_with(tmp_path: Path, loads: list[list[float]]) -> Path:
+    routing = RoutingLoads(loads=loads, source="test router")
+    tmp_path.mkdir(exist_ok=True)
+    return Profile(flops_per_s=1e10, routing=routing).save(tmp_path / "p.json")
+
+
+def test_the_profiles_routing_is_priced_unless_loads_are_given(tmp_path, capsys):
+    base = ["simulate", "--cluster", str(FLOWMOE_2RANK), "--model", str(TINY), "--json"]
+    base += ["--strategy", "dropless", "--schedule", "vanilla"]
+
+    def step_ms(*extra: str) -> tuple[float, str]:
+        assert main([*base, *extra]) == 0
+        out = capsys.readouterr()
+        result = json.loads(out.out)
+        return (result[0] if isinstance(result, list) else result)["iteration_ms"], out.err
+
+    uniform, _ = step_ms("--profile", str(_profile_with(tmp_path / "u", [[1, 1, 1, 1]] * 2)))
+    hot = _profile_with(tmp_path / "h", [[40, 2, 2, 4], [3, 6, 30, 6]])
+    skewed, said = step_ms("--profile", str(hot))
+    assert skewed > uniform * 1.2
+    assert "routing from the profile (test router): the busiest expert 3.33x, 2.67x" in said
+    run = _metrics(tmp_path / "metrics.jsonl", [[[1, 1, 1, 1]] * 2] * 3)  # --loads wins
+    assert step_ms("--profile", str(hot), "--loads", str(run))[0] == pytest.approx(uniform)
+    five = _profile_with(tmp_path / "f", [[1, 1, 1, 1, 9]])
+    other, said = step_ms("--profile", str(five))
+    assert other == pytest.approx(uniform)
+    assert "has 5 experts, the model 4: not used, routing priced uniform" in said
+
+
+def test_profile_routing_round_trips_and_is_checked(tmp_path):
+    path = _profile_with(tmp_path, [[3, 1, 0, 0], [1, 1, 1, 1]])
+    routing = Profile.load(path).routing
+    assert routing == RoutingLoads(loads=((3, 1, 0, 0), (1, 1, 1, 1)), source="test router")
+    for bad, rule in (
+        ([[1, 1], [1]], "one non-empty row per MoE layer, all as long"),
+        ([], "one non-empty row per MoE layer"),
+        ([[0, 0]], r"loads\[0\] must not be all zero"),
+        ([[1, -1]], r"loads\[0\]\[1\]"),
+    ):
+        with pytest.raises(ValueError, match=rule):
+            RoutingLoads(loads=bad, source="x")
+    data = json.loads(path.read_text())
+    data["routing"] = [1, 2]
+    with pytest.raises(ValueError, match=r"profile.routing must be an object"):
+        Profile.from_dict(data)
+
+
+def test_calibrate_runs_the_jobs_router_on_its_data(tmp_path, capsys):
+    """A real one-process run of the tiny config (seconds): the loads of its steps 3-4, one row
+    per MoE layer, in the profile; the run's own output is held back."""
+    out = tmp_path / "p.json"
+    argv = ["calibrate", "--model", str(TINY), "--out", str(out), "--size", "64"]
+    assert main([*argv, "--routing-steps", "4"]) == 0
+    said = capsys.readouterr().out
+    routing = Profile.load(out).routing
+    assert routing is not None and len(routing.loads) == 2 and len(routing.loads[0]) == 4
+    # no --cluster: one rank's batch, 8 sequences x 64 tokens; 2 steps x top-2 per layer
+    tokens = 8 * 64
+    assert all(sum(row) == 2 * tokens * 2 for row in routing.loads)
+    assert f"steps 3-4 of a one-process run at {tokens} tokens per step" in said
+    assert "summary" not in said and "tok/s" not in said
+    assert main([*argv, "--routing-steps", "2"]) == 2
+    assert "--routing-steps (2) must be 0 or > 2" in capsys.readouterr().err
+    assert main(["calibrate", "--out", str(out), "--routing-steps", "3"]) == 2
+    assert "--routing-steps applies to --model only" in capsys.readouterr().err

@@ -65,7 +65,8 @@ def _bandwidth_term(fn, shares_kw: dict) -> float:
 
 A2A = {
     "all_to_all": lambda link: all_to_all_s(link, 1e5),
-    "all_to_all_shares": lambda link: all_to_all_shares_s(link, 4e5, [0.4, 0.3, 0.2, 0.1]),
+    # the share is the uniform exchange's loss (a skewed one: test below)
+    "all_to_all_shares": lambda link: all_to_all_shares_s(link, 4e5, [0.25] * 4),
     "all_to_all_v": lambda link: all_to_all_v_s(
         link, [[0.0 if i == j else 1e5 for j in range(4)] for i in range(4)]
     ),
@@ -80,6 +81,28 @@ AR = {
     "gather (level_exchange)": lambda link: level_exchange_s(link, 0, 1, 1e5, gather=True),
     "hybrid expert gathers": lambda link: hybrid_parts(link, LAYER, (2, 2), 1e12).gather,
 }
+
+
+def test_a_skewed_all_to_all_is_its_busiest_link_or_the_uniform_one_as_measured():
+    """The measured share is a uniform exchange's loss (every link busy both ways); a skewed
+    exchange's busiest link, fed by several senders, moves at its rate: the exchange takes the
+    longer of that and the uniform exchange with its share."""
+    D, three_quarters = 4e5, ((1.0, 0.75), (1e9, 0.75))
+    full = LinkModel(spec=SPEC)
+    shared = LinkModel(spec=SPEC, a2a_shares=three_quarters)
+    lat = all_to_all_shares_s(full, 0.0, [0.25] * 4)
+
+    def bw(link, shares):
+        return all_to_all_shares_s(link, D, shares) - lat
+
+    even = bw(full, [0.25] * 4)
+    assert bw(shared, [0.25] * 4) == pytest.approx(even / 0.75)
+    mild = [0.3, 0.3, 0.2, 0.2]  # its busiest (dc) link carries 1.2x the uniform bytes
+    assert bw(full, mild) == pytest.approx(1.2 * even)
+    assert bw(shared, mild) == pytest.approx(even / 0.75)
+    hot = [0.85, 0.05, 0.05, 0.05]  # 1.8x: longer than the uniform exchange as measured
+    assert bw(full, hot) == pytest.approx(1.8 * even)
+    assert bw(shared, hot) == pytest.approx(1.8 * even)
 
 
 @pytest.mark.parametrize("name", [*A2A, *AR])

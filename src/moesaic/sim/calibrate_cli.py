@@ -7,14 +7,20 @@ profile; ``--cluster`` brings the emulated cluster up and measures its links
 cluster check result instead (no network is built). ``--model`` times the model's own operations
 on this machine (:mod:`moesaic.sim.opmeasure`, seconds) into the profile's ``ops``, from which
 the simulator prices its compute (:mod:`moesaic.sim.opcal`); with ``--cluster`` too, its experts
-are spread over the cluster's ranks and timed with the threads each rank trains with.
+are spread over the cluster's ranks and timed with the threads each rank trains with. A
+training config's router is also run on its data for its first steps (:mod:`moesaic.sim.routecal`,
+seconds): the profile's ``routing``, which the simulator prices instead of uniform routing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from moesaic.checks import check_non_negative, check_output_file, check_positive_int
@@ -73,6 +79,15 @@ def add_calibrate(subparsers) -> None:
         default=None,
         help="--model: torch threads per rank (default: CPU cores / the cluster's ranks, "
         "as moesaic train runs them; all cores without --cluster)",
+    )
+    c.add_argument(
+        "--routing-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--model (a training config): train its model on its data for N steps in one "
+        "process and keep the expert loads of those after the first 2 as the profile's "
+        "routing (default 8; 0: do not, routing is then priced uniform)",
     )
     c.add_argument(
         "--size",
@@ -159,6 +174,66 @@ def _measure_model(args: argparse.Namespace, world: int) -> tuple[Any, dict[str,
     return ops, tiles
 
 
+@contextlib.contextmanager
+def _held_output() -> Iterator[None]:
+    """Standard output and error of this process and its children (file descriptors 1 and 2)
+    go to a temporary file, written to standard error only if the block raises."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 1)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        else:
+            failed = False
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            if failed:
+                held.seek(0)
+                sys.stderr.write(held.read().decode(errors="replace"))
+                sys.stderr.flush()
+
+
+def _measure_routing(args: argparse.Namespace, world: int) -> Any:
+    """``--model``'s routing on its data (``sim.routecal``); None for a model file, without
+    ``--model`` or with ``--routing-steps 0``."""
+    steps = args.routing_steps
+    if args.model is None:
+        if steps is not None:
+            raise ValueError("--routing-steps applies to --model only")
+        return None
+    from moesaic.sim.routecal import ROUTING_SKIP, ROUTING_STEPS, measure_routing
+
+    steps = ROUTING_STEPS if steps is None else steps
+    if steps == 0:
+        return None
+    if not isinstance(steps, int) or steps <= ROUTING_SKIP:
+        raise ValueError(
+            f"--routing-steps ({steps}) must be 0 or > {ROUTING_SKIP} (the loads of the steps "
+            f"after the first {ROUTING_SKIP} are kept)"
+        )
+    with _held_output():  # the run's own lines and summary: shown only if it fails
+        routing = load_option(
+            "model", args.model, lambda p: measure_routing(p, world=world, steps=steps)
+        )
+    if routing is None:
+        print(f"routing: {args.model} is a model file (no data): routing is priced uniform")
+        return None
+    busiest = ", ".join(f"{max(r) * len(r) / sum(r):.2f}x" for r in routing.loads)
+    print(f"routing: {routing.source}: the busiest expert {busiest} the mean, per MoE layer")
+    return routing
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -179,7 +254,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         from moesaic.cluster.spec import ClusterSpec
 
         spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
-    ops, tiles = _measure_model(args, 1 if spec is None else spec.world_size)
+    world = 1 if spec is None else spec.world_size
+    ops, tiles = _measure_model(args, world)
+    routing = _measure_routing(args, world)
     measured = measure(size)
     floor_s, scale, source = 0.0, 1.0, f"measured matmul {size}^3 here; links as specified"
     links: tuple[Any, ...] = ()
@@ -227,6 +304,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         ops=ops,
         tile_cpu_s=tiles.get("tile_cpu_s", 0.0),
         tile_elem_cpu_s=tiles.get("tile_elem_cpu_s", 0.0),
+        routing=routing,
         **cpu,
     )
     profile.save(args.out)

@@ -242,8 +242,9 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 
     spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
     model = load_option("model", args.model, load_model_spec)
-    model = apply_loads(args, model, note=_note)
-    return spec, model, _profile(args, spec), _options(args)
+    profile = _profile(args, spec)
+    model = apply_loads(args, model, note=_note, profile=profile)
+    return spec, model, profile, _options(args)
 
 
 def _png_paths(path: str, names: list[str]) -> list[Path]:

@@ -46,30 +46,51 @@ def add_loads_option(parser: argparse.ArgumentParser) -> None:
         "--loads",
         default=None,
         metavar="METRICS",
-        help="a moesaic train run's metrics.jsonl: price the expert loads it measured (its "
-        "routing, summed over layers and steps after the first 2) instead of uniform routing",
+        help="a moesaic train run's metrics.jsonl: price the expert loads it measured (each "
+        "MoE layer's routing, summed over the steps after the first 2) instead of the "
+        "profile's routing (calibrate --model on a training config) or uniform routing",
     )
 
 
-def apply_loads(args: argparse.Namespace, model: Any, *, note: Callable[[str], None]) -> Any:
-    """``model`` with ``--loads``' measured loads (unchanged without it); says what it read."""
-    if getattr(args, "loads", None) is None:
-        return model
+def _describe_loads(rows: Any) -> str:
+    """The busiest expert of each layer against the mean, e.g. ``3.40x, 2.10x the mean``."""
+    ratios = [max(row) * len(row) / sum(row) for row in rows]
+    return ", ".join(f"{r:.2f}x" for r in ratios) + " the mean"
+
+
+def apply_loads(
+    args: argparse.Namespace, model: Any, *, note: Callable[[str], None], profile: Any = None
+) -> Any:
+    """``model`` with measured expert loads, the first of: ``--loads`` (a run's), the model's
+    own ``measured_loads``, the ``profile``'s (``calibrate --model`` ran the job's router on
+    its data) when they have the model's experts. Says which it used; unchanged without any."""
     import dataclasses
 
-    from moesaic.sim.model import measured_loads
+    if getattr(args, "loads", None) is not None:
+        from moesaic.sim.model import measured_loads
 
-    loads = load_option("loads", args.loads, measured_loads)
-    if len(loads) != model.experts:
-        raise ValueError(
-            f"--loads {args.loads}: the run had {len(loads)} experts, the model "
-            f"{model.experts}: the loads must have one entry per expert of --model"
+        loads = load_option("loads", args.loads, measured_loads)
+        if len(loads[0]) != model.experts:
+            raise ValueError(
+                f"--loads {args.loads}: the run had {len(loads[0])} experts, the model "
+                f"{model.experts}: the loads must have one entry per expert of --model"
+            )
+        note(f"--loads: expert loads of {args.loads}: the busiest expert {_describe_loads(loads)}")
+        return dataclasses.replace(model, measured_loads=loads)
+    routing = getattr(profile, "routing", None)
+    if model.measured_loads or model.routing_skew or routing is None:
+        return model
+    if len(routing.loads[0]) != model.experts:
+        note(
+            f"the profile's routing ({routing.source}) has {len(routing.loads[0])} experts, "
+            f"the model {model.experts}: not used, routing priced uniform"
         )
+        return model
     note(
-        f"--loads: expert loads of {args.loads}: the busiest expert "
-        f"{max(loads) * len(loads) / sum(loads):.2f}x the mean"
+        f"routing from the profile ({routing.source}): the busiest expert "
+        f"{_describe_loads(routing.loads)}"
     )
-    return dataclasses.replace(model, measured_loads=loads)
+    return dataclasses.replace(model, measured_loads=routing.loads)
 
 
 def check_profile(

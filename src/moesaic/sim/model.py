@@ -15,7 +15,8 @@ A model file is TOML with one ``[model]`` table::
     vocab = 256
     capacity_factor = 0.0   # 0: dropless; > 0: each expert admits ceil(cf T K / E) rows
     routing_skew = 0.0      # Zipf exponent of expert popularity (0: uniform)
-    measured_loads = []     # rows each expert got in a run, in placement order (overrides the skew)
+    measured_loads = []     # rows each expert got in a run, in placement order (overrides the
+                            # skew): one list, or one list per MoE layer
     activation = "swiglu"   # or "gelu"
     act_bytes = 4           # bytes per activation element on the wire
     param_bytes = 4         # bytes per parameter (gradients are reduced in this width)
@@ -89,7 +90,7 @@ class ModelSpec:
     vocab: int = 256
     capacity_factor: float = 0.0
     routing_skew: float = 0.0
-    measured_loads: tuple[float, ...] = ()
+    measured_loads: tuple[tuple[float, ...], ...] = ()
     activation: str = "swiglu"
     act_bytes: int = 4
     param_bytes: int = 4
@@ -108,18 +109,7 @@ class ModelSpec:
             raise ValueError(f"model.hidden ({self.hidden}) must be divisible by model.heads")
         check_number("model.capacity_factor", self.capacity_factor, 0.0, 1e3)
         check_number("model.routing_skew", self.routing_skew, 0.0, 10.0)
-        loads = tuple(self.measured_loads)
-        object.__setattr__(self, "measured_loads", loads)  # a list from TOML or JSON
-        if loads:
-            if len(loads) != self.experts:
-                raise ValueError(
-                    f"model.measured_loads has {len(loads)} entries; it must have one per "
-                    f"expert (model.experts = {self.experts})"
-                )
-            for i, x in enumerate(loads):
-                check_number(f"model.measured_loads[{i}]", x, 0.0, 1e18)
-            if not math.fsum(loads) > 0:
-                raise ValueError("model.measured_loads must not be all zero")
+        object.__setattr__(self, "measured_loads", _load_rows(self.measured_loads, self.experts))
         check_one_of("model.activation", self.activation, ("swiglu", "gelu"))
         check_bool("model.layer_only", self.layer_only)
 
@@ -241,29 +231,74 @@ class ModelSpec:
         return self.mats * self.hidden * self.ffn_hidden * self.param_bytes
 
 
-def expert_shares(model: ModelSpec) -> list[float]:
+def _load_rows(raw: Any, experts: int) -> tuple[tuple[float, ...], ...]:
+    """``model.measured_loads`` as one row per MoE layer: a flat list (one row for every layer)
+    or a list of rows, each with one entry per expert, >= 0 and not all zero."""
+    rows = list(raw)
+    if not rows:
+        return ()
+    if not isinstance(rows[0], (list, tuple)):
+        rows = [rows]
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, (list, tuple)):
+            raise ValueError(
+                f"model.measured_loads[{i}] must be a list (one row per MoE layer) when "
+                "another entry is"
+            )
+        where = f"model.measured_loads[{i}]" if len(rows) > 1 else "model.measured_loads"
+        if len(row) != experts:
+            raise ValueError(
+                f"{where} has {len(row)} entries; it must have one per "
+                f"expert (model.experts = {experts})"
+            )
+        for e, x in enumerate(row):
+            check_number(f"{where}[{e}]", x, 0.0, 1e18)
+        if not math.fsum(row) > 0:
+            raise ValueError(f"{where} must not be all zero")
+        out.append(tuple(float(x) for x in row))
+    return tuple(out)
+
+
+def expert_shares(model: ModelSpec, groups: int = 1) -> list[float]:
     """Share of routed rows each expert receives, in placement order: ``measured_loads``
     normalised when given (a run's loads, :func:`measured_loads`), else Zipf(``routing_skew``),
     uniform at 0.
 
     With a capacity factor, an expert's share is capped at ``cf / E`` of the rows and the
     rest is dropped (the shares then sum to less than 1).
+
+    With loads of several MoE layers, each layer is normalised and capped, its ``groups``
+    contiguous groups of experts (the ranks' experts, ``E / groups`` each) are put in order of
+    their load, busiest first, and the layers are averaged: the simulator prices one layer for
+    all of them, and a step waits in every layer for that layer's busiest rank, whichever rank
+    it is (summing the layers as placed would spread one layer's hot rank and another's over
+    two ranks). ``groups = E`` orders single experts (the largest expert load of a layer,
+    averaged); ``groups = 1`` keeps the placement.
     """
     E = model.experts
-    w = list(model.measured_loads) or [(e + 1) ** -model.routing_skew for e in range(E)]
-    total = math.fsum(w)
-    shares = [x / total for x in w]
-    if model.capacity_factor > 0:
-        cap = model.capacity_factor / E
-        shares = [min(s, cap) for s in shares]
-    return shares
+    if E % groups:
+        raise ValueError(f"groups ({groups}) must divide model.experts ({E})")
+    rows = model.measured_loads or (tuple((e + 1) ** -model.routing_skew for e in range(E)),)
+    cap = model.capacity_factor / E if model.capacity_factor > 0 else math.inf
+    size = E // groups
+    out = [0.0] * E
+    for row in rows:
+        total = math.fsum(row)
+        shares = [min(x / total, cap) for x in row]
+        blocks = [shares[g * size : (g + 1) * size] for g in range(groups)]
+        if groups > 1:
+            blocks.sort(key=math.fsum, reverse=True)
+        for e, s in enumerate(x for block in blocks for x in block):
+            out[e] += s / len(rows)
+    return out
 
 
-def measured_loads(path: str | Path, *, skip: int = 2) -> tuple[float, ...]:
-    """Rows each expert received in a training run, from its ``metrics.jsonl``: every train
-    record's ``expert_load`` (one list per MoE layer, experts in placement order) summed over
-    the layers and the records after the first ``skip`` (warm-up; all of them when there are no
-    more). The busiest rank of a real job carries these, not a uniform share."""
+def measured_loads(path: str | Path, *, skip: int = 2) -> tuple[tuple[float, ...], ...]:
+    """Rows each expert received in a training run, one row per MoE layer, from its
+    ``metrics.jsonl``: every train record's ``expert_load`` (one list per MoE layer, experts in
+    placement order) summed over the records after the first ``skip`` (warm-up; all of them
+    when there are no more). The busiest rank of a real job carries these, not a uniform share."""
     import json
 
     path = Path(path)
@@ -282,11 +317,13 @@ def measured_loads(path: str | Path, *, skip: int = 2) -> tuple[float, ...]:
             f"{path}: no train record with expert_load (a moesaic train metrics.jsonl)"
         )
     records = records[skip:] or records
-    widths = {len(layer) for rec in records for layer in rec}
-    if len(widths) != 1:
-        raise ValueError(f"{path}: expert_load rows of different lengths {sorted(widths)}")
-    E = widths.pop()
-    return tuple(float(sum(layer[e] for rec in records for layer in rec)) for e in range(E))
+    shapes = {(len(rec), len(layer)) for rec in records for layer in rec}
+    if len(shapes) != 1:
+        raise ValueError(f"{path}: expert_load records of different shapes {sorted(shapes)}")
+    layers, E = shapes.pop()
+    return tuple(
+        tuple(float(sum(rec[i][e] for rec in records)) for e in range(E)) for i in range(layers)
+    )
 
 
 def _train_keys() -> tuple[set[str], set[str]]:

@@ -72,7 +72,7 @@ def rank_shares(model: ModelSpec, world: int) -> list[float]:
         raise ValueError(
             f"model.experts ({model.experts}) must be a multiple of the ranks ({world})"
         )
-    shares = expert_shares(model)
+    shares = expert_shares(model, world)  # each layer's busiest rank first
     e = model.experts // world
     per_rank = [math.fsum(shares[p * e : (p + 1) * e]) for p in range(world)]
     kept = math.fsum(per_rank)
@@ -266,7 +266,7 @@ def _padded(model: ModelSpec, link: LinkModel, tokens: int) -> _Exchange:
         capacity = math.ceil(model.capacity_factor * tokens * model.top_k / E)
         agree_s = 0.0
     else:  # the largest load, agreed by one all-reduce (MAX) of a scalar
-        capacity = math.ceil(tokens * model.top_k * max(expert_shares(model)))
+        capacity = math.ceil(tokens * model.top_k * max(expert_shares(model, model.experts)))
         agree_s = all_reduce_s(link, 8.0) if P > 1 else 0.0
     pair_bytes = E // P * capacity * model.hidden * model.act_bytes
     seconds = all_to_all_s(link, pair_bytes) if P > 1 else 0.0

@@ -382,8 +382,9 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float]:
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} applies to --domains-only only")
     spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
-    model = apply_loads(args, load_option("model", args.model, load_model_spec), note=_note)
     profile = _profile(args, spec)
+    model = load_option("model", args.model, load_model_spec)
+    model = apply_loads(args, model, note=_note, profile=profile)
     ratios = _ratios(args.compression_ratio) or (1.0,)
     t0 = time.perf_counter()
     plan = plan_runs(spec, model, profile, compression_ratios=ratios, all_reduce=args.all_reduce)

@@ -54,7 +54,11 @@ measured and what is taken from elsewhere:
   name, size, bandwidth and latency). ``moesaic simulate`` refuses a profile whose cluster
   differs from the one simulated (:meth:`Profile.cluster_differences`): its collective shares
   and link rates were measured on other levels and another world. None in profiles written
-  before it was recorded, and in those measured without a cluster.
+  before it was recorded, and in those measured without a cluster;
+* ``routing``: with ``calibrate --model`` on a training config, the expert loads of the job's
+  first steps on its own data (:class:`RoutingLoads`, :mod:`moesaic.sim.routecal`), which
+  ``simulate`` and ``plan`` price instead of uniform routing when the model has as many
+  experts; None otherwise.
 
 Torch-free but for :func:`measure`.
 """
@@ -87,6 +91,7 @@ __all__ = [
     "CollectiveShare",
     "LinkLevel",
     "Profile",
+    "RoutingLoads",
     "cluster_differences",
     "describe_cluster",
     "links_from_cluster_check",
@@ -168,6 +173,35 @@ class LinkLevel:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class RoutingLoads:
+    """Expert loads a job's router produced on its data (:mod:`moesaic.sim.routecal`).
+
+    Attributes:
+        loads: Rows each expert received, one row per MoE layer, experts in placement order
+            (``ModelSpec.measured_loads``).
+        source: What was run, for the notes (config, steps, tokens).
+    """
+
+    loads: tuple[tuple[float, ...], ...]
+    source: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError("profile.routing.source must be a non-empty string")
+        rows = [list(r) if isinstance(r, (list, tuple)) else None for r in self.loads]
+        if not rows or any(r is None or not r for r in rows) or len({len(r) for r in rows}) != 1:
+            raise ValueError(
+                "profile.routing.loads must be one non-empty row per MoE layer, all as long"
+            )
+        for i, row in enumerate(rows):
+            for e, x in enumerate(row):
+                check_non_negative(f"profile.routing.loads[{i}][{e}]", x)
+            if not sum(row) > 0:
+                raise ValueError(f"profile.routing.loads[{i}] must not be all zero")
+        object.__setattr__(self, "loads", tuple(tuple(float(x) for x in r) for r in rows))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Profile:
     """Rates of one machine (see the module docstring for what each field is and where from).
 
@@ -199,6 +233,8 @@ class Profile:
             flight, beyond the per-call and per-byte CPU (0: not modelled).
         ops: The per-operation measurements of one model (``calibrate --model``); None: every
             task is priced at ``flops_per_s``.
+        routing: The expert loads of a training job's first steps (``calibrate --model`` on a
+            training config); None: not measured.
     """
 
     flops_per_s: float
@@ -220,6 +256,7 @@ class Profile:
     comm_cpu_per_byte_s: float = 0.0
     comm_cpu_busy: float = 0.0
     ops: OpCal | None = None
+    routing: RoutingLoads | None = None
 
     def __post_init__(self) -> None:
         check_non_negative("profile.comm_cpu_s", self.comm_cpu_s)
@@ -227,6 +264,8 @@ class Profile:
         check_number("profile.comm_cpu_busy", self.comm_cpu_busy, 0.0, 1.0)
         if self.ops is not None and not isinstance(self.ops, OpCal):
             raise ValueError("profile.ops must be an OpCal or None")
+        if self.routing is not None and not isinstance(self.routing, RoutingLoads):
+            raise ValueError("profile.routing must be a RoutingLoads or None")
         check_non_negative("profile.tile_cpu_s", self.tile_cpu_s)
         check_non_negative("profile.tile_elem_cpu_s", self.tile_elem_cpu_s)
         check_non_negative("profile.put_cpu_s", self.put_cpu_s)
@@ -328,6 +367,7 @@ class Profile:
         data = asdict(self)
         data["cluster"] = None if self.cluster is None else self.cluster.to_dict()
         data["ops"] = None if self.ops is None else self.ops.to_dict()
+        data["routing"] = None if self.routing is None else asdict(self.routing)
         return data
 
     @classmethod
@@ -350,7 +390,14 @@ class Profile:
         ops = data.pop("ops", None)
         if ops is not None:
             ops = OpCal.from_dict(ops)
-        return cls(**data, links=links, collectives=shares, cluster=cluster, ops=ops)
+        routing = data.pop("routing", None)
+        if routing is not None:
+            if not isinstance(routing, dict):
+                raise ValueError("profile.routing must be an object (loads, source) or null")
+            routing = _records([routing], "routing", RoutingLoads)[0]
+        return cls(
+            **data, links=links, collectives=shares, cluster=cluster, ops=ops, routing=routing
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
