@@ -58,10 +58,32 @@ Fixed for all eight: H 256, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise; every rank is a node of its own (one level: every pair crosses the slow
 link). What runs, how it is measured and predicted: as for the first rule.
 
+**The third rule** (``--rule 3``; fixed on 2026-11-26 at 00:45 UTC, committed before any of
+its configurations was measured or simulated, after the simulator was changed on what the
+first sixteen showed; nothing in it may change after its first measurement): the same design
+with other levels again, three blocks, another cluster shape and other generators,
+``D = A x C`` and ``E = B x C``; names start with ``w``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.5 Gbit/s, 0.5 ms one way       2.0 Gbit/s, 0.1 ms
+B     routed experts E (top-2)              12                               24
+C     expert width F / H                    1.5                              6
+D     tokens per rank (sequences of 128)    1024                             2048
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 224, 4 heads, 3 transformer blocks, all MoE, fp32, the training
+defaults otherwise; with 4 ranks the ranks of one node share a 4 Gbit/s, 0.05 ms level. What
+runs, how it is measured and predicted: as for the first rule (``moesaic calibrate --cluster
+--model`` now also runs the job's router on its data for its first steps, the profile's
+``routing``, which ``simulate`` and ``plan`` price).
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2]   # the eight configurations, nothing run
-    python benchmarks/sim_unseen.py [--rule 2] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|3]   # the eight configurations, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|3] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -115,28 +137,40 @@ FACTORS_2: dict[str, tuple[Any, Any]] = {
 }
 H_2 = 256
 
+# The third rule's (the docstring's third table), its fixed hidden size, blocks and node level.
+FACTORS_3: dict[str, tuple[Any, Any]] = {
+    "link": ((0.5, 0.5), (2.0, 0.1)),
+    "experts": (12, 24),
+    "f_over_h": (1.5, 6),
+    "tokens_per_rank": (1024, 2048),
+    "ranks": (2, 4),
+}
+H_3, BLOCKS_3, INTRA_NODE_3 = 224, 3, (4.0, 0.05)
+
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 or 2), in standard order (A slowest-varying)."""
-    if rule not in (1, 2):
-        raise ValueError(f"rule ({rule}) must be 1 or 2")
-    factors, prefix = (FACTORS, "u") if rule == 1 else (FACTORS_2, "v")
+    """The eight configurations of ``rule`` (1, 2 or 3), in standard order (A slowest-varying)."""
+    if rule not in (1, 2, 3):
+        raise ValueError(f"rule ({rule}) must be 1, 2 or 3")
+    factors, prefix = {1: (FACTORS, "u"), 2: (FACTORS_2, "v"), 3: (FACTORS_3, "w")}[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
-        d, e = (a * b, a * c) if rule == 1 else (b * c, a * b * c)
+        d, e = {1: (a * b, a * c), 2: (b * c, a * b * c), 3: (a * c, b * c)}[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
         cfg["coded"] = levels
         cfg["name"] = prefix + "".join("+" if v > 0 else "-" for v in (a, b, c, d, e))
-        cfg["hidden"] = H if rule == 1 else H_2
+        cfg["hidden"] = {1: H, 2: H_2, 3: H_3}[rule]
+        cfg["blocks"] = BLOCKS_3 if rule == 3 else BLOCKS
         cfg["flat"] = rule == 2  # every rank a node of its own
+        cfg["intra_node"] = INTRA_NODE_3 if rule == 3 else INTRA_NODE
         out.append(cfg)
     return out
 
 
 def find_configuration(name: str) -> dict[str, Any]:
     """The configuration called ``name`` under either rule."""
-    return next(c for rule in (1, 2) for c in configurations(rule) if c["name"] == name)
+    return next(c for rule in (1, 2, 3) for c in configurations(rule) if c["name"] == name)
 
 
 def cluster_toml(cfg: dict[str, Any]) -> str:
@@ -146,8 +180,9 @@ def cluster_toml(cfg: dict[str, Any]) -> str:
     lines += ["[[levels]]", 'name = "node"', f"size = {nodes}", f"bandwidth_gbps = {bw}"]
     lines += [f"latency_ms = {lat}", ""]
     if cfg["ranks"] == 4 and not cfg.get("flat"):
+        bw, lat = cfg.get("intra_node", INTRA_NODE)
         lines += ["[[levels]]", 'name = "rank"', "size = 2"]
-        lines += [f"bandwidth_gbps = {INTRA_NODE[0]}", f"latency_ms = {INTRA_NODE[1]}", ""]
+        lines += [f"bandwidth_gbps = {bw}", f"latency_ms = {lat}", ""]
     return "\n".join(lines)
 
 
@@ -155,12 +190,12 @@ def train_toml(cfg: dict[str, Any], run_dir: Path, strategy: str) -> str:
     batch = cfg["tokens_per_rank"] // SEQ
     moe = [f"num_experts = {cfg['experts']}", f"top_k = {TOP_K}"]
     hidden = cfg.get("hidden", H)
-    moe.append(f"ffn_hidden_size = {cfg['f_over_h'] * hidden}")
+    moe.append(f"ffn_hidden_size = {round(cfg['f_over_h'] * hidden)}")
     if strategy == "padded":
         moe.append(f"capacity_factor = {PADDED_CAPACITY}")
     run = [f"nproc = {cfg['ranks']}", f"ep = {cfg['ranks']}", f"steps = {WARMUP + STEPS}"]
     run += [f"batch_size = {batch}", "eval_every = 0", "ckpt_every = 0", f'run_dir = "{run_dir}"']
-    model = [f"seq_len = {SEQ}", f"d_model = {hidden}", f"n_layers = {BLOCKS}"]
+    model = [f"seq_len = {SEQ}", f"d_model = {hidden}", f"n_layers = {cfg.get('blocks', BLOCKS)}"]
     model.append(f"n_heads = {HEADS}")
     return "\n".join([*run, "", "[model]", *model, "", "[model.moe]", *moe, ""])
 
@@ -286,7 +321,7 @@ def repredict(path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 or 2 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1, 2 or 3 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
