@@ -173,3 +173,34 @@ def test_calibrate_runs_the_jobs_router_on_its_data(tmp_path, capsys):
     assert "--routing-steps (2) must be 0 or > 2" in capsys.readouterr().err
     assert main(["calibrate", "--out", str(out), "--routing-steps", "3"]) == 2
     assert "--routing-steps applies to --model only" in capsys.readouterr().err
+
+
+def test_the_routing_run_is_the_job_on_one_process(tmp_path):
+    """The job's model, seed and data, the world's global batch on one rank, dropless under
+    vanilla, nothing of the job's own run options (emulation, plan, checkpoints, trace)."""
+    from moesaic.sim.routecal import routing_config
+    from moesaic.train.config import TrainConfig
+
+    job = TrainConfig.from_dict(
+        {
+            "nproc": 4,
+            "batch_size": 6,
+            "steps": 600,
+            "seed": 7,
+            "schedule": "flowmoe",
+            "pipeline_degree": 2,
+            "ckpt_every": 50,
+            "trace": str(tmp_path / "t.json"),
+            "model": {
+                "d_model": 32,
+                "n_heads": 2,
+                "moe": {"num_experts": 8, "ffn_hidden_size": 64, "capacity_factor": 1.25},
+            },
+        }
+    )
+    run = routing_config(job, world=4, steps=8, run_dir=tmp_path / "r")
+    assert (run.nproc, run.ep, run.batch_size, run.steps) == (1, 1, 24, 8)
+    assert (run.schedule, run.ckpt_every, run.trace, run.seed) == ("vanilla", 0, None, 7)
+    assert run.model.moe.dispatcher == "dropless" and run.model.moe.capacity_factor is None
+    assert run.model.d_model == 32 and run.model.moe.num_experts == 8
+    assert run.run_dir == str(tmp_path / "r")

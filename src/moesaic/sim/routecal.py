@@ -70,8 +70,9 @@ def measure_routing(
     path: str | Path, *, world: int, steps: int = ROUTING_STEPS, skip: int = ROUTING_SKIP
 ) -> Any:
     """The expert loads of the training config at ``path`` over its first ``steps`` steps
-    (those after ``skip``) at ``world`` ranks' global batch, as a ``RoutingLoads``; None when
-    ``path`` is a model file (no data to route)."""
+    (those after ``skip``; a job of fewer steps: all of them, after ``skip`` when it has more)
+    at ``world`` ranks' global batch, as a ``RoutingLoads``; None when ``path`` is a model file
+    (no data to route)."""
     from moesaic.sim.model import load_model, measured_loads
     from moesaic.sim.profile import RoutingLoads
     from moesaic.train.launch import launch
@@ -83,6 +84,8 @@ def measure_routing(
     cfg = load_model(path)
     if not hasattr(cfg, "batch_size"):  # a ModelSpec file: no data, no router to run
         return None
+    if cfg.steps < steps:  # a job shorter than the measurement: all of its steps
+        steps, skip = cfg.steps, skip if skip < cfg.steps else 0
     with tempfile.TemporaryDirectory(prefix="moesaic-routing-") as tmp:
         run = routing_config(cfg, world=world, steps=steps, run_dir=Path(tmp) / "run")
         launch(run)
