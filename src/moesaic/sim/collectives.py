@@ -35,8 +35,13 @@ that no real collective goes below (gloo on this machine's loopback: 0.15-0.2 ms
 share)`` points from ``calibrate --cluster``, :class:`moesaic.sim.profile.CollectiveShare`)
 further divide the bandwidth term of the all-to-all(-v)s and of the all-reduces / all-gathers
 (:meth:`LinkModel.share`: log-linear in the collective's bytes per rank, clamped to the measured
-range; 1.0 with none). :func:`p2p_s` uses the link rates alone (the taskflow strategy prices
-its puts, an all-to-all cut into tiles, at the all-to-all's share: ``sim.taskflow``).
+range; 1.0 with none). ``simulate`` first holds the loaded regime's points to what a link can do
+(:func:`rate_bounded_shares`): a collective of more bytes takes at least as long as one of fewer
+plus the extra bytes at the link's full rate, so where a smaller size was measured slower than
+that allows (a stall in its few timed calls, not a rate: a loaded 0.35 MB all-reduce timed at
+111 ms against 70 ms at 1.4 MB), the larger size's time bounds it. :func:`p2p_s` uses the
+link rates alone (the taskflow strategy prices its puts, an all-to-all cut into tiles, at the
+all-to-all's share: ``sim.taskflow``).
 Level-local exchanges (:func:`level_exchange_s`) use the all-to-all share, or the all-reduce
 one for gathers.
 
@@ -65,6 +70,7 @@ __all__ = [
     "level_exchange_s",
     "offset_group_sizes",
     "p2p_s",
+    "rate_bounded_shares",
     "ring_all_reduce_s",
 ]
 
@@ -156,6 +162,43 @@ class LinkModel:
 
     def members(self, level: int) -> int:
         return self.spec.num_groups(level)
+
+
+def rate_bounded_shares(
+    points: Sequence[tuple[float, float]],
+) -> tuple[tuple[float, float], ...]:
+    """Measured ``(bytes_per_rank, share)`` points of one collective, each held to what the
+    larger sizes' measurements allow: a collective of ``b_j`` bytes takes at least as long as one
+    of ``b_i < b_j`` plus the extra bytes at the link's full rate (share 1), so ``T(b_i) <=
+    T(b_j) - (bandwidth term of b_j - b_i at share 1)``.
+
+    Every closed form here is ``k b / share + latency`` for one collective on one cluster (``k``
+    the share-1 seconds per byte), so the bound reads ``b_i (1 / s_i - 1) <= b_j (1 / s_j -
+    1)``: the time a collective takes beyond its share-1 bandwidth term does not shrink as it
+    grows. A point that breaks it (its few timed calls held a stall or a per-call delay that a
+    larger call did not pay: the loaded streams, timed while every rank computes, hold such
+    stalls, e.g. a 0.35 MB all-reduce at 111 ms against 70 ms at 1.4 MB on 4 ranks) is raised
+    to the share at which it meets the bound set by the larger sizes, to share 1 at most (a
+    larger size timed above share 1 says the closed form's latency is off, not that this size
+    moves faster than the link); others are kept. Without it that point's share, clamped below
+    the smallest measured size, prices every smaller collective (FlowMoE's gradient chunks) as
+    if the stall were a rate.
+
+    ``simulate`` (:func:`moesaic.sim.simulate.link_model`) applies it to the loaded regime's
+    points: a loaded stream's time per call only gains from its errors (a stall adds, nothing
+    takes away), so the larger sizes bound it from above; the idle points are means of isolated
+    calls whose errors go both ways, and a large size timed a little fast would erase the
+    per-call costs the smaller sizes really pay."""
+    pts = [(float(b), float(s)) for b, s in points]
+    out = []
+    for i, (b, s) in enumerate(pts):
+        beyond = b * (1.0 / s - 1.0)
+        bound = min((bj * (1.0 / sj - 1.0) for bj, sj in pts[i + 1 :]), default=beyond)
+        bound = max(bound, 0.0)  # to share 1 at most
+        if beyond > bound:
+            s = 1.0 / (1.0 + bound / b)
+        out.append((b, s))
+    return tuple(out)
 
 
 def _bytes(name: str, value: float) -> float:

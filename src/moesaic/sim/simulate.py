@@ -39,7 +39,7 @@ from typing import Any
 
 from moesaic.checks import check_bool, check_number, check_one_of, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.sim.collectives import ALL_REDUCE_ALGORITHMS, LinkModel
+from moesaic.sim.collectives import ALL_REDUCE_ALGORITHMS, LinkModel, rate_bounded_shares
 from moesaic.sim.contention import CpuModel, contend
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.hybrid import (
@@ -276,16 +276,29 @@ def _resolve(
 
 def link_model(spec: ClusterSpec, profile: Profile, all_reduce: str = "best") -> LinkModel:
     """The links ``simulate`` prices ``spec`` on under ``profile``: measured levels at their
-    measured rates, the profile's floor and collective shares, ``all_reduce``'s algorithm."""
+    measured rates, the profile's floor and collective shares (loaded ones held to the links'
+    rate: :func:`_shares`), ``all_reduce``'s algorithm."""
     link_spec, scale = profile.link_spec(spec)
     return LinkModel(
         spec=link_spec,
         floor_s=profile.floor_s,
         bandwidth_scale=scale,
-        a2a_shares=profile.collective_shares("all_to_all"),
-        allreduce_shares=profile.collective_shares("all_reduce"),
+        a2a_shares=_shares(profile, "all_to_all"),
+        allreduce_shares=_shares(profile, "all_reduce"),
         all_reduce=all_reduce,
     )
+
+
+def _shares(profile: Profile, kind: str) -> tuple[tuple[float, float], ...]:
+    """The profile's share points of ``kind`` as the simulation prices them: the loaded
+    regime's (where it has them) held to what the links can do
+    (:func:`~moesaic.sim.collectives.rate_bounded_shares`: a size timed slower than a larger
+    one allows held a stall, which FlowMoE's small gradient chunks would otherwise pay as a
+    rate), the idle regime's as measured."""
+    points = profile.collective_shares(kind)
+    if any(x.kind == kind and x.regime == "loaded" for x in profile.collectives):
+        return rate_bounded_shares(points)
+    return points
 
 
 def simulate(
