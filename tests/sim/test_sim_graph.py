@@ -83,8 +83,8 @@ def test_taskflow_layers_are_the_compiled_plans():
     model = ModelSpec(layers=2, batch=2, seq_len=64, hidden=32, ffn_hidden=64, experts=4, top_k=2)
     r = simulate(spec, model, "taskflow", PROFILE)
     bucket = ShapeBucket(
-        tokens=128, hidden=32, ffn=64, experts=4, top_k=2, ep_size=2, slot_rows=64, tile_m=64
-    )
+        tokens=128, hidden=32, ffn=64, experts=4, top_k=2, ep_size=2, slot_rows=128, tile_m=128
+    )  # the runtime's default tile (TaskflowOptions.tile_m) and the bucket it rounds 64 rows to
     for direction, phase in (("forward", "fwd"), ("backward", "bwd")):
         tiles = compile_plan(bucket, direction, 0).tasks
         for blk in (1, 2):

@@ -169,7 +169,8 @@ def _measure_model(args: argparse.Namespace, world: int) -> tuple[Any, dict[str,
     tiles = tile_cpu_figures(model)
     print(
         f"taskflow runtime: {tiles['tile_cpu_s'] * 1e6:.1f} us of CPU per task, "
-        f"{tiles['tile_elem_cpu_s'] * 1e9:.2f} ns per element of its vector tiles"
+        f"{tiles['tile_elem_cpu_s'] * 1e9:.2f} ns per element of its vector tiles, "
+        f"{tiles['copy_elem_cpu_s'] * 1e9:.2f} ns per element of a fresh copy"
     )
     return ops, tiles
 
@@ -304,6 +305,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         ops=ops,
         tile_cpu_s=tiles.get("tile_cpu_s", 0.0),
         tile_elem_cpu_s=tiles.get("tile_elem_cpu_s", 0.0),
+        copy_elem_cpu_s=tiles.get("copy_elem_cpu_s", 0.0),
         routing=routing,
         **cpu,
     )

@@ -13,7 +13,11 @@ executor (pipelined order), with every handler call timed by its thread's CPU cl
 returns per step the medians of the wall and process CPU seconds and the handlers' thread CPU
 seconds per task type. :func:`elem_cpu_s` divides the non-GMM handlers' CPU by the elements the
 simulator counts for them (:func:`moesaic.sim.taskflow.tile_elements`): the profile's
-``tile_elem_cpu_s``. Nothing here reads an emulated-cluster iteration time.
+``tile_elem_cpu_s``. The same worker times a 64 MiB copy into fresh memory
+(``copy_elem_cpu_s``, 1.3-1.4 ns per element here), which prices the forward's copies of its
+receive window, whole buckets (:func:`moesaic.sim.taskflow.saved_window_elements`), and which
+:func:`tile_cpu_figures` takes out of the per-task residual. Nothing here reads an
+emulated-cluster iteration time.
 
 Usage: ``python -m moesaic.sim.cpucal [--tile 512 128] [--steps 9] [--out F.json]``.
 """
@@ -97,6 +101,7 @@ def _worker(rank: int, world: int, model: Any, tile: int, steps: int) -> dict[st
                     per_type[k].append(v)
     bucket = next(iter(layers["taskflow static"].strategy.runtime._plans))
     return {
+        "copy_elem_cpu_s": _copy_elem_cpu_s(),
         "wall_s": {n: statistics.median(v) for n, v in wall.items()},
         "cpu_s": {n: statistics.median(v) for n, v in cpu.items()},
         "handler_cpu_s": {k: statistics.median(v) for k, v in sorted(per_type.items())},
@@ -105,12 +110,37 @@ def _worker(rank: int, world: int, model: Any, tile: int, steps: int) -> dict[st
     }
 
 
+# Elements of the fresh copy :func:`_copy_elem_cpu_s` times: 64 MiB of fp32, above glibc's
+# largest mmap threshold (32 MiB), so every copy gets fresh pages whatever was freed before, as
+# the forward's copies of a skewed bucket's receive buffers (33.5 MB each measured at 1.3-1.7 ns
+# per element in training). Below the threshold a copy may reuse freed memory and measure ~10x
+# less (0.19 ns once at 32 MiB); small copies stay in cache, but then they cost little.
+COPY_ELEMENTS = 1 << 24
+
+
+def _copy_elem_cpu_s(reps: int = 5) -> float:
+    """Thread CPU seconds per element of ``clone()`` of a ``COPY_ELEMENTS`` fp32 tensor into
+    fresh memory (page faults included: what the taskflow forward's copies of its receive
+    window cost), the median of ``reps``."""
+    import torch
+
+    x = torch.ones(COPY_ELEMENTS)
+    times = []
+    for _ in range(reps):
+        c0 = time.thread_time()
+        y = x.clone()
+        times.append(time.thread_time() - c0)
+        del y
+    return statistics.median(times) / COPY_ELEMENTS
+
+
 def measure(model: Any, tile: int, steps: int = 9) -> dict[str, Any]:
     """One rank (a world of one, one torch thread) running ``model``'s layer (a layer-only
     ``ModelSpec``) at ``taskflow``'s ``tile_m`` = ``tile``, forward and backward, ``steps`` times
     after a warm-up: per-step medians of the wall and process CPU seconds of
     :data:`VARIANTS`, of the static executor's handlers' thread CPU seconds per task type
-    (``handler_cpu_s``), and the bucket's ``slot_rows`` and ``tile_m``."""
+    (``handler_cpu_s``), the bucket's ``slot_rows`` and ``tile_m``, and the CPU per element of
+    a large fresh tensor copy (``copy_elem_cpu_s``)."""
     from moesaic.comm.world import run_world
 
     check_positive_int("tile", tile)
@@ -150,13 +180,17 @@ def tile_cpu_figures(model: Any, steps: int = 5) -> dict[str, float]:
     at the simulator's default tiles, ``moesaic calibrate --model``):
 
     * ``tile_elem_cpu_s``: :func:`elem_cpu_s`;
+    * ``copy_elem_cpu_s``: CPU seconds per element of a large copy into fresh memory
+      (:func:`_copy_elem_cpu_s`), which the simulator charges the forward's copies of its
+      receive window (``sim.taskflow.saved_window_elements``: whole buckets, so they grow
+      with the busiest slot under skewed routing, 22-28 ms a forward at 67 MB measured);
     * ``tile_cpu_s``: the runtime's own CPU per task: the step's process CPU less every
-      handler's thread CPU, over the tasks of its forward and backward plans (it also holds
-      the layer's router and routing plan, which the simulator prices in the attention stage
-      too: a few percent of a step here)."""
+      handler's thread CPU and those copies, over the tasks of its forward and backward plans
+      (it also holds the layer's router and routing plan, which the simulator prices in the
+      attention stage too: a few percent of a step here)."""
     import dataclasses
 
-    from moesaic.sim.taskflow import default_tiles, model_bucket
+    from moesaic.sim.taskflow import default_tiles, model_bucket, saved_window_elements
     from moesaic.taskflow.bucket import CompileOptions
     from moesaic.taskflow.compile import compile_world
 
@@ -165,14 +199,18 @@ def tile_cpu_figures(model: Any, steps: int = 5) -> dict[str, float]:
     bucket = model_bucket(
         layer, ep_size=1, slot_rows=measured["slot_rows"], tile_m=measured["tile_m"]
     )
-    tasks = sum(
-        len(compile_world(bucket, d, CompileOptions(pipeline=True))[0].tasks)
-        for d in ("forward", "backward")
+    plans = [
+        compile_world(bucket, d, CompileOptions(pipeline=True))[0] for d in ("forward", "backward")
+    ]
+    tasks = sum(len(p.tasks) for p in plans)
+    copy_s = sum(saved_window_elements(p) for p in plans) * measured["copy_elem_cpu_s"]
+    runtime_s = (
+        measured["cpu_s"]["taskflow static"] - sum(measured["handler_cpu_s"].values()) - copy_s
     )
-    runtime_s = measured["cpu_s"]["taskflow static"] - sum(measured["handler_cpu_s"].values())
     return {
         "tile_cpu_s": max(0.0, runtime_s) / tasks,
         "tile_elem_cpu_s": elem_cpu_s(layer, measured),
+        "copy_elem_cpu_s": measured["copy_elem_cpu_s"],
     }
 
 

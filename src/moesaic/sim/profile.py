@@ -225,6 +225,9 @@ class Profile:
         tile_elem_cpu_s: CPU seconds per element of a taskflow elementwise, reduction or put
             tile's handler (memory-bound torch calls on a tile; ``moesaic.sim.cpucal``); 0: not
             measured, such tiles cost 10 FLOPs per element at ``flops_per_s``.
+        copy_elem_cpu_s: CPU seconds per element of a large copy into fresh memory (the
+            taskflow forward's copies of its receive windows for the backward;
+            ``moesaic.sim.cpucal``); 0: not measured, not priced.
         cluster: The cluster ``links``, ``collectives`` and ``ranks_per_machine`` were measured
             on (``calibrate --cluster``); None: not recorded (older profiles) or no cluster.
         comm_cpu_s: CPU seconds of one rank per collective call (0: not modelled).
@@ -251,6 +254,7 @@ class Profile:
     cores: int = 0
     ranks_per_machine: int = 0
     tile_elem_cpu_s: float = 0.0
+    copy_elem_cpu_s: float = 0.0
     cluster: ClusterSpec | None = None
     comm_cpu_s: float = 0.0
     comm_cpu_per_byte_s: float = 0.0
@@ -268,6 +272,7 @@ class Profile:
             raise ValueError("profile.routing must be a RoutingLoads or None")
         check_non_negative("profile.tile_cpu_s", self.tile_cpu_s)
         check_non_negative("profile.tile_elem_cpu_s", self.tile_elem_cpu_s)
+        check_non_negative("profile.copy_elem_cpu_s", self.copy_elem_cpu_s)
         check_non_negative("profile.put_cpu_s", self.put_cpu_s)
         check_non_negative("profile.put_cpu_per_byte_s", self.put_cpu_per_byte_s)
         check_int("profile.cores", self.cores, 0)

@@ -73,7 +73,7 @@ def measure_routing(
     (those after ``skip``; a job of fewer steps: all of them, after ``skip`` when it has more)
     at ``world`` ranks' global batch, as a ``RoutingLoads``; None when ``path`` is a model file
     (no data to route)."""
-    from moesaic.sim.model import load_model, measured_loads
+    from moesaic.sim.model import ModelSpec, load_model, measured_loads
     from moesaic.sim.profile import RoutingLoads
     from moesaic.train.launch import launch
 
@@ -82,7 +82,7 @@ def measure_routing(
     if not 0 <= skip < steps:
         raise ValueError(f"skip ({skip}) must be >= 0 and < steps ({steps})")
     cfg = load_model(path)
-    if not hasattr(cfg, "batch_size"):  # a ModelSpec file: no data, no router to run
+    if isinstance(cfg, ModelSpec):  # a model file: no data, no router to run
         return None
     if cfg.steps < steps:  # a job shorter than the measurement: all of its steps
         steps, skip = cfg.steps, skip if skip < cfg.steps else 0

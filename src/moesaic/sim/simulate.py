@@ -386,7 +386,8 @@ def _expand(spans: list[Span], plans: dict[str, Any]) -> list[Span]:
         if s.resource != "taskflow":
             out.append(s)
             continue
-        plan = plans["forward" if s.args.get("phase") == "fwd" else "backward"]
+        d = "forward" if s.args.get("phase") == "fwd" else "backward"
+        plan = plans.get(f"{d}.{s.args.get('block')}", plans[d])  # the block's own plan
         for t in plan.spans:
             start, end = s.start + t.start, s.start + t.end
             args = {**t.args, **s.args}

@@ -6,8 +6,20 @@ every rank, simulated by ``taskflow.validate.simulate`` (the same event engine, 
 puts bump their target ranks' counters) with costs from the profile and the cluster instead of
 the nominal ones the plan drawing uses:
 
-* every tile handles its valid rows only (:func:`valid_rows`, uniform routing: each slot of
-  the bucket holds ``T K / E`` rows; padding costs nothing, an empty put sends nothing);
+* every tile handles its valid rows only (:func:`valid_rows`; padding costs nothing, an empty
+  put sends nothing) under the model's routing (:func:`layer_loads`: its ``measured_loads``,
+  which ``simulate`` takes from the profile's ``routing``, else Zipf / uniform: each slot of
+  (expert, source rank) holds ``T K`` x the expert's share), layer by layer;
+* the bucket is the runtime's (:func:`default_tiles`): its default tile (128 rows) and slots
+  holding the busiest (source rank, expert) slot's rows, rounded to a power-of-two number of
+  tiles, as ``TaskflowRuntime.bucket`` agrees on it. Under skewed routing that multiplies the
+  tiles (most of them empty, each still a task with its CPU) and one rank computes the hot
+  experts' rows: in the routing measured on the unseen configurations (``benchmarks/
+  sim_unseen.py``) the hottest expert takes 17-47% of a layer's rows, so slots of 256-2048
+  rows where uniform routing gives 128-1024;
+* the forward's copies of its receive-window buffers (:data:`SAVED_WINDOW`, whole buckets,
+  :func:`saved_window_elements`) at the profile's ``copy_elem_cpu_s`` (``sim.cpucal``, measured
+  by ``calibrate --model``; 0, not priced, in profiles without it);
 * GMM tiles: ``2 x rows x H x F`` FLOPs (twice that for SwiGLU's gate-and-up GMMs and their
   gradients) at the experts' measured FLOP rate in that direction when the profile has the
   model's operations (``profile.ops``: the rank's grouped expert GEMMs at their shapes, per
@@ -61,6 +73,7 @@ from moesaic.trace import Span
 
 if TYPE_CHECKING:
     from moesaic.taskflow.bucket import ShapeBucket
+    from moesaic.taskflow.plan import Plan
 
 __all__ = [
     "MAX_RANKS",
@@ -86,8 +99,8 @@ PUT_LATENCIES = 4
 
 
 class LayerPlan:
-    """One direction's simulated plan: its makespan, its tiles' spans (from time 0) and rank
-    0's CPU seconds (every task's cost but the puts' wire time)."""
+    """One direction's simulated plan: its makespan, rank 0's tiles' spans (from time 0) and
+    the busiest rank's CPU seconds (every task's cost but the puts' wire time)."""
 
     def __init__(self, makespan: float, spans: list[Span], cpu_s: float = 0.0):
         self.makespan = makespan
@@ -159,20 +172,55 @@ def host_prices(model: ModelSpec, profile: Profile, world: int) -> HostPrices:
     )
 
 
-def valid_rows(region: Region, slot_rows: int, load: float) -> float:
-    """Rows of ``region`` a handler touches when every slot holds ``load`` valid rows: all of a
-    token-layout buffer (``*_TH``, ``*_TK``), else each slot's first ``load`` rows (the count
-    rule of ``taskflow.runtime.sequential.StepRows.segments``)."""
+# The forward's buffers that live in the receive window and that the backward reads, so the
+# step keeps them as copies: ``taskflow.runtime.sequential.SAVED`` that are
+# ``taskflow.runtime.concurrent.RECEIVE_BUFFERS`` (named here without importing torch; tested).
+SAVED_WINDOW = frozenset({"x_recv", "y_ret"})
+# Buffers in the return layout (one slot per global expert, on the sender):
+# ``taskflow.runtime.handlers.RETURN_LAYOUT`` (kept here without importing torch; tested equal).
+RETURN_LAYOUT = frozenset({"y_ret", "dx_ret"})
+
+
+class SlotLoads:
+    """Valid rows of every bucket slot when each rank sends ``rows_E[x]`` rows to expert ``x``
+    (experts in placement order, ``local`` per rank, ``ranks`` ranks): the count rule of
+    ``taskflow.runtime.sequential.StepRows.count``, every source rank routing alike. A slot of a
+    receive-layout buffer on rank ``r`` is (local expert ``j``, source ``s``), ``slot = j P +
+    s``, and holds ``rows_E[r e + j]``; a return-layout slot is the global expert itself."""
+
+    def __init__(self, rows_E: list[float], local: int, ranks: int) -> None:
+        self.rows_E, self.local, self.ranks = list(rows_E), local, ranks
+
+    def __call__(self, buffer: str, rank: int, slot: int) -> float:
+        if buffer in RETURN_LAYOUT:
+            return self.rows_E[slot]
+        return self.rows_E[rank * self.local + slot // self.ranks]
+
+    @property
+    def worst(self) -> float:
+        """The most rows one (source rank, expert) slot holds (what the runtime's bucket
+        all-reduce agrees on, ``TaskflowRuntime.bucket``)."""
+        return max(self.rows_E)
+
+
+def valid_rows(region: Region, slot_rows: int, load: float | SlotLoads) -> float:
+    """Rows of ``region`` a handler touches when every slot holds ``load`` valid rows (a number,
+    or per slot: :class:`SlotLoads`): all of a token-layout buffer (``*_TH``, ``*_TK``), else
+    each slot's first valid rows (the count rule of
+    ``taskflow.runtime.sequential.StepRows.segments``)."""
     if region.buffer.endswith(("_TH", "_TK")):
         return float(region.rows)
     total = 0.0
     for k in range(region.start // slot_rows, (region.stop - 1) // slot_rows + 1):
         a, z = max(region.start, k * slot_rows), min(region.stop, (k + 1) * slot_rows)
-        total += max(0.0, min(z - a, load - (a - k * slot_rows)))
+        n = load(region.buffer, region.rank, k) if callable(load) else load
+        total += max(0.0, min(z - a, n - (a - k * slot_rows)))
     return total
 
 
-def tile_elements(t: TaskDescriptor, model: ModelSpec, slot_rows: int, load: float) -> float:
+def tile_elements(
+    t: TaskDescriptor, model: ModelSpec, slot_rows: int, load: float | SlotLoads
+) -> float:
     """Elements a non-GMM task's handler touches when every slot holds ``load`` valid rows: a
     put's valid rows (its outputs) x H; an elementwise or reduction tile's share of its
     region's valid rows x its width (F for activations, else H). 0 for GMM tiles."""
@@ -189,24 +237,50 @@ def tile_elements(t: TaskDescriptor, model: ModelSpec, slot_rows: int, load: flo
 
 
 def default_tiles(
-    model: ModelSpec, tile_m: int | None = None, slot_rows: int | None = None
+    model: ModelSpec,
+    tile_m: int | None = None,
+    slot_rows: int | None = None,
+    load: SlotLoads | None = None,
 ) -> tuple[int, int]:
-    """``(tile_m, slot_rows)`` of the model's bucket: ``tile_m`` defaults to the mean rows per
-    (rank, expert) as a power of two, at most 128 (the runtime's default); the slot
-    holds the mean load rounded as the runtime rounds (``slot_rows_for``). Given values are
-    kept (a slot must be a multiple of the tile)."""
+    """``(tile_m, slot_rows)`` of the model's bucket as ``moesaic train`` runs it: ``tile_m``
+    defaults to the runtime's (``TaskflowOptions.tile_m``, 128); the slot holds the most rows
+    of any (source rank, expert) slot, ``load.worst`` (uniform routing without ``load``: the
+    mean), rounded as the runtime's bucket rounds it (``slot_rows_for``: a power-of-two number
+    of tiles). Given values are kept (a slot must be a multiple of the tile)."""
+    from moesaic.strategies.taskflow_options import TaskflowOptions
     from moesaic.taskflow.bucket import slot_rows_for
 
     rows = model.tokens * model.top_k
     if tile_m is None:
-        tile_m = min(128, 1 << max(rows // model.experts - 1, 0).bit_length())
+        tile_m = TaskflowOptions().tile_m
     if slot_rows is None:
-        slot_rows = slot_rows_for(math.ceil(rows / model.experts), tile_m)
+        worst = load.worst if load is not None else rows / model.experts
+        slot_rows = slot_rows_for(math.ceil(worst - 1e-9), tile_m)
     if slot_rows % tile_m:
         raise ValueError(
             f"taskflow_slot_rows ({slot_rows}) must be a multiple of taskflow_tile_m ({tile_m})"
         )
     return tile_m, slot_rows
+
+
+def layer_loads(model: ModelSpec, ranks: int) -> list[SlotLoads]:
+    """Each MoE layer's routed rows per (source rank, expert) on ``ranks`` ranks, as the
+    simulator's other strategies price routing (``sim.model.expert_shares``, one layer at a
+    time, in placement order): the model's ``measured_loads`` (a run's, or the profile's
+    ``routing`` that ``simulate`` puts there), each layer normalised, else Zipf
+    (``routing_skew``; uniform at 0); a capacity caps every expert at ``cf / E`` of the rows.
+    One entry per row of loads (a single one stands for every layer)."""
+    E = model.experts
+    if E % ranks:
+        raise ValueError(f"model.experts ({E}) must be a multiple of the ranks ({ranks})")
+    rows = model.measured_loads or (tuple((e + 1) ** -model.routing_skew for e in range(E)),)
+    cap = model.capacity_factor / E if model.capacity_factor > 0 else math.inf
+    routed = model.tokens * model.top_k
+    out = []
+    for row in rows:
+        total = math.fsum(row)
+        out.append(SlotLoads([routed * min(x / total, cap) for x in row], E // ranks, ranks))
+    return out
 
 
 def model_bucket(model: ModelSpec, *, ep_size: int, slot_rows: int, tile_m: int) -> ShapeBucket:
@@ -235,11 +309,14 @@ def layer_plan(
     tile_m: int | None = None,
     slot_rows: int | None = None,
     pipeline: bool = False,
+    load: SlotLoads | None = None,
 ) -> LayerPlan:
     """Compiles and simulates one MoE layer's ``direction`` plans on every rank; rank 0's tiles.
 
     ``tile_m``, ``slot_rows``: the bucket's (:func:`default_tiles`); ``pipeline``: the
-    list-scheduled queue order (``CompileOptions.pipeline``) instead of kernel order.
+    list-scheduled queue order (``CompileOptions.pipeline``) instead of kernel order;
+    ``load``: the layer's routed rows per slot (:func:`layer_loads`; None: the model's first
+    layer), which also size the default bucket.
     """
     from moesaic.taskflow.bucket import CompileOptions
     from moesaic.taskflow.compile import compile_world
@@ -250,13 +327,13 @@ def layer_plan(
     if P > MAX_RANKS:
         raise ValueError(f"the taskflow strategy simulates worlds of <= {MAX_RANKS} ranks, got {P}")
     T, H, F = model.tokens, model.hidden, model.ffn_hidden
-    tile_m, slot = default_tiles(model, tile_m, slot_rows)
+    if load is None:
+        load = layer_loads(model, P)[0]
+    tile_m, slot = default_tiles(model, tile_m, slot_rows, load)
     bucket = model_bucket(model, ep_size=P, slot_rows=slot, tile_m=tile_m)
     plans = compile_world(bucket, direction, CompileOptions(pipeline=pipeline))
     launch_s = profile.task_overhead_s / OPS_PER_TASK
     swiglu = model.activation == "swiglu"
-
-    load = T * model.top_k / model.experts  # valid rows of every slot (uniform routing)
 
     launch_s += profile.tile_cpu_s
     elem_s = profile.tile_elem_cpu_s
@@ -314,7 +391,8 @@ def layer_plan(
 
     tl = simulate(plans, world=True, cost=cost)
     plan = plans[0]
-    cpu_s = math.fsum(cpu_cost(t) for t in plan.tasks)
+    # the busiest rank's CPU (skewed routing loads one rank more than the others)
+    cpu_s = max(math.fsum(cpu_cost(t) for t in p.tasks) for p in plans)
     spans = []
     for t in plan.tasks:
         kind = TASK_TYPES[t.task_type]
@@ -328,18 +406,40 @@ def layer_plan(
                 args={"tile": t.task_index},
             )
         )
-    return LayerPlan(tl.makespan, spans, cpu_s)
+    # The forward keeps its receive-window buffers for the backward as copies, whole buckets
+    # (padding rows too), after the plan ran (``TaskflowRuntime.forward``): every rank at once.
+    copy_s = saved_window_elements(plan) * profile.copy_elem_cpu_s
+    return LayerPlan(tl.makespan + slow * copy_s, spans, cpu_s + copy_s)
+
+
+def saved_window_elements(plan: Plan) -> int:
+    """Elements a forward plan's step copies after it ran: its receive-window buffers that the
+    backward reads (:data:`SAVED_WINDOW`), each whole (``slot_rows`` per slot whatever the
+    routing); 0 for a backward plan."""
+    if plan.direction != "forward":
+        return 0
+    return sum(
+        spec.rows * spec.cols
+        for spec in plan.buffers
+        if spec.name in SAVED_WINDOW and spec.kind != "input"
+    )
 
 
 def step_cpu_s(
     model: ModelSpec, profile: Profile, plans: dict[str, LayerPlan], world: int = 1
 ) -> float:
     """A rank's CPU seconds in one taskflow step on ``world`` ranks: every block's attention
-    stage (forward and backward) and its layer's plans, the head and the optimizer
-    (:func:`host_prices`); none of the wire time."""
+    stage (forward and backward) and its layer's plans (``plans["forward.<block>"]`` where
+    the layers' routing differs, else ``plans["forward"]`` for every block), the head and the
+    optimizer (:func:`host_prices`); none of the wire time."""
     p = host_prices(model, profile, world)
-    per_block = p.at_fwd_s + p.at_bwd_s + plans["forward"].cpu_s + plans["backward"].cpu_s
-    return model.layers * per_block + p.head_fwd_s + p.head_bwd_s + p.optimizer_s
+    layers = math.fsum(
+        plans.get(f"{d}.{blk}", plans[d]).cpu_s
+        for blk in range(1, model.layers + 1)
+        for d in ("forward", "backward")
+    )
+    host = model.layers * (p.at_fwd_s + p.at_bwd_s) + p.head_fwd_s + p.head_bwd_s + p.optimizer_s
+    return host + layers
 
 
 def build_taskflow(
@@ -354,12 +454,28 @@ def build_taskflow(
     """The step's graph: per block ``AT`` then the layer's plan (one task standing for it,
     expanded into its tiles afterwards), the head, the backward in reverse, one all-reduce of the
     replicated gradients and the optimizer (neither for a ``layer_only`` model). The plan's
-    knobs are :func:`layer_plan`'s."""
+    knobs are :func:`layer_plan`'s; each block's plans run its own routing
+    (:func:`layer_loads`: its bucket and valid rows) where the model's loads differ by layer,
+    returned as ``"forward.<block>"`` and ``"backward.<block>"`` besides ``"forward"`` and
+    ``"backward"`` (block 1's, which the timeline draws for every block)."""
     knobs = {"tile_m": tile_m, "slot_rows": slot_rows}
-    plans = {
-        d: layer_plan(model, link, profile, d, pipeline=pipeline, **knobs)
-        for d in ("forward", "backward")
-    }
+    loads = layer_loads(model, link.world_size)
+    by_row = [
+        {
+            d: layer_plan(model, link, profile, d, pipeline=pipeline, load=load, **knobs)
+            for d in ("forward", "backward")
+        }
+        for load in loads[: model.layers]
+    ]
+    plans = dict(by_row[0])
+    if len(by_row) > 1:
+        for blk in range(1, model.layers + 1):
+            for d in ("forward", "backward"):
+                plans[f"{d}.{blk}"] = by_row[(blk - 1) % len(by_row)][d]
+
+    def plan(d: str, blk: int) -> LayerPlan:
+        return plans.get(f"{d}.{blk}", plans[d])
+
     p = host_prices(model, profile, link.world_size)
     slow = cpu_slowdown(profile)
     p = p._replace(
@@ -372,11 +488,13 @@ def build_taskflow(
     g = SimGraph()
     for blk in range(1, model.layers + 1):
         g.add("compute", SimTask(f"AT1.{blk}", "compute", p.at_fwd_s, "fwd", blk, 1))
-        g.add("compute", SimTask(f"MoE{blk}", "taskflow", plans["forward"].makespan, "fwd", blk))
+        moe_s = plan("forward", blk).makespan
+        g.add("compute", SimTask(f"MoE{blk}", "taskflow", moe_s, "fwd", blk))
     g.add("compute", SimTask("head1", "compute", p.head_fwd_s, "fwd"))
     g.add("compute", SimTask("head1", "compute", p.head_bwd_s, "bwd"))
     for blk in range(model.layers, 0, -1):
-        g.add("compute", SimTask(f"MoE{blk}", "taskflow", plans["backward"].makespan, "bwd", blk))
+        moe_s = plan("backward", blk).makespan
+        g.add("compute", SimTask(f"MoE{blk}", "taskflow", moe_s, "bwd", blk))
         last = g.add("compute", SimTask(f"AT1.{blk}", "compute", p.at_bwd_s, "bwd", blk, 1))
     grad = model.layers * model.replicated_params_per_block() + model.outer_params()
     nbytes = grad * model.param_bytes
