@@ -52,7 +52,14 @@ from moesaic.checks import check_bool, check_number, check_one_of, check_positiv
 if TYPE_CHECKING:
     from moesaic.train.config import TrainConfig
 
-__all__ = ["ModelSpec", "expert_shares", "load_model", "measured_loads", "train_config_of"]
+__all__ = [
+    "ModelSpec",
+    "expert_shares",
+    "layer_shares",
+    "load_model",
+    "measured_loads",
+    "train_config_of",
+]
 
 # [model] keys only the model format has, and those only a training config's [model] has.
 MODEL_ONLY_KEYS = (
@@ -260,6 +267,17 @@ def _load_rows(raw: Any, experts: int) -> tuple[tuple[float, ...], ...]:
     return tuple(out)
 
 
+def layer_shares(model: ModelSpec) -> list[list[float]]:
+    """Each MoE layer's share of the routed rows per expert, in placement order: every row of
+    ``measured_loads`` normalised (one row stands for every layer), else Zipf(``routing_skew``),
+    uniform at 0; with a capacity factor each share is capped at ``cf / E`` (the rest is
+    dropped: the shares then sum to less than 1)."""
+    E = model.experts
+    rows = model.measured_loads or (tuple((e + 1) ** -model.routing_skew for e in range(E)),)
+    cap = model.capacity_factor / E if model.capacity_factor > 0 else math.inf
+    return [[min(x / math.fsum(row), cap) for x in row] for row in rows]
+
+
 def expert_shares(model: ModelSpec, groups: int = 1) -> list[float]:
     """Share of routed rows each expert receives, in placement order: ``measured_loads``
     normalised when given (a run's loads, :func:`measured_loads`), else Zipf(``routing_skew``),
@@ -279,13 +297,10 @@ def expert_shares(model: ModelSpec, groups: int = 1) -> list[float]:
     E = model.experts
     if E % groups:
         raise ValueError(f"groups ({groups}) must divide model.experts ({E})")
-    rows = model.measured_loads or (tuple((e + 1) ** -model.routing_skew for e in range(E)),)
-    cap = model.capacity_factor / E if model.capacity_factor > 0 else math.inf
+    rows = layer_shares(model)
     size = E // groups
     out = [0.0] * E
-    for row in rows:
-        total = math.fsum(row)
-        shares = [min(x / total, cap) for x in row]
+    for shares in rows:
         blocks = [shares[g * size : (g + 1) * size] for g in range(groups)]
         if groups > 1:
             blocks.sort(key=math.fsum, reverse=True)

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from moesaic.sim.collectives import LinkModel, all_reduce_s, p2p_s
 from moesaic.sim.graph import SimGraph, SimTask
-from moesaic.sim.model import ModelSpec
+from moesaic.sim.model import ModelSpec, layer_shares
 from moesaic.sim.profile import OPS_PER_TASK, Profile
 from moesaic.taskflow.tasks import Region, TaskDescriptor
 from moesaic.trace import Span
@@ -273,14 +273,8 @@ def layer_loads(model: ModelSpec, ranks: int) -> list[SlotLoads]:
     E = model.experts
     if E % ranks:
         raise ValueError(f"model.experts ({E}) must be a multiple of the ranks ({ranks})")
-    rows = model.measured_loads or (tuple((e + 1) ** -model.routing_skew for e in range(E)),)
-    cap = model.capacity_factor / E if model.capacity_factor > 0 else math.inf
     routed = model.tokens * model.top_k
-    out = []
-    for row in rows:
-        total = math.fsum(row)
-        out.append(SlotLoads([routed * min(x / total, cap) for x in row], E // ranks, ranks))
-    return out
+    return [SlotLoads([routed * x for x in row], E // ranks, ranks) for row in layer_shares(model)]
 
 
 def model_bucket(model: ModelSpec, *, ep_size: int, slot_rows: int, tile_m: int) -> ShapeBucket:
