@@ -79,3 +79,20 @@ def test_flowmoe_chunks_do_not_pay_a_stall_as_a_rate():
     spans = [s for s in flow.spans if s.resource == "allreduce"]
     assert len(spans) == 16
     assert sum(s.duration for s in spans) == pytest.approx(chunks + 16 * lat)
+
+
+def test_a_skewed_ranks_compute_gets_the_cores_the_lighter_ones_leave():
+    """Processor sharing: 4 ranks on 2 cores, 1 thread each. Uniform loads: every rank computes
+    beside the others all along (factor 1). Loads 0.4/0.2/0.2/0.2: the busiest computes 0.2 at
+    4 ranks on 2 cores (x2) and its last 0.2 alone (x1): 0.6 where all-beside charges 0.8."""
+    from moesaic.sim.contention import CpuModel, skewed_compute_factor
+
+    cpu = CpuModel(cores_per_rank=0.5, threads=1)
+    assert skewed_compute_factor([0.25] * 4, cpu) == pytest.approx(1.0)
+    assert skewed_compute_factor([0.4, 0.2, 0.2, 0.2], cpu) == pytest.approx(0.6 / 0.8)
+    # every rank with a core of its own: nothing to free
+    assert skewed_compute_factor([0.7, 0.1, 0.1, 0.1], CpuModel(cores_per_rank=1.0)) == 1.0
+    # ranks in any order; 3 of 4 done at once leave the busiest 2 cores (1 thread: x1)
+    assert skewed_compute_factor([0.1, 0.7, 0.1, 0.1], cpu) == pytest.approx(
+        (0.1 * 2 + 0.6 * 1) / (0.7 * 2)
+    )

@@ -41,7 +41,7 @@ from moesaic.sim.profile import Profile
 from moesaic.taskflow.engine import Timeline
 from moesaic.trace import COMM_RESOURCES, COMPUTE_RESOURCES
 
-__all__ = ["ITERATIONS", "CpuModel", "contend"]
+__all__ = ["ITERATIONS", "CpuModel", "contend", "skewed_compute_factor"]
 
 # Rounds of the fixed point; on the pipelined graphs tried the third round moved the step by
 # < 0.5% of the second.
@@ -113,6 +113,29 @@ class CpuModel:
         if self.measured_alone:
             return shared
         return shared / max(1.0, self.threads / self.cores_per_rank)
+
+
+def skewed_compute_factor(shares: list[float], cpu: CpuModel) -> float:
+    """How much of its contended time the busiest rank's expert compute takes when the ranks'
+    loads differ (``shares``: each rank's share of the rows; every rank of the machine).
+
+    :func:`contend` slows a rank's compute as if every rank of the machine computed beside it,
+    which holds for what all ranks do alike. Rows are not alike under skewed routing: once the
+    lighter ranks are done they wait at the next all-to-all and leave their cores to the busier
+    ones. With the ranks' loads in order ``l_1 >= ... >= l_P`` and all starting together, the
+    busiest finishes after ``sum_k (l_k - l_{k+1}) max(1, k n / C)`` (``k`` ranks still
+    computing on ``C`` cores with ``n`` threads each: processor sharing), where ``contend``
+    charges ``l_1 max(1, P n / C)``; the factor is their ratio, 1 under uniform routing or
+    where every rank has cores of its own."""
+    P = len(shares)
+    if P < 2 or max(shares) <= 0:
+        return 1.0
+    cores = cpu.cores_per_rank * P
+    loads = [*sorted(shares, reverse=True), 0.0]
+    shared = sum(
+        (loads[k - 1] - loads[k]) * max(1.0, k * cpu.threads / cores) for k in range(1, P + 1)
+    )
+    return shared / (loads[0] * max(1.0, P * cpu.threads / cores))
 
 
 class _Load:

@@ -44,6 +44,7 @@ from moesaic.sim.collectives import (
     all_to_all_shares_s,
     offset_group_sizes,
 )
+from moesaic.sim.contention import CpuModel, skewed_compute_factor
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, expert_shares
 from moesaic.sim.opcal import OpPrices
@@ -184,6 +185,28 @@ class Costs:
             self._price_flops(profile, tokens, ex.rows, params)
         else:
             self._price_ops(OpPrices(profile.ops, model), tokens, ex.rows, params)
+        self._share_cores(strategy, domain_sizes)
+
+    def _share_cores(self, strategy: str, domain_sizes: Sequence[int] | None) -> None:
+        """The busiest rank's expert compute under skewed routing where the machine's ranks
+        share its cores: the lighter ranks finish and free theirs
+        (:func:`~moesaic.sim.contention.skewed_compute_factor`, which the contention then
+        stretches). Only where every rank of the world is on one modelled machine and the
+        rows follow the ranks' shares (dropless, padded on its kept rows, hybrid with domains
+        of 1; not larger domains, whose members compute their domain's experts)."""
+        cpu = CpuModel.of(self.profile)
+        P = self.link.world_size
+        if cpu is None or self.profile.ranks_per_machine != P:
+            return
+        if domain_sizes is not None and any(s != 1 for s in domain_sizes):
+            return
+        if strategy == "padded" and not (
+            self.profile.ops is not None
+            and skips_padding(self.profile.ops.device, self.model.activation)
+        ):
+            return  # the whole padded buffer: every rank computes alike
+        f = skewed_compute_factor(rank_shares(self.model, P), cpu)
+        self.e_s, self.e_bwd_s = self.e_s * f, self.e_bwd_s * f
 
     def _price_flops(self, profile: Profile, tokens: int, rows: float, params: float) -> None:
         """Every task at the profile's FLOP rate plus its overhead; backward twice forward."""
