@@ -80,10 +80,29 @@ runs, how it is measured and predicted: as for the first rule (``moesaic calibra
 --model`` now also runs the job's router on its data for its first steps, the profile's
 ``routing``, which ``simulate`` and ``plan`` price).
 
+**The fourth rule** (``--rule 4``; fixed on 2026-11-26 at 02:00 UTC, committed before any of
+its configurations was measured or simulated, after the simulator was changed on what the
+first twenty-four showed; nothing in it may change after its first measurement): other levels
+again, every rank a node of its own, generators ``D = A x B x C`` and ``E = A x B``; names
+start with ``x``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.4 Gbit/s, 0.8 ms one way       1.5 Gbit/s, 0.15 ms
+B     routed experts E (top-2)              8                                20
+C     expert width F / H                    2.5                              5
+D     tokens per rank (sequences of 128)    1024                             1536
+E     ranks                                 2 (2 nodes x 1)                  4 (4 nodes x 1)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 288, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise. What runs, how it is measured and predicted: as for the third rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|3]   # the eight configurations, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|3] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|3|4]   # the eight configurations, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|3|4] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -147,22 +166,42 @@ FACTORS_3: dict[str, tuple[Any, Any]] = {
 }
 H_3, BLOCKS_3, INTRA_NODE_3 = 224, 3, (4.0, 0.05)
 
+# The fourth rule's (the docstring's fourth table) and its fixed hidden size.
+FACTORS_4: dict[str, tuple[Any, Any]] = {
+    "link": ((0.4, 0.8), (1.5, 0.15)),
+    "experts": (8, 20),
+    "f_over_h": (2.5, 5),
+    "tokens_per_rank": (1024, 1536),
+    "ranks": (2, 4),
+}
+H_4 = 288
+
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1, 2 or 3), in standard order (A slowest-varying)."""
-    if rule not in (1, 2, 3):
-        raise ValueError(f"rule ({rule}) must be 1, 2 or 3")
-    factors, prefix = {1: (FACTORS, "u"), 2: (FACTORS_2, "v"), 3: (FACTORS_3, "w")}[rule]
+    """The eight configurations of ``rule`` (1 to 4), in standard order (A slowest-varying)."""
+    if rule not in (1, 2, 3, 4):
+        raise ValueError(f"rule ({rule}) must be 1, 2, 3 or 4")
+    factors, prefix = {
+        1: (FACTORS, "u"),
+        2: (FACTORS_2, "v"),
+        3: (FACTORS_3, "w"),
+        4: (FACTORS_4, "x"),
+    }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
-        d, e = {1: (a * b, a * c), 2: (b * c, a * b * c), 3: (a * c, b * c)}[rule]
+        d, e = {
+            1: (a * b, a * c),
+            2: (b * c, a * b * c),
+            3: (a * c, b * c),
+            4: (a * b * c, a * b),
+        }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
         cfg["coded"] = levels
         cfg["name"] = prefix + "".join("+" if v > 0 else "-" for v in (a, b, c, d, e))
-        cfg["hidden"] = {1: H, 2: H_2, 3: H_3}[rule]
+        cfg["hidden"] = {1: H, 2: H_2, 3: H_3, 4: H_4}[rule]
         cfg["blocks"] = BLOCKS_3 if rule == 3 else BLOCKS
-        cfg["flat"] = rule == 2  # every rank a node of its own
+        cfg["flat"] = rule in (2, 4)  # every rank a node of its own
         cfg["intra_node"] = INTRA_NODE_3 if rule == 3 else INTRA_NODE
         out.append(cfg)
     return out
@@ -170,7 +209,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
 
 def find_configuration(name: str) -> dict[str, Any]:
     """The configuration called ``name`` under either rule."""
-    return next(c for rule in (1, 2, 3) for c in configurations(rule) if c["name"] == name)
+    return next(c for rule in (1, 2, 3, 4) for c in configurations(rule) if c["name"] == name)
 
 
 def cluster_toml(cfg: dict[str, Any]) -> str:
@@ -321,7 +360,7 @@ def repredict(path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1, 2 or 3 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 4 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
