@@ -111,6 +111,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -258,6 +259,12 @@ def _steps(run_dir: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"measured_s": statistics.median(step_s), "steps_s": step_s}
 
 
+def _drop_checkpoints(run_dir: Path) -> None:
+    """A run's final checkpoint is not needed here and takes up to ~1 GB: 88 runs filled the
+    disk during the fourth rule's first invocation."""
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
 def measure(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> dict[str, Any]:
     """One emulated training run; rank 0's median step time after the warm-up."""
     run_dir = work / f"run_{strategy}_{schedule}"
@@ -271,6 +278,7 @@ def measure(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> di
     t0 = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
     wall = time.perf_counter() - t0
+    _drop_checkpoints(run_dir)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:], "wall_s": wall}
     return {**_steps(run_dir, cfg), "wall_s": wall}
@@ -333,6 +341,7 @@ def measure_plan(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     if strategy == "hybrid":
         args += ["--cluster", cluster]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    _drop_checkpoints(run_dir)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
     return {**_steps(run_dir, cfg), "pick": pick}
