@@ -145,6 +145,9 @@ class Costs:
     extrapolated to this model), else at ``flops_per_s`` (backward twice the forward).
     """
 
+    e_s: float  # the busiest rank's expert compute, forward and backward (seconds)
+    e_bwd_s: float
+
     def __init__(
         self,
         model: ModelSpec,
