@@ -275,7 +275,11 @@ def layer_shares(model: ModelSpec) -> list[list[float]]:
     E = model.experts
     rows = model.measured_loads or (tuple((e + 1) ** -model.routing_skew for e in range(E)),)
     cap = model.capacity_factor / E if model.capacity_factor > 0 else math.inf
-    return [[min(x / math.fsum(row), cap) for x in row] for row in rows]
+    out = []
+    for row in rows:
+        total = math.fsum(row)
+        out.append([min(x / total, cap) for x in row])
+    return out
 
 
 def expert_shares(model: ModelSpec, groups: int = 1) -> list[float]:
