@@ -85,7 +85,7 @@ def _fast_path(device: torch.device, dtype: torch.dtype) -> dict:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def gpu_tests(timeout_s: float) -> dict:
+def gpu_tests(timeout_s: float, workers: int = 0) -> dict:
     """``pytest tests/gpu -m gpu`` in a subprocess (the CPU twins there run in the normal
     suite); its outcome counts from a JUnit report, the failed tests, the output's tail."""
     path = [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -94,6 +94,8 @@ def gpu_tests(timeout_s: float) -> dict:
         junit = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rs"]
         cmd += ["-p", "no:cacheprovider", f"--junitxml={junit}"]
+        if workers > 0:  # pytest-xdist: the spawned worlds start in parallel
+            cmd += ["-n", str(workers)]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(
@@ -108,7 +110,11 @@ def gpu_tests(timeout_s: float) -> dict:
             rc, log = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
             rc, log = 124, f"timed out after {exc.timeout} s"
-        out: dict = {"command": " ".join(cmd[1:-1]), "rc": rc, "wall_s": time.perf_counter() - t0}
+        out: dict = {
+            "command": " ".join(c for c in cmd[1:] if "junitxml" not in c),
+            "rc": rc,
+            "wall_s": time.perf_counter() - t0,
+        }
         out.update(_junit_counts(junit))
     lines = log.strip().splitlines()
     out["summary"] = lines[-1] if lines else ""
@@ -388,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-log", type=Path)
     p.add_argument("--skip", default="", help="comma list of parts to skip: tests,speed,sim")
     p.add_argument("--tests-timeout-s", type=float, default=1800.0, help="bound on tests/gpu")
+    p.add_argument("--tests-workers", type=int, default=0, help="pytest-xdist workers (0: none)")
     p.add_argument("--commit", default="", help="commit of the copy (no .git on a device)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -406,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         result["meta"]["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
 
     if "tests" not in skip:
-        result["tests"] = gpu_tests(args.tests_timeout_s)
+        result["tests"] = gpu_tests(args.tests_timeout_s, args.tests_workers)
         t = result["tests"]
         print(f"tests/gpu rc {t['rc']}: {t['summary']}")
         write_json(result, args.out)

@@ -1,0 +1,432 @@
+"""The MoE layer's training step on one GPU, beside torchtitan's MoE and the transformers
+Mixtral block with the same weights: where the step's time goes and how far it is from the
+dense-GEMM bound.
+
+``PYTHONPATH=src python3 benchmarks/gpu_layer.py --out OUT.json [--traces DIR]``
+(``--device cpu --quick``: every part at toy sizes, the CPU smoke test.)
+
+For each layer shape (bf16 on a GPU; ``CONFIGS``) and each module (``dropless``, ``padded``
+at capacity factor 1.25, ``dropless`` with the whole step in one CUDA graph, torchtitan's
+``MoE`` when installed, the transformers ``MixtralSparseMoeBlock``):
+
+* agreement with ``dropless`` on one forward + backward (relative max error of the output, the
+  input gradient and, for torchtitan, the expert weight gradients), on fresh random inputs;
+* ``step_ms``: median of single synchronised steps (forward, loss (y g).sum() + the aux loss
+  each library adds, backward, grads set to None), CUDA events around each;
+* ``stream_ms``: ``--stream`` steps back to back and one synchronisation, per step (what a
+  training loop sees: the host runs ahead of the GPU unless something syncs it);
+* ``kernel_ms``: GPU kernel time per step (torch.profiler over 3 back-to-back steps), the GPU
+  idle time inside those steps (``gap_ms``: the host gaps) and the top kernels;
+* ``host_syncs``: operations that made the host wait for the GPU in one step
+  (``torch.cuda.set_sync_debug_mode("warn")``);
+* with ``--profile`` (``moesaic calibrate``'s, measured on the same GPU first): the simulator's
+  prediction of the layer step alone (vanilla schedule, one rank, ``gpu_check.simulated``)
+  beside the measured ``dropless`` step.
+
+The dense-GEMM bound: the step's expert GEMM FLOPs (9 GEMMs of 2 H F per routed row, forward
+and backward) at the rate of one dense ``T K x H @ H x F`` GEMM of the same dtype measured in
+the same run. ``fraction_of_dense_bound`` = bound / ``stream_ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import shutil
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moesaic import MoEConfig, MoELayer, aux_loss
+from moesaic.bench.meta import run_metadata
+from moesaic.bench.options import write_json
+from moesaic.bench.peer_names import peer_installed
+
+CONFIGS = [
+    # Mixtral 8x7B's width and expert shape at 8k tokens per step.
+    {"name": "mixtral_like", "H": 2048, "F": 4096, "E": 8, "K": 2, "T": 8192},
+    # Fine-grained: each Mixtral expert split in 4 (F / 4, K x 4, E 64), the same FLOPs.
+    {"name": "fine_grained", "H": 2048, "F": 1024, "E": 64, "K": 8, "T": 8192},
+    # E 64, F 1024 at top-2 (the shape of the earlier H100 run, F 1408 -> 1024).
+    {"name": "fine_grained_k2", "H": 2048, "F": 1024, "E": 64, "K": 2, "T": 16384},
+]
+QUICK = [{"name": "tiny", "H": 64, "F": 128, "E": 8, "K": 2, "T": 256}]
+
+
+def expert_flops(c: dict) -> float:
+    return 9 * 2.0 * c["H"] * c["F"] * c["T"] * c["K"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------- the modules
+def _loss_terms(module) -> torch.Tensor | None:
+    if isinstance(module, MoELayer):
+        return aux_loss(module)
+    terms = getattr(module, "loss_terms", None)
+    return terms() if terms is not None else None
+
+
+def make_step(module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One training step of ``module``: forward, loss, backward, grads set to None."""
+
+    def step() -> torch.Tensor:
+        xr = x.detach().requires_grad_()
+        y = module(xr)
+        y = y[0] if isinstance(y, tuple) else y
+        loss = (y * g).sum()
+        extra = _loss_terms(module)
+        if extra is not None:
+            loss = loss + extra.to(loss.device)
+        loss.backward()
+        module.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def graphed_step(module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
+    """The same step captured once in a CUDA graph (static input, output and gradients),
+    replayed per call: what the step costs with no host work at all."""
+    static_x = x.detach().clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+
+    def body() -> None:
+        y = module(static_x)
+        y = y[0] if isinstance(y, tuple) else y
+        loss = (y * g).sum()
+        extra = _loss_terms(module)
+        if extra is not None:
+            loss = loss + extra
+        loss.backward()
+
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            module.zero_grad(set_to_none=True)
+            static_x.grad = None
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    module.zero_grad(set_to_none=True)
+    static_x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph.replay
+
+
+def build_modules(c: dict, device, dtype, quick: bool) -> tuple[dict, dict]:
+    """``{name: (module or None, step)}`` and the agreement of each with dropless."""
+    from moesaic.bench.layer import _check_step
+    from moesaic.bench.peers import build_peer, compare
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(c["T"], c["H"], generator=gen).to(device, dtype)
+    g = torch.randn(c["T"], c["H"], generator=gen).to(device, dtype)
+
+    def layer(**kw) -> MoELayer:
+        torch.manual_seed(0)  # the same weights for every module
+        cfg = MoEConfig(
+            hidden_size=c["H"], ffn_hidden_size=c["F"], num_experts=c["E"], top_k=c["K"], **kw
+        )
+        return MoELayer(cfg).to(device, dtype)
+
+    ours = layer(dispatcher="dropless")
+    modules: dict = {"dropless": (ours, make_step(ours, x, g))}
+    padded = layer(dispatcher="padded", capacity_factor=1.25)
+    modules["padded-cf1.25"] = (padded, make_step(padded, x, g))
+    checks: dict = {}
+    if device.type == "cuda":
+        graphed = layer(dispatcher="dropless")
+        try:
+            modules["dropless+cuda-graph"] = (graphed, graphed_step(graphed, x, g))
+        except Exception as exc:
+            checks["dropless+cuda-graph"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    gen2 = torch.Generator().manual_seed(2)  # fresh inputs for the agreement checks
+    xc = torch.randn(c["T"], c["H"], generator=gen2).to(device, dtype)
+    gc = torch.randn(c["T"], c["H"], generator=gen2).to(device, dtype)
+    if peer_installed("torchtitan"):
+        try:
+            peer = build_peer("torchtitan", ours).to(device, dtype)
+            agreement = compare(peer, ours, xc, gc, _check_step)
+            checks["torchtitan"] = {
+                "max_rel_y": agreement.max_rel_y,
+                "max_rel_dx": agreement.max_rel_dx,
+                "max_rel_dw": agreement.max_rel_dw,
+            }
+            modules["torchtitan"] = (peer, make_step(peer, x, g))
+        except Exception as exc:
+            checks["torchtitan"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    else:
+        checks["torchtitan"] = {"error": "not installed"}
+    try:
+        from moesaic.interop.hf import mixtral_block_from_layer
+
+        hf = _Flat(mixtral_block_from_layer(ours).to(device, dtype).train())
+        y_h, dx_h = _check_step(hf, xc, gc)
+        y_o, dx_o = _check_step(ours, xc, gc)
+        checks["transformers-mixtral"] = {
+            "max_rel_y": _rel(y_h, y_o),
+            "max_rel_dx": _rel(dx_h, dx_o),
+            "experts_implementation": str(
+                getattr(
+                    hf.block.config if hasattr(hf.block, "config") else hf.block.experts,
+                    "_experts_implementation",
+                    "",
+                )
+            ),
+        }
+        modules["transformers-mixtral"] = (hf, make_step(hf, x, g))
+    except Exception as exc:
+        checks["transformers-mixtral"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    return modules, checks
+
+
+class _Flat(torch.nn.Module):
+    """A ``[B, S, H]`` block behind ``forward(x [T, H]) -> y [T, H]``."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x.view(1, *x.shape))
+        y = y[0] if isinstance(y, tuple) else y
+        return y.view(x.shape)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------- the numbers
+def dense_gemm_tflops(c: dict, device, dtype, reps: int = 10) -> float:
+    rows = c["T"] * c["K"]
+    a = torch.randn(rows, c["H"], device=device, dtype=dtype)
+    b = torch.randn(c["H"], c["F"], device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        _sync(device)
+        times.append((time.perf_counter() - t0) / reps)
+    return 2.0 * rows * c["H"] * c["F"] / statistics.median(times) / 1e12
+
+
+def step_times(step, device, iters: int, warmup: int, stream: int) -> dict:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    single = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        single.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(stream):
+        step()
+    _sync(device)
+    return {
+        "step_ms": 1e3 * statistics.median(single),
+        "step_ms_min": 1e3 * min(single),
+        "stream_ms": 1e3 * (time.perf_counter() - t0) / stream,
+    }
+
+
+def host_syncs(step, device) -> int | None:
+    """How many operations of one step made the host wait for the GPU."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync(device)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def kernel_profile(step, device, trace: Path | None, steps: int = 3) -> dict:
+    """Kernel time, GPU idle time between the first kernel and the last, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return {}
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    busy, end = 0.0, None
+    gaps = []
+    for s, e in spans:
+        if end is None or s >= end:
+            if end is not None:
+                gaps.append(s - end)
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    window = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    kernels = [
+        (e.key, e.count, e.self_device_time_total)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    kernels.sort(key=lambda k: -k[2])
+    total = sum(k[2] for k in kernels)
+    if trace is not None:
+        raw = trace.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+    return {
+        "kernel_ms": total / 1e3 / steps,
+        "busy_ms": busy / 1e3 / steps,
+        "window_ms": window / 1e3 / steps,
+        "gap_ms": (window - busy) / 1e3 / steps,
+        "largest_gaps_us": sorted(gaps, reverse=True)[:8],
+        "launches_per_step": sum(k[1] for k in kernels) / steps,
+        "top_kernels": [
+            {"name": n[:160], "per_step": cnt / steps, "ms_per_step": t / 1e3 / steps}
+            for n, cnt, t in kernels[:25]
+        ],
+    }
+
+
+def run_config(c: dict, device, dtype, args) -> dict:
+    flops = expert_flops(c)
+    rate = dense_gemm_tflops(c, device, dtype) if device.type == "cuda" else 0.0
+    bound_ms = 1e3 * flops / (rate * 1e12) if rate else None
+    row: dict = {**c, "expert_gflop_per_step": flops / 1e9, "dense_gemm_tflops": rate}
+    row["dense_gemm_bound_ms"] = bound_ms
+    modules, checks = build_modules(c, device, dtype, args.quick)
+    row["agreement"] = checks
+    if args.profile is not None:
+        from moesaic.sim.profile import Profile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_check import simulated
+
+        pred = simulated(
+            {**c, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32"},
+            Profile.load(args.profile),
+        )
+        row["simulated_ms"] = pred["iteration_ms"]
+    row["modules"] = {}
+    for name, (_module, step) in modules.items():
+        if name == "transformers-mixtral" and c["E"] > 16 and not args.quick:
+            iters, stream = 3, 3  # a Python loop over 64 experts: slow, a few steps say enough
+        else:
+            iters, stream = args.iters, args.stream
+        try:
+            r = step_times(step, device, iters, args.warmup, stream)
+            r["host_syncs"] = host_syncs(step, device)
+            trace = None
+            if args.traces is not None and name in (
+                "dropless",
+                "torchtitan",
+                "dropless+cuda-graph",
+            ):
+                trace = args.traces / f"{c['name']}_{name}.json.gz"
+            r.update(kernel_profile(step, device, trace))
+            if bound_ms:
+                r["fraction_of_dense_bound"] = bound_ms / r["stream_ms"]
+                r["fraction_of_dense_bound_sync"] = bound_ms / r["step_ms"]
+            r["expert_tflops"] = flops / (r["stream_ms"] * 1e-3) / 1e12
+            if device.type == "cuda":
+                r["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                torch.cuda.reset_peak_memory_stats(device)
+        except Exception as exc:
+            r = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        row["modules"][name] = r
+        print(_line(c, name, r, bound_ms), flush=True)
+        if name == "dropless" and "simulated_ms" in row and "error" not in r:
+            row["simulated_error"] = row["simulated_ms"] / r["stream_ms"] - 1.0
+            print(
+                f"{c['name']:16s} simulated {row['simulated_ms']:.3f} ms "
+                f"({row['simulated_error']:+.1%} of dropless stream_ms)",
+                flush=True,
+            )
+    del modules
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _line(c: dict, name: str, r: dict, bound_ms) -> str:
+    if "error" in r:
+        return f"{c['name']:16s} {name:22s} ERROR {r['error'][:300]}"
+    frac = r.get("fraction_of_dense_bound")
+    return (
+        f"{c['name']:16s} {name:22s} step {r['step_ms']:7.3f} ms  stream {r['stream_ms']:7.3f} ms"
+        f"  kernels {r.get('kernel_ms', float('nan')):7.3f}  gaps {r.get('gap_ms', float('nan')):6.3f}"
+        f"  syncs {r.get('host_syncs')}  bound {bound_ms or float('nan'):.3f}"
+        f"  frac {frac if frac is not None else float('nan'):.2f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--traces", type=Path, help="folder for gzipped Chrome traces")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--stream", type=int, default=20)
+    p.add_argument("--profile", type=Path, help="moesaic calibrate's profile: simulate too")
+    p.add_argument("--only", default="", help="comma list of config names")
+    p.add_argument("--commit", default="")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_layer: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.traces is not None:
+        args.traces.mkdir(parents=True, exist_ok=True)
+    meta = run_metadata()
+    if args.commit:
+        meta["commit"] = args.commit
+    if device.type == "cuda":
+        meta["cuda"] = torch.version.cuda
+        meta["device"] = torch.cuda.get_device_name(device)
+    result: dict = {"meta": meta, "argv": sys.argv[1:], "dtype": str(dtype), "configs": []}
+    only = set(filter(None, args.only.split(",")))
+    for c in QUICK if args.quick else CONFIGS:
+        if only and c["name"] not in only:
+            continue
+        result["configs"].append(run_config(c, device, dtype, args))
+        write_json(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
