@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -85,7 +86,7 @@ def _fast_path(device: torch.device, dtype: torch.dtype) -> dict:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def gpu_tests(timeout_s: float, workers: int = 0) -> dict:
+def gpu_tests(timeout_s: float, workers: int = 0, log_path: Path | None = None) -> dict:
     """``pytest tests/gpu -m gpu`` in a subprocess (the CPU twins there run in the normal
     suite); its outcome counts from a JUnit report, the failed tests, the output's tail."""
     path = [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -116,8 +117,12 @@ def gpu_tests(timeout_s: float, workers: int = 0) -> dict:
             "wall_s": time.perf_counter() - t0,
         }
         out.update(_junit_counts(junit))
-    lines = log.strip().splitlines()
-    out["summary"] = lines[-1] if lines else ""
+    if log_path is not None:
+        log_path.write_text(log)
+    # pytest's closing line ("3 failed, 57 passed, 1 warning in 68.63s"), not what plugins
+    # print after it
+    lines = [s for s in log.strip().splitlines() if _SUMMARY.search(s)]
+    out["summary"] = lines[-1].strip(" =") if lines else ""
     out["log_tail"] = log[-4000:]
     return out
 
@@ -138,6 +143,8 @@ def _junit_counts(path: Path) -> dict:
             failed.append(f"{case.get('classname')}::{case.get('name')}")
     return {**counts, "failed_tests": failed}
 
+
+_SUMMARY = re.compile(r"\d+ (passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")
 
 # A JUnit test case's child element -> its outcome (a case without one passed).
 _OUTCOMES = (("failure", "failed"), ("error", "errors"), ("skipped", "skipped"))
@@ -394,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-log", type=Path)
     p.add_argument("--skip", default="", help="comma list of parts to skip: tests,speed,sim")
     p.add_argument("--tests-timeout-s", type=float, default=1800.0, help="bound on tests/gpu")
+    p.add_argument("--tests-log", type=Path, help="write tests/gpu's whole output here")
     p.add_argument("--tests-workers", type=int, default=0, help="pytest-xdist workers (0: none)")
     p.add_argument("--commit", default="", help="commit of the copy (no .git on a device)")
     args = p.parse_args(argv)
@@ -413,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         result["meta"]["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
 
     if "tests" not in skip:
-        result["tests"] = gpu_tests(args.tests_timeout_s, args.tests_workers)
+        result["tests"] = gpu_tests(args.tests_timeout_s, args.tests_workers, args.tests_log)
         t = result["tests"]
         print(f"tests/gpu rc {t['rc']}: {t['summary']}")
         write_json(result, args.out)

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib
 import os
 import shutil
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -124,6 +126,35 @@ def graphed_step(module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]
     return graph.replay
 
 
+# Variants of dropless: library module state set around each of their steps (and restored).
+VARIANTS: dict[str, dict[tuple[str, str], str]] = {
+    "dropless[mul-sum]": {("moesaic.routing", "WEIGHTED_SUM"): "mul"},
+    "dropless[triton-act]": {("moesaic.experts", "SWIGLU_ACT"): "triton"},
+    "dropless[mul-sum,triton-act]": {
+        ("moesaic.routing", "WEIGHTED_SUM"): "mul",
+        ("moesaic.experts", "SWIGLU_ACT"): "triton",
+    },
+}
+
+
+def switched(fn: Callable, switches: dict[tuple[str, str], str]) -> Callable:
+    """``fn`` with the library's module attributes ``switches`` set while it runs."""
+
+    def run():
+        old = {}
+        for (mod, attr), value in switches.items():
+            module = importlib.import_module(mod)
+            old[mod, attr] = getattr(module, attr)
+            setattr(module, attr, value)
+        try:
+            return fn()
+        finally:
+            for (mod, attr), value in old.items():
+                setattr(importlib.import_module(mod), attr, value)
+
+    return run
+
+
 def build_modules(c: dict, device, dtype, quick: bool) -> tuple[dict, dict]:
     """``{name: (module or None, step)}`` and the agreement of each with dropless."""
     from moesaic.bench.layer import _check_step
@@ -142,23 +173,54 @@ def build_modules(c: dict, device, dtype, quick: bool) -> tuple[dict, dict]:
 
     ours = layer(dispatcher="dropless")
     modules: dict = {"dropless": (ours, make_step(ours, x, g))}
+    checks: dict = {}
+    gen2 = torch.Generator().manual_seed(2)  # fresh inputs for the agreement checks
+    xc = torch.randn(c["T"], c["H"], generator=gen2).to(device, dtype)
+    gc = torch.randn(c["T"], c["H"], generator=gen2).to(device, dtype)
+    for name, switches in VARIANTS.items():
+        if not all(hasattr(importlib.import_module(m), a) for m, a in switches):
+            continue  # an older library without this switch (the baseline run)
+        if device.type != "cuda" and any(v == "triton" for v in switches.values()):
+            continue
+        variant = layer(dispatcher="dropless")
+        y_v, dx_v = switched(lambda v=variant: _check_step(v, xc, gc), switches)()
+        y_o, dx_o = _check_step(ours, xc, gc)
+        checks[name] = {"norm_rel_y": _norm_rel(y_v, y_o), "norm_rel_dx": _norm_rel(dx_v, dx_o)}
+        modules[name] = (variant, switched(make_step(variant, x, g), switches))
+    if device.type == "cuda":
+        try:
+            tri = layer(dispatcher="dropless", kernels="triton")
+            y_v, dx_v = _check_step(tri, xc, gc)
+            y_o, dx_o = _check_step(ours, xc, gc)
+            checks["dropless[kernels=triton]"] = {
+                "norm_rel_y": _norm_rel(y_v, y_o),
+                "norm_rel_dx": _norm_rel(dx_v, dx_o),
+            }
+            modules["dropless[kernels=triton]"] = (tri, make_step(tri, x, g))
+        except Exception as exc:
+            checks["dropless[kernels=triton]"] = {
+                "error": f"{type(exc).__name__}: {exc}"[:1000],
+                "where": traceback.format_exc()[-3000:],
+            }
     padded = layer(dispatcher="padded", capacity_factor=1.25)
     modules["padded-cf1.25"] = (padded, make_step(padded, x, g))
-    checks: dict = {}
     if device.type == "cuda":
         graphed = layer(dispatcher="dropless")
         try:
             modules["dropless+cuda-graph"] = (graphed, graphed_step(graphed, x, g))
         except Exception as exc:
-            checks["dropless+cuda-graph"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-    gen2 = torch.Generator().manual_seed(2)  # fresh inputs for the agreement checks
-    xc = torch.randn(c["T"], c["H"], generator=gen2).to(device, dtype)
-    gc = torch.randn(c["T"], c["H"], generator=gen2).to(device, dtype)
+            checks["dropless+cuda-graph"] = {
+                "error": f"{type(exc).__name__}: {exc}"[:1000],
+                "where": traceback.format_exc()[-3000:],
+            }
     if peer_installed("torchtitan"):
         try:
             peer = build_peer("torchtitan", ours).to(device, dtype)
             agreement = compare(peer, ours, xc, gc, _check_step)
+            y_t, _ = _check_step(peer, xc, gc)
+            y_o, _ = _check_step(ours, xc, gc)
             checks["torchtitan"] = {
+                "norm_rel_y": _norm_rel(y_t, y_o),
                 "max_rel_y": agreement.max_rel_y,
                 "max_rel_dx": agreement.max_rel_dx,
                 "max_rel_dw": agreement.max_rel_dw,
@@ -177,6 +239,8 @@ def build_modules(c: dict, device, dtype, quick: bool) -> tuple[dict, dict]:
         checks["transformers-mixtral"] = {
             "max_rel_y": _rel(y_h, y_o),
             "max_rel_dx": _rel(dx_h, dx_o),
+            "norm_rel_y": _norm_rel(y_h, y_o),
+            "norm_rel_dx": _norm_rel(dx_h, dx_o),
             "experts_implementation": str(
                 getattr(
                     hf.block.config if hasattr(hf.block, "config") else hf.block.experts,
@@ -202,6 +266,13 @@ class _Flat(torch.nn.Module):
         y = self.block(x.view(1, *x.shape))
         y = y[0] if isinstance(y, tuple) else y
         return y.view(x.shape)
+
+
+def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||: a few tokens routed differently (bf16 near-ties) move the max error,
+    not this."""
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -248,8 +319,9 @@ def step_times(step, device, iters: int, warmup: int, stream: int) -> dict:
     }
 
 
-def host_syncs(step, device) -> int | None:
-    """How many operations of one step made the host wait for the GPU."""
+def host_syncs(step, device) -> list[str] | None:
+    """Where the operations of one step that made the host wait for the GPU were issued (the
+    Python line of each; a backward's are the ``backward()`` call's)."""
     if device.type != "cuda":
         return None
     _sync(device)
@@ -261,7 +333,7 @@ def host_syncs(step, device) -> int | None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     _sync(device)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def kernel_profile(step, device, trace: Path | None, steps: int = 3) -> dict:
@@ -340,13 +412,17 @@ def run_config(c: dict, device, dtype, args) -> dict:
         row["simulated_ms"] = pred["iteration_ms"]
     row["modules"] = {}
     for name, (_module, step) in modules.items():
+        if args.modules and name not in args.modules.split(","):
+            continue
         if name == "transformers-mixtral" and c["E"] > 16 and not args.quick:
             iters, stream = 3, 3  # a Python loop over 64 experts: slow, a few steps say enough
         else:
             iters, stream = args.iters, args.stream
         try:
             r = step_times(step, device, iters, args.warmup, stream)
-            r["host_syncs"] = host_syncs(step, device)
+            where = host_syncs(step, device)
+            r["host_syncs"] = None if where is None else len(where)
+            r["host_sync_sites"] = where
             trace = None
             if args.traces is not None and name in (
                 "dropless",
@@ -402,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream", type=int, default=20)
     p.add_argument("--profile", type=Path, help="moesaic calibrate's profile: simulate too")
     p.add_argument("--only", default="", help="comma list of config names")
+    p.add_argument("--modules", default="", help="comma list of modules to time (default all)")
     p.add_argument("--commit", default="")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -198,13 +198,13 @@ def test_dropless_regroups_only_when_rows_arrive_out_of_expert_order(world, expe
 
 
 def test_permute_rows_backward_is_the_inverse_gather():
-    from moesaic.strategies.dropless import _PermuteRows
+    from moesaic.routing import PermuteRows
 
     perm = torch.randperm(11)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(11)
     x = torch.randn(11, 3, requires_grad=True)
     g = torch.randn(11, 3)
-    (fast,) = torch.autograd.grad(_PermuteRows.apply(x, perm, inverse), x, g)
+    (fast,) = torch.autograd.grad(PermuteRows.apply(x, perm, inverse), x, g)
     (ref,) = torch.autograd.grad(x.index_select(0, perm), x, g)
     assert torch.equal(fast, ref)

@@ -349,3 +349,17 @@ def test_flowmoe_host_syncs_are_r_times_the_strategy_budget():
     assert not failures, "\n".join(failures)
     # not vacuous: dropless reads its splits once per chunk and block (measured: 4 at R = 2)
     assert per_rank[0]["dropless", 2][0] == 2 * FLOW_BLOCKS
+
+
+def test_dropless_at_ep1_reads_nothing_on_the_host():
+    """One rank, nothing dropped: no split sizes to read, the experts take their counts on the
+    device (``DeviceCounts``), so a dropless step runs without one host sync (the GPU run of
+    issue 27 measured 1-2 per step before, each a stall of the launch queue)."""
+    cfg = moesaic.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, init_std=0.5)
+    torch.manual_seed(0)
+    layer = moesaic.MoELayer(cfg)
+    x, g = torch.randn(12, H), torch.randn(12, H)
+    _step(layer, x, g)  # first: the grouped-matmul probe
+    with HostSyncCounter() as syncs:
+        _step(layer, x, g)
+    assert syncs.count == 0, syncs.report()

@@ -43,6 +43,48 @@ class GroupCounts(list[int]):
         self.on_device = on_device
 
 
+class DeviceCounts(Sequence[int]):
+    """Rows per group known on the device, with their total known on the host.
+
+    What a strategy hands the experts when nothing else needs the counts on the host (dropless
+    at EP 1: every one of the T*K assignments is a row, and no all-to-all needs split sizes):
+    the grouped matmul takes its offsets from ``on_device`` and checks the row count against
+    ``total``, so the step never waits for the GPU. Reading it as a sequence (the loop
+    fallback does) copies the counts to the host once, a host sync on a GPU.
+
+    Attributes:
+        on_device: int64 [e] counts on the rows' device.
+        total: their sum, the rows M.
+    """
+
+    __slots__ = ("_host", "on_device", "total")
+
+    def __init__(self, on_device: torch.Tensor, total: int) -> None:
+        self.on_device = on_device
+        self.total = total
+        self._host: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self.on_device.numel()
+
+    def _values(self) -> list[int]:
+        if self._host is None:
+            self._host = self.on_device.tolist()
+        return self._host
+
+    def __getitem__(self, i):
+        return self._values()[i]
+
+    def __iter__(self):
+        return iter(self._values())
+
+
+def count_total(counts_e: Sequence[int]) -> int:
+    """Rows in all groups, without a host read when the counts carry their total."""
+    total = getattr(counts_e, "total", None)
+    return sum(counts_e) if total is None else total
+
+
 def group_offsets(counts_e: Sequence[int], device: torch.device) -> torch.Tensor:
     """End row of each group, int32 [e] on ``device`` (what ``torch._grouped_mm`` takes).
 
@@ -55,7 +97,7 @@ def group_offsets(counts_e: Sequence[int], device: torch.device) -> torch.Tensor
 
 
 def grouped_mm_reference(
-    x_MH: torch.Tensor, w_eHF: torch.Tensor, counts_e: list[int]
+    x_MH: torch.Tensor, w_eHF: torch.Tensor, counts_e: Sequence[int]
 ) -> torch.Tensor:
     """Plain torch: one matmul per group. Rows of group i are ``x_MH[off_i : off_i + counts_e[i]]``.
 
@@ -66,7 +108,7 @@ def grouped_mm_reference(
     # unbind, not w_eHF[i]: its backward stacks the e gradients once instead of adding e
     # zero-filled [e, H, F] tensors (measured 6% of a CPU training step).
     weights = w_eHF.unbind(0)
-    return torch.cat([chunk @ w for chunk, w in zip(x_MH.split(counts_e), weights)])
+    return torch.cat([chunk @ w for chunk, w in zip(x_MH.split(list(counts_e)), weights)])
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -155,7 +197,7 @@ def _fast_mode(x_MH: torch.Tensor, w_eHF: torch.Tensor, use_fast: bool = True) -
 def grouped_mm(
     x_MH: torch.Tensor,
     w_eHF: torch.Tensor,
-    counts_e: list[int],
+    counts_e: Sequence[int],
     *,
     use_fast: bool = True,
     offs_e: torch.Tensor | None = None,
@@ -174,8 +216,10 @@ def grouped_mm(
         offs_e: ``group_offsets(counts_e, device)`` when the caller made them already (the
             experts share one per forward between their three weights and the backward).
     """
-    if sum(counts_e) != x_MH.shape[0]:
-        raise ValueError(f"counts_e sums to {sum(counts_e)}, but x_MH has {x_MH.shape[0]} rows")
+    if count_total(counts_e) != x_MH.shape[0]:
+        raise ValueError(
+            f"counts_e sums to {count_total(counts_e)}, but x_MH has {x_MH.shape[0]} rows"
+        )
     if len(counts_e) != w_eHF.shape[0]:
         raise ValueError(f"counts_e has {len(counts_e)} groups, but w_eHF has {w_eHF.shape[0]}")
     native = _fast_mode(x_MH, w_eHF, use_fast)
@@ -267,13 +311,13 @@ class GroupedExperts(nn.Module):
                 block = torch.randn(w.shape[1:], generator=gen) / math.sqrt(fan_in)
                 w[i].copy_(block)
 
-    def forward(self, x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
+    def forward(self, x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
         return expert_ffn(x_MH, counts_e, self.w1, self.w3, self.w2, kernels=self.config.kernels)
 
 
 def expert_ffn(
     x_MH: torch.Tensor,
-    counts_e: list[int],
+    counts_e: Sequence[int],
     w1_eHF: torch.Tensor,
     w3_eHF: torch.Tensor | None,
     w2_eFH: torch.Tensor,
@@ -299,10 +343,25 @@ def expert_ffn(
     offs_e = group_offsets(counts_e, x_MH.device) if fast else None
     h_MF = grouped_mm(x_MH, w1_eHF, counts_e, offs_e=offs_e)
     if w3_eHF is not None:
-        h_MF = F.silu(h_MF) * grouped_mm(x_MH, w3_eHF, counts_e, offs_e=offs_e)
+        h_MF = swiglu(h_MF, grouped_mm(x_MH, w3_eHF, counts_e, offs_e=offs_e))
     else:
         h_MF = F.gelu(h_MF)
     return grouped_mm(h_MF, w2_eFH, counts_e, offs_e=offs_e).to(dtype)
+
+
+# SwiGLU's elementwise part on the torch path: "torch" (``F.silu(a) * b``: 2 kernels forward,
+# 3 backward) or "triton" (``moesaic.kernels.swiglu_act``, one each, on a GPU only). Module
+# state so that benchmarks/gpu_layer.py can time both in one run.
+SWIGLU_ACT = "torch"
+
+
+def swiglu(a_MF: torch.Tensor, b_MF: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b``, the expert activation between the gate/up GEMMs and the down GEMM."""
+    if SWIGLU_ACT == "triton" and a_MF.is_cuda:
+        from moesaic.kernels.swiglu_act import swiglu_act
+
+        return swiglu_act(a_MF, b_MF)
+    return F.silu(a_MF) * b_MF
 
 
 class SharedExperts(nn.Module):

@@ -114,7 +114,7 @@ class ReferenceMoE(nn.Module):
             allowed = [e for e in range(E) if e // per in kept_groups]
             best = sorted(allowed, key=lambda e: -choice[t, e].item())[: cfg.top_k]
             ids.append(best)
-        return torch.tensor(ids, dtype=torch.long).view(T, cfg.top_k)
+        return torch.tensor(ids, dtype=torch.long, device=scores.device).view(T, cfg.top_k)
 
     def route(self, x_TH: torch.Tensor, balance_x: torch.Tensor | None = None, seq_len=None):
         """Top-k ids, their weights and the aux loss (fp32, as the real router)."""
@@ -178,7 +178,9 @@ class ReferenceMoE(nn.Module):
         top_ids, weights, aux = self.route(x_TH, balance_x, seq_len)
         keep = self.kept(top_ids)
         if self.config.renormalize_after_drop:
-            mask = torch.tensor(keep, dtype=weights.dtype).view(weights.shape)
+            mask = torch.tensor(keep, dtype=weights.dtype, device=weights.device).view(
+                weights.shape
+            )
             kept_w = weights * mask
             kept_sum = kept_w.sum(-1, keepdim=True)
             # A token with every choice dropped keeps zero weights (no 0/0 in the graph).

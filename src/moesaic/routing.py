@@ -156,7 +156,7 @@ class RoutingPlan:
         order_R = self.order_N if rows is None else self.order_TK[:rows]
         if self.kernels == "triton":
             return load_kernels().permute(x_TH, self.slot_TK(order_R), order_R.numel())
-        return x_TH.index_select(0, order_R // self.top_k)
+        return _ReplicateTokens.apply(x_TH, order_R, self.top_k)
 
     def slot_TK(self, order_R: torch.Tensor) -> torch.Tensor:
         """Row of each assignment among the R of ``order_R`` (a leading part of ``order_TK``),
@@ -183,17 +183,78 @@ class RoutingPlan:
         order_R = self.order_TK[:R]
         if self.kernels == "triton":
             return load_kernels().combine(y_RH, self.slot_TK(order_R), self.topk_weights_TK)
-        if R == T * K:  # every assignment: a permutation, read straight from y_RH (no copy)
-            slot_TK = torch.empty_like(order_R)
-            slot_TK[order_R] = torch.arange(R, device=y_RH.device)
-            y_TKH = y_RH.index_select(0, slot_TK).view(T, K, H)
+        if R == T * K:  # every assignment: a permutation (its backward a gather too)
+            y_TKH = PermuteRows.apply(y_RH, inverse_permutation(order_R), order_R).view(T, K, H)
         else:  # the assignments past R (dropped) read a zero row appended at index R
             padded_RH = torch.cat([y_RH, y_RH.new_zeros(1, H)])
             slot_TK = torch.full((T * K,), R, dtype=torch.long, device=y_RH.device)
             slot_TK[order_R] = torch.arange(R, device=y_RH.device)
             y_TKH = padded_RH.index_select(0, slot_TK).view(T, K, H)
-        w_TK = self.topk_weights_TK.to(y_RH.dtype)
-        return (y_TKH * w_TK.unsqueeze(-1)).sum(dim=1)
+        return weighted_sum(y_TKH, self.topk_weights_TK.to(y_RH.dtype))
+
+
+# How ``weighted_sum`` runs: "bmm" (one batched matmul: each row read once, fp32 accumulation,
+# and the same in the backward) or "mul" (a broadcast multiply, then a sum over K: two passes).
+# Module state so that benchmarks/gpu_layer.py can time both in one run.
+WEIGHTED_SUM = "bmm"
+
+
+def weighted_sum(y_TKH: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """``sum_k w_TK[t, k] * y_TKH[t, k]`` -> [T, H] (``y`` and ``w`` of one dtype)."""
+    if WEIGHTED_SUM == "bmm":
+        return torch.bmm(w_TK.unsqueeze(1), y_TKH).squeeze(1)
+    return (y_TKH * w_TK.unsqueeze(-1)).sum(dim=1)
+
+
+def inverse_permutation(perm_N: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i`` (on the device, no host read)."""
+    inverse_N = torch.empty_like(perm_N)
+    inverse_N[perm_N] = torch.arange(perm_N.numel(), device=perm_N.device)
+    return inverse_N
+
+
+class PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, perm)`` for a permutation: its backward is the gather by the inverse
+    permutation, not a zero fill and a scatter-add (atomic adds on a GPU) as for a general
+    index_select; same values."""
+
+    @staticmethod
+    def forward(ctx, x_MH, perm_M, inverse_M):
+        ctx.save_for_backward(inverse_M)
+        return x_MH.index_select(0, perm_M)
+
+    @staticmethod
+    def backward(ctx, grad_MH):
+        (inverse_M,) = ctx.saved_tensors
+        return grad_MH.index_select(0, inverse_M), None, None
+
+
+class _ReplicateTokens(torch.autograd.Function):
+    """Rows ``x_TH[order_R // K]`` (token t once per assignment of it among ``order_R``).
+
+    Backward: each token's gradient is the sum of its rows'. When ``order_R`` holds all T*K
+    assignments that is a gather of each token's K rows (by the inverse permutation) and a sum
+    over K: no scatter-add, so no atomic adds on a GPU (they took 1.1 ms of a 9 ms bf16 step
+    at 64k rows of 2048 on an H200), and a fixed summation order. With fewer rows (the kept
+    ones under a capacity) it is the index_add of a general index_select.
+    """
+
+    @staticmethod
+    def forward(ctx, x_TH, order_R, K):
+        ctx.save_for_backward(order_R)
+        ctx.T, ctx.K = x_TH.shape[0], K
+        return x_TH.index_select(0, order_R // K)
+
+    @staticmethod
+    def backward(ctx, grad_RH):
+        (order_R,) = ctx.saved_tensors
+        T, K = ctx.T, ctx.K
+        H = grad_RH.shape[1]
+        if order_R.numel() == T * K:
+            rows = grad_RH.index_select(0, inverse_permutation(order_R))
+            return rows.view(T, K, H).sum(dim=1), None, None
+        grad_TH = grad_RH.new_zeros(T, H)
+        return grad_TH.index_add_(0, order_R // K, grad_RH), None, None
 
 
 def count_ids(ids: torch.Tensor, num: int, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -195,8 +195,9 @@ def test_measure_times_fp32_and_bf16_matmuls():
     from moesaic.sim.profile import default_matmul_size, measure
 
     got = measure(64, repeats=2, device="cpu")
-    assert set(got) == {"flops_per_s", "half_flops_per_s", "task_overhead_s"}
-    assert all(v > 0 for v in got.values())
+    rates = {"flops_per_s", "half_flops_per_s", "task_overhead_s", "mem_bytes_per_s"}
+    assert set(got) == rates | {"device"} and got["device"] == "cpu"
+    assert all(got[k] > 0 for k in rates)
     assert default_matmul_size("cpu") == 512 and default_matmul_size("cuda:0") == 4096
     with pytest.raises(ValueError, match="size"):
         measure(0, device="cpu")
@@ -206,3 +207,20 @@ def test_calibrate_refuses_a_non_positive_size(tmp_path, capsys):
     assert main(["calibrate", "--out", str(tmp_path / "p.json"), "--size", "0"]) == 2
     assert "--size (0) must be > 0" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_gpu_profile_prices_device_work_and_bytes_not_host_overhead():
+    """On a GPU the host's launches overlap the kernels: a task costs its FLOPs at the matmul
+    rate plus its memory-bound bytes at the copy bandwidth; on a CPU the overhead adds and the
+    bytes are inside the measured rate."""
+    from moesaic.sim.profile import Profile
+
+    gpu = Profile(flops_per_s=1e12, task_overhead_s=1e-3, device="cuda", mem_bytes_per_s=1e12)
+    assert gpu.compute_s(2e9, 3e9) == pytest.approx(5e-3)
+    assert gpu.compute_s(2e9) == pytest.approx(2e-3)
+    cpu = Profile(flops_per_s=1e12, task_overhead_s=1e-3, mem_bytes_per_s=1e12)
+    assert cpu.compute_s(2e9, 3e9) == pytest.approx(3e-3)
+    with pytest.raises(ValueError, match="profile.device"):
+        Profile(flops_per_s=1.0, device="tpu")
+    with pytest.raises(ValueError, match="mem_bytes_per_s"):
+        Profile(flops_per_s=1.0, mem_bytes_per_s=-1.0)

@@ -297,6 +297,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         flops_per_s=measured["flops_per_s"],
         half_flops_per_s=measured["half_flops_per_s"],
         task_overhead_s=measured["task_overhead_s"],
+        mem_bytes_per_s=measured["mem_bytes_per_s"],
+        device=measured["device"],
         floor_s=floor_s,
         bandwidth_scale=scale,
         source=source,

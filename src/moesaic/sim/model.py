@@ -208,6 +208,21 @@ class ModelSpec:
         """Forward FLOPs of ``rows`` routed rows through their experts."""
         return self.mats * 2.0 * rows * self.hidden * self.ffn_hidden
 
+    def gate_bytes(self, tokens: int) -> float:
+        """Forward bytes of the router's memory-bound passes for ``tokens`` tokens: the tokens
+        read in their dtype and written and read again in fp32 (it routes in fp32)."""
+        return tokens * self.hidden * (self.act_bytes + 8.0)
+
+    def expert_bytes(self, rows: float) -> float:
+        """Forward bytes of the memory-bound passes over ``rows`` routed rows outside their
+        GEMMs, what a GPU pays at memory bandwidth (``Profile.compute_s``): the dispatch and
+        the combine gathers (a row of H read and written, each), the combine's weighted sum
+        (read), and the activation between the GEMMs (SwiGLU as torch runs it, silu then the
+        product: 5 passes of F; GELU: 2). The backward moves about twice this (the rule for
+        every task: twice the forward)."""
+        act_passes = 5 if self.mats == 3 else 2
+        return self.act_bytes * rows * (5.0 * self.hidden + act_passes * self.ffn_hidden)
+
     def head_flops(self, tokens: int) -> float:
         """Forward FLOPs of the output head for ``tokens`` tokens (0 when ``layer_only``)."""
         if self.layer_only:

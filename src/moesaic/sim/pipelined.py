@@ -212,11 +212,13 @@ class Costs:
         self.e_s, self.e_bwd_s = self.e_s * f, self.e_bwd_s * f
 
     def _price_flops(self, profile: Profile, tokens: int, rows: float, params: float) -> None:
-        """Every task at the profile's FLOP rate plus its overhead; backward twice forward."""
+        """Every task at the profile's FLOP rate plus its overhead (on a GPU: its memory-bound
+        bytes too, and the longer of the device work and the overhead); backward twice
+        forward."""
         model = self.model
-        self.at_s = profile.compute_s(model.attention_flops(tokens))
+        self.at_s = profile.compute_s(model.attention_flops(tokens), model.gate_bytes(tokens))
         self.head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(tokens))
-        self.e_s = profile.compute_s(model.expert_flops(rows))
+        self.e_s = profile.compute_s(model.expert_flops(rows), model.expert_bytes(rows))
         self.at_bwd_s, self.e_bwd_s, self.head_bwd_s = 2 * self.at_s, 2 * self.e_s, 2 * self.head_s
         # AdamW: ~10 FLOPs per parameter; a layer timed alone takes no optimizer step.
         self.optimizer_s = 0.0 if model.layer_only else profile.compute_s(10.0 * params)

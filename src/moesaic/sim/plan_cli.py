@@ -367,6 +367,8 @@ def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
         flops_per_s=rates["flops_per_s"],
         half_flops_per_s=rates["half_flops_per_s"],
         task_overhead_s=rates["task_overhead_s"],
+        mem_bytes_per_s=rates["mem_bytes_per_s"],
+        device=rates["device"],
         source="measured here by moesaic plan (matmul and op overhead)",
     )
 

@@ -102,6 +102,9 @@ __all__ = [
 # router softmax/top-k, permutation...): counted on models/gpt.py's attention stage (~30).
 OPS_PER_TASK = 30
 
+# Where a profile's compute was measured (``Profile.device``).
+DEVICES = ("cpu", "cuda")
+
 # Collectives whose measured efficiency a profile may hold.
 COLLECTIVE_KINDS = ("all_to_all", "all_reduce")
 
@@ -238,6 +241,14 @@ class Profile:
             task is priced at ``flops_per_s``.
         routing: The expert loads of a training job's first steps (``calibrate --model`` on a
             training config); None: not measured.
+        device: Where the compute ran when measured: "cpu" (the host does the work, so a
+            task's ``task_overhead_s`` adds to it) or "cuda" (the host launches, the GPU works
+            asynchronously: a task costs its device work, its launches overlap it).
+        mem_bytes_per_s: Device memory bandwidth, bytes read plus written per second of a
+            large device-to-device copy (``measure``): on a GPU the memory-bound passes of a
+            task (permutes, activation, combine: ``ModelSpec.expert_bytes``) are priced with
+            it; 0: not measured, not priced. Unused on a CPU, whose measured rates (and
+            operation timings) include them.
     """
 
     flops_per_s: float
@@ -261,8 +272,12 @@ class Profile:
     comm_cpu_busy: float = 0.0
     ops: OpCal | None = None
     routing: RoutingLoads | None = None
+    device: str = "cpu"
+    mem_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
+        check_one_of("profile.device", self.device, DEVICES)
+        check_non_negative("profile.mem_bytes_per_s", self.mem_bytes_per_s)
         check_non_negative("profile.comm_cpu_s", self.comm_cpu_s)
         check_non_negative("profile.comm_cpu_per_byte_s", self.comm_cpu_per_byte_s)
         check_number("profile.comm_cpu_busy", self.comm_cpu_busy, 0.0, 1.0)
@@ -364,9 +379,19 @@ class Profile:
             return dataclasses.replace(self, flops_per_s=self.half_flops_per_s)
         return self
 
-    def compute_s(self, flops: float) -> float:
-        """Seconds of one compute task of ``flops``."""
-        return flops / self.flops_per_s + self.task_overhead_s
+    def compute_s(self, flops: float, nbytes: float = 0.0) -> float:
+        """Seconds of one compute task of ``flops`` whose memory-bound passes move ``nbytes``
+        (read plus written). On a CPU the work plus the task's overhead (``nbytes`` is in the
+        measured rate already). On a GPU the device work alone: FLOPs at the matmul rate,
+        bytes at ``mem_bytes_per_s``. The host's launches run ahead of the GPU and overlap
+        its work, so they cost nothing while the kernels are the longer part; a step whose
+        kernels are shorter than its launches (a small layer) is predicted too fast."""
+        work = flops / self.flops_per_s
+        if self.device == "cpu":
+            return work + self.task_overhead_s
+        if self.mem_bytes_per_s > 0:
+            work += nbytes / self.mem_bytes_per_s
+        return work
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -498,10 +523,11 @@ def default_matmul_size(device: str) -> int:
 
 def measure(
     size: int | None = None, *, repeats: int = 7, device: str | None = None
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Measures this machine: ``flops_per_s`` and ``half_flops_per_s`` (median ``size^3`` fp32
-    and bf16 matmuls) and ``task_overhead_s`` (``OPS_PER_TASK`` x the median time of a 1 x 1
-    matmul op).
+    and bf16 matmuls), ``task_overhead_s`` (``OPS_PER_TASK`` x the median time of a 1 x 1
+    matmul op), ``mem_bytes_per_s`` (a device-to-device copy of 1 GiB on a GPU, 64 MiB on a
+    CPU, bytes read plus written) and ``device`` ("cpu" or "cuda").
 
     ``size`` defaults to 512 on a CPU and 4096 on a GPU, where a 512^3 matmul is bound by its
     launch, not its math (measured on an H100: 7.3 TFLOP/s fp32 at 512). Takes about a second.
@@ -533,4 +559,13 @@ def measure(
     a16, b16 = a.bfloat16(), b.bfloat16()
     half = 2.0 * size**3 / timed(lambda: a16 @ b16)
     op_s = timed(lambda: [tiny @ tiny for _ in range(100)]) / 100
-    return {"flops_per_s": flops, "half_flops_per_s": half, "task_overhead_s": OPS_PER_TASK * op_s}
+    n = (2**30 if dev == "cuda" else 2**26) // 4
+    src, dst = torch.rand(n, device=dev), torch.empty(n, device=dev)
+    mem = 2.0 * 4 * n / timed(lambda: dst.copy_(src))
+    return {
+        "flops_per_s": flops,
+        "half_flops_per_s": half,
+        "task_overhead_s": OPS_PER_TASK * op_s,
+        "mem_bytes_per_s": mem,
+        "device": "cuda" if dev.startswith("cuda") else "cpu",
+    }

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from moesaic.cluster.spec import ClusterSpec
     from moesaic.trace import Recorder
 
-ExpertFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
+ExpertFn = Callable[[torch.Tensor, Sequence[int]], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -373,7 +373,9 @@ class DispatchCombineStrategy(MoEStrategy, Generic[HandleT]):
         """The rows to send, their splits and the statistics (before the row all-to-all)."""
 
     @abstractmethod
-    def dispatch_recv(self, rows: torch.Tensor, handle: HandleT) -> tuple[torch.Tensor, list[int]]:
+    def dispatch_recv(
+        self, rows: torch.Tensor, handle: HandleT
+    ) -> tuple[torch.Tensor, Sequence[int]]:
         """Received rows -> ``(x_MH, counts_e)``: rows grouped by local expert."""
 
     @abstractmethod
@@ -386,7 +388,7 @@ class DispatchCombineStrategy(MoEStrategy, Generic[HandleT]):
 
     def dispatch(
         self, x_TH: torch.Tensor, plan: RoutingPlan
-    ) -> tuple[torch.Tensor, list[int], HandleT, CommStats]:
+    ) -> tuple[torch.Tensor, Sequence[int], HandleT, CommStats]:
         """Returns ``(x_MH, counts_e, handle, stats)``: rows grouped by local expert."""
         out = self.dispatch_send(x_TH, plan)
         h = out.handle

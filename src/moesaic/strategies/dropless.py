@@ -5,7 +5,7 @@ receives. Counts go first (one small all-to-all of ``[P, e]`` int64), then the r
 splits; the backward of each row all-to-all is the all-to-all of the gradients with the splits
 swapped.
 
-Host syncs: one per forward and none in the backward. The split sizes must be on the host (they
+Host syncs: one per forward and none in the backward; none at all at EP 1. The split sizes must be on the host (they
 size the all-to-all), so the send counts and the received counts are read in one ``tolist``;
 N, M and the rows per local expert are sums of those. The regroup permutation and the grouped
 matmul's offsets are computed on the device from the count tensors.
@@ -13,11 +13,13 @@ matmul's offsets are computed on the device from the count tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from moesaic.experts import GroupCounts
+from moesaic.experts import DeviceCounts, GroupCounts
+from moesaic.routing import PermuteRows
 from moesaic.strategies.base import CommStats, DispatchCombineStrategy, ExchangeHandle, Outbound
 
 
@@ -28,23 +30,9 @@ class DroplessHandle(ExchangeHandle):
     # received row order (source, expert) -> (expert, source); None when that is the identity
     # (one rank or one local expert: the rows already arrive grouped by expert)
     regroup_M: torch.Tensor | None
-    counts_e: GroupCounts  # rows received per local expert (host list and device tensor)
+    # rows received per local expert (host list and device tensor; device only at EP 1)
+    counts_e: Sequence[int]
     inverse_M: torch.Tensor | None = None  # the inverse permutation of regroup_M
-
-
-class _PermuteRows(torch.autograd.Function):
-    """``x.index_select(0, perm)`` for a permutation: its backward is the gather by the inverse
-    permutation (no zero fill and scatter-add as for a general index_select; same values)."""
-
-    @staticmethod
-    def forward(ctx, x_MH, perm_M, inverse_M):
-        ctx.save_for_backward(inverse_M)
-        return x_MH.index_select(0, perm_M)
-
-    @staticmethod
-    def backward(ctx, grad_MH):
-        (inverse_M,) = ctx.saved_tensors
-        return grad_MH.index_select(0, inverse_M), None, None
 
 
 def _regroup(recv_counts_Pe: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,11 +68,18 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
         if P > 1:
             recv_counts_Pe = torch.empty_like(send_counts_Pe)
             self.group.all_to_all_single(recv_counts_Pe, send_counts_Pe, what="dispatch counts")
-        # The forward's one host read: rows to each rank, and from each rank per local expert.
-        host = torch.cat([send_counts_Pe.sum(dim=1), recv_counts_Pe.reshape(-1)]).tolist()
-        in_splits, recv_Pe = host[:P], [host[P + p * e : P + (p + 1) * e] for p in range(P)]
-        out_splits = [sum(row) for row in recv_Pe]
-        counts_e = GroupCounts([sum(col) for col in zip(*recv_Pe)], recv_counts_Pe.sum(dim=0))
+        counts_e: Sequence[int]
+        if P == 1 and plan.num_kept is not None:
+            # One rank, nothing dropped: all T*K rows stay here and no all-to-all needs split
+            # sizes, so nothing is read on the host (the experts take the counts on the device).
+            in_splits = out_splits = [plan.num_kept]
+            counts_e = DeviceCounts(recv_counts_Pe.reshape(-1), plan.num_kept)
+        else:
+            # The forward's one host read: rows to each rank, and from each rank per expert.
+            host = torch.cat([send_counts_Pe.sum(dim=1), recv_counts_Pe.reshape(-1)]).tolist()
+            in_splits, recv_Pe = host[:P], [host[P + p * e : P + (p + 1) * e] for p in range(P)]
+            out_splits = [sum(row) for row in recv_Pe]
+            counts_e = GroupCounts([sum(c) for c in zip(*recv_Pe)], recv_counts_Pe.sum(dim=0))
         x_NH = plan.permute(x_TH, sum(in_splits))
         # Received rows are ordered (source rank, local expert); the experts want them
         # (local expert, source rank).
@@ -115,12 +110,12 @@ class DroplessStrategy(DispatchCombineStrategy[DroplessHandle]):
     def dispatch_recv(self, rows, handle):
         if handle.regroup_M is None:  # no copy: the rows are already in expert order
             return rows, handle.counts_e
-        return _PermuteRows.apply(rows, handle.regroup_M, handle.inverse_M), handle.counts_e
+        return PermuteRows.apply(rows, handle.regroup_M, handle.inverse_M), handle.counts_e
 
     def combine_send(self, y_MH, handle):
         if handle.regroup_M is None:
             return y_MH
-        return _PermuteRows.apply(y_MH, handle.inverse_M, handle.regroup_M)
+        return PermuteRows.apply(y_MH, handle.inverse_M, handle.regroup_M)
 
     def combine_recv(self, rows, handle):
         return rows

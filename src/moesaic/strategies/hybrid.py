@@ -37,7 +37,7 @@ versions, changes on every rank together at the optimizer step).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
@@ -335,7 +335,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
                     if leaf is not None:
                         leaf.requires_grad_()
 
-        def run(x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
+        def run(x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
             wait()
             return _domain_ffn(copies[1], kernels)(x_MH, counts_e)
 
@@ -427,7 +427,7 @@ def _domain_ffn(weights: tuple[torch.Tensor | None, ...], kernels: str = "torch"
     w1, w3, w2 = weights
     assert w1 is not None and w2 is not None  # internal: w3 alone is optional
 
-    def run(x_MH: torch.Tensor, counts_e: list[int]) -> torch.Tensor:
+    def run(x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
         return expert_ffn(x_MH, counts_e, w1, w3, w2, kernels=kernels)
 
     return run
