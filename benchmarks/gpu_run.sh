@@ -32,5 +32,5 @@ if [ -d .base/src ]; then  # the library before this change, same script, same m
 fi
 timeout 200 python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" \
   --skip speed,sim --train-steps 40 --train-log "$OUT/train.log" --tests-timeout-s 120 \
-  --tests-workers 12 --tests-log "$OUT/tests_gpu.log" --commit "$COMMIT" || echo "gpu_check rc $?"
+  --tests-workers 8 --tests-log "$OUT/tests_gpu.log" --commit "$COMMIT" || echo "gpu_check rc $?"
 echo "done in $((SECONDS - t0)) s"
