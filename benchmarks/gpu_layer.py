@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib
 import os
 import shutil
 import statistics
@@ -49,6 +48,7 @@ from moesaic import MoEConfig, MoELayer, aux_loss
 from moesaic.bench.meta import run_metadata
 from moesaic.bench.options import write_json
 from moesaic.bench.peer_names import peer_installed
+from moesaic.testing import SYNC_WARNING
 
 CONFIGS = [
     # Mixtral 8x7B's width and expert shape at 8k tokens per step.
@@ -126,37 +126,17 @@ def graphed_step(module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]
     return graph.replay
 
 
-# Variants of dropless: library module state set around each of their steps (and restored).
-VARIANTS: dict[str, dict[tuple[str, str], str]] = {
-    "dropless[mul-sum]": {("moesaic.routing", "WEIGHTED_SUM"): "mul"},
-    "dropless[triton-act]": {("moesaic.experts", "SWIGLU_ACT"): "triton"},
-    "dropless[mul-sum,triton-act]": {
-        ("moesaic.routing", "WEIGHTED_SUM"): "mul",
-        ("moesaic.experts", "SWIGLU_ACT"): "triton",
-    },
+# Variants of dropless: other values of MoEConfig.kernels ("dropless" itself is the default,
+# "auto": "fused" on a GPU).
+VARIANTS: dict[str, dict[str, str]] = {
+    "dropless[kernels=torch]": {"kernels": "torch"},
+    "dropless[kernels=triton]": {"kernels": "triton"},
 }
 
 
-def switched(fn: Callable, switches: dict[tuple[str, str], str]) -> Callable:
-    """``fn`` with the library's module attributes ``switches`` set while it runs."""
-
-    def run():
-        old = {}
-        for (mod, attr), value in switches.items():
-            module = importlib.import_module(mod)
-            old[mod, attr] = getattr(module, attr)
-            setattr(module, attr, value)
-        try:
-            return fn()
-        finally:
-            for (mod, attr), value in old.items():
-                setattr(importlib.import_module(mod), attr, value)
-
-    return run
-
-
-def build_modules(c: dict, device, dtype, quick: bool) -> tuple[dict, dict]:
-    """``{name: (module or None, step)}`` and the agreement of each with dropless."""
+def build_modules(c: dict, device, dtype, wanted: Callable[[str], bool]) -> tuple[dict, dict]:
+    """``{name: (module, step)}`` of the ``wanted`` modules (dropless always: the others are
+    checked against it) and the agreement of each with dropless."""
     from moesaic.bench.layer import _check_step
     from moesaic.bench.peers import build_peer, compare
 
@@ -177,34 +157,27 @@ def build_modules(c: dict, device, dtype, quick: bool) -> tuple[dict, dict]:
     gen2 = torch.Generator().manual_seed(2)  # fresh inputs for the agreement checks
     xc = torch.randn(c["T"], c["H"], generator=gen2).to(device, dtype)
     gc = torch.randn(c["T"], c["H"], generator=gen2).to(device, dtype)
-    for name, switches in VARIANTS.items():
-        if not all(hasattr(importlib.import_module(m), a) for m, a in switches):
-            continue  # an older library without this switch (the baseline run)
-        if device.type != "cuda" and any(v == "triton" for v in switches.values()):
-            continue
-        variant = layer(dispatcher="dropless")
-        y_v, dx_v = switched(lambda v=variant: _check_step(v, xc, gc), switches)()
-        y_o, dx_o = _check_step(ours, xc, gc)
-        checks[name] = {"norm_rel_y": _norm_rel(y_v, y_o), "norm_rel_dx": _norm_rel(dx_v, dx_o)}
-        modules[name] = (variant, switched(make_step(variant, x, g), switches))
-    if device.type == "cuda":
+    for name, kw in VARIANTS.items():
+        if not wanted(name) or ("triton" in kw.values() and device.type != "cuda"):
+            continue  # the Triton GEMMs under the interpreter: minutes
         try:
-            tri = layer(dispatcher="dropless", kernels="triton")
-            y_v, dx_v = _check_step(tri, xc, gc)
+            variant = layer(dispatcher="dropless", **kw)
+            y_v, dx_v = _check_step(variant, xc, gc)
             y_o, dx_o = _check_step(ours, xc, gc)
-            checks["dropless[kernels=triton]"] = {
+            checks[name] = {
                 "norm_rel_y": _norm_rel(y_v, y_o),
                 "norm_rel_dx": _norm_rel(dx_v, dx_o),
             }
-            modules["dropless[kernels=triton]"] = (tri, make_step(tri, x, g))
+            modules[name] = (variant, make_step(variant, x, g))
         except Exception as exc:
-            checks["dropless[kernels=triton]"] = {
+            checks[name] = {
                 "error": f"{type(exc).__name__}: {exc}"[:1000],
                 "where": traceback.format_exc()[-3000:],
             }
-    padded = layer(dispatcher="padded", capacity_factor=1.25)
-    modules["padded-cf1.25"] = (padded, make_step(padded, x, g))
-    if device.type == "cuda":
+    if wanted("padded-cf1.25"):
+        padded = layer(dispatcher="padded", capacity_factor=1.25)
+        modules["padded-cf1.25"] = (padded, make_step(padded, x, g))
+    if device.type == "cuda" and wanted("dropless+cuda-graph"):
         graphed = layer(dispatcher="dropless")
         try:
             modules["dropless+cuda-graph"] = (graphed, graphed_step(graphed, x, g))
@@ -213,7 +186,9 @@ def build_modules(c: dict, device, dtype, quick: bool) -> tuple[dict, dict]:
                 "error": f"{type(exc).__name__}: {exc}"[:1000],
                 "where": traceback.format_exc()[-3000:],
             }
-    if peer_installed("torchtitan"):
+    if not wanted("torchtitan"):
+        pass
+    elif peer_installed("torchtitan"):
         try:
             peer = build_peer("torchtitan", ours).to(device, dtype)
             agreement = compare(peer, ours, xc, gc, _check_step)
@@ -230,6 +205,8 @@ def build_modules(c: dict, device, dtype, quick: bool) -> tuple[dict, dict]:
             checks["torchtitan"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     else:
         checks["torchtitan"] = {"error": "not installed"}
+    if not wanted("transformers-mixtral"):
+        return modules, checks
     try:
         from moesaic.interop.hf import mixtral_block_from_layer
 
@@ -333,7 +310,7 @@ def host_syncs(step, device) -> list[str] | None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     _sync(device)
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return [f"{w.filename}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)]
 
 
 def kernel_profile(step, device, trace: Path | None, steps: int = 3) -> dict:
@@ -397,7 +374,10 @@ def run_config(c: dict, device, dtype, args) -> dict:
     bound_ms = 1e3 * flops / (rate * 1e12) if rate else None
     row: dict = {**c, "expert_gflop_per_step": flops / 1e9, "dense_gemm_tflops": rate}
     row["dense_gemm_bound_ms"] = bound_ms
-    modules, checks = build_modules(c, device, dtype, args.quick)
+    chosen = set(filter(None, args.modules.split(",")))
+    modules, checks = build_modules(
+        c, device, dtype, lambda name: not chosen or name == "dropless" or name in chosen
+    )
     row["agreement"] = checks
     if args.profile is not None:
         from moesaic.sim.profile import Profile
@@ -412,8 +392,6 @@ def run_config(c: dict, device, dtype, args) -> dict:
         row["simulated_ms"] = pred["iteration_ms"]
     row["modules"] = {}
     for name, (_module, step) in modules.items():
-        if args.modules and name not in args.modules.split(","):
-            continue
         if name == "transformers-mixtral" and c["E"] > 16 and not args.quick:
             iters, stream = 3, 3  # a Python loop over 64 experts: slow, a few steps say enough
         else:

@@ -93,9 +93,12 @@ class MoEConfig:
             or a dict of its fields (a TOML ``[model.moe.options]`` table), or None for its
             defaults. Another strategy's options are refused; after construction it is always
             the dispatcher's options class (``options_as`` reads it typed).
-        kernels: the expert path's implementation: "torch" (plain torch, the default) or
-            "triton" (``moesaic.kernels``: permute, grouped GEMMs with SwiGLU fused into the
-            first, combine; needs Triton, which is not a dependency of moesaic).
+        kernels: the expert path's implementation (``moesaic.kernels``): "torch" (plain
+            torch), "triton" (every kernel from ``moesaic.kernels``: permute, grouped GEMMs
+            with SwiGLU fused into the first, combine), "fused" (the library's grouped GEMMs,
+            ``moesaic.kernels``' permute, SwiGLU and combine around them) or "auto" (the
+            default: "fused" on a CUDA device with Triton installed, "torch" elsewhere).
+            "triton" and "fused" need Triton, which is not a dependency of moesaic.
     """
 
     hidden_size: int
@@ -123,7 +126,7 @@ class MoEConfig:
     seq_aux_loss_coef: float = 0.0
     balance_loss_scope: str = "local"
     options: StrategyOptions | Mapping[str, Any] | None = None
-    kernels: str = "torch"
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         check_positive_int("hidden_size", self.hidden_size)
@@ -154,7 +157,7 @@ class MoEConfig:
         self._check_routing_features()
         self._resolve_options()
         check_one_of("kernels", self.kernels, KERNELS)
-        if self.kernels == "triton":
+        if self.kernels in ("triton", "fused"):
             require_triton()
 
     def _resolve_options(self) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from moesaic.config import MoEConfig
 from moesaic.kernels import load as load_kernels
+from moesaic.kernels import resolve as resolve_kernels
 
 
 class GroupCounts(list[int]):
@@ -312,7 +313,8 @@ class GroupedExperts(nn.Module):
                 w[i].copy_(block)
 
     def forward(self, x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
-        return expert_ffn(x_MH, counts_e, self.w1, self.w3, self.w2, kernels=self.config.kernels)
+        kernels = resolve_kernels(self.config.kernels, x_MH.device)
+        return expert_ffn(x_MH, counts_e, self.w1, self.w3, self.w2, kernels=kernels)
 
 
 def expert_ffn(
@@ -330,7 +332,8 @@ def expert_ffn(
     gathered from other ranks. ``w3_eHF`` None means GELU, else SwiGLU. The grouped matmuls'
     offsets are made once (on the device from a ``GroupCounts``) for the three weights.
     ``kernels="triton"``: the Triton grouped GEMMs (``moesaic.kernels``, SwiGLU fused into the
-    first) on the same device offsets.
+    first) on the same device offsets; "fused": these grouped GEMMs with SwiGLU's elementwise
+    part from ``moesaic.kernels.swiglu_act`` (one kernel each way instead of two and three).
     """
     dtype = x_MH.dtype
     compute = expert_compute_dtype(x_MH.device, dtype)
@@ -343,25 +346,14 @@ def expert_ffn(
     offs_e = group_offsets(counts_e, x_MH.device) if fast else None
     h_MF = grouped_mm(x_MH, w1_eHF, counts_e, offs_e=offs_e)
     if w3_eHF is not None:
-        h_MF = swiglu(h_MF, grouped_mm(x_MH, w3_eHF, counts_e, offs_e=offs_e))
+        b_MF = grouped_mm(x_MH, w3_eHF, counts_e, offs_e=offs_e)
+        if kernels == "fused":
+            h_MF = load_kernels().swiglu_act(h_MF, b_MF)
+        else:
+            h_MF = F.silu(h_MF) * b_MF
     else:
         h_MF = F.gelu(h_MF)
     return grouped_mm(h_MF, w2_eFH, counts_e, offs_e=offs_e).to(dtype)
-
-
-# SwiGLU's elementwise part on the torch path: "torch" (``F.silu(a) * b``: 2 kernels forward,
-# 3 backward) or "triton" (``moesaic.kernels.swiglu_act``, one each, on a GPU only). Module
-# state so that benchmarks/gpu_layer.py can time both in one run.
-SWIGLU_ACT = "torch"
-
-
-def swiglu(a_MF: torch.Tensor, b_MF: torch.Tensor) -> torch.Tensor:
-    """``silu(a) * b``, the expert activation between the gate/up GEMMs and the down GEMM."""
-    if SWIGLU_ACT == "triton" and a_MF.is_cuda:
-        from moesaic.kernels.swiglu_act import swiglu_act
-
-        return swiglu_act(a_MF, b_MF)
-    return F.silu(a_MF) * b_MF
 
 
 class SharedExperts(nn.Module):

@@ -37,6 +37,7 @@ from torch import nn
 
 from moesaic.config import MoEConfig
 from moesaic.kernels import load as load_kernels
+from moesaic.kernels import resolve as resolve_kernels
 from moesaic.placement import ExpertPlacement
 
 
@@ -63,8 +64,9 @@ class RoutingPlan:
         capacity: slots per expert, or None when dropless.
         num_kept: N when the host knows it (T*K without a capacity), else None until
             ``order_N`` reads it.
-        kernels: how ``permute`` / ``unpermute`` run: "torch" or "triton"
-            (``MoEConfig.kernels``; the Triton kernels of ``moesaic.kernels``).
+        kernels: how ``permute`` / ``unpermute`` run: "torch", or "triton" / "fused" (the
+            Triton kernels of ``moesaic.kernels``): ``MoEConfig.kernels`` resolved for the
+            tokens' device.
     """
 
     topk_ids_TK: torch.Tensor
@@ -154,8 +156,12 @@ class RoutingPlan:
                 static shape).
         """
         order_R = self.order_N if rows is None else self.order_TK[:rows]
-        if self.kernels == "triton":
-            return load_kernels().permute(x_TH, self.slot_TK(order_R), order_R.numel())
+        if self.kernels != "torch":
+            # every row is written when all T*K assignments are (no capacity): no zero fill
+            every = self.capacity is None and order_R.numel() == self.order_TK.numel()
+            return load_kernels().permute(
+                x_TH, self.slot_TK(order_R), order_R.numel(), zero_fill=not every
+            )
         return _ReplicateTokens.apply(x_TH, order_R, self.top_k)
 
     def slot_TK(self, order_R: torch.Tensor) -> torch.Tensor:
@@ -181,8 +187,11 @@ class RoutingPlan:
         T, K = self.topk_ids_TK.shape
         R, H = y_RH.shape
         order_R = self.order_TK[:R]
-        if self.kernels == "triton":
-            return load_kernels().combine(y_RH, self.slot_TK(order_R), self.topk_weights_TK)
+        if self.kernels != "torch":
+            every = self.capacity is None and R == T * K  # every row read: no zero fill
+            return load_kernels().combine(
+                y_RH, self.slot_TK(order_R), self.topk_weights_TK, zero_fill=not every
+            )
         if R == T * K:  # every assignment: a permutation (its backward a gather too)
             y_TKH = PermuteRows.apply(y_RH, inverse_permutation(order_R), order_R).view(T, K, H)
         else:  # the assignments past R (dropped) read a zero row appended at index R
@@ -190,20 +199,11 @@ class RoutingPlan:
             slot_TK = torch.full((T * K,), R, dtype=torch.long, device=y_RH.device)
             slot_TK[order_R] = torch.arange(R, device=y_RH.device)
             y_TKH = padded_RH.index_select(0, slot_TK).view(T, K, H)
-        return weighted_sum(y_TKH, self.topk_weights_TK.to(y_RH.dtype))
-
-
-# How ``weighted_sum`` runs: "bmm" (one batched matmul: each row read once, fp32 accumulation,
-# and the same in the backward) or "mul" (a broadcast multiply, then a sum over K: two passes).
-# Module state so that benchmarks/gpu_layer.py can time both in one run.
-WEIGHTED_SUM = "bmm"
-
-
-def weighted_sum(y_TKH: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-    """``sum_k w_TK[t, k] * y_TKH[t, k]`` -> [T, H] (``y`` and ``w`` of one dtype)."""
-    if WEIGHTED_SUM == "bmm":
-        return torch.bmm(w_TK.unsqueeze(1), y_TKH).squeeze(1)
-    return (y_TKH * w_TK.unsqueeze(-1)).sum(dim=1)
+        # A broadcast product and a sum over K. One bmm instead ([T, 1, K] @ [T, K, H]) ran
+        # slower on an H200 at K = 2 (its backward's K = 1 outer products went to a 32x32
+        # wmma kernel: 1.3 ms of a 6.5 ms step), faster at K = 8; "fused" fuses it instead.
+        w_TK = self.topk_weights_TK.to(y_RH.dtype)
+        return (y_TKH * w_TK.unsqueeze(-1)).sum(dim=1)
 
 
 def inverse_permutation(perm_N: torch.Tensor) -> torch.Tensor:
@@ -583,8 +583,9 @@ class Router(nn.Module):
             placement if placement is not None else cfg.num_experts,
             capacity=cfg.capacity(x_TH.shape[0]),
         )
-        if cfg.kernels != "torch":
-            plan = dataclasses.replace(plan, kernels=cfg.kernels)
+        kernels = resolve_kernels(cfg.kernels, x_TH.device)
+        if kernels != "torch":
+            plan = dataclasses.replace(plan, kernels=kernels)
         if cfg.renormalize_after_drop and plan.capacity is not None:
             # Kept weights rescaled to the token's original top-k sum (DeepSpeed-MoE); a token
             # with every choice dropped keeps zero weights.

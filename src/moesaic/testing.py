@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from moesaic.config import MoEConfig
     from moesaic.layer import MoELayer
 
+# What torch's CUDA sync debug mode ("warn") says for each operation that makes the host wait
+# for the GPU; not its one-time "prototype feature" notice, which a first GPU run (issue 27)
+# counted as a sync by matching "synchroniz".
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 __all__ = [
     "HostSync",
     "HostSyncCounter",

@@ -90,3 +90,23 @@ def test_bad_arguments_raise():
         combine(torch.zeros(4, 16), slot_TK, torch.zeros(2, 3))
     with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
         permute(torch.zeros(2, 16, dtype=torch.long), slot_TK, 4)
+
+
+def test_without_zero_fill_every_row_is_still_written(monkeypatch):
+    """``zero_fill=False`` (the dropless layout: R = T*K, no -1) skips the zeroing; the buffers
+    are then uninitialised memory, here NaN-filled, so a row left unwritten shows."""
+    T, K, H = 7, 3, 1100  # H past one 1024-column block
+    slot_TK = torch.randperm(T * K).view(T, K)
+    x_TH = torch.randn(T, H, requires_grad=True)
+    new_empty, empty_like = torch.Tensor.new_empty, torch.empty_like
+
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **k: nan(new_empty(t, *a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda t, **k: nan(empty_like(t, **k)))
+    rows = permute(x_TH, slot_TK, T * K, zero_fill=False)
+    y = combine(rows, slot_TK, torch.rand(T, K), zero_fill=False)
+    (dx,) = torch.autograd.grad(y.sum(), x_TH)
+    assert torch.equal(rows, permute_reference(x_TH.detach(), slot_TK, T * K))
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()

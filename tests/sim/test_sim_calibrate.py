@@ -220,7 +220,7 @@ def test_a_gpu_profile_prices_device_work_and_bytes_not_host_overhead():
     assert gpu.compute_s(2e9) == pytest.approx(2e-3)
     cpu = Profile(flops_per_s=1e12, task_overhead_s=1e-3, mem_bytes_per_s=1e12)
     assert cpu.compute_s(2e9, 3e9) == pytest.approx(3e-3)
-    with pytest.raises(ValueError, match="profile.device"):
+    with pytest.raises(ValueError, match=r"profile\.device"):
         Profile(flops_per_s=1.0, device="tpu")
     with pytest.raises(ValueError, match="mem_bytes_per_s"):
         Profile(flops_per_s=1.0, mem_bytes_per_s=-1.0)

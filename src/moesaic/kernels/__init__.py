@@ -3,10 +3,19 @@
 Shape legend: T tokens, K top-k, H hidden, F expert hidden, e local experts, M and R rows
 (expert-grouped), N output columns of a grouped GEMM.
 
-``MoEConfig.kernels`` picks the implementation: "torch" (the default: ``RoutingPlan.permute`` /
-``unpermute`` and ``experts.grouped_mm``) or "triton" (the kernels here). This module imports no
-Triton: the kernel modules do, and only ``load("triton")`` reaches them, so the torch path never
-needs Triton installed (it is in the ``test`` extra, not a dependency).
+``MoEConfig.kernels`` picks the implementation (``resolve``):
+
+* "torch": plain torch (``RoutingPlan.permute`` / ``unpermute``, ``experts.grouped_mm``);
+* "triton": every kernel of the expert path from here, the grouped GEMMs too;
+* "fused": the data plane from here (permute, combine, SwiGLU's elementwise part:
+  ``swiglu_act``) around the library's grouped GEMMs (``torch._grouped_mm``, CUTLASS on a
+  Hopper GPU, far faster than the Triton GEMMs here: 5.4 ms against 36 ms for a Mixtral-like
+  bf16 step on an H200, issue 27);
+* "auto" (the default): "fused" on a CUDA device when Triton is installed, else "torch".
+
+This module imports no Triton: the kernel modules do, and only ``load()`` (or an explicit import
+of one) reaches them, so the torch path never needs Triton installed (it is in the ``test``
+extra, not a dependency).
 
 Kernels (one file each: the ``@triton.jit`` kernels, a launcher, the ``autograd.Function`` and
 an ``*_reference`` in plain torch):
@@ -22,13 +31,16 @@ an ``*_reference`` in plain torch):
   (row gradients and the weights' gradients).
 * ``swiglu``: the first expert GEMM with SwiGLU fused into its epilogue:
   ``silu(x @ w1[i]) * (x @ w3[i])`` from one pass over ``x``.
+* ``swiglu_act``: SwiGLU's elementwise part alone, ``silu(a) * b`` from the two GEMMs'
+  outputs, and its backward, one pass each (the "fused" path's activation).
 * ``persistent``: one persistent kernel per direction that runs a lowered taskflow plan
   (``taskflow.lower``; its table vocabulary is ``task_ops``, which imports no Triton): the
   ``taskflow`` dispatcher's path with ``kernels="triton"`` (EP 1).
 
 Tested against the references under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU in
-tests/kernels; nothing here has run on a GPU yet. Two interpreter defects (Triton 3.9) are
-worked around only under it: bf16 ``tl.dot`` (tiles cast to fp32 first, ``_launch.upcast_dot``)
+tests/kernels. On a GPU (one H200, issue 27, benchmarks/gpu_layer.py) a Mixtral-like bf16 step
+with the Triton GEMMs took 36 ms against 5.4 ms with torch's: hence "fused". Two interpreter
+defects (Triton 3.9) are worked around only under it: bf16 ``tl.dot`` (tiles cast to fp32 first, ``_launch.upcast_dot``)
 and fp32-to-bf16 casts that truncate (rounded by hand, ``_jit.cast_out``).
 """
 
@@ -36,8 +48,12 @@ from __future__ import annotations
 
 import importlib.util
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-KERNELS = ("torch", "triton")
+if TYPE_CHECKING:
+    import torch
+
+KERNELS = ("torch", "triton", "fused", "auto")
 
 INSTALL_HINT = 'pip install "triton>=3.0" (or pip install -e ".[test]")'
 
@@ -54,6 +70,14 @@ def require_triton() -> None:
             f'kernels="triton" needs Triton, which is not installed: {INSTALL_HINT}; '
             'or use kernels="torch"'
         )
+
+
+def resolve(kernels: str, device: torch.device) -> str:
+    """The implementation ``kernels`` means for tensors on ``device``: "torch", "triton" or
+    "fused" ("auto": "fused" on CUDA with Triton installed, else "torch")."""
+    if kernels != "auto":
+        return kernels
+    return "fused" if device.type == "cuda" and triton_available() else "torch"
 
 
 def load() -> ModuleType:

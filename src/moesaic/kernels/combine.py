@@ -16,9 +16,7 @@ import triton
 import triton.language as tl
 
 from moesaic.kernels._jit import cast_out
-from moesaic.kernels._launch import check_device, check_float, check_slots
-
-BLOCK_H = 64  # columns per program / per step of the dw reduction; not tuned on a GPU
+from moesaic.kernels._launch import block_h, check_device, check_float, check_slots
 
 
 def combine_reference(
@@ -77,14 +75,17 @@ def _combine_bwd(dy_ptr, rows_ptr, slot_ptr, w_ptr, drows_ptr, dw_ptr, H, K, BLO
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_RH, slot_TK, w_TK):
+    def forward(ctx, rows_RH, slot_TK, w_TK, zero_fill):
         ctx.save_for_backward(rows_RH, slot_TK, w_TK)
+        ctx.zero_fill = zero_fill
         T, K = slot_TK.shape
         H = rows_RH.shape[1]
         y_TH = rows_RH.new_empty(T, H)
         if T and H:
-            grid = (T, triton.cdiv(H, BLOCK_H))
-            _combine_fwd[grid](rows_RH, slot_TK, w_TK, y_TH, H, K, BLOCK=BLOCK_H)
+            block = block_h(H)
+            _combine_fwd[(T, triton.cdiv(H, block))](
+                rows_RH, slot_TK, w_TK, y_TH, H, K, BLOCK=block
+            )
         return y_TH
 
     @staticmethod
@@ -92,16 +93,19 @@ class _Combine(torch.autograd.Function):
         rows_RH, slot_TK, w_TK = ctx.saved_tensors
         T, K = slot_TK.shape
         H = rows_RH.shape[1]
-        drows_RH = torch.zeros_like(rows_RH)
-        dw_TK = torch.zeros_like(w_TK)
+        # rows no assignment reads get zero gradients; each assignment writes its own dw
+        drows_RH = torch.zeros_like(rows_RH) if ctx.zero_fill else torch.empty_like(rows_RH)
+        dw_TK = torch.empty_like(w_TK)
         if T * K:
             _combine_bwd[(T * K,)](
-                dy_TH.contiguous(), rows_RH, slot_TK, w_TK, drows_RH, dw_TK, H, K, BLOCK=BLOCK_H
+                dy_TH.contiguous(), rows_RH, slot_TK, w_TK, drows_RH, dw_TK, H, K, BLOCK=block_h(H)
             )
-        return drows_RH, None, dw_TK
+        return drows_RH, None, dw_TK, None
 
 
-def combine(rows_RH: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+def combine(
+    rows_RH: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor, *, zero_fill: bool = True
+) -> torch.Tensor:
     """``y_TH[t] = sum_k w_TK[t, k] * rows_RH[slot_TK[t, k]]`` (slot -1: nothing), in the rows'
     dtype with fp32 accumulation.
 
@@ -110,6 +114,8 @@ def combine(rows_RH: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) ->
         slot_TK: row of each assignment, -1 for none; distinct rows, all < R (not checked on
             the device).
         w_TK: combine weights (any float dtype; the gradient comes back in it).
+        zero_fill: False when the caller knows every row is some assignment's (R = T*K, no
+            -1): the rows' gradient is then not zeroed first.
     """
     check_float("rows_RH", rows_RH)
     check_device("rows_RH", rows_RH)
@@ -119,4 +125,4 @@ def combine(rows_RH: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) ->
             f"w_TK {tuple(w_TK.shape)} must have slot_TK's shape {tuple(slot_TK.shape)}"
         )
     check_float("w_TK", w_TK)
-    return _Combine.apply(rows_RH.contiguous(), slot_TK.contiguous(), w_TK.contiguous())
+    return _Combine.apply(rows_RH.contiguous(), slot_TK.contiguous(), w_TK.contiguous(), zero_fill)

@@ -16,9 +16,7 @@ import triton
 import triton.language as tl
 
 from moesaic.kernels._jit import cast_out
-from moesaic.kernels._launch import check_device, check_float, check_slots
-
-BLOCK_H = 64  # columns per program; not tuned (nothing here has run on a GPU yet)
+from moesaic.kernels._launch import block_h, check_device, check_float, check_slots
 
 
 def permute_reference(x_TH: torch.Tensor, slot_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -62,13 +60,15 @@ def _permute_bwd(dout_ptr, slot_ptr, dx_ptr, H, K, BLOCK: tl.constexpr):
     tl.store(dx_ptr + t * H + cols, cast_out(acc, dx_ptr.dtype.element_ty), mask=inside)
 
 
-def _launch_fwd(x_TH: torch.Tensor, slot_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+def _launch_fwd(
+    x_TH: torch.Tensor, slot_TK: torch.Tensor, num_rows: int, zero_fill: bool = True
+) -> torch.Tensor:
     T, H = x_TH.shape
     K = slot_TK.shape[1]
-    out_RH = x_TH.new_zeros(num_rows, H)
+    out_RH = x_TH.new_zeros(num_rows, H) if zero_fill else x_TH.new_empty(num_rows, H)
     if T * K and H:
-        grid = (T * K, triton.cdiv(H, BLOCK_H))
-        _permute_fwd[grid](x_TH, slot_TK, out_RH, H, K, BLOCK=BLOCK_H)
+        block = block_h(H)
+        _permute_fwd[(T * K, triton.cdiv(H, block))](x_TH, slot_TK, out_RH, H, K, BLOCK=block)
     return out_RH
 
 
@@ -77,23 +77,26 @@ def _launch_bwd(dout_RH: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
     H = dout_RH.shape[1]
     dx_TH = dout_RH.new_empty(T, H)
     if T and H:
-        _permute_bwd[(T, triton.cdiv(H, BLOCK_H))](dout_RH, slot_TK, dx_TH, H, K, BLOCK=BLOCK_H)
+        block = block_h(H)
+        _permute_bwd[(T, triton.cdiv(H, block))](dout_RH, slot_TK, dx_TH, H, K, BLOCK=block)
     return dx_TH
 
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, slot_TK, num_rows):
+    def forward(ctx, x_TH, slot_TK, num_rows, zero_fill):
         ctx.save_for_backward(slot_TK)
-        return _launch_fwd(x_TH, slot_TK, num_rows)
+        return _launch_fwd(x_TH, slot_TK, num_rows, zero_fill)
 
     @staticmethod
     def backward(ctx, dout_RH):
         (slot_TK,) = ctx.saved_tensors
-        return _launch_bwd(dout_RH.contiguous(), slot_TK), None, None
+        return _launch_bwd(dout_RH.contiguous(), slot_TK), None, None, None
 
 
-def permute(x_TH: torch.Tensor, slot_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+def permute(
+    x_TH: torch.Tensor, slot_TK: torch.Tensor, num_rows: int, *, zero_fill: bool = True
+) -> torch.Tensor:
     """Rows ``[R, H]`` with ``out[slot_TK[t, k]] = x_TH[t]``; rows no assignment fills are zero.
 
     Args:
@@ -101,10 +104,12 @@ def permute(x_TH: torch.Tensor, slot_TK: torch.Tensor, num_rows: int) -> torch.T
         slot_TK: destination row of each assignment, -1 for none; distinct rows, all < R (not
             checked on the device: a check would read them on the host).
         num_rows: R.
+        zero_fill: False when the caller knows every row is some assignment's (R = T*K, no
+            -1): the buffer is then not zeroed first (one pass over [R, H] less).
     """
     check_float("x_TH", x_TH)
     check_device("x_TH", x_TH)
     check_slots(slot_TK, x_TH.shape[0])
     if num_rows < 0:
         raise ValueError(f"num_rows ({num_rows}) must be >= 0")
-    return _Permute.apply(x_TH.contiguous(), slot_TK.contiguous(), num_rows)
+    return _Permute.apply(x_TH.contiguous(), slot_TK.contiguous(), num_rows, zero_fill)

@@ -114,8 +114,17 @@ class SpTuner:
 
     def _start_search(self) -> None:
         import numpy as np
-        from bayes_opt import acquisition  # lazily: scikit-learn takes ~1 s to import
-        from bayes_opt.target_space import TargetSpace
+
+        try:
+            from bayes_opt import acquisition  # lazily: scikit-learn takes ~1 s to import
+            from bayes_opt.target_space import TargetSpace
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                "schedule 'flowmoe' tunes its gradient all-reduce chunk Sp online with the "
+                "bayesian-optimization package, which is not installed: pip install "
+                "'moesaic[flowmoe]', or fix Sp instead (ar_chunk in the training config, "
+                "--ar-chunk on the command line)"
+            ) from exc
         from sklearn.gaussian_process import GaussianProcessRegressor
         from sklearn.gaussian_process.kernels import Matern, WhiteKernel
 
