@@ -445,6 +445,35 @@ def _line(c: dict, name: str, r: dict, bound_ms) -> str:
     )
 
 
+def repredict(result_path: Path, profile_path: Path | None, out: Path) -> int:
+    """``result_path`` with each layer's ``repredicted_ms`` / ``repredicted_error`` (against
+    the measured dropless ``stream_ms``) from the simulator as it is now."""
+    import json
+
+    from moesaic.sim.profile import Profile
+
+    if profile_path is None:
+        print("gpu_layer: --repredict needs --profile", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_check import simulated
+
+    result = json.loads(result_path.read_text())
+    profile = Profile.load(profile_path)
+    dtype = "bf16" if "bfloat16" in result["dtype"] else "fp32"
+    for c in result["configs"]:
+        shape = {k: c[k] for k in ("name", "H", "F", "E", "K", "T")}
+        c["repredicted_ms"] = simulated({**shape, "dtype": dtype}, profile)["iteration_ms"]
+        c["repredicted_error"] = c["repredicted_ms"] / c["modules"]["dropless"]["stream_ms"] - 1
+        print(
+            f"{c['name']:16s} measured {c['modules']['dropless']['stream_ms']:.3f} ms, "
+            f"predicted {c['repredicted_ms']:.3f} ms ({c['repredicted_error']:+.1%})"
+        )
+    result["repredicted_with"] = {"profile": str(profile_path), "argv": sys.argv[1:]}
+    write_json(result, out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -458,7 +487,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma list of config names")
     p.add_argument("--modules", default="", help="comma list of modules to time (default all)")
     p.add_argument("--commit", default="")
+    p.add_argument(
+        "--repredict",
+        type=Path,
+        help="no measuring: this script's earlier result, with --profile: the simulator's "
+        "prediction of each layer again (the code as it is now), written to --out",
+    )
     args = p.parse_args(argv)
+    if args.repredict is not None:
+        return repredict(args.repredict, args.profile, args.out)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_layer: --device cuda but CUDA is not available", file=sys.stderr)
         return 2

@@ -161,12 +161,14 @@ def test_measured_levels_run_at_their_measured_rate():
 
 def test_a_16_bit_model_computes_at_the_measured_bf16_rate():
     """``half_flops_per_s`` prices a model with 2-byte activations; fp32 models keep
-    ``flops_per_s``; an unmeasured (0) bf16 rate falls back to fp32; bad values name the field."""
+    ``flops_per_s``; an unmeasured (0) bf16 rate falls back to fp32; the router keeps the fp32
+    rate; bad values name the field."""
     from moesaic.sim.model import ModelSpec
     from moesaic.sim.simulate import simulate
 
     both = Profile(flops_per_s=1e10, half_flops_per_s=4e10)
     assert both.for_model(2).flops_per_s == 4e10
+    assert both.for_model(2).router_flops_per_s == 1e10
     assert both.for_model(4) is both
     assert Profile(flops_per_s=1e10).for_model(2).flops_per_s == 1e10
     assert Profile.from_dict({"flops_per_s": 1.0}).half_flops_per_s == 0.0  # old profiles load
@@ -187,7 +189,9 @@ def test_a_16_bit_model_computes_at_the_measured_bf16_rate():
     for act_bytes, rate in ((4, 1e10), (2, 4e10)):
         model = ModelSpec(**base, act_bytes=act_bytes)  # type: ignore[arg-type]
         got = simulate(spec, model, "dropless", both).compute_s
-        want = simulate(spec, model, "dropless", Profile(flops_per_s=rate)).compute_s
+        # the router computes in fp32 whatever the activations: at the fp32 rate
+        same = Profile(flops_per_s=rate, router_flops_per_s=1e10)
+        want = simulate(spec, model, "dropless", same).compute_s
         assert got == pytest.approx(want, rel=1e-12)
 
 

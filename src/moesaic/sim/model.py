@@ -197,7 +197,7 @@ class ModelSpec:
         """Forward FLOPs of one block's attention stage and gate for ``tokens`` tokens (the gate
         alone when ``layer_only``)."""
         H = self.hidden
-        gate = 2.0 * tokens * H * self.experts
+        gate = self.gate_flops(tokens)
         if self.layer_only:
             return gate
         qkv_o = 2.0 * tokens * H * 4 * H
@@ -207,6 +207,10 @@ class ModelSpec:
     def expert_flops(self, rows: float) -> float:
         """Forward FLOPs of ``rows`` routed rows through their experts."""
         return self.mats * 2.0 * rows * self.hidden * self.ffn_hidden
+
+    def gate_flops(self, tokens: int) -> float:
+        """Forward FLOPs of the router's gate (``tokens x H @ H x E``, in fp32)."""
+        return 2.0 * tokens * self.hidden * self.experts
 
     def gate_bytes(self, tokens: int) -> float:
         """Forward bytes of the router's memory-bound passes for ``tokens`` tokens: the tokens

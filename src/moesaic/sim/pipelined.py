@@ -216,7 +216,7 @@ class Costs:
         bytes too, and the longer of the device work and the overhead); backward twice
         forward."""
         model = self.model
-        self.at_s = profile.compute_s(model.attention_flops(tokens), model.gate_bytes(tokens))
+        self.at_s = profile.stage_s(model, tokens)
         self.head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(tokens))
         self.e_s = profile.compute_s(model.expert_flops(rows), model.expert_bytes(rows))
         self.at_bwd_s, self.e_bwd_s, self.head_bwd_s = 2 * self.at_s, 2 * self.e_s, 2 * self.head_s

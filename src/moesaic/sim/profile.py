@@ -71,7 +71,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from moesaic.checks import (
     check_int,
@@ -83,6 +83,9 @@ from moesaic.checks import (
 )
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.sim.opcal import OpCal
+
+if TYPE_CHECKING:
+    from moesaic.sim.model import ModelSpec
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -249,6 +252,9 @@ class Profile:
             task (permutes, activation, combine: ``ModelSpec.expert_bytes``) are priced with
             it; 0: not measured, not priced. Unused on a CPU, whose measured rates (and
             operation timings) include them.
+        router_flops_per_s: The router's matmul rate: it computes in fp32 whatever the
+            activations' dtype (``moesaic.routing``), so for a bf16 model ``for_model`` keeps
+            the fp32 rate here while ``flops_per_s`` becomes the bf16 one; 0: ``flops_per_s``.
     """
 
     flops_per_s: float
@@ -274,10 +280,12 @@ class Profile:
     routing: RoutingLoads | None = None
     device: str = "cpu"
     mem_bytes_per_s: float = 0.0
+    router_flops_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_one_of("profile.device", self.device, DEVICES)
         check_non_negative("profile.mem_bytes_per_s", self.mem_bytes_per_s)
+        check_non_negative("profile.router_flops_per_s", self.router_flops_per_s)
         check_non_negative("profile.comm_cpu_s", self.comm_cpu_s)
         check_non_negative("profile.comm_cpu_per_byte_s", self.comm_cpu_per_byte_s)
         check_number("profile.comm_cpu_busy", self.comm_cpu_busy, 0.0, 1.0)
@@ -374,10 +382,22 @@ class Profile:
 
     def for_model(self, act_bytes: int) -> Profile:
         """This profile with the matmul rate of a model whose activations take ``act_bytes``:
-        ``half_flops_per_s`` for 2 bytes when measured, else unchanged."""
+        ``half_flops_per_s`` for 2 bytes when measured (the router keeps the fp32 rate), else
+        unchanged."""
         if act_bytes == 2 and self.half_flops_per_s > 0:
-            return dataclasses.replace(self, flops_per_s=self.half_flops_per_s)
+            router = self.router_flops_per_s or self.flops_per_s
+            return dataclasses.replace(
+                self, flops_per_s=self.half_flops_per_s, router_flops_per_s=router
+            )
         return self
+
+    def stage_s(self, model: ModelSpec, tokens: int) -> float:
+        """Forward seconds of a block's attention stage and router gate for ``tokens`` tokens
+        at these rates: the gate at the router's fp32 rate (``router_flops_per_s``), the rest
+        at ``flops_per_s`` (``compute_s``, with the gate's memory-bound bytes)."""
+        gate = model.gate_flops(tokens)
+        rest = self.compute_s(model.attention_flops(tokens) - gate, model.gate_bytes(tokens))
+        return rest + gate / (self.router_flops_per_s or self.flops_per_s)
 
     def compute_s(self, flops: float, nbytes: float = 0.0) -> float:
         """Seconds of one compute task of ``flops`` whose memory-bound passes move ``nbytes``

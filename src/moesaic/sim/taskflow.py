@@ -151,7 +151,7 @@ def host_prices(model: ModelSpec, profile: Profile, world: int) -> HostPrices:
     rates = {d: gmm_flops_per_s(model, profile, d) for d in ("forward", "backward")}
     grads = model.layers * model.replicated_params_per_block() + model.outer_params()
     if profile.ops is None:
-        at_s = profile.compute_s(model.attention_flops(T))
+        at_s = profile.stage_s(model, T)
         head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(T))
         optimizer_s = profile.task_overhead_s if grads * model.param_bytes else 0.0
         return HostPrices(at_s, 2 * at_s, head_s, 2 * head_s, optimizer_s, rates)
