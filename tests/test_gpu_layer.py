@@ -1,0 +1,54 @@
+"""benchmarks/gpu_layer.py on CPU (``--device cpu --quick``): it runs every part that needs no
+GPU, checks each module against dropless first, and ``--repredict`` recomputes the simulator's
+predictions of a result file (what issue 27's GPU runs committed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_layer.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_layer():
+    spec = importlib.util.spec_from_file_location("gpu_layer", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_times_and_checks_the_modules(gpu_layer, tmp_path):
+    out = tmp_path / "layer.json"
+    argv = ["--device", "cpu", "--quick", "--out", str(out), "--iters", "2", "--stream", "2"]
+    assert gpu_layer.main([*argv, "--warmup", "1", "--modules", "padded-cf1.25"]) == 0
+    (row,) = json.loads(out.read_text())["configs"]
+    assert set(row["modules"]) == {"dropless", "padded-cf1.25"}  # --modules: dropless always
+    for r in row["modules"].values():
+        assert r["stream_ms"] > 0 and r["step_ms"] > 0
+    assert row["dense_gemm_bound_ms"] is None  # measured on a GPU only
+
+
+def test_repredict_adds_the_simulators_prediction(gpu_layer, tmp_path):
+    from moesaic.sim.profile import Profile
+
+    result = {
+        "dtype": "torch.bfloat16",
+        "configs": [
+            {"name": "m", "H": 64, "F": 128, "E": 4, "K": 2, "T": 256,
+             "modules": {"dropless": {"stream_ms": 2.0}}},
+        ],
+    }  # fmt: skip
+    src, prof, out = tmp_path / "r.json", tmp_path / "p.json", tmp_path / "out.json"
+    src.write_text(json.dumps(result))
+    gpu = Profile(flops_per_s=1e12, half_flops_per_s=4e12, device="cuda", mem_bytes_per_s=1e12)
+    gpu.save(prof)
+    assert gpu_layer.main(["--repredict", str(src), "--profile", str(prof), "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["configs"]
+    assert row["repredicted_ms"] > 0
+    assert row["repredicted_error"] == pytest.approx(row["repredicted_ms"] / 2.0 - 1)
+    assert gpu_layer.main(["--repredict", str(src), "--out", str(out)]) == 2  # needs --profile
