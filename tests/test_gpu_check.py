@@ -4,25 +4,19 @@ tests part runs tests/gpu (every test skipped here) and exits 1 when one fails."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from _scripts import load_benchmark
 from moesaic.experts import GroupedExperts
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_check")
 
 
 def test_correctness_passes_on_cpu(gpu_check, tmp_path):

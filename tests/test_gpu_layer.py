@@ -4,22 +4,16 @@ predictions of a result file (what issue 27's GPU runs committed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_layer.py"
+from _scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu_layer():
-    spec = importlib.util.spec_from_file_location("gpu_layer", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_layer")
 
 
 def test_quick_run_times_and_checks_the_modules(gpu_layer, tmp_path):
