@@ -32,6 +32,7 @@ FlowMoE pool's all-reduce chunks stay where the uncontended timeline placed them
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +116,7 @@ class CpuModel:
         return shared / max(1.0, self.threads / self.cores_per_rank)
 
 
-def skewed_compute_factor(shares: list[float], cpu: CpuModel) -> float:
+def skewed_compute_factor(shares: Sequence[float], cpu: CpuModel) -> float:
     """How much of its contended time the busiest rank's expert compute takes when the ranks'
     loads differ (``shares``: each rank's share of the rows; every rank of the machine).
 

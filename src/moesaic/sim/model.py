@@ -116,7 +116,8 @@ class ModelSpec:
             raise ValueError(f"model.hidden ({self.hidden}) must be divisible by model.heads")
         check_number("model.capacity_factor", self.capacity_factor, 0.0, 1e3)
         check_number("model.routing_skew", self.routing_skew, 0.0, 10.0)
-        object.__setattr__(self, "measured_loads", _load_rows(self.measured_loads, self.experts))
+        loads = load_rows(self.measured_loads, "model.measured_loads", self.experts)
+        object.__setattr__(self, "measured_loads", loads)
         check_one_of("model.activation", self.activation, ("swiglu", "gelu"))
         check_bool("model.layer_only", self.layer_only)
 
@@ -257,27 +258,31 @@ class ModelSpec:
         return self.mats * self.hidden * self.ffn_hidden * self.param_bytes
 
 
-def _load_rows(raw: Any, experts: int) -> tuple[tuple[float, ...], ...]:
-    """``model.measured_loads`` as one row per MoE layer: a flat list (one row for every layer)
-    or a list of rows, each with one entry per expert, >= 0 and not all zero."""
+def load_rows(raw: Any, name: str, experts: int | None = None) -> tuple[tuple[float, ...], ...]:
+    """Expert loads as one row per MoE layer (``model.measured_loads``, a profile's
+    ``routing.loads``): a flat list (one row) or a list of rows, each with one entry per
+    expert (``experts`` of them when given, else all rows as long), >= 0 and not all zero;
+    () for none. ``name`` names the field in the errors."""
     rows = list(raw)
     if not rows:
         return ()
-    if not isinstance(rows[0], (list, tuple)):
+    flat = not isinstance(rows[0], (list, tuple))
+    if flat:
         rows = [rows]
     out = []
     for i, row in enumerate(rows):
         if not isinstance(row, (list, tuple)):
             raise ValueError(
-                f"model.measured_loads[{i}] must be a list (one row per MoE layer) when "
-                "another entry is"
+                f"{name}[{i}] must be a list (one row per MoE layer) when another entry is"
             )
-        where = f"model.measured_loads[{i}]" if len(rows) > 1 else "model.measured_loads"
-        if len(row) != experts:
+        where = name if flat else f"{name}[{i}]"
+        if experts is not None and len(row) != experts:
             raise ValueError(
-                f"{where} has {len(row)} entries; it must have one per "
-                f"expert (model.experts = {experts})"
+                f"{where} has {len(row)} entries; it must have one per expert (model.experts "
+                f"= {experts})"
             )
+        if experts is None and (not row or len(row) != len(rows[0])):
+            raise ValueError(f"{name} must be one non-empty row per MoE layer, all as long")
         for e, x in enumerate(row):
             check_number(f"{where}[{e}]", x, 0.0, 1e18)
         if not math.fsum(row) > 0:

@@ -173,9 +173,8 @@ class Costs:
             ex = _padded(model, link, tokens)
             if profile.ops is not None and skips_padding(profile.ops.device, model.activation):
                 # the experts compute the kept rows only: dropless's count, padded's wire bytes
-                ex = ex._replace(
-                    rows=_kept_rows(model, tokens, rank_shares(model, link.world_size))
-                )
+                shares = rank_shares(model, link.world_size)
+                ex = ex._replace(rows=_kept_rows(model, tokens, shares), rank_shares=shares)
         else:
             ex = _dropless(model, link, tokens, domain_sizes)
         self.a2a_bytes, self.a2a_s, self.counts_s = ex.nbytes, ex.seconds, ex.counts_s
@@ -188,27 +187,19 @@ class Costs:
             self._price_flops(profile, tokens, ex.rows, params)
         else:
             self._price_ops(OpPrices(profile.ops, model), tokens, ex.rows, params)
-        self._share_cores(strategy, domain_sizes)
+        self._share_cores(ex.rank_shares)
 
-    def _share_cores(self, strategy: str, domain_sizes: Sequence[int] | None) -> None:
+    def _share_cores(self, shares: Sequence[float] | None) -> None:
         """The busiest rank's expert compute under skewed routing where the machine's ranks
         share its cores: the lighter ranks finish and free theirs
         (:func:`~moesaic.sim.contention.skewed_compute_factor`, which the contention then
         stretches). Only where every rank of the world is on one modelled machine and the
-        rows follow the ranks' shares (dropless, padded on its kept rows, hybrid with domains
-        of 1; not larger domains, whose members compute their domain's experts)."""
+        exchange says its rows follow the ranks' ``shares`` (None: every rank computes
+        alike)."""
         cpu = CpuModel.of(self.profile)
-        P = self.link.world_size
-        if cpu is None or self.profile.ranks_per_machine != P:
+        if shares is None or cpu is None or self.profile.ranks_per_machine != len(shares):
             return
-        if domain_sizes is not None and any(s != 1 for s in domain_sizes):
-            return
-        if strategy == "padded" and not (
-            self.profile.ops is not None
-            and skips_padding(self.profile.ops.device, self.model.activation)
-        ):
-            return  # the whole padded buffer: every rank computes alike
-        f = skewed_compute_factor(rank_shares(self.model, P), cpu)
+        f = skewed_compute_factor(shares, cpu)
         self.e_s, self.e_bwd_s = self.e_s * f, self.e_bwd_s * f
 
     def _price_flops(self, profile: Profile, tokens: int, rows: float, params: float) -> None:
@@ -253,12 +244,16 @@ def skips_padding(device: str, activation: str) -> bool:
 
 class _Exchange(NamedTuple):
     """One chunk's row exchange: the busiest rank's expert rows, the bytes a rank sends, the
-    all-to-all's seconds and those of what precedes it (the counts, or the capacity)."""
+    all-to-all's seconds and those of what precedes it (the counts, or the capacity), and
+    each rank's share of the computed rows when they follow the routing (dropless, hybrid
+    with domains of one rank, padded on its kept rows), else None (every rank computes its
+    whole buffer, or a domain's members compute the domain's experts alike)."""
 
     rows: float
     nbytes: float
     seconds: float
     counts_s: float
+    rank_shares: Sequence[float] | None = None
 
 
 def _dropless(
@@ -273,11 +268,12 @@ def _dropless(
     Q = len(shares)
     nbytes = tokens * model.top_k * kept * model.hidden * model.act_bytes
     rows = _kept_rows(model, tokens, shares)
+    per_rank = shares if len(shares) == link.world_size else None  # domains of one rank each
     if Q == 1:
-        return _Exchange(rows, nbytes, 0.0, 0.0)
+        return _Exchange(rows, nbytes, 0.0, 0.0, per_rank)
     seconds = all_to_all_shares_s(link, nbytes, shares, domain_sizes=domain_sizes)
     # dropless exchanges its counts first: one more collective of a few bytes.
-    return _Exchange(rows, nbytes, seconds, link.worst_latency_s(domain_sizes))
+    return _Exchange(rows, nbytes, seconds, link.worst_latency_s(domain_sizes), per_rank)
 
 
 def _kept_rows(model: ModelSpec, tokens: int, shares: Sequence[float]) -> float:

@@ -71,7 +71,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from moesaic.checks import (
     check_int,
@@ -82,10 +82,8 @@ from moesaic.checks import (
     check_positive_int,
 )
 from moesaic.cluster.spec import ClusterSpec
+from moesaic.sim.model import ModelSpec, load_rows
 from moesaic.sim.opcal import OpCal
-
-if TYPE_CHECKING:
-    from moesaic.sim.model import ModelSpec
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -194,17 +192,11 @@ class RoutingLoads:
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
             raise ValueError("profile.routing.source must be a non-empty string")
-        rows = [list(r) if isinstance(r, (list, tuple)) else None for r in self.loads]
-        if not rows or any(r is None or not r for r in rows) or len({len(r) for r in rows}) != 1:
-            raise ValueError(
-                "profile.routing.loads must be one non-empty row per MoE layer, all as long"
-            )
-        for i, row in enumerate(rows):
-            for e, x in enumerate(row):
-                check_non_negative(f"profile.routing.loads[{i}][{e}]", x)
-            if not sum(row) > 0:
-                raise ValueError(f"profile.routing.loads[{i}] must not be all zero")
-        object.__setattr__(self, "loads", tuple(tuple(float(x) for x in r) for r in rows))
+        name = "profile.routing.loads"  # the model's own rule for measured loads
+        rows = load_rows(self.loads, name) if isinstance(self.loads, (list, tuple)) else ()
+        if not rows:
+            raise ValueError(f"{name} must be one non-empty row per MoE layer, all as long")
+        object.__setattr__(self, "loads", rows)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
