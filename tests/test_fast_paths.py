@@ -208,3 +208,18 @@ def test_permute_rows_backward_is_the_inverse_gather():
     (fast,) = torch.autograd.grad(PermuteRows.apply(x, perm, inverse), x, g)
     (ref,) = torch.autograd.grad(x.index_select(0, perm), x, g)
     assert torch.equal(fast, ref)
+
+
+@pytest.mark.parametrize("rows", [12, 7])  # all T*K = 12 assignments (gather), or the kept 7
+def test_replicate_tokens_backward_equals_index_selects(rows):
+    """The permute's backward: a gather of each token's K rows and a sum when every assignment
+    has a row, the index_add of a general index_select otherwise; the same values."""
+    from moesaic.routing import _ReplicateTokens
+
+    T, K = 4, 3
+    order = torch.randperm(T * K)[:rows]
+    x = torch.randn(T, 5, requires_grad=True, dtype=torch.float64)
+    g = torch.randn(rows, 5, dtype=torch.float64)
+    (fast,) = torch.autograd.grad(_ReplicateTokens.apply(x, order, K), x, g)
+    (ref,) = torch.autograd.grad(x.index_select(0, order // K), x, g)
+    assert torch.allclose(fast, ref, rtol=0, atol=1e-12)
