@@ -5,18 +5,22 @@ dense-GEMM bound.
 ``PYTHONPATH=src python3 benchmarks/gpu_layer.py --out OUT.json [--traces DIR]``
 (``--device cpu --quick``: every part at toy sizes, the CPU smoke test.)
 
-For each layer shape (bf16 on a GPU; ``CONFIGS``) and each module (``dropless``, ``padded``
-at capacity factor 1.25, ``dropless`` with the whole step in one CUDA graph, torchtitan's
-``MoE`` when installed, the transformers ``MixtralSparseMoeBlock``):
+For each layer shape (bf16 on a GPU; ``CONFIGS``) and each module (``dropless`` with the
+default kernels, its ``VARIANTS`` of ``MoEConfig.kernels``, ``padded`` at capacity factor 1.25,
+``dropless`` with the whole step in one CUDA graph, torchtitan's ``MoE`` when installed, the
+transformers ``MixtralSparseMoeBlock``; ``--modules`` picks some):
 
-* agreement with ``dropless`` on one forward + backward (relative max error of the output, the
-  input gradient and, for torchtitan, the expert weight gradients), on fresh random inputs;
+* agreement with ``dropless`` on one forward + backward on fresh random inputs (the output's
+  and the input gradient's norm-relative and max-relative errors; for torchtitan its expert
+  weight gradients too); padded drops tokens and the graphed step is dropless itself: neither
+  is checked;
 * ``step_ms``: median of single synchronised steps (forward, loss (y g).sum() + the aux loss
-  each library adds, backward, grads set to None), CUDA events around each;
+  each library adds, backward, grads set to None), the host clock around each;
 * ``stream_ms``: ``--stream`` steps back to back and one synchronisation, per step (what a
   training loop sees: the host runs ahead of the GPU unless something syncs it);
-* ``kernel_ms``: GPU kernel time per step (torch.profiler over 3 back-to-back steps), the GPU
-  idle time inside those steps (``gap_ms``: the host gaps) and the top kernels;
+* ``kernel_ms`` and ``busy_ms``: the GPU's kernel time per step (torch.profiler over 3
+  back-to-back steps), summed and as a union, the GPU idle time inside those steps
+  (``gap_ms``: the host gaps) and the top kernels;
 * ``host_syncs``: operations that made the host wait for the GPU in one step
   (``torch.cuda.set_sync_debug_mode("warn")``);
 * with ``--profile`` (``moesaic calibrate``'s, measured on the same GPU first): the simulator's
@@ -41,6 +45,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,17 +83,20 @@ def _loss_terms(module) -> torch.Tensor | None:
     return terms() if terms is not None else None
 
 
+def _loss(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``(module(x) * g).sum()`` plus the aux loss the module's library adds."""
+    y = module(x)
+    y = y[0] if isinstance(y, tuple) else y
+    loss = (y * g).sum()
+    extra = _loss_terms(module)
+    return loss if extra is None else loss + extra.to(loss.device)
+
+
 def make_step(module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], torch.Tensor]:
     """One training step of ``module``: forward, loss, backward, grads set to None."""
 
     def step() -> torch.Tensor:
-        xr = x.detach().requires_grad_()
-        y = module(xr)
-        y = y[0] if isinstance(y, tuple) else y
-        loss = (y * g).sum()
-        extra = _loss_terms(module)
-        if extra is not None:
-            loss = loss + extra.to(loss.device)
+        loss = _loss(module, x.detach().requires_grad_(), g)
         loss.backward()
         module.zero_grad(set_to_none=True)
         return loss
@@ -104,13 +112,7 @@ def graphed_step(module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]
     side.wait_stream(torch.cuda.current_stream())
 
     def body() -> None:
-        y = module(static_x)
-        y = y[0] if isinstance(y, tuple) else y
-        loss = (y * g).sum()
-        extra = _loss_terms(module)
-        if extra is not None:
-            loss = loss + extra
-        loss.backward()
+        _loss(module, static_x, g).backward()
 
     with torch.cuda.stream(side):
         for _ in range(3):
@@ -138,7 +140,7 @@ def build_modules(c: dict, device, dtype, wanted: Callable[[str], bool]) -> tupl
     """``{name: (module, step)}`` of the ``wanted`` modules (dropless always: the others are
     checked against it) and the agreement of each with dropless."""
     from moesaic.bench.layer import _check_step
-    from moesaic.bench.peers import build_peer, compare
+    from moesaic.bench.peers import _rel, build_peer, compare
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(c["T"], c["H"], generator=gen).to(device, dtype)
@@ -157,78 +159,55 @@ def build_modules(c: dict, device, dtype, wanted: Callable[[str], bool]) -> tupl
     gen2 = torch.Generator().manual_seed(2)  # fresh inputs for the agreement checks
     xc = torch.randn(c["T"], c["H"], generator=gen2).to(device, dtype)
     gc = torch.randn(c["T"], c["H"], generator=gen2).to(device, dtype)
+    y_o, dx_o = _check_step(ours, xc, gc)
+
+    def agreement(module) -> dict[str, float]:
+        """``module`` against dropless on the fresh inputs: output and input gradient."""
+        y, dx = _check_step(module, xc, gc)
+        return {
+            "norm_rel_y": _norm_rel(y, y_o),
+            "norm_rel_dx": _norm_rel(dx, dx_o),
+            "max_rel_y": _rel(y, y_o),
+            "max_rel_dx": _rel(dx, dx_o),
+        }
+
+    def add(name: str, build: Callable[[], Any], step=make_step, check: bool = True) -> None:
+        """Time ``build()`` as ``name`` (its agreement first); a failure is recorded."""
+        try:
+            module = build()
+            if check:
+                checks[name] = agreement(module)
+            modules[name] = (module, step(module, x, g))
+        except Exception as exc:
+            checks[name] = {
+                "error": f"{type(exc).__name__}: {exc}"[:1000],
+                "where": traceback.format_exc()[-3000:],
+            }
+
     for name, kw in VARIANTS.items():
-        if not wanted(name) or ("triton" in kw.values() and device.type != "cuda"):
-            continue  # the Triton GEMMs under the interpreter: minutes
-        try:
-            variant = layer(dispatcher="dropless", **kw)
-            y_v, dx_v = _check_step(variant, xc, gc)
-            y_o, dx_o = _check_step(ours, xc, gc)
-            checks[name] = {
-                "norm_rel_y": _norm_rel(y_v, y_o),
-                "norm_rel_dx": _norm_rel(dx_v, dx_o),
-            }
-            modules[name] = (variant, make_step(variant, x, g))
-        except Exception as exc:
-            checks[name] = {
-                "error": f"{type(exc).__name__}: {exc}"[:1000],
-                "where": traceback.format_exc()[-3000:],
-            }
-    if wanted("padded-cf1.25"):
-        padded = layer(dispatcher="padded", capacity_factor=1.25)
-        modules["padded-cf1.25"] = (padded, make_step(padded, x, g))
+        if wanted(name) and ("triton" not in kw.values() or device.type == "cuda"):
+            add(name, lambda kw=kw: layer(dispatcher="dropless", **kw))
+    if wanted("padded-cf1.25"):  # drops tokens: not the same function as dropless
+        add("padded-cf1.25", lambda: layer(dispatcher="padded", capacity_factor=1.25), check=False)
     if device.type == "cuda" and wanted("dropless+cuda-graph"):
-        graphed = layer(dispatcher="dropless")
-        try:
-            modules["dropless+cuda-graph"] = (graphed, graphed_step(graphed, x, g))
-        except Exception as exc:
-            checks["dropless+cuda-graph"] = {
-                "error": f"{type(exc).__name__}: {exc}"[:1000],
-                "where": traceback.format_exc()[-3000:],
-            }
-    if not wanted("torchtitan"):
-        pass
-    elif peer_installed("torchtitan"):
-        try:
-            peer = build_peer("torchtitan", ours).to(device, dtype)
-            agreement = compare(peer, ours, xc, gc, _check_step)
-            y_t, _ = _check_step(peer, xc, gc)
-            y_o, _ = _check_step(ours, xc, gc)
-            checks["torchtitan"] = {
-                "norm_rel_y": _norm_rel(y_t, y_o),
-                "max_rel_y": agreement.max_rel_y,
-                "max_rel_dx": agreement.max_rel_dx,
-                "max_rel_dw": agreement.max_rel_dw,
-            }
-            modules["torchtitan"] = (peer, make_step(peer, x, g))
-        except Exception as exc:
-            checks["torchtitan"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-    else:
-        checks["torchtitan"] = {"error": "not installed"}
-    if not wanted("transformers-mixtral"):
-        return modules, checks
-    try:
+        add("dropless+cuda-graph", lambda: layer(dispatcher="dropless"), graphed_step, False)
+    if wanted("torchtitan"):
+        if peer_installed("torchtitan"):
+            add("torchtitan", lambda: build_peer("torchtitan", ours).to(device, dtype))
+            if "torchtitan" in modules:  # its expert weight gradients too
+                peer = modules["torchtitan"][0]
+                checks["torchtitan"]["max_rel_dw"] = compare(
+                    peer, ours, xc, gc, _check_step
+                ).max_rel_dw
+        else:
+            checks["torchtitan"] = {"error": "not installed"}
+    if wanted("transformers-mixtral"):
         from moesaic.interop.hf import mixtral_block_from_layer
 
-        hf = _Flat(mixtral_block_from_layer(ours).to(device, dtype).train())
-        y_h, dx_h = _check_step(hf, xc, gc)
-        y_o, dx_o = _check_step(ours, xc, gc)
-        checks["transformers-mixtral"] = {
-            "max_rel_y": _rel(y_h, y_o),
-            "max_rel_dx": _rel(dx_h, dx_o),
-            "norm_rel_y": _norm_rel(y_h, y_o),
-            "norm_rel_dx": _norm_rel(dx_h, dx_o),
-            "experts_implementation": str(
-                getattr(
-                    hf.block.config if hasattr(hf.block, "config") else hf.block.experts,
-                    "_experts_implementation",
-                    "",
-                )
-            ),
-        }
-        modules["transformers-mixtral"] = (hf, make_step(hf, x, g))
-    except Exception as exc:
-        checks["transformers-mixtral"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        add(
+            "transformers-mixtral",
+            lambda: _Flat(mixtral_block_from_layer(ours).to(device, dtype).train()),
+        )
     return modules, checks
 
 
@@ -250,11 +229,6 @@ def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     not this."""
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 # ------------------------------------------------------------------------------- the numbers
@@ -314,7 +288,10 @@ def host_syncs(step, device) -> list[str] | None:
 
 
 def kernel_profile(step, device, trace: Path | None, steps: int = 3) -> dict:
-    """Kernel time, GPU idle time between the first kernel and the last, top kernels."""
+    """Kernel time (the GPU activities' durations summed), the time the GPU was busy (their
+    union), its idle time between the first and the last, and the top kernels by time. From
+    the profiler's device events only: its per-op table also charges each CPU op with its
+    kernels' time, so summing that table counts every kernel twice."""
     from torch.profiler import ProfilerActivity, profile
 
     if device.type != "cuda":
@@ -324,11 +301,12 @@ def kernel_profile(step, device, trace: Path | None, steps: int = 3) -> dict:
         for _ in range(steps):
             step()
         _sync(device)
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
+    events = [
+        e
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
+    ]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
     busy, end = 0.0, None
     gaps = []
     for s, e in spans:
@@ -341,12 +319,12 @@ def kernel_profile(step, device, trace: Path | None, steps: int = 3) -> dict:
             busy += e - end
             end = e
     window = (spans[-1][1] - spans[0][0]) if spans else 0.0
-    kernels = [
-        (e.key, e.count, e.self_device_time_total)
-        for e in prof.key_averages()
-        if e.self_device_time_total > 0
-    ]
-    kernels.sort(key=lambda k: -k[2])
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        count_time = by_name.setdefault(e.name, [0, 0.0])
+        count_time[0] += 1
+        count_time[1] += e.time_range.end - e.time_range.start
+    kernels = sorted(((n, c, t) for n, (c, t) in by_name.items()), key=lambda k: -k[2])
     total = sum(k[2] for k in kernels)
     if trace is not None:
         raw = trace.with_suffix("")

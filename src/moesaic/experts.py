@@ -313,8 +313,7 @@ class GroupedExperts(nn.Module):
                 w[i].copy_(block)
 
     def forward(self, x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
-        kernels = resolve_kernels(self.config.kernels, x_MH.device)
-        return expert_ffn(x_MH, counts_e, self.w1, self.w3, self.w2, kernels=kernels)
+        return expert_ffn(x_MH, counts_e, self.w1, self.w3, self.w2, kernels=self.config.kernels)
 
 
 def expert_ffn(
@@ -333,8 +332,10 @@ def expert_ffn(
     offsets are made once (on the device from a ``GroupCounts``) for the three weights.
     ``kernels="triton"``: the Triton grouped GEMMs (``moesaic.kernels``, SwiGLU fused into the
     first) on the same device offsets; "fused": these grouped GEMMs with SwiGLU's elementwise
-    part from ``moesaic.kernels.swiglu_act`` (one kernel each way instead of two and three).
+    part from ``moesaic.kernels.swiglu_act`` (one kernel each way instead of two and three);
+    "auto" is resolved for the rows' device here (``moesaic.kernels.resolve``).
     """
+    kernels = resolve_kernels(kernels, x_MH.device)
     dtype = x_MH.dtype
     compute = expert_compute_dtype(x_MH.device, dtype)
     x_MH = x_MH.to(compute)  # a no-op unless a half type is emulated on this CPU

@@ -40,8 +40,9 @@ an ``*_reference`` in plain torch):
 Tested against the references under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU in
 tests/kernels. On a GPU (one H200, issue 27, benchmarks/gpu_layer.py) a Mixtral-like bf16 step
 with the Triton GEMMs took 36 ms against 5.4 ms with torch's: hence "fused". Two interpreter
-defects (Triton 3.9) are worked around only under it: bf16 ``tl.dot`` (tiles cast to fp32 first, ``_launch.upcast_dot``)
-and fp32-to-bf16 casts that truncate (rounded by hand, ``_jit.cast_out``).
+defects (Triton 3.9) are worked around only under it: bf16 ``tl.dot`` (tiles cast to fp32
+first, ``_launch.upcast_dot``) and fp32-to-bf16 casts that truncate (rounded by hand,
+``_jit.cast_out``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from moesaic.checks import check_non_negative, check_output_file, check_positive_int
-from moesaic.sim.cli_files import load_option
+from moesaic.sim.cli_files import describe_loads, load_option
 
 __all__ = ["add_calibrate", "run_calibrate"]
 
@@ -230,8 +230,8 @@ def _measure_routing(args: argparse.Namespace, world: int) -> Any:
     if routing is None:
         print(f"routing: {args.model} is a model file (no data): routing is priced uniform")
         return None
-    busiest = ", ".join(f"{max(r) * len(r) / sum(r):.2f}x" for r in routing.loads)
-    print(f"routing: {routing.source}: the busiest expert {busiest} the mean, per MoE layer")
+    loads = describe_loads(routing.loads)
+    print(f"routing: {routing.source}: the busiest expert {loads}, per MoE layer")
     return routing
 
 

@@ -13,6 +13,7 @@ __all__ = [
     "add_loads_option",
     "apply_loads",
     "check_profile",
+    "describe_loads",
     "load_option",
 ]
 
@@ -52,7 +53,7 @@ def add_loads_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _describe_loads(rows: Any) -> str:
+def describe_loads(rows: Any) -> str:
     """The busiest expert of each layer against the mean, e.g. ``3.40x, 2.10x the mean``."""
     ratios = [max(row) * len(row) / sum(row) for row in rows]
     return ", ".join(f"{r:.2f}x" for r in ratios) + " the mean"
@@ -75,7 +76,7 @@ def apply_loads(
                 f"--loads {args.loads}: the run had {len(loads[0])} experts, the model "
                 f"{model.experts}: the loads must have one entry per expert of --model"
             )
-        note(f"--loads: expert loads of {args.loads}: the busiest expert {_describe_loads(loads)}")
+        note(f"--loads: expert loads of {args.loads}: the busiest expert {describe_loads(loads)}")
         return dataclasses.replace(model, measured_loads=loads)
     routing = getattr(profile, "routing", None)
     if model.measured_loads or model.routing_skew or routing is None:
@@ -88,7 +89,7 @@ def apply_loads(
         return model
     note(
         f"routing from the profile ({routing.source}): the busiest expert "
-        f"{_describe_loads(routing.loads)}"
+        f"{describe_loads(routing.loads)}"
     )
     return dataclasses.replace(model, measured_loads=routing.loads)
 

@@ -203,9 +203,9 @@ class Costs:
         self.e_s, self.e_bwd_s = self.e_s * f, self.e_bwd_s * f
 
     def _price_flops(self, profile: Profile, tokens: int, rows: float, params: float) -> None:
-        """Every task at the profile's FLOP rate plus its overhead (on a GPU: its memory-bound
-        bytes too, and the longer of the device work and the overhead); backward twice
-        forward."""
+        """Every task at the profile's FLOP rate plus its overhead (on a GPU its memory-bound
+        bytes at the copy bandwidth instead of the overhead: ``Profile.compute_s``); backward
+        twice forward."""
         model = self.model
         self.at_s = profile.stage_s(model, tokens)
         self.head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(tokens))

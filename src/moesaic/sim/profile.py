@@ -571,7 +571,8 @@ def measure(
     a16, b16 = a.bfloat16(), b.bfloat16()
     half = 2.0 * size**3 / timed(lambda: a16 @ b16)
     op_s = timed(lambda: [tiny @ tiny for _ in range(100)]) / 100
-    n = (2**30 if dev == "cuda" else 2**26) // 4
+    kind = "cuda" if dev.startswith("cuda") else "cpu"
+    n = (2**30 if kind == "cuda" else 2**26) // 4
     src, dst = torch.rand(n, device=dev), torch.empty(n, device=dev)
     mem = 2.0 * 4 * n / timed(lambda: dst.copy_(src))
     return {
@@ -579,5 +580,5 @@ def measure(
         "half_flops_per_s": half,
         "task_overhead_s": OPS_PER_TASK * op_s,
         "mem_bytes_per_s": mem,
-        "device": "cuda" if dev.startswith("cuda") else "cpu",
+        "device": kind,
     }

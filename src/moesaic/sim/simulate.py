@@ -381,13 +381,15 @@ def _span(t: SimTask, tl: Timeline) -> Span:
 
 
 def _expand(spans: list[Span], plans: dict[str, Any]) -> list[Span]:
+    from moesaic.sim.taskflow import block_plan
+
     out = []
     for s in spans:
         if s.resource != "taskflow":
             out.append(s)
             continue
         d = "forward" if s.args.get("phase") == "fwd" else "backward"
-        plan = plans.get(f"{d}.{s.args.get('block')}", plans[d])  # the block's own plan
+        plan = block_plan(plans, d, s.args.get("block"))
         for t in plan.spans:
             start, end = s.start + t.start, s.start + t.end
             args = {**t.args, **s.args}

@@ -62,7 +62,7 @@ Whole-world compilation is O(P) plans: this strategy is for worlds of up to ``MA
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from moesaic.sim.collectives import LinkModel, all_reduce_s, p2p_s
 from moesaic.sim.graph import SimGraph, SimTask
@@ -79,6 +79,7 @@ __all__ = [
     "MAX_RANKS",
     "HostPrices",
     "LayerPlan",
+    "block_plan",
     "build_taskflow",
     "cpu_slowdown",
     "default_tiles",
@@ -419,6 +420,12 @@ def saved_window_elements(plan: Plan) -> int:
     )
 
 
+def block_plan(plans: dict[str, LayerPlan], direction: str, block: Any) -> LayerPlan:
+    """Block ``block``'s ``direction`` plan in :func:`build_taskflow`'s ``plans``: its own
+    (``"forward.<block>"``) where the layers' routing differs, else the one for every block."""
+    return plans.get(f"{direction}.{block}", plans[direction])
+
+
 def step_cpu_s(
     model: ModelSpec, profile: Profile, plans: dict[str, LayerPlan], world: int = 1
 ) -> float:
@@ -428,7 +435,7 @@ def step_cpu_s(
     optimizer (:func:`host_prices`); none of the wire time."""
     p = host_prices(model, profile, world)
     layers = math.fsum(
-        plans.get(f"{d}.{blk}", plans[d]).cpu_s
+        block_plan(plans, d, blk).cpu_s
         for blk in range(1, model.layers + 1)
         for d in ("forward", "backward")
     )
@@ -467,9 +474,6 @@ def build_taskflow(
             for d in ("forward", "backward"):
                 plans[f"{d}.{blk}"] = by_row[(blk - 1) % len(by_row)][d]
 
-    def plan(d: str, blk: int) -> LayerPlan:
-        return plans.get(f"{d}.{blk}", plans[d])
-
     p = host_prices(model, profile, link.world_size)
     slow = cpu_slowdown(profile)
     p = p._replace(
@@ -482,12 +486,12 @@ def build_taskflow(
     g = SimGraph()
     for blk in range(1, model.layers + 1):
         g.add("compute", SimTask(f"AT1.{blk}", "compute", p.at_fwd_s, "fwd", blk, 1))
-        moe_s = plan("forward", blk).makespan
+        moe_s = block_plan(plans, "forward", blk).makespan
         g.add("compute", SimTask(f"MoE{blk}", "taskflow", moe_s, "fwd", blk))
     g.add("compute", SimTask("head1", "compute", p.head_fwd_s, "fwd"))
     g.add("compute", SimTask("head1", "compute", p.head_bwd_s, "bwd"))
     for blk in range(model.layers, 0, -1):
-        moe_s = plan("backward", blk).makespan
+        moe_s = block_plan(plans, "backward", blk).makespan
         g.add("compute", SimTask(f"MoE{blk}", "taskflow", moe_s, "bwd", blk))
         last = g.add("compute", SimTask(f"AT1.{blk}", "compute", p.at_bwd_s, "bwd", blk, 1))
     grad = model.layers * model.replicated_params_per_block() + model.outer_params()

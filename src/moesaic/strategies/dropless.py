@@ -5,9 +5,10 @@ receives. Counts go first (one small all-to-all of ``[P, e]`` int64), then the r
 splits; the backward of each row all-to-all is the all-to-all of the gradients with the splits
 swapped.
 
-Host syncs: one per forward and none in the backward; none at all at EP 1. The split sizes must be on the host (they
-size the all-to-all), so the send counts and the received counts are read in one ``tolist``;
-N, M and the rows per local expert are sums of those. The regroup permutation and the grouped
+Host syncs: one per forward and none in the backward; none at all at EP 1 (no split sizes: the
+experts take their counts on the device, ``experts.DeviceCounts``). The split sizes must be on
+the host (they size the all-to-all), so the send counts and the received counts are read in one
+``tolist``; N, M and the rows per local expert are sums of those. The regroup permutation and the grouped
 matmul's offsets are computed on the device from the count tensors.
 """
 

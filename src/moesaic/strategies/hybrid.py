@@ -46,7 +46,6 @@ import torch
 
 from moesaic.comm.collectives import CollectiveError, EPGroup
 from moesaic.experts import GroupedExperts, expert_ffn
-from moesaic.kernels import resolve as resolve_kernels
 from moesaic.placement import ExpertPlacement
 from moesaic.placement.topology import Topology
 from moesaic.routing import RoutingPlan, build_plan
@@ -429,7 +428,6 @@ def _domain_ffn(weights: tuple[torch.Tensor | None, ...], kernels: str = "torch"
     assert w1 is not None and w2 is not None  # internal: w3 alone is optional
 
     def run(x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
-        resolved = resolve_kernels(kernels, x_MH.device)
-        return expert_ffn(x_MH, counts_e, w1, w3, w2, kernels=resolved)
+        return expert_ffn(x_MH, counts_e, w1, w3, w2, kernels=kernels)
 
     return run
