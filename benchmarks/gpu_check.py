@@ -313,7 +313,7 @@ def simulated(c: dict, profile) -> dict:
         layer_only=True,
     )  # fmt: skip
     spec = ClusterSpec(levels=(Level(name="gpu", size=1, bandwidth_gbps=100.0, latency_ms=0.0),))
-    return simulate(spec, model, "vanilla", profile).summary()
+    return simulate(spec, model, "dropless", profile, schedule="vanilla").summary()
 
 
 def sim_rows(speed: list[dict], profile) -> list[dict]:

@@ -17,7 +17,8 @@ transformers ``MixtralSparseMoeBlock``; ``--modules`` picks some):
 * ``step_ms``: median of single synchronised steps (forward, loss (y g).sum() + the aux loss
   each library adds, backward, grads set to None), the host clock around each;
 * ``stream_ms``: ``--stream`` steps back to back and one synchronisation, per step (what a
-  training loop sees: the host runs ahead of the GPU unless something syncs it);
+  training loop sees: the host runs ahead of the GPU unless something syncs it); ``host_ms``:
+  the host's time to issue each of them;
 * ``kernel_ms`` and ``busy_ms``: the GPU's kernel time per step (torch.profiler over 3
   back-to-back steps), summed and as a union, the GPU idle time inside those steps
   (``gap_ms``: the host gaps) and the top kernels;
@@ -262,11 +263,15 @@ def step_times(step, device, iters: int, warmup: int, stream: int) -> dict:
     t0 = time.perf_counter()
     for _ in range(stream):
         step()
+    t_host = time.perf_counter()
     _sync(device)
     return {
         "step_ms": 1e3 * statistics.median(single),
         "step_ms_min": 1e3 * min(single),
         "stream_ms": 1e3 * (time.perf_counter() - t0) / stream,
+        # The host's time to issue a streamed step: near stream_ms, the host is the bound (or
+        # the launch queue filled up and held it back: then the GPU is).
+        "host_ms": 1e3 * (t_host - t0) / stream,
     }
 
 
@@ -417,6 +422,7 @@ def _line(c: dict, name: str, r: dict, bound_ms) -> str:
     frac = r.get("fraction_of_dense_bound")
     return (
         f"{c['name']:16s} {name:22s} step {r['step_ms']:7.3f} ms  stream {r['stream_ms']:7.3f} ms"
+        f"  host {r.get('host_ms', float('nan')):6.3f}  busy {r.get('busy_ms', float('nan')):6.3f}"
         f"  kernels {r.get('kernel_ms', float('nan')):7.3f}  gaps {r.get('gap_ms', float('nan')):6.3f}"
         f"  syncs {r.get('host_syncs')}  bound {bound_ms or float('nan'):.3f}"
         f"  frac {frac if frac is not None else float('nan'):.2f}"

@@ -8,7 +8,7 @@ import torch
 import moesaic
 from moesaic.placement import ExpertPlacement
 from moesaic.reference import ReferenceMoE
-from moesaic.routing import build_plan
+from moesaic.routing import _narrow_keys, build_plan, gate_logits
 
 
 def _random_ids(T, K, E, seed):
@@ -88,3 +88,61 @@ def test_router_is_fp32_and_aux_loss_uniform_value():
     assert plan.topk_weights_TK.dtype == torch.float32
     # A uniform router (all probabilities 1/E) gives exactly 1.0 whatever the assignment.
     assert aux.loss().item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_gate_logits_match_the_fp32_linear_forward_and_backward(x_dtype, w_dtype):
+    """The half-precision gate (_GateLogits) against F.linear in fp32 on the same values:
+    logits to fp32 rounding, the input gradient to its dtype's rounding, the weight gradient
+    to fp32 rounding when the weight is fp32 (the two-term split) and to bf16's otherwise."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 96, generator=gen).to(x_dtype).requires_grad_()
+    w = (0.05 * torch.randn(12, 96, generator=gen)).to(w_dtype).requires_grad_()
+    g = torch.randn(300, 12, generator=gen)
+    y = gate_logits(x, w)
+    (y * g).sum().backward()
+    x32 = x.detach().float().requires_grad_()
+    w32 = w.detach().float().requires_grad_()
+    y32 = torch.nn.functional.linear(x32, w32)
+    (y32 * g).sum().backward()
+
+    def rel(a, b):
+        return ((a.float() - b).norm() / b.norm()).item()
+
+    assert y.dtype == torch.float32 and rel(y, y32) < 1e-5
+    assert x.grad.dtype == x_dtype and w.grad.dtype == w_dtype
+    # The input gradient: the fp32 one rounded to x's dtype, give or take the split's 2^-16.
+    assert rel(x.grad, x32.grad.to(x_dtype).float()) < 1e-3
+    assert rel(w.grad, w32.grad) < (1e-5 if w_dtype == torch.float32 else 4e-3)
+
+
+def test_gate_logits_rejects_fp32_tokens():
+    with pytest.raises(ValueError, match="x_TH must be bf16 or fp16"):
+        gate_logits(torch.zeros(2, 4), torch.zeros(3, 4))
+
+
+def test_router_routes_bf16_tokens_as_on_fp32_logits():
+    """A bf16 router's choice and weights equal those of its fp32 linear on the same values."""
+    cfg = moesaic.MoEConfig(hidden_size=64, ffn_hidden_size=8, num_experts=16, top_k=4)
+    torch.manual_seed(5)
+    router = moesaic.Router(cfg).to(torch.bfloat16)
+    torch.nn.init.normal_(router.weight, std=0.2)
+    x = torch.randn(500, 64).to(torch.bfloat16)
+    plan, _ = router(x)
+    logits = torch.nn.functional.linear(x.float(), router.weight.float())
+    want = torch.topk(logits.softmax(-1), 4, dim=-1)
+    assert torch.equal(plan.topk_ids_TK, want.indices)
+    w = want.values / want.values.sum(-1, keepdim=True)
+    torch.testing.assert_close(plan.topk_weights_TK, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("largest", [3, 255, 256, 40000, 2**31])
+def test_narrow_sort_keys_give_the_same_stable_order(largest):
+    keys = torch.randint(
+        0, min(largest, 2**40) + 1, (3000,), generator=torch.Generator().manual_seed(1)
+    )
+    narrow = _narrow_keys(keys, largest)
+    assert narrow.element_size() <= keys.element_size()
+    want = torch.sort(keys, stable=True).indices
+    assert torch.equal(torch.sort(narrow, stable=True).indices, want)

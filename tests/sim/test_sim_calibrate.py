@@ -3,6 +3,7 @@ calibration of an emulated pair (marker ``netns``: needs root, ``ip`` and ``tc``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -228,3 +229,63 @@ def test_a_gpu_profile_prices_device_work_and_bytes_not_host_overhead():
         Profile(flops_per_s=1.0, device="tpu")
     with pytest.raises(ValueError, match="mem_bytes_per_s"):
         Profile(flops_per_s=1.0, mem_bytes_per_s=-1.0)
+
+
+def test_a_gpu_router_runs_at_the_bf16_rate_without_an_fp32_copy():
+    """On a GPU the half-precision gate (routing.gate_logits) runs on bf16 tensor cores and
+    reads the tokens once; a CPU's keeps the fp32 rate and the fp32 copy."""
+    from moesaic.sim.model import ModelSpec
+
+    gpu = Profile(flops_per_s=1e12, half_flops_per_s=4e12, device="cuda", mem_bytes_per_s=1e12)
+    assert gpu.for_model(2).router_flops_per_s == 4e12
+    model = ModelSpec(
+        name="m", layers=1, batch=1, seq_len=64, hidden=64, ffn_hidden=128, experts=4, top_k=2,
+        act_bytes=2, layer_only=True,
+    )  # fmt: skip
+    assert model.gate_bytes(64, fp32_copy=False) == 64 * 64 * 2
+    assert model.gate_bytes(64) == 64 * 64 * 10
+    flops = model.attention_flops(64)
+    assert gpu.stage_s(model, 64) == pytest.approx(flops / 1e12 + 64 * 64 * 2 / 1e12)
+
+
+def test_grouped_gemm_efficiency_interpolates_in_log_rows_and_holds_at_the_ends():
+    points = ((128.0, 0.4), (512.0, 0.8), (2048.0, 0.9))
+    p = Profile(flops_per_s=1e12, device="cuda", gemm_efficiency=points)
+    assert p.gemm_efficiency_at(64) == 0.4 and p.gemm_efficiency_at(1e6) == 0.9
+    assert p.gemm_efficiency_at(256) == pytest.approx(0.6)  # halfway in log2 from 128 to 512
+    assert p.gemm_efficiency_at(512) == pytest.approx(0.8)
+    assert p.expert_gemm_s(1.6e12, 512) == pytest.approx(2.0)
+    assert Profile(flops_per_s=1e12).gemm_efficiency_at(7) == 1.0  # none measured: dense
+    back = Profile.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert back.gemm_efficiency == points
+    for bad in (((512.0, 0.8), (128.0, 0.4)), ((128.0, 0.0),), ((128.0,),)):
+        with pytest.raises(ValueError, match="gemm_efficiency"):
+            Profile(flops_per_s=1.0, gemm_efficiency=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gemm_efficiency"):
+        Profile.from_dict({"flops_per_s": 1.0, "gemm_efficiency": [1, 2]})
+    with pytest.raises(ValueError, match="launch_s"):
+        Profile(flops_per_s=1.0, launch_s=-1.0)
+
+
+def test_a_gpu_layer_step_prices_gemm_efficiency_and_small_kernels():
+    """The simulated GPU layer step: the expert GEMMs at the efficiency of its rows per
+    expert, plus layer_kernels x launch_s over forward and backward; a CPU profile ignores
+    both launch figures."""
+    from moesaic.sim.model import ModelSpec
+    from moesaic.sim.simulate import simulate
+
+    spec = ClusterSpec(levels=(Level(name="gpu", size=1, bandwidth_gbps=100.0, latency_ms=0.0),))
+    model = ModelSpec(
+        name="m", layers=1, batch=1, seq_len=4096, hidden=1024, ffn_hidden=2048, experts=8,
+        top_k=2, act_bytes=2, param_bytes=2, layer_only=True,
+    )  # fmt: skip
+    base = Profile(flops_per_s=1e14, half_flops_per_s=1e14, device="cuda", mem_bytes_per_s=1e12)
+    plain = simulate(spec, model, "dropless", base, schedule="vanilla").iteration_s
+    rows_per_expert = 4096 * 2 / 8
+    half = dataclasses.replace(base, gemm_efficiency=((rows_per_expert, 0.5),))
+    gemm_s = 3 * 2.0 * 3 * 4096 * 2 * 1024 * 2048 / 1e14  # 3 GEMMs fwd, 6 bwd
+    assert simulate(spec, model, "dropless", half, schedule="vanilla").iteration_s == pytest.approx(plain + gemm_s)
+    launches = dataclasses.replace(base, launch_s=2e-6, layer_kernels=150)
+    assert simulate(spec, model, "dropless", launches, schedule="vanilla").iteration_s == pytest.approx(plain + 3e-4)
+    cpu = dataclasses.replace(launches, device="cpu")
+    assert cpu.layer_launch_s() == 0.0

@@ -293,6 +293,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
         _print_calibration(cal, shares)
     if ops is not None:
         source += f"; operations of model {ops.model.name!r} timed here ({ops.threads} threads)"
+    gpu: dict[str, Any] = {}
+    if measured["device"] == "cuda":
+        from moesaic.sim.gpucal import measure_gpu
+
+        gpu = measure_gpu(measured["half_flops_per_s"])
+        effs = ", ".join(f"{int(r)}: {e:.2f}" for r, e in gpu["gemm_efficiency"])
+        print(f"grouped GEMMs, fraction of the dense bf16 rate by rows per expert: {effs}")
+        print(
+            f"small kernels: {gpu['launch_s'] * 1e6:.2f} us each queued; "
+            f"{gpu['layer_kernels']:.0f} per MoE layer forward + backward"
+        )
     profile = Profile(
         flops_per_s=measured["flops_per_s"],
         half_flops_per_s=measured["half_flops_per_s"],
@@ -310,6 +321,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         copy_elem_cpu_s=tiles.get("copy_elem_cpu_s", 0.0),
         routing=routing,
         **cpu,
+        **gpu,
     )
     profile.save(args.out)
     print(json.dumps(profile.to_dict()))

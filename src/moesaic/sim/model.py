@@ -213,10 +213,12 @@ class ModelSpec:
         """Forward FLOPs of the router's gate (``tokens x H @ H x E``, in fp32)."""
         return 2.0 * tokens * self.hidden * self.experts
 
-    def gate_bytes(self, tokens: int) -> float:
+    def gate_bytes(self, tokens: int, *, fp32_copy: bool = True) -> float:
         """Forward bytes of the router's memory-bound passes for ``tokens`` tokens: the tokens
-        read in their dtype and written and read again in fp32 (it routes in fp32)."""
-        return tokens * self.hidden * (self.act_bytes + 8.0)
+        read in their dtype, and with ``fp32_copy`` (fp32 logits computed in fp32, as on a
+        CPU) written and read again in fp32; without (a GPU's half-precision gate,
+        ``routing.gate_logits``) that read alone."""
+        return tokens * self.hidden * (self.act_bytes + (8.0 if fp32_copy else 0.0))
 
     def expert_bytes(self, rows: float) -> float:
         """Forward bytes of the memory-bound passes over ``rows`` routed rows outside their

@@ -209,7 +209,12 @@ class Costs:
         model = self.model
         self.at_s = profile.stage_s(model, tokens)
         self.head_s = 0.0 if model.layer_only else profile.compute_s(model.head_flops(tokens))
-        self.e_s = profile.compute_s(model.expert_flops(rows), model.expert_bytes(rows))
+        # On a GPU: the grouped GEMMs at their measured efficiency for the rows per local
+        # expert, and the layer's small kernels (a third forward, as backward is twice it).
+        per_expert = rows / max(1, model.experts // self.link.world_size)
+        gemm_s = profile.expert_gemm_s(model.expert_flops(rows), per_expert)
+        self.e_s = gemm_s + profile.compute_s(0.0, model.expert_bytes(rows))
+        self.e_s += profile.layer_launch_s() / 3
         self.at_bwd_s, self.e_bwd_s, self.head_bwd_s = 2 * self.at_s, 2 * self.e_s, 2 * self.head_s
         # AdamW: ~10 FLOPs per parameter; a layer timed alone takes no optimizer step.
         self.optimizer_s = 0.0 if model.layer_only else profile.compute_s(10.0 * params)

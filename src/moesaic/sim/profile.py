@@ -66,7 +66,9 @@ Torch-free but for :func:`measure`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields
@@ -244,9 +246,18 @@ class Profile:
             task (permutes, activation, combine: ``ModelSpec.expert_bytes``) are priced with
             it; 0: not measured, not priced. Unused on a CPU, whose measured rates (and
             operation timings) include them.
-        router_flops_per_s: The router's matmul rate: it computes in fp32 whatever the
-            activations' dtype (``moesaic.routing``), so for a bf16 model ``for_model`` keeps
-            the fp32 rate here while ``flops_per_s`` becomes the bf16 one; 0: ``flops_per_s``.
+        router_flops_per_s: The router's matmul rate: it computes fp32 logits whatever the
+            activations' dtype (``moesaic.routing``): on a CPU in fp32, so for a bf16 model
+            ``for_model`` keeps the fp32 rate here while ``flops_per_s`` becomes the bf16 one;
+            on a GPU on bf16 tensor cores (``routing.gate_logits``), the bf16 rate; 0:
+            ``flops_per_s``.
+        gemm_efficiency: ``(rows_per_group, efficiency)`` points, by rows: the experts' grouped
+            GEMMs (forward and backward) as a fraction of the dense matmul rate at that many
+            rows per expert (``moesaic.sim.gpucal``, on a GPU); empty: 1 (the dense rate).
+        launch_s: A GPU's seconds per small kernel queued ahead of it (``sim.gpucal``); 0:
+            not measured, launches not priced.
+        layer_kernels: Kernels of one MoE layer's forward + backward (``sim.gpucal``), each
+            priced at ``launch_s`` on a GPU (``layer_launch_s``); 0: not measured.
     """
 
     flops_per_s: float
@@ -273,8 +284,23 @@ class Profile:
     device: str = "cpu"
     mem_bytes_per_s: float = 0.0
     router_flops_per_s: float = 0.0
+    gemm_efficiency: tuple[tuple[float, float], ...] = ()
+    launch_s: float = 0.0
+    layer_kernels: float = 0.0
 
     def __post_init__(self) -> None:
+        check_non_negative("profile.launch_s", self.launch_s)
+        check_non_negative("profile.layer_kernels", self.layer_kernels)
+        points = self.gemm_efficiency
+        if not isinstance(points, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and p[0] > 0 and p[1] > 0 for p in points
+        ):
+            raise ValueError(
+                "profile.gemm_efficiency must be a tuple of (rows_per_group, efficiency) "
+                "pairs, both > 0"
+            )
+        if [p[0] for p in points] != sorted({p[0] for p in points}):
+            raise ValueError("profile.gemm_efficiency's rows_per_group must strictly increase")
         check_one_of("profile.device", self.device, DEVICES)
         check_non_negative("profile.mem_bytes_per_s", self.mem_bytes_per_s)
         check_non_negative("profile.router_flops_per_s", self.router_flops_per_s)
@@ -374,10 +400,12 @@ class Profile:
 
     def for_model(self, act_bytes: int) -> Profile:
         """This profile with the matmul rate of a model whose activations take ``act_bytes``:
-        ``half_flops_per_s`` for 2 bytes when measured (the router keeps the fp32 rate), else
-        unchanged."""
+        ``half_flops_per_s`` for 2 bytes when measured (on a CPU the router keeps the fp32
+        rate; a GPU's computes on bf16 tensor cores), else unchanged."""
         if act_bytes == 2 and self.half_flops_per_s > 0:
             router = self.router_flops_per_s or self.flops_per_s
+            if self.device != "cpu":
+                router = self.half_flops_per_s
             return dataclasses.replace(
                 self, flops_per_s=self.half_flops_per_s, router_flops_per_s=router
             )
@@ -385,11 +413,40 @@ class Profile:
 
     def stage_s(self, model: ModelSpec, tokens: int) -> float:
         """Forward seconds of a block's attention stage and router gate for ``tokens`` tokens
-        at these rates: the gate at the router's fp32 rate (``router_flops_per_s``), the rest
-        at ``flops_per_s`` (``compute_s``, with the gate's memory-bound bytes)."""
+        at these rates: the gate at the router's rate (``router_flops_per_s``), the rest at
+        ``flops_per_s`` (``compute_s``, with the gate's memory-bound bytes: an fp32 copy of
+        the tokens on a CPU, none on a GPU)."""
         gate = model.gate_flops(tokens)
-        rest = self.compute_s(model.attention_flops(tokens) - gate, model.gate_bytes(tokens))
+        nbytes = model.gate_bytes(tokens, fp32_copy=self.device == "cpu")
+        rest = self.compute_s(model.attention_flops(tokens) - gate, nbytes)
         return rest + gate / (self.router_flops_per_s or self.flops_per_s)
+
+    def gemm_efficiency_at(self, rows_per_group: float) -> float:
+        """The grouped GEMMs' fraction of the dense rate at ``rows_per_group`` rows per expert:
+        ``gemm_efficiency`` interpolated linearly in log(rows), held at its end points (1
+        without points)."""
+        points = self.gemm_efficiency
+        if not points:
+            return 1.0
+        if rows_per_group <= points[0][0]:
+            return points[0][1]
+        for (r0, e0), (r1, e1) in itertools.pairwise(points):
+            if rows_per_group <= r1:
+                f = math.log(rows_per_group / r0) / math.log(r1 / r0)
+                return e0 + f * (e1 - e0)
+        return points[-1][1]
+
+    def expert_gemm_s(self, flops: float, rows_per_group: float) -> float:
+        """Seconds of the experts' grouped GEMMs of ``flops`` at ``rows_per_group`` rows per
+        expert: ``flops_per_s`` times ``gemm_efficiency_at``."""
+        return flops / (self.flops_per_s * self.gemm_efficiency_at(rows_per_group))
+
+    def layer_launch_s(self) -> float:
+        """A GPU's seconds for one MoE layer's small kernels, forward + backward:
+        ``layer_kernels`` x ``launch_s`` (0 on a CPU, whose task overhead prices them)."""
+        if self.device == "cpu":
+            return 0.0
+        return self.layer_kernels * self.launch_s
 
     def compute_s(self, flops: float, nbytes: float = 0.0) -> float:
         """Seconds of one compute task of ``flops`` whose memory-bound passes move ``nbytes``
@@ -437,8 +494,19 @@ class Profile:
             if not isinstance(routing, dict):
                 raise ValueError("profile.routing must be an object (loads, source) or null")
             routing = _records([routing], "routing", RoutingLoads)[0]
+        points = data.pop("gemm_efficiency", [])
+        if not isinstance(points, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in points
+        ):
+            raise ValueError("profile.gemm_efficiency must be a list of [rows, efficiency] pairs")
         return cls(
-            **data, links=links, collectives=shares, cluster=cluster, ops=ops, routing=routing
+            **data,
+            links=links,
+            collectives=shares,
+            cluster=cluster,
+            ops=ops,
+            routing=routing,
+            gemm_efficiency=tuple((float(r), float(e)) for r, e in points),
         )
 
     @classmethod

@@ -1,0 +1,22 @@
+"""``moesaic calibrate``'s GPU figures (``moesaic.sim.gpucal``) are measurements in a physical
+range: grouped GEMMs below about the dense rate and faster per FLOP with more rows per expert,
+a small kernel in microseconds, a layer step of tens to hundreds of kernels."""
+
+from __future__ import annotations
+
+from _gpu_helpers import NEEDS_CUDA
+
+from moesaic.sim import gpucal
+from moesaic.sim.profile import measure
+
+pytestmark = NEEDS_CUDA
+
+
+def test_gpu_calibration_figures_are_physical():
+    half = measure()["half_flops_per_s"]
+    points = gpucal.grouped_gemm_efficiency(half, repeats=3)
+    assert [r for r, _ in points] == [float(m) for m in gpucal.GEMM_ROWS]
+    assert all(0.02 < e < 1.5 for _, e in points), points
+    assert points[-1][1] > points[0][1], points
+    assert 1e-7 < gpucal.launch_seconds(repeats=3) < 1e-4
+    assert 20 <= gpucal.layer_kernel_count() <= 2000
