@@ -29,6 +29,7 @@ the combine weights are the unbiased scores of the chosen experts, normalised wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -264,9 +265,20 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of two half-precision matrices, accumulated and returned in fp32: one
     tensor-core GEMM on CUDA (``out_dtype``), the same products (exact in fp32) and fp32 sums
     elsewhere."""
-    if a.is_cuda:
+    if a.is_cuda and _mm_out_dtype_ok(a.device, a.dtype):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+@functools.cache
+def _mm_out_dtype_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this build's ``torch.mm`` takes ``out_dtype=float32`` for ``dtype`` on
+    ``device`` (probed once; older builds fall back to fp32 operands)."""
+    try:
+        one = torch.ones(2, 2, device=device, dtype=dtype)
+        return torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 def _split(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
