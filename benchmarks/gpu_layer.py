@@ -14,8 +14,10 @@ transformers ``MixtralSparseMoeBlock``; ``--modules`` picks some):
   and the input gradient's norm-relative and max-relative errors; for torchtitan its expert
   weight gradients too); padded drops tokens and the graphed step is dropless itself: neither
   is checked;
-* ``step_ms``: median of single synchronised steps (forward, loss (y g).sum() + the aux loss
-  each library adds, backward, grads set to None), the host clock around each;
+* ``step_ms``: median of single synchronised steps (forward, backward of the upstream
+  gradient g with the aux loss each library adds, grads set to None), the host clock around
+  each; ``dropless[(y*g).sum()]`` is dropless with the earlier runs' step, which
+  backpropagated the loss ``(y g).sum()`` (the same gradients plus the loss's kernels);
 * ``stream_ms``: ``--stream`` steps back to back and one synchronisation, per step (what a
   training loop sees: the host runs ahead of the GPU unless something syncs it); ``host_ms``:
   the host's time to issue each of them;
@@ -84,25 +86,42 @@ def _loss_terms(module) -> torch.Tensor | None:
     return terms() if terms is not None else None
 
 
-def _loss(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``(module(x) * g).sum()`` plus the aux loss the module's library adds."""
+def _backward(module, x: torch.Tensor, g: torch.Tensor) -> None:
+    """The layer's forward and backward with upstream gradient ``g`` (``y.backward(g)``), the
+    aux loss its library adds backpropagated with it."""
+    y = module(x)
+    y = y[0] if isinstance(y, tuple) else y
+    extra = _loss_terms(module)
+    if extra is None:
+        y.backward(g)
+    else:
+        torch.autograd.backward([y, extra], [g, torch.ones_like(extra)])
+
+
+def _summed_loss_backward(module, x: torch.Tensor, g: torch.Tensor) -> None:
+    """The step of the runs before (issue 27's calls 1-3): the loss ``(y * g).sum()`` plus
+    the aux loss, backpropagated: the same gradients, plus the loss's own elementwise
+    kernels (a product, a sum, and their backward: 78 us of an 8k-token Mixtral-like step)."""
     y = module(x)
     y = y[0] if isinstance(y, tuple) else y
     loss = (y * g).sum()
     extra = _loss_terms(module)
-    return loss if extra is None else loss + extra.to(loss.device)
+    (loss if extra is None else loss + extra.to(loss.device)).backward()
 
 
-def make_step(module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """One training step of ``module``: forward, loss, backward, grads set to None."""
+def make_step(module, x: torch.Tensor, g: torch.Tensor, backward=_backward) -> Callable[[], None]:
+    """One training step of ``module``: forward, backward of ``g``, grads set to None."""
 
-    def step() -> torch.Tensor:
-        loss = _loss(module, x.detach().requires_grad_(), g)
-        loss.backward()
+    def step() -> None:
+        backward(module, x.detach().requires_grad_(), g)
         module.zero_grad(set_to_none=True)
-        return loss
 
     return step
+
+
+def summed_loss_step(module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
+    """``make_step`` with the earlier runs' summed loss (``_summed_loss_backward``)."""
+    return make_step(module, x, g, _summed_loss_backward)
 
 
 def graphed_step(module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
@@ -113,7 +132,7 @@ def graphed_step(module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]
     side.wait_stream(torch.cuda.current_stream())
 
     def body() -> None:
-        _loss(module, static_x, g).backward()
+        _backward(module, static_x, g)
 
     with torch.cuda.stream(side):
         for _ in range(3):
@@ -190,6 +209,8 @@ def build_modules(c: dict, device, dtype, wanted: Callable[[str], bool]) -> tupl
             add(name, lambda kw=kw: layer(dispatcher="dropless", **kw))
     if wanted("padded-cf1.25"):  # drops tokens: not the same function as dropless
         add("padded-cf1.25", lambda: layer(dispatcher="padded", capacity_factor=1.25), check=False)
+    if wanted("dropless[(y*g).sum()]"):  # the earlier runs' step: the same function
+        add("dropless[(y*g).sum()]", lambda: layer(dispatcher="dropless"), summed_loss_step, False)
     if device.type == "cuda" and wanted("dropless+cuda-graph"):
         add("dropless+cuda-graph", lambda: layer(dispatcher="dropless"), graphed_step, False)
     if wanted("torchtitan"):

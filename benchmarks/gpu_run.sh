@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_run.sh OUT_DIR COMMIT [gpu_layer args...]
 # Writes OUT_DIR/{run.log,sim_profile.json,gpu_layer.json,gpu_layer_base.json,traces.tar.gz,
 # gpu_check.json,tests_gpu.log,train.log} (8 files: what one device call brings back).
+# SKIP_CHECK=1: the measurements alone (no tests/gpu, correctness check or training run).
 set -u
 OUT=${1:?out dir}; COMMIT=${2:-unknown}; shift 2 || true
 mkdir -p "$OUT"
@@ -30,6 +31,7 @@ if [ -d .base/src ]; then  # the library before this change, same script, same m
     --out "$OUT/gpu_layer_base.json" --modules dropless --commit "base" || echo "base rc $?"
   echo "baseline ${SECONDS}s"
 fi
+[ -n "${SKIP_CHECK:-}" ] && { echo "done in $((SECONDS - t0)) s (SKIP_CHECK: no tests)"; exit 0; }
 timeout 200 python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" \
   --skip speed,sim --train-steps 40 --train-log "$OUT/train.log" --tests-timeout-s 120 \
   --tests-workers 8 --tests-log "$OUT/tests_gpu.log" --commit "$COMMIT" || echo "gpu_check rc $?"
