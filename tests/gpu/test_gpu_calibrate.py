@@ -1,6 +1,7 @@
 """``moesaic calibrate``'s GPU figures (``moesaic.sim.gpucal``) are measurements in a physical
 range: grouped GEMMs below about the dense rate and faster per FLOP with more rows per expert,
-a small kernel in microseconds, a layer step of tens to hundreds of kernels."""
+a small kernel in microseconds, a layer step of tens to hundreds of kernels, issued in
+milliseconds by the host."""
 
 from __future__ import annotations
 
@@ -19,4 +20,5 @@ def test_gpu_calibration_figures_are_physical():
     assert all(0.02 < e < 1.5 for _, e in points), points
     assert points[-1][1] > points[0][1], points
     assert 1e-7 < gpucal.launch_seconds(repeats=3) < 1e-4
-    assert 20 <= gpucal.layer_kernel_count() <= 2000
+    kernels, host_s = gpucal.layer_step_figures(stream=5)
+    assert 20 <= kernels <= 2000 and 1e-5 < host_s < 1.0

@@ -284,8 +284,19 @@ def test_a_gpu_layer_step_prices_gemm_efficiency_and_small_kernels():
     rows_per_expert = 4096 * 2 / 8
     half = dataclasses.replace(base, gemm_efficiency=((rows_per_expert, 0.5),))
     gemm_s = 3 * 2.0 * 3 * 4096 * 2 * 1024 * 2048 / 1e14  # 3 GEMMs fwd, 6 bwd
-    assert simulate(spec, model, "dropless", half, schedule="vanilla").iteration_s == pytest.approx(plain + gemm_s)
+    assert simulate(spec, model, "dropless", half, schedule="vanilla").iteration_s == pytest.approx(
+        plain + gemm_s
+    )
     launches = dataclasses.replace(base, launch_s=2e-6, layer_kernels=150)
-    assert simulate(spec, model, "dropless", launches, schedule="vanilla").iteration_s == pytest.approx(plain + 3e-4)
-    cpu = dataclasses.replace(launches, device="cpu")
-    assert cpu.layer_launch_s() == 0.0
+    assert simulate(
+        spec, model, "dropless", launches, schedule="vanilla"
+    ).iteration_s == pytest.approx(plain + 3e-4)
+    cpu = dataclasses.replace(launches, device="cpu", layer_host_s=1.0)
+    assert cpu.layer_launch_s() == 0.0 and cpu.host_floor_s() == 0.0
+    # A host slower than the kernels: the layer step is the host's time.
+    slow_host = dataclasses.replace(base, layer_host_s=3 * plain)
+    got = simulate(spec, model, "dropless", slow_host, schedule="vanilla").iteration_s
+    assert got == pytest.approx(3 * plain)
+    fast_host = dataclasses.replace(base, layer_host_s=plain / 2)
+    got = simulate(spec, model, "dropless", fast_host, schedule="vanilla").iteration_s
+    assert got == pytest.approx(plain)

@@ -18,12 +18,17 @@
 * ``layer_kernels``: kernels (and memsets, device copies) of one forward + backward of a
   dropless MoE layer at EP 1, counted by the profiler on a small bf16 layer of the default
   configuration: what the simulator multiplies by ``launch_s`` per MoE layer.
+* ``layer_host_s``: the host's seconds to issue that forward + backward (Python, autograd,
+  launches), the floor of a layer step whose kernels take less: the simulator's layer step
+  is at least this (added after the second H200 run of issue 27 found its fine-grained top-2
+  step host-bound: the host took 3.9 ms a step, the GPU's kernels 3.2 ms).
 """
 
 from __future__ import annotations
 
 import functools
 import statistics
+import time
 from typing import Any
 
 GEMM_ROWS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -99,8 +104,11 @@ def launch_seconds(kernels: int = LAUNCH_KERNELS, repeats: int = 5) -> float:
     return statistics.median(out)
 
 
-def layer_kernel_count() -> float:
-    """Device activities of one forward + backward of a small bf16 dropless layer (EP 1)."""
+def layer_step_figures(stream: int = 20) -> tuple[float, float]:
+    """``(kernels, host_s)`` of one forward + backward of a small bf16 dropless layer (EP 1):
+    its device activities (kernels, memsets, device copies), counted by the profiler, and the
+    host's seconds to issue it (``stream`` steps back to back, timed before the one sync: the
+    layer is small, so the host is the bound)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -110,15 +118,20 @@ def layer_kernel_count() -> float:
     cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2)
     layer = MoELayer(cfg).to("cuda", torch.bfloat16)
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
 
     def step() -> None:
         xx = x.detach().requires_grad_()
-        out = layer(xx)
-        (out.float().square().mean() + aux_loss(layer)).backward()
+        torch.autograd.backward([layer(xx), aux_loss(layer)], [g, None])
         layer.zero_grad(set_to_none=True)
 
-    for _ in range(2):
+    for _ in range(3):
         step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(stream):
+        step()
+    host_s = (time.perf_counter() - t0) / stream
     torch.cuda.synchronize()
     steps = 3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -130,13 +143,15 @@ def layer_kernel_count() -> float:
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
     )
-    return count / steps
+    return count / steps, host_s
 
 
 def measure_gpu(half_flops_per_s: float) -> dict[str, Any]:
-    """The three figures of the module docstring, on the current CUDA device."""
+    """The figures of the module docstring, on the current CUDA device."""
+    kernels, host_s = layer_step_figures()
     return {
         "gemm_efficiency": grouped_gemm_efficiency(half_flops_per_s),
         "launch_s": launch_seconds(),
-        "layer_kernels": layer_kernel_count(),
+        "layer_kernels": kernels,
+        "layer_host_s": host_s,
     }

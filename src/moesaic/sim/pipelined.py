@@ -215,6 +215,9 @@ class Costs:
         gemm_s = profile.expert_gemm_s(model.expert_flops(rows), per_expert)
         self.e_s = gemm_s + profile.compute_s(0.0, model.expert_bytes(rows))
         self.e_s += profile.layer_launch_s() / 3
+        # A block's forward (attention and experts) takes at least the host's third of the
+        # layer's launches, when they take longer than its kernels (a host-bound step).
+        self.e_s = max(self.e_s, profile.host_floor_s() / 3 - self.at_s)
         self.at_bwd_s, self.e_bwd_s, self.head_bwd_s = 2 * self.at_s, 2 * self.e_s, 2 * self.head_s
         # AdamW: ~10 FLOPs per parameter; a layer timed alone takes no optimizer step.
         self.optimizer_s = 0.0 if model.layer_only else profile.compute_s(10.0 * params)

@@ -258,6 +258,9 @@ class Profile:
             not measured, launches not priced.
         layer_kernels: Kernels of one MoE layer's forward + backward (``sim.gpucal``), each
             priced at ``launch_s`` on a GPU (``layer_launch_s``); 0: not measured.
+        layer_host_s: The host's seconds to issue one MoE layer's forward + backward on a
+            GPU (``sim.gpucal``): a layer's simulated forward and backward take at least
+            their share of it (a third, two thirds); 0: not measured, no floor.
     """
 
     flops_per_s: float
@@ -287,9 +290,11 @@ class Profile:
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
     launch_s: float = 0.0
     layer_kernels: float = 0.0
+    layer_host_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_non_negative("profile.launch_s", self.launch_s)
+        check_non_negative("profile.layer_host_s", self.layer_host_s)
         check_non_negative("profile.layer_kernels", self.layer_kernels)
         points = self.gemm_efficiency
         if not isinstance(points, tuple) or not all(
@@ -447,6 +452,11 @@ class Profile:
         if self.device == "cpu":
             return 0.0
         return self.layer_kernels * self.launch_s
+
+    def host_floor_s(self) -> float:
+        """A GPU's floor on one MoE layer's forward + backward: the host's time to issue it
+        (``layer_host_s``; 0 on a CPU, where the host's work is the compute itself)."""
+        return 0.0 if self.device == "cpu" else self.layer_host_s
 
     def compute_s(self, flops: float, nbytes: float = 0.0) -> float:
         """Seconds of one compute task of ``flops`` whose memory-bound passes move ``nbytes``
