@@ -645,6 +645,15 @@ def measure(
     a = torch.randn(size, size, device=dev)
     b = torch.randn(size, size, device=dev)
     tiny = torch.randn(1, 1, device=dev)
+    if dev.startswith("cuda"):
+        # An idle GPU sits at a low clock: a second of matmuls first, so that every figure
+        # (and ``sim.gpucal``'s after them) is taken at the clock a training step runs at.
+        # (Issue 27's H200 runs: the bf16 4096^3 rate 624-715 TFLOP/s across cold starts.)
+        t_end = time.perf_counter() + 1.0
+        while time.perf_counter() < t_end:
+            for _ in range(10):
+                a @ b
+            torch.cuda.synchronize()
     flops = 2.0 * size**3 / timed(lambda: a @ b)
     a16, b16 = a.bfloat16(), b.bfloat16()
     half = 2.0 * size**3 / timed(lambda: a16 @ b16)
