@@ -241,3 +241,23 @@ def test_half_activations_on_cpu_with_and_without_native_matmul(monkeypatch, dty
     err = (y.double() - y64).abs().max()
     err_ref = (yh.double() - y64).abs().max()
     assert err <= 2 * err_ref + 4 * torch.finfo(dtype).eps * y64.abs().max(), (err, err_ref)
+
+
+def test_stats_aux_loss_is_each_forwards_own_loss_and_stays_bounded():
+    """LayerStats.aux_loss: the sum of every forward's own aux + z loss, computed when read
+    from detached terms (no graph), folded into one tensor every _FOLD_AUX_AT forwards."""
+    from moesaic.layer import _FOLD_AUX_AT
+
+    cfg = moesaic.MoEConfig(hidden_size=16, ffn_hidden_size=32, num_experts=4, top_k=2)
+    torch.manual_seed(0)
+    layer = moesaic.MoELayer(cfg)
+    xs = [torch.randn(8, 16) for _ in range(_FOLD_AUX_AT + 3)]
+    want = 0.0
+    for x in xs:
+        layer(x)
+        want += moesaic.aux_loss(layer).item()  # this forward's own loss
+    stats = layer.take_stats()
+    assert stats.forwards == len(xs) and len(stats.aux_terms) == 3
+    assert stats.aux_loss is not None and not stats.aux_loss.requires_grad
+    assert stats.aux_loss.item() == pytest.approx(want, rel=1e-5)
+    assert layer.take_stats().aux_loss is None

@@ -47,6 +47,8 @@ EXPERT_PARAMS = ("w1", "w3", "w2")
 # Forwards whose aux loss was never read before a warning (a training loop that never calls
 # moesaic.aux_loss(model) keeps every step's router graph alive through the pending sum).
 _UNREAD_AUX_WARN = 1024
+# Forwards whose aux terms the statistics keep before summing them into one tensor.
+_FOLD_AUX_AT = 64
 
 
 @dataclass(slots=True)
@@ -59,29 +61,42 @@ class LayerStats:
     balancing corrects), ``comm`` sums the communication (``CommStats.__add__``) and
     ``aux_loss`` sums each forward's own weighted aux + z loss (detached, kept as a tensor: no
     device sync per forward; the differentiable loss of the forwards taken together is
-    ``moesaic.aux_loss``).
+    ``moesaic.aux_loss``). It is computed when read, from the forwards' detached terms: a
+    forward adds no kernels for it (on a GPU the loss is a dozen small kernels, and their
+    launches are what a host-bound step waits on).
     """
 
     forwards: int = 0
     tokens: int = 0
     counts_E: torch.Tensor | None = None
     comm: CommStats = field(default_factory=CommStats)
-    aux_loss: torch.Tensor | None = None
     routed_E: torch.Tensor | None = None
+    aux_terms: list[AuxTerms] = field(default_factory=list)
+    aux_folded: torch.Tensor | None = None  # the loss of terms folded away (``_FOLD_AUX_AT``)
+
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """The sum of each forward's own aux + z loss (detached); None before any forward."""
+        losses = [t.loss() for t in self.aux_terms]
+        if self.aux_folded is not None:
+            losses.append(self.aux_folded)
+        return torch.stack(losses).sum() if losses else None
 
     def add(
         self,
         tokens: int,
         counts_E: torch.Tensor,
         comm: CommStats,
-        aux: torch.Tensor,
+        aux: AuxTerms,
         routed_E: torch.Tensor | None = None,
     ) -> None:
         self.forwards += 1
         self.tokens += tokens
-        counts, aux = counts_E.detach(), aux.detach()
+        counts = counts_E.detach()
         self.counts_E = counts.clone() if self.counts_E is None else self.counts_E + counts
-        self.aux_loss = aux.clone() if self.aux_loss is None else self.aux_loss + aux
+        self.aux_terms.append(aux.detach())
+        if len(self.aux_terms) >= _FOLD_AUX_AT:  # statistics never read: bounded memory
+            self.aux_folded, self.aux_terms = self.aux_loss, []
         self.comm = self.comm + comm
         if routed_E is not None:
             self.routed_E = routed_E if self.routed_E is None else self.routed_E + routed_E
@@ -371,11 +386,9 @@ class MoELayer(nn.Module):
         """Add one forward to ``stats`` (not a recomputed one, see ``recomputation``)."""
         if self._recomputing:
             return
-        # No graph: a recomputation, which skips this, must save the same tensors as the
-        # forward it repeats (checkpointing matches them by order).
-        with torch.no_grad():
-            aux = routed.aux.loss()
-        self.stats.add(tokens, routed.plan.counts_E, comm, aux, self._routed(routed))
+        # The detached terms: no graph (a recomputation, which skips this, must save the same
+        # tensors as the forward it repeats; checkpointing matches them by order).
+        self.stats.add(tokens, routed.plan.counts_E, comm, routed.aux, self._routed(routed))
 
     def _add_aux(self, aux: AuxTerms) -> None:
         if self._recomputing:  # the forward this repeats added its terms (and their graph)
