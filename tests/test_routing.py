@@ -146,3 +146,30 @@ def test_narrow_sort_keys_give_the_same_stable_order(largest):
     assert narrow.element_size() <= keys.element_size()
     want = torch.sort(keys, stable=True).indices
     assert torch.equal(torch.sort(narrow, stable=True).indices, want)
+
+
+def test_z_loss_from_the_top_probability_equals_logsumexp_value_and_gradient():
+    from moesaic.routing import z_loss
+
+    gen = torch.Generator().manual_seed(7)
+    logits = (4 * torch.randn(200, 16, generator=gen)).requires_grad_()
+    probs = logits.softmax(-1)
+    top = probs.argmax(-1, keepdim=True)
+    fast = z_loss(logits, probs, top)
+    (g_fast,) = torch.autograd.grad(fast, logits)
+    slow = z_loss(logits)
+    (g_slow,) = torch.autograd.grad(slow, logits)
+    torch.testing.assert_close(fast, slow, rtol=1e-6, atol=0)
+    torch.testing.assert_close(g_fast, g_slow, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_build_plan_with_the_routers_counts_equals_counting_again(capacity):
+    from moesaic.routing import count_ids
+
+    ids = _random_ids(40, 2, 6, seed=4)
+    w = torch.rand(40, 2)
+    want = build_plan(ids, w, 6, capacity=capacity)
+    got = build_plan(ids, w, 6, capacity=capacity, all_counts_E=count_ids(ids.reshape(-1), 6))
+    for f in ("counts_E", "order_TK", "kept_TK", "counts_Pe"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f

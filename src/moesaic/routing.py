@@ -365,6 +365,7 @@ def build_plan(
     topk_weights_TK: torch.Tensor,
     placement: ExpertPlacement | int,
     capacity: int | None = None,
+    all_counts_E: torch.Tensor | None = None,
 ) -> RoutingPlan:
     """Sort assignments by dispatch slot, apply the capacity, count rows per expert and rank.
 
@@ -373,6 +374,8 @@ def build_plan(
         topk_weights_TK: their combine weights.
         placement: where the experts are; an int E means all E experts on one rank.
         capacity: slots per expert (per source rank), or None for dropless.
+        all_counts_E: ``count_ids`` of all of ``topk_ids_TK`` (before any drop) when the
+            caller has them (the router's balance loss counts them too): not counted again.
     """
     if not isinstance(placement, ExpertPlacement):
         placement = ExpertPlacement.contiguous(placement, 1)
@@ -386,7 +389,7 @@ def build_plan(
         ids_KT = topk_ids_TK.t().reshape(-1)
         sorted_ids, perm = torch.sort(_narrow_keys(ids_KT, num_experts - 1), stable=True)
         sorted_ids = sorted_ids.long()
-        counts_all = count_ids(ids_KT, num_experts)
+        counts_all = all_counts_E if all_counts_E is not None else count_ids(ids_KT, num_experts)
         starts_E = torch.cumsum(counts_all, 0) - counts_all
         rank_in_expert = torch.arange(T * K, device=device) - starts_E[sorted_ids]
         kept_KT = torch.empty_like(kept_flat)
@@ -395,9 +398,13 @@ def build_plan(
     # Sort by dispatch slot (the expert id itself when experts sit contiguously); dropped
     # assignments sort to the end (key E), after the N kept ones.
     slots = flat_ids if placement.is_contiguous else placement.slot_tensor(device)[flat_ids]
-    keys = torch.where(kept_flat, slots, torch.full_like(flat_ids, num_experts))
+    if capacity is None:  # every assignment kept
+        keys = slots
+        counts_E = all_counts_E if all_counts_E is not None else count_ids(flat_ids, num_experts)
+    else:
+        keys = torch.where(kept_flat, slots, torch.full_like(flat_ids, num_experts))
+        counts_E = count_ids(flat_ids, num_experts, kept_flat)
     order_TK = torch.sort(_narrow_keys(keys, num_experts), stable=True).indices
-    counts_E = count_ids(flat_ids, num_experts, kept_flat)
     return RoutingPlan(
         topk_ids_TK=topk_ids_TK,
         topk_weights_TK=topk_weights_TK,
@@ -559,11 +566,25 @@ def sequence_balance_sum(
     return (f_BE * P_BE).sum()
 
 
-def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """Router z-loss (ST-MoE): mean squared log-sum-exp of the logits."""
+def z_loss(
+    logits_TE: torch.Tensor,
+    probs_TE: torch.Tensor | None = None,
+    top_T1: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Router z-loss (ST-MoE): mean squared log-sum-exp of the logits.
+
+    Given the softmax ``probs_TE`` of ``logits_TE`` and each token's most probable expert
+    ``top_T1`` [T, 1], the log-sum-exp is ``logit - log(prob)`` at that expert: the same value
+    and gradient (``probs``) in five small kernels instead of ``torch.logsumexp``'s dozen
+    (what a GPU step waits on when its host is the bound). The top probability is at least
+    1/E, so its log loses nothing.
+    """
     if logits_TE.shape[0] == 0:
         return logits_TE.sum() * 0.0
-    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+    if probs_TE is None or top_T1 is None:
+        return torch.logsumexp(logits_TE, dim=-1).square().mean()
+    lse_T1 = logits_TE.gather(1, top_T1) - probs_TE.gather(1, top_T1).log()
+    return lse_T1.square().mean()
 
 
 class Router(nn.Module):
@@ -595,6 +616,14 @@ class Router(nn.Module):
         load_E = load_E.to(self.score_bias.device, torch.float64)
         step_E = torch.sign(load_E.mean() - load_E) * self.config.score_bias_update_rate
         self.score_bias.add_(step_E.to(self.score_bias.dtype))
+
+    @property
+    def biased_or_limited(self) -> bool:
+        """Whether the top-k is chosen on more than the scores: a score bias or group limits
+        (then the first choice need not be the most probable expert)."""
+        cfg = self.config
+        keep = cfg.topk_groups if cfg.topk_groups is not None else cfg.num_expert_groups
+        return self.score_bias is not None or keep < cfg.num_expert_groups
 
     def choose(self, scores_TE: torch.Tensor) -> torch.Tensor:
         """The top-k expert ids [T, K] for ``scores_TE``: on the scores plus the bias, inside
@@ -659,11 +688,14 @@ class Router(nn.Module):
         T = x_TH.shape[0]
         # Load fractions over all K choices (Switch/Megatron) or first choices only (DeepSpeed).
         counted_ids = topk_ids_TK if cfg.balance_loss_choices == "all" else topk_ids_TK[:, :1]
+        counts_E = count_ids(counted_ids.reshape(-1), cfg.num_experts)
+        # The first choice is the most probable expert when chosen on the softmax alone.
+        argmax = cfg.score_func == "softmax" and not self.biased_or_limited
         aux = AuxTerms(
             tokens=T,
-            assign_counts_E=count_ids(counted_ids.reshape(-1), cfg.num_experts).float(),
+            assign_counts_E=counts_E.float(),
             probs_mean_E=probs_TE.mean(dim=0) if T else probs_TE.sum(dim=0) * 0.0,
-            z=z_loss(logits_TE),
+            z=z_loss(logits_TE, scores_TE, topk_ids_TK[:, :1]) if argmax else z_loss(logits_TE),
             top_k=counted_ids.shape[1],
             aux_coef=cfg.aux_loss_coef,
             z_coef=cfg.z_loss_coef,
@@ -679,6 +711,7 @@ class Router(nn.Module):
             weights_TK,
             placement if placement is not None else cfg.num_experts,
             capacity=cfg.capacity(x_TH.shape[0]),
+            all_counts_E=counts_E if counted_ids is topk_ids_TK else None,
         )
         kernels = resolve_kernels(cfg.kernels, x_TH.device)
         if kernels != "torch":
