@@ -50,13 +50,13 @@ Torch-free, standard library only.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moesaic.checks import check_int, check_non_negative, check_one_of, check_positive
 from moesaic.cluster.spec import ClusterSpec
+from moesaic.sim.interp import log_linear
 
 __all__ = [
     "ALL_REDUCE_ALGORITHMS",
@@ -124,15 +124,7 @@ class LinkModel:
         if kind not in ("all_to_all", "all_reduce"):
             raise ValueError(f"kind ({kind!r}) must be 'all_to_all' or 'all_reduce'")
         points = self.a2a_shares if kind == "all_to_all" else self.allreduce_shares
-        if not points:
-            return 1.0
-        if bytes_per_rank <= points[0][0]:
-            return points[0][1]
-        for (b0, s0), (b1, s1) in itertools.pairwise(points):
-            if bytes_per_rank <= b1:
-                w = math.log(bytes_per_rank / b0) / math.log(b1 / b0) if b1 > b0 else 1.0
-                return s0 + w * (s1 - s0)
-        return points[-1][1]
+        return log_linear(points, bytes_per_rank)
 
     @property
     def world_size(self) -> int:

@@ -66,9 +66,7 @@ Torch-free but for :func:`measure`.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields
@@ -84,6 +82,7 @@ from moesaic.checks import (
     check_positive_int,
 )
 from moesaic.cluster.spec import ClusterSpec
+from moesaic.sim.interp import log_linear
 from moesaic.sim.model import ModelSpec, load_rows
 from moesaic.sim.opcal import OpCal
 
@@ -430,16 +429,7 @@ class Profile:
         """The grouped GEMMs' fraction of the dense rate at ``rows_per_group`` rows per expert:
         ``gemm_efficiency`` interpolated linearly in log(rows), held at its end points (1
         without points)."""
-        points = self.gemm_efficiency
-        if not points:
-            return 1.0
-        if rows_per_group <= points[0][0]:
-            return points[0][1]
-        for (r0, e0), (r1, e1) in itertools.pairwise(points):
-            if rows_per_group <= r1:
-                f = math.log(rows_per_group / r0) / math.log(r1 / r0)
-                return e0 + f * (e1 - e0)
-        return points[-1][1]
+        return log_linear(self.gemm_efficiency, rows_per_group)
 
     def expert_gemm_s(self, flops: float, rows_per_group: float) -> float:
         """Seconds of the experts' grouped GEMMs of ``flops`` at ``rows_per_group`` rows per
