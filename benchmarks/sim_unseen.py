@@ -234,7 +234,8 @@ def train_toml(cfg: dict[str, Any], run_dir: Path, strategy: str) -> str:
     if strategy == "padded":
         moe.append(f"capacity_factor = {PADDED_CAPACITY}")
     run = [f"nproc = {cfg['ranks']}", f"ep = {cfg['ranks']}", f"steps = {WARMUP + STEPS}"]
-    run += [f"batch_size = {batch}", "eval_every = 0", "ckpt_every = 0", f'run_dir = "{run_dir}"']
+    run += [f"batch_size = {batch}", "eval_every = 0", "ckpt_every = 0", "save_final = false"]
+    run += [f'run_dir = "{run_dir}"']
     model = [f"seq_len = {SEQ}", f"d_model = {hidden}", f"n_layers = {cfg.get('blocks', BLOCKS)}"]
     model.append(f"n_heads = {HEADS}")
     return "\n".join([*run, "", "[model]", *model, "", "[model.moe]", *moe, ""])

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_helpers import fails, final_weights, start_from, tiny_args, train_losses
+from _train_helpers import (
+    fails,
+    final_weights,
+    read_metrics,
+    start_from,
+    tiny_args,
+    train_losses,
+)
 
 from moesaic.cli import main
 from moesaic.train.config import TRACE_STEPS, add_train_arguments, config_from_args
@@ -263,3 +270,14 @@ def test_ar_chunk_below_4_kib_is_refused(tiny):
     with pytest.raises(ValueError, match=r"must be at least 4096 bytes \(4 KiB\)"):
         parse_ar_chunk(tiny)
     assert parse_ar_chunk("4KiB") == 4096
+
+
+def test_no_save_final_writes_metrics_only(data_file, tmp_path):
+    """``--no-save-final`` (a throwaway run: calibrate's routing measurement, a benchmark
+    point): no validation and no checkpoint at the last step, every step's metrics still."""
+    few = ["--steps", "2", "--eval-every", "0", "--ckpt-every", "0", "--eval-batches", "1"]
+    run_dir = tmp_path / "throwaway"
+    assert main(tiny_args(data_file, run_dir, *few, "--nproc", "1", "--no-save-final")) == 0
+    assert not (run_dir / "checkpoints").exists()
+    kinds = [r["kind"] for r in read_metrics(run_dir)]
+    assert kinds.count("train") == 2 and "val" not in kinds and "checkpoint" not in kinds

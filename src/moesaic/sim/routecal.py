@@ -51,6 +51,7 @@ def routing_config(cfg: Any, *, world: int, steps: int, run_dir: Path) -> Any:
         trace_png=None,
         eval_every=0,
         ckpt_every=0,
+        save_final=False,
         run_dir=str(run_dir),
         resume=False,
         max_restarts=0,

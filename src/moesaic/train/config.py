@@ -82,6 +82,9 @@ class TrainConfig:
         eval_every: validation loss every this many steps (and at the end; 0 = only at the end).
         eval_batches: validation batches per rank per evaluation.
         ckpt_every: checkpoint every this many steps (and at the end; 0 = only at the end).
+        save_final: the last step's validation and checkpoint (False: a throwaway run, e.g.
+            ``calibrate``'s routing measurement or a benchmark point, writes only its metrics
+            and whatever ``eval_every`` / ``ckpt_every`` ask for before the end).
         keep_checkpoints: how many checkpoints to keep (older ones are deleted).
         run_dir: where checkpoints and ``metrics.jsonl`` go.
         resume: continue from ``run_dir``'s latest checkpoint.
@@ -158,6 +161,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     ckpt_every: int = 100
+    save_final: bool = True
     keep_checkpoints: int = 2
     run_dir: str = "runs/moe-gpt"
     resume: bool = False

@@ -232,6 +232,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="no progress bar (log lines only)",
     )
     run.add_argument(
+        "--no-save-final",
+        dest="save_final",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="no validation or checkpoint at the last step (a throwaway run: metrics only)",
+    )
+    run.add_argument(
         "--activation-checkpointing",
         dest="activation_checkpointing",
         action="store_true",
@@ -273,6 +280,7 @@ _FLAG_OF = {name: flag for flag, name, _ in _RUN_FLAGS}
 _FLAG_OF |= {f"model.{name}": _ALIASES.get(flag, (flag,))[0] for flag, name, _ in _MODEL_FLAGS}
 _FLAG_OF |= {"config": "--config", "resume": "--resume", "progress": "--no-progress"}
 _FLAG_OF |= {"activation_checkpointing": "--activation-checkpointing"}
+_FLAG_OF |= {"save_final": "--no-save-final"}
 
 
 def _toml_keys(d: dict[str, Any]) -> list[str]:

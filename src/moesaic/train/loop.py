@@ -354,7 +354,7 @@ def train(cfg: TrainConfig) -> dict:
                 raise NonFiniteError(
                     nonfinite_message(step, result.nonfinite, skipped_in_a_row=skipped_in_a_row)
                 )
-        last = step == cfg.steps
+        last = step == cfg.steps and cfg.save_final
         if last or (cfg.eval_every and step % cfg.eval_every == 0):
             hooks.before_evaluation()
             reporter.validation(step, evaluate(model, val_data, cfg, layout, device))
