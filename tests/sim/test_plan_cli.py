@@ -320,3 +320,29 @@ def test_ranking_errors_name_the_flag(extra, words, capsys):
     assert err.startswith("moesaic plan: error: ") and "\n" not in err, err
     for word in words:
         assert word in err, err
+
+
+def test_measure_routing_prices_the_jobs_own_loads(data_file, tmp_path, capsys):
+    """``--measure-routing`` runs the job's router on its data first (``sim.routecal``) and
+    the ranking prices those loads (the note says so); with --loads it is refused, and a model
+    file (no data) keeps uniform routing with a note."""
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'batch_size = 2\nsteps = 3\ndata = "{data_file}"\n[model]\nseq_len = 32\n'
+        "d_model = 32\nn_layers = 2\nn_heads = 2\n[model.moe]\nnum_experts = 4\ntop_k = 2\n"
+        "ffn_hidden_size = 32\n"
+    )
+    base = ["plan", "--cluster", str(SMALL), "--flops-per-s", "1e10", "--json"]
+    assert main([*base, "--model", str(job), "--measure-routing"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)[0]["rank"] == 1
+    assert "routing from the profile (job.toml's router on its data" in out.err
+    assert main([*base, "--model", str(job), "--measure-routing", "--loads", str(job)]) == 2
+    assert "--measure-routing and --loads" in capsys.readouterr().err
+    spec = tmp_path / "m.toml"
+    spec.write_text(
+        '[model]\nname = "m"\nlayers = 2\nbatch = 2\nseq_len = 32\nhidden = 32\n'
+        "ffn_hidden = 32\nexperts = 4\ntop_k = 2\n"
+    )
+    assert main([*base, "--model", str(spec), "--measure-routing"]) == 0
+    assert "is a model file (no data): routing priced uniform" in capsys.readouterr().err

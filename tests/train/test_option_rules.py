@@ -48,6 +48,7 @@ SAMPLES: dict[str, list[str]] = {
     "eval_every": ["--eval-every", "5"],
     "eval_batches": ["--eval-batches", "2"],
     "ckpt_every": ["--ckpt-every", "5"],
+    "save_final": ["--no-save-final"],
     "keep_checkpoints": ["--keep-checkpoints", "3"],
     "run_dir": ["--run-dir", "runs/x"],
     "resume": ["--resume"],

@@ -160,7 +160,7 @@ def test_auto_needs_a_cluster(capsys):
     assert "--plan auto" in err and "--cluster" in err
 
 
-def test_auto_trains_rank_0s_pick_on_every_rank(data_file, tmp_path):
+def test_auto_trains_rank_0s_pick_on_every_rank(data_file, tmp_path, capfd):
     """A 2-rank run plans on rank 0, every rank applies the same pick (compared by a
     collective after it), and the summary and plan.json record it."""
     cluster = tmp_path / "two.toml"
@@ -172,6 +172,10 @@ def test_auto_trains_rank_0s_pick_on_every_rank(data_file, tmp_path):
     args = tiny_args(data_file, run_dir, "--plan", "auto", "--cluster", str(cluster))
     args[args.index("--steps") + 1] = "2"
     assert main(args) == 0
+    # the planner priced the job's own routing (its router on its data, sim.routecal)
+    assert "--plan auto: routing from the profile (model.toml's router on its data" in (
+        capfd.readouterr().err
+    )
     recorded = json.loads((run_dir / PLAN_FILE).read_text())
     assert recorded["source"] == "auto" and recorded["cluster"] == str(cluster)
     first = recorded["ranking"][0]

@@ -108,6 +108,13 @@ def add_subparser(subparsers) -> None:
     add_all_reduce_option(p)
     add_loads_option(p)
     p.add_argument(
+        "--measure-routing",
+        action="store_true",
+        help="price the job's own routing: run its router on its data first (a training config "
+        "with data: 8 steps in one process, as `calibrate --model`; seconds for a small model); "
+        "a model file has no data: routing stays uniform",
+    )
+    p.add_argument(
         "--domains-only",
         action="store_true",
         help="HybridEP's domain sizes alone, priced by the stream cost model (the earlier report)",
@@ -373,6 +380,27 @@ def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
     )
 
 
+def _with_routing(args: argparse.Namespace, spec: ClusterSpec, profile: Any) -> Any:
+    """``--measure-routing``: ``profile`` with the loads of the job's router on its data at
+    the cluster's world batch (``sim.routecal``); unchanged, with a note, for a model file or
+    when the measurement fails (the ranking then prices uniform routing, as without it)."""
+    import dataclasses
+
+    from moesaic.sim.routecal import measure_routing
+
+    if getattr(args, "loads", None) is not None:
+        raise ValueError("--measure-routing and --loads both give the expert loads: pass one")
+    try:
+        routing = measure_routing(args.model, world=spec.world_size)
+    except (RuntimeError, ValueError, OSError) as exc:
+        _note(f"--measure-routing failed ({str(exc).strip()[-300:]}): routing priced uniform")
+        return profile
+    if routing is None:
+        _note(f"--measure-routing: {args.model} is a model file (no data): routing priced uniform")
+        return profile
+    return dataclasses.replace(profile, routing=routing)
+
+
 def build_ranking(args: argparse.Namespace) -> tuple[Any, float]:
     """The ranking of ``args`` (:class:`moesaic.sim.planner.Plan`) and its wall seconds."""
     from moesaic.checks import check_positive_int
@@ -385,6 +413,8 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float]:
             raise ValueError(f"--{flag.replace('_', '-')} applies to --domains-only only")
     spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
     profile = _profile(args, spec)
+    if getattr(args, "measure_routing", False):
+        profile = _with_routing(args, spec, profile)
     model = load_option("model", args.model, load_model_spec)
     model = apply_loads(args, model, note=_note, profile=profile)
     ratios = _ratios(args.compression_ratio) or (1.0,)

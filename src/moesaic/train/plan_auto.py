@@ -1,9 +1,11 @@
 """``moesaic train --plan auto``: rank 0 plans at the start of the run, every rank trains its pick.
 
-Rank 0 runs ``moesaic plan --json`` on the run's cluster (``--cluster``) and model (a training
-config written from the run's, ``moesaic.sim.model.load_model`` reads it) with no profile, so
-the planner measures rank 0's machine first (a quick calibration: the matmul rates and the
-per-op overhead, about a second), and takes the ranking's first entry. The planner is the
+Rank 0 runs ``moesaic plan --json --measure-routing`` on the run's cluster (``--cluster``) and
+model (a training config written from the run's, with its data, seed and optimizer schedule;
+``moesaic.sim.model.load_model`` reads it) with no profile, so the planner measures rank 0's
+machine first (a quick calibration: the matmul rates and the per-op overhead, about a second)
+and the job's routing (its router on its data for its first steps, in one process:
+``sim.routecal``), and takes the ranking's first entry. The planner is the
 simulator's (``moesaic.sim.planner``), which reads training configs and so sits above this
 package: it runs as the ``moesaic plan`` command in a child process, its interface the
 documented JSON, rather than as an import that would close a circle between the two packages.
@@ -55,10 +57,29 @@ def _toml_value(value: Any) -> str | None:
     return None
 
 
+# The run's keys that make its first steps' routing (``sim.routecal`` trains them): the data,
+# the seed and the optimizer's schedule.
+_ROUTING_KEYS = (
+    "seed", "data", "data_max_bytes", "val_fraction", "steps", "lr", "min_lr_ratio",
+    "warmup_steps", "weight_decay", "grad_clip",
+)  # fmt: skip
+# What a nested launch must not inherit from this worker (torchrun's own variables).
+_WORKER_ENV = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
 def model_toml(cfg: TrainConfig) -> str:
-    """A training config of ``cfg``'s batch and model (no strategy options, no deadline: what
-    the planner chooses or does not read), as ``moesaic plan --model`` reads one."""
-    lines = [f"batch_size = {cfg.batch_size}", "", "[model]"]
+    """A training config of ``cfg``'s batch, model and what makes its routing (no strategy
+    options, no deadline: what the planner chooses or does not read), as ``moesaic plan
+    --model`` reads one."""
+    lines = [f"batch_size = {cfg.batch_size}"]
+    for key in _ROUTING_KEYS:
+        text = _toml_value(getattr(cfg, key))
+        if text is not None:
+            lines.append(f"{key} = {text}")
+    lines += ["", "[model]"]
     model = cfg.model.to_dict()
     moe = model.pop("moe")
     skip_moe = {"options", "dispatcher", "collective_timeout_s"}
@@ -79,19 +100,24 @@ def _plan_here(cfg: TrainConfig, all_reduce: str) -> list[dict[str, Any]]:
         model = Path(tmp) / "model.toml"
         model.write_text(model_toml(cfg))
         cmd = [sys.executable, "-m", "moesaic", "plan", "--cluster", cfg.cluster]
-        cmd += ["--model", str(model), "--json", "--all-reduce", all_reduce]
+        cmd += ["--model", str(model), "--json", "--all-reduce", all_reduce, "--measure-routing"]
         # this moesaic, wherever the worker found it (installed or on a path of its own)
         here = str(Path(__file__).resolve().parents[2])  # the directory holding moesaic/
         env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+            k: v
+            for k, v in os.environ.items()
+            if k not in _WORKER_ENV and not k.startswith("TORCHELASTIC_")
         }
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=cfg.timeout_s / 2, check=False, env=env
         )
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
         raise ValueError(f"--plan auto: moesaic plan failed: {lines[-1]}")
+    for line in proc.stderr.splitlines():  # its notes: the routing it priced, extrapolations
+        if line.startswith("moesaic plan: "):
+            print(f"moesaic train: --plan auto: {line[14:]}", file=sys.stderr, flush=True)
     return json.loads(proc.stdout)
 
 
