@@ -3,7 +3,9 @@
 runs: 2 + 6 steps, so the measured steps are the tuner's first samples) and flowmoe at Sp = G/16
 (what the simulator prices), interleaved, ``--reps`` times each.
 
-``python benchmarks/sim_unseen_sp_check.py x+-+-- [--reps 2] [--out FILE.json]``
+``python benchmarks/sim_unseen_sp_check.py x+-+-- [--reps 2] [--baselines moe-only,vanilla]
+[--out FILE.json]`` (``--baselines``: the schedules measured beside flowmoe; moe-only by
+default).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("configuration", help="a sim_unseen configuration name, e.g. x+-+--")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--baselines", default="moe-only", help="comma list of schedules")
     p.add_argument("--work", default="/tmp/sim_unseen_sp_check")
     p.add_argument("--out", default="benchmarks/results/sim_unseen_sp_check.json")
     args = p.parse_args()
@@ -35,7 +38,8 @@ def main() -> None:
     G = (spec.layers * spec.replicated_params_per_block() + spec.outer_params()) * spec.param_bytes
     runs = []
     for rep in range(args.reps):
-        for schedule, sp in (("moe-only", None), ("flowmoe", "auto"), ("flowmoe", str(G // 16))):
+        plain = [(schedule, None) for schedule in args.baselines.split(",")]
+        for schedule, sp in (*plain, ("flowmoe", "auto"), ("flowmoe", str(G // 16))):
             run_dir = work / f"run_{schedule}_{sp}_{rep}"
             config = work / f"train_{rep}.toml"
             config.write_text(su.train_toml(cfg, run_dir, "padded"))
