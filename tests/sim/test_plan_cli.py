@@ -346,3 +346,5 @@ def test_measure_routing_prices_the_jobs_own_loads(data_file, tmp_path, capsys):
     )
     assert main([*base, "--model", str(spec), "--measure-routing"]) == 0
     assert "is a model file (no data): routing priced uniform" in capsys.readouterr().err
+    assert main([*base, "--model", str(job), "--measure-routing", "--domains-only"]) == 2
+    assert "--measure-routing applies to the ranking" in capsys.readouterr().err

@@ -173,6 +173,8 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.loads is not None:
         raise ValueError("--loads applies to the ranking, not to --domains-only")
+    if getattr(args, "measure_routing", False):
+        raise ValueError("--measure-routing applies to the ranking, not to --domains-only")
     from moesaic.train.domains import (
         dense_blocks_before,
         hybrid_options,
