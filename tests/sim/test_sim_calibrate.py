@@ -239,9 +239,17 @@ def test_a_gpu_router_runs_at_the_bf16_rate_without_an_fp32_copy():
     gpu = Profile(flops_per_s=1e12, half_flops_per_s=4e12, device="cuda", mem_bytes_per_s=1e12)
     assert gpu.for_model(2).router_flops_per_s == 4e12
     model = ModelSpec(
-        name="m", layers=1, batch=1, seq_len=64, hidden=64, ffn_hidden=128, experts=4, top_k=2,
-        act_bytes=2, layer_only=True,
-    )  # fmt: skip
+        name="m",
+        layers=1,
+        batch=1,
+        seq_len=64,
+        hidden=64,
+        ffn_hidden=128,
+        experts=4,
+        top_k=2,
+        act_bytes=2,
+        layer_only=True,
+    )
     assert model.gate_bytes(64, fp32_copy=False) == 64 * 64 * 2
     assert model.gate_bytes(64) == 64 * 64 * 10
     flops = model.attention_flops(64)
@@ -276,9 +284,18 @@ def test_a_gpu_layer_step_prices_gemm_efficiency_and_small_kernels():
 
     spec = ClusterSpec(levels=(Level(name="gpu", size=1, bandwidth_gbps=100.0, latency_ms=0.0),))
     model = ModelSpec(
-        name="m", layers=1, batch=1, seq_len=4096, hidden=1024, ffn_hidden=2048, experts=8,
-        top_k=2, act_bytes=2, param_bytes=2, layer_only=True,
-    )  # fmt: skip
+        name="m",
+        layers=1,
+        batch=1,
+        seq_len=4096,
+        hidden=1024,
+        ffn_hidden=2048,
+        experts=8,
+        top_k=2,
+        act_bytes=2,
+        param_bytes=2,
+        layer_only=True,
+    )
     base = Profile(flops_per_s=1e14, half_flops_per_s=1e14, device="cuda", mem_bytes_per_s=1e12)
     plain = simulate(spec, model, "dropless", base, schedule="vanilla").iteration_s
     rows_per_expert = 4096 * 2 / 8

@@ -209,3 +209,49 @@ def test_auto_keeps_the_configs_options_the_plan_leaves_unset(ranking):
     other = next(e for e in entries if e["strategy"] == "hybrid")
     hybrid = apply_entry(cfg, other).model.moe.options.to_dict()
     assert list(hybrid["domain_sizes"]) == other["options"]["domain_sizes"]
+
+
+def test_run_group_kills_what_the_command_started():
+    """``plan_auto.run_group`` past its timeout kills the whole process group: a routing
+    measurement's launcher and worker do not outlive the plan that started them."""
+    import os
+    import subprocess
+    import time
+
+    from moesaic.train.plan_auto import run_group
+
+    marker = f"sleep 3{os.getpid() % 1000}.25"  # a duration no other process sleeps
+    cmd = ["sh", "-c", f"{marker} & {marker}"]
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_group(cmd, env=dict(os.environ), timeout_s=1.0)
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.2)
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+    # (the check can fail: without the group kill the background sleep outlives its shell)
+    done = run_group(["sh", "-c", "echo out; echo err >&2"], env=dict(os.environ), timeout_s=10)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "out\n", "err\n")
+
+
+def test_auto_plans_with_uniform_routing_when_measuring_it_runs_out(monkeypatch, tmp_path, capsys):
+    """The routing measurement gets half of the plan's budget; past it the plan runs again
+    without it (uniform routing), with a note."""
+    import subprocess
+
+    from moesaic.train import plan_auto
+
+    calls = []
+
+    def fake(cmd, *, env, timeout_s):
+        calls.append(("--measure-routing" in cmd, timeout_s))
+        if "--measure-routing" in cmd:
+            raise subprocess.TimeoutExpired(cmd, timeout_s)
+        return subprocess.CompletedProcess(cmd, 0, '[{"rank": 1}]', "")
+
+    monkeypatch.setattr(plan_auto, "run_group", fake)
+    cfg = plan_auto.TrainConfig(cluster=str(tmp_path / "c.toml"), timeout_s=100.0)
+    assert plan_auto._plan_here(cfg, "ring") == [{"rank": 1}]
+    assert [c[0] for c in calls] == [True, False] and calls[0][1] == 25.0
+    assert calls[1][1] <= 50.0
+    assert "planning with uniform routing" in capsys.readouterr().err

@@ -20,13 +20,16 @@ strategy and options.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +63,31 @@ def _toml_value(value: Any) -> str | None:
 # The run's keys that make its first steps' routing (``sim.routecal`` trains them): the data,
 # the seed and the optimizer's schedule.
 _ROUTING_KEYS = (
-    "seed", "data", "data_max_bytes", "val_fraction", "steps", "lr", "min_lr_ratio",
-    "warmup_steps", "weight_decay", "grad_clip",
-)  # fmt: skip
+    "seed",
+    "data",
+    "data_max_bytes",
+    "val_fraction",
+    "steps",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+)
 # What a nested launch must not inherit from this worker (torchrun's own variables).
 _WORKER_ENV = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-)  # fmt: skip
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def model_toml(cfg: TrainConfig) -> str:
@@ -94,13 +114,20 @@ def model_toml(cfg: TrainConfig) -> str:
 
 
 def _plan_here(cfg: TrainConfig, all_reduce: str) -> list[dict[str, Any]]:
-    """``moesaic plan --json`` of ``cfg`` on this machine (rank 0): the ranking."""
+    """``moesaic plan --json`` of ``cfg`` on this machine (rank 0): the ranking.
+
+    Within ``timeout_s / 2`` in all (the other ranks wait in a collective meanwhile): first with
+    ``--measure-routing`` for up to half of it (the job's model at EP 1 in one process: a
+    large model may take long or not fit, and then the planner prices uniform routing with a
+    note); if that runs out, the process group it started is killed and the plan runs again
+    without it."""
     assert cfg.cluster is not None  # internal: TrainConfig requires it with plan "auto"
+    budget = cfg.timeout_s / 2
     with tempfile.TemporaryDirectory(prefix="moesaic-plan-") as tmp:
         model = Path(tmp) / "model.toml"
         model.write_text(model_toml(cfg))
         cmd = [sys.executable, "-m", "moesaic", "plan", "--cluster", cfg.cluster]
-        cmd += ["--model", str(model), "--json", "--all-reduce", all_reduce, "--measure-routing"]
+        cmd += ["--model", str(model), "--json", "--all-reduce", all_reduce]
         # this moesaic, wherever the worker found it (installed or on a path of its own)
         here = str(Path(__file__).resolve().parents[2])  # the directory holding moesaic/
         env = {
@@ -109,9 +136,17 @@ def _plan_here(cfg: TrainConfig, all_reduce: str) -> list[dict[str, Any]]:
             if k not in _WORKER_ENV and not k.startswith("TORCHELASTIC_")
         }
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=cfg.timeout_s / 2, check=False, env=env
-        )
+        t0 = time.monotonic()
+        try:
+            proc = run_group([*cmd, "--measure-routing"], env=env, timeout_s=budget / 2)
+        except subprocess.TimeoutExpired:
+            print(
+                f"moesaic train: --plan auto: measuring the job's routing took over "
+                f"{budget / 2:.0f} s; planning with uniform routing",
+                file=sys.stderr,
+                flush=True,
+            )
+            proc = run_group(cmd, env=env, timeout_s=budget - (time.monotonic() - t0))
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
         raise ValueError(f"--plan auto: moesaic plan failed: {lines[-1]}")
@@ -119,6 +154,30 @@ def _plan_here(cfg: TrainConfig, all_reduce: str) -> list[dict[str, Any]]:
         if line.startswith("moesaic plan: "):
             print(f"moesaic train: --plan auto: {line[14:]}", file=sys.stderr, flush=True)
     return json.loads(proc.stdout)
+
+
+def run_group(
+    cmd: list[str], *, env: dict[str, str], timeout_s: float
+) -> subprocess.CompletedProcess:
+    """``cmd`` in a process group of its own, its output captured; past ``timeout_s`` the
+    whole group is killed (what it started too: a routing run's launcher and worker) and
+    ``subprocess.TimeoutExpired`` raised."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=max(timeout_s, 1.0))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _recorded(cfg: TrainConfig) -> dict[str, Any] | None:
