@@ -231,25 +231,20 @@ def test_a_gpu_profile_prices_device_work_and_bytes_not_host_overhead():
         Profile(flops_per_s=1.0, mem_bytes_per_s=-1.0)
 
 
+def _bf16_layer(**dims: int):
+    """A bf16 MoE layer alone (``layer_only``), one sequence, top-2."""
+    from moesaic.sim.model import ModelSpec
+
+    return ModelSpec(name="m", layers=1, batch=1, top_k=2, act_bytes=2, layer_only=True, **dims)
+
+
 def test_a_gpu_router_runs_at_the_bf16_rate_without_an_fp32_copy():
     """On a GPU the half-precision gate (routing.gate_logits) runs on bf16 tensor cores and
     reads the tokens once; a CPU's keeps the fp32 rate and the fp32 copy."""
-    from moesaic.sim.model import ModelSpec
 
     gpu = Profile(flops_per_s=1e12, half_flops_per_s=4e12, device="cuda", mem_bytes_per_s=1e12)
     assert gpu.for_model(2).router_flops_per_s == 4e12
-    model = ModelSpec(
-        name="m",
-        layers=1,
-        batch=1,
-        seq_len=64,
-        hidden=64,
-        ffn_hidden=128,
-        experts=4,
-        top_k=2,
-        act_bytes=2,
-        layer_only=True,
-    )
+    model = _bf16_layer(seq_len=64, hidden=64, ffn_hidden=128, experts=4)
     assert model.gate_bytes(64, fp32_copy=False) == 64 * 64 * 2
     assert model.gate_bytes(64) == 64 * 64 * 10
     flops = model.attention_flops(64)
@@ -279,23 +274,10 @@ def test_a_gpu_layer_step_prices_gemm_efficiency_and_small_kernels():
     """The simulated GPU layer step: the expert GEMMs at the efficiency of its rows per
     expert, plus layer_kernels x launch_s over forward and backward; a CPU profile ignores
     both launch figures."""
-    from moesaic.sim.model import ModelSpec
     from moesaic.sim.simulate import simulate
 
     spec = ClusterSpec(levels=(Level(name="gpu", size=1, bandwidth_gbps=100.0, latency_ms=0.0),))
-    model = ModelSpec(
-        name="m",
-        layers=1,
-        batch=1,
-        seq_len=4096,
-        hidden=1024,
-        ffn_hidden=2048,
-        experts=8,
-        top_k=2,
-        act_bytes=2,
-        param_bytes=2,
-        layer_only=True,
-    )
+    model = _bf16_layer(seq_len=4096, hidden=1024, ffn_hidden=2048, experts=8)
     base = Profile(flops_per_s=1e14, half_flops_per_s=1e14, device="cuda", mem_bytes_per_s=1e12)
     plain = simulate(spec, model, "dropless", base, schedule="vanilla").iteration_s
     rows_per_expert = 4096 * 2 / 8
