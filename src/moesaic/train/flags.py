@@ -217,35 +217,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             metavar=_METAVARS.get(name),
             help=f"{_HELP[name]} (default: {default})",
         )
-    run.add_argument(
-        "--resume",
-        dest="resume",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="continue from the latest checkpoint in --run-dir",
-    )
-    run.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        default=argparse.SUPPRESS,
-        help="no progress bar (log lines only)",
-    )
-    run.add_argument(
-        "--no-save-final",
-        dest="save_final",
-        action="store_false",
-        default=argparse.SUPPRESS,
-        help="no validation or checkpoint at the last step (a throwaway run: metrics only)",
-    )
-    run.add_argument(
-        "--activation-checkpointing",
-        dest="activation_checkpointing",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="recompute each block in the backward instead of keeping its activations "
-        "(vanilla schedule)",
-    )
+    for flag, name, action, text in _SWITCHES:
+        run.add_argument(flag, dest=name, action=action, default=argparse.SUPPRESS, help=text)
     model = parser.add_argument_group("model")
     for flag, name, typ in _MODEL_FLAGS:
         default = _model_default(defaults.model, name)
@@ -275,12 +248,29 @@ def load_toml(path: str) -> dict[str, Any]:
     return read_toml(path, "config file")
 
 
+# Switches: (flag, dest, action, help); a "store_false" one turns a default-on field off.
+_SWITCHES = (
+    ("--resume", "resume", "store_true", "continue from the latest checkpoint in --run-dir"),
+    ("--no-progress", "progress", "store_false", "no progress bar (log lines only)"),
+    (
+        "--no-save-final",
+        "save_final",
+        "store_false",
+        "no validation or checkpoint at the last step (a throwaway run: metrics only)",
+    ),
+    (
+        "--activation-checkpointing",
+        "activation_checkpointing",
+        "store_true",
+        "recompute each block in the backward instead of keeping its activations (vanilla "
+        "schedule)",
+    ),
+)
+
 # dest -> the flag that sets it (its first spelling), for messages.
 _FLAG_OF = {name: flag for flag, name, _ in _RUN_FLAGS}
 _FLAG_OF |= {f"model.{name}": _ALIASES.get(flag, (flag,))[0] for flag, name, _ in _MODEL_FLAGS}
-_FLAG_OF |= {"config": "--config", "resume": "--resume", "progress": "--no-progress"}
-_FLAG_OF |= {"activation_checkpointing": "--activation-checkpointing"}
-_FLAG_OF |= {"save_final": "--no-save-final"}
+_FLAG_OF |= {"config": "--config"} | {name: flag for flag, name, _, _ in _SWITCHES}
 
 
 def _toml_keys(d: dict[str, Any]) -> list[str]:
