@@ -8,7 +8,8 @@ import torch
 import moesaic
 from moesaic.placement import ExpertPlacement
 from moesaic.reference import ReferenceMoE
-from moesaic.routing import _narrow_keys, build_plan, gate_logits
+from moesaic.router_gate import gate_logits
+from moesaic.routing import _narrow_keys, build_plan
 
 
 def _random_ids(T, K, E, seed):
@@ -149,7 +150,7 @@ def test_narrow_sort_keys_give_the_same_stable_order(largest):
 
 
 def test_z_loss_from_the_top_probability_equals_logsumexp_value_and_gradient():
-    from moesaic.routing import z_loss
+    from moesaic.router_losses import z_loss
 
     gen = torch.Generator().manual_seed(7)
     logits = (4 * torch.randn(200, 16, generator=gen)).requires_grad_()

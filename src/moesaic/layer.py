@@ -29,7 +29,8 @@ from moesaic.comm.collectives import EPGroup
 from moesaic.config import MoEConfig
 from moesaic.experts import GroupedExperts, SharedExperts
 from moesaic.placement import ExpertPlacement
-from moesaic.routing import AuxTerms, Router, RoutingPlan, combine_aux, count_ids, fold_aux
+from moesaic.router_losses import AuxTerms, combine_aux, fold_aux
+from moesaic.routing import Router, RoutingPlan, count_ids
 from moesaic.strategies import make_strategy
 from moesaic.strategies.base import (
     CommStats,
@@ -187,7 +188,7 @@ class MoELayer(nn.Module):
 
     def take_aux_terms(self) -> list[torch.Tensor]:
         """One loss term per pending forward (each in its own forward's graph), summing to the
-        aux + z loss of all their tokens as one batch (``routing.combine_aux``); clears them.
+        aux + z loss of all their tokens as one batch (``router_losses.combine_aux``); clears them.
 
         For a pipelined backward that runs each microbatch chunk's part separately; forwards
         without gradient are folded into one term.
@@ -506,7 +507,7 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     Rule for several forwards per backward: they count as one batch of all their tokens. The
     balance loss uses the load fractions of all of them and each forward's mean router
     probabilities weighted by its share of the tokens, the z-loss is the token-weighted mean
-    (``routing.combine_aux``). One batch split into R microbatch chunks therefore gives the
+    (``router_losses.combine_aux``). One batch split into R microbatch chunks therefore gives the
     same aux loss and gradients as the whole batch (up to summation order), which is what
     FlowMoE's per-chunk scaling (App. H) asks for; a single forward gives its own loss. Sum over
     layers; a scalar zero when no forward ran.

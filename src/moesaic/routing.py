@@ -10,9 +10,10 @@ the device: with a capacity it is data-dependent, so ``RoutingPlan.order_N`` (N 
 only when asked; the strategies take N from the split sizes they read anyway, or work on all
 T*K sorted assignments (``order_TK``, a static shape).
 
-The router computes in fp32 whatever the activation dtype: the top-k choice is discontinuous, and
-bf16 logits flip ties between ranks and runs (the reason Mixtral, DeepSeek-V3 and Megatron all
-route in fp32).
+The router computes fp32 logits whatever the activation dtype: the top-k choice is
+discontinuous, and bf16 logits flip ties between ranks and runs (the reason Mixtral, DeepSeek-V3
+and Megatron all route in fp32); half-precision tokens take ``router_gate.gate_logits``. Its
+auxiliary losses are per-forward terms (``router_losses``).
 
 Capacity rule (only when ``capacity_factor`` is set): every expert keeps at most
 ``C = ceil(cf * T * K / E)`` assignments from this rank. Assignments are admitted first by choice
@@ -29,7 +30,6 @@ the combine weights are the unbiased scores of the chosen experts, normalised wh
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,8 @@ from moesaic.config import MoEConfig
 from moesaic.kernels import load as load_kernels
 from moesaic.kernels import resolve as resolve_kernels
 from moesaic.placement import ExpertPlacement
+from moesaic.router_gate import HALF_DTYPES, gate_logits
+from moesaic.router_losses import AuxTerms, sequence_balance_sum, z_loss
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -258,88 +260,6 @@ class _ReplicateTokens(torch.autograd.Function):
         return grad_TH.index_add_(0, order_R // K, grad_RH), None, None
 
 
-_SPLIT_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of two half-precision matrices, accumulated and returned in fp32: one
-    tensor-core GEMM on CUDA (``out_dtype``), the same products (exact in fp32) and fp32 sums
-    elsewhere."""
-    if a.is_cuda and _mm_out_dtype_ok(a.device, a.dtype):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
-@functools.cache
-def _mm_out_dtype_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this build's ``torch.mm`` takes ``out_dtype=float32`` for ``dtype`` on
-    ``device`` (probed once; older builds fall back to fp32 operands)."""
-    try:
-        one = torch.ones(2, 2, device=device, dtype=dtype)
-        return torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def _split(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
-    """``t`` as two ``dtype`` parts concatenated along ``dim``: ``hi = t`` rounded and
-    ``lo = t - hi`` rounded, so ``hi + lo`` carries about 16 bits of ``t``'s mantissa (one
-    part when ``t`` is already ``dtype``: nothing is lost)."""
-    if t.dtype == dtype:
-        return t
-    hi = t.to(dtype)
-    return torch.cat([hi, (t - hi.to(t.dtype)).to(dtype)], dim=dim)
-
-
-class _GateLogits(torch.autograd.Function):
-    """The router's fp32 logits ``x_TH @ w_EH^T`` from half-precision tokens on half-precision
-    tensor cores, without an fp32 copy of the tokens (what an fp32 linear costs: the copy and
-    an FFMA GEMM took 4% of a bf16 Mixtral-like layer step on an H200).
-
-    Products of two half-precision numbers are exact in fp32 and every GEMM accumulates in
-    fp32, so the logits are the fp32 linear's up to summation order. A factor that is not
-    already half precision (the fp32 weight of a model with fp32 master weights; the fp32
-    gradient of the logits) enters as a two-term split ``hi + lo`` (:func:`_split`), which
-    keeps about 16 mantissa bits: relative errors near 1e-5 instead of bf16's 4e-3. The
-    input gradient comes back in the tokens' dtype, the weight gradient in the weight's.
-    """
-
-    @staticmethod
-    def forward(ctx, x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x_TH, w_EH)
-        E = w_EH.shape[0]
-        w_SH = _split(w_EH, x_TH.dtype, 0)  # S = E or 2E rows
-        logits_TS = _mm_f32(x_TH, w_SH.t())
-        return logits_TS if w_SH.shape[0] == E else logits_TS[:, :E] + logits_TS[:, E:]
-
-    @staticmethod
-    def backward(ctx, g_TE: torch.Tensor):
-        x_TH, w_EH = ctx.saved_tensors
-        E, half = w_EH.shape[0], x_TH.dtype
-        g_TS = _split(g_TE.float(), half, 1)  # S = 2E: [g_hi, g_lo]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            # One GEMM over the split's terms: g_hi w_hi + g_lo w_hi (+ g_hi w_lo).
-            w_hi = w_EH.to(half)
-            if w_EH.dtype == half:
-                dx = torch.mm(g_TS, torch.cat([w_hi, w_hi]))
-            else:
-                w_lo = (w_EH - w_hi.to(w_EH.dtype)).to(half)
-                dx = torch.mm(torch.cat([g_TS, g_TS[:, :E]], 1), torch.cat([w_hi, w_hi, w_lo]))
-        if ctx.needs_input_grad[1]:
-            dw_SH = _mm_f32(g_TS.t(), x_TH)
-            dw = (dw_SH[:E] + dw_SH[E:]).to(w_EH.dtype)
-        return dx, dw
-
-
-def gate_logits(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
-    """fp32 router logits [T, E] of half-precision tokens ``x_TH`` and a gate weight ``w_EH``
-    (any float dtype), forward and backward on half-precision GEMMs (:class:`_GateLogits`)."""
-    if x_TH.dtype not in _SPLIT_DTYPES:
-        raise ValueError(f"gate_logits: x_TH must be bf16 or fp16, got {x_TH.dtype}")
-    return _GateLogits.apply(x_TH, w_EH)
-
-
 def count_ids(ids: torch.Tensor, num: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """How often each id in ``[0, num)`` occurs in ``ids`` (int64 [num]), where ``mask`` holds.
 
@@ -418,175 +338,6 @@ def build_plan(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class AuxTerms:
-    """One forward's parts of the load-balancing and z losses, before weighting.
-
-    Kept apart (not summed into one scalar) so that several forwards of one step combine into
-    exactly the loss of their tokens taken as one batch (``combine_aux``): the balance loss
-    ``E * sum_e f_e * P_e`` is not linear in the tokens, so a sum of per-forward losses is not
-    the batch's loss.
-
-    Attributes:
-        tokens: T of this forward.
-        assign_counts_E: the T*K assignments per expert before any capacity drop (fp32,
-            no gradient): numerators of f_e.
-        probs_mean_E: mean router probability per expert over the T tokens (in the graph).
-        z: the z-loss of these tokens (in the graph).
-        top_k, aux_coef, z_coef: K and the two weights.
-        seqs: sequences of this forward (for the sequence-wise loss).
-        seq_sum: the sum over those sequences of each one's balance loss (in the graph), or
-            None when ``seq_coef`` is 0.
-        seq_coef: weight of the sequence-wise balance loss (the mean over sequences).
-    """
-
-    tokens: int
-    assign_counts_E: torch.Tensor
-    probs_mean_E: torch.Tensor
-    z: torch.Tensor
-    top_k: int
-    aux_coef: float
-    z_coef: float
-    seqs: int = 0
-    seq_sum: torch.Tensor | None = None
-    seq_coef: float = 0.0
-
-    def loss(self) -> torch.Tensor:
-        """The weighted aux + z loss of this forward's tokens alone."""
-        return combine_aux([self])[0]
-
-    @property
-    def requires_grad(self) -> bool:
-        return self.probs_mean_E.requires_grad or self.z.requires_grad
-
-    def detach(self) -> AuxTerms:
-        return dataclasses.replace(
-            self,
-            probs_mean_E=self.probs_mean_E.detach(),
-            z=self.z.detach(),
-            seq_sum=None if self.seq_sum is None else self.seq_sum.detach(),
-        )
-
-
-def combine_aux(
-    terms: list[AuxTerms], load: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> list[torch.Tensor]:
-    """Per-forward loss terms whose sum is the aux + z loss of all the forwards' tokens.
-
-    With N = sum of the forwards' T, ``f_e = sum_s counts_s[e] / (N * K)`` (all forwards' loads,
-    no gradient), ``P_e = sum_s T_s * P_s[e] / N`` and ``z = sum_s T_s * z_s / N``; forward s's
-    term is ``aux_coef * E * sum_e f_e * T_s * P_s[e] / N + z_coef * T_s * z_s / N``. One forward
-    alone gives its own Switch balance loss and z-loss. Splitting a batch into R chunks therefore
-    leaves the loss and every gradient the same (up to summation order), and each chunk's term
-    stays in its own chunk's graph (a pipelined backward runs each chunk's part separately).
-    The sequence-wise loss is the mean over all S sequences of the forwards: forward s adds
-    ``seq_coef * seq_sum_s / S``.
-
-    Args:
-        terms: the forwards' terms.
-        load: ``(counts_E, N_load)`` (N_load a 0-d tensor or [1]), the loads f_e count instead
-            of the forwards' own (the global-batch scope: every rank's counts and tokens
-            summed); None: the forwards' own.
-    """
-    if not terms:
-        return []
-    N = sum(t.tokens for t in terms)
-    K, E = terms[0].top_k, terms[0].assign_counts_E.numel()
-    if N == 0:  # no tokens anywhere: zero terms that keep the router in the graph
-        return [t.probs_mean_E.sum() * 0.0 + t.z * 0.0 for t in terms]
-    if load is not None:
-        f_E = load[0] / (load[1].clamp_min(1) * K)
-    else:
-        f_E = torch.stack([t.assign_counts_E for t in terms]).sum(dim=0) / (N * K)
-    S = sum(t.seqs for t in terms)
-    out = []
-    for t in terms:
-        share = t.tokens / N
-        balance = E * torch.dot(f_E.to(t.probs_mean_E), t.probs_mean_E) * share
-        term = t.aux_coef * balance + t.z_coef * share * t.z
-        if t.seq_sum is not None and S:
-            term = term + t.seq_coef * t.seq_sum / S
-        out.append(term)
-    return out
-
-
-def fold_aux(a: AuxTerms, b: AuxTerms) -> AuxTerms:
-    """Two forwards' terms as one (token-weighted means, summed loads): same batch loss."""
-    n = a.tokens + b.tokens
-    wa, wb = (a.tokens / n, b.tokens / n) if n else (0.5, 0.5)
-    seq_sum = None
-    if a.seq_sum is not None and b.seq_sum is not None:
-        seq_sum = a.seq_sum + b.seq_sum
-    return dataclasses.replace(
-        a,
-        tokens=n,
-        assign_counts_E=a.assign_counts_E + b.assign_counts_E,
-        probs_mean_E=wa * a.probs_mean_E + wb * b.probs_mean_E,
-        z=wa * a.z + wb * b.z,
-        seqs=a.seqs + b.seqs,
-        seq_sum=seq_sum,
-    )
-
-
-def load_balancing_loss(probs_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> torch.Tensor:
-    """GShard/Switch loss ``E * sum_e f_e * P_e``; 1.0 at a perfectly uniform router.
-
-    f_e is the fraction of the T*K assignments routed to e (before any capacity drop, as in
-    Switch), P_e the mean router probability of e. Only P_e carries a gradient.
-    """
-    T, E = probs_TE.shape
-    if T == 0:
-        return probs_TE.sum() * 0.0
-    f_E = count_ids(topk_ids_TK.reshape(-1), E).to(probs_TE.dtype)
-    f_E = f_E / topk_ids_TK.numel()
-    return E * torch.dot(f_E, probs_TE.mean(dim=0))
-
-
-def sequence_balance_sum(
-    probs_TE: torch.Tensor, topk_ids_TK: torch.Tensor, seq_len: int
-) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss, summed over the T / L sequences of L tokens.
-
-    Per sequence b: ``f_e = E / (K * L) * #{(t, k) in b : id = e}`` and ``P_e`` the mean over
-    its tokens of the (per-token normalised) scores ``probs_TE``; its loss is
-    ``sum_e f_e * P_e`` (1.0 at a uniform router). Only P_e carries a gradient.
-    """
-    T, E = probs_TE.shape
-    K = topk_ids_TK.shape[1]
-    if T == 0:
-        return probs_TE.sum() * 0.0
-    if seq_len <= 0 or T % seq_len:
-        raise ValueError(f"seq_len ({seq_len}) must be > 0 and divide the tokens ({T})")
-    B = T // seq_len
-    ids_BM = topk_ids_TK.reshape(B, seq_len * K)
-    counts_BE = torch.zeros(B, E, dtype=probs_TE.dtype, device=probs_TE.device)
-    counts_BE.scatter_add_(1, ids_BM, torch.ones_like(ids_BM, dtype=probs_TE.dtype))
-    f_BE = counts_BE * (E / (K * seq_len))
-    P_BE = probs_TE.reshape(B, seq_len, E).mean(dim=1)
-    return (f_BE * P_BE).sum()
-
-
-def z_loss(
-    logits_TE: torch.Tensor,
-    probs_TE: torch.Tensor | None = None,
-    top_T1: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Router z-loss (ST-MoE): mean squared log-sum-exp of the logits.
-
-    Given the softmax ``probs_TE`` of ``logits_TE`` and each token's most probable expert
-    ``top_T1`` [T, 1], the log-sum-exp is ``logit - log(prob)`` at that expert: the same value
-    and gradient (``probs``) in five small kernels instead of ``torch.logsumexp``'s dozen
-    (what a GPU step waits on when its host is the bound). The top probability is at least
-    1/E, so its log loses nothing.
-    """
-    if logits_TE.shape[0] == 0:
-        return logits_TE.sum() * 0.0
-    if probs_TE is None or top_T1 is None:
-        return torch.logsumexp(logits_TE, dim=-1).square().mean()
-    lse_T1 = logits_TE.gather(1, top_T1) - probs_TE.gather(1, top_T1).log()
-    return lse_T1.square().mean()
-
-
 class Router(nn.Module):
     """Linear gate computing in fp32, with top-k selection and the auxiliary losses.
 
@@ -653,7 +404,7 @@ class Router(nn.Module):
         """fp32 logits and scores (softmax probabilities or sigmoid affinities), both [T, E]."""
         # fp32 under autocast too (--dtype bf16), which would run this linear in bf16.
         with torch.autocast(x_TH.device.type, enabled=False):
-            if x_TH.dtype in _SPLIT_DTYPES:
+            if x_TH.dtype in HALF_DTYPES:
                 logits_TE = gate_logits(x_TH, self.weight)
             else:
                 logits_TE = F.linear(x_TH.float(), self.weight.float())

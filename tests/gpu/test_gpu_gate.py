@@ -8,7 +8,8 @@ import pytest
 import torch
 from _gpu_helpers import NEEDS_CUDA
 
-from moesaic.routing import _narrow_keys, gate_logits
+from moesaic.router_gate import gate_logits
+from moesaic.routing import _narrow_keys
 
 pytestmark = NEEDS_CUDA
 

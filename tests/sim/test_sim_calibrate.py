@@ -239,7 +239,7 @@ def _bf16_layer(**dims: int):
 
 
 def test_a_gpu_router_runs_at_the_bf16_rate_without_an_fp32_copy():
-    """On a GPU the half-precision gate (routing.gate_logits) runs on bf16 tensor cores and
+    """On a GPU the half-precision gate (router_gate.gate_logits) runs on bf16 tensor cores and
     reads the tokens once; a CPU's keeps the fp32 rate and the fp32 copy."""
 
     gpu = Profile(flops_per_s=1e12, half_flops_per_s=4e12, device="cuda", mem_bytes_per_s=1e12)

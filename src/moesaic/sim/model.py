@@ -217,7 +217,7 @@ class ModelSpec:
         """Forward bytes of the router's memory-bound passes for ``tokens`` tokens: the tokens
         read in their dtype, and with ``fp32_copy`` (fp32 logits computed in fp32, as on a
         CPU) written and read again in fp32; without (a GPU's half-precision gate,
-        ``routing.gate_logits``) that read alone."""
+        ``router_gate.gate_logits``) that read alone."""
         return tokens * self.hidden * (self.act_bytes + (8.0 if fp32_copy else 0.0))
 
     def expert_bytes(self, rows: float) -> float:

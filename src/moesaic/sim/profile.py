@@ -248,7 +248,7 @@ class Profile:
         router_flops_per_s: The router's matmul rate: it computes fp32 logits whatever the
             activations' dtype (``moesaic.routing``): on a CPU in fp32, so for a bf16 model
             ``for_model`` keeps the fp32 rate here while ``flops_per_s`` becomes the bf16 one;
-            on a GPU on bf16 tensor cores (``routing.gate_logits``), the bf16 rate; 0:
+            on a GPU on bf16 tensor cores (``router_gate.gate_logits``), the bf16 rate; 0:
             ``flops_per_s``.
         gemm_efficiency: ``(rows_per_group, efficiency)`` points, by rows: the experts' grouped
             GEMMs (forward and backward) as a fraction of the dense matmul rate at that many
