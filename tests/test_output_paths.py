@@ -54,12 +54,12 @@ def test_unwritable_place_is_refused(tmp_path, monkeypatch):
 
 
 def test_calibrate_refuses_a_bad_out_before_measuring(tmp_path, capsys, monkeypatch):
-    import moesaic.sim.profile as profile
+    import moesaic.sim.machine as machine
 
     def measured(*_args, **_kwargs):
         raise AssertionError("the measurement ran before --out was checked")
 
-    monkeypatch.setattr(profile, "measure", measured)
+    monkeypatch.setattr(machine, "measure", measured)
     assert main(["calibrate", "--out", str(tmp_path)]) == 2
     assert f"--out ({tmp_path}) is a directory" in capsys.readouterr().err
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from _gpu_helpers import NEEDS_CUDA
 
 from moesaic.sim import gpucal
-from moesaic.sim.profile import measure
+from moesaic.sim.machine import measure
 
 pytestmark = NEEDS_CUDA
 

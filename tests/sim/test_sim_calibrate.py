@@ -197,7 +197,7 @@ def test_a_16_bit_model_computes_at_the_measured_bf16_rate():
 
 
 def test_measure_times_fp32_and_bf16_matmuls():
-    from moesaic.sim.profile import default_matmul_size, measure
+    from moesaic.sim.machine import default_matmul_size, measure
 
     got = measure(64, repeats=2, device="cpu")
     rates = {"flops_per_s", "half_flops_per_s", "task_overhead_s", "mem_bytes_per_s"}

@@ -238,12 +238,8 @@ def _measure_routing(args: argparse.Namespace, world: int) -> Any:
 def run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from moesaic.sim.profile import (
-        Profile,
-        default_matmul_size,
-        links_from_cluster_check,
-        measure,
-    )
+    from moesaic.sim.machine import default_matmul_size, measure
+    from moesaic.sim.profile import Profile, links_from_cluster_check
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = default_matmul_size(device) if args.size is None else args.size

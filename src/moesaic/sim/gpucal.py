@@ -1,5 +1,5 @@
 """What ``moesaic calibrate`` measures on a GPU beyond the matmul rates and the copy bandwidth
-(``profile.measure``), for the simulator's GPU pricing (``Profile.expert_gemm_s``,
+(``machine.measure``), for the simulator's GPU pricing (``Profile.expert_gemm_s``,
 ``Profile.layer_launch_s``):
 
 * ``gemm_efficiency``: the experts' grouped GEMMs against the dense rate, by rows per group.

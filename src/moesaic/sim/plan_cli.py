@@ -369,7 +369,7 @@ def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
         return dataclasses.replace(profile, flops_per_s=flops, half_flops_per_s=0.0)
     if flops is not None:
         return Profile(flops_per_s=flops, source="--flops-per-s")
-    from moesaic.sim.profile import measure
+    from moesaic.sim.machine import measure
 
     rates = measure()
     return Profile(
