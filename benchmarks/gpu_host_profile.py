@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from moesaic import MoEConfig, MoELayer, aux_loss
+from moesaic import MoEConfig, MoELayer
 
 sys.path.insert(0, "benchmarks")
-from gpu_layer import CONFIGS
+from gpu_layer import CONFIGS, make_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,11 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(c["T"], c["H"], device=args.device, dtype=torch.bfloat16)
     g = torch.randn_like(x)
 
-    def step() -> None:
-        xx = x.detach().requires_grad_()
-        torch.autograd.backward([layer(xx), aux_loss(layer)], [g, None])
-        layer.zero_grad(set_to_none=True)
-
+    step = make_step(layer, x, g)  # gpu_layer's step: forward, backward of g, grads to None
     for _ in range(5):
         step()
     if args.device == "cuda":

@@ -210,7 +210,8 @@ class ModelSpec:
         return self.mats * 2.0 * rows * self.hidden * self.ffn_hidden
 
     def gate_flops(self, tokens: int) -> float:
-        """Forward FLOPs of the router's gate (``tokens x H @ H x E``, in fp32)."""
+        """Forward FLOPs of the router's gate (``tokens x H @ H x E``; fp32 logits, computed
+        at the router's rate: ``Profile.router_flops_per_s``)."""
         return 2.0 * tokens * self.hidden * self.experts
 
     def gate_bytes(self, tokens: int, *, fp32_copy: bool = True) -> float:
@@ -226,7 +227,10 @@ class ModelSpec:
         the combine gathers (a row of H read and written, each), the combine's weighted sum
         (read), and the activation between the GEMMs (SwiGLU as torch runs it, silu then the
         product: 5 passes of F; GELU: 2). The backward moves about twice this (the rule for
-        every task: twice the forward)."""
+        every task: twice the forward). On a GPU the default ``kernels="fused"`` runs SwiGLU in
+        3 passes forward and 5 backward: this over-counts it there by 2 and 4 passes of F per
+        row (about 0.2 ms of an 8k-token Mixtral-like bf16 step on an H200), left as measured
+        against in issue 27."""
         act_passes = 5 if self.mats == 3 else 2
         return self.act_bytes * rows * (5.0 * self.hidden + act_passes * self.ffn_hidden)
 

@@ -450,8 +450,8 @@ class Profile:
         (read plus written). On a CPU the work plus the task's overhead (``nbytes`` is in the
         measured rate already). On a GPU the device work alone: FLOPs at the matmul rate,
         bytes at ``mem_bytes_per_s``. The host's launches run ahead of the GPU and overlap
-        its work, so they cost nothing while the kernels are the longer part; a step whose
-        kernels are shorter than its launches (a small layer) is predicted too fast."""
+        its work, so they cost nothing here; where they take longer than the kernels (a
+        small layer) the layer's ``host_floor_s`` bounds it instead (``pipelined.Costs``)."""
         work = flops / self.flops_per_s
         if self.device == "cpu":
             return work + self.task_overhead_s

@@ -8,8 +8,8 @@ swapped.
 Host syncs: one per forward and none in the backward; none at all at EP 1 (no split sizes: the
 experts take their counts on the device, ``experts.DeviceCounts``). The split sizes must be on
 the host (they size the all-to-all), so the send counts and the received counts are read in one
-``tolist``; N, M and the rows per local expert are sums of those. The regroup permutation and the grouped
-matmul's offsets are computed on the device from the count tensors.
+``tolist``; N, M and the rows per local expert are sums of those. The regroup permutation and
+the grouped matmul's offsets are computed on the device from the count tensors.
 """
 
 from __future__ import annotations
