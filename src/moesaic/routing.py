@@ -380,11 +380,11 @@ class Router(nn.Module):
         """The top-k expert ids [T, K] for ``scores_TE``: on the scores plus the bias, inside
         the ``topk_groups`` best groups (their two best choice scores summed), best first."""
         cfg = self.config
+        if not self.biased_or_limited:
+            return torch.topk(scores_TE, cfg.top_k, dim=-1).indices
         G = cfg.num_expert_groups
         keep = cfg.topk_groups if cfg.topk_groups is not None else G
         limited = keep < G
-        if self.score_bias is None and not limited:
-            return torch.topk(scores_TE, cfg.top_k, dim=-1).indices
         choice_TE = scores_TE.detach()
         if self.score_bias is not None:
             choice_TE = choice_TE + self.score_bias.to(choice_TE.dtype)
