@@ -233,3 +233,44 @@ def test_taskflow_without_its_cpu_figures_ranks_last_with_a_caveat(small_plan):
     measured = dataclasses.replace(PROFILE, tile_cpu_s=1e-4, tile_elem_cpu_s=1e-9)
     plan = plan_runs(SMALL, MODEL, measured, strategies=("dropless", "taskflow"))
     assert not [c for c in plan.ranked if c.caveat]
+
+
+def test_capacity_factors_price_every_pair_again_at_each_capacity(small_plan):
+    """Allowed capacity factors add every pair again, priced on the model with that capacity
+    (what ``simulate`` gives for it) and carrying the option; the model's own capacity adds
+    nothing; a pick that drops says so and by how much it beats the best that does not."""
+    plan = plan_runs(SMALL, MODEL, PROFILE, compression_ratios=(1.0, 4.0), capacity_factors=(1.25,))
+    own = [c for c in plan.ranked if "capacity_factor" not in c.options]
+    capped = [c for c in plan.ranked if "capacity_factor" in c.options]
+    assert len(own) == len(capped) == len(small_plan.ranked)
+    assert {c.options["capacity_factor"] for c in capped} == {1.25}
+    assert plan.simulations == 2 * small_plan.simulations
+    key = lambda c: (c.strategy, c.schedule, repr(sorted(c.options.items())))  # noqa: E731
+    assert sorted(map(key, own)) == sorted(map(key, small_plan.ranked))
+    model = dataclasses.replace(MODEL, capacity_factor=1.25)
+    for c in (capped[0], capped[-1], next(c for c in capped if c.strategy == "padded")):
+        o = c.options
+        opts = SimOptions(
+            degree=o["pipeline_degree"],
+            sp_bytes=o.get("ar_chunk"),
+            domain_sizes=tuple(o["domain_sizes"]) if "domain_sizes" in o else None,
+            compression_ratio=o.get("compression_ratio", 1.0),
+            prefetch=c.strategy == "hybrid",
+            taskflow_pipeline=o.get("pipeline", False),
+        )
+        r = simulate(SMALL, model, c.strategy, PROFILE, opts, schedule=c.schedule)
+        assert c.predicted_ms == pytest.approx(r.iteration_s * 1e3, rel=1e-12)
+    # padded pads every expert to the largest load without a capacity, to 1.25x the mean with
+    padded = {
+        "capacity_factor" in c.options: c.predicted_ms
+        for c in plan.ranked
+        if c.name == "padded+vanilla"
+    }
+    assert padded[True] != padded[False]
+    same = plan_runs(SMALL, model, PROFILE, strategies=("padded",), capacity_factors=(1.25,))
+    assert not [c for c in same.ranked if "capacity_factor" in c.options]
+    if "capacity_factor" in plan.chosen.options:
+        assert "drops the assignments past capacity factor 1.25" in plan.reason
+        assert f"best at the model's own capacity, {own[0].name}" in plan.reason
+    with pytest.raises(ValueError, match=r"capacity_factors\[1\]"):
+        plan_runs(SMALL, MODEL, PROFILE, capacity_factors=(1.0, 0.0))

@@ -348,3 +348,17 @@ def test_measure_routing_prices_the_jobs_own_loads(data_file, tmp_path, capsys):
     assert "is a model file (no data): routing priced uniform" in capsys.readouterr().err
     assert main([*base, "--model", str(job), "--measure-routing", "--domains-only"]) == 2
     assert "--measure-routing applies to the ranking" in capsys.readouterr().err
+
+
+def test_capacity_factor_adds_entries_that_train_accepts(capsys, tmp_path):
+    """``--capacity-factor`` ranks every combination again at that capacity; the entries carry
+    the option; bad values name the flag and the rule."""
+    rows = json.loads(
+        _rank(capsys, *SMALL_TINY, "--flops-per-s", "2e10", "--json", "--capacity-factor", "1.25")
+    )
+    capped = [r for r in rows if r["options"].get("capacity_factor") == 1.25]
+    assert capped and len(capped) * 2 == len(rows)
+    for bad, words in (("x", "numbers > 0"), ("0", "must be > 0")):
+        assert main(["plan", *SMALL_TINY, "--flops-per-s", "2e10", "--capacity-factor", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--capacity-factor" in err and words in err, err

@@ -255,3 +255,17 @@ def test_auto_plans_with_uniform_routing_when_measuring_it_runs_out(monkeypatch,
     assert [c[0] for c in calls] == [True, False] and calls[0][1] == 25.0
     assert calls[1][1] <= 50.0
     assert "planning with uniform routing" in capsys.readouterr().err
+
+
+def test_a_plans_capacity_factor_sets_the_models(tmp_path, capsys):
+    """An entry of ``moesaic plan --capacity-factor`` sets ``model.moe.capacity_factor``; a bad
+    one is a one-line error naming the option."""
+    entry = {"strategy": "padded", "schedule": "vanilla", "options": {"capacity_factor": 1.25}}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps([entry]))
+    cfg = _config(*RUN, "--plan", str(path))
+    assert cfg.model.moe.capacity_factor == 1.25 and cfg.model.moe.dispatcher == "padded"
+    entry["options"]["capacity_factor"] = 0
+    path.write_text(json.dumps(entry))
+    err = fails(["train", *RUN, "--plan", str(path)], capsys)
+    assert "option capacity_factor must be a number > 0, got 0" in err

@@ -105,6 +105,15 @@ def add_subparser(subparsers) -> None:
         help="hybrid's SR compression ratios of gathered experts to try (default: 1, exact; "
         "--domains-only: one, default the model's hybrid option compression_ratio)",
     )
+    p.add_argument(
+        "--capacity-factor",
+        metavar="CF[,CF..]",
+        help="also rank every combination with this capacity factor (each > 0): the "
+        "assignments past ceil(CF x tokens x top_k / experts) per expert and source rank are "
+        "dropped, a change of the model the planner makes only when asked; such entries carry "
+        "the option capacity_factor, which `moesaic train --plan` sets (default: the model's "
+        "own capacity only)",
+    )
     add_all_reduce_option(p)
     add_loads_option(p)
     p.add_argument(
@@ -153,6 +162,22 @@ def _ratios(text: str | None) -> tuple[float, ...] | None:
     return ratios
 
 
+def _capacities(text: str | None) -> tuple[float, ...]:
+    """``--capacity-factor CF[,CF..]``: each a number > 0 (empty: not given)."""
+    if text is None:
+        return ()
+    try:
+        factors = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"capacity_factor (--capacity-factor {text!r}) must be numbers > 0, comma-separated"
+        ) from None
+    for cf in factors:
+        if not 0 < cf < float("inf"):
+            raise ValueError(f"capacity_factor (--capacity-factor {cf:g}) must be > 0 and finite")
+    return factors
+
+
 def _train_config(path: str) -> tuple[Any, int]:
     """``--model``'s training config (a model file's converted) and its default bytes per
     element."""
@@ -173,6 +198,8 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.loads is not None:
         raise ValueError("--loads applies to the ranking, not to --domains-only")
+    if getattr(args, "capacity_factor", None) is not None:
+        raise ValueError("--capacity-factor applies to the ranking, not to --domains-only")
     if getattr(args, "measure_routing", False):
         raise ValueError("--measure-routing applies to the ranking, not to --domains-only")
     from moesaic.train.domains import (
@@ -420,8 +447,16 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float]:
     model = load_option("model", args.model, load_model_spec)
     model = apply_loads(args, model, note=_note, profile=profile)
     ratios = _ratios(args.compression_ratio) or (1.0,)
+    capacities = _capacities(getattr(args, "capacity_factor", None))
     t0 = time.perf_counter()
-    plan = plan_runs(spec, model, profile, compression_ratios=ratios, all_reduce=args.all_reduce)
+    plan = plan_runs(
+        spec,
+        model,
+        profile,
+        compression_ratios=ratios,
+        all_reduce=args.all_reduce,
+        capacity_factors=capacities,
+    )
     return plan, time.perf_counter() - t0
 
 

@@ -18,6 +18,11 @@
     of one chunk, not the cross product of every divisor tuple; gathers prefetched, as
     training runs them;
   - ``pipeline`` (``taskflow``): its plans in kernel order and in list-scheduled order;
+  - ``capacity_factor``, only for the capacity factors the caller allows
+    (``capacity_factors``, ``moesaic plan --capacity-factor``): every pair again on the model
+    with that capacity (the assignments past ``ceil(cf T K / E)`` per expert and source rank
+    dropped, a change of the model that the planner never makes unasked); the candidates
+    without the option keep the model's own capacity (dropless when it has none);
 
 and prices each with :func:`moesaic.sim.simulate.simulate`, so that whatever the simulator learns
 (its compute and link models) flows into the ranking. ``hybrid`` under ``vanilla`` is priced as
@@ -123,6 +128,8 @@ class Candidate:
             parts.append(f"CR={o['compression_ratio']:g}")
         if o.get("pipeline"):
             parts.append("pipelined plan")
+        if "capacity_factor" in o:
+            parts.append(f"capacity={o['capacity_factor']:g}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,6 +192,16 @@ class Plan:
                 text += (
                     f"; {ratio:.3f}x faster than the best of another {axis}, {other.name} "
                     f"({other.knobs()})"
+                )
+        if "capacity_factor" in best.options:
+            cf = best.options["capacity_factor"]
+            text += f"; drops the assignments past capacity factor {cf:g} (allowed by the caller)"
+            keep = next((c for c in self.ranked if "capacity_factor" not in c.options), None)
+            if keep is not None:
+                ratio = keep.predicted_ms / best.predicted_ms
+                text += (
+                    f", {ratio:.3f}x faster than the best at the model's own capacity, "
+                    f"{keep.name} ({keep.knobs()})"
                 )
         return text
 
@@ -380,6 +397,7 @@ def plan_runs(
     compression_ratios: Sequence[float] = (1.0,),
     domain_candidates: int = DOMAIN_CANDIDATES,
     all_reduce: str = "best",
+    capacity_factors: Sequence[float] = (),
 ) -> Plan:
     """Every runnable combination of ``model`` on ``spec``, simulated and ranked.
 
@@ -394,12 +412,17 @@ def plan_runs(
         compression_ratios: ``hybrid``'s SR compression ratios (1: exact gathers).
         domain_candidates: ``hybrid``'s domain tuples priced per R and compression ratio.
         all_reduce: the gradient all-reduce's algorithm (``SimOptions.all_reduce``).
+        capacity_factors: capacity factors the caller allows the plan to set (each > 0):
+            every pair is priced again on the model with each one that differs from its own
+            (``model.capacity_factor``), as candidates with the option ``capacity_factor``.
 
     Raises:
         ValueError: an unknown strategy or schedule, a bad knob, or no combination that can
             run (naming why each pair cannot), or a model that does not fit the world.
     """
     _check_choices(degrees, sp_divisors, compression_ratios)
+    for i, cf in enumerate(capacity_factors):
+        check_number(f"capacity_factors[{i}]", cf, 0.0, 1e3, lo_open=True)
     check_positive_int("domain_candidates", domain_candidates)
     if model.experts % spec.world_size:
         raise ValueError(
@@ -407,24 +430,36 @@ def plan_runs(
             f"({spec.world_size}): each rank holds experts / world_size experts"
         )
     pairs = _pairs(strategies, schedules)
-    pricer = _Pricer(spec, model, profile, all_reduce)
+    own = model.capacity_factor
+    variants: list[tuple[ModelSpec, dict[str, Any]]] = [(model, {})]
+    variants += [
+        (dataclasses.replace(model, capacity_factor=float(cf)), {"capacity_factor": float(cf)})
+        for cf in dict.fromkeys(capacity_factors)
+        if float(cf) != own
+    ]
     ranked: list[Candidate] = []
     skipped: list[tuple[str, str]] = []
-    for run in pairs:
-        why = unsupported_reason(spec, model, run)
-        if why is None and run.schedule != "vanilla" and not _degrees(run, model, degrees):
-            why = f"no R of {list(degrees)} divides model.batch ({model.batch})"
-        if why is not None:
-            skipped.append((run.name, why))
-            continue
-        ranked += _pair_candidates(
-            pricer,
-            run,
-            degrees=degrees,
-            sp_divisors=sp_divisors,
-            compression_ratios=compression_ratios,
-            domain_candidates=domain_candidates,
-        )
+    simulations = 0
+    for variant, extra in variants:
+        pricer = _Pricer(spec, variant, profile, all_reduce)
+        for run in pairs:
+            why = unsupported_reason(spec, variant, run)
+            if why is None and run.schedule != "vanilla" and not _degrees(run, variant, degrees):
+                why = f"no R of {list(degrees)} divides model.batch ({variant.batch})"
+            if why is not None:
+                if not extra:  # said once, for the model as given
+                    skipped.append((run.name, why))
+                continue
+            found = _pair_candidates(
+                pricer,
+                run,
+                degrees=degrees,
+                sp_divisors=sp_divisors,
+                compression_ratios=compression_ratios,
+                domain_candidates=domain_candidates,
+            )
+            ranked += [dataclasses.replace(c, options={**c.options, **extra}) for c in found]
+        simulations += pricer.simulations
     if not ranked:
         left = "; ".join(f"{name}: {why}" for name, why in skipped) or "none asked for"
         raise ValueError(f"no combination can run this model on this cluster ({left})")
@@ -432,7 +467,7 @@ def plan_runs(
     # earlier enumerated, simpler combination: vanilla before the pipelined, smaller R first.
     order = {id(c): i for i, c in enumerate(ranked)}
     ranked.sort(key=lambda c: (c.caveat is not None, float(f"{c.predicted_ms:.9g}"), order[id(c)]))
-    return Plan(ranked=ranked, skipped=skipped, simulations=pricer.simulations)
+    return Plan(ranked=ranked, skipped=skipped, simulations=simulations)
 
 
 def _pairs(strategies: Sequence[str], schedules: Sequence[str]) -> list[Run]:

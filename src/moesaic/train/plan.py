@@ -5,8 +5,11 @@ A plan entry is one object of ``moesaic plan --json``'s list: ``strategy``, ``sc
 list and takes its first entry (or a file holding one such object). ``strategy`` sets
 ``model.moe.dispatcher`` (``--strategy``), ``schedule`` the schedule; among the options,
 ``pipeline_degree`` and ``ar_chunk`` (``RUN_OPTIONS``) set the run options of those names, and
-every other one is an option of the strategy's options class (``MoEConfig.options``: the domain
-sizes, compression ratio, plan order, ...), as its flag would set it (``--domains``).
+``capacity_factor`` (``MODEL_OPTIONS``: in an entry only when ``moesaic plan
+--capacity-factor`` allowed the planner to change the model's capacity) sets
+``model.moe.capacity_factor``, and every other one is an option of the strategy's options class
+(``MoEConfig.options``: the domain sizes, compression ratio, plan order, ...), as its flag
+would set it (``--domains``).
 
 A flag that sets one of them to another value than the plan is refused (naming both); a TOML
 key is overridden with a note (a config file is often shared by runs, as ``option_rules`` says).
@@ -33,6 +36,7 @@ from moesaic.train.schedule_options import parse_ar_chunk, parse_pipeline_degree
 
 __all__ = [
     "AUTO",
+    "MODEL_OPTIONS",
     "RUN_OPTIONS",
     "apply_plan_option",
     "check_auto_options",
@@ -48,6 +52,9 @@ __all__ = [
 AUTO = "auto"
 # The plan options that are run options of the same name; the others are strategy options.
 RUN_OPTIONS = ("pipeline_degree", "ar_chunk")
+# The plan options that change the model, by their dest: a plan has them only when the planner
+# was allowed to (``moesaic plan --capacity-factor``).
+MODEL_OPTIONS = {"capacity_factor": "model.moe.capacity_factor"}
 # The dests a plan decides besides its strategy's options.
 CHOSEN = ("model.moe.dispatcher", "schedule", *RUN_OPTIONS)
 
@@ -93,11 +100,17 @@ def check_entry(entry: object, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: options must be an object, got {options!r}")
     own = options_class(strategy).names()
     for name in options:
-        if name not in RUN_OPTIONS and name not in own:
+        if name not in RUN_OPTIONS and name not in MODEL_OPTIONS and name not in own:
             raise ValueError(
-                f"{where}: option {name!r} is neither a run option ({', '.join(RUN_OPTIONS)}) "
-                f"nor one of strategy {strategy!r} ({', '.join(own) or 'it has none'})"
+                f"{where}: option {name!r} is neither a run option ({', '.join(RUN_OPTIONS)}), "
+                f"a model option ({', '.join(MODEL_OPTIONS)}) nor one of strategy {strategy!r} "
+                f"({', '.join(own) or 'it has none'})"
             )
+    cf = options.get("capacity_factor")
+    if "capacity_factor" in options and not (
+        isinstance(cf, (int, float)) and not isinstance(cf, bool) and 0 < cf < float("inf")
+    ):
+        raise ValueError(f"{where}: option capacity_factor must be a number > 0, got {cf!r}")
     return dict(entry)
 
 
@@ -131,7 +144,9 @@ def plan_settings(entry: Mapping[str, Any]) -> dict[str, Any]:
     if "ar_chunk" in options:
         out["ar_chunk"] = options["ar_chunk"]
     for name, value in options.items():
-        if name not in RUN_OPTIONS:
+        if name in MODEL_OPTIONS:
+            out[MODEL_OPTIONS[name]] = value
+        elif name not in RUN_OPTIONS:
             out[strategy_option_dest(name)] = value
     return out
 
@@ -144,8 +159,8 @@ def _normal(dest: str, value: Any) -> Any:
         return parse_ar_chunk(value)
     if dest == strategy_option_dest("domain_sizes"):
         return parse_domain_sizes(value)
-    if dest == strategy_option_dest("compression_ratio") and isinstance(value, (int, float)):
-        return float(value)
+    if dest in (strategy_option_dest("compression_ratio"), MODEL_OPTIONS["capacity_factor"]):
+        return float(value) if isinstance(value, (int, float)) else value
     return value
 
 
@@ -275,5 +290,6 @@ def plan_record(cfg: Any) -> dict[str, Any] | None:
         "schedule": cfg.schedule,
         "pipeline_degree": cfg.pipeline_degree,
         "ar_chunk": cfg.ar_chunk,
+        "capacity_factor": moe.capacity_factor,
         "options": moe.options.to_dict(),
     }
