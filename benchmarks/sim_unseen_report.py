@@ -2,9 +2,13 @@
 and the error; per configuration whether the prediction ranks the fastest measured combination
 first (or within 5% of the first), how the grid's predicted-fastest combination measured against
 the best, and how the planner's pick measured against the best measured combination and against
-the best of those it could choose (the planner plans the configuration's model as given, without
-a capacity factor, so the padded runs at capacity 1.25, which drop tokens, are not among its
-choices); the geometric-mean error over every point.
+the best of those it could choose (in rules 1-4 the planner plans the configuration's model as
+given, without a capacity factor, so the padded runs at capacity 1.25, which drop tokens, are not
+among its choices; from rule 5 on it is allowed that capacity, and every grid combination is a
+choice); the geometric-mean error over every point. Where a point was measured in several passes
+(rule 5), the table also gives each run's median and their spread, and how the ranking fares
+against the spread (``within_noise``: the measured best and the ranked-first combination differ
+by less than the larger of their two runs' spreads).
 
 Usage::
 
@@ -17,6 +21,26 @@ import argparse
 import json
 import math
 from typing import Any
+
+
+def _runs(p: dict[str, Any]) -> list[float]:
+    """A point's per-run medians (one run before rule 5)."""
+    runs = [r["measured_s"] for r in p.get("runs", []) if "measured_s" in r]
+    return runs or [p["measured_s"]]
+
+
+def _spread(p: dict[str, Any]) -> float:
+    """The relative spread of a point's runs: (max - min) / mean (0 for a single run)."""
+    runs = _runs(p)
+    return (max(runs) - min(runs)) / (sum(runs) / len(runs))
+
+
+def _within_noise(best: dict[str, Any], other: dict[str, Any]) -> bool | None:
+    """Whether ``other`` measured within the runs' spread of ``best`` (None: single runs)."""
+    if len(_runs(best)) < 2 or len(_runs(other)) < 2:
+        return None
+    gap = other["measured_s"] / best["measured_s"] - 1
+    return gap <= max(_spread(best), _spread(other))
 
 
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
@@ -34,7 +58,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         ok = best["predicted_s"] <= 1.05 * ranked_first["predicted_s"]
         pick = c.get("plan_measured", {})
         pick_ratio = pick["measured_s"] / best["measured_s"] if "measured_s" in pick else None
-        choosable = [p for p in mine if p["strategy"] != "padded"]  # no capacity factor
+        capacity_allowed = data.get("rule_number", 1) >= 5
+        choosable = [p for p in mine if capacity_allowed or p["strategy"] != "padded"]
         best_choosable = min(choosable, key=lambda p: p["measured_s"])
         pick_ratio_choosable = (
             pick["measured_s"] / best_choosable["measured_s"] if "measured_s" in pick else None
@@ -46,6 +71,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 "best_measured_s": best["measured_s"],
                 "ranked_first": f"{ranked_first['strategy']}+{ranked_first['schedule']}",
                 "best_ranked_first_or_within_5pct": ok,
+                "within_noise": _within_noise(best, ranked_first),
                 "ranked_first_over_best_measured": ranked_first["measured_s"] / best["measured_s"],
                 "plan_pick": (
                     f"{pick['pick']['strategy']}+{pick['pick']['schedule']} "
@@ -66,21 +92,24 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         "failed_points": [p for p in data["points"] if "measured_s" not in p],
         "geomean_error": geo,
         "median_error": sorted(errors)[len(errors) // 2] if errors else None,
+        "median_run_spread": sorted(map(_spread, points))[len(points) // 2] if points else None,
         "configurations": configs,
     }
 
 
 def markdown(data: dict[str, Any], s: dict[str, Any]) -> str:
     rows = [
-        "| configuration | combination | measured ms | predicted ms | error |",
+        "| configuration | combination | measured ms (runs) | predicted ms | error |",
         "|---|---|---|---|---|",
     ]
     for p in data["points"]:
         if "measured_s" in p and "predicted_s" in p:
             err = (p["predicted_s"] - p["measured_s"]) / p["measured_s"]
+            runs = _runs(p)
+            each = f" ({', '.join(f'{r * 1e3:.0f}' for r in runs)})" if len(runs) > 1 else ""
             rows.append(
                 f"| {p['configuration']} | {p['strategy']}+{p['schedule']} | "
-                f"{p['measured_s'] * 1e3:.0f} | {p['predicted_s'] * 1e3:.0f} | {err:+.0%} |"
+                f"{p['measured_s'] * 1e3:.0f}{each} | {p['predicted_s'] * 1e3:.0f} | {err:+.0%} |"
             )
     rows += [
         "",
