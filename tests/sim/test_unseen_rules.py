@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from _scripts import load_benchmark
 
 unseen = load_benchmark("sim_unseen")
