@@ -99,7 +99,7 @@ E     ranks                                 2 (2 nodes x 1)                  4 (
 Fixed for all eight: H 288, 4 heads, 2 transformer blocks, both MoE, fp32, the training
 defaults otherwise. What runs, how it is measured and predicted: as for the third rule.
 
-**The fifth rule** (``--rule 5``; fixed on 2026-11-26 at 07:18 UTC, committed before any of
+**The fifth rule** (``--rule 5``; fixed on 2026-11-26 at 07:16 UTC, committed before any of
 its configurations was measured or simulated, after the planner was allowed capacity factors;
 nothing in it may change after its first measurement): other levels again, generators
 ``D = -A x B`` and ``E = B x C``; names start with ``y``:
