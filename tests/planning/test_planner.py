@@ -94,12 +94,10 @@ def test_every_combination_is_enumerated(small_plan):
     assert {c.strategy for c in small_plan.ranked} == {"dropless", "padded", "hybrid", "taskflow"}
 
 
-@pytest.mark.parametrize("index", [0, 1, 5, 17, -1])
-def test_entry_is_what_simulate_gives(small_plan, index):
-    """The planner's number for an entry equals ``simulate`` run directly with its options."""
-    c = small_plan.ranked[index]
+def _sim_options(c) -> SimOptions:
+    """The simulator's options of a plan entry (its knobs; hybrid's gathers prefetched)."""
     o = c.options
-    opts = SimOptions(
+    return SimOptions(
         degree=o["pipeline_degree"],
         sp_bytes=o.get("ar_chunk"),
         domain_sizes=tuple(o["domain_sizes"]) if "domain_sizes" in o else None,
@@ -107,7 +105,13 @@ def test_entry_is_what_simulate_gives(small_plan, index):
         prefetch=c.strategy == "hybrid",
         taskflow_pipeline=o.get("pipeline", False),
     )
-    r = simulate(SMALL, MODEL, c.strategy, PROFILE, opts, schedule=c.schedule)
+
+
+@pytest.mark.parametrize("index", [0, 1, 5, 17, -1])
+def test_entry_is_what_simulate_gives(small_plan, index):
+    """The planner's number for an entry equals ``simulate`` run directly with its options."""
+    c = small_plan.ranked[index]
+    r = simulate(SMALL, MODEL, c.strategy, PROFILE, _sim_options(c), schedule=c.schedule)
     assert c.predicted_ms == pytest.approx(r.iteration_s * 1e3, rel=1e-12)
     assert c.bound_ms == pytest.approx(r.bound_s * 1e3, rel=1e-12)
 
@@ -249,16 +253,7 @@ def test_capacity_factors_price_every_pair_again_at_each_capacity(small_plan):
     assert sorted(map(key, own)) == sorted(map(key, small_plan.ranked))
     model = dataclasses.replace(MODEL, capacity_factor=1.25)
     for c in (capped[0], capped[-1], next(c for c in capped if c.strategy == "padded")):
-        o = c.options
-        opts = SimOptions(
-            degree=o["pipeline_degree"],
-            sp_bytes=o.get("ar_chunk"),
-            domain_sizes=tuple(o["domain_sizes"]) if "domain_sizes" in o else None,
-            compression_ratio=o.get("compression_ratio", 1.0),
-            prefetch=c.strategy == "hybrid",
-            taskflow_pipeline=o.get("pipeline", False),
-        )
-        r = simulate(SMALL, model, c.strategy, PROFILE, opts, schedule=c.schedule)
+        r = simulate(SMALL, model, c.strategy, PROFILE, _sim_options(c), schedule=c.schedule)
         assert c.predicted_ms == pytest.approx(r.iteration_s * 1e3, rel=1e-12)
     # padded pads every expert to the largest load without a capacity, to 1.25x the mean with
     padded = {
