@@ -7,7 +7,8 @@ the configuration's stored profile (``benchmarks/results/sim_unseen5.json``), so
 simulator's effect of each factor stands beside the measured one. Measured after the rule, on
 its configurations: an explanation, not a validation.
 
-``python benchmarks/sim_pick_factors.py y-+-+- y+++-+ [--reps 2] [--out FILE.json]``
+``python benchmarks/sim_pick_factors.py y-+-+- y+++-+ [--reps 2] [--out FILE.json]``; other grids
+with ``--capacities none,1.25`` and ``--sp-divisors 16,4`` (the defaults: Sp = G / n for each n).
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ def _predict(work: Path, model: Path, sp: int) -> float:
     return (out[0] if isinstance(out, list) else out)["iteration_ms"] / 1e3
 
 
+def _toml(cfg: dict, run_dir: Path, capacity: float | None) -> str:
+    """The configuration's training config, with ``capacity`` (None: dropless)."""
+    text = su.train_toml(cfg, run_dir, "dropless")
+    if capacity is None:
+        return text
+    return text.replace("[model.moe]\n", f"[model.moe]\ncapacity_factor = {capacity}\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("configurations", nargs="+", help="fifth-rule configuration names")
@@ -40,6 +49,8 @@ def main() -> None:
     p.add_argument("--rule-file", default="benchmarks/results/sim_unseen5.json")
     p.add_argument("--work", default="/tmp/sim_pick_factors")
     p.add_argument("--out", default="benchmarks/results/sim_pick_factors.json")
+    p.add_argument("--capacities", default="none,1.25", help="comma list: none or a factor")
+    p.add_argument("--sp-divisors", default="16,4", help="comma list of n: Sp = G / n")
     args = p.parse_args()
     stored = {c["name"]: c for c in json.loads(Path(args.rule_file).read_text())["configurations"]}
     result: dict = {"note": __doc__, "configurations": []}
@@ -55,11 +66,13 @@ def main() -> None:
             if pt["configuration"] == name and pt["schedule"] == "flowmoe" and "sp_bytes" in pt
         )
         G = 16 * grid_sp
-        cases = [(cap, sp) for cap in (None, su.PADDED_CAPACITY) for sp in (G // 16, G // 4)]
+        caps = [None if x == "none" else float(x) for x in args.capacities.split(",")]
+        sps = [G // int(n) for n in args.sp_divisors.split(",")]
+        cases = [(cap, sp) for cap in caps for sp in sps]
         entry: dict = {"configuration": name, "G_bytes": G, "cases": []}
         for cap, sp in cases:
             model = work / f"model_{cap}.toml"
-            model.write_text(su.train_toml(cfg, work / "unused", "padded" if cap else "dropless"))
+            model.write_text(_toml(cfg, work / "unused", cap))
             entry["cases"].append(
                 {"capacity": cap, "ar_chunk": sp, "predicted_s": _predict(work, model, sp)}
             )
@@ -69,7 +82,7 @@ def main() -> None:
                 run_dir = work / f"run_{cap}_{sp}"
                 shutil.rmtree(run_dir, ignore_errors=True)
                 config = work / f"train_{cap}.toml"
-                config.write_text(su.train_toml(cfg, run_dir, "padded" if cap else "dropless"))
+                config.write_text(_toml(cfg, run_dir, cap))
                 cmd = [sys.executable, "-m", "moesaic", "train", "--config", str(config)]
                 cmd += ["--emulate", str(work / "cluster.toml")]
                 cmd += su.combo_flags("dropless", "flowmoe", sp)
