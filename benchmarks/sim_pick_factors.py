@@ -34,14 +34,6 @@ def _predict(work: Path, model: Path, sp: int) -> float:
     return (out[0] if isinstance(out, list) else out)["iteration_ms"] / 1e3
 
 
-def _toml(cfg: dict, run_dir: Path, capacity: float | None) -> str:
-    """The configuration's training config, with ``capacity`` (None: dropless)."""
-    text = su.train_toml(cfg, run_dir, "dropless")
-    if capacity is None:
-        return text
-    return text.replace("[model.moe]\n", f"[model.moe]\ncapacity_factor = {capacity}\n")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("configurations", nargs="+", help="fifth-rule configuration names")
@@ -52,7 +44,8 @@ def main() -> None:
     p.add_argument("--capacities", default="none,1.25", help="comma list: none or a factor")
     p.add_argument("--sp-divisors", default="16,4", help="comma list of n: Sp = G / n")
     args = p.parse_args()
-    stored = {c["name"]: c for c in json.loads(Path(args.rule_file).read_text())["configurations"]}
+    rule = json.loads(Path(args.rule_file).read_text())
+    stored = {c["name"]: c for c in rule["configurations"]}
     result: dict = {"note": __doc__, "configurations": []}
     for name in args.configurations:
         cfg = su.find_configuration(name)
@@ -62,7 +55,7 @@ def main() -> None:
         (work / "p.json").write_text(json.dumps(stored[name]["profile"]))
         grid_sp = next(
             pt["sp_bytes"]
-            for pt in json.loads(Path(args.rule_file).read_text())["points"]
+            for pt in rule["points"]
             if pt["configuration"] == name and pt["schedule"] == "flowmoe" and "sp_bytes" in pt
         )
         G = 16 * grid_sp
@@ -72,7 +65,7 @@ def main() -> None:
         entry: dict = {"configuration": name, "G_bytes": G, "cases": []}
         for cap, sp in cases:
             model = work / f"model_{cap}.toml"
-            model.write_text(_toml(cfg, work / "unused", cap))
+            model.write_text(su.job_toml(cfg, work / "unused", capacity=cap))
             entry["cases"].append(
                 {"capacity": cap, "ar_chunk": sp, "predicted_s": _predict(work, model, sp)}
             )
@@ -82,7 +75,7 @@ def main() -> None:
                 run_dir = work / f"run_{cap}_{sp}"
                 shutil.rmtree(run_dir, ignore_errors=True)
                 config = work / f"train_{cap}.toml"
-                config.write_text(_toml(cfg, run_dir, cap))
+                config.write_text(su.job_toml(cfg, run_dir, capacity=cap))
                 cmd = [sys.executable, "-m", "moesaic", "train", "--config", str(config)]
                 cmd += ["--emulate", str(work / "cluster.toml")]
                 cmd += su.combo_flags("dropless", "flowmoe", sp)

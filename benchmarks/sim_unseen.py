@@ -271,12 +271,20 @@ def cluster_toml(cfg: dict[str, Any]) -> str:
 
 
 def train_toml(cfg: dict[str, Any], run_dir: Path, strategy: str) -> str:
+    """The configuration's training config for ``strategy``'s grid runs (padded at
+    ``PADDED_CAPACITY``, the others without a capacity)."""
+    capacity = PADDED_CAPACITY if strategy == "padded" else None
+    return job_toml(cfg, run_dir, capacity=capacity)
+
+
+def job_toml(cfg: dict[str, Any], run_dir: Path, *, capacity: float | None = None) -> str:
+    """The configuration's training config, with ``capacity`` (None: dropless)."""
     batch = cfg["tokens_per_rank"] // SEQ
     moe = [f"num_experts = {cfg['experts']}", f"top_k = {TOP_K}"]
     hidden = cfg.get("hidden", H)
     moe.append(f"ffn_hidden_size = {round(cfg['f_over_h'] * hidden)}")
-    if strategy == "padded":
-        moe.append(f"capacity_factor = {PADDED_CAPACITY}")
+    if capacity is not None:
+        moe.append(f"capacity_factor = {capacity}")
     run = [f"nproc = {cfg['ranks']}", f"ep = {cfg['ranks']}", f"steps = {WARMUP + STEPS}"]
     run += [f"batch_size = {batch}", "eval_every = 0", "ckpt_every = 0", "save_final = false"]
     run += [f'run_dir = "{run_dir}"']
@@ -394,7 +402,7 @@ def measure_plan(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     shutil.rmtree(run_dir, ignore_errors=True)
     # the job's model as given (no capacity: a capacity factor is the plan's to set)
     config = work / "train_plan.toml"
-    config.write_text(train_toml(cfg, run_dir, "dropless"))
+    config.write_text(job_toml(cfg, run_dir))
     cluster = str(work / "cluster.toml")
     args = [sys.executable, "-m", "moesaic", "train", "--config", str(config)]
     args += ["--emulate", cluster, "--plan", str(work / "plan.json")]

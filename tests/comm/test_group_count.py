@@ -25,14 +25,13 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moesaic.comm.world import WorkerError, run_world
+from moesaic.comm.world import run_world
 from moesaic.models import MoEGPT, MoEGPTConfig
 from moesaic.schedule import make_step, schedule_names
 from moesaic.schedule.base import StepParts
@@ -137,19 +136,7 @@ def _world(rank, world_size, rdv_dir):
 
 @functools.cache
 def _results(world_size: int, rdv_dir: str) -> list[dict]:
-    try:
-        return run_world(_world, world_size, rdv_dir, timeout_s=300.0)
-    except WorkerError as exc:
-        # Once, in a full CI run on the 2-core machine, the 4-rank world's first gloo mesh
-        # could not connect on loopback for about a minute ("Gloo connectFullMesh failed"),
-        # before any group was counted; not reproduced in isolation or in a rerun. That is the
-        # machine, not what this test checks: retry the world once, after a pause.
-        if "connectFullMesh" not in str(exc):
-            raise
-        time.sleep(5.0)
-        fresh = rdv_dir + "-retry"  # the failed world's rendezvous files are stale
-        os.makedirs(fresh, exist_ok=True)
-        return run_world(_world, world_size, fresh, timeout_s=300.0)
+    return run_world(_world, world_size, rdv_dir, timeout_s=300.0)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from moesaic.comm.collectives import EPGroup, control_device_for, device_backends
-from moesaic.comm.world import process_group_args, rank_device, run_world
+from moesaic.comm.world import (
+    WORLD_STARTS,
+    WorkerError,
+    process_group_args,
+    rank_device,
+    run_world,
+)
 
 MINUTE = {"timeout": datetime.timedelta(seconds=60)}
 
@@ -91,6 +97,35 @@ def test_run_world_refuses_a_bad_backend_before_spawning():
 
 def _rank(rank: int, world_size: int) -> int:
     return rank
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_world_that_does_not_form_is_started_again_then_named():
+    """A rank failing to join (here: a CUDA device on a machine without one, refused in
+    ``init_world``) restarts the world with fresh processes, ``WORLD_STARTS`` times in all;
+    the error says which rank, why and how many starts."""
+    with pytest.raises(WorkerError) as exc:
+        run_world(_rank, 2, device="cuda", timeout_s=120)
+    msg = str(exc.value)
+    assert "could not join the world" in msg and "needs CUDA" in msg
+    assert msg.endswith(f"(the world was started {WORLD_STARTS} times)")
+
+
+def _fails_once_per_rank(rank: int, world_size: int, log: str) -> None:
+    with open(log, "a") as f:
+        f.write(f"{rank}\n")
+    raise ValueError(f"rank {rank} fails in fn")
+
+
+def test_a_failure_in_fn_is_not_retried(tmp_path):
+    """Only joining the world is retried: fn ran at most once per rank (a rank still starting
+    when another's error arrives may be stopped before it runs) and its error is reported."""
+    log = tmp_path / "calls"
+    with pytest.raises(WorkerError, match=r"rank \d failed:[\s\S]*fails in fn") as exc:
+        run_world(_fails_once_per_rank, 2, str(log), timeout_s=120)
+    assert "started" not in str(exc.value)
+    calls = log.read_text().split()
+    assert calls and len(calls) == len(set(calls)) and set(calls) <= {"0", "1"}
 
 
 # ---- where a group's control-plane tensors live --------------------------------------------

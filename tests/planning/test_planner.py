@@ -89,9 +89,14 @@ def test_every_combination_is_enumerated(small_plan):
     hybrid = 2 * min(DOMAIN_CANDIDATES, len(domain_size_choices(SMALL)))
     expected = 2 * per_strategy + hybrid * per_strategy + 2
     assert len(small_plan.ranked) == expected
-    keys = [(c.strategy, c.schedule, repr(sorted(c.options.items()))) for c in small_plan.ranked]
+    keys = [_key(c) for c in small_plan.ranked]
     assert len(set(keys)) == len(keys)
     assert {c.strategy for c in small_plan.ranked} == {"dropless", "padded", "hybrid", "taskflow"}
+
+
+def _key(c) -> tuple[str, str, str]:
+    """A candidate's identity: its pair and its options."""
+    return c.strategy, c.schedule, repr(sorted(c.options.items()))
 
 
 def _sim_options(c) -> SimOptions:
@@ -249,8 +254,7 @@ def test_capacity_factors_price_every_pair_again_at_each_capacity(small_plan):
     assert len(own) == len(capped) == len(small_plan.ranked)
     assert {c.options["capacity_factor"] for c in capped} == {1.25}
     assert plan.simulations == 2 * small_plan.simulations
-    key = lambda c: (c.strategy, c.schedule, repr(sorted(c.options.items())))  # noqa: E731
-    assert sorted(map(key, own)) == sorted(map(key, small_plan.ranked))
+    assert sorted(map(_key, own)) == sorted(map(_key, small_plan.ranked))
     model = dataclasses.replace(MODEL, capacity_factor=1.25)
     for c in (capped[0], capped[-1], next(c for c in capped if c.strategy == "padded")):
         r = simulate(SMALL, model, c.strategy, PROFILE, _sim_options(c), schedule=c.schedule)

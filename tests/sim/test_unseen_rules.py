@@ -32,8 +32,10 @@ def test_each_rule_is_a_resolution_iii_design(rule):
 
 
 def test_no_configuration_is_in_two_rules():
+    """No two configurations of any rules share their varied factors' levels (the hidden size,
+    which differs by rule, left out)."""
     keys = [
-        (tuple(c["link"]), c["experts"], c["f_over_h"], c["tokens_per_rank"], c["hidden"])
+        (tuple(c["link"]), c["experts"], c["f_over_h"], c["tokens_per_rank"], c["ranks"])
         for rule in (1, 2, 3, 4, 5)
         for c in unseen.configurations(rule)
     ]

@@ -268,4 +268,4 @@ def test_a_plans_capacity_factor_sets_the_models(tmp_path, capsys):
     entry["options"]["capacity_factor"] = 0
     path.write_text(json.dumps(entry))
     err = fails(["train", *RUN, "--plan", str(path)], capsys)
-    assert "option capacity_factor must be a number > 0, got 0" in err
+    assert "option capacity_factor (0) must be a finite number > 0" in err

@@ -4,8 +4,9 @@
 joins them through a file:// rendezvous in a fresh temporary directory, runs
 ``fn(rank, world_size, *args)`` in each, and returns the per-rank results in rank order. A worker
 that raises makes the call raise ``WorkerError`` carrying that rank's traceback; a world that
-does not finish within ``timeout_s`` is killed and reported. ``fn`` must be importable (defined at
-module level) and its results picklable.
+does not finish within ``timeout_s`` is killed and reported; one whose process group does not
+form (a rank fails before ``fn``) is started afresh, ``WORLD_STARTS`` times in all. ``fn`` must
+be importable (defined at module level) and its results picklable.
 
 Every world launcher in moesaic has one signature, the :class:`Launcher` protocol
 ``run(fn, world_size, *args, timeout_s=...) -> list`` calling ``fn(rank, world_size, *args)``:
@@ -38,6 +39,7 @@ import torch.multiprocessing as mp
 
 __all__ = [
     "BACKENDS",
+    "WORLD_STARTS",
     "Launcher",
     "LocalLauncher",
     "WorkerError",
@@ -56,6 +58,15 @@ CUDA_WORLD_BACKEND = "cpu:gloo,cuda:nccl"
 
 class WorkerError(RuntimeError):
     """A spawned worker failed; the message holds its traceback."""
+
+
+# What a worker reports with its payload: the result, or the stage a failure happened in.
+DONE, JOINING, RUNNING = "done", "joining", "running"
+# How many times run_world starts a world whose process group does not form (a gloo mesh
+# that cannot connect on a loaded machine: seen once in a full CI run on 2 cores, every rank
+# of a 4-rank world refused on loopback for about a minute). fn has not run on the rank that
+# reports it, nor on the others: gloo's full mesh needs every pair before any rank goes on.
+WORLD_STARTS = 2
 
 
 def process_group_args(
@@ -190,6 +201,7 @@ def rank_device(device: str, rank: int) -> torch.device:
 def _worker(fn, rank, world_size, init_file, args, results, pg_timeout_s, threads, placement):
     torch.set_num_threads(threads)
     device, backend = placement
+    stage = JOINING  # what a failure is reported as: joining the world, or running fn
     try:
         init_world(
             device=rank_device(device, rank),
@@ -199,18 +211,24 @@ def _worker(fn, rank, world_size, init_file, args, results, pg_timeout_s, thread
             rank=rank,
             world_size=world_size,
         )
+        stage = RUNNING
         out = fn(rank, world_size, *args)
         # Plain pickle (tensor bytes inline): torch's shared-memory tensor passing would need
         # this process alive after it exits.
-        results.put((rank, True, pickle.dumps(out)))
+        results.put((rank, DONE, pickle.dumps(out)))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, stage, traceback.format_exc()))
     finally:
         # Exit without tearing down the process group: a peer may already be gone (the
         # dead-peer tests), and a destroy would then block on it.
         results.close()
         results.join_thread()
         os._exit(0)
+
+
+class _NotFormed(WorkerError):
+    """A rank could not join the world (its process group did not form); ``fn`` has not run
+    on that rank."""
 
 
 def run_world(
@@ -232,8 +250,46 @@ def run_world(
     GPUs, all of them on one GPU where there is one) and makes it the current device;
     ``backend`` is :func:`init_world`'s (gloo by default, also with CUDA tensors: several ranks
     can share a GPU over gloo, not over NCCL).
+
+    A world whose process group does not form (a rank fails in :func:`init_world`, before
+    ``fn``) is started again with fresh processes and rendezvous, ``WORLD_STARTS`` times in
+    all within ``timeout_s``.
     """
     process_group_args(device=rank_device(device, 0), timeout_s=pg_timeout_s, backend=backend)
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, WORLD_STARTS + 1):
+        try:
+            return _run_once(
+                fn,
+                world_size,
+                args,
+                deadline=deadline,
+                timeout_s=timeout_s,
+                pg_timeout_s=pg_timeout_s,
+                threads=threads,
+                allow_dead=allow_dead,
+                placement=(device, backend),
+            )
+        except _NotFormed as exc:
+            if attempt == WORLD_STARTS:
+                raise WorkerError(f"{exc}\n(the world was started {attempt} times)") from None
+    raise AssertionError("unreachable")  # internal: the loop returns or raises
+
+
+def _run_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    *,
+    deadline: float,
+    timeout_s: float,
+    pg_timeout_s: float,
+    threads: int,
+    allow_dead: bool,
+    placement: tuple[str, str],
+) -> list[Any]:
+    """One start of :func:`run_world`'s world (fresh processes and rendezvous), collected until
+    ``deadline``; raises ``_NotFormed`` when a rank could not join it."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="moesaic-world-") as tmp:
@@ -249,7 +305,7 @@ def run_world(
                     results,
                     pg_timeout_s,
                     threads,
-                    (device, backend),
+                    placement,
                 ),
                 daemon=True,
             )
@@ -258,7 +314,6 @@ def run_world(
         for p in procs:
             p.start()
         out: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
         try:
             while len(out) < world_size:
                 left = deadline - time.monotonic()
@@ -268,7 +323,7 @@ def run_world(
                         f"ranks done: {sorted(out)}"
                     )
                 try:
-                    rank, ok, payload = results.get(timeout=min(left, 1.0))
+                    rank, status, payload = results.get(timeout=min(left, 1.0))
                 except queue.Empty:
                     dead = [
                         r for r, p in enumerate(procs) if p.exitcode is not None and r not in out
@@ -277,7 +332,9 @@ def run_world(
                         raise WorkerError(f"ranks {dead} died without reporting") from None
                     out.update(dict.fromkeys(dead))
                     continue
-                if not ok:
+                if status == JOINING:
+                    raise _NotFormed(f"rank {rank} could not join the world:\n{payload}")
+                if status != DONE:
                     raise WorkerError(f"rank {rank} failed:\n{payload}")
                 out[rank] = pickle.loads(payload)
         finally:

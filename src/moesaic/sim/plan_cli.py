@@ -30,6 +30,7 @@ import sys
 import time
 from typing import Any
 
+from moesaic.checks import check_number
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.planning.costmodel import DomainCandidate, DomainPlan, StreamInputs, plan_domains
 from moesaic.sim.cli_files import (
@@ -145,37 +146,32 @@ def add_subparser(subparsers) -> None:
     p.set_defaults(func=run_plan)
 
 
-def _ratios(text: str | None) -> tuple[float, ...] | None:
-    """``--compression-ratio CR[,CR..]``: each a number >= 1 (None: not given)."""
+def _numbers(
+    text: str | None, name: str, flag: str, lo: float, hi: float, *, lo_open: bool = False
+) -> tuple[float, ...] | None:
+    """``--flag X[,X..]``: comma-separated numbers, each in ``[lo, hi]`` (``(lo, hi]`` with
+    ``lo_open``), errors naming ``name`` and the flag (None: not given)."""
     if text is None:
         return None
     try:
-        ratios = tuple(float(x) for x in text.split(","))
+        values = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(
-            f"compression_ratio (--compression-ratio {text!r}) must be numbers >= 1, "
-            "comma-separated"
-        ) from None
-    for cr in ratios:
-        if not cr >= 1:
-            raise ValueError(f"compression_ratio (--compression-ratio {cr:g}) must be >= 1")
-    return ratios
+        raise ValueError(f"{name} ({flag} {text!r}) must be numbers, comma-separated") from None
+    for x in values:
+        check_number(f"{name} ({flag})", x, lo, hi, lo_open=lo_open)
+    return values
+
+
+def _ratios(text: str | None) -> tuple[float, ...] | None:
+    """``--compression-ratio CR[,CR..]``: each in [1, 1e6], the planner's rule (None: not
+    given)."""
+    return _numbers(text, "compression_ratio", "--compression-ratio", 1.0, 1e6)
 
 
 def _capacities(text: str | None) -> tuple[float, ...]:
-    """``--capacity-factor CF[,CF..]``: each a number > 0 (empty: not given)."""
-    if text is None:
-        return ()
-    try:
-        factors = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(
-            f"capacity_factor (--capacity-factor {text!r}) must be numbers > 0, comma-separated"
-        ) from None
-    for cf in factors:
-        if not 0 < cf < float("inf"):
-            raise ValueError(f"capacity_factor (--capacity-factor {cf:g}) must be > 0 and finite")
-    return factors
+    """``--capacity-factor CF[,CF..]``: each in (0, 1e3], the model's rule (empty: not
+    given)."""
+    return _numbers(text, "capacity_factor", "--capacity-factor", 0.0, 1e3, lo_open=True) or ()
 
 
 def _train_config(path: str) -> tuple[Any, int]:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from moesaic.checks import check_number
 from moesaic.schedule import schedule_names
 from moesaic.strategy_table import options_class, strategy_names
 from moesaic.train.domains import parse_domain_sizes
@@ -106,11 +107,10 @@ def check_entry(entry: object, where: str) -> dict[str, Any]:
                 f"a model option ({', '.join(MODEL_OPTIONS)}) nor one of strategy {strategy!r} "
                 f"({', '.join(own) or 'it has none'})"
             )
-    cf = options.get("capacity_factor")
-    if "capacity_factor" in options and not (
-        isinstance(cf, (int, float)) and not isinstance(cf, bool) and 0 < cf < float("inf")
-    ):
-        raise ValueError(f"{where}: option capacity_factor must be a number > 0, got {cf!r}")
+    if "capacity_factor" in options:
+        check_number(
+            f"{where}: option capacity_factor", options["capacity_factor"], 0.0, lo_open=True
+        )
     return dict(entry)
 
 
