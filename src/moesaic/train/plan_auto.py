@@ -74,6 +74,8 @@ _ROUTING_KEYS = (
     "weight_decay",
     "grad_clip",
 )
+# How ``moesaic plan`` starts its notes on stderr (logged again by rank 0).
+_PLAN_NOTE = "moesaic plan: "
 # What a nested launch must not inherit from this worker (torchrun's own variables).
 _WORKER_ENV = (
     "RANK",
@@ -151,8 +153,9 @@ def _plan_here(cfg: TrainConfig, all_reduce: str) -> list[dict[str, Any]]:
         lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
         raise ValueError(f"--plan auto: moesaic plan failed: {lines[-1]}")
     for line in proc.stderr.splitlines():  # its notes: the routing it priced, extrapolations
-        if line.startswith("moesaic plan: "):
-            print(f"moesaic train: --plan auto: {line[14:]}", file=sys.stderr, flush=True)
+        if line.startswith(_PLAN_NOTE):
+            note = line.removeprefix(_PLAN_NOTE)
+            print(f"moesaic train: --plan auto: {note}", file=sys.stderr, flush=True)
     return json.loads(proc.stdout)
 
 
