@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moesaic.checks import check_positive_int
+from moesaic.gradnorm import square_norm
 from moesaic.layer import is_expert_param
 from moesaic.schedule.base import StepParts, StepResult, TrainStep
 from moesaic.schedule.pipeline import BlockPipeline, check_degree
@@ -137,7 +138,7 @@ class _PipelinedStep(TrainStep):
             if len(ranks) == 1:
                 for p in params:
                     if p.grad is not None:
-                        local += p.grad.detach().double().square().sum()
+                        local += square_norm(p.grad)
         local /= float(self.parts.grad_sync.divisor) ** 2
         flags = torch.stack(
             [local, (~torch.isfinite(ce)).double(), (~torch.isfinite(aux)).double()]
@@ -156,7 +157,7 @@ class _PipelinedStep(TrainStep):
             if len(ranks) > 1:
                 for p in params:
                     if p.grad is not None:
-                        sq = sq + p.grad.detach().double().square().sum()
+                        sq = sq + square_norm(p.grad)
         norm = math.sqrt(float(sq))
         bad_P = torch.full_like(early_P3[:, :1], float(not math.isfinite(norm)))
         return norm, torch.cat([early_P3[:, 1:], bad_P], dim=1).to(torch.int64)

@@ -28,7 +28,12 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    fifth call on with two busy processes beside the ranks; 2 MB: 88-99 ms vs 168 ms. The
    validated runs ran on a loaded machine (load average 3-5 on 2 cores during the HybridEP
    runs, recorded in their results) with ranks that compute beside their collectives;
-4. still on that cluster, the CPU that the taskflow runtime's one-sided puts
+4. still on that cluster, the collectives' call floors (:func:`collective_calls`): one isolated
+   all-to-all of a few bytes per rank, and an all-reduce of a few bytes per call in a stream
+   of ``CALL_STREAM`` calls issued back to back then waited (how FlowMoE's pool issues its
+   gradient chunks), on the idle machine; measured before step 3, whose shares are relative
+   to the closed forms with these floors;
+5. still on that cluster, the CPU that the taskflow runtime's one-sided puts
    (``comm.channel.PutChannel``) cost between ranks 0 and 1 (:func:`put_cpu`): per put and per
    byte.
 
@@ -44,15 +49,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from moesaic.checks import check_non_negative, check_positive
+from moesaic.checks import check_non_negative, check_positive, check_positive_int
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.sim.profile import CollectiveShare, LinkLevel, Profile
 
 __all__ = [
+    "CALL_STREAM",
     "COLLECTIVE_SIZES",
     "UNSHAPED",
     "LinkCalibration",
     "closed_form_s",
+    "collective_calls",
     "collective_share",
     "collective_shares",
     "measure_links",
@@ -69,6 +76,11 @@ MIN_WARMUP_CALLS = 3
 MAX_WARMUP_CALLS = 400
 # Side of the square matmuls each rank's load thread runs during the loaded stream (~1 ms).
 LOAD_MATMUL = 384
+# The call floors: all-reduces per timed stream, timed repetitions (after one warm-up) of the
+# stream and of the isolated all-to-all, and bytes each rank sends to each rank.
+CALL_STREAM = 32
+CALL_REPS = 6
+CALL_BYTES_PER_PAIR = 16
 
 # The emulator's floor: a link shaped far above what this machine moves (cluster_check.py's).
 UNSHAPED = ClusterSpec(
@@ -88,6 +100,8 @@ class LinkCalibration:
         shares: The collectives timed at ``COLLECTIVE_SIZES``, as shares of the links.
         put_cpu_s: CPU seconds per one-sided put (sender and receiver; :func:`put_cpu`).
         put_cpu_per_byte_s: CPU seconds per byte put.
+        a2a_call_s: One isolated tiny all-to-all (:func:`collective_calls`).
+        allreduce_call_s: A tiny all-reduce per call in a stream (:func:`collective_calls`).
     """
 
     links: tuple[LinkLevel, ...]
@@ -97,6 +111,8 @@ class LinkCalibration:
     shares: tuple[CollectiveShare, ...] = ()
     put_cpu_s: float = 0.0
     put_cpu_per_byte_s: float = 0.0
+    a2a_call_s: float = 0.0
+    allreduce_call_s: float = 0.0
 
 
 def links_from_report(report: Any) -> tuple[LinkLevel, ...]:
@@ -194,6 +210,63 @@ def _worker_collectives(
     return out
 
 
+def _worker_calls(rank: int, world: int, reps: int, stream: int, timeout_s: float) -> list:
+    """``[all_to_all seconds, all_reduce seconds per call]`` of each of ``reps`` repetitions
+    after one warm-up: one all-to-all of ``CALL_BYTES_PER_PAIR`` bytes to every rank, after a
+    barrier; ``stream`` all-reduces of that many bytes issued at once (async) and then waited,
+    their elapsed time over ``stream``, after a barrier."""
+    import torch
+
+    from moesaic.comm.collectives import EPGroup
+
+    group = EPGroup(None, timeout_s)
+    send = torch.zeros(world * CALL_BYTES_PER_PAIR // 4)
+    recv = torch.empty_like(send)
+    grads = [torch.zeros(CALL_BYTES_PER_PAIR // 4) for _ in range(stream)]
+    out = []
+    for i in range(1 + reps):
+        group.barrier("calibrate barrier")
+        t0 = time.perf_counter()
+        group.all_to_all_single(recv, send, what="calibrate call floor all_to_all")
+        a2a = time.perf_counter() - t0
+        group.barrier("calibrate barrier")
+        t0 = time.perf_counter()
+        pending = [group.start_all_reduce(g, what="calibrate call floor all_reduce") for g in grads]
+        for p in pending:
+            p.wait()
+        per_call = (time.perf_counter() - t0) / stream
+        if i:
+            out.append([a2a, per_call])
+    group.barrier("calibrate barrier")
+    return out
+
+
+def collective_calls(
+    cluster: Any = None,
+    *,
+    reps: int = CALL_REPS,
+    stream: int = CALL_STREAM,
+    timeout_s: float = 300.0,
+) -> tuple[float, float]:
+    """``(a2a_call_s, allreduce_call_s)`` of a started emulated ``cluster`` (every rank), or
+    of a loopback pair without one: per repetition the slowest rank's time, then the mean over
+    ``reps`` (a step pays every call, its slow ones too). The machine should be otherwise
+    idle: the loaded regime of the shares holds what computing beside a collective costs."""
+    check_positive_int("reps", reps)
+    check_positive_int("stream", stream)
+    args = (reps, stream, timeout_s)
+    if cluster is None:
+        from moesaic.comm.world import run_world
+
+        per_rank = run_world(_worker_calls, 2, *args, timeout_s=timeout_s)
+    else:
+        world = cluster.spec.world_size
+        per_rank = cluster.run(_worker_calls, world, *args, timeout_s=timeout_s)
+    slowest = [[max(r[i][k] for r in per_rank) for k in range(2)] for i in range(len(per_rank[0]))]
+    a2a, allreduce = (statistics.fmean(x[k] for x in slowest) for k in range(2))
+    return a2a, allreduce
+
+
 # Put sizes of the put-CPU measurement: a tiny tile (the per-message cost) and a large one
 # (the per-byte cost: the kernel's TCP stack and the emulator), 200 and 16 puts.
 PUT_SIZES = ((64, 200), (256 * 1024, 16))
@@ -253,15 +326,23 @@ def closed_form_s(
     spec: ClusterSpec, profile: Profile, kind: str, bytes_per_rank: float
 ) -> tuple[float, float]:
     """``(time, latency term)`` of the simulator's ``kind`` collective of ``bytes_per_rank``
-    at share 1 on ``spec``'s links as ``profile`` models them for point-to-point."""
+    at share 1 on ``spec``'s links as ``profile`` models them for point-to-point, with its
+    call floors."""
     from moesaic.sim.collectives import LinkModel, all_to_all_s, ring_all_reduce_s
 
     link_spec, scale = profile.link_spec(spec)
-    link = LinkModel(spec=link_spec, floor_s=profile.floor_s, bandwidth_scale=scale)
+    link = LinkModel(
+        spec=link_spec,
+        floor_s=profile.floor_s,
+        bandwidth_scale=scale,
+        a2a_call_s=profile.a2a_call_s,
+        allreduce_call_s=profile.allreduce_call_s,
+    )
     P = link.world_size
     if kind == "all_to_all":
-        return all_to_all_s(link, bytes_per_rank / P), link.worst_latency_s()
-    return ring_all_reduce_s(link, bytes_per_rank), 2 * (P - 1) * link.worst_latency_s()
+        return all_to_all_s(link, bytes_per_rank / P), link.a2a_latency_s()
+    latency = max(2 * (P - 1) * link.worst_latency_s(), link.allreduce_call_s)
+    return ring_all_reduce_s(link, bytes_per_rank), latency
 
 
 def collective_share(
@@ -377,8 +458,16 @@ def measure_links(
         report = check(cluster, duration_s=duration_s, timeout_s=timeout_s)
         links = links_from_report(report)
         scale = statistics.median(x.bandwidth_share for x in links)
+        a2a_call_s, allreduce_call_s = collective_calls(cluster, timeout_s=timeout_s)
         # Shares relative to the links as a profile of these measurements models them.
-        probe = Profile(flops_per_s=1.0, floor_s=floor_s, bandwidth_scale=scale, links=links)
+        probe = Profile(
+            flops_per_s=1.0,
+            floor_s=floor_s,
+            bandwidth_scale=scale,
+            links=links,
+            a2a_call_s=a2a_call_s,
+            allreduce_call_s=allreduce_call_s,
+        )
         nbytes = next(iter(report.collectives.values()))["bytes_per_rank"]
         shares = collective_shares(cluster, probe, nbytes, sustain_s=sustain_s, timeout_s=timeout_s)
         per_put, per_byte = put_cpu(cluster, timeout_s=timeout_s)
@@ -394,4 +483,6 @@ def measure_links(
         shares=shares,
         put_cpu_s=per_put,
         put_cpu_per_byte_s=per_byte,
+        a2a_call_s=a2a_call_s,
+        allreduce_call_s=allreduce_call_s,
     )

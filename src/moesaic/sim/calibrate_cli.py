@@ -110,6 +110,10 @@ def _print_calibration(cal: Any, shares: tuple[Any, ...]) -> None:
         f"one-sided puts: {cal.put_cpu_s * 1e6:.0f} us CPU per put + "
         f"{cal.put_cpu_per_byte_s * 1e9:.2f} ns per byte"
     )
+    print(
+        f"call floors: all-to-all {cal.a2a_call_s * 1e3:.2f} ms a call, all-reduce "
+        f"{cal.allreduce_call_s * 1e3:.2f} ms a call in a stream"
+    )
     for x in shares:
         print(
             f"{x.kind} {x.regime} {x.bytes_per_rank / 1e3:.0f} kB/rank: "
@@ -279,6 +283,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             "cores": os.cpu_count() or 0,
             "ranks_per_machine": spec.world_size,
             "cluster": spec,  # what was measured: simulate checks it against its cluster
+            "a2a_call_s": cal.a2a_call_s,
+            "allreduce_call_s": cal.allreduce_call_s,
         }
         cpu["comm_cpu_busy"] = _comm_cpu_busy(args, spec, cpu)
         floor = "no floor" if args.no_floor else "floor from an unshaped pair"

@@ -31,6 +31,18 @@ that no real collective goes below (gloo on this machine's loopback: 0.15-0.2 ms
 ``benchmarks/results/cluster_check.json``). ``bandwidth_scale`` multiplies every link's rate
 (a calibrated efficiency; 1.0 = the spec's figures).
 
+**Measured call floors.** A collective of a few bytes costs more than its steps' latencies: on
+this machine's emulated links a 256-byte gloo all-reduce took 0.9-1.3 ms on 2 ranks at 0.12 ms
+(the closed form's two steps: 0.24 ms) and 3.6-4.6 ms per call on 4 ranks sharing 2 cores
+(0.72 ms), an all-to-all 0.5 ms (0.12 ms): more messages per step than the closed form counts
+(gloo's handshakes), the stack's cost on each, and a collective thread waiting for a core. FlowMoE's gradient chunks pay it
+once each (a chunk measured 0.7-0.8 ms on 2 ranks, 3.7 ms on 4: ``sim_sp_chunks.json``).
+``calibrate --cluster`` measures both (:func:`moesaic.sim.calibrate.collective_calls`):
+``allreduce_call_s``, the time per call in a stream of tiny all-reduces issued back to back
+(as the pool issues its chunks), floors the sum of an all-reduce's step latencies;
+``a2a_call_s``, one isolated tiny all-to-all (as a schedule issues and waits one), floors an
+all-to-all's latency. 0: not measured, the steps' latencies alone.
+
 **Measured collective shares.** ``a2a_shares`` and ``allreduce_shares`` (``(bytes_per_rank,
 share)`` points from ``calibrate --cluster``, :class:`moesaic.sim.profile.CollectiveShare`)
 further divide the bandwidth term of the all-to-all(-v)s and of the all-reduces / all-gathers
@@ -92,6 +104,10 @@ class LinkModel:
             link rates (empty: 1.0).
         allreduce_shares: The same for all-reduces and all-gathers.
         all_reduce: The algorithm of :func:`all_reduce_s` (``ALL_REDUCE_ALGORITHMS``).
+        a2a_call_s: The measured least time of one all-to-all call (a few bytes per rank;
+            0: not measured): an all-to-all's latency term is at least this.
+        allreduce_call_s: The measured time per all-reduce call of a few bytes in a stream
+            of calls (0: not measured): an all-reduce's latency terms sum to at least this.
     """
 
     spec: ClusterSpec
@@ -100,9 +116,13 @@ class LinkModel:
     a2a_shares: tuple[tuple[float, float], ...] = ()
     allreduce_shares: tuple[tuple[float, float], ...] = ()
     all_reduce: str = "ring"
+    a2a_call_s: float = 0.0
+    allreduce_call_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_one_of("all_reduce", self.all_reduce, ALL_REDUCE_ALGORITHMS)
+        check_non_negative("a2a_call_s", self.a2a_call_s)
+        check_non_negative("allreduce_call_s", self.allreduce_call_s)
         if not isinstance(self.spec, ClusterSpec):
             raise ValueError(f"spec must be a ClusterSpec, got {type(self.spec).__name__}")
         check_non_negative("floor_s", self.floor_s)
@@ -148,6 +168,12 @@ class LinkModel:
             if q > 1:
                 return self.latency_s(level)
         return 0.0
+
+    def a2a_latency_s(self, domain_sizes: Sequence[int] | None = None) -> float:
+        """An all-to-all's latency term: :meth:`worst_latency_s`, at least ``a2a_call_s``
+        (0 where no rank talks to another)."""
+        worst = self.worst_latency_s(domain_sizes)
+        return max(worst, self.a2a_call_s) if worst > 0 else 0.0
 
     def ranks_per_member(self, level: int) -> int:
         return self.spec.ranks_per_group(level)
@@ -211,7 +237,7 @@ def all_to_all_s(link: LinkModel, bytes_per_pair: float) -> float:
         g = link.ranks_per_member(j)
         if g < P:
             worst = max(worst, g * (P - g) * b / link.bytes_per_s(j))
-    return worst / link.share("all_to_all", P * b) + link.worst_latency_s()
+    return worst / link.share("all_to_all", P * b) + link.a2a_latency_s()
 
 
 def offset_group_sizes(spec: ClusterSpec, domain_sizes: Sequence[int] | None) -> tuple[int, ...]:
@@ -293,7 +319,7 @@ def all_to_all_shares_s(
     # share applied to them gave 1.8 s; the uniform exchange, 0.8 s, was no faster).
     even = busiest_link_s([1.0 / Q] * Q) / link.share("all_to_all", D)
     worst = max(busiest_link_s(shares_P), even)
-    return worst + link.worst_latency_s(domain_sizes)
+    return worst + link.a2a_latency_s(domain_sizes)
 
 
 def all_to_all_v_s(link: LinkModel, bytes_PP: Sequence[Sequence[float]]) -> float:
@@ -307,29 +333,32 @@ def all_to_all_v_s(link: LinkModel, bytes_PP: Sequence[Sequence[float]]) -> floa
     P = link.world_size
     nt = network_time(link.spec, bytes_PP)
     if P < 2 or nt.busiest_level is None:
-        return 0.0 if P < 2 else link.worst_latency_s()
+        return 0.0 if P < 2 else link.a2a_latency_s()
     sent = max(math.fsum(row) for row in bytes_PP)
     share = link.share("all_to_all", sent)
-    return nt.bandwidth_s / (link.bandwidth_scale * share) + link.worst_latency_s()
+    return nt.bandwidth_s / (link.bandwidth_scale * share) + link.a2a_latency_s()
 
 
 def _ring_step_s(link: LinkModel, chunk: float, share: float) -> float:
-    """One ring step over all P ranks: every member of a level with > 1 member in the world has
-    one ring edge leaving it; ``share`` divides the bandwidth term."""
+    """One ring step's bandwidth term over all P ranks: every member of a level with > 1 member
+    in the world has one ring edge leaving it; ``share`` divides it."""
     worst = 0.0
     for j in range(link.spec.num_levels):
         if link.members(j) > 1:
             worst = max(worst, chunk / link.bytes_per_s(j))
-    return worst / share + link.worst_latency_s()
+    return worst / share
 
 
 def ring_all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
-    """gloo's ring all-reduce of ``bytes_per_rank``: ``2 (P - 1)`` steps of ``bytes / P``."""
+    """gloo's ring all-reduce of ``bytes_per_rank``: ``2 (P - 1)`` steps of ``bytes / P``, each
+    paying a latency; those latencies sum to at least ``link.allreduce_call_s``."""
     b = _bytes("bytes_per_rank", bytes_per_rank)
     P = link.world_size
     if P < 2:
         return 0.0
-    return 2 * (P - 1) * _ring_step_s(link, b / P, link.share("all_reduce", b))
+    steps = 2 * (P - 1)
+    bandwidth = steps * _ring_step_s(link, b / P, link.share("all_reduce", b))
+    return bandwidth + max(steps * link.worst_latency_s(), link.allreduce_call_s)
 
 
 def all_gather_s(link: LinkModel, bytes_per_rank: float) -> float:
@@ -340,7 +369,8 @@ def all_gather_s(link: LinkModel, bytes_per_rank: float) -> float:
     P = link.world_size
     if P < 2:
         return 0.0
-    return (P - 1) * _ring_step_s(link, b, link.share("all_reduce", P * b / 2))
+    step = _ring_step_s(link, b, link.share("all_reduce", P * b / 2)) + link.worst_latency_s()
+    return (P - 1) * step
 
 
 def level_exchange_s(
@@ -373,10 +403,11 @@ def hierarchical_all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
     shard at each outer level, then all-gathers back (same volume as the reduce-scatters).
 
     At level ``j`` (``s_j`` members per parent) rings of ``s_j`` run in parallel, one per rank
-    position, on ``bytes / prod_{i>j} s_i``: ``2 (s_j - 1)`` steps of that over ``s_j``.
+    position, on ``bytes / prod_{i>j} s_i``: ``2 (s_j - 1)`` steps of that over ``s_j``. The
+    steps' latencies sum to at least ``link.allreduce_call_s``.
     """
     b = _bytes("bytes_per_rank", bytes_per_rank)
-    total = 0.0
+    bandwidth = latency = 0.0
     shard = b
     share = link.share("all_reduce", b)
     for j in reversed(range(link.spec.num_levels)):
@@ -388,9 +419,12 @@ def hierarchical_all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:
             link.ranks_per_member(i) * chunk / link.bytes_per_s(i)
             for i in range(j, link.spec.num_levels)
         )
-        total += 2 * (s - 1) * (step / share + link.latency_s(j))
+        bandwidth += 2 * (s - 1) * step / share
+        latency += 2 * (s - 1) * link.latency_s(j)
         shard = chunk
-    return total
+    if link.world_size < 2:
+        return 0.0
+    return bandwidth + max(latency, link.allreduce_call_s)
 
 
 def all_reduce_s(link: LinkModel, bytes_per_rank: float) -> float:

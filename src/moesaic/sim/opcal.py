@@ -17,7 +17,7 @@ them:
 * ``experts`` (per routed row): the grouped expert GEMMs with the activation, at the rank's
   ``expert_count`` experts: the ``E`` task;
 * ``head`` (per token): final norm, output projection, cross-entropy;
-* ``optimizer`` (per parameter byte): AdamW's step;
+* ``optimizer`` (per parameter byte): the gradients' norm and AdamW's step;
 
 each forward and backward separately (the backward is not assumed to be twice the forward).
 
@@ -112,7 +112,7 @@ class OpCal:
         tokens: The two token counts each per-token piece was timed at.
         fwd: Forward fit per piece (``OPS``): per token, ``experts`` per routed row.
         bwd: Backward fit per piece.
-        optimizer: AdamW's step, per parameter byte.
+        optimizer: the gradients' norm and AdamW's step, per parameter byte.
         op_overhead_s: One tiny torch op (a 1 x 1 matmul), for the record.
         device: Where the pieces ran (``measure_ops`` runs them on the CPU): the ``padded``
             strategy skips its padding rows there (``strategies.padded``), so the simulator

@@ -15,8 +15,9 @@ disturbed one; the simulator adds the slowdown of the run's own CPU sharing,
 * ``moe_local``: block 0's ``expert_stage`` (router, permutation, the experts of all ``E`` at
   one rank, combine, residual) minus the same rows through all ``E`` experts' GEMMs;
 * ``head``: ``MoEGPT.head`` and the cross-entropy;
-* ``optimizer``: ``torch.optim.AdamW.step`` over block 0's parameters and over the whole model's,
-  fitted per parameter byte.
+* ``optimizer``: a step's tail, the gradients' squared norm (``moesaic.gradnorm``, as every
+  schedule computes it for clipping) and ``torch.optim.AdamW.step``, over block 0's parameters
+  and over the whole model's, fitted per parameter byte.
 
 A tiny model takes about a second; the issue's H 160, F 1536, 8 x 64 tokens about five.
 """
@@ -179,8 +180,11 @@ def _bound(
 
 
 def _optimizer_fit(net: Any, block: Any, repeats: int) -> OpFit:
-    """AdamW's step over one block's parameters and over the whole model's, per byte."""
+    """The gradients' norm and AdamW's step over one block's parameters and over the whole
+    model's, per byte."""
     import torch
+
+    from moesaic.gradnorm import square_norm
 
     points = []
     for params in (list(block.parameters()), list(net.parameters())):
@@ -189,8 +193,9 @@ def _optimizer_fit(net: Any, block: Any, repeats: int) -> OpFit:
         opt = torch.optim.AdamW(params, lr=1e-3)
         nbytes = sum(p.numel() * p.element_size() for p in params)
 
-        def step(opt: Any = opt) -> tuple[float, float]:
+        def step(opt: Any = opt, params: list = params) -> tuple[float, float]:
             t0 = time.perf_counter()
+            float(sum(square_norm(p.grad) for p in params if p.grad is not None))
             opt.step()
             return time.perf_counter() - t0, 0.0
 

@@ -281,7 +281,7 @@ def _dropless(
         return _Exchange(rows, nbytes, 0.0, 0.0, per_rank)
     seconds = all_to_all_shares_s(link, nbytes, shares, domain_sizes=domain_sizes)
     # dropless exchanges its counts first: one more collective of a few bytes.
-    return _Exchange(rows, nbytes, seconds, link.worst_latency_s(domain_sizes), per_rank)
+    return _Exchange(rows, nbytes, seconds, link.a2a_latency_s(domain_sizes), per_rank)
 
 
 def _kept_rows(model: ModelSpec, tokens: int, shares: Sequence[float]) -> float:

@@ -40,6 +40,10 @@ measured and what is taken from elsewhere:
   per byte it sends (the communication thread, gloo, the kernel's stack and the emulated link's
   queue), measured by ``calibrate --cluster`` as the remote puts' (sender and receiver
   together: a rank of an all-to-all sends and receives about as many bytes); 0: not modelled;
+* ``a2a_call_s``, ``allreduce_call_s``: with ``--cluster``, the time of a tiny all-to-all
+  (one isolated call) and of a tiny all-reduce (per call, in a stream of back-to-back calls):
+  floors of the collectives' latency terms (:mod:`moesaic.sim.collectives`, "Measured call
+  floors"); 0: not measured (profiles written before them);
 * ``comm_cpu_busy``: cores a rank's communication keeps busy for as long as a collective is in
   flight beyond those two, measured by ``calibrate --cluster`` as its compute's slowdown while
   an all-to-all stream runs (:mod:`moesaic.sim.cpuload`); 0: not modelled;
@@ -257,6 +261,12 @@ class Profile:
         layer_host_s: The host's seconds to issue one MoE layer's forward + backward on a
             GPU (``sim.gpucal``): a layer's simulated forward and backward take at least
             their share of it (a third, two thirds); 0: not measured, no floor.
+        a2a_call_s: One isolated all-to-all of a few bytes per rank on the measured cluster
+            (``calibrate --cluster``): the least an all-to-all's latency term is; 0: not
+            measured.
+        allreduce_call_s: Seconds per all-reduce of a few bytes in a stream of such calls
+            issued back to back, as FlowMoE's pool issues its chunks: the least an
+            all-reduce's latency terms sum to; 0: not measured.
     """
 
     flops_per_s: float
@@ -287,8 +297,12 @@ class Profile:
     launch_s: float = 0.0
     layer_kernels: float = 0.0
     layer_host_s: float = 0.0
+    a2a_call_s: float = 0.0
+    allreduce_call_s: float = 0.0
 
     def __post_init__(self) -> None:
+        check_non_negative("profile.a2a_call_s", self.a2a_call_s)
+        check_non_negative("profile.allreduce_call_s", self.allreduce_call_s)
         check_non_negative("profile.launch_s", self.launch_s)
         check_non_negative("profile.layer_host_s", self.layer_host_s)
         check_non_negative("profile.layer_kernels", self.layer_kernels)

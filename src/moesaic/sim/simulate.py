@@ -276,8 +276,8 @@ def _resolve(
 
 def link_model(spec: ClusterSpec, profile: Profile, all_reduce: str = "best") -> LinkModel:
     """The links ``simulate`` prices ``spec`` on under ``profile``: measured levels at their
-    measured rates, the profile's floor and collective shares (loaded ones held to the links'
-    rate: :func:`_shares`), ``all_reduce``'s algorithm."""
+    measured rates, the profile's floor, collective shares (loaded ones held to the links'
+    rate: :func:`_shares`) and call floors, ``all_reduce``'s algorithm."""
     link_spec, scale = profile.link_spec(spec)
     return LinkModel(
         spec=link_spec,
@@ -286,6 +286,8 @@ def link_model(spec: ClusterSpec, profile: Profile, all_reduce: str = "best") ->
         a2a_shares=_shares(profile, "all_to_all"),
         allreduce_shares=_shares(profile, "all_reduce"),
         all_reduce=all_reduce,
+        a2a_call_s=profile.a2a_call_s,
+        allreduce_call_s=profile.allreduce_call_s,
     )
 
 

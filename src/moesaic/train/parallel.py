@@ -24,6 +24,7 @@ from torch import nn
 
 from moesaic.comm.collectives import EPGroup
 from moesaic.comm.groups import registry
+from moesaic.gradnorm import square_norm
 from moesaic.layer import is_expert_param
 
 
@@ -136,7 +137,7 @@ class GradientSync:
         rep_sq = torch.zeros((), dtype=torch.float64, device=device)
         exp_sq = torch.zeros((), dtype=torch.float64, device=device)
         for p, g in grads:
-            sq = g.detach().double().square().sum()
+            sq = square_norm(g)
             if is_expert_param(p):
                 exp_sq += sq
             else:

@@ -1,0 +1,124 @@
+"""The collectives' measured call floors: a tiny collective's measured time bounds the latency
+term of every collective of its kind (``moesaic.sim.collectives``, "Measured call floors"), so
+FlowMoE's gradient chunks each pay it; ``calibrate`` measures both floors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.sim.calibrate import closed_form_s, collective_calls, collective_share
+from moesaic.sim.collectives import (
+    LinkModel,
+    all_to_all_s,
+    all_to_all_shares_s,
+    hierarchical_all_reduce_s,
+    ring_all_reduce_s,
+)
+from moesaic.sim.model import ModelSpec
+from moesaic.sim.profile import Profile
+from moesaic.sim.simulate import SimOptions, simulate
+
+# 2 DCs x 2 ranks: 2 ms between the DCs, 1 ms inside.
+SPEC = ClusterSpec(
+    levels=(
+        Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
+        Level(name="node", size=2, bandwidth_gbps=0.4, latency_ms=1.0),
+    )
+)
+PAIR = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=1.0, latency_ms=0.1),))
+TINY = 64.0  # bytes per rank: its bandwidth term is far below a microsecond
+
+
+def test_the_all_reduce_floor_bounds_the_sum_of_its_step_latencies():
+    """Ring: 2 (P - 1) = 6 steps of 2 ms (the worst level) = 12 ms of latency; a floor below it
+    changes nothing, one above replaces it and leaves the bandwidth term alone. Hierarchical:
+    2 x 1 ms + 2 x 2 ms = 6 ms, the same rule."""
+    bare = LinkModel(spec=SPEC)
+    for fn, latency in ((ring_all_reduce_s, 12e-3), (hierarchical_all_reduce_s, 6e-3)):
+        big = 4e6
+        bandwidth = fn(bare, big) - latency
+        assert fn(bare, TINY) == pytest.approx(latency, rel=1e-2)
+        assert fn(LinkModel(spec=SPEC, allreduce_call_s=latency / 2), big) == fn(bare, big)
+        floored = LinkModel(spec=SPEC, allreduce_call_s=0.05)
+        assert fn(floored, big) == pytest.approx(bandwidth + 0.05)
+        assert fn(floored, TINY) == pytest.approx(0.05, rel=1e-2)
+    # the all-to-all's floor does not touch the all-reduce, nor the reverse
+    assert ring_all_reduce_s(LinkModel(spec=SPEC, a2a_call_s=1.0), TINY) == pytest.approx(
+        12e-3, rel=1e-2
+    )
+    assert all_to_all_s(LinkModel(spec=SPEC, allreduce_call_s=1.0), TINY) == pytest.approx(
+        2e-3, rel=2e-2
+    )
+
+
+def test_the_all_to_all_floor_bounds_its_latency_and_one_rank_groups_pay_none():
+    bare, floored = LinkModel(spec=SPEC), LinkModel(spec=SPEC, a2a_call_s=0.01)
+    assert all_to_all_s(floored, 1e5) - all_to_all_s(bare, 1e5) == pytest.approx(8e-3)
+    shares = [0.25] * 4
+    assert all_to_all_shares_s(floored, 1e5, shares) - all_to_all_shares_s(
+        bare, 1e5, shares
+    ) == pytest.approx(8e-3)
+    # domains of the whole world: every offset group is one rank, nothing is exchanged
+    assert floored.a2a_latency_s((2, 2)) == 0.0
+    assert all_to_all_shares_s(floored, 1e5, [1.0], domain_sizes=(2, 2)) == 0.0
+    with pytest.raises(ValueError, match="a2a_call_s"):
+        LinkModel(spec=SPEC, a2a_call_s=-1.0)
+    with pytest.raises(ValueError, match="allreduce_call_s"):
+        LinkModel(spec=SPEC, allreduce_call_s=-1.0)
+
+
+@pytest.mark.parametrize("kind", ["all_to_all", "all_reduce"])
+def test_calibrated_shares_are_relative_to_the_floored_closed_form(kind):
+    """The share calibrate derives from a time is the one under which the simulator, with the
+    same call floors, gives that time back; a time within the floor holds no bandwidth."""
+    floors = Profile(flops_per_s=1.0, a2a_call_s=0.02, allreduce_call_s=0.03)
+    nbytes = 4e5
+    full, latency = closed_form_s(SPEC, floors, kind, nbytes)
+    assert latency == (0.02 if kind == "all_to_all" else 0.03)
+    measured = latency + 2 * (full - latency)  # the bandwidth term at half the rate
+    share = collective_share(SPEC, floors, kind, nbytes, measured)
+    assert share == pytest.approx(0.5)
+    kw = "a2a_shares" if kind == "all_to_all" else "allreduce_shares"
+    link = LinkModel(spec=SPEC, a2a_call_s=0.02, allreduce_call_s=0.03, **{kw: ((nbytes, share),)})
+    again = (
+        all_to_all_s(link, nbytes / 4) if kind == "all_to_all" else ring_all_reduce_s(link, nbytes)
+    )
+    assert again == pytest.approx(measured)
+    assert collective_share(SPEC, floors, kind, nbytes, 0.9 * latency) is None
+
+
+def test_every_gradient_chunk_pays_the_all_reduce_floor(tmp_path):
+    """FlowMoE at Sp = G/64 against G/4: without floors the 60 more chunks cost latencies of
+    0.1 ms each; with a 2 ms floor a chunk costs at least that, and the chunks that cannot hide
+    behind the all-to-alls lengthen the step by it. The profile round-trips its floors."""
+    model = ModelSpec(layers=2, batch=4, seq_len=64, hidden=128, ffn_hidden=256, experts=4, top_k=2)
+    G = 2 * (4 * 128 * 8 + 4 * 128 * 128) * 4  # order of the gradients' bytes; Sp from it
+
+    def step(profile: Profile, divisor: int) -> float:
+        opts = SimOptions(degree=2, sp_bytes=G / divisor)
+        return simulate(PAIR, model, "dropless", profile, opts, schedule="flowmoe").iteration_s
+
+    bare = Profile(flops_per_s=1e10)
+    floored = Profile(flops_per_s=1e10, allreduce_call_s=2e-3)
+    extra_bare = step(bare, 64) - step(bare, 4)
+    extra_floored = step(floored, 64) - step(floored, 4)
+    assert extra_floored > extra_bare + 30 * 1.9e-3, (extra_bare, extra_floored)
+    assert Profile.load(floored.save(tmp_path / "p.json")) == floored
+    with pytest.raises(ValueError, match=r"profile\.allreduce_call_s"):
+        Profile(flops_per_s=1.0, allreduce_call_s=-1e-3)
+    with pytest.raises(ValueError, match=r"profile\.a2a_call_s"):
+        Profile(flops_per_s=1.0, a2a_call_s=-1e-3)
+
+
+@pytest.mark.timeout(60)
+def test_call_floors_are_measured_on_a_loopback_pair():
+    """Two ranks on loopback (~2 s): both floors positive and below 50 ms (gloo on this
+    machine: 0.3 ms an all-to-all, 0.9 ms an all-reduce in a stream, measured)."""
+    a2a, allreduce = collective_calls(reps=2, stream=8, timeout_s=50)
+    assert 0.0 < a2a < 0.05 and 0.0 < allreduce < 0.05, (a2a, allreduce)
+    assert math.isfinite(a2a + allreduce)
+    with pytest.raises(ValueError, match="stream"):
+        collective_calls(stream=0)
