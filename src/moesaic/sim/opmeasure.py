@@ -25,6 +25,7 @@ A tiny model takes about a second; the issue's H 160, F 1536, 8 x 64 tokens abou
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,14 @@ from moesaic.checks import check_positive_int
 from moesaic.sim.model import ModelSpec, train_config_of
 from moesaic.sim.opcal import OpCal, OpFit, fit_line
 
-__all__ = ["measure_ops"]
+__all__ = ["DRAWS", "measure_ops"]
+
+# Inputs drawn per size, each piece's time the mean over them (what a step pays on average):
+# the expert stage's backward takes 32 or 53 ms on the same shape depending on the routing its
+# random input gets (H 240, F 1080, E 28, 512 tokens: its GEMMs, ``aten::mm``, run at half
+# speed on some draws, the same number of calls), so one draw made the ``moe_local`` fits'
+# backward 0-27 ms per call on the unseen rules' models.
+DRAWS = 4
 
 
 def _fastest(fn: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
@@ -101,9 +109,10 @@ def _measure(model: ModelSpec, shape: ModelSpec, world: int, threads: int, repea
     fwd: dict[str, list[float]] = {}
     bwd: dict[str, list[float]] = {}
     for b in sizes:
-        for name, (f, bk) in _pieces_at(net, rank_experts, shape, b, repeats).items():
-            fwd.setdefault(name, []).append(f)
-            bwd.setdefault(name, []).append(bk)
+        draws = [_pieces_at(net, rank_experts, shape, b, repeats) for _ in range(DRAWS)]
+        for name in draws[0]:
+            fwd.setdefault(name, []).append(statistics.fmean(d[name][0] for d in draws))
+            bwd.setdefault(name, []).append(statistics.fmean(d[name][1] for d in draws))
     tokens = (sizes[0] * S, sizes[1] * S)
     fits_f: dict[str, OpFit] = {}
     fits_b: dict[str, OpFit] = {}
@@ -149,8 +158,15 @@ def _pieces_at(
     x = torch.randn(b, S, H, requires_grad=True)
     h = torch.randn(b, S, H, requires_grad=True)
     rows = b * S * K
-    x_all = torch.randn(rows, H, requires_grad=True)
-    counts_all = _even_counts(rows, shape.experts)
+    # ``all`` runs the stage's own rows per expert (its router's on ``h``): the stage's GEMMs
+    # on skewed groups cost other than on even ones, and with even counts that difference
+    # landed in ``moe_local`` (backward fits of 0-27 ms per call, 0 per token, on the unseen
+    # rules' models).
+    with torch.no_grad():
+        counts_all = [int(c) for c in moe.route(h).plan.counts_E.tolist()]
+    moe.take_aux_terms()
+    x_all = torch.randn(sum(counts_all), H, requires_grad=True)
+    x_rank = torch.randn(rows, H, requires_grad=True)
     counts_rank = _even_counts(rows, rank_experts.num_local_experts)
     y = torch.randint(0, shape.vocab, (b, S))
 
@@ -166,7 +182,7 @@ def _pieces_at(
         "attention": (lambda: block.attention_stage(x), _like),
         "stage": (stage, _like),
         "all": (lambda: moe.experts(x_all, counts_all), _like),
-        "experts": (lambda: rank_experts(x_all, counts_rank), _like),
+        "experts": (lambda: rank_experts(x_rank, counts_rank), _like),
         "head": (head, lambda outs: (torch.ones_like(outs[0]),)),
     }
     return {name: _fastest(_bound(fn, grads), repeats) for name, (fn, grads) in pieces.items()}
