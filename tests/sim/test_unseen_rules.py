@@ -16,7 +16,7 @@ unseen = load_benchmark("sim_unseen")
 report = load_benchmark("sim_unseen_report")
 
 
-@pytest.mark.parametrize("rule", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rule", unseen.RULES)
 def test_each_rule_is_a_resolution_iii_design(rule):
     cfgs = unseen.configurations(rule)
     assert len(cfgs) == 8 and len({c["name"] for c in cfgs}) == 8
@@ -36,12 +36,12 @@ def test_no_configuration_is_in_two_rules():
     which differs by rule, left out)."""
     keys = [
         (tuple(c["link"]), c["experts"], c["f_over_h"], c["tokens_per_rank"], c["ranks"])
-        for rule in (1, 2, 3, 4, 5)
+        for rule in unseen.RULES
         for c in unseen.configurations(rule)
     ]
     assert len(set(keys)) == len(keys)
     with pytest.raises(ValueError, match="rule"):
-        unseen.configurations(6)
+        unseen.configurations(len(unseen.RULES) + 1)
 
 
 def _point(name, strategy, schedule, measured, predicted, runs=None):
