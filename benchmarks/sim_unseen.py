@@ -130,7 +130,7 @@ prediction prices):
   (``moesaic plan --capacity-factor 1.25``), so that every combination measured is one it can
   pick; its pick is trained once in each pass, after the grid's runs of that pass.
 
-**The sixth rule** (``--rule 6``; fixed on 2026-11-26 at 10:30 UTC, committed before any of
+**The sixth rule** (``--rule 6``; fixed on 2026-11-26 at 10:21 UTC, committed before any of
 its configurations was measured or simulated, after three changes the fifth rule's misses
 led to: the collectives' measured call floors, the gradient norm without a float64 copy (a
 product change: every measured step of rules 1-5 paid 40-150 ms more than today's), and the
