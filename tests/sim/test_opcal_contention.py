@@ -54,28 +54,50 @@ def test_off_for_older_profiles_and_without_cores():
     assert CpuModel.of(dataclasses.replace(RATE, **cpu_fields)) is None  # no comm CPU, no ops
     assert CpuModel.of(dataclasses.replace(BASE, comm_cpu_per_byte_s=1e-8)) is None  # no cores
     on = CpuModel.of(dataclasses.replace(RATE, **cpu_fields, comm_cpu_per_byte_s=1e-8))
-    assert on == CpuModel(cores_per_rank=1.0, comm_cpu_per_byte_s=1e-8, measured_alone=False)
-    assert CpuModel.of(dataclasses.replace(BASE, **cpu_fields)) == CpuModel(cores_per_rank=1.0)
+    assert on == CpuModel(
+        cores_per_rank=1.0, machine_ranks=2, comm_cpu_per_byte_s=1e-8, measured_alone=False
+    )
+    assert CpuModel.of(dataclasses.replace(BASE, **cpu_fields)) == CpuModel(
+        cores_per_rank=1.0, machine_ranks=2
+    )
     sim = _sim(dataclasses.replace(RATE, **cpu_fields))  # as every committed profile
     assert "contention" not in sim.details
     with pytest.raises(ValueError, match="cores_per_rank"):
         CpuModel(cores_per_rank=0.0)
 
 
-def test_two_ranks_on_one_core_take_twice_the_compute():
-    """Vanilla is serial: at half a core per rank every compute task takes twice as long and
-    the step grows by exactly its compute; at a core per rank nothing changes."""
+def test_two_ranks_on_one_core_slow_by_the_other_ranks_compute_fraction():
+    """Vanilla is serial: at half a core per rank every compute task takes ``1 + u`` times as
+    long, ``u`` the other rank's compute fraction (the fixed point's ``other_ranks_cores``, no
+    communication CPU here), so the step grows by ``u`` times its compute; at a core per rank
+    nothing changes."""
     free = _sim(BASE)
     one_core = _sim(dataclasses.replace(BASE, cores=1, ranks_per_machine=2))
     two_cores = _sim(dataclasses.replace(BASE, cores=2, ranks_per_machine=2))
     assert two_cores.iteration_s == pytest.approx(free.iteration_s)
-    assert one_core.iteration_s == pytest.approx(free.iteration_s + free.compute_s)
-    assert one_core.details["contention"]["compute_added_ms"] == pytest.approx(free.compute_s * 1e3)
+    u = one_core.details["contention"]["other_ranks_cores"]
+    assert 0.0 < u < 1.0
+    assert one_core.compute_s == pytest.approx(free.compute_s * (1 + u))
+    assert one_core.iteration_s == pytest.approx(free.iteration_s + u * free.compute_s)
+    # the fixed point: u is the slowed step's compute fraction (to the iterations' precision)
+    assert u == pytest.approx(one_core.compute_s / one_core.iteration_s, rel=0.05)
     # a rate measured with the ranks already sharing the cores is not slowed a second time
     shared = dict(cores=1, ranks_per_machine=2, comm_cpu_s=1e-9)
     assert _sim(dataclasses.replace(RATE, **shared)).iteration_s == pytest.approx(
         _sim(RATE).iteration_s
     )
+
+
+def test_other_ranks_want_their_compute_fraction_and_communication():
+    """``O = (m - 1)(u n + Lbar)``; without it every other rank wants what this one does."""
+    cpu = CpuModel(cores_per_rank=0.5, machine_ranks=4, threads=1)
+    assert cpu.others(0.5, 0.1) == pytest.approx(3 * 0.6)
+    assert cpu.slowdown(0.0, cpu.others(0.5, 0.0)) == pytest.approx((1 + 1.5) / 2)
+    assert cpu.slowdown(0.2) == pytest.approx(4 * 1.2 / 2)  # the old rule: (n + L) / c
+    assert cpu.others(2.0, 0.0) == 3.0  # a fraction is at most 1
+    assert CpuModel(cores_per_rank=2.0).others(1.0, 1.0) == 0.0  # one rank on the machine
+    with pytest.raises(ValueError, match="machine_ranks"):
+        CpuModel(cores_per_rank=1.0, machine_ranks=0)
 
 
 def test_communication_cpu_slows_the_compute_it_overlaps_only():
@@ -116,7 +138,7 @@ def test_busy_communication_costs_for_as_long_as_it_runs():
     assert cpu.load(task._replace(nbytes=0.0), 10.0) == pytest.approx(0.2)
     profile = dataclasses.replace(RATE, cores=2, ranks_per_machine=2, comm_cpu_busy=0.2)
     assert CpuModel.of(profile) == CpuModel(
-        cores_per_rank=1.0, comm_cpu_busy=0.2, measured_alone=False
+        cores_per_rank=1.0, machine_ranks=2, comm_cpu_busy=0.2, measured_alone=False
     )
     with pytest.raises(ValueError, match=r"profile\.comm_cpu_busy"):
         dataclasses.replace(RATE, comm_cpu_busy=1.5)

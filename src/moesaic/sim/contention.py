@@ -12,8 +12,17 @@ torch threads (``OpCal.threads``; 1 without per-operation measurements). The mod
   per-byte CPU spread evenly over it, and what a collective costs for as long as it is in
   flight, :mod:`moesaic.sim.cpuload`; at most one thread's worth);
 * at a moment when the rank's communication keeps ``L`` cores busy (the sum over the tasks in
-  flight), its ``n`` compute threads get a fair share of the cores and take ``s(L) = max(1,
-  (n + L) / c)`` times as long as on cores of their own: unslowed while ``n + L <= c``;
+  flight), its ``n`` compute threads get a fair share of the machine's ``C = c m`` cores
+  (``m`` ranks per machine) with what the other ranks want then, ``O``, and take ``s(L) =
+  max(1, (n + L + O) / C)`` times as long as on cores of their own;
+* the other ranks want ``O = (m - 1) (u n + Lbar)``: each computes a fraction ``u`` of the
+  step and its communication keeps ``Lbar`` cores busy on average, both read off this rank's
+  timeline (the representative rank's), as if the ranks' phases were independent. Until
+  2026-11-26 every other rank was taken to compute whenever this one did (``O = (m - 1)(n +
+  L)``, i.e. ``s = max(1, (n + L) / c)``); traced on a 4-rank step sharing 2 cores (z++--+,
+  padded, moe-only and flowmoe), while rank 0 computed 1.7 and 1.6 of the other 3 ranks did
+  on average, where their compute fractions (0.58, 0.52) give 1.74 and 1.56, and attention
+  measured 1.0-1.3x its one-process time where the old rule charged 2x;
 * relative to what the compute times hold: the per-operation measurements (``ops``) were taken
   in one process on an otherwise idle machine, so compute advances at ``1 / s(L)`` of them;
   a FLOP rate measured some other way (a benchmark's compute-only step, as the validation's)
@@ -22,7 +31,7 @@ torch threads (``OpCal.threads``; 1 without per-operation measurements). The mod
 * the timeline is a fixed point: simulate, stretch every compute task (``COMPUTE_RESOURCES``:
   stages, optimizer) by integrating that rate from its start over the communication in flight,
   simulate again with the stretched durations; :data:`ITERATIONS` rounds (each from the
-  measured durations, against the previous round's communication).
+  measured durations, against the previous round's communication and ``u``, ``Lbar``).
 
 Communication itself is not slowed here: the profile's loaded collective shares were measured
 while every rank computed, so they already hold what a busy CPU costs the collectives. The
@@ -55,6 +64,7 @@ class CpuModel:
 
     Attributes:
         cores_per_rank: ``c``, cores / ranks per machine.
+        machine_ranks: ``m``, the ranks sharing the machine's ``c m`` cores.
         threads: ``n``, the compute threads the compute times were measured with.
         comm_cpu_s: CPU seconds per communication task.
         comm_cpu_per_byte_s: CPU seconds per byte a communication task sends.
@@ -65,6 +75,7 @@ class CpuModel:
     """
 
     cores_per_rank: float
+    machine_ranks: int = 1
     threads: int = 1
     comm_cpu_s: float = 0.0
     comm_cpu_per_byte_s: float = 0.0
@@ -73,6 +84,7 @@ class CpuModel:
 
     def __post_init__(self) -> None:
         check_positive("cores_per_rank", self.cores_per_rank)
+        check_positive_int("machine_ranks", self.machine_ranks)
         check_positive_int("threads", self.threads)
         check_non_negative("comm_cpu_s", self.comm_cpu_s)
         check_non_negative("comm_cpu_per_byte_s", self.comm_cpu_per_byte_s)
@@ -93,6 +105,7 @@ class CpuModel:
             return None
         return cls(
             cores_per_rank=cores,
+            machine_ranks=profile.ranks_per_machine,
             threads=profile.ops.threads if profile.ops is not None else 1,
             comm_cpu_s=profile.comm_cpu_s,
             comm_cpu_per_byte_s=profile.comm_cpu_per_byte_s,
@@ -107,13 +120,27 @@ class CpuModel:
         per_task = self.comm_cpu_s + task.nbytes * self.comm_cpu_per_byte_s
         return min(1.0, self.comm_cpu_busy + per_task / seconds)
 
-    def slowdown(self, load: float) -> float:
-        """How much longer compute takes than its measured time while communication keeps
-        ``load`` cores busy."""
-        shared = max(1.0, (self.threads + load) / self.cores_per_rank)
+    def slowdown(self, load: float, others: float | None = None) -> float:
+        """How much longer compute takes than its measured time while this rank's
+        communication keeps ``load`` cores busy and the machine's other ranks want ``others``
+        cores (None: each as much as this rank, ``(m - 1)(n + load)``). A rate measured with
+        the ranks already sharing the cores (``measured_alone`` False) held whatever overlap
+        they had then: relative to it only this rank's communication slows, ``others`` is not
+        used."""
+        if others is None or not self.measured_alone:
+            others = (self.machine_ranks - 1) * (self.threads + load)
+        cores = self.cores_per_rank * self.machine_ranks
+        shared = max(1.0, (self.threads + load + others) / cores)
         if self.measured_alone:
             return shared
         return shared / max(1.0, self.threads / self.cores_per_rank)
+
+    def others(self, compute_fraction: float, comm_load: float) -> float:
+        """``O``: the cores the other ranks of the machine want, each computing
+        ``compute_fraction`` of the time with ``threads`` threads and keeping ``comm_load``
+        cores busy communicating on average."""
+        u = min(max(compute_fraction, 0.0), 1.0)
+        return (self.machine_ranks - 1) * (u * self.threads + max(comm_load, 0.0))
 
 
 def skewed_compute_factor(shares: Sequence[float], cpu: CpuModel) -> float:
@@ -155,13 +182,16 @@ class _Load:
             level += deltas[t]
             self.levels.append(max(level, 0.0))
 
-    def finish(self, start: float, work: float, cpu: CpuModel) -> float:
-        """When ``work`` seconds of compute (at the measured rate) started at ``start`` end."""
+    def finish(
+        self, start: float, work: float, cpu: CpuModel, others: float | None = None
+    ) -> float:
+        """When ``work`` seconds of compute (at the measured rate) started at ``start`` end,
+        the other ranks wanting ``others`` cores (:meth:`CpuModel.slowdown`)."""
         i = bisect.bisect_right(self.times, start) - 1
         t = start
         while True:
             level = self.levels[i] if i >= 0 else 0.0
-            rate = 1.0 / cpu.slowdown(level)
+            rate = 1.0 / cpu.slowdown(level, others)
             nxt = self.times[i + 1] if i + 1 < len(self.times) else float("inf")
             if t + work / rate <= nxt:
                 return t + work / rate
@@ -175,6 +205,7 @@ def contend(g: SimGraph, tl: Timeline, cpu: CpuModel) -> tuple[Timeline, dict[st
     "compute_added_ms"}`` (compute seconds the contention added)."""
     base = {t.key: t.seconds for t in g.tasks()}
     lanes = g.lanes
+    others = 0.0
     for _ in range(ITERATIONS):
         comm = [
             (tl.start[t.key], tl.end[t.key], cpu.load(t, tl.end[t.key] - tl.start[t.key]))
@@ -182,8 +213,9 @@ def contend(g: SimGraph, tl: Timeline, cpu: CpuModel) -> tuple[Timeline, dict[st
             if t.resource in COMM_RESOURCES and t.key in tl.end
         ]
         load = _Load(comm)
+        others = _others(g, tl, comm, cpu)
         lanes = {
-            name: [(_stretched(t, base, tl, load, cpu), w) for t, w in jobs]
+            name: [(_stretched(t, base, tl, load, cpu, others), w) for t, w in jobs]
             for name, jobs in g.lanes.items()
         }
         tl = g.run(lanes)
@@ -192,15 +224,32 @@ def contend(g: SimGraph, tl: Timeline, cpu: CpuModel) -> tuple[Timeline, dict[st
     info = {
         "threads": cpu.threads,
         "cores_per_rank": cpu.cores_per_rank,
+        "other_ranks_cores": others,
         "compute_added_ms": max(added, 0.0) * 1e3,  # >= 0 but for rounding
     }
     return tl, info
 
 
+def _others(
+    g: SimGraph, tl: Timeline, comm: list[tuple[float, float, float]], cpu: CpuModel
+) -> float:
+    """``O`` from a timeline: its compute fraction and mean communication load."""
+    span = tl.makespan
+    if span <= 0:
+        return 0.0
+    compute = sum(
+        tl.end[t.key] - tl.start[t.key]
+        for t in g.tasks()
+        if t.resource in COMPUTE_RESOURCES and t.key in tl.end
+    )
+    comm_load = sum((end - start) * level for start, end, level in comm) / span
+    return cpu.others(compute / span, comm_load)
+
+
 def _stretched(
-    t: SimTask, base: dict[str, float], tl: Timeline, load: _Load, cpu: CpuModel
+    t: SimTask, base: dict[str, float], tl: Timeline, load: _Load, cpu: CpuModel, others: float
 ) -> SimTask:
     if t.resource not in COMPUTE_RESOURCES or t.key not in tl.start:
         return t
     start = tl.start[t.key]
-    return t._replace(seconds=load.finish(start, base[t.key], cpu) - start)
+    return t._replace(seconds=load.finish(start, base[t.key], cpu, others) - start)
