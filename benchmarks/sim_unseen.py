@@ -154,10 +154,30 @@ defaults otherwise; with 4 ranks the ranks of one node share a 5 Gbit/s, 0.05 ms
 runs, how it is measured (two interleaved passes, flowmoe at the predicted Sp) and what the
 planner may choose (capacity 1.25): as for the fifth rule.
 
+**The seventh rule** (``--rule 7``; fixed on 2026-11-26 at 11:27 UTC, committed before any of
+its configurations was measured or simulated, after the contention model's other ranks became
+their measured compute fraction; nothing in it may change after its first measurement): other
+levels again, every rank a node of its own, generators ``D = -B x C`` and ``E = A x B x C``;
+names start with ``q``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.6 Gbit/s, 0.35 ms one way      3.0 Gbit/s, 0.06 ms
+B     routed experts E (top-2)              8                                24
+C     expert width F / H                    2.25                             5
+D     tokens per rank (sequences of 128)    1024                             1536
+E     ranks                                 2 (2 nodes x 1)                  4 (4 nodes x 1)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 232, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
+predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|3|4|5|6]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|3|4|5|6] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|7]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|7] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -178,7 +198,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6)
+RULES = (1, 2, 3, 4, 5, 6, 7)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -252,6 +272,15 @@ FACTORS_6: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_6, INTRA_NODE_6 = 208, (5.0, 0.05)
+# The seventh rule's (the docstring's seventh table) and its fixed hidden size.
+FACTORS_7: dict[str, tuple[Any, Any]] = {
+    "link": ((0.6, 0.35), (3.0, 0.06)),
+    "experts": (8, 24),
+    "f_over_h": (2.25, 5),
+    "tokens_per_rank": (1024, 1536),
+    "ranks": (2, 4),
+}
+H_7 = 232
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
@@ -265,6 +294,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         4: (FACTORS_4, "x"),
         5: (FACTORS_5, "y"),
         6: (FACTORS_6, "z"),
+        7: (FACTORS_7, "q"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -275,14 +305,15 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             4: (a * b * c, a * b),
             5: (-a * b, b * c),
             6: (a * b * c, -a * c),
+            7: (-b * c, a * b * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
         cfg["coded"] = levels
         cfg["name"] = prefix + "".join("+" if v > 0 else "-" for v in (a, b, c, d, e))
-        cfg["hidden"] = {1: H, 2: H_2, 3: H_3, 4: H_4, 5: H_5, 6: H_6}[rule]
+        cfg["hidden"] = {1: H, 2: H_2, 3: H_3, 4: H_4, 5: H_5, 6: H_6, 7: H_7}[rule]
         cfg["blocks"] = BLOCKS_3 if rule == 3 else BLOCKS
-        cfg["flat"] = rule in (2, 4)  # every rank a node of its own
+        cfg["flat"] = rule in (2, 4, 7)  # every rank a node of its own
         cfg["intra_node"] = {3: INTRA_NODE_3, 6: INTRA_NODE_6}.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
@@ -520,7 +551,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 6 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 7 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
