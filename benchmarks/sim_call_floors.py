@@ -32,21 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_unseen as su
 from moesaic.cluster.netns import EmulatedCluster
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.sim.calibrate import collective_calls, collective_share
+from moesaic.sim.calibrate import collective_calls, collective_share, share_probe
 from moesaic.sim.profile import Profile
 
 
 def floored_profile(profile: Profile, spec: ClusterSpec, a2a: float, allreduce: float) -> Profile:
     """``profile`` with the call floors, its shares derived again from their measured times
     relative to the floored closed forms (a time within the floor: the point is dropped)."""
-    probe = Profile(
-        flops_per_s=1.0,
-        floor_s=profile.floor_s,
-        bandwidth_scale=profile.bandwidth_scale,
-        links=profile.links,
-        a2a_call_s=a2a,
-        allreduce_call_s=allreduce,
-    )
+    probe = share_probe(profile, a2a, allreduce)
     shares = []
     for x in profile.collectives:
         share = collective_share(spec, probe, x.kind, x.bytes_per_rank, x.measured_s)

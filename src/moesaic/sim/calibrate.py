@@ -63,6 +63,7 @@ __all__ = [
     "collective_share",
     "collective_shares",
     "measure_links",
+    "share_probe",
     "warmup_calls",
 ]
 
@@ -322,6 +323,19 @@ def put_cpu(cluster: Any = None, *, timeout_s: float = 120.0) -> tuple[float, fl
     return max(0.0, per_put[0] - small * per_byte), per_byte
 
 
+def share_probe(profile: Profile, a2a_call_s: float, allreduce_call_s: float) -> Profile:
+    """The links of ``profile`` (floor, scale, measured levels) with these call floors: what
+    collective shares are derived relative to (:func:`collective_share`)."""
+    return Profile(
+        flops_per_s=1.0,
+        floor_s=profile.floor_s,
+        bandwidth_scale=profile.bandwidth_scale,
+        links=profile.links,
+        a2a_call_s=a2a_call_s,
+        allreduce_call_s=allreduce_call_s,
+    )
+
+
 def closed_form_s(
     spec: ClusterSpec, profile: Profile, kind: str, bytes_per_rank: float
 ) -> tuple[float, float]:
@@ -459,14 +473,10 @@ def measure_links(
         links = links_from_report(report)
         scale = statistics.median(x.bandwidth_share for x in links)
         a2a_call_s, allreduce_call_s = collective_calls(cluster, timeout_s=timeout_s)
-        # Shares relative to the links as a profile of these measurements models them.
-        probe = Profile(
-            flops_per_s=1.0,
-            floor_s=floor_s,
-            bandwidth_scale=scale,
-            links=links,
-            a2a_call_s=a2a_call_s,
-            allreduce_call_s=allreduce_call_s,
+        probe = share_probe(
+            Profile(flops_per_s=1.0, floor_s=floor_s, bandwidth_scale=scale, links=links),
+            a2a_call_s,
+            allreduce_call_s,
         )
         nbytes = next(iter(report.collectives.values()))["bytes_per_rank"]
         shares = collective_shares(cluster, probe, nbytes, sustain_s=sustain_s, timeout_s=timeout_s)
