@@ -220,7 +220,7 @@ class MoELayer(nn.Module):
         """The aux + z loss of every forward since the last call as one batch (in the graph),
         or None when there was none; clears it. ``moesaic.aux_loss(model)`` calls this."""
         terms = self.take_aux_terms()
-        return torch.stack(terms).sum() if terms else None
+        return _sum(terms) if terms else None
 
     def take_stats(self) -> LayerStats:
         """The statistics of every forward since the last call; clears them."""
@@ -516,7 +516,13 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     present = [loss for loss in losses if loss is not None]
     if not present:
         return torch.zeros(())
-    return torch.stack(present).sum()
+    return _sum(present)
+
+
+def _sum(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of 0-d losses; one of them as it is (no stack and sum: kernels a GPU step's
+    host would issue for nothing)."""
+    return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
 
 def is_expert_param(param: torch.Tensor) -> bool:

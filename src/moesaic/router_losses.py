@@ -94,14 +94,17 @@ def combine_aux(
         return [t.probs_mean_E.sum() * 0.0 + t.z * 0.0 for t in terms]
     if load is not None:
         f_E = load[0] / (load[1].clamp_min(1) * K)
+    elif len(terms) == 1:
+        f_E = terms[0].assign_counts_E / (N * K)
     else:
         f_E = torch.stack([t.assign_counts_E for t in terms]).sum(dim=0) / (N * K)
     S = sum(t.seqs for t in terms)
     out = []
     for t in terms:
         share = t.tokens / N
-        balance = E * torch.dot(f_E.to(t.probs_mean_E), t.probs_mean_E) * share
-        term = t.aux_coef * balance + t.z_coef * share * t.z
+        # the constant factors multiplied on the host: two scalar products on the device
+        balance = torch.dot(f_E.to(t.probs_mean_E), t.probs_mean_E) * (t.aux_coef * E * share)
+        term = balance + t.z * (t.z_coef * share)
         if t.seq_sum is not None and S:
             term = term + t.seq_coef * t.seq_sum / S
         out.append(term)

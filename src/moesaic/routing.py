@@ -30,7 +30,7 @@ the combine weights are the unbiased scores of the chosen experts, normalised wh
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +82,8 @@ class RoutingPlan:
     capacity: int | None
     num_kept: int | None
     kernels: str
+    # slot maps made by ``slot_TK``, by R: the permute and the combine of one plan share one
+    _slots: dict[int, torch.Tensor] = field(init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class RoutingPlan:
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)  # frozen: the dataclass' own __init__ does so
+        object.__setattr__(self, "_slots", {})
 
     @property
     def num_tokens(self) -> int:
@@ -170,11 +173,14 @@ class RoutingPlan:
     def slot_TK(self, order_R: torch.Tensor) -> torch.Tensor:
         """Row of each assignment among the R of ``order_R`` (a leading part of ``order_TK``),
         -1 for the assignments past R: the slot map of the ``moesaic.kernels`` permute and
-        combine [T, K]."""
+        combine [T, K]. Made once per R (the permute's and the combine's are the same map)."""
         T, K = self.topk_ids_TK.shape
-        slot_TK = torch.full((T * K,), -1, dtype=torch.long, device=order_R.device)
-        slot_TK[order_R] = torch.arange(order_R.numel(), device=order_R.device)
-        return slot_TK.view(T, K)
+        R = order_R.numel()
+        if R not in self._slots:
+            slot_TK = torch.full((T * K,), -1, dtype=torch.long, device=order_R.device)
+            slot_TK[order_R] = torch.arange(R, device=order_R.device)
+            self._slots[R] = slot_TK.view(T, K)
+        return self._slots[R]
 
     def unpermute(self, y_RH: torch.Tensor) -> torch.Tensor:
         """Weighted sum of expert outputs back per token: [R, H] -> [T, H].
@@ -400,30 +406,60 @@ class Router(nn.Module):
             choice_TE = choice_TE.masked_fill(~allowed_TE, float("-inf"))
         return torch.topk(choice_TE, cfg.top_k, dim=-1).indices
 
-    def scores(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 logits and scores (softmax probabilities or sigmoid affinities), both [T, E]."""
+    def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """The gate's fp32 logits [T, E]."""
         # fp32 under autocast too (--dtype bf16), which would run this linear in bf16.
         with torch.autocast(x_TH.device.type, enabled=False):
             if x_TH.dtype in HALF_DTYPES:
-                logits_TE = gate_logits(x_TH, self.weight)
-            else:
-                logits_TE = F.linear(x_TH.float(), self.weight.float())
+                return gate_logits(x_TH, self.weight)
+            return F.linear(x_TH.float(), self.weight.float())
+
+    def scores(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits and scores (softmax probabilities or sigmoid affinities), both [T, E]."""
+        logits_TE = self.logits(x_TH)
         if self.config.score_func == "softmax":
             return logits_TE, torch.softmax(logits_TE, dim=-1)
         return logits_TE, torch.sigmoid(logits_TE)
 
-    def forward(
-        self,
-        x_TH: torch.Tensor,
-        placement: ExpertPlacement | None = None,
-        seq_len: int | None = None,
-    ) -> tuple[RoutingPlan, AuxTerms]:
-        """Route ``x_TH`` to experts placed by ``placement`` (None: all on this rank).
+    def routes_in_one_kernel(self, num_tokens: int) -> bool:
+        """Whether ``moesaic.kernels.router`` can route ``num_tokens`` tokens (given the
+        kernels): softmax scores chosen on alone, the balance loss over all K choices, no
+        sequence-wise loss, at least one token, and fewer than 2**24 assignments (its counts
+        are fp32 sums)."""
+        cfg = self.config
+        return (
+            cfg.score_func == "softmax"
+            and not self.biased_or_limited
+            and cfg.balance_loss_choices == "all"
+            and cfg.seq_aux_loss_coef == 0
+            and 0 < num_tokens * cfg.top_k < 2**24
+        )
 
-        Returns the plan and this forward's aux-loss terms (``terms.loss()`` is the weighted
-        load-balancing + z loss of these tokens). ``seq_len``: tokens per sequence for the
-        sequence-wise loss (the T tokens are consecutive sequences); None: one sequence.
-        """
+    def _aux(self, tokens: int, counts_E, probs_mean_E, z, top_k: int) -> AuxTerms:
+        cfg = self.config
+        return AuxTerms(
+            tokens=tokens,
+            assign_counts_E=counts_E,
+            probs_mean_E=probs_mean_E,
+            z=z,
+            top_k=top_k,
+            aux_coef=cfg.aux_loss_coef,
+            z_coef=cfg.z_loss_coef,
+        )
+
+    def _route_fused(self, x_TH: torch.Tensor):
+        """``_route_torch`` in the router kernels (``routes_in_one_kernel``): the gate's GEMM,
+        one kernel, a sum of its blocks' statistics and the counts' int64 copy."""
+        cfg = self.config
+        ids_TK, weights_TK, probs_mean_E, counts_E, z = load_kernels().route(
+            self.logits(x_TH), cfg.top_k, cfg.normalize_topk, cfg.routed_scaling_factor
+        )
+        aux = self._aux(x_TH.shape[0], counts_E, probs_mean_E, z, cfg.top_k)
+        return ids_TK, weights_TK, counts_E.long(), aux
+
+    def _route_torch(self, x_TH: torch.Tensor, seq_len: int | None):
+        """Top-k ids, their weights, the assignments per expert (int64, None when the balance
+        loss counts first choices only) and the aux terms, in plain torch."""
         cfg = self.config
         logits_TE, scores_TE = self.scores(x_TH)
         topk_ids_TK = self.choose(scores_TE)
@@ -442,14 +478,12 @@ class Router(nn.Module):
         counts_E = count_ids(counted_ids.reshape(-1), cfg.num_experts)
         # The first choice is the most probable expert when chosen on the softmax alone.
         argmax = cfg.score_func == "softmax" and not self.biased_or_limited
-        aux = AuxTerms(
-            tokens=T,
-            assign_counts_E=counts_E.float(),
-            probs_mean_E=probs_TE.mean(dim=0) if T else probs_TE.sum(dim=0) * 0.0,
-            z=z_loss(logits_TE, scores_TE, topk_ids_TK[:, :1]) if argmax else z_loss(logits_TE),
-            top_k=counted_ids.shape[1],
-            aux_coef=cfg.aux_loss_coef,
-            z_coef=cfg.z_loss_coef,
+        aux = self._aux(
+            T,
+            counts_E.float(),
+            probs_TE.mean(dim=0) if T else probs_TE.sum(dim=0) * 0.0,
+            z_loss(logits_TE, scores_TE, topk_ids_TK[:, :1]) if argmax else z_loss(logits_TE),
+            counted_ids.shape[1],
         )
         if cfg.seq_aux_loss_coef > 0:
             L = seq_len if seq_len is not None else T
@@ -457,14 +491,33 @@ class Router(nn.Module):
             aux = dataclasses.replace(
                 aux, seqs=T // L if L else 0, seq_sum=seq_sum, seq_coef=cfg.seq_aux_loss_coef
             )
+        return topk_ids_TK, weights_TK, counts_E if counted_ids is topk_ids_TK else None, aux
+
+    def forward(
+        self,
+        x_TH: torch.Tensor,
+        placement: ExpertPlacement | None = None,
+        seq_len: int | None = None,
+    ) -> tuple[RoutingPlan, AuxTerms]:
+        """Route ``x_TH`` to experts placed by ``placement`` (None: all on this rank).
+
+        Returns the plan and this forward's aux-loss terms (``terms.loss()`` is the weighted
+        load-balancing + z loss of these tokens). ``seq_len``: tokens per sequence for the
+        sequence-wise loss (the T tokens are consecutive sequences); None: one sequence.
+        """
+        cfg = self.config
+        kernels = resolve_kernels(cfg.kernels, x_TH.device)
+        if kernels != "torch" and self.routes_in_one_kernel(x_TH.shape[0]):
+            topk_ids_TK, weights_TK, all_counts_E, aux = self._route_fused(x_TH)
+        else:
+            topk_ids_TK, weights_TK, all_counts_E, aux = self._route_torch(x_TH, seq_len)
         plan = build_plan(
             topk_ids_TK,
             weights_TK,
             placement if placement is not None else cfg.num_experts,
             capacity=cfg.capacity(x_TH.shape[0]),
-            all_counts_E=counts_E if counted_ids is topk_ids_TK else None,
+            all_counts_E=all_counts_E,
         )
-        kernels = resolve_kernels(cfg.kernels, x_TH.device)
         if kernels != "torch":
             plan = dataclasses.replace(plan, kernels=kernels)
         if cfg.renormalize_after_drop and plan.capacity is not None:

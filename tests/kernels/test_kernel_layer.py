@@ -1,5 +1,5 @@
 """MoELayer with ``kernels="triton"`` (every kernel from moesaic.kernels) and ``"fused"`` (its
-permute, SwiGLU and combine around torch's grouped GEMMs) computes what ``kernels="torch"`` does
+router, permute, SwiGLU and combine around torch's grouped GEMMs) computes what ``kernels="torch"`` does
 (EP 1, forward and every gradient), and the switch's errors; under Triton's interpreter
 (tests/kernels/conftest.py)."""
 
@@ -31,11 +31,13 @@ def test_layer_kernels_match_torch(kernels, extra, skew, monkeypatch):
     from moesaic.kernels import ffn
 
     calls: Counter[str] = Counter()
-    for name in ("permute", "expert_ffn", "combine", "swiglu_act"):
+    for name in ("permute", "expert_ffn", "combine", "swiglu_act", "route"):
         monkeypatch.setattr(ffn, name, _spy(calls, name, getattr(ffn, name)))
     cfg, sd, x, g = odd_layer_case(extra, skew)
     y, gx, grads = run_layer(dataclasses.replace(cfg, kernels=kernels), sd, x, g)
     want = {"permute": 1, "combine": 1}  # it took the kernels
+    if cfg.score_func == "softmax":  # the router after its gate GEMM in one kernel
+        want["route"] = 1
     if kernels == "triton":
         want["expert_ffn"] = 1
     elif cfg.activation == "swiglu":

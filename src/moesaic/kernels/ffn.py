@@ -1,5 +1,6 @@
 """The Triton expert path the layer calls when ``MoEConfig.kernels`` is "triton" (all of it) or
-"fused" (``permute``, ``combine``, ``swiglu_act`` around the library's grouped GEMMs).
+"fused" (``permute``, ``combine``, ``swiglu_act`` around the library's grouped GEMMs, and
+the router's ``route`` after its gate GEMM).
 
 Shape legend: T tokens, K top-k, H hidden, F expert hidden, M rows, e local experts.
 
@@ -14,10 +15,19 @@ import torch.nn.functional as F
 from moesaic.kernels.combine import combine
 from moesaic.kernels.grouped_gemm import grouped_gemm
 from moesaic.kernels.permute import permute
+from moesaic.kernels.router import route
 from moesaic.kernels.swiglu import grouped_swiglu
 from moesaic.kernels.swiglu_act import swiglu_act
 
-__all__ = ["combine", "expert_ffn", "grouped_gemm", "grouped_swiglu", "permute", "swiglu_act"]
+__all__ = [
+    "combine",
+    "expert_ffn",
+    "grouped_gemm",
+    "grouped_swiglu",
+    "permute",
+    "route",
+    "swiglu_act",
+]
 
 
 def expert_ffn(
