@@ -1,7 +1,9 @@
 """The simulated pipelined schedules: the same task order and dependencies as the runtime's
-``BlockPipeline``, FlowMoE's Theorem 1 (all-reduce chunks in the gaps never lengthen the
-backward) as a property over random task durations, and Theorem 2's trend (with no start-up
-cost a smaller Sp is never slower)."""
+``BlockPipeline``; the gradient chunks placed by the runtime pool's rule (one per gap after an
+all-to-all wait, the rest in the tail) on a lane of their own, the gap's at the loaded call
+floor; FlowMoE's Theorem 1 (all-reduce chunks in the gaps never lengthen the backward) as a
+property over random task durations, and Theorem 2's trend (with no start-up cost a smaller Sp
+is never slower)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,16 @@ from moesaic.schedule.pipeline import BlockPipeline
 from moesaic.sim.collectives import LinkModel
 from moesaic.sim.graph import SimTask
 from moesaic.sim.model import ModelSpec
-from moesaic.sim.pipelined import NET, Costs, build_pipelined, run_pipelined
+from moesaic.sim.pipelined import (
+    GRAD,
+    NET,
+    Costs,
+    _ar_chunks,
+    _place_chunks,
+    _wait_points,
+    build_pipelined,
+    run_pipelined,
+)
 from moesaic.sim.profile import Profile
 
 L, T = 2, 8
@@ -164,16 +175,77 @@ def test_theorem_2_smaller_sp_is_never_slower_without_startup_cost(seed, R):
 
 
 def test_chunks_fill_gaps():
-    """Not vacuous: with the model's own durations the pool puts chunks between all-to-alls
-    and the step is strictly shorter than with the all-reduces after the backward."""
-    c = _costs(2, latency_ms=2.0, flops=1e8)  # the network idles between all-to-alls
+    """Not vacuous: with the model's own durations the pool issues chunks during the backward
+    (before the last all-to-all ends) and the step is strictly shorter than with the
+    all-reduces after the backward."""
+    c = _costs(2, latency_ms=2.0, flops=1e8)
     kw = dict(degree=2, overlap=True, chunk_bytes=c.grad_bytes() / 8)
     g, in_gaps = run_pipelined(c, in_gaps=True, **kw)
     _, central = run_pipelined(c, in_gaps=False, **kw)
-    net = [t.name for t, _ in g.lanes[NET]]
-    last_a2a = max(i for i, n in enumerate(net) if not n.startswith("AR"))
-    assert any(n.startswith("AR") for n in net[:last_a2a])
+    last_a2a = max(in_gaps.end[t.key] for t, _ in g.lanes[NET])
+    assert any(in_gaps.start[t.key] < last_a2a for t, _ in g.lanes[GRAD])
     assert in_gaps.makespan < central.makespan
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("parts", [2, 8, 64])
+def test_the_pool_issues_one_chunk_per_gap_at_its_opening_or_hook(R, parts):
+    """The runtime pool's rule on the simulated timeline: chunks in order, each gap (after an
+    all-to-all wait, until the next all-to-all is issued) issues at most one chunk, whose
+    gradients are ready by the gap's end; a chunk starts at the latest of its gap's opening,
+    its gradients and the previous chunk's end (one process group); the tail's chunks after
+    the last wait."""
+    c = _costs(R, latency_ms=2.0, flops=1e8)
+    G = c.grad_bytes()
+    g, tl = run_pipelined(c, degree=R, overlap=True, chunk_bytes=G / parts)
+    base, done = build_pipelined(c, degree=R, overlap=True)
+    tl0 = base.run()
+    points = _wait_points(base, tl0)
+    chunks = _ar_chunks(c, done, G / parts)
+    placed = _place_chunks(chunks, points, tl0, in_gaps=True)
+    gaps = [p for p, in_gap in placed if in_gap]
+    assert len({p.task.key for p in gaps}) == len(gaps), "two chunks in one gap"
+    order = [points.index(p) for p in gaps]
+    assert order == sorted(order) and all(o < len(points) - 1 for o in order)
+    prev_end = 0.0
+    for (task, _), (_nbytes, wait), (point, in_gap) in zip(g.lanes[GRAD], chunks, placed):
+        opening = tl0.start[point.task.key]
+        ready = tl0.end[wait]
+        if in_gap:
+            assert ready <= point.close
+        else:
+            assert point is points[-1]
+        assert tl.start[task.key] == pytest.approx(max(opening, ready, prev_end))
+        prev_end = tl.end[task.key]
+    # the chunks delay nothing of the step: its compute and all-to-alls keep their times
+    for key, end in tl0.end.items():
+        assert tl.end[key] == pytest.approx(end)
+
+
+def test_gap_chunks_pay_the_loaded_call_floor():
+    """A chunk issued in a gap (beside the backward) pays the measured loaded call floor, a
+    tail chunk the stream's; a loaded floor at or under the stream's changes nothing."""
+    spec = ClusterSpec(levels=(Level(name="n", size=4, bandwidth_gbps=1.0, latency_ms=0.1),))
+    model = ModelSpec(layers=L, batch=4, seq_len=T, hidden=32, ffn_hidden=32, experts=4, top_k=2)
+
+    def run(loaded_s: float):
+        link = LinkModel(spec=spec, allreduce_call_s=0.002, allreduce_loaded_call_s=loaded_s)
+        c = Costs(model, link, Profile(flops_per_s=1e8), 2)
+        sp = c.grad_bytes() / 8
+        g, tl = run_pipelined(c, degree=2, overlap=True, chunk_bytes=sp)
+        base, done = build_pipelined(c, degree=2, overlap=True)
+        tl0 = base.run()
+        placed = _place_chunks(_ar_chunks(c, done, sp), _wait_points(base, tl0), tl0, True)
+        seconds = [t.seconds for t, _ in g.lanes[GRAD]]
+        return [in_gap for _, in_gap in placed], seconds, tl.makespan
+
+    gap, loaded, slow = run(0.05)
+    assert gap == run(0.0)[0] and any(gap) and not all(gap)
+    _, idle, fast = run(0.0)
+    for in_gap, s, s_idle in zip(gap, loaded, idle):
+        assert s >= 0.05 if in_gap else s == pytest.approx(s_idle)
+    assert slow > fast
+    assert run(0.001) == (gap, idle, fast)
 
 
 def test_startup_cost_makes_tiny_chunks_slower():

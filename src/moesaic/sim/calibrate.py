@@ -31,8 +31,9 @@ Two emulated clusters are brought up, one after the other, in network namespaces
 4. still on that cluster, the collectives' call floors (:func:`collective_calls`): one isolated
    all-to-all of a few bytes per rank, and an all-reduce of a few bytes per call in a stream
    of ``CALL_STREAM`` calls issued back to back then waited (how FlowMoE's pool issues its
-   gradient chunks), on the idle machine; measured before step 3, whose shares are relative
-   to the closed forms with these floors;
+   gradient chunks in the tail), on the idle machine; measured before step 3, whose shares
+   are relative to the closed forms with these floors; then one such all-reduce issued alone
+   while every rank computes (how the pool issues a chunk beside the backward);
 5. still on that cluster, the CPU that the taskflow runtime's one-sided puts
    (``comm.channel.PutChannel``) cost between ranks 0 and 1 (:func:`put_cpu`): per put and per
    byte.
@@ -47,7 +48,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from moesaic.checks import check_non_negative, check_positive, check_positive_int
 from moesaic.cluster.spec import ClusterSpec, Level
@@ -57,6 +58,7 @@ __all__ = [
     "CALL_STREAM",
     "COLLECTIVE_SIZES",
     "UNSHAPED",
+    "CallFloors",
     "LinkCalibration",
     "closed_form_s",
     "collective_calls",
@@ -103,6 +105,7 @@ class LinkCalibration:
         put_cpu_per_byte_s: CPU seconds per byte put.
         a2a_call_s: One isolated tiny all-to-all (:func:`collective_calls`).
         allreduce_call_s: A tiny all-reduce per call in a stream (:func:`collective_calls`).
+        allreduce_loaded_call_s: One tiny all-reduce alone while every rank computes.
     """
 
     links: tuple[LinkLevel, ...]
@@ -114,6 +117,7 @@ class LinkCalibration:
     put_cpu_per_byte_s: float = 0.0
     a2a_call_s: float = 0.0
     allreduce_call_s: float = 0.0
+    allreduce_loaded_call_s: float = 0.0
 
 
 def links_from_report(report: Any) -> tuple[LinkLevel, ...]:
@@ -212,10 +216,14 @@ def _worker_collectives(
 
 
 def _worker_calls(rank: int, world: int, reps: int, stream: int, timeout_s: float) -> list:
-    """``[all_to_all seconds, all_reduce seconds per call]`` of each of ``reps`` repetitions
-    after one warm-up: one all-to-all of ``CALL_BYTES_PER_PAIR`` bytes to every rank, after a
-    barrier; ``stream`` all-reduces of that many bytes issued at once (async) and then waited,
-    their elapsed time over ``stream``, after a barrier."""
+    """``[all_to_all seconds, all_reduce seconds per call, loaded all_reduce seconds]`` of each
+    of ``reps`` repetitions after one warm-up: one all-to-all of ``CALL_BYTES_PER_PAIR`` bytes to
+    every rank, after a barrier; ``stream`` all-reduces of that many bytes issued at once
+    (async) and then waited, their elapsed time over ``stream``, after a barrier; then, while a
+    thread of this rank runs ``LOAD_MATMUL`` matmuls, one such all-reduce issued alone and
+    waited, after a barrier (how FlowMoE's pool issues a chunk beside the backward)."""
+    import threading
+
     import torch
 
     from moesaic.comm.collectives import EPGroup
@@ -238,8 +246,35 @@ def _worker_calls(rank: int, world: int, reps: int, stream: int, timeout_s: floa
         per_call = (time.perf_counter() - t0) / stream
         if i:
             out.append([a2a, per_call])
+    a = torch.randn(LOAD_MATMUL, LOAD_MATMUL)
+    stop = threading.Event()
+
+    def compute() -> None:
+        while not stop.is_set():
+            torch.mm(a, a)
+
+    loader = threading.Thread(target=compute, daemon=True)
+    loader.start()
+    try:
+        for i in range(1 + reps):
+            group.barrier("calibrate barrier")
+            t0 = time.perf_counter()
+            group.all_reduce(grads[0], what="calibrate loaded call floor all_reduce")
+            if i:
+                out[i - 1].append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        loader.join()
     group.barrier("calibrate barrier")
     return out
+
+
+class CallFloors(NamedTuple):
+    """The collectives' measured call floors (:func:`collective_calls`), seconds."""
+
+    a2a_s: float
+    allreduce_s: float
+    allreduce_loaded_s: float
 
 
 def collective_calls(
@@ -248,11 +283,12 @@ def collective_calls(
     reps: int = CALL_REPS,
     stream: int = CALL_STREAM,
     timeout_s: float = 300.0,
-) -> tuple[float, float]:
-    """``(a2a_call_s, allreduce_call_s)`` of a started emulated ``cluster`` (every rank), or
-    of a loopback pair without one: per repetition the slowest rank's time, then the mean over
-    ``reps`` (a step pays every call, its slow ones too). The machine should be otherwise
-    idle: the loaded regime of the shares holds what computing beside a collective costs."""
+) -> CallFloors:
+    """The call floors of a started emulated ``cluster`` (every rank), or of a loopback pair
+    without one: per repetition the slowest rank's time, then the mean over ``reps`` (a step
+    pays every call, its slow ones too). The machine should be otherwise idle: the loaded
+    regime of the shares holds what computing beside a collective costs; the loaded all-reduce
+    is the one figure timed beside compute here (``_worker_calls``)."""
     check_positive_int("reps", reps)
     check_positive_int("stream", stream)
     args = (reps, stream, timeout_s)
@@ -263,9 +299,8 @@ def collective_calls(
     else:
         world = cluster.spec.world_size
         per_rank = cluster.run(_worker_calls, world, *args, timeout_s=timeout_s)
-    slowest = [[max(r[i][k] for r in per_rank) for k in range(2)] for i in range(len(per_rank[0]))]
-    a2a, allreduce = (statistics.fmean(x[k] for x in slowest) for k in range(2))
-    return a2a, allreduce
+    slowest = [[max(r[i][k] for r in per_rank) for k in range(3)] for i in range(len(per_rank[0]))]
+    return CallFloors(*(statistics.fmean(x[k] for x in slowest) for k in range(3)))
 
 
 # Put sizes of the put-CPU measurement: a tiny tile (the per-message cost) and a large one
@@ -472,11 +507,11 @@ def measure_links(
         report = check(cluster, duration_s=duration_s, timeout_s=timeout_s)
         links = links_from_report(report)
         scale = statistics.median(x.bandwidth_share for x in links)
-        a2a_call_s, allreduce_call_s = collective_calls(cluster, timeout_s=timeout_s)
+        calls = collective_calls(cluster, timeout_s=timeout_s)
         probe = share_probe(
             Profile(flops_per_s=1.0, floor_s=floor_s, bandwidth_scale=scale, links=links),
-            a2a_call_s,
-            allreduce_call_s,
+            calls.a2a_s,
+            calls.allreduce_s,
         )
         nbytes = next(iter(report.collectives.values()))["bytes_per_rank"]
         shares = collective_shares(cluster, probe, nbytes, sustain_s=sustain_s, timeout_s=timeout_s)
@@ -493,6 +528,7 @@ def measure_links(
         shares=shares,
         put_cpu_s=per_put,
         put_cpu_per_byte_s=per_byte,
-        a2a_call_s=a2a_call_s,
-        allreduce_call_s=allreduce_call_s,
+        a2a_call_s=calls.a2a_s,
+        allreduce_call_s=calls.allreduce_s,
+        allreduce_loaded_call_s=calls.allreduce_loaded_s,
     )

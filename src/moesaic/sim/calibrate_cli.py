@@ -112,7 +112,8 @@ def _print_calibration(cal: Any, shares: tuple[Any, ...]) -> None:
     )
     print(
         f"call floors: all-to-all {cal.a2a_call_s * 1e3:.2f} ms a call, all-reduce "
-        f"{cal.allreduce_call_s * 1e3:.2f} ms a call in a stream"
+        f"{cal.allreduce_call_s * 1e3:.2f} ms a call in a stream, "
+        f"{cal.allreduce_loaded_call_s * 1e3:.2f} ms alone beside compute"
     )
     for x in shares:
         print(
@@ -285,6 +286,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             "cluster": spec,  # what was measured: simulate checks it against its cluster
             "a2a_call_s": cal.a2a_call_s,
             "allreduce_call_s": cal.allreduce_call_s,
+            "allreduce_loaded_call_s": cal.allreduce_loaded_call_s,
         }
         cpu["comm_cpu_busy"] = _comm_cpu_busy(args, spec, cpu)
         floor = "no floor" if args.no_floor else "floor from an unshaped pair"

@@ -41,7 +41,11 @@ once each (a chunk measured 0.7-0.8 ms on 2 ranks, 3.7 ms on 4: ``sim_sp_chunks.
 ``allreduce_call_s``, the time per call in a stream of tiny all-reduces issued back to back
 (as the pool issues its chunks), floors the sum of an all-reduce's step latencies;
 ``a2a_call_s``, one isolated tiny all-to-all (as a schedule issues and waits one), floors an
-all-to-all's latency. 0: not measured, the steps' latencies alone.
+all-to-all's latency. 0: not measured, the steps' latencies alone. ``allreduce_loaded_call_s``,
+one tiny all-reduce issued alone while every rank computes, floors the all-reduces of
+:meth:`LinkModel.loaded` (FlowMoE's chunks issued beside the backward): with 4 ranks sharing 2
+cores it measured 30-60 ms against 3-5 ms idle, on 2 ranks of a core each about the idle time
+(``benchmarks/results/allreduce_under_load.json``).
 
 **Measured collective shares.** ``a2a_shares`` and ``allreduce_shares`` (``(bytes_per_rank,
 share)`` points from ``calibrate --cluster``, :class:`moesaic.sim.profile.CollectiveShare`)
@@ -62,6 +66,7 @@ Torch-free, standard library only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +113,8 @@ class LinkModel:
             0: not measured): an all-to-all's latency term is at least this.
         allreduce_call_s: The measured time per all-reduce call of a few bytes in a stream
             of calls (0: not measured): an all-reduce's latency terms sum to at least this.
+        allreduce_loaded_call_s: The measured time of one such call issued alone while every
+            rank computes (0: not measured): what ``loaded()`` floors the all-reduces with.
     """
 
     spec: ClusterSpec
@@ -118,11 +125,13 @@ class LinkModel:
     all_reduce: str = "ring"
     a2a_call_s: float = 0.0
     allreduce_call_s: float = 0.0
+    allreduce_loaded_call_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_one_of("all_reduce", self.all_reduce, ALL_REDUCE_ALGORITHMS)
         check_non_negative("a2a_call_s", self.a2a_call_s)
         check_non_negative("allreduce_call_s", self.allreduce_call_s)
+        check_non_negative("allreduce_loaded_call_s", self.allreduce_loaded_call_s)
         if not isinstance(self.spec, ClusterSpec):
             raise ValueError(f"spec must be a ClusterSpec, got {type(self.spec).__name__}")
         check_non_negative("floor_s", self.floor_s)
@@ -136,6 +145,13 @@ class LinkModel:
                 check_positive(f"{name} share", share)
             if list(points) != sorted(points):
                 raise ValueError(f"{name} must be sorted by bytes_per_rank")
+
+    def loaded(self) -> LinkModel:
+        """These links with the all-reduce call floor of a call issued beside compute
+        (``allreduce_loaded_call_s`` where it is measured and higher)."""
+        if self.allreduce_loaded_call_s <= self.allreduce_call_s:
+            return self
+        return dataclasses.replace(self, allreduce_call_s=self.allreduce_loaded_call_s)
 
     def share(self, kind: str, bytes_per_rank: float) -> float:
         """The measured share of ``kind`` (``"all_to_all"`` or ``"all_reduce"``) at

@@ -75,13 +75,16 @@ class SimGraph:
     joins: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def add(
-        self, lane: str, task: SimTask, wait: SimTask | str | tuple[SimTask, ...] | None = None
+        self,
+        lane: str,
+        task: SimTask,
+        wait: SimTask | str | tuple[SimTask | str, ...] | None = None,
     ) -> SimTask:
-        """Appends ``task`` to ``lane``; it waits for ``wait`` (a task, a key, or several tasks:
-        a join event that each of them bumps)."""
+        """Appends ``task`` to ``lane``; it waits for ``wait`` (a task, a key, or several tasks
+        or keys: a join event that each of them bumps)."""
         if isinstance(wait, tuple) and not isinstance(wait, SimTask):
             key: str | None = f"join:{task.key}"
-            self.joins[f"join:{task.key}"] = tuple(t.key for t in wait)
+            self.joins[f"join:{task.key}"] = tuple(t if isinstance(t, str) else t.key for t in wait)
         else:
             key = wait.key if isinstance(wait, SimTask) else wait
         self.lanes.setdefault(lane, []).append((task, key))

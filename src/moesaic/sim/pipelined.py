@@ -17,15 +17,23 @@ order from data without a rewrite of that module; the order test keeps the two i
 * backward in reverse; FlowMoE issues ``C``'s gradient of block l - 1 right after ``AT{r}.{l}``'s
   backward; moe-only after the whole block.
 * gradients (replicated parameters only; expert shards have no replicas at EP = world): vanilla
-  and moe-only all-reduce everything after the backward; FlowMoE cuts the flat buffer (laid out
-  in the order the gradients complete: block L first) into Sp-byte chunks that the pool
-  (``schedule/pool.py``, Alg. 2) issues while no all-to-all is queued or in flight, one at a
-  time, non-preemptively; after the last all-to-all every chunk left goes.
+  and moe-only all-reduce everything after the backward on the network lane; FlowMoE cuts the
+  flat buffer (laid out in the order the gradients complete: block L first) into Sp-byte chunks
+  that the pool (``schedule/pool.py``) issues on a process group of their own, in order: after
+  each all-to-all the schedule waits for (a gap, until it issues the next all-to-all) at most
+  one chunk whose gradients are ready by then, and after the last such wait every chunk left,
+  as its gradients complete.
 
-The pool's rule depends on times, so :func:`run_pipelined` places the chunks one at a time:
-simulate, find the first moment the network is idle, no all-to-all is ready and the next chunk's
-gradients are, put the chunk there, simulate again. Each placement changes nothing before it, so
-the result is the pool's dynamic order.
+The chunks therefore run beside the all-to-alls, not between them: they are placed from the
+timeline of the step without them (:func:`run_pipelined`), on a lane of their own (``GRAD``),
+each waiting for its gap's opening (the wait's all-to-all and the compute before it) and its
+gradients. A chunk issued in a gap runs while the backward computes, so its latency terms are
+floored by the measured loaded call (``LinkModel.loaded``: one small all-reduce alone while
+every rank computes took 30-60 ms on 4 ranks sharing 2 cores against 3-5 ms idle,
+``benchmarks/allreduce_under_load.py``); the tail's chunks pay the idle stream's call floor.
+Not modelled: a chunk's bytes sharing the link with the all-to-alls in flight, and an in-flight
+chunk slowing them (on a traced 4-rank run the backward's all-to-alls ended 55 ms later under
+flowmoe than moe-only; docs/simulator.md, "Gradient chunks beside the backward").
 """
 
 from __future__ import annotations
@@ -62,7 +70,8 @@ __all__ = [
     "run_pipelined",
 ]
 
-NET = "net"  # the engine lane of the rank's network (all-to-alls and all-reduce chunks)
+NET = "net"  # the engine lane of the rank's network: all-to-alls, gathers, one all-reduce
+GRAD = "grad"  # FlowMoE's gradient chunks: their own process group, in issue order
 EXCHANGES = ("dropless", "padded", "hybrid")  # the row exchanges the stage model prices
 
 
@@ -239,8 +248,10 @@ class Costs:
     def grad_bytes(self) -> float:
         return self.model.layers * self.block_grad_bytes + self.outer_grad_bytes
 
-    def all_reduce_s(self, nbytes: float) -> float:
-        return all_reduce_s(self.link, nbytes)
+    def all_reduce_s(self, nbytes: float, loaded: bool = False) -> float:
+        """An all-reduce of ``nbytes``; ``loaded``: issued beside compute (the loaded call
+        floor, ``LinkModel.loaded``)."""
+        return all_reduce_s(self.link.loaded() if loaded else self.link, nbytes)
 
 
 def skips_padding(device: str, activation: str) -> bool:
@@ -397,8 +408,9 @@ def _backward(
     return done
 
 
-def _ar_chunks(costs: Costs, done: list[SimTask], chunk_bytes: float) -> list[tuple[SimTask, str]]:
-    """The gradient buffer cut into chunks, each with the task its last byte waits for."""
+def _ar_chunks(costs: Costs, done: list[SimTask], chunk_bytes: float) -> list[tuple[float, str]]:
+    """The gradient buffer cut into chunks: each one's bytes and the task its last byte waits
+    for."""
     L = costs.model.layers
     # Flat layout in completion order: block L, ..., block 1 (with the embeddings).
     ends, acc = [], 0.0
@@ -406,15 +418,79 @@ def _ar_chunks(costs: Costs, done: list[SimTask], chunk_bytes: float) -> list[tu
         acc += costs.block_grad_bytes + (costs.outer_grad_bytes if blk == 1 else 0.0)
         ends.append((acc, done[blk - 1].key))
     total = acc
-    out, start, k = [], 0.0, 0
+    out, start = [], 0.0
     while start < total:
         stop = min(start + chunk_bytes, total)
         wait = next(key for end, key in ends if end >= stop - 1e-9)
-        k += 1
-        nbytes = stop - start
-        ar = SimTask(f"AR{k}", "allreduce", costs.all_reduce_s(nbytes), "bwd", 0, 0, nbytes)
-        out.append((ar, wait))
+        out.append((stop - start, wait))
         start = stop
+    return out
+
+
+class _WaitPoint(NamedTuple):
+    """A point where the schedule waits for an all-to-all: the compute task after it (its
+    start is when the wait returns: the gap opens), the all-to-all and the compute task
+    before it on the lane (None: the first); ``close``: when the next all-to-all in program
+    order is issued (the gap closes), inf when none follows."""
+
+    task: SimTask
+    a2a_key: str
+    before_key: str | None
+    close: float
+
+    def keys(self) -> tuple[str, ...]:
+        """What the gap's opening waits for."""
+        return (self.a2a_key,) if self.before_key is None else (self.before_key, self.a2a_key)
+
+
+def _wait_points(g: SimGraph, tl: Timeline) -> list[_WaitPoint]:
+    """The schedule's all-to-all waits in program order (the compute lane's), from a
+    timeline of the graph without chunks."""
+    a2a_keys = {t.key for t, _ in g.lanes[NET] if t.resource == "a2a"}
+    compute = g.lanes["compute"]
+    index = {t.key: i for i, (t, _) in enumerate(compute)}
+    # an all-to-all is issued right after the compute task it waits for (program order)
+    issued = sorted(
+        (index[w], tl.end[w]) for t, w in g.lanes[NET] if t.resource == "a2a" and w in index
+    )
+    points = []
+    for i, (task, wait) in enumerate(compute):
+        if wait not in a2a_keys:
+            continue
+        later = [end for at, end in issued if at >= i]
+        points.append(
+            _WaitPoint(
+                task,
+                wait,
+                compute[i - 1][0].key if i else None,
+                min(later) if later else math.inf,
+            )
+        )
+    return points
+
+
+def _place_chunks(
+    chunks: list[tuple[float, str]], points: list[_WaitPoint], tl: Timeline, in_gaps: bool
+) -> list[tuple[_WaitPoint | None, bool]]:
+    """The runtime pool's rule (``schedule/pool.py``): after each all-to-all wait but the
+    last (a gap, until the next all-to-all is issued) at most one chunk, if its gradients are
+    ready by the gap's end (issued at the gap's opening or at its hook); after the last wait
+    (the tail) every chunk left, as its gradients are ready. Returns per chunk the wait point
+    whose gap (or tail) issues it (None: no all-to-all at all, as its gradients are ready)
+    and whether it is a gap's."""
+    tail = points[-1] if points else None
+    gaps = points[:-1] if in_gaps else []
+    out: list[tuple[_WaitPoint | None, bool]] = []
+    g = 0
+    for _nbytes, wait in chunks:
+        ready = tl.end[wait]
+        while g < len(gaps) and ready > gaps[g].close:
+            g += 1
+        if g < len(gaps):
+            out.append((gaps[g], True))
+            g += 1
+        else:
+            out.append((tail, False))
     return out
 
 
@@ -455,62 +531,15 @@ def run_pipelined(
         return g, g.run()
     check_positive("chunk_bytes", chunk_bytes)
     chunks = _ar_chunks(costs, done, chunk_bytes)
-    a2a = list(g.lanes[NET])
-    # The pool's all-reduces wait for the backward (hooks) and, in order, for each other.
-    positions: list[int] = []
-    tl = None
-    for k in range(len(chunks) + 1):
-        lanes = dict(g.lanes)
-        lanes[NET] = _merge(a2a, chunks, positions)
-        opt = SimTask("optimizer", "optimizer", costs.optimizer_s)
-        last_net = lanes[NET][-1][0]
-        lanes["compute"] = [*g.lanes["compute"], (opt, last_net.key)]
-        tl = _run_lanes(g, lanes)
-        if k == len(chunks):
-            break
-        pos = _next_gap(tl, a2a, chunks, positions, k) if in_gaps else None
-        if pos is None:  # no gap left: every remaining chunk after the last all-to-all
-            positions.extend([len(a2a)] * (len(chunks) - k))
-            lanes[NET] = _merge(a2a, chunks, positions)
-            lanes["compute"] = [*g.lanes["compute"], (opt, lanes[NET][-1][0].key)]
-            tl = _run_lanes(g, lanes)
-            break
-        positions.append(pos)
-    assert tl is not None  # internal: the loop runs at least once
-    g.lanes = lanes
-    return g, tl
-
-
-def _run_lanes(g: SimGraph, lanes: dict[str, list[tuple[SimTask, str | None]]]) -> Timeline:
-    return g.run(lanes)
-
-
-def _merge(a2a: list, chunks: list, positions: list[int]) -> list[tuple[SimTask, str | None]]:
-    """The network lane: chunk k before all-to-all ``positions[k]``; unplaced chunks at the end
-    (they run after the last all-to-all and wait for their gradients)."""
-    out: list[tuple[SimTask, str | None]] = []
-    k = 0
-    for i, job in enumerate(a2a):
-        while k < len(positions) and positions[k] == i:
-            out.append(chunks[k])
-            k += 1
-        out.append(job)
-    out.extend(chunks[k:])
-    return out
-
-
-def _next_gap(tl: Timeline, a2a: list, chunks: list, positions: list[int], k: int) -> int | None:
-    """The all-to-all index chunk k goes before under the pool's rule, None if none."""
-    _task, wait = chunks[k]
-    ready_c = tl.end[wait]
-    first = positions[-1] if positions else 0
-    for i in range(first, len(a2a)):
-        _job, a2a_wait = a2a[i]
-        if i == first and positions:
-            free = tl.end[chunks[k - 1][0].key]
-        else:
-            free = tl.end[a2a[i - 1][0].key] if i > 0 else 0.0
-        ready_a = tl.end[a2a_wait] if a2a_wait is not None else 0.0
-        if max(free, ready_c) < ready_a:
-            return i
-    return None
+    tl = g.run()  # the step without chunks: they delay none of its tasks
+    placed = _place_chunks(chunks, _wait_points(g, tl), tl, in_gaps)
+    task = None
+    for k, ((nbytes, wait), (point, in_gap)) in enumerate(zip(chunks, placed), start=1):
+        # a gap's chunk runs beside the backward's compute: the loaded call floor
+        seconds = costs.all_reduce_s(nbytes, loaded=in_gap)
+        task = SimTask(f"AR{k}", "allreduce", seconds, "bwd", 0, 0, nbytes)
+        opening = point.keys() if point is not None else ()
+        keys = tuple(dict.fromkeys((*opening, wait)))  # the gap's opening and the hook
+        g.add(GRAD, task, keys if len(keys) > 1 else keys[0])
+    g.add("compute", SimTask("optimizer", "optimizer", costs.optimizer_s), task)
+    return g, g.run()

@@ -43,7 +43,8 @@ measured and what is taken from elsewhere:
 * ``a2a_call_s``, ``allreduce_call_s``: with ``--cluster``, the time of a tiny all-to-all
   (one isolated call) and of a tiny all-reduce (per call, in a stream of back-to-back calls):
   floors of the collectives' latency terms (:mod:`moesaic.sim.collectives`, "Measured call
-  floors"); 0: not measured (profiles written before them);
+  floors"); 0: not measured (profiles written before them); ``allreduce_loaded_call_s``: one
+  tiny all-reduce issued alone while every rank computes (FlowMoE's chunks in the backward);
 * ``comm_cpu_busy``: cores a rank's communication keeps busy for as long as a collective is in
   flight beyond those two, measured by ``calibrate --cluster`` as its compute's slowdown while
   an all-to-all stream runs (:mod:`moesaic.sim.cpuload`); 0: not modelled;
@@ -267,6 +268,9 @@ class Profile:
         allreduce_call_s: Seconds per all-reduce of a few bytes in a stream of such calls
             issued back to back, as FlowMoE's pool issues its chunks: the least an
             all-reduce's latency terms sum to; 0: not measured.
+        allreduce_loaded_call_s: One all-reduce of a few bytes issued alone and waited while
+            a thread of every rank computes (``calibrate --cluster``): the least a gradient
+            chunk issued beside the backward costs; 0: not measured (the stream's figure).
     """
 
     flops_per_s: float
@@ -299,10 +303,12 @@ class Profile:
     layer_host_s: float = 0.0
     a2a_call_s: float = 0.0
     allreduce_call_s: float = 0.0
+    allreduce_loaded_call_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_non_negative("profile.a2a_call_s", self.a2a_call_s)
         check_non_negative("profile.allreduce_call_s", self.allreduce_call_s)
+        check_non_negative("profile.allreduce_loaded_call_s", self.allreduce_loaded_call_s)
         check_non_negative("profile.launch_s", self.launch_s)
         check_non_negative("profile.layer_host_s", self.layer_host_s)
         check_non_negative("profile.layer_kernels", self.layer_kernels)

@@ -288,6 +288,7 @@ def link_model(spec: ClusterSpec, profile: Profile, all_reduce: str = "best") ->
         all_reduce=all_reduce,
         a2a_call_s=profile.a2a_call_s,
         allreduce_call_s=profile.allreduce_call_s,
+        allreduce_loaded_call_s=profile.allreduce_loaded_call_s,
     )
 
 
