@@ -174,10 +174,31 @@ Fixed for all eight: H 232, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
 predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
 
+**The eighth rule** (``--rule 8``; fixed on 2026-11-26 at 13:35 UTC, committed before any of
+its configurations was measured or simulated, after FlowMoE's gradient chunks became the runtime
+pool's placement beside the all-to-alls with a measured loaded call floor; nothing in it may
+change after its first measurement): other levels again, with 4 ranks as 2 nodes x 2 (the
+ranks of a node share a 4 Gbit/s, 0.05 ms level), generators ``D = -A x C`` and
+``E = -A x B x C``; names start with ``p``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.5 Gbit/s, 0.45 ms one way      2.7 Gbit/s, 0.07 ms
+B     routed experts E (top-2)              20                               40
+C     expert width F / H                    2                                4
+D     tokens per rank (sequences of 128)    1024                             1792
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 216, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
+predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|7]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|7] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|8]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|8] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -198,7 +219,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6, 7)
+RULES = (1, 2, 3, 4, 5, 6, 7, 8)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -281,10 +302,19 @@ FACTORS_7: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_7 = 232
+# The eighth rule's (the docstring's eighth table), its fixed hidden size and node level.
+FACTORS_8: dict[str, tuple[Any, Any]] = {
+    "link": ((0.5, 0.45), (2.7, 0.07)),
+    "experts": (20, 40),
+    "f_over_h": (2, 4),
+    "tokens_per_rank": (1024, 1792),
+    "ranks": (2, 4),
+}
+H_8, INTRA_NODE_8 = 216, (4.0, 0.05)
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 6), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 8), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -295,6 +325,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         5: (FACTORS_5, "y"),
         6: (FACTORS_6, "z"),
         7: (FACTORS_7, "q"),
+        8: (FACTORS_8, "p"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -306,15 +337,18 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             5: (-a * b, b * c),
             6: (a * b * c, -a * c),
             7: (-b * c, a * b * c),
+            8: (-a * c, -a * b * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
         cfg["coded"] = levels
         cfg["name"] = prefix + "".join("+" if v > 0 else "-" for v in (a, b, c, d, e))
-        cfg["hidden"] = {1: H, 2: H_2, 3: H_3, 4: H_4, 5: H_5, 6: H_6, 7: H_7}[rule]
+        cfg["hidden"] = {1: H, 2: H_2, 3: H_3, 4: H_4, 5: H_5, 6: H_6, 7: H_7, 8: H_8}[rule]
         cfg["blocks"] = BLOCKS_3 if rule == 3 else BLOCKS
         cfg["flat"] = rule in (2, 4, 7)  # every rank a node of its own
-        cfg["intra_node"] = {3: INTRA_NODE_3, 6: INTRA_NODE_6}.get(rule, INTRA_NODE)
+        cfg["intra_node"] = {3: INTRA_NODE_3, 6: INTRA_NODE_6, 8: INTRA_NODE_8}.get(
+            rule, INTRA_NODE
+        )
         out.append(cfg)
     return out
 
@@ -551,7 +585,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 7 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 8 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
