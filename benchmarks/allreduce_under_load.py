@@ -34,12 +34,10 @@ SIZES = (1024, 110_760, 1_048_576)
 
 def worker(rank: int, world: int, sizes: list[int], reps: int, stream: int, timeout_s: float):
     """Per size: ``{kind: [seconds per call, ...]}`` on this rank (see the module docstring)."""
-    import threading
-
     import torch
 
     from moesaic.comm.collectives import EPGroup
-    from moesaic.sim.calibrate import LOAD_MATMUL
+    from moesaic.sim.calibrate import matmul_load
 
     group = EPGroup(None, timeout_s)
 
@@ -66,23 +64,11 @@ def worker(rank: int, world: int, sizes: list[int], reps: int, stream: int, time
     for nbytes in sizes:
         g = torch.zeros(nbytes // 4)
         results[str(nbytes)] = {"idle": isolated(g), "idle_stream": streamed(nbytes)}
-    a = torch.randn(LOAD_MATMUL, LOAD_MATMUL)
-    stop = threading.Event()
-
-    def compute() -> None:
-        while not stop.is_set():
-            torch.mm(a, a)
-
-    loader = threading.Thread(target=compute, daemon=True)
-    loader.start()
-    try:
+    with matmul_load():
         for nbytes in sizes:
             g = torch.zeros(nbytes // 4)
             results[str(nbytes)]["loaded"] = isolated(g)
             results[str(nbytes)]["loaded_stream"] = streamed(nbytes)
-    finally:
-        stop.set()
-        loader.join()
     group.barrier("all-reduce under load barrier")
     return results
 

@@ -44,9 +44,11 @@ above the floor) is the cluster file's. Torch is used by the workers only.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -64,6 +66,7 @@ __all__ = [
     "collective_calls",
     "collective_share",
     "collective_shares",
+    "matmul_load",
     "measure_links",
     "share_probe",
     "warmup_calls",
@@ -134,6 +137,33 @@ def links_from_report(report: Any) -> tuple[LinkLevel, ...]:
     )
 
 
+@contextlib.contextmanager
+def matmul_load() -> Iterator[list[int]]:
+    """Inside: a thread of this process runs ``LOAD_MATMUL`` fp32 matmuls back to back (the
+    load calibrate times collectives under, as a training step computes beside them). Yields
+    a one-item list that counts the matmuls done."""
+    import threading
+
+    import torch
+
+    a = torch.randn(LOAD_MATMUL, LOAD_MATMUL)
+    stop = threading.Event()
+    done = [0]
+
+    def compute() -> None:
+        while not stop.is_set():
+            torch.mm(a, a)
+            done[0] += 1
+
+    loader = threading.Thread(target=compute, daemon=True)
+    loader.start()
+    try:
+        yield done
+    finally:
+        stop.set()
+        loader.join()
+
+
 def _worker_collectives(
     rank: int, world: int, sizes: list[int], reps: int, warmup: dict[str, int], timeout_s: float
 ) -> dict[str, Any]:
@@ -148,7 +178,6 @@ def _worker_collectives(
     ``timeout_s``), as a training step issues them; its traffic count and order log add about
     2 us per call (measured: 1.9 us), under the loopback's own 0.17-1.3 ms per call and the
     emulated links' 0.15 ms floor."""
-    import threading
 
     import torch
 
@@ -178,19 +207,8 @@ def _worker_collectives(
     group.barrier("calibrate barrier")
     if not warmup:
         return out
-    a = torch.randn(LOAD_MATMUL, LOAD_MATMUL)
-    stop = threading.Event()
-    done = [0]
-
-    def compute() -> None:
-        while not stop.is_set():
-            torch.mm(a, a)
-            done[0] += 1
-
-    loader = threading.Thread(target=compute, daemon=True)
     t_load = time.perf_counter()
-    loader.start()
-    try:
+    with matmul_load() as done:
         for nbytes in sizes:
             send = torch.zeros(nbytes // 4)  # all-reduced in place: zeros stay finite
             recv = torch.empty_like(send)
@@ -207,9 +225,6 @@ def _worker_collectives(
                 for _ in range(reps):
                     call(name, send, recv)
                 out[f"loaded:{key}"] = [(time.perf_counter() - t0) / reps]
-    finally:
-        stop.set()
-        loader.join()
     out["load_flops_per_s"] = 2.0 * LOAD_MATMUL**3 * done[0] / (time.perf_counter() - t_load)
     group.barrier("calibrate barrier")
     return out
@@ -222,7 +237,6 @@ def _worker_calls(rank: int, world: int, reps: int, stream: int, timeout_s: floa
     (async) and then waited, their elapsed time over ``stream``, after a barrier; then, while a
     thread of this rank runs ``LOAD_MATMUL`` matmuls, one such all-reduce issued alone and
     waited, after a barrier (how FlowMoE's pool issues a chunk beside the backward)."""
-    import threading
 
     import torch
 
@@ -246,25 +260,13 @@ def _worker_calls(rank: int, world: int, reps: int, stream: int, timeout_s: floa
         per_call = (time.perf_counter() - t0) / stream
         if i:
             out.append([a2a, per_call])
-    a = torch.randn(LOAD_MATMUL, LOAD_MATMUL)
-    stop = threading.Event()
-
-    def compute() -> None:
-        while not stop.is_set():
-            torch.mm(a, a)
-
-    loader = threading.Thread(target=compute, daemon=True)
-    loader.start()
-    try:
+    with matmul_load():
         for i in range(1 + reps):
             group.barrier("calibrate barrier")
             t0 = time.perf_counter()
             group.all_reduce(grads[0], what="calibrate loaded call floor all_reduce")
             if i:
                 out[i - 1].append(time.perf_counter() - t0)
-    finally:
-        stop.set()
-        loader.join()
     group.barrier("calibrate barrier")
     return out
 
