@@ -13,7 +13,9 @@ T*K sorted assignments (``order_TK``, a static shape).
 The router computes fp32 logits whatever the activation dtype: the top-k choice is
 discontinuous, and bf16 logits flip ties between ranks and runs (the reason Mixtral, DeepSeek-V3
 and Megatron all route in fp32); half-precision tokens take ``router_gate.gate_logits``. Its
-auxiliary losses are per-forward terms (``router_losses``).
+auxiliary losses are per-forward terms (``router_losses``). On a GPU (``kernels`` "fused",
+the default there) the softmax, top-k, weights and loss statistics run in one Triton kernel
+each way (``moesaic.kernels.router``: 120 -> 67 kernels a layer step on an H100, issue 27).
 
 Capacity rule (only when ``capacity_factor`` is set): every expert keeps at most
 ``C = ceil(cf * T * K / E)`` assignments from this rank. Assignments are admitted first by choice
@@ -504,6 +506,9 @@ class Router(nn.Module):
         Returns the plan and this forward's aux-loss terms (``terms.loss()`` is the weighted
         load-balancing + z loss of these tokens). ``seq_len``: tokens per sequence for the
         sequence-wise loss (the T tokens are consecutive sequences); None: one sequence.
+        With ``kernels`` "fused" or "triton" and where ``routes_in_one_kernel``, everything
+        after the gate's GEMM runs in ``moesaic.kernels.router`` (one kernel each way, the same
+        values: tests/kernels/test_kernel_router.py).
         """
         cfg = self.config
         kernels = resolve_kernels(cfg.kernels, x_TH.device)
