@@ -2,10 +2,11 @@
 
 ``g.double().square().sum()`` writes two float64 copies of every gradient: 49 ms for one
 7.3 M-element expert weight gradient on one core of this machine. :func:`square_norm` reduces
-in float64 without a copy of the whole tensor: ``torch.linalg.vector_norm(..., dtype=torch.float64)`` over slices
-of ``CPU_SLICE`` elements, whose float64 conversion stays in cache (2.8 ms for the same
-gradient; on the whole tensor at once 25 ms), and as exact (relative difference 2e-14). A
-device reduces the whole tensor in one call. Every schedule's norm goes through here.
+in float64 without a copy of the whole tensor: ``torch.linalg.vector_norm(...,
+dtype=torch.float64)`` over slices of ``CPU_SLICE`` elements, whose float64 conversion stays
+in cache (2.8 ms for the same gradient; on the whole tensor at once 25 ms), and as exact
+(relative difference 2e-14). A device reduces the whole tensor in one call. Every schedule's
+norm goes through here.
 
 Measured on whole steps (``benchmarks/results/norm_ab.json``: emulated 2- and 4-rank runs, old
 and new code interleaved, two rounds): 0.88x the step for dropless under vanilla and flowmoe on

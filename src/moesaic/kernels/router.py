@@ -162,16 +162,17 @@ def _route_bwd(
         gp += tl.load(dpm_ptr + cols, mask=col_ok, other=0.0)[None, :] * inv_T
     if HAS_DW:
         rows64 = rows.to(tl.int64)
-        vsum = tl.zeros((BT,), dtype=tl.float32)
-        dot = tl.zeros((BT,), dtype=tl.float32)  # sum_k dw_k v_k
-        for k in tl.static_range(K):
-            idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0)
-            dwk = tl.load(dw_ptr + rows64 * K + k, mask=row_ok, other=0.0)
-            vk = tl.sum(tl.where(cols[None, :] == idk[:, None], p, 0.0), axis=1)
-            vsum += vk
-            dot += dwk * vk
-        big = vsum > 1e-20
-        denom = tl.where(big, vsum, 1e-20)
+        if NORMALIZE:  # the chosen probabilities' sum S and sum_k dw_k v_k
+            vsum = tl.zeros((BT,), dtype=tl.float32)
+            dot = tl.zeros((BT,), dtype=tl.float32)
+            for k in tl.static_range(K):
+                idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0)
+                dwk = tl.load(dw_ptr + rows64 * K + k, mask=row_ok, other=0.0)
+                vk = tl.sum(tl.where(cols[None, :] == idk[:, None], p, 0.0), axis=1)
+                vsum += vk
+                dot += dwk * vk
+            big = vsum > 1e-20
+            denom = tl.where(big, vsum, 1e-20)
         for k in tl.static_range(K):
             idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0)
             dwk = tl.load(dw_ptr + rows64 * K + k, mask=row_ok, other=0.0)

@@ -35,8 +35,9 @@ that no real collective goes below (gloo on this machine's loopback: 0.15-0.2 ms
 this machine's emulated links a 256-byte gloo all-reduce took 0.9-1.3 ms on 2 ranks at 0.12 ms
 (the closed form's two steps: 0.24 ms) and 3.6-4.6 ms per call on 4 ranks sharing 2 cores
 (0.72 ms), an all-to-all 0.5 ms (0.12 ms): more messages per step than the closed form counts
-(gloo's handshakes), the stack's cost on each, and a collective thread waiting for a core. FlowMoE's gradient chunks pay it
-once each (a chunk measured 0.7-0.8 ms on 2 ranks, 3.7 ms on 4: ``sim_sp_chunks.json``).
+(gloo's handshakes), the stack's cost on each, and a collective thread waiting for a core.
+FlowMoE's gradient chunks pay it once each (a chunk measured 0.7-0.8 ms on 2 ranks, 3.7 ms on
+4: ``sim_sp_chunks.json``).
 ``calibrate --cluster`` measures both (:func:`moesaic.sim.calibrate.collective_calls`):
 ``allreduce_call_s``, the time per call in a stream of tiny all-reduces issued back to back
 (as the pool issues its chunks), floors the sum of an all-reduce's step latencies;

@@ -38,6 +38,7 @@ flowmoe than moe-only; docs/simulator.md, "Gradient chunks beside the backward")
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -145,9 +146,9 @@ class Costs:
     to every expert, zeros included: a uniform all-to-all; the experts compute the whole
     buffer, as GShard and DeepSpeed do, except where the per-operation measurements were
     taken on a CPU and the activation allows it (:func:`skips_padding`): the kept rows only;
-    without a capacity factor ``C`` is the largest load, found by one all-reduce) or ``hybrid`` (dropless over the offset group of
-    ``domain_sizes``: one rank per domain, each computing its domain's experts; with
-    ``gathers``, the migration around the pipeline).
+    without a capacity factor ``C`` is the largest load, found by one all-reduce) or
+    ``hybrid`` (dropless over the offset group of ``domain_sizes``: one rank per domain, each
+    computing its domain's experts; with ``gathers``, the migration around the pipeline).
 
     Compute: with the profile's per-operation measurements (``profile.ops``) each task is
     priced from them (:class:`~moesaic.sim.opcal.OpPrices`; ``notes`` says what was
@@ -449,23 +450,16 @@ def _wait_points(g: SimGraph, tl: Timeline) -> list[_WaitPoint]:
     a2a_keys = {t.key for t, _ in g.lanes[NET] if t.resource == "a2a"}
     compute = g.lanes["compute"]
     index = {t.key: i for i, (t, _) in enumerate(compute)}
-    # an all-to-all is issued right after the compute task it waits for (program order)
-    issued = sorted(
-        (index[w], tl.end[w]) for t, w in g.lanes[NET] if t.resource == "a2a" and w in index
-    )
+    # an all-to-all is issued right after the compute task it waits for (program order);
+    # the lane's tasks end in its order, so the first issued at or after a wait closes its gap
+    issued = sorted(index[w] for t, w in g.lanes[NET] if t.resource == "a2a" and w in index)
     points = []
     for i, (task, wait) in enumerate(compute):
         if wait not in a2a_keys:
             continue
-        later = [end for at, end in issued if at >= i]
-        points.append(
-            _WaitPoint(
-                task,
-                wait,
-                compute[i - 1][0].key if i else None,
-                min(later) if later else math.inf,
-            )
-        )
+        j = bisect.bisect_left(issued, i)
+        close = tl.end[compute[issued[j]][0].key] if j < len(issued) else math.inf
+        points.append(_WaitPoint(task, wait, compute[i - 1][0].key if i else None, close))
     return points
 
 
@@ -520,13 +514,12 @@ def run_pipelined(
         g.lanes = {
             k: [(t._replace(seconds=durations(t)), w) for t, w in v] for k, v in g.lanes.items()
         }
-    last = g.lanes["compute"][-1][0]
     if chunk_bytes is None:
         total = costs.grad_bytes()
         if total == 0:  # layer_only: no replicated gradient, no optimizer step
             return g, g.run()
         ar = SimTask("AR1", "allreduce", costs.all_reduce_s(total), "bwd", 0, 0, total)
-        g.add(NET, ar, last)
+        g.add(NET, ar, g.lanes["compute"][-1][0])
         g.add("compute", SimTask("optimizer", "optimizer", costs.optimizer_s), ar)
         return g, g.run()
     check_positive("chunk_bytes", chunk_bytes)
