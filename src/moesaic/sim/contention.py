@@ -33,15 +33,29 @@ torch threads (``OpCal.threads``; 1 without per-operation measurements). The mod
   simulate again with the stretched durations; :data:`ITERATIONS` rounds (each from the
   measured durations, against the previous round's communication and ``u``, ``Lbar``).
 
-Communication itself is not slowed here: the profile's loaded collective shares were measured
-while every rank computed, so they already hold what a busy CPU costs the collectives. The
-FlowMoE pool's all-reduce chunks stay where the uncontended timeline placed them.
+Communication is priced between the profile's two regimes by the compute beside it. The
+loaded collective shares were measured while every rank of the machine computed (a matmul
+thread per rank), the idle ones with nothing computing. Given each communication task's seconds
+at both (``idle``: ``simulate`` builds the graph once more on the idle shares), a task is priced
+``idle + lam (loaded - idle)`` where ``lam = (f + (m - 1) u) / m``
+(:meth:`CpuModel.collective_load`): ``f`` the share of its span during which this rank computes,
+``u`` the other ranks' compute fraction, their phases independent of this rank's as above. A
+vanilla step's collectives, with nothing of this rank computing beside them, are priced near
+idle on one rank per machine and a quarter of the way to loaded on four ranks that compute a
+third of the step. Priced loaded everywhere (until 2026-11-26), the equal-split exchanges of
+``padded`` on slow 4-rank links were over-priced by 22-47% (the eighth unseen rule's miss):
+their vanilla and moe-only collectives ran at the idle shares as traced. On the 48 measured
+configurations of the third to eighth unseen rules (seen data) the measured-fastest combination
+was ranked first or within 5% of the first in 35 of 48 with this rule, against 30 of 48 priced
+loaded; the error 9.4% against 8.9% (``docs/simulator.md``). The FlowMoE pool's all-reduce
+chunks stay where the uncontended timeline placed them.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +149,14 @@ class CpuModel:
             return shared
         return shared / max(1.0, self.threads / self.cores_per_rank)
 
+    def collective_load(self, own: float, compute_fraction: float) -> float:
+        """``lam``: how far a collective's price moves from its idle toward its loaded share,
+        this rank computing during ``own`` of its span and the machine's other ranks each
+        computing ``compute_fraction`` of the time (module docstring); 0 to 1."""
+        f = min(max(own, 0.0), 1.0)
+        u = min(max(compute_fraction, 0.0), 1.0)
+        return (f + (self.machine_ranks - 1) * u) / self.machine_ranks
+
     def others(self, compute_fraction: float, comm_load: float) -> float:
         """``O``: the cores the other ranks of the machine want, each computing
         ``compute_fraction`` of the time with ``threads`` threads and keeping ``comm_load``
@@ -199,13 +221,25 @@ class _Load:
             t, i = nxt, i + 1
 
 
-def contend(g: SimGraph, tl: Timeline, cpu: CpuModel) -> tuple[Timeline, dict[str, Any]]:
-    """``g`` re-simulated with its compute slowed by ``cpu`` (module docstring); ``g``'s lanes
-    take the stretched durations. Returns the timeline and ``{"threads", "cores_per_rank",
-    "compute_added_ms"}`` (compute seconds the contention added)."""
+def contend(
+    g: SimGraph, tl: Timeline, cpu: CpuModel, idle: Mapping[str, float] | None = None
+) -> tuple[Timeline, dict[str, Any]]:
+    """``g`` re-simulated with its compute slowed by ``cpu`` and, where ``idle`` gives a
+    communication task's seconds at the idle regime's shares, that task priced between them and
+    its seconds in ``g`` (the loaded regime's) by the compute beside it (module docstring);
+    ``g``'s lanes take the new durations. Returns the timeline and ``{"threads",
+    "cores_per_rank", "other_ranks_cores", "compute_added_ms"}`` (compute seconds the contention
+    added), with ``idle`` also ``"collective_load"`` (``lam`` averaged over the repriced tasks'
+    loaded seconds) and ``"comm_saved_ms"`` (what pricing them so took off their loaded sum)."""
     base = {t.key: t.seconds for t in g.tasks()}
+    repriced = {
+        t.key: idle[t.key]
+        for t in g.tasks()
+        if idle is not None and t.resource in COMM_RESOURCES and t.key in idle
+    }
     lanes = g.lanes
     others = 0.0
+    lam: dict[str, float] = {}
     for _ in range(ITERATIONS):
         comm = [
             (tl.start[t.key], tl.end[t.key], cpu.load(t, tl.end[t.key] - tl.start[t.key]))
@@ -213,27 +247,77 @@ def contend(g: SimGraph, tl: Timeline, cpu: CpuModel) -> tuple[Timeline, dict[st
             if t.resource in COMM_RESOURCES and t.key in tl.end
         ]
         load = _Load(comm)
-        others = _others(g, tl, comm, cpu)
+        fraction = _compute_fraction(g, tl)
+        others = cpu.others(fraction, _comm_load(comm, tl.makespan))
+        busy = _Busy(g, tl)
+        lam = {
+            key: cpu.collective_load(busy.share(tl.start[key], tl.end[key]), fraction)
+            for key in repriced
+            if key in tl.end
+        }
         lanes = {
-            name: [(_stretched(t, base, tl, load, cpu, others), w) for t, w in jobs]
+            name: [
+                (_blend(_stretched(t, base, tl, load, cpu, others), base, repriced, lam), w)
+                for t, w in jobs
+            ]
             for name, jobs in g.lanes.items()
         }
         tl = g.run(lanes)
     g.lanes = lanes
-    added = sum(t.seconds - base[t.key] for t in g.tasks())
-    info = {
+    tasks = {t.key: t.seconds for t in g.tasks()}
+    added = sum(tasks[k] - base[k] for k in tasks if k not in lam)
+    info: dict[str, Any] = {
         "threads": cpu.threads,
         "cores_per_rank": cpu.cores_per_rank,
         "other_ranks_cores": others,
         "compute_added_ms": max(added, 0.0) * 1e3,  # >= 0 but for rounding
     }
+    if lam:
+        weight = math.fsum(base[k] for k in lam)
+        info["collective_load"] = (
+            math.fsum(lam[k] * base[k] for k in lam) / weight if weight > 0 else 0.0
+        )
+        info["comm_saved_ms"] = math.fsum(base[k] - tasks[k] for k in lam) * 1e3
     return tl, info
 
 
-def _others(
-    g: SimGraph, tl: Timeline, comm: list[tuple[float, float, float]], cpu: CpuModel
-) -> float:
-    """``O`` from a timeline: its compute fraction and mean communication load."""
+class _Busy:
+    """The spans during which a timeline's rank computes (its compute tasks' union)."""
+
+    def __init__(self, g: SimGraph, tl: Timeline):
+        spans = sorted(
+            (tl.start[t.key], tl.end[t.key])
+            for t in g.tasks()
+            if t.resource in COMPUTE_RESOURCES and t.key in tl.end
+        )
+        merged: list[list[float]] = []
+        for start, end in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            elif end > start:
+                merged.append([start, end])
+        self.starts = [s for s, _ in merged]
+        self.ends = [e for _, e in merged]
+        self.before = [0.0]  # busy seconds before each merged span
+        for s, e in merged:
+            self.before.append(self.before[-1] + e - s)
+
+    def _upto(self, t: float) -> float:
+        """Busy seconds before ``t``."""
+        i = bisect.bisect_right(self.starts, t)
+        if i == 0:
+            return 0.0
+        return self.before[i - 1] + min(t, self.ends[i - 1]) - self.starts[i - 1]
+
+    def share(self, start: float, end: float) -> float:
+        """The share of ``[start, end]`` during which the rank computes (0 for an empty span)."""
+        if end <= start:
+            return 0.0
+        return (self._upto(end) - self._upto(start)) / (end - start)
+
+
+def _compute_fraction(g: SimGraph, tl: Timeline) -> float:
+    """The share of the step this rank's compute tasks take (their summed spans)."""
     span = tl.makespan
     if span <= 0:
         return 0.0
@@ -242,8 +326,25 @@ def _others(
         for t in g.tasks()
         if t.resource in COMPUTE_RESOURCES and t.key in tl.end
     )
-    comm_load = sum((end - start) * level for start, end, level in comm) / span
-    return cpu.others(compute / span, comm_load)
+    return compute / span
+
+
+def _comm_load(comm: list[tuple[float, float, float]], span: float) -> float:
+    """The communication's mean CPU load over ``span``."""
+    if span <= 0:
+        return 0.0
+    return sum((end - start) * level for start, end, level in comm) / span
+
+
+def _blend(
+    t: SimTask, loaded: dict[str, float], idle: dict[str, float], lam: dict[str, float]
+) -> SimTask:
+    """``t`` priced ``lam`` of the way from its idle to its loaded seconds, where it has a
+    ``lam``."""
+    if t.key not in lam:
+        return t
+    low, high = idle[t.key], loaded[t.key]
+    return t._replace(seconds=low + lam[t.key] * (high - low))
 
 
 def _stretched(

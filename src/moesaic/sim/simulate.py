@@ -274,17 +274,20 @@ def _resolve(
     return run, opts
 
 
-def link_model(spec: ClusterSpec, profile: Profile, all_reduce: str = "best") -> LinkModel:
+def link_model(
+    spec: ClusterSpec, profile: Profile, all_reduce: str = "best", regime: str | None = None
+) -> LinkModel:
     """The links ``simulate`` prices ``spec`` on under ``profile``: measured levels at their
-    measured rates, the profile's floor, collective shares (loaded ones held to the links'
-    rate: :func:`_shares`) and call floors, ``all_reduce``'s algorithm."""
+    measured rates, the profile's floor, collective shares of ``regime`` (None: the loaded ones
+    where measured, held to the links' rate: :func:`_shares`) and call floors, ``all_reduce``'s
+    algorithm."""
     link_spec, scale = profile.link_spec(spec)
     return LinkModel(
         spec=link_spec,
         floor_s=profile.floor_s,
         bandwidth_scale=scale,
-        a2a_shares=_shares(profile, "all_to_all"),
-        allreduce_shares=_shares(profile, "all_reduce"),
+        a2a_shares=_shares(profile, "all_to_all", regime),
+        allreduce_shares=_shares(profile, "all_reduce", regime),
         all_reduce=all_reduce,
         a2a_call_s=profile.a2a_call_s,
         allreduce_call_s=profile.allreduce_call_s,
@@ -292,16 +295,54 @@ def link_model(spec: ClusterSpec, profile: Profile, all_reduce: str = "best") ->
     )
 
 
-def _shares(profile: Profile, kind: str) -> tuple[tuple[float, float], ...]:
-    """The profile's share points of ``kind`` as the simulation prices them: the loaded
-    regime's (where it has them) held to what the links can do
+def _shares(
+    profile: Profile, kind: str, regime: str | None = None
+) -> tuple[tuple[float, float], ...]:
+    """The profile's share points of ``kind`` as the simulation prices them: ``regime``'s as
+    measured where the profile has points of it; else (or with ``regime`` None) the loaded
+    regime's where it has them, held to what the links can do
     (:func:`~moesaic.sim.collectives.rate_bounded_shares`: a size timed slower than a larger
     one allows held a stall, which FlowMoE's small gradient chunks would otherwise pay as a
-    rate), the idle regime's as measured."""
+    rate), else the idle regime's as measured."""
+    measured = {x.regime for x in profile.collectives if x.kind == kind}
+    if regime is not None and regime in measured:
+        return profile.collective_shares(kind, regime)
     points = profile.collective_shares(kind)
-    if any(x.kind == kind and x.regime == "loaded" for x in profile.collectives):
+    if "loaded" in measured:
         return rate_bounded_shares(points)
     return points
+
+
+def _idle_comm_s(
+    g: SimGraph,
+    run: Run,
+    model: ModelSpec,
+    spec: ClusterSpec,
+    profile: Profile,
+    opts: SimOptions,
+    details: dict[str, Any],
+) -> dict[str, float] | None:
+    """The seconds of ``g``'s communication tasks at the idle regime's shares (by key), for
+    :func:`~moesaic.sim.contention.contend` to price each between them and its loaded seconds
+    by the compute beside it; None unless the profile measured both regimes (then every
+    collective is priced as the one it has; a kind measured loaded only stays so). ``g`` built
+    once more on the idle shares, with
+    the domains ``g`` was planned with; a task whose bytes or lane differ there keeps its
+    loaded price."""
+    if {x.regime for x in profile.collectives} != {"idle", "loaded"}:
+        return None
+    if "domain_sizes" in details:  # the idle links must not plan other domains
+        opts = dataclasses.replace(opts, domain_sizes=tuple(details["domain_sizes"]))
+    link = link_model(spec, profile, opts.all_reduce, regime="idle")
+    idle, _, _ = _graph(run, model, link, profile, opts)
+    loaded = {t.key: t for t in g.tasks() if t.resource in COMM_RESOURCES}
+    return {
+        t.key: t.seconds
+        for t in idle.tasks()
+        if t.key in loaded
+        and loaded[t.key].resource == t.resource
+        and loaded[t.key].nbytes == t.nbytes
+    }
 
 
 def simulate(
@@ -347,7 +388,8 @@ def simulate(
     g, tl, details = _graph(run, model, link, profile, opts)
     cpu = CpuModel.of(profile) if run.strategy != "taskflow" else None  # taskflow: its floor
     if cpu is not None:
-        tl, details["contention"] = contend(g, tl, cpu)
+        idle = _idle_comm_s(g, run, model, spec, profile, opts, details)
+        tl, details["contention"] = contend(g, tl, cpu, idle)
     plans = details.pop("plans", None)
     spans = [_span(t, tl) for t in g.tasks() if t.key in tl.end]
     if plans is not None:  # each layer task expanded into its plan's tiles
