@@ -195,10 +195,31 @@ Fixed for all eight: H 216, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
 predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
 
+**The ninth rule** (``--rule 9``; fixed on 2026-11-26 at 16:50 UTC, committed before any of
+its configurations was measured or simulated, after each collective came to be priced between
+its idle and loaded shares by the compute beside it; nothing in it may change after its first
+measurement): other levels again, with 4 ranks as 2 nodes x 2 (the ranks of a node share a
+4.5 Gbit/s, 0.05 ms level), generators ``D = -A x B`` and ``E = -A x C``; names start with
+``r``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.55 Gbit/s, 0.5 ms one way      2.2 Gbit/s, 0.09 ms
+B     routed experts E (top-2)              12                               36
+C     expert width F / H                    1.5                              3
+D     tokens per rank (sequences of 128)    1024                             1536
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 200, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
+predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|8]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|8] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|9]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|9] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -219,7 +240,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6, 7, 8)
+RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -311,10 +332,20 @@ FACTORS_8: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_8, INTRA_NODE_8 = 216, (4.0, 0.05)
+# The ninth rule's (the docstring's ninth table), its fixed hidden size and node level.
+FACTORS_9: dict[str, tuple[Any, Any]] = {
+    "link": ((0.55, 0.5), (2.2, 0.09)),
+    "experts": (12, 36),
+    "f_over_h": (1.5, 3),
+    "tokens_per_rank": (1024, 1536),
+    "ranks": (2, 4),
+}
+H_9, INTRA_NODE_9 = 200, (4.5, 0.05)
+HIDDEN = (H, H_2, H_3, H_4, H_5, H_6, H_7, H_8, H_9)  # by rule
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 8), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 9), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -326,6 +357,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         6: (FACTORS_6, "z"),
         7: (FACTORS_7, "q"),
         8: (FACTORS_8, "p"),
+        9: (FACTORS_9, "r"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -338,17 +370,21 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             6: (a * b * c, -a * c),
             7: (-b * c, a * b * c),
             8: (-a * c, -a * b * c),
+            9: (-a * b, -a * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
         cfg["coded"] = levels
         cfg["name"] = prefix + "".join("+" if v > 0 else "-" for v in (a, b, c, d, e))
-        cfg["hidden"] = {1: H, 2: H_2, 3: H_3, 4: H_4, 5: H_5, 6: H_6, 7: H_7, 8: H_8}[rule]
+        cfg["hidden"] = HIDDEN[rule - 1]
         cfg["blocks"] = BLOCKS_3 if rule == 3 else BLOCKS
         cfg["flat"] = rule in (2, 4, 7)  # every rank a node of its own
-        cfg["intra_node"] = {3: INTRA_NODE_3, 6: INTRA_NODE_6, 8: INTRA_NODE_8}.get(
-            rule, INTRA_NODE
-        )
+        cfg["intra_node"] = {
+            3: INTRA_NODE_3,
+            6: INTRA_NODE_6,
+            8: INTRA_NODE_8,
+            9: INTRA_NODE_9,
+        }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
 
@@ -585,7 +621,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 8 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 9 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
