@@ -195,7 +195,7 @@ Fixed for all eight: H 216, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
 predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
 
-**The ninth rule** (``--rule 9``; fixed on 2026-11-26 at 16:50 UTC, committed before any of
+**The ninth rule** (``--rule 9``; fixed on 2026-11-26 at 15:47 UTC, committed before any of
 its configurations was measured or simulated, after each collective came to be priced between
 its idle and loaded shares by the compute beside it; nothing in it may change after its first
 measurement): other levels again, with 4 ranks as 2 nodes x 2 (the ranks of a node share a
