@@ -1,0 +1,119 @@
+"""One unseen-rule configuration's combinations trained with ``--trace`` on its emulated cluster
+and simulated with its stored profile: busy milliseconds per step by lane and by task name,
+measured (rank 0 and 1, the trace's last steps) beside simulated (the representative rank).
+
+Where a point's error comes from (``docs/simulator.md``). The trace's spans cost a little
+time of their own, so a traced step is not the grid's measurement.
+
+Usage (root: the emulated network needs network namespaces)::
+
+    python benchmarks/sim_unseen_trace.py RESULT.json NAME strategy:schedule [...] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import sim_unseen as su
+
+TRACE_STEPS = 3  # moesaic.train.config.TRACE_STEPS: the steps a trace keeps
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    data = json.loads(path.read_text())
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def by_lane(events: list[dict[str, Any]], steps: int) -> dict[int, dict[str, float]]:
+    """Per rank (``pid``), per lane (thread name): busy ms per step."""
+    names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e["name"] == "thread_name"
+    }
+    out: dict[int, dict[str, float]] = collections.defaultdict(
+        lambda: collections.defaultdict(float)
+    )
+    for e in events:
+        if e.get("ph") == "X":
+            out[e["pid"]][names[e["pid"], e["tid"]]] += e["dur"] / 1e3 / steps
+    return {r: {k: round(v, 1) for k, v in d.items()} for r, d in sorted(out.items())}
+
+
+def by_name(events: list[dict[str, Any]], steps: int, pid: int = 0) -> dict[str, float]:
+    """Rank ``pid``'s busy ms per step by task name (phases summed)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] == pid:
+            out[e["name"]] += e["dur"] / 1e3 / steps
+    return {k: round(v, 1) for k, v in sorted(out.items())}
+
+
+def trace_one(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> dict[str, Any]:
+    run_dir = work / f"run_{strategy}_{schedule}"
+    config = work / f"train_{strategy}.toml"
+    config.write_text(su.train_toml(cfg, run_dir, strategy))
+    cluster = str(work / "cluster.toml")
+    trace = work / f"trace_{strategy}_{schedule}.json"
+    args = [sys.executable, "-m", "moesaic", "train", "--config", str(config), "--emulate"]
+    args += [cluster, *su.combo_flags(strategy, schedule), "--trace", str(trace)]
+    if strategy == "hybrid":
+        args += ["--cluster", cluster]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    steps = su._steps(run_dir, cfg)
+    sim_trace = work / f"sim_{strategy}_{schedule}.json"
+    sargs = ["simulate", "--cluster", cluster, "--model", str(config), "--profile"]
+    sargs += [str(work / "p.json"), "--strategy", strategy, "--schedule", schedule, "--json"]
+    sargs += ["--trace", str(sim_trace)]
+    if schedule != "vanilla":
+        sargs += ["--degree", str(su.PIPELINE_DEGREE)]
+    sim = json.loads(su.run_cli(sargs).stdout)
+    sim = sim[0] if isinstance(sim, list) else sim
+    measured, simulated = _events(trace), _events(sim_trace)
+    return {
+        "measured_s": steps["measured_s"],
+        "steps_s": steps["steps_s"],
+        "predicted_s": sim["iteration_ms"] / 1e3,
+        "contention": sim.get("contention"),
+        "measured_ms_by_lane": by_lane(measured, TRACE_STEPS),
+        "simulated_ms_by_lane": by_lane(simulated, 1),
+        "measured_ms_by_name": by_name(measured, TRACE_STEPS),
+        "simulated_ms_by_name": by_name(simulated, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("result", help="a sim_unseen result (its configuration's profile)")
+    parser.add_argument("name", help="the configuration, e.g. r+-++-")
+    parser.add_argument("combos", nargs="+", help="strategy:schedule")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    data = json.loads(Path(args.result).read_text())
+    entry = next(c for c in data["configurations"] if c["name"] == args.name)
+    cfg = su.find_configuration(args.name)
+    work = Path(tempfile.mkdtemp(prefix=f"unseen_trace_{args.name}_"))
+    (work / "cluster.toml").write_text(su.cluster_toml(cfg))
+    (work / "p.json").write_text(json.dumps(entry["profile"]))
+    out: dict[str, Any] = {"result": args.result, "configuration": args.name, "runs": {}}
+    for combo in args.combos:
+        strategy, schedule = combo.split(":")
+        out["runs"][combo] = trace_one(work, cfg, strategy, schedule)
+        print(combo, json.dumps(out["runs"][combo]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
