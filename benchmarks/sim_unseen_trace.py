@@ -3,11 +3,15 @@ and simulated with its stored profile: busy milliseconds per step by lane and by
 measured (rank 0 and 1, the trace's last steps) beside simulated (the representative rank).
 
 Where a point's error comes from (``docs/simulator.md``). The trace's spans cost a little
-time of their own, so a traced step is not the grid's measurement.
+time of their own, so a traced step is not the grid's measurement. Per collective lane also
+the ranks' arrival (:func:`arrival`): how long a call waits for the last rank to issue it and
+how long it takes once every rank has (the ranks' clocks are one machine's monotonic clock).
+``--traces DIR`` keeps the raw traces there.
 
 Usage (root: the emulated network needs network namespaces)::
 
     python benchmarks/sim_unseen_trace.py RESULT.json NAME strategy:schedule [...] [--out F.json]
+        [--traces DIR]
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +64,53 @@ def by_name(events: list[dict[str, Any]], steps: int, pid: int = 0) -> dict[str,
     return {k: round(v, 1) for k, v in sorted(out.items())}
 
 
+def arrival(events: list[dict[str, Any]], lane: str) -> dict[str, float] | None:
+    """The calls on ``lane`` matched across ranks by name and order: medians (ms) of a call's
+    span, of the lag between the first and the last rank issuing it, and of the time from the
+    last rank's issue to the first rank's end (the collective itself once all are in)."""
+    names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e["name"] == "thread_name"
+    }
+    calls: dict[tuple[str, int], list[tuple[float, float]]] = collections.defaultdict(list)
+    seen: dict[tuple[int, str], int] = collections.defaultdict(int)
+    for e in sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"]):
+        if names[e["pid"], e["tid"]] != lane:
+            continue
+        k = seen[e["pid"], e["name"]]
+        seen[e["pid"], e["name"]] += 1
+        calls[e["name"], k].append((e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3))
+    ranks = len({pid for pid, _ in seen})
+    full = [c for c in calls.values() if len(c) == ranks and ranks > 1]
+    if not full:
+        return None
+    return {
+        "calls": len(full),
+        "span_ms": round(statistics.median(e - s for c in full for s, e in c), 2),
+        "issue_lag_ms": round(
+            statistics.median(max(s for s, _ in c) - min(s for s, _ in c) for c in full), 2
+        ),
+        "after_last_issue_ms": round(
+            statistics.median(min(e for _, e in c) - max(s for s, _ in c) for c in full), 2
+        ),
+    }
+
+
+def analyse(trace: Path, sim_trace: Path) -> dict[str, Any]:
+    """A traced run's and its simulation's busy times and the measured arrival per lane."""
+    measured, simulated = _events(trace), _events(sim_trace)
+    return {
+        "measured_ms_by_lane": by_lane(measured, TRACE_STEPS),
+        "simulated_ms_by_lane": by_lane(simulated, 1),
+        "measured_ms_by_name": by_name(measured, TRACE_STEPS),
+        "simulated_ms_by_name": by_name(simulated, 1),
+        "arrival": {
+            lane: a for lane in ("a2a", "allreduce") if (a := arrival(measured, lane)) is not None
+        },
+    }
+
+
 def trace_one(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> dict[str, Any]:
     run_dir = work / f"run_{strategy}_{schedule}"
     config = work / f"train_{strategy}.toml"
@@ -80,16 +133,12 @@ def trace_one(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> 
         sargs += ["--degree", str(su.PIPELINE_DEGREE)]
     sim = json.loads(su.run_cli(sargs).stdout)
     sim = sim[0] if isinstance(sim, list) else sim
-    measured, simulated = _events(trace), _events(sim_trace)
     return {
         "measured_s": steps["measured_s"],
         "steps_s": steps["steps_s"],
         "predicted_s": sim["iteration_ms"] / 1e3,
         "contention": sim.get("contention"),
-        "measured_ms_by_lane": by_lane(measured, TRACE_STEPS),
-        "simulated_ms_by_lane": by_lane(simulated, 1),
-        "measured_ms_by_name": by_name(measured, TRACE_STEPS),
-        "simulated_ms_by_name": by_name(simulated, 1),
+        **analyse(trace, sim_trace),
     }
 
 
@@ -99,6 +148,7 @@ def main() -> None:
     parser.add_argument("name", help="the configuration, e.g. r+-++-")
     parser.add_argument("combos", nargs="+", help="strategy:schedule")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--traces", default=None, help="a folder to keep the raw traces in")
     args = parser.parse_args()
     data = json.loads(Path(args.result).read_text())
     entry = next(c for c in data["configurations"] if c["name"] == args.name)
@@ -111,6 +161,11 @@ def main() -> None:
         strategy, schedule = combo.split(":")
         out["runs"][combo] = trace_one(work, cfg, strategy, schedule)
         print(combo, json.dumps(out["runs"][combo]), flush=True)
+    if args.traces:
+        keep = Path(args.traces)
+        keep.mkdir(parents=True, exist_ok=True)
+        for f in [*work.glob("trace_*.json"), *work.glob("sim_*.json")]:
+            shutil.copy(f, keep / f.name)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
