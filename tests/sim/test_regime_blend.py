@@ -6,28 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_opcal_contention import MODEL, OPS_CAL, SPEC  # the same small model, link and ops
 
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.sim.contention import CpuModel, contend
 from moesaic.sim.graph import SimGraph, SimTask
-from moesaic.sim.model import ModelSpec
-from moesaic.sim.opcal import OPS, OpCal, OpFit
 from moesaic.sim.profile import CollectiveShare, Profile
 from moesaic.sim.simulate import SimOptions, simulate
 
-MODEL = ModelSpec(
-    name="m", layers=2, batch=8, seq_len=16, hidden=64, ffn_hidden=256, experts=4, top_k=2
-)
-SPEC = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=0.1, latency_ms=0.5),))
-OPS_CAL = OpCal(
-    model=MODEL,
-    threads=1,
-    expert_count=2,
-    tokens=(32, 128),
-    fwd={k: OpFit(overhead_s=1e-4, per_unit_s=2e-6) for k in OPS},
-    bwd={k: OpFit(overhead_s=2e-4, per_unit_s=4e-6) for k in OPS},
-    optimizer=OpFit(overhead_s=1e-4, per_unit_s=1e-9),
-)
 SIZES = (1e3, 1e5, 1e7)
 
 
