@@ -326,9 +326,8 @@ def _idle_comm_s(
     :func:`~moesaic.sim.contention.contend` to price each between them and its loaded seconds
     by the compute beside it; None unless the profile measured both regimes (then every
     collective is priced as the one it has; a kind measured loaded only stays so). ``g`` built
-    once more on the idle shares, with
-    the domains ``g`` was planned with; a task whose bytes or lane differ there keeps its
-    loaded price."""
+    once more on the idle shares, with the domains ``g`` was planned with; a task whose bytes or
+    lane differ there keeps its loaded price."""
     if {x.regime for x in profile.collectives} != {"idle", "loaded"}:
         return None
     if "domain_sizes" in details:  # the idle links must not plan other domains
