@@ -125,3 +125,10 @@ def test_hybrid_keeps_the_domains_it_was_planned_with():
     alone = simulate(spec, model, "hybrid", _profile(*LOADED, ranks=4), schedule="vanilla")
     assert out.details["domain_sizes"] == alone.details["domain_sizes"]
     assert out.iteration_s <= alone.iteration_s + 1e-12
+
+
+def test_link_model_names_a_bad_regime():
+    from moesaic.sim.simulate import link_model
+
+    with pytest.raises(ValueError, match="regime"):
+        link_model(SPEC, _profile(*IDLE, *LOADED), regime="busy")

@@ -51,7 +51,7 @@ from moesaic.sim.hybrid import (
 )
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.pipelined import Costs, check_degree, run_pipelined
-from moesaic.sim.profile import Profile
+from moesaic.sim.profile import COLLECTIVE_REGIMES, Profile
 from moesaic.sim.runs import (
     LAYER_ONLY_UNSUPPORTED,
     Run,
@@ -304,6 +304,8 @@ def _shares(
     (:func:`~moesaic.sim.collectives.rate_bounded_shares`: a size timed slower than a larger
     one allows held a stall, which FlowMoE's small gradient chunks would otherwise pay as a
     rate), else the idle regime's as measured."""
+    if regime is not None:
+        check_one_of("regime", regime, COLLECTIVE_REGIMES)
     measured = {x.regime for x in profile.collectives if x.kind == kind}
     if regime is not None and regime in measured:
         return profile.collective_shares(kind, regime)
