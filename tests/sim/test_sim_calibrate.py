@@ -13,6 +13,7 @@ from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.cluster.system import support_problem
 from moesaic.sim.calibrate import measure_links
 from moesaic.sim.profile import LinkLevel, Profile
+from moesaic.sim.syncwait import SEGMENTS_S
 
 PAIR_TOML = """
 [[levels]]
@@ -102,7 +103,8 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     toml.write_text(PAIR_TOML)
     out = tmp_path / "p.json"
     args = ["calibrate", "--out", str(out), "--size", "64", "--cluster", str(toml)]
-    assert main([*args, "--duration-s", "0.2", "--sustain-s", "0.2", "--contention-s", "0.3"]) == 0
+    args += ["--duration-s", "0.2", "--sustain-s", "0.2", "--contention-s", "0.3"]
+    assert main([*args, "--sync-reps", "3"]) == 0
     p = Profile.load(out)
     assert [x.level_name for x in p.links] == ["node"]
     (link,) = p.links
@@ -127,6 +129,9 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     # the puts' CPU as the collectives', and what a stream costs the compute beyond it
     assert (p.comm_cpu_s, p.comm_cpu_per_byte_s) == (p.put_cpu_s, p.put_cpu_per_byte_s)
     assert 0.0 <= p.comm_cpu_busy <= 1.0
+    # what a call waits after each compute segment, at a few bytes and a step's message size
+    assert len(p.sync_waits) == 2 * len(SEGMENTS_S), p.sync_waits
+    assert all(abs(w.wait_s) < 1.0 for w in p.sync_waits), p.sync_waits
     assert p.cluster == ClusterSpec.from_toml(toml)  # what simulate checks its cluster against
     assert json.loads(out.read_text())["links"][0]["level_name"] == "node"
 

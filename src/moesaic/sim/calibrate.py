@@ -36,7 +36,11 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    while every rank computes (how the pool issues a chunk beside the backward);
 5. still on that cluster, the CPU that the taskflow runtime's one-sided puts
    (``comm.channel.PutChannel``) cost between ranks 0 and 1 (:func:`put_cpu`): per put and per
-   byte.
+   byte;
+6. still on that cluster, what a blocking all-to-all waits because the ranks reach it after a
+   stretch of compute rather than together (:mod:`moesaic.sim.syncwait`): compute segments and
+   calls in turn with no barrier, against the same compute alone and the calls back to back,
+   for a few bytes and the smallest size of step 3 (a training step's messages).
 
 Everything else about the links (sizes, the configured rates the scale multiplies, latencies
 above the floor) is the cluster file's. Torch is used by the workers only.
@@ -54,7 +58,8 @@ from typing import Any, NamedTuple
 
 from moesaic.checks import check_non_negative, check_positive, check_positive_int
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.sim.profile import CollectiveShare, LinkLevel, Profile
+from moesaic.sim import syncwait
+from moesaic.sim.profile import CollectiveShare, LinkLevel, Profile, SyncWait
 
 __all__ = [
     "CALL_STREAM",
@@ -109,6 +114,8 @@ class LinkCalibration:
         a2a_call_s: One isolated tiny all-to-all (:func:`collective_calls`).
         allreduce_call_s: A tiny all-reduce per call in a stream (:func:`collective_calls`).
         allreduce_loaded_call_s: One tiny all-reduce alone while every rank computes.
+        sync_waits: What a blocking all-to-all waits for the ranks' desynchronisation after a
+            stretch of compute (:func:`moesaic.sim.syncwait.measure`).
     """
 
     links: tuple[LinkLevel, ...]
@@ -121,6 +128,7 @@ class LinkCalibration:
     a2a_call_s: float = 0.0
     allreduce_call_s: float = 0.0
     allreduce_loaded_call_s: float = 0.0
+    sync_waits: tuple[SyncWait, ...] = ()
 
 
 def links_from_report(report: Any) -> tuple[LinkLevel, ...]:
@@ -476,6 +484,7 @@ def measure_links(
     duration_s: float = 0.3,
     floor: bool = True,
     sustain_s: float = 1.0,
+    sync_reps: int = syncwait.REPS,
     timeout_s: float = 300.0,
 ) -> LinkCalibration:
     """Brings up ``spec`` (and the unshaped pair when ``floor``) and measures their links.
@@ -486,6 +495,8 @@ def measure_links(
         floor: Also measure the unshaped pair for ``floor_s`` (one more cluster, a few seconds).
         sustain_s: Warm-up of each loaded collective stream, seconds at the links' rate
             (0: idle shares only).
+        sync_reps: Rounds per segment and size of what a collective waits for the ranks'
+            desynchronisation (step 6 of the module docstring; 0: not measured).
         timeout_s: Bound on each cluster's measurement.
 
     Raises:
@@ -518,6 +529,13 @@ def measure_links(
         nbytes = next(iter(report.collectives.values()))["bytes_per_rank"]
         shares = collective_shares(cluster, probe, nbytes, sustain_s=sustain_s, timeout_s=timeout_s)
         per_put, per_byte = put_cpu(cluster, timeout_s=timeout_s)
+        waits = (
+            syncwait.measure(
+                cluster, nbytes * COLLECTIVE_SIZES[0], reps=sync_reps, timeout_s=timeout_s
+            )
+            if sync_reps
+            else ()
+        )
     collectives = {
         name: {k: c[k] for k in ("bytes_per_rank", "median_s", "bound_s")}
         for name, c in report.collectives.items()
@@ -533,4 +551,5 @@ def measure_links(
         a2a_call_s=calls.a2a_s,
         allreduce_call_s=calls.allreduce_s,
         allreduce_loaded_call_s=calls.allreduce_loaded_s,
+        sync_waits=waits,
     )

@@ -23,8 +23,9 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from moesaic.checks import check_non_negative, check_output_file, check_positive_int
+from moesaic.checks import check_int, check_non_negative, check_output_file, check_positive_int
 from moesaic.sim.cli_files import describe_loads, load_option
+from moesaic.sim.syncwait import REPS as SYNC_REPS
 
 __all__ = ["add_calibrate", "run_calibrate"]
 
@@ -62,6 +63,13 @@ def add_calibrate(subparsers) -> None:
         default=1.0,
         help="--cluster: seconds of each half of the communication-CPU measurement "
         "(compute alone, then beside an all-to-all stream; default 1.0; 0: skip it)",
+    )
+    c.add_argument(
+        "--sync-reps",
+        type=int,
+        default=SYNC_REPS,
+        help="--cluster: rounds of each compute segment and call of the sync-wait measurement "
+        f"(moesaic.sim.syncwait; default {SYNC_REPS}, about 15 s; 0: skip it)",
     )
     c.add_argument(
         "--no-floor",
@@ -115,6 +123,11 @@ def _print_calibration(cal: Any, shares: tuple[Any, ...]) -> None:
         f"{cal.allreduce_call_s * 1e3:.2f} ms a call in a stream, "
         f"{cal.allreduce_loaded_call_s * 1e3:.2f} ms alone beside compute"
     )
+    for w in cal.sync_waits:
+        print(
+            f"sync wait after {w.compute_s * 1e3:.1f} ms of compute, "
+            f"{w.bytes_per_rank / 1e3:.1f} kB/rank: {w.wait_s * 1e3:.2f} ms a call"
+        )
     for x in shares:
         print(
             f"{x.kind} {x.regime} {x.bytes_per_rank / 1e3:.0f} kB/rank: "
@@ -251,6 +264,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     check_positive_int("--size", size)
     check_output_file("--out", args.out)  # before the measurement, not after it
     check_non_negative("--contention-s", args.contention_s)
+    check_int("--sync-reps", args.sync_reps, 0)
     spec = None
     if args.cluster:
         from moesaic.cluster.spec import ClusterSpec
@@ -271,7 +285,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
         from moesaic.sim.calibrate import measure_links
 
         cal = measure_links(
-            spec, duration_s=args.duration_s, floor=not args.no_floor, sustain_s=args.sustain_s
+            spec,
+            duration_s=args.duration_s,
+            floor=not args.no_floor,
+            sustain_s=args.sustain_s,
+            sync_reps=args.sync_reps,
         )
         floor_s, scale, links, shares = cal.floor_s, cal.bandwidth_scale, cal.links, cal.shares
         # The emulated ranks all run on this machine and share its cores.
@@ -287,6 +305,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             "a2a_call_s": cal.a2a_call_s,
             "allreduce_call_s": cal.allreduce_call_s,
             "allreduce_loaded_call_s": cal.allreduce_loaded_call_s,
+            "sync_waits": cal.sync_waits,
         }
         cpu["comm_cpu_busy"] = _comm_cpu_busy(args, spec, cpu)
         floor = "no floor" if args.no_floor else "floor from an unshaped pair"

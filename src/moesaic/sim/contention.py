@@ -49,6 +49,11 @@ measured-fastest combination was ranked first or within 5% of the first in 35 of
 rule, against 30 of 48 priced loaded (error 9.4% against 8.9%); on the ninth rule, measured
 after the change, in 6 of 8 against 4 of 8 (14.3% against 13.6%; ``docs/simulator.md``). The
 FlowMoE pool's all-reduce chunks stay where the uncontended timeline placed them.
+
+Where the profile measured them (``sync_waits``), each communication task also waits for the
+ranks' desynchronisation: ``wait(T, b)`` beyond its price, ``T`` the compute this rank did since
+the previous task of its lane ended (:mod:`moesaic.sim.syncwait`), read off each round's
+timeline like ``f``.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ from typing import Any
 
 from moesaic.checks import check_non_negative, check_positive, check_positive_int
 from moesaic.sim.graph import SimGraph, SimTask
-from moesaic.sim.profile import Profile
+from moesaic.sim.profile import Profile, SyncWait
+from moesaic.sim.syncwait import wait_s
 from moesaic.taskflow.engine import Timeline
 from moesaic.trace import COMM_RESOURCES, COMPUTE_RESOURCES
 
@@ -222,7 +228,11 @@ class _Load:
 
 
 def contend(
-    g: SimGraph, tl: Timeline, cpu: CpuModel, idle: Mapping[str, float] | None = None
+    g: SimGraph,
+    tl: Timeline,
+    cpu: CpuModel,
+    idle: Mapping[str, float] | None = None,
+    waits: Sequence[SyncWait] = (),
 ) -> tuple[Timeline, dict[str, Any]]:
     """``g`` re-simulated with its compute slowed by ``cpu`` and, where ``idle`` gives a
     communication task's seconds at the idle regime's shares, that task priced between them and
@@ -230,7 +240,10 @@ def contend(
     ``g``'s lanes take the new durations. Returns the timeline and ``{"threads",
     "cores_per_rank", "other_ranks_cores", "compute_added_ms"}`` (compute seconds the contention
     added), with ``idle`` also ``"collective_load"`` (``lam`` averaged over the repriced tasks'
-    loaded seconds) and ``"comm_saved_ms"`` (what pricing them so took off their loaded sum)."""
+    loaded seconds) and ``"comm_saved_ms"`` (what pricing them so took off their loaded sum).
+    With ``waits`` (the profile's ``sync_waits``) every communication task also waits for the
+    ranks' desynchronisation after the compute since its lane's previous task
+    (:mod:`moesaic.sim.syncwait`; ``"sync_wait_ms"``, their sum)."""
     base = {t.key: t.seconds for t in g.tasks()}
     repriced = {
         t.key: idle[t.key]
@@ -240,6 +253,7 @@ def contend(
     lanes = g.lanes
     others = 0.0
     lam: dict[str, float] = {}
+    wait: dict[str, float] = {}
     for _ in range(ITERATIONS):
         comm = [
             (tl.start[t.key], tl.end[t.key], cpu.load(t, tl.end[t.key] - tl.start[t.key]))
@@ -255,9 +269,16 @@ def contend(
             for key in repriced
             if key in tl.end
         }
+        wait = _sync_waits(g, tl, busy, waits) if waits else {}
         lanes = {
             name: [
-                (_blend(_stretched(t, base, tl, load, cpu, others), base, repriced, lam), w)
+                (
+                    _delayed(
+                        _blend(_stretched(t, base, tl, load, cpu, others), base, repriced, lam),
+                        wait,
+                    ),
+                    w,
+                )
                 for t, w in jobs
             ]
             for name, jobs in g.lanes.items()
@@ -265,7 +286,7 @@ def contend(
         tl = g.run(lanes)
     g.lanes = lanes
     tasks = {t.key: t.seconds for t in g.tasks()}
-    added = sum(tasks[k] - base[k] for k in tasks if k not in lam)
+    added = sum(tasks[k] - base[k] for k in tasks if k not in lam and k not in wait)
     info: dict[str, Any] = {
         "threads": cpu.threads,
         "cores_per_rank": cpu.cores_per_rank,
@@ -277,7 +298,9 @@ def contend(
         info["collective_load"] = (
             math.fsum(lam[k] * base[k] for k in lam) / weight if weight > 0 else 0.0
         )
-        info["comm_saved_ms"] = math.fsum(base[k] - tasks[k] for k in lam) * 1e3
+        info["comm_saved_ms"] = math.fsum(base[k] - tasks[k] + wait.get(k, 0.0) for k in lam) * 1e3
+    if waits:
+        info["sync_wait_ms"] = math.fsum(wait.values()) * 1e3
     return tl, info
 
 
@@ -308,6 +331,10 @@ class _Busy:
         if i == 0:
             return 0.0
         return self.before[i - 1] + min(t, self.ends[i - 1]) - self.starts[i - 1]
+
+    def seconds(self, start: float, end: float) -> float:
+        """Busy seconds within ``[start, end]``."""
+        return max(self._upto(end) - self._upto(start), 0.0)
 
     def share(self, start: float, end: float) -> float:
         """The share of ``[start, end]`` during which the rank computes (0 for an empty span)."""
@@ -345,6 +372,28 @@ def _blend(
         return t
     low, high = idle[t.key], loaded[t.key]
     return t._replace(seconds=low + lam[t.key] * (high - low))
+
+
+def _sync_waits(
+    g: SimGraph, tl: Timeline, busy: _Busy, waits: Sequence[SyncWait]
+) -> dict[str, float]:
+    """Each communication task's wait for the ranks' desynchronisation: after the compute its
+    rank did since the previous task of its lane ended (the step's start for the first)."""
+    out: dict[str, float] = {}
+    for jobs in g.lanes.values():
+        prev_end = 0.0
+        for t, _ in jobs:
+            if t.resource not in COMM_RESOURCES or t.key not in tl.start:
+                continue
+            out[t.key] = wait_s(waits, busy.seconds(prev_end, tl.start[t.key]), t.nbytes)
+            prev_end = tl.end[t.key]
+    return out
+
+
+def _delayed(t: SimTask, wait: dict[str, float]) -> SimTask:
+    """``t`` with its wait added, where it has one."""
+    extra = wait.get(t.key, 0.0)
+    return t._replace(seconds=t.seconds + extra) if extra else t
 
 
 def _stretched(

@@ -45,6 +45,9 @@ measured and what is taken from elsewhere:
   floors of the collectives' latency terms (:mod:`moesaic.sim.collectives`, "Measured call
   floors"); 0: not measured (profiles written before them); ``allreduce_loaded_call_s``: one
   tiny all-reduce issued alone while every rank computes (FlowMoE's chunks in the backward);
+* ``sync_waits``: with ``--cluster``, what a blocking all-to-all waits beyond its price when
+  the ranks reach it after a stretch of compute rather than together (:class:`SyncWait`,
+  :mod:`moesaic.sim.syncwait`); empty: not measured;
 * ``comm_cpu_busy``: cores a rank's communication keeps busy for as long as a collective is in
   flight beyond those two, measured by ``calibrate --cluster`` as its compute's slowdown while
   an all-to-all stream runs (:mod:`moesaic.sim.cpuload`); 0: not modelled;
@@ -72,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -145,6 +149,29 @@ class CollectiveShare:
         check_positive("collectives.bytes_per_rank", self.bytes_per_rank)
         check_positive("collectives.share", self.share)
         check_non_negative("collectives.measured_s", self.measured_s)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SyncWait:
+    """What a blocking all-to-all issued after a stretch of compute waits for the ranks'
+    desynchronisation, at one segment and size (:mod:`moesaic.sim.syncwait`).
+
+    Attributes:
+        compute_s: The compute each rank ran before the call (every rank at once), seconds.
+        bytes_per_rank: Bytes every rank sent in the call.
+        wait_s: A round's time beyond that compute and the same call issued back to back
+            (may be below 0: noise; priced as 0).
+    """
+
+    compute_s: float
+    bytes_per_rank: float
+    wait_s: float
+
+    def __post_init__(self) -> None:
+        check_positive("sync_waits.compute_s", self.compute_s)
+        check_positive("sync_waits.bytes_per_rank", self.bytes_per_rank)
+        if not isinstance(self.wait_s, (int, float)) or not math.isfinite(self.wait_s):
+            raise ValueError(f"sync_waits.wait_s ({self.wait_s!r}) must be a finite number")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -271,6 +298,9 @@ class Profile:
         allreduce_loaded_call_s: One all-reduce of a few bytes issued alone and waited while
             a thread of every rank computes (``calibrate --cluster``): the least a gradient
             chunk issued beside the backward costs; 0: not measured (the stream's figure).
+        sync_waits: What a collective waits for the ranks' desynchronisation after a stretch
+            of compute (``calibrate --cluster``, :mod:`moesaic.sim.syncwait`); empty: not
+            measured, collectives start when the representative rank issues them.
     """
 
     flops_per_s: float
@@ -304,8 +334,13 @@ class Profile:
     a2a_call_s: float = 0.0
     allreduce_call_s: float = 0.0
     allreduce_loaded_call_s: float = 0.0
+    sync_waits: tuple[SyncWait, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sync_waits, tuple) or not all(
+            isinstance(x, SyncWait) for x in self.sync_waits
+        ):
+            raise ValueError("profile.sync_waits must be a tuple of SyncWait")
         check_non_negative("profile.a2a_call_s", self.a2a_call_s)
         check_non_negative("profile.allreduce_call_s", self.allreduce_call_s)
         check_non_negative("profile.allreduce_loaded_call_s", self.allreduce_loaded_call_s)
@@ -497,6 +532,7 @@ class Profile:
         data = dict(data)
         links = _records(data.pop("links", []), "links", LinkLevel)
         shares = _records(data.pop("collectives", []), "collectives", CollectiveShare)
+        waits = _records(data.pop("sync_waits", []), "sync_waits", SyncWait)
         cluster = data.pop("cluster", None)
         if cluster is not None:
             try:
@@ -520,6 +556,7 @@ class Profile:
             **data,
             links=links,
             collectives=shares,
+            sync_waits=waits,
             cluster=cluster,
             ops=ops,
             routing=routing,

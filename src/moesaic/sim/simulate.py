@@ -390,7 +390,7 @@ def simulate(
     cpu = CpuModel.of(profile) if run.strategy != "taskflow" else None  # taskflow: its floor
     if cpu is not None:
         idle = _idle_comm_s(g, run, model, spec, profile, opts, details)
-        tl, details["contention"] = contend(g, tl, cpu, idle)
+        tl, details["contention"] = contend(g, tl, cpu, idle, profile.sync_waits)
     plans = details.pop("plans", None)
     spans = [_span(t, tl) for t in g.tasks() if t.key in tl.end]
     if plans is not None:  # each layer task expanded into its plan's tiles
