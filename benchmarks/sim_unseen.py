@@ -216,10 +216,31 @@ Fixed for all eight: H 200, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
 predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
 
+**The tenth rule** (``--rule 10``; fixed on 2026-11-26 at 19:21 UTC, committed before any of
+its configurations was measured or simulated, after each collective came to wait for the ranks'
+desynchronisation as ``calibrate --cluster`` measures it (``moesaic.sim.syncwait``); nothing in
+it may change after its first measurement): other levels again, with 4 ranks as 2 nodes x 2
+(the ranks of a node share a 5.5 Gbit/s, 0.04 ms level), generators ``D = B x C`` and
+``E = -A x B``; names start with ``s``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.65 Gbit/s, 0.4 ms one way      2.6 Gbit/s, 0.08 ms
+B     routed experts E (top-2)              16                               32
+C     expert width F / H                    1.75                             3.5
+D     tokens per rank (sequences of 128)    1024                             1792
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 184, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
+predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|9]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|9] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|10]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|10] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -240,7 +261,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -341,11 +362,20 @@ FACTORS_9: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_9, INTRA_NODE_9 = 200, (4.5, 0.05)
-HIDDEN = (H, H_2, H_3, H_4, H_5, H_6, H_7, H_8, H_9)  # by rule
+# The tenth rule's (the docstring's tenth table), its fixed hidden size and node level.
+FACTORS_10: dict[str, tuple[Any, Any]] = {
+    "link": ((0.65, 0.4), (2.6, 0.08)),
+    "experts": (16, 32),
+    "f_over_h": (1.75, 3.5),
+    "tokens_per_rank": (1024, 1792),
+    "ranks": (2, 4),
+}
+H_10, INTRA_NODE_10 = 184, (5.5, 0.04)
+HIDDEN = (H, H_2, H_3, H_4, H_5, H_6, H_7, H_8, H_9, H_10)  # by rule
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 9), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 10), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -358,6 +388,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         7: (FACTORS_7, "q"),
         8: (FACTORS_8, "p"),
         9: (FACTORS_9, "r"),
+        10: (FACTORS_10, "s"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -371,6 +402,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             7: (-b * c, a * b * c),
             8: (-a * c, -a * b * c),
             9: (-a * b, -a * c),
+            10: (b * c, -a * b),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
@@ -384,6 +416,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             6: INTRA_NODE_6,
             8: INTRA_NODE_8,
             9: INTRA_NODE_9,
+            10: INTRA_NODE_10,
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
