@@ -654,7 +654,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 9 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 10 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
