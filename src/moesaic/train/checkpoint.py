@@ -39,11 +39,11 @@ import shutil
 import warnings
 from operator import attrgetter
 from pathlib import Path
+from types import ModuleType
 from typing import cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from moesaic.layer import is_expert_param
@@ -84,6 +84,15 @@ SHAPE_FIELDS = (
     "moe.shared_expert_hidden_size",
     "moe.shared_expert_gate",
 )
+
+
+def _dcp() -> ModuleType:
+    """``torch.distributed.checkpoint``, imported when a checkpoint is read or written: it
+    brings DTensor and sympy (about 1 s of a 2-core machine's CPU), which the launcher and a
+    run that neither saves nor resumes need not pay at start-up."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def _expert_first_id(model: nn.Module, name: str) -> int:
@@ -292,7 +301,7 @@ def save_checkpoint(
         with warnings.catch_warnings():
             # "assuming the intent is to save in a single process": yes, a one-process run.
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+            _dcp().save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
         if layout.rank == 0:
             _publish(root, tmp, final, {**meta, "step": step, "consumed": consumed}, keep)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -423,7 +432,7 @@ def read_checkpoint_meta(
     if verify and fmt >= 2:
         verify_manifest(path)
     try:
-        md = dcp.FileSystemReader(str(path)).read_metadata()
+        md = _dcp().FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # DCP raises pickle/EOF/OS errors for a damaged .metadata
         raise CheckpointError(
             f"checkpoint {path} is corrupt: cannot read its DCP .metadata ({describe(exc)})"
@@ -455,7 +464,7 @@ def load_checkpoint(
     if optimizer is not None:
         init_optimizer_state(optimizer)
     views = tensor_entries(model, optimizer)
-    md = dcp.FileSystemReader(str(path)).read_metadata()
+    md = _dcp().FileSystemReader(str(path)).read_metadata()
     for key in buffer_entries(model):  # a buffer the checkpoint predates keeps its init
         if key not in md.state_dict_metadata:
             views.pop(key)
@@ -475,7 +484,7 @@ def load_checkpoint(
         with warnings.catch_warnings():
             # "assuming the intent is to load in a single process": yes, in `generate`.
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            _dcp().load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except BaseException as exc:  # a damaged file: many error types, CheckpointException too
         if not (isinstance(exc, Exception) or is_checkpoint_exception(exc)):
             raise  # KeyboardInterrupt, SystemExit
