@@ -36,4 +36,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from moesaic.train.launched import exit_now
+
+    exit_now(main())  # without the interpreter's teardown (launched.exit_now says why)

@@ -47,5 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Ends a worker whose work is done and written without the interpreter's teardown: its
+    C++ static destructors may find a thread of gloo or DCP still joinable and abort the
+    process after its summary ("terminate called without an active exception", SIGABRT: seen
+    under load in CI even after the process group's teardown), which the launcher reports as a
+    failed run. Output is flushed and logging shut down first; nothing else is pending."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
