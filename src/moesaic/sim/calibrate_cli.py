@@ -9,17 +9,13 @@ on this machine (:mod:`moesaic.sim.opmeasure`, seconds) into the profile's ``ops
 the simulator prices its compute (:mod:`moesaic.sim.opcal`); with ``--cluster`` too, its experts
 are spread over the cluster's ranks and timed with the threads each rank trains with. A
 training config's router is also run on its data for its first steps (:mod:`moesaic.sim.routecal`,
-seconds): the profile's ``routing``, which the simulator prices instead of uniform routing; and
-one rank's share of the job is trained in one process for a few steps (:mod:`moesaic.sim.stepcal`):
-the profile's ``ops.step_s``, whose time beyond the timed pieces the simulator charges once per
-step.
+seconds): the profile's ``routing``, which the simulator prices instead of uniform routing.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -100,15 +96,6 @@ def add_calibrate(subparsers) -> None:
         help="--model (a training config): train its model on its data for N steps in one "
         "process and keep the expert loads of those after the first 2 as the profile's "
         "routing (default 8; 0: do not, routing is then priced uniform)",
-    )
-    c.add_argument(
-        "--step-steps",
-        type=int,
-        default=None,
-        metavar="N",
-        help="--model (a training config): train one rank's share of its job in one process "
-        "for N steps and keep the median step time after the first 4, from which the "
-        "simulator prices what a step holds beyond its timed pieces (default 10; 0: do not)",
     )
     c.add_argument(
         "--size",
@@ -236,19 +223,22 @@ def _held_output() -> Iterator[None]:
                 sys.stderr.flush()
 
 
-def _job_steps(args: argparse.Namespace, name: str, default: int, skip: int, kept: str) -> int:
-    """``--routing-steps`` or ``--step-steps`` (``name``: its attribute) checked before anything
-    is measured: the steps its one-process run trains (``default`` when not given; 0: none,
-    always without ``--model``); more than ``skip``, as ``kept`` says why."""
-    flag = "--" + name.replace("_", "-")
-    steps = getattr(args, name)
+def _routing_steps(args: argparse.Namespace) -> int:
+    """``--routing-steps`` checked before anything is measured: the steps ``sim.routecal``
+    trains (8 when not given; 0: none, always without ``--model``)."""
+    from moesaic.sim.routecal import ROUTING_SKIP, ROUTING_STEPS
+
+    steps = args.routing_steps
     if args.model is None:
         if steps is not None:
-            raise ValueError(f"{flag} applies to --model only")
+            raise ValueError("--routing-steps applies to --model only")
         return 0
-    steps = default if steps is None else steps
-    if steps != 0 and steps <= skip:
-        raise ValueError(f"{flag} ({steps}) must be 0 or > {skip} ({kept})")
+    steps = ROUTING_STEPS if steps is None else steps
+    if steps != 0 and steps <= ROUTING_SKIP:
+        raise ValueError(
+            f"--routing-steps ({steps}) must be 0 or > {ROUTING_SKIP} (the loads of the steps "
+            f"after the first {ROUTING_SKIP} are kept)"
+        )
     return steps
 
 
@@ -271,32 +261,6 @@ def _measure_routing(args: argparse.Namespace, world: int, steps: int) -> Any:
     return routing
 
 
-def _measure_step(args: argparse.Namespace, world: int, ops: Any, steps: int) -> Any:
-    """``ops`` with one rank's step of ``--model`` timed over ``steps`` steps (``sim.stepcal``,
-    ``OpCal.step_s``); ``ops`` unchanged for a model file, without ``--model`` or with 0."""
-    if ops is None or steps == 0:
-        return ops
-    from moesaic.sim.opcal import OpPrices
-    from moesaic.sim.stepcal import STEP_SKIP, measure_step
-
-    with _held_output():  # the run's own lines and summary: shown only if it fails
-        step_s = load_option(
-            "model",
-            args.model,
-            lambda p: measure_step(p, world=world, threads=ops.threads, steps=steps),
-        )
-    if step_s is None:
-        print(f"step: {args.model} is a model file (no data): its step is priced from its pieces")
-        return ops
-    ops = dataclasses.replace(ops, step_s=step_s)
-    rest = OpPrices(ops, ops.model).rest_s
-    print(
-        f"step: one rank's share trained in one process, {step_s * 1e3:.1f} ms a step "
-        f"(median after {STEP_SKIP}); {rest * 1e3:.1f} ms of it beyond the timed pieces"
-    )
-    return ops
-
-
 def run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -309,23 +273,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     check_output_file("--out", args.out)  # before the measurement, not after it
     check_non_negative("--contention-s", args.contention_s)
     check_int("--sync-reps", args.sync_reps, 0)
-    from moesaic.sim.routecal import ROUTING_SKIP, ROUTING_STEPS
-    from moesaic.sim.stepcal import STEP_SKIP, STEP_STEPS
-
-    routing_steps = _job_steps(
-        args,
-        "routing_steps",
-        ROUTING_STEPS,
-        ROUTING_SKIP,
-        f"the loads of the steps after the first {ROUTING_SKIP} are kept",
-    )
-    step_steps = _job_steps(
-        args,
-        "step_steps",
-        STEP_STEPS,
-        STEP_SKIP,
-        f"the median of the steps after the first {STEP_SKIP} is kept",
-    )
+    routing_steps = _routing_steps(args)
     spec = None
     if args.cluster:
         from moesaic.cluster.spec import ClusterSpec
@@ -334,7 +282,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
     world = 1 if spec is None else spec.world_size
     ops, tiles = _measure_model(args, world)
     routing = _measure_routing(args, world, routing_steps)
-    ops = _measure_step(args, world, ops, step_steps)
     measured = measure(size)
     floor_s, scale, source = 0.0, 1.0, f"measured matmul {size}^3 here; links as specified"
     links: tuple[Any, ...] = ()

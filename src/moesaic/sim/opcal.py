@@ -21,12 +21,6 @@ them:
 
 each forward and backward separately (the backward is not assumed to be twice the forward).
 
-**The rest of a step.** A training config's step holds more than these pieces (the embedding,
-the loss's reduction, zeroing the gradients, the loop's bookkeeping). ``calibrate --model`` also
-times one rank's whole step in one process (:mod:`moesaic.sim.stepcal`, :attr:`OpCal.step_s`);
-:attr:`OpPrices.rest_s` is what it took beyond its pieces priced by the fits (never below 0),
-which the simulator charges once per step.
-
 **The scaling rule.** Each piece is timed at two sizes and fitted as ``t(n) = overhead_s +
 per_unit_s * n`` (:class:`OpFit`: the line through the two medians, with both coefficients
 clamped at >= 0), ``n`` the tokens (rows, bytes) of the task. A chunk of ``n / R`` tokens thus
@@ -45,7 +39,6 @@ fields differ, so a result shows what was extrapolated. Torch-free.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -53,7 +46,7 @@ from typing import Any
 from moesaic.checks import check_non_negative, check_positive, check_positive_int
 from moesaic.sim.model import ModelSpec
 
-__all__ = ["OPS", "SHAPE_FIELDS", "OpCal", "OpFit", "OpPrices", "fit_line", "priced_step_s"]
+__all__ = ["OPS", "SHAPE_FIELDS", "OpCal", "OpFit", "OpPrices", "fit_line"]
 
 # The measured pieces, each with a forward and a backward fit.
 OPS = ("attention", "moe_local", "experts", "head")
@@ -124,9 +117,6 @@ class OpCal:
         device: Where the pieces ran (``measure_ops`` runs them on the CPU): the ``padded``
             strategy skips its padding rows there (``strategies.padded``), so the simulator
             prices its experts on the kept rows only.
-        step_s: One rank's whole training step timed in one process
-            (:mod:`moesaic.sim.stepcal`); 0: not measured (a model file, or
-            ``--step-steps 0``).
     """
 
     model: ModelSpec
@@ -138,7 +128,6 @@ class OpCal:
     optimizer: OpFit
     op_overhead_s: float = 0.0
     device: str = "cpu"
-    step_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelSpec):
@@ -146,7 +135,6 @@ class OpCal:
         check_positive_int("ops.threads", self.threads)
         check_positive_int("ops.expert_count", self.expert_count)
         check_non_negative("ops.op_overhead_s", self.op_overhead_s)
-        check_non_negative("ops.step_s", self.step_s)
         for name, table in (("fwd", self.fwd), ("bwd", self.bwd)):
             if set(table) != set(OPS) or not all(isinstance(x, OpFit) for x in table.values()):
                 raise ValueError(f"ops.{name} must map each of {list(OPS)} to an OpFit")
@@ -162,7 +150,6 @@ class OpCal:
             "optimizer": dataclasses.asdict(self.optimizer),
             "op_overhead_s": self.op_overhead_s,
             "device": self.device,
-            "step_s": self.step_s,
         }
 
     @classmethod
@@ -172,7 +159,7 @@ class OpCal:
             raise ValueError("profile.ops must be an object")
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(data) - set(allowed))
-        missing = sorted(set(allowed) - set(data) - {"op_overhead_s", "device", "step_s"})
+        missing = sorted(set(allowed) - set(data) - {"op_overhead_s", "device"})
         if unknown or missing:
             raise ValueError(
                 f"profile.ops: unknown field(s) {unknown}, missing {missing}; fields are {allowed}"
@@ -199,29 +186,7 @@ class OpCal:
             optimizer=optimizer,
             op_overhead_s=data.get("op_overhead_s", 0.0),
             device=str(data.get("device", "cpu")),
-            step_s=data.get("step_s", 0.0),
         )
-
-
-def priced_step_s(cal: OpCal) -> float:
-    """The step :attr:`OpCal.step_s` timed (one rank's share of ``cal.model`` in one process),
-    priced by ``cal``'s fits: per block the stage and the expert GEMMs of ``tokens x top_k``
-    rows (every row stays on the one rank) forward and backward, the head forward and backward,
-    and the optimizer over the rank's parameters (the replicated ones and ``expert_count``
-    experts per block). 0 for a ``layer_only`` model (no training step)."""
-    m = cal.model
-    if m.layer_only:
-        return 0.0
-    T, rows = m.tokens, m.tokens * m.top_k
-    block = math.fsum(
-        fits[k].seconds(rows if k == "experts" else T)
-        for fits in (cal.fwd, cal.bwd)
-        for k in ("attention", "moe_local", "experts")
-    )
-    head = cal.fwd["head"].seconds(T) + cal.bwd["head"].seconds(T)
-    params = m.layers * m.replicated_params_per_block() + m.outer_params()
-    params += m.layers * cal.expert_count * m.mats * m.hidden * m.ffn_hidden
-    return m.layers * block + head + cal.optimizer.seconds(params * m.param_bytes)
 
 
 def _ratio(new: float, old: float) -> float:
@@ -234,10 +199,6 @@ class OpPrices:
 
     Attributes:
         notes: What was extrapolated (empty: the measured model's shape).
-        rest_s: The measured step's time beyond its priced pieces (``cal.step_s -
-            priced_step_s(cal)``, at least 0; 0 when the step was not timed): the embedding,
-            the loss, zeroing the gradients, the loop's own work, charged once per step as
-            measured (another model's step keeps it: a note says so).
     """
 
     def __init__(self, cal: OpCal, model: ModelSpec):
@@ -264,12 +225,6 @@ class OpPrices:
                 f"compute measured on model {cal.model.name!r}, extrapolated to "
                 f"{model.name!r} ({'; '.join(diffs)}): per-unit times scaled by the FLOP "
                 f"ratio ({scaled or 'none'}), fixed costs kept"
-            )
-        self.rest_s = max(0.0, cal.step_s - priced_step_s(cal)) if cal.step_s > 0 else 0.0
-        if self.rest_s > 0 and (diffs or model.batch != cal.model.batch):
-            self.notes.append(
-                f"the step's rest beyond its pieces ({self.rest_s * 1e3:.3g} ms) measured on "
-                f"model {cal.model.name!r} at {cal.model.tokens} tokens per rank, kept as is"
             )
 
     def stage_s(self, tokens: float, *, backward: bool = False) -> float:

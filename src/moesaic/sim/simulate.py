@@ -50,7 +50,6 @@ from moesaic.sim.hybrid import (
     plan_domains_fast,
 )
 from moesaic.sim.model import ModelSpec
-from moesaic.sim.opcal import OpPrices
 from moesaic.sim.pipelined import Costs, check_degree, run_pipelined
 from moesaic.sim.profile import COLLECTIVE_REGIMES, Profile
 from moesaic.sim.runs import (
@@ -212,23 +211,6 @@ def _graph(
     if parts is not None:
         details["domain_sizes"] = list(parts.domain_sizes)
     return g, tl, details
-
-
-def _with_step_rest(
-    g: SimGraph, tl: Timeline, model: ModelSpec, profile: Profile, details: dict[str, Any]
-) -> Timeline:
-    """``g`` with the step's rest beyond its priced pieces (``OpPrices.rest_s``: the embedding,
-    the loss, zeroing the gradients, the loop's own work, from the one-rank step
-    ``calibrate --model`` timed) as one compute task ahead of the rest of its compute lane, and
-    its timeline run again (``details["step_rest_ms"]``); ``tl`` unchanged without one."""
-    if profile.ops is None or model.layer_only or "compute" not in g.lanes:
-        return tl
-    rest = OpPrices(profile.ops, model).rest_s
-    if rest <= 0:
-        return tl
-    g.lanes["compute"].insert(0, (SimTask("step_rest", "compute", rest), None))
-    details["step_rest_ms"] = rest * 1e3
-    return g.run()
 
 
 def _compute_details(profile: Profile, notes: list[str]) -> dict[str, Any]:
@@ -405,7 +387,6 @@ def simulate(
     profile = profile.for_model(model.act_bytes)  # a bf16 model at the bf16 matmul rate
     link = link_model(spec, profile, opts.all_reduce)
     g, tl, details = _graph(run, model, link, profile, opts)
-    tl = _with_step_rest(g, tl, model, profile, details)
     cpu = CpuModel.of(profile) if run.strategy != "taskflow" else None  # taskflow: its floor
     if cpu is not None:
         idle = _idle_comm_s(g, run, model, spec, profile, opts, details)
