@@ -386,11 +386,17 @@ def _read_line(stream: Any, deadline: float) -> bytes:
     return buf
 
 
-def stop_process_group(proc: subprocess.Popen, *, grace_s: float = 2.0) -> None:
-    """SIGTERM the process group of ``proc`` (it is a session leader), then SIGKILL; reap it."""
+def stop_process_group(proc: Any, *, grace_s: float = 2.0) -> None:
+    """SIGTERM the process group of ``proc`` (a ``subprocess.Popen`` or anything with its
+    ``pid`` and ``wait``; a session leader, else the process alone), then SIGKILL; reap it."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        try:
             os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # not (yet) a group leader: a forked worker before setsid
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, sig)
+        except PermissionError:
+            pass
         try:
             proc.wait(timeout=grace_s)
             return

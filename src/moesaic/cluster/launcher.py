@@ -24,8 +24,10 @@ from typing import Any
 
 from moesaic.checks import check_positive, check_positive_int
 from moesaic.cluster.fabric import NetworkFabric, stop_process_group
+from moesaic.cluster.lifecycle import process_start_ticks
 from moesaic.cluster.system import ClusterError, ClusterTimeout
 from moesaic.cluster.topology import RANK_IFNAME
+from moesaic.cluster.worker import NETNS_DIR, run_forked
 
 __all__ = ["ClusterLauncher"]
 
@@ -45,7 +47,7 @@ class ClusterLauncher:
         if not isinstance(fabric, NetworkFabric):
             raise ValueError(f"fabric must be a NetworkFabric, got {type(fabric).__name__}")
         self.fabric = fabric
-        self._workers: list[subprocess.Popen] = []
+        self._workers: list[Any] = []  # subprocess.Popen or _ForkedWorker
         self._runs = 0
 
     def run(
@@ -141,8 +143,28 @@ class ClusterLauncher:
         env.update(extra or {})
         return env
 
-    def _spawn_worker(self, rank: int, job_dir: Path, env: dict[str, str]) -> subprocess.Popen:
+    def _spawn_worker(self, rank: int, job_dir: Path, env: dict[str, str]) -> Any:
+        """Rank ``rank``'s worker: forked from the preloaded server into its namespace where
+        there is one (:class:`_ForkedWorker`), else a fresh interpreter under ``ip netns
+        exec``."""
         env = {**env, "RANK": str(rank), "GROUP_RANK": str(rank)}
+        namespace = self.fabric.topology.rank_ns[rank]
+        ctx = _preloaded_context()
+        if ctx is not None and os.path.exists(os.path.join(NETNS_DIR, namespace)):
+            proc = ctx.Process(
+                target=run_forked,
+                args=(
+                    namespace,
+                    str(job_dir / "job.pkl"),
+                    rank,
+                    env,
+                    str(job_dir / f"log-{rank}.txt"),
+                    (os.getpid(), process_start_ticks(os.getpid())),
+                ),
+                daemon=False,
+            )
+            proc.start()
+            return _ForkedWorker(proc)
         argv = self.fabric.exec_argv(rank, [sys.executable, "-m", "moesaic.cluster.worker"])
         argv += [str(job_dir / "job.pkl"), str(rank)]
         with open(job_dir / f"log-{rank}.txt", "wb") as log:
@@ -173,6 +195,33 @@ class ClusterLauncher:
                     )
                 break
             time.sleep(0.02)
+
+
+def _preloaded_context() -> Any:
+    """``comm.world.preloaded_context()`` when it is a forkserver (None: spawn only; then the
+    worker is started as a command)."""
+    from moesaic.comm.world import preloaded_context
+
+    ctx = preloaded_context()
+    return ctx if ctx.get_start_method() == "forkserver" else None
+
+
+class _ForkedWorker:
+    """A worker forked by the preloaded server, with the ``pid``, ``poll`` and ``wait`` of the
+    ``subprocess.Popen`` it stands in for (exit codes alike: ``-N`` for signal ``N``)."""
+
+    def __init__(self, proc: Any) -> None:
+        self._proc = proc
+        self.pid: int = proc.pid
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"cluster worker {self.pid}", timeout or 0.0)
+        return int(self._proc.exitcode)
 
 
 def _tail(job_dir: Path, rank: int, max_chars: int = 3000) -> str:

@@ -1,7 +1,8 @@
 """Worker entry point: ``python -m moesaic.cluster.worker JOB.pkl RANK`` inside a rank namespace.
 
-Started by :meth:`moesaic.cluster.launcher.ClusterLauncher.run`; not meant to be run by hand. It
-initialises a gloo process group over the emulated network (TCP rendezvous on rank 0's address,
+Started by :meth:`moesaic.cluster.launcher.ClusterLauncher.run`; not meant to be run by hand:
+forked from the preloaded server into the rank's namespace (:func:`run_forked`), or as this
+command under ``ip netns exec`` where there is no server. It initialises a gloo process group over the emulated network (TCP rendezvous on rank 0's address,
 every collective bounded by the job's timeout), calls ``fn(rank, world_size, *args)`` and writes
 ``("ok", value)`` or ``("error", traceback)`` to ``result-<RANK>.pkl`` atomically.
 """
@@ -14,10 +15,14 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_CLONE_NEWNET = 0x40000000  # <linux/sched.h>
+NETNS_DIR = "/run/netns"  # where ``ip netns add`` names its namespaces
 
 
 def _die_with_parent() -> None:
@@ -72,6 +77,67 @@ def main(argv: list[str]) -> int:
             dist.destroy_process_group()
     _write_result(result_dir, rank, "ok", value)
     return 0
+
+
+def _enter_network_namespace(name: str) -> None:
+    """This (single-threaded) process joins the network namespace ``ip netns`` calls ``name``;
+    every thread it starts afterwards (gloo's) is in it too."""
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _die_with_launcher(pid: int, ticks: int | None) -> None:
+    """A forked worker's parent is the preloaded server, which a killed launcher leaves running
+    while any of its workers lives (each holds the server's liveness pipe), so the parent-death
+    signal never comes: a daemon thread kills this worker's group once the launcher (``pid``,
+    started at ``ticks`` clock ticks) is gone."""
+    from moesaic.cluster.lifecycle import process_start_ticks
+
+    def watch() -> None:
+        while process_start_ticks(pid) == ticks:
+            time.sleep(0.2)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="moesaic-launcher-watch", daemon=True).start()
+
+
+def run_forked(
+    namespace: str,
+    job: str,
+    rank: int,
+    env: dict[str, str],
+    log: str,
+    launcher: tuple[int, int | None],
+) -> None:
+    """A worker forked from the preloaded server (``comm.world.preloaded_context``): what
+    ``ip netns exec NAMESPACE python -m moesaic.cluster.worker JOB RANK`` with ``env`` and its
+    output to ``log`` in a session of its own does, without a fresh interpreter importing
+    torch (about 2 s of CPU a rank); it dies with the ``launcher`` process (pid, start ticks).
+    Never returns: exits with :func:`main`'s code."""
+    code = 1
+    try:
+        os.setsid()  # a group of its own, as the launcher stops it (``stop_process_group``)
+        _die_with_launcher(*launcher)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.environ.clear()
+        os.environ.update(env)
+        _enter_network_namespace(namespace)
+        code = main(["worker", job, str(rank)])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Spawn small worlds in-process (gloo; CUDA ranks too): for tests and benchmarks (no torchrun).
 
-``run_world(fn, world_size, *args)`` starts ``world_size`` fresh processes (:func:`_context`:
+``run_world(fn, world_size, *args)`` starts ``world_size`` fresh processes (:func:`preloaded_context`:
 forked from a server that has imported torch where the platform has one, else spawned), joins them through a file:// rendezvous in a fresh temporary directory, runs
 ``fn(rank, world_size, *args)`` in each, and returns the per-rank results in rank order. A worker
 that raises makes the call raise ``WorkerError`` carrying that rank's traceback; a world that
@@ -202,14 +202,15 @@ def rank_device(device: str, rank: int) -> torch.device:
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "moesaic.comm.world")
 
 
-def _context() -> Any:
+def preloaded_context() -> Any:
     """The start method of :func:`run_world`'s processes. ``forkserver`` where the platform has
     it: a server process, started once per caller, imports ``FORKSERVER_PRELOAD`` and forks
     each rank from itself, so that a rank starts in tens of ms instead of importing torch
     anew (about 2 s of CPU a rank under ``spawn``; a test suite starts hundreds of worlds).
     The server holds no threads, CUDA context or caller state: a rank sees the same fresh
     interpreter as under ``spawn`` (the caller's ``sys.path``, working directory and, passed
-    with each world, its environment). ``spawn`` where there is no forkserver."""
+    with each world, its environment). ``spawn`` where there is no forkserver. The emulated
+    cluster's workers fork from the same server (``cluster.launcher``)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -312,7 +313,7 @@ def _run_once(
 ) -> list[Any]:
     """One start of :func:`run_world`'s world (fresh processes and rendezvous), collected until
     ``deadline``; raises ``_NotFormed`` when a rank could not join it."""
-    ctx = _context()
+    ctx = preloaded_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="moesaic-world-") as tmp:
         procs = [
