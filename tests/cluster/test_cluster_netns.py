@@ -115,6 +115,35 @@ def test_two_level_cluster_matches_its_description(root_state) -> None:
     _assert_gone(run_id, [delayline_pid])
 
 
+def forked_where(rank: int, world: int) -> tuple[bool, str, str | None]:
+    """Whether this worker was forked by the preloaded server, its network namespace, and the
+    job's environment as the launcher set it."""
+    import multiprocessing
+
+    return (
+        multiprocessing.parent_process() is not None,
+        os.readlink("/proc/self/ns/net"),
+        os.environ.get("MOESAIC_TEST_MARK"),
+    )
+
+
+def test_workers_fork_into_their_namespaces_with_the_callers_environment(
+    root_state, monkeypatch
+) -> None:
+    """The fast start (``run_forked``): each rank forked by the forkserver, not a fresh
+    interpreter, inside its own namespace, with the environment of the call (set after the
+    server started)."""
+    from moesaic.cluster.worker import NETNS_DIR
+
+    with EmulatedCluster(PAIR) as cluster:
+        cluster.run(rank_and_sum, 2, 0, timeout_s=90)  # the server is up from here on
+        monkeypatch.setenv("MOESAIC_TEST_MARK", "set-after")
+        got = cluster.run(forked_where, 2, timeout_s=90)
+        for ns, (forked, net, mark) in zip(cluster.rank_namespaces, got, strict=True):
+            inode = os.stat(os.path.join(NETNS_DIR, ns)).st_ino
+            assert forked and net == f"net:[{inode}]" and mark == "set-after"
+
+
 def test_run_returns_per_rank_results_and_reports_rank_errors(root_state) -> None:
     with EmulatedCluster(PAIR) as cluster:
         run_id = cluster.run_id

@@ -10,6 +10,7 @@ must live.
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
@@ -166,3 +167,18 @@ def _control_plane(rank: int, world_size: int) -> tuple:
         str(tensor.device),
         group.on_stream(tensor),
     )
+
+
+def _env_of(rank: int, world: int, name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_callers_environment_of_the_call(monkeypatch):
+    """Ranks fork from a server started once (``preloaded_context``); each call's ranks still
+    get the caller's environment as it is then, as spawned ones did."""
+    monkeypatch.setenv("MOESAIC_TEST_MARK", "first")
+    assert run_world(_env_of, 2, "MOESAIC_TEST_MARK") == ["first", "first"]
+    monkeypatch.setenv("MOESAIC_TEST_MARK", "second")
+    assert run_world(_env_of, 2, "MOESAIC_TEST_MARK") == ["second", "second"]
+    monkeypatch.delenv("MOESAIC_TEST_MARK")
+    assert run_world(_env_of, 2, "MOESAIC_TEST_MARK") == [None, None]
