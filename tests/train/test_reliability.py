@@ -3,6 +3,7 @@ checked and locked, Ctrl-C is one line, and a resume past --steps is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -240,7 +242,7 @@ def test_resume_past_steps(reference, data_file, tmp_path, capfd):
 
 def _endless_run(data_file, tmp_path, stderr):
     """``moesaic train`` of 100,000 steps in a session of its own (as a terminal's job), with
-    its own temp directory; returns the process and the pattern that finds its workers."""
+    its own temp directory; returns the process, that directory and the run directory."""
     run, tmp = tmp_path / "run", tmp_path / "tmp"
     tmp.mkdir()
     cmd = [sys.executable, "-m", "moesaic", *tiny_args(data_file, run, "--steps", "100000")]
@@ -252,41 +254,58 @@ def _endless_run(data_file, tmp_path, stderr):
         env={**os.environ, "TMPDIR": str(tmp)},
         start_new_session=True,
     )
-    return proc, tmp, f"moesaic.train.launched {tmp}"
+    return proc, tmp, run
 
 
-def _workers(pattern: str) -> list[bytes]:
-    return subprocess.run(["pgrep", "-f", pattern], capture_output=True).stdout.split()
+def _workers(tmp: Path, launcher: int) -> list[int]:
+    """The processes the launcher ``launcher`` started (its workers, and the forkserver they
+    are forked from): those whose environment at their start has its ``TMPDIR``."""
+    mark = f"TMPDIR={tmp}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == launcher:
+            continue
+        with contextlib.suppress(OSError):
+            if mark in (d / "environ").read_bytes().split(b"\0"):
+                found.append(int(d.name))
+    return found
+
+
+def _gone(tmp: Path, launcher: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while _workers(tmp, launcher):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def test_ctrl_c_while_the_workers_start_is_one_line(data_file, tmp_path):
     # Issue 25 item 9: a Ctrl-C in a run's first seconds interrupted every worker inside
     # `import torch` (they shared the terminal's process group): 72 lines of tracebacks. The
     # workers now run in sessions of their own; the launcher stops them.
-    proc, tmp, pattern = _endless_run(data_file, tmp_path, subprocess.PIPE)
+    proc, tmp, _ = _endless_run(data_file, tmp_path, subprocess.PIPE)
     # settle: the workers are inside their imports
     started = lambda: list(tmp.glob("moesaic-elastic-*/config.json"))  # noqa: E731
     err = interrupt_when(proc, started, wait_s=60, settle_s=0.5)
     assert len(err.strip().splitlines()) <= 2, err
     assert not list(tmp.glob("moesaic-elastic-*")), "the agent's files stayed behind"
-    assert _workers(pattern) == [], "workers outlived the launcher"
+    assert _gone(tmp, proc.pid), "workers outlived the launcher"
 
 
 def test_workers_die_with_the_launcher(data_file, tmp_path):
     # Out of the terminal's process group, a worker must still die when its launcher does.
-    proc, _, pattern = _endless_run(data_file, tmp_path, subprocess.DEVNULL)
+    proc, tmp, run = _endless_run(data_file, tmp_path, subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while len(_workers(pattern)) < 2:
+        while not all((run / "logs" / f"rank_{r}.log").is_file() for r in (0, 1)):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
+        assert len(_workers(tmp, proc.pid)) >= 2
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher alone: the workers are elsewhere
         proc.wait()
-    deadline = time.monotonic() + 10
-    while _workers(pattern):
-        assert time.monotonic() < deadline, "workers outlived their launcher"
-        time.sleep(0.2)
+    assert _gone(tmp, proc.pid), "workers outlived their launcher"
 
 
 def test_ctrl_c_is_one_line(data_file, tmp_path):

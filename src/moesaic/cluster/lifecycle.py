@@ -100,6 +100,23 @@ def process_start_ticks(pid: int) -> int | None:
         return None
 
 
+def watch_launcher(pid: int, ticks: int | None) -> None:
+    """Kills this process's group once the process ``pid`` (started at ``ticks`` clock ticks:
+    not a later process given the same pid) is gone, from a daemon thread that looks every
+    0.2 s. For a worker forked by a forkserver: its parent is the server, which a killed
+    launcher leaves running while any of its workers lives (each holds the server's liveness
+    pipe), so the parent-death signal never comes."""
+    import signal
+    import threading
+
+    def watch() -> None:
+        while process_start_ticks(pid) == ticks:
+            time.sleep(0.2)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="moesaic-launcher-watch", daemon=True).start()
+
+
 def _record_path(run_id: str) -> Path:
     if not _RUN_ID_RE.match(run_id):
         raise ValueError(f"run_id ({run_id!r}) must be 6 lowercase hex digits")

@@ -15,10 +15,10 @@ import os
 import pickle
 import signal
 import sys
-import threading
-import time
 import traceback
 from pathlib import Path
+
+from moesaic.cluster.lifecycle import watch_launcher
 
 _PR_SET_PDEATHSIG = 1
 _CLONE_NEWNET = 0x40000000  # <linux/sched.h>
@@ -92,21 +92,6 @@ def _enter_network_namespace(name: str) -> None:
         os.close(fd)
 
 
-def _die_with_launcher(pid: int, ticks: int | None) -> None:
-    """A forked worker's parent is the preloaded server, which a killed launcher leaves running
-    while any of its workers lives (each holds the server's liveness pipe), so the parent-death
-    signal never comes: a daemon thread kills this worker's group once the launcher (``pid``,
-    started at ``ticks`` clock ticks) is gone."""
-    from moesaic.cluster.lifecycle import process_start_ticks
-
-    def watch() -> None:
-        while process_start_ticks(pid) == ticks:
-            time.sleep(0.2)
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=watch, name="moesaic-launcher-watch", daemon=True).start()
-
-
 def run_forked(
     namespace: str,
     job: str,
@@ -123,7 +108,7 @@ def run_forked(
     code = 1
     try:
         os.setsid()  # a group of its own, as the launcher stops it (``stop_process_group``)
-        _die_with_launcher(*launcher)
+        watch_launcher(*launcher)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)

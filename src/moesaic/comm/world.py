@@ -26,11 +26,14 @@ import datetime
 import os
 import pickle
 import queue
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -204,6 +207,32 @@ def rank_device(device: str, rank: int) -> torch.device:
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "moesaic.comm.world")
 
 
+# This process's environment when it imported this module: in a rank forked by the server (which
+# preloads this module), the server's environment at its start, so that the rank can tell what
+# its starter added to it since (``train.launched.run_forked``).
+IMPORT_ENV = dict(os.environ)
+
+
+class InheritedFd:
+    """One of the caller's file descriptors (its standard output or error) handed to a process
+    the forkserver forks: pickled as multiprocessing's ``DupFd``, which sends the descriptor
+    along with the process, and unpickled as the child's own descriptor (an ``int``). Without
+    it a forked process writes where the server's output goes (nowhere: ``preloaded_context``).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup: Any) -> int:
+    return int(dup.detach())
+
+
 def preloaded_context() -> Any:
     """The start method of :func:`run_world`'s processes. ``forkserver`` where the platform has
     it: a server process, started once per caller, imports ``FORKSERVER_PRELOAD`` and forks
@@ -217,13 +246,39 @@ def preloaded_context() -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # no effect once the server runs
+    if threading.current_thread() is threading.main_thread():
+        # Started now with SIGINT ignored (kept across its exec): a Ctrl-C in the terminal
+        # reaches the caller's whole process group, and must not interrupt the server inside
+        # its imports (a traceback of its own) nor, later, the ranks it forks (the caller
+        # stops those).
+        # Its standard output and error go nowhere: what a child prints before its entry
+        # point takes the caller's descriptors (``InheritedFd``) would otherwise land where the
+        # first caller's output went (e.g. a child forked while a Ctrl-C stops the caller).
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        saved = os.dup(1), os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            forkserver.ensure_running()
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in (*saved, null):
+                os.close(fd)
+            signal.signal(signal.SIGINT, previous)
     return ctx
 
 
-def _worker(fn, rank, world_size, init_file, args, results, pg_timeout_s, threads, placement, env):
-    # The caller's environment now, not the forkserver's at its start (a test's setenv).
+def _worker(
+    fn, rank, world_size, init_file, args, results, pg_timeout_s, threads, placement, env, std
+):
+    # The caller's environment and output now, not the forkserver's at its start.
     os.environ.clear()
     os.environ.update(env)
+    for fd, target in zip(std, (1, 2), strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
     torch.set_num_threads(threads)
     device, backend = placement
     stage = JOINING  # what a failure is reported as: joining the world, or running fn
@@ -332,6 +387,7 @@ def _run_once(
                     threads,
                     placement,
                     dict(os.environ),
+                    (InheritedFd(1), InheritedFd(2)),
                 ),
                 daemon=True,
             )

@@ -203,7 +203,14 @@ def _run_agent(cfg: TrainConfig, job: str) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from moesaic.cluster.lifecycle import process_start_ticks
+    from moesaic.comm.world import InheritedFd, preloaded_context
+    from moesaic.train.launched import run_forked
+
     _quiet_torch_loggers()
+    # Workers forked from the preloaded server where the platform has one (no worker imports
+    # torch and torch._dynamo anew: about 3.5 s of CPU each), else commands.
+    forked = preloaded_context().get_start_method() == "forkserver"
     # The agent's logs (error records) in a directory of ours, read on failure and removed at
     # the end (torch's default left an empty /tmp/torchelastic_* tree behind every run).
     log_dir = tempfile.mkdtemp(prefix="moesaic-elastic-")
@@ -217,19 +224,25 @@ def _run_agent(cfg: TrainConfig, job: str) -> dict:
         rdzv_configs={"timeout": int(max(60, cfg.timeout_s))},
         max_restarts=cfg.max_restarts,
         monitor_interval=0.2,
-        start_method="spawn",
+        start_method="forkserver" if forked else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         signals_to_handle=_AGENT_SIGNALS,
     )
     try:
-        # Workers as commands (moesaic.train.launched): each in a session of its own, so a
-        # Ctrl-C reaches this launcher alone and stops them without a traceback each.
+        # Each worker in a session of its own, so a Ctrl-C reaches this launcher alone and
+        # stops them without a traceback each (moesaic.train.launched).
         config_file = Path(log_dir) / "config.json"
         config_file.write_text(json.dumps(cfg.to_dict()))
         summary_file = Path(log_dir) / "summary.json"
-        args = ("-m", "moesaic.train.launched", str(config_file), str(summary_file), os.getpid())
         with _ctrl_c_stops_workers_with_sigterm():
-            elastic_launch(config, sys.executable)(*args)
+            if forked:
+                me = (os.getpid(), process_start_ticks(os.getpid()))
+                std = (InheritedFd(1), InheritedFd(2))  # what a command would inherit
+                args: tuple = (str(config_file), str(summary_file), me, dict(os.environ), std)
+                elastic_launch(config, run_forked)(*args)
+            else:
+                args = ("-m", "moesaic.train.launched", *map(str, (config_file, summary_file)))
+                elastic_launch(config, sys.executable)(*args, os.getpid())
         if summary_file.is_file():
             return json.loads(summary_file.read_text())
         return {}

@@ -47,6 +47,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_forked(
+    config: str,
+    summary: str,
+    launcher: tuple[int, int | None],
+    env: dict[str, str],
+    std: tuple[int, int],
+) -> None:
+    """The worker as a function, forked by the preloaded server (``comm.world``'s
+    forkserver, torch and torch._dynamo imported once: ``launch._run_agent``), which
+    ``main`` is as a command: a session of its own (a Ctrl-C in the terminal reaches the
+    launcher alone), dead with the ``launcher`` (pid, start ticks), the launcher's environment
+    ``env`` with what the agent set for this rank on top (the variables that differ from the
+    server's environment), its standard output and error on the launcher's (``std``, passed
+    as ``comm.world.InheritedFd``), and ``worker_main``; rank 0 writes its summary to ``summary``."""
+    from moesaic.cluster.lifecycle import watch_launcher
+    from moesaic.comm.world import IMPORT_ENV
+
+    os.setsid()
+    watch_launcher(*launcher)
+    for fd, target in zip(std, (1, 2), strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
+    from_agent = {k: v for k, v in os.environ.items() if IMPORT_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update({**env, **from_agent})
+    from moesaic.train.worker import worker_main
+
+    result = worker_main(json.loads(Path(config).read_text()), launched=True)
+    if result:
+        Path(summary).write_text(json.dumps(result, default=str))
+
+
 def exit_now(code: int) -> None:
     """Ends a worker whose work is done and written without the interpreter's teardown: its
     C++ static destructors may find a thread of gloo or DCP still joinable and abort the
