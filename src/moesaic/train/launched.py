@@ -1,14 +1,16 @@
-"""A worker of ``moesaic train``'s own launcher: ``python -m moesaic.train.launched CONFIG SUMMARY
-LAUNCHER_PID``.
+"""A worker of ``moesaic train``'s own launcher: :func:`run_forked`, forked from the preloaded
+server (``comm.world.preloaded_context``), or where there is none the command ``python -m
+moesaic.train.launched CONFIG SUMMARY LAUNCHER_PID`` (also what ``--emulate`` starts in each
+rank's namespace).
 
-The launcher starts its workers as commands, not as spawned functions, so that torch elastic
-puts each in a session of its own: a Ctrl-C in the terminal then reaches the launcher alone,
-whose agent stops the workers with SIGTERM (``launch._ctrl_c_stops_workers_with_sigterm``),
-which ends a worker silently wherever it is. Spawned functions shared the terminal's process
-group, and a Ctrl-C in a run's first seconds interrupted every worker inside ``import torch``:
-72 lines of interleaved tracebacks. Out of the process group, a worker no longer dies with its
-launcher by the terminal's signal, so it asks the kernel for SIGKILL when the launcher dies
-(``PR_SET_PDEATHSIG``; Linux).
+Either way a worker runs in a session of its own: a Ctrl-C in the terminal then reaches the
+launcher alone, whose agent stops the workers with SIGTERM
+(``launch._ctrl_c_stops_workers_with_sigterm``), which ends a worker silently wherever it is.
+Workers in the terminal's process group were interrupted inside ``import torch`` by a Ctrl-C in
+a run's first seconds: 72 lines of interleaved tracebacks. Out of the process group, a worker
+no longer dies with its launcher by the terminal's signal: a command asks the kernel for SIGKILL
+when the launcher dies (``PR_SET_PDEATHSIG``; Linux), a forked worker (whose parent is the
+server) watches the launcher's pid and start time (``cluster.lifecycle.watch_launcher``).
 
 ``CONFIG`` holds the run's ``TrainConfig.to_dict()`` as JSON; rank 0 writes its summary to
 ``SUMMARY``.
