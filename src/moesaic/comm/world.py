@@ -27,6 +27,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -233,41 +234,53 @@ def _detach(dup: Any) -> int:
     return int(dup.detach())
 
 
+_server_started_by: int | None = None  # the pid that started the forkserver (this module's)
+
+
 def preloaded_context() -> Any:
     """The start method of :func:`run_world`'s processes. ``forkserver`` where the platform has
     it: a server process, started once per caller, imports ``FORKSERVER_PRELOAD`` and forks
     each rank from itself, so that a rank starts in tens of ms instead of importing torch
     anew (about 2 s of CPU a rank under ``spawn``; a test suite starts hundreds of worlds).
-    The server holds no threads, CUDA context or caller state: a rank sees the same fresh
-    interpreter as under ``spawn`` (the caller's ``sys.path``, working directory and, passed
-    with each world, its environment). ``spawn`` where there is no forkserver. The emulated
-    cluster's workers fork from the same server (``cluster.launcher``)."""
+    The server holds no CUDA context or caller state: a rank sees the same fresh interpreter
+    as under ``spawn`` (the caller's ``sys.path`` and working directory, and, passed with each
+    world, its environment and standard output and error: :class:`InheritedFd`). ``spawn``
+    where there is no forkserver. The emulated cluster's workers and ``moesaic train``'s fork
+    from the same server (``cluster.launcher``, ``train.launch``)."""
+    global _server_started_by
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # no effect once the server runs
-    if threading.current_thread() is threading.main_thread():
-        # Started now with SIGINT ignored (kept across its exec): a Ctrl-C in the terminal
-        # reaches the caller's whole process group, and must not interrupt the server inside
-        # its imports (a traceback of its own) nor, later, the ranks it forks (the caller
-        # stops those).
-        # Its standard output and error go nowhere: what a child prints before its entry
-        # point takes the caller's descriptors (``InheritedFd``) would otherwise land where the
-        # first caller's output went (e.g. a child forked while a Ctrl-C stops the caller).
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        saved = os.dup(1), os.dup(2)
-        null = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(null, 1)
-            os.dup2(null, 2)
-            forkserver.ensure_running()
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in (*saved, null):
-                os.close(fd)
-            signal.signal(signal.SIGINT, previous)
+    if _server_started_by != os.getpid() and threading.current_thread() is threading.main_thread():
+        _start_server_detached()
+        _server_started_by = os.getpid()
     return ctx
+
+
+def _start_server_detached() -> None:
+    """Starts the forkserver with SIGINT ignored (kept across its exec) and its standard output
+    and error on /dev/null. A Ctrl-C in the terminal reaches the caller's whole process group
+    and must not interrupt the server inside its imports (a traceback of its own) nor, later,
+    the ranks it forks (the caller stops those); and what a child prints before its entry
+    point takes the caller's descriptors would otherwise land where the first caller's output
+    went (a child forked while a Ctrl-C stops the caller printed its unpickling error there).
+    Done once per process: output of the caller's other threads is lost while it runs."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    saved = os.dup(1), os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        forkserver.ensure_running()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+        signal.signal(signal.SIGINT, previous)
 
 
 def _worker(
