@@ -23,6 +23,7 @@ rows go over NCCL; on the CPU plain gloo. :func:`process_group_args` is that dec
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import pickle
 import queue
@@ -234,6 +235,17 @@ def _detach(dup: Any) -> int:
     return int(dup.detach())
 
 
+def take_std(std: tuple[int, int]) -> None:
+    """A forked process's standard output and error become ``std`` (descriptors received as
+    :class:`InheritedFd`), standard output line-buffered on a terminal as a fresh interpreter's
+    would be (the one inherited from the server was set up for /dev/null)."""
+    for fd, target in zip(std, (1, 2), strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=os.isatty(1))
+
+
 _server_started_by: int | None = None  # the pid that started the forkserver (this module's)
 
 
@@ -289,9 +301,7 @@ def _worker(
     # The caller's environment and output now, not the forkserver's at its start.
     os.environ.clear()
     os.environ.update(env)
-    for fd, target in zip(std, (1, 2), strict=True):
-        os.dup2(fd, target)
-        os.close(fd)
+    take_std(std)
     torch.set_num_threads(threads)
     device, backend = placement
     stage = JOINING  # what a failure is reported as: joining the world, or running fn

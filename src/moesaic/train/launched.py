@@ -64,13 +64,11 @@ def run_forked(
     server's environment), its standard output and error on the launcher's (``std``, passed
     as ``comm.world.InheritedFd``), and ``worker_main``; rank 0 writes its summary to ``summary``."""
     from moesaic.cluster.lifecycle import watch_launcher
-    from moesaic.comm.world import IMPORT_ENV
+    from moesaic.comm.world import IMPORT_ENV, take_std
 
     os.setsid()
     watch_launcher(*launcher)
-    for fd, target in zip(std, (1, 2), strict=True):
-        os.dup2(fd, target)
-        os.close(fd)
+    take_std(std)
     from_agent = {k: v for k, v in os.environ.items() if IMPORT_ENV.get(k) != v}
     os.environ.clear()
     os.environ.update({**env, **from_agent})
