@@ -148,8 +148,10 @@ class ClusterLauncher:
         there is one (:class:`_ForkedWorker`), else a fresh interpreter under ``ip netns
         exec``."""
         env = {**env, "RANK": str(rank), "GROUP_RANK": str(rank)}
+        from moesaic.comm.world import forkserver_context
+
         namespace = self.fabric.topology.rank_ns[rank]
-        ctx = _preloaded_context()
+        ctx = forkserver_context()
         if ctx is not None and os.path.exists(os.path.join(NETNS_DIR, namespace)):
             proc = ctx.Process(
                 target=run_forked,
@@ -195,15 +197,6 @@ class ClusterLauncher:
                     )
                 break
             time.sleep(0.02)
-
-
-def _preloaded_context() -> Any:
-    """``comm.world.preloaded_context()`` when it is a forkserver (None: spawn only; then the
-    worker is started as a command)."""
-    from moesaic.comm.world import preloaded_context
-
-    ctx = preloaded_context()
-    return ctx if ctx.get_start_method() == "forkserver" else None
 
 
 class _ForkedWorker:

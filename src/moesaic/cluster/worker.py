@@ -2,9 +2,10 @@
 
 Started by :meth:`moesaic.cluster.launcher.ClusterLauncher.run`; not meant to be run by hand:
 forked from the preloaded server into the rank's namespace (:func:`run_forked`), or as this
-command under ``ip netns exec`` where there is no server. It initialises a gloo process group over the emulated network (TCP rendezvous on rank 0's address,
-every collective bounded by the job's timeout), calls ``fn(rank, world_size, *args)`` and writes
-``("ok", value)`` or ``("error", traceback)`` to ``result-<RANK>.pkl`` atomically.
+command under ``ip netns exec`` where there is no server. It initialises a gloo process group
+over the emulated network (TCP rendezvous on rank 0's address, every collective bounded by the
+job's timeout), calls ``fn(rank, world_size, *args)`` and writes ``("ok", value)`` or
+``("error", traceback)`` to ``result-<RANK>.pkl`` atomically.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Spawn small worlds in-process (gloo; CUDA ranks too): for tests and benchmarks (no torchrun).
 
-``run_world(fn, world_size, *args)`` starts ``world_size`` fresh processes (:func:`preloaded_context`:
-forked from a server that has imported torch where the platform has one, else spawned), joins them through a file:// rendezvous in a fresh temporary directory, runs
+``run_world(fn, world_size, *args)`` starts ``world_size`` fresh processes
+(:func:`preloaded_context`: forked from a server that has imported torch where the platform has
+one, else spawned), joins them through a file:// rendezvous in a fresh temporary directory, runs
 ``fn(rank, world_size, *args)`` in each, and returns the per-rank results in rank order. A worker
 that raises makes the call raise ``WorkerError`` carrying that rank's traceback; a world that
 does not finish within ``timeout_s`` is killed and reported; one whose process group does not
@@ -268,6 +269,13 @@ def preloaded_context() -> Any:
         _start_server_detached()
         _server_started_by = os.getpid()
     return ctx
+
+
+def forkserver_context() -> Any:
+    """:func:`preloaded_context` when it is the forkserver, else None (the platform has none:
+    a launcher then starts its workers as commands)."""
+    ctx = preloaded_context()
+    return ctx if ctx.get_start_method() == "forkserver" else None
 
 
 def _start_server_detached() -> None:

@@ -204,13 +204,13 @@ def _run_agent(cfg: TrainConfig, job: str) -> dict:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from moesaic.cluster.lifecycle import process_start_ticks
-    from moesaic.comm.world import InheritedFd, preloaded_context
+    from moesaic.comm.world import InheritedFd, forkserver_context
     from moesaic.train.launched import run_forked
 
     _quiet_torch_loggers()
     # Workers forked from the preloaded server where the platform has one (no worker imports
     # torch and torch._dynamo anew: about 3.5 s of CPU each), else commands.
-    forked = preloaded_context().get_start_method() == "forkserver"
+    forked = forkserver_context() is not None
     # The agent's logs (error records) in a directory of ours, read on failure and removed at
     # the end (torch's default left an empty /tmp/torchelastic_* tree behind every run).
     log_dir = tempfile.mkdtemp(prefix="moesaic-elastic-")

@@ -62,7 +62,8 @@ def run_forked(
     launcher alone), dead with the ``launcher`` (pid, start ticks), the launcher's environment
     ``env`` with what the agent set for this rank on top (the variables that differ from the
     server's environment), its standard output and error on the launcher's (``std``, passed
-    as ``comm.world.InheritedFd``), and ``worker_main``; rank 0 writes its summary to ``summary``."""
+    as ``comm.world.InheritedFd``), and ``worker_main``; rank 0 writes its summary to
+    ``summary``."""
     from moesaic.cluster.lifecycle import watch_launcher
     from moesaic.comm.world import IMPORT_ENV, take_std
 
