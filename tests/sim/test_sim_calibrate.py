@@ -11,7 +11,8 @@ import pytest
 from moesaic.cli import main
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.cluster.system import support_problem
-from moesaic.sim.calibrate import measure_links
+from moesaic.sim.calibrate import collective_shares, measure_links, median_links
+from moesaic.sim.cpuload import measure_comm_cpu
 from moesaic.sim.profile import LinkLevel, Profile
 from moesaic.sim.syncwait import SEGMENTS_S
 
@@ -74,6 +75,66 @@ def test_measure_links_refuses_a_single_rank():
         measure_links(one)
 
 
+def test_median_links_takes_each_figure_over_the_rounds():
+    rounds = [
+        (_link(measured_bandwidth_gbps=b, measured_latency_ms=lat),)
+        for b, lat in ((0.09, 2.5), (0.05, 2.1), (0.08, 3.0))
+    ]
+    (got,) = median_links(rounds)
+    assert (got.measured_bandwidth_gbps, got.measured_latency_ms) == (0.08, 2.5)
+    assert got.configured_bandwidth_gbps == 0.1 and got.level_name == "node"
+    with pytest.raises(ValueError, match="rounds must hold at least one"):
+        median_links([])
+
+
+class _Rounds:
+    """A started cluster whose ``run`` returns the next round's per-rank results."""
+
+    def __init__(self, spec: ClusterSpec, rounds: list[list[dict]]):
+        self.spec, self.rounds, self.calls = spec, iter(rounds), 0
+
+    def run(self, fn, world, *args, timeout_s):
+        self.calls += 1
+        return next(self.rounds)
+
+
+PAIR = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=0.1, latency_ms=2.0),))
+
+
+def test_collective_shares_keep_the_median_round():
+    """Each round's time is the mean over calls of the slowest rank; the median over rounds is
+    kept, so one disturbed round does not move it."""
+    sizes = sorted({max(8, int(1000 * f) // 8 * 8) for f in (1 / 16, 1 / 4, 1.0)})
+
+    def round_(t: float) -> list[dict]:
+        one = {f"{k}:{n}": [t, t] for n in sizes for k in ("all_to_all", "all_reduce")}
+        return [one, {k: [t / 2, 3 * t] for k in one}]  # slowest: t, then 3 t: mean 2 t
+
+    cluster = _Rounds(PAIR, [round_(0.01), round_(0.5), round_(0.02)])
+    probe = Profile(flops_per_s=1.0, floor_s=1e-4, links=(_link(),))
+    shares = collective_shares(cluster, probe, 1000, sustain_s=0.0, rounds=3)
+    assert cluster.calls == 3
+    assert shares and all(x.measured_s == pytest.approx(0.04) for x in shares)
+    with pytest.raises(ValueError, match=r"rounds \(0\) must be > 0"):
+        collective_shares(cluster, probe, 1000, sustain_s=0.0, rounds=0)
+
+
+def test_comm_cpu_keeps_the_median_round():
+    def round_(slowdown: float) -> list[dict]:
+        one = {"slowdown": slowdown, "bytes_per_s": 1e6, "calls_per_s": 100.0}
+        return [one, one]
+
+    cluster = _Rounds(PAIR, [round_(1.1), round_(2.5), round_(1.3)])
+    found = measure_comm_cpu(cluster, cores_per_rank=1.0, rounds=3)
+    assert found.slowdown == pytest.approx(1.3) and found.cores == pytest.approx(0.3)
+
+
+def test_calibrate_rounds_must_be_positive(capsys, tmp_path):
+    argv = ["calibrate", "--out", str(tmp_path / "p.json"), "--rounds", "0"]
+    assert main(argv) == 2
+    assert "--rounds (0) must be > 0" in capsys.readouterr().err
+
+
 def test_cluster_and_links_are_exclusive(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(
@@ -104,7 +165,7 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     out = tmp_path / "p.json"
     args = ["calibrate", "--out", str(out), "--size", "64", "--cluster", str(toml)]
     args += ["--duration-s", "0.2", "--sustain-s", "0.2", "--contention-s", "0.3"]
-    assert main([*args, "--sync-reps", "3"]) == 0
+    assert main([*args, "--sync-reps", "3", "--rounds", "2"]) == 0
     p = Profile.load(out)
     assert [x.level_name for x in p.links] == ["node"]
     (link,) = p.links

@@ -49,6 +49,7 @@ above the floor) is the cluster file's. Torch is used by the workers only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import statistics
 import time
@@ -73,6 +74,7 @@ __all__ = [
     "collective_shares",
     "matmul_load",
     "measure_links",
+    "median_links",
     "share_probe",
     "warmup_calls",
 ]
@@ -80,6 +82,16 @@ __all__ = [
 # Sizes the collectives are timed at, as fractions of the check's collective size (what the
 # slowest level moves in half a bandwidth transfer): the validated runs' messages span them.
 COLLECTIVE_SIZES = (1 / 16, 1 / 4, 1.0)
+
+# Times steps 2-4 of the module docstring are measured on a cluster, the median of each figure
+# kept (``calibrate --rounds``). Two calibrations of one 4-rank cluster on 2 cores, a day apart,
+# priced its steps 30% apart (loaded all-reduce shares 0.08 against 0.23, the busy communication
+# CPU 0.05 against 0.60 cores) while the steps measured within 5%. Three rounds narrowed the
+# spread of six calibrations' predictions (max / min per combination, median: 1.24 -> 1.15 and
+# 1.32 -> 1.19 on two clusters) at 2.2x the calibration's time, and did not lower their error
+# against the measured steps (7.9 -> 12.6% and 15.8 -> 14.0%): one stays the default
+# (``docs/simulator.md``, "Calibrating twice").
+ROUNDS = 1
 
 # Calls timed per size and regime, and the fewest and most warm-up calls of a loaded stream.
 COLLECTIVE_REPS = 8
@@ -142,6 +154,21 @@ def links_from_report(report: Any) -> tuple[LinkLevel, ...]:
             measured_latency_ms=m.measured_latency_ms,
         )
         for m in report.levels
+    )
+
+
+def median_links(rounds: list[tuple[LinkLevel, ...]]) -> tuple[LinkLevel, ...]:
+    """Per level, the median of the measured bandwidth and latency over ``rounds`` (each a
+    :func:`links_from_report` of the same cluster)."""
+    if not rounds:
+        raise ValueError("rounds must hold at least one measurement")
+    return tuple(
+        dataclasses.replace(
+            levels[0],
+            measured_bandwidth_gbps=statistics.median(x.measured_bandwidth_gbps for x in levels),
+            measured_latency_ms=statistics.median(x.measured_latency_ms for x in levels),
+        )
+        for levels in zip(*rounds, strict=True)
     )
 
 
@@ -435,6 +462,7 @@ def collective_shares(
     *,
     reps: int = COLLECTIVE_REPS,
     sustain_s: float = 1.0,
+    rounds: int = 1,
     timeout_s: float = 300.0,
 ) -> tuple[CollectiveShare, ...]:
     """Times a started cluster's all-to-all and all-reduce at ``COLLECTIVE_SIZES`` x
@@ -443,8 +471,10 @@ def collective_shares(
     and on a shaped 2-rank link an all-to-all takes either its bound or twice it, so a median
     reports one mode), idle and, unless ``sustain_s`` is 0, loaded (module docstring), and
     converts each into a :class:`CollectiveShare` relative to ``profile``'s links
-    (:func:`collective_share`)."""
+    (:func:`collective_share`). With ``rounds`` > 1 all of it is timed that many times and
+    each time is the median over the rounds (``ROUNDS``)."""
     check_non_negative("sustain_s", sustain_s)
+    check_positive_int("rounds", rounds)
     spec: ClusterSpec = cluster.spec
     unit = 4 * spec.world_size  # all_to_all_single splits evenly
     sizes = sorted({max(unit, int(base_bytes * f) // unit * unit) for f in COLLECTIVE_SIZES})
@@ -454,17 +484,29 @@ def collective_shares(
         for kind in ("all_to_all", "all_reduce")
         if sustain_s > 0
     }
-    per_rank = cluster.run(
-        _worker_collectives, spec.world_size, sizes, reps, warmup, timeout_s, timeout_s=timeout_s
-    )
+    runs = [
+        cluster.run(
+            _worker_collectives,
+            spec.world_size,
+            sizes,
+            reps,
+            warmup,
+            timeout_s,
+            timeout_s=timeout_s,
+        )
+        for _ in range(rounds)
+    ]
     out = []
     for regime, prefix in (("idle", ""), ("loaded", "loaded:")):
         for nbytes in sizes:
             for kind in ("all_to_all", "all_reduce"):
                 key = f"{prefix}{kind}:{nbytes}"
-                if key not in per_rank[0]:
+                if key not in runs[0][0]:
                     continue
-                measured = statistics.fmean(max(t) for t in zip(*(r[key] for r in per_rank)))
+                measured = statistics.median(
+                    statistics.fmean(max(t) for t in zip(*(r[key] for r in per_rank)))
+                    for per_rank in runs
+                )
                 share = collective_share(spec, profile, kind, nbytes, measured)
                 if share is not None:
                     point = CollectiveShare(
@@ -485,6 +527,7 @@ def measure_links(
     floor: bool = True,
     sustain_s: float = 1.0,
     sync_reps: int = syncwait.REPS,
+    rounds: int = ROUNDS,
     timeout_s: float = 300.0,
 ) -> LinkCalibration:
     """Brings up ``spec`` (and the unshaped pair when ``floor``) and measures their links.
@@ -497,6 +540,8 @@ def measure_links(
             (0: idle shares only).
         sync_reps: Rounds per segment and size of what a collective waits for the ranks'
             desynchronisation (step 6 of the module docstring; 0: not measured).
+        rounds: Times each of steps 2 to 4 is measured on the cluster, the median of each
+            figure kept (``ROUNDS``).
         timeout_s: Bound on each cluster's measurement.
 
     Raises:
@@ -511,23 +556,37 @@ def measure_links(
     if spec.world_size < 2:
         raise ValueError(f"cluster world_size ({spec.world_size}) must be >= 2 to measure links")
     check_positive("duration_s", duration_s)
+    check_positive_int("rounds", rounds)
     floor_s = 0.0
     if floor:
         with EmulatedCluster(UNSHAPED) as cluster:
             unshaped = check(cluster, duration_s=duration_s, timeout_s=timeout_s)
         floor_s = unshaped.levels[0].measured_latency_ms * 1e-3
     with EmulatedCluster(spec) as cluster:
-        report = check(cluster, duration_s=duration_s, timeout_s=timeout_s)
-        links = links_from_report(report)
+        reports = [
+            check(cluster, duration_s=duration_s, timeout_s=timeout_s) for _ in range(rounds)
+        ]
+        report = reports[0]
+        links = median_links([links_from_report(r) for r in reports])
         scale = statistics.median(x.bandwidth_share for x in links)
-        calls = collective_calls(cluster, timeout_s=timeout_s)
+        calls = CallFloors(
+            *(
+                statistics.median(x)
+                for x in zip(
+                    *(collective_calls(cluster, timeout_s=timeout_s) for _ in range(rounds)),
+                    strict=True,
+                )
+            )
+        )
         probe = share_probe(
             Profile(flops_per_s=1.0, floor_s=floor_s, bandwidth_scale=scale, links=links),
             calls.a2a_s,
             calls.allreduce_s,
         )
         nbytes = next(iter(report.collectives.values()))["bytes_per_rank"]
-        shares = collective_shares(cluster, probe, nbytes, sustain_s=sustain_s, timeout_s=timeout_s)
+        shares = collective_shares(
+            cluster, probe, nbytes, sustain_s=sustain_s, rounds=rounds, timeout_s=timeout_s
+        )
         per_put, per_byte = put_cpu(cluster, timeout_s=timeout_s)
         waits = (
             syncwait.measure(

@@ -120,22 +120,32 @@ def measure_comm_cpu(
     comm_cpu_per_byte_s: float = 0.0,
     seconds: float = 1.0,
     nbytes: int = 512 * 1024,
+    rounds: int = 1,
     timeout_s: float = 120.0,
 ) -> CommCpu:
     """Measures a started ``cluster`` (module docstring): one thread per rank, ``seconds``
-    alone and ``seconds`` streaming ``nbytes``-per-rank all-to-alls."""
+    alone and ``seconds`` streaming ``nbytes``-per-rank all-to-alls; ``rounds`` times, each
+    figure the median over the rounds of its median over ranks."""
     check_positive("cores_per_rank", cores_per_rank)
     check_non_negative("comm_cpu_s", comm_cpu_s)
     check_non_negative("comm_cpu_per_byte_s", comm_cpu_per_byte_s)
     check_positive("seconds", seconds)
     check_positive_int("nbytes", nbytes)
+    check_positive_int("rounds", rounds)
     world = cluster.spec.world_size
-    ranks = cluster.run(
-        slowdown_worker, world, seconds, nbytes, timeout_s, timeout_s=timeout_s + 60
+    runs = [
+        cluster.run(slowdown_worker, world, seconds, nbytes, timeout_s, timeout_s=timeout_s + 60)
+        for _ in range(rounds)
+    ]
+
+    def median(key: str) -> float:
+        return statistics.median(statistics.median(r[key] for r in ranks) for ranks in runs)
+
+    slowdown, bytes_per_s, calls_per_s = (
+        median("slowdown"),
+        median("bytes_per_s"),
+        median("calls_per_s"),
     )
-    slowdown = statistics.median(r["slowdown"] for r in ranks)
-    bytes_per_s = statistics.median(r["bytes_per_s"] for r in ranks)
-    calls_per_s = statistics.median(r["calls_per_s"] for r in ranks)
     cores = comm_cores(slowdown, 1, cores_per_rank)
     explained = comm_cpu_s * calls_per_s + comm_cpu_per_byte_s * bytes_per_s
     return CommCpu(
