@@ -85,7 +85,7 @@ COLLECTIVE_SIZES = (1 / 16, 1 / 4, 1.0)
 
 # Times steps 2-4 of the module docstring are measured on a cluster, the median of each figure
 # kept (``calibrate --rounds``). Two calibrations of one 4-rank cluster on 2 cores, a day apart,
-# priced its steps 30% apart (loaded all-reduce shares 0.08 against 0.23, the busy communication
+# priced its steps 44% apart (loaded all-reduce shares 0.08 against 0.23, the busy communication
 # CPU 0.05 against 0.60 cores) while the steps measured within 5%. Three rounds narrowed the
 # spread of six calibrations' predictions (max / min per combination, median: 1.24 -> 1.15 and
 # 1.32 -> 1.19 on two clusters) at 2.2x the calibration's time, and did not lower their error
