@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 
 import pytest
 
 from moesaic.cli import main
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.cluster.system import support_problem
-from moesaic.sim.calibrate import collective_shares, measure_links, median_links
+from moesaic.sim.calibrate import (
+    CallFloors,
+    collective_shares,
+    measure_links,
+    median_calls,
+    median_links,
+)
 from moesaic.sim.cpuload import measure_comm_cpu
 from moesaic.sim.profile import LinkLevel, Profile
 from moesaic.sim.syncwait import SEGMENTS_S
@@ -88,14 +95,15 @@ def test_median_links_takes_each_figure_over_the_rounds():
 
 
 class _Rounds:
-    """A started cluster whose ``run`` returns the next round's per-rank results."""
+    """A started cluster whose ``run`` returns the next round's per-rank results: each round a
+    function of the arguments the run was given after its world size."""
 
-    def __init__(self, spec: ClusterSpec, rounds: list[list[dict]]):
+    def __init__(self, spec: ClusterSpec, rounds: list[Callable[..., list[dict]]]):
         self.spec, self.rounds, self.calls = spec, iter(rounds), 0
 
     def run(self, fn, world, *args, timeout_s):
         self.calls += 1
-        return next(self.rounds)
+        return next(self.rounds)(*args)
 
 
 PAIR = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=0.1, latency_ms=2.0),))
@@ -104,25 +112,35 @@ PAIR = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=0.1, latenc
 def test_collective_shares_keep_the_median_round():
     """Each round's time is the mean over calls of the slowest rank; the median over rounds is
     kept, so one disturbed round does not move it."""
-    sizes = sorted({max(8, int(1000 * f) // 8 * 8) for f in (1 / 16, 1 / 4, 1.0)})
 
-    def round_(t: float) -> list[dict]:
-        one = {f"{k}:{n}": [t, t] for n in sizes for k in ("all_to_all", "all_reduce")}
-        return [one, {k: [t / 2, 3 * t] for k in one}]  # slowest: t, then 3 t: mean 2 t
+    def round_(t: float) -> Callable[..., list[dict]]:
+        def ranks(sizes: list[int], *_: object) -> list[dict]:
+            one = {f"{k}:{n}": [t, t] for n in sizes for k in ("all_to_all", "all_reduce")}
+            return [one, {k: [t / 2, 3 * t] for k in one}]  # slowest: t, then 3 t: mean 2 t
+
+        return ranks
 
     cluster = _Rounds(PAIR, [round_(0.01), round_(0.5), round_(0.02)])
     probe = Profile(flops_per_s=1.0, floor_s=1e-4, links=(_link(),))
     shares = collective_shares(cluster, probe, 1000, sustain_s=0.0, rounds=3)
     assert cluster.calls == 3
-    assert shares and all(x.measured_s == pytest.approx(0.04) for x in shares)
+    assert len(shares) == 6  # both kinds at the three sizes, idle only
+    assert all(x.measured_s == pytest.approx(0.04) for x in shares)
     with pytest.raises(ValueError, match=r"rounds \(0\) must be > 0"):
         collective_shares(cluster, probe, 1000, sustain_s=0.0, rounds=0)
 
 
+def test_median_calls_takes_each_floor_over_the_rounds():
+    rounds = [CallFloors(1.0, 5.0, 9.0), CallFloors(3.0, 4.0, 7.0), CallFloors(2.0, 6.0, 8.0)]
+    assert median_calls(rounds) == CallFloors(2.0, 5.0, 8.0)
+    with pytest.raises(ValueError, match="rounds must hold at least one"):
+        median_calls([])
+
+
 def test_comm_cpu_keeps_the_median_round():
-    def round_(slowdown: float) -> list[dict]:
+    def round_(slowdown: float) -> Callable[..., list[dict]]:
         one = {"slowdown": slowdown, "bytes_per_s": 1e6, "calls_per_s": 100.0}
-        return [one, one]
+        return lambda *_: [one, one]
 
     cluster = _Rounds(PAIR, [round_(1.1), round_(2.5), round_(1.3)])
     found = measure_comm_cpu(cluster, cores_per_rank=1.0, rounds=3)

@@ -74,6 +74,7 @@ __all__ = [
     "collective_shares",
     "matmul_load",
     "measure_links",
+    "median_calls",
     "median_links",
     "share_probe",
     "warmup_calls",
@@ -314,6 +315,14 @@ class CallFloors(NamedTuple):
     allreduce_loaded_s: float
 
 
+def median_calls(rounds: list[CallFloors]) -> CallFloors:
+    """Each call floor's median over ``rounds`` (each a :func:`collective_calls` of the same
+    cluster)."""
+    if not rounds:
+        raise ValueError("rounds must hold at least one measurement")
+    return CallFloors(*(statistics.median(x) for x in zip(*rounds, strict=True)))
+
+
 def collective_calls(
     cluster: Any = None,
     *,
@@ -472,7 +481,7 @@ def collective_shares(
     reports one mode), idle and, unless ``sustain_s`` is 0, loaded (module docstring), and
     converts each into a :class:`CollectiveShare` relative to ``profile``'s links
     (:func:`collective_share`). With ``rounds`` > 1 all of it is timed that many times and
-    each time is the median over the rounds (``ROUNDS``)."""
+    each time is the median over the rounds."""
     check_non_negative("sustain_s", sustain_s)
     check_positive_int("rounds", rounds)
     spec: ClusterSpec = cluster.spec
@@ -569,14 +578,8 @@ def measure_links(
         report = reports[0]
         links = median_links([links_from_report(r) for r in reports])
         scale = statistics.median(x.bandwidth_share for x in links)
-        calls = CallFloors(
-            *(
-                statistics.median(x)
-                for x in zip(
-                    *(collective_calls(cluster, timeout_s=timeout_s) for _ in range(rounds)),
-                    strict=True,
-                )
-            )
+        calls = median_calls(
+            [collective_calls(cluster, timeout_s=timeout_s) for _ in range(rounds)]
         )
         probe = share_probe(
             Profile(flops_per_s=1.0, floor_s=floor_s, bandwidth_scale=scale, links=links),

@@ -141,11 +141,9 @@ def measure_comm_cpu(
     def median(key: str) -> float:
         return statistics.median(statistics.median(r[key] for r in ranks) for ranks in runs)
 
-    slowdown, bytes_per_s, calls_per_s = (
-        median("slowdown"),
-        median("bytes_per_s"),
-        median("calls_per_s"),
-    )
+    slowdown = median("slowdown")
+    bytes_per_s = median("bytes_per_s")
+    calls_per_s = median("calls_per_s")
     cores = comm_cores(slowdown, 1, cores_per_rank)
     explained = comm_cpu_s * calls_per_s + comm_cpu_per_byte_s * bytes_per_s
     return CommCpu(
