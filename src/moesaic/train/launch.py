@@ -249,9 +249,30 @@ def _run_agent(cfg: TrainConfig, job: str) -> dict:
     except ChildFailedError as exc:
         failures = {**_last_attempt_records(log_dir), **exc.failures}
         raise RuntimeError(failure_line(failures, cfg.max_restarts)) from None
-    except SignalException as exc:
-        if exc.sigval in (signal.SIGINT, signal.SIGTERM):
+    except Exception as exc:
+        stopped = _signal_behind(exc, SignalException)
+        if stopped is None:
+            raise
+        if stopped.sigval in (signal.SIGINT, signal.SIGTERM):
             raise KeyboardInterrupt from None
-        raise RuntimeError(f"stopped by signal {exc.sigval.name}") from None
+        raise RuntimeError(f"stopped by signal {stopped.sigval.name}") from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _signal_behind(exc: BaseException, signal_type: type) -> Any:
+    """The ``signal_type`` exception that ``exc`` is or was raised while handling, else None.
+
+    A signal's exception is raised wherever the agent happens to be. Torch's metrics wrapper
+    around the agent's methods sets its start time inside its ``try``; a signal that lands on
+    that line makes the wrapper's ``finally`` raise ``UnboundLocalError`` (its ``start``),
+    with the signal's exception only as its context (seen once in a CI run of a Ctrl-C test). The
+    agent has stopped its workers either way; the launcher reports the signal."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, signal_type):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
