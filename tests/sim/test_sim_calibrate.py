@@ -19,7 +19,7 @@ from moesaic.sim.calibrate import (
     median_calls,
     median_links,
 )
-from moesaic.sim.cpuload import measure_comm_cpu
+from moesaic.sim.cpuload import REPEATS, measure_comm_cpu
 from moesaic.sim.profile import LinkLevel, Profile
 from moesaic.sim.syncwait import SEGMENTS_S
 
@@ -143,8 +143,23 @@ def test_comm_cpu_keeps_the_median_round():
         return lambda *_: [one, one]
 
     cluster = _Rounds(PAIR, [round_(1.1), round_(2.5), round_(1.3)])
-    found = measure_comm_cpu(cluster, cores_per_rank=1.0, rounds=3)
+    found = measure_comm_cpu(cluster, cores_per_rank=1.0, rounds=3, repeats=1)
     assert found.slowdown == pytest.approx(1.3) and found.cores == pytest.approx(0.3)
+
+
+def test_comm_cpu_is_the_median_of_its_repeats_in_every_round():
+    def run(slowdown: float) -> Callable[..., list[dict]]:
+        one = {"slowdown": slowdown, "bytes_per_s": 1e6, "calls_per_s": 100.0}
+        return lambda *_: [one, one]
+
+    slowdowns = [1.9, 1.1, 1.2, 1.0, 2.0, 1.25]
+    cluster = _Rounds(PAIR, [run(s) for s in slowdowns])
+    found = measure_comm_cpu(cluster, cores_per_rank=1.0, rounds=2, repeats=3)
+    assert cluster.calls == 6
+    assert found.slowdown == pytest.approx((1.2 + 1.25) / 2)
+    assert measure_comm_cpu.__kwdefaults__["repeats"] == REPEATS > 1
+    with pytest.raises(ValueError, match="repeats"):
+        measure_comm_cpu(cluster, cores_per_rank=1.0, repeats=0)
 
 
 def test_calibrate_rounds_must_be_positive(capsys, tmp_path):
@@ -182,7 +197,7 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     toml.write_text(PAIR_TOML)
     out = tmp_path / "p.json"
     args = ["calibrate", "--out", str(out), "--size", "64", "--cluster", str(toml)]
-    args += ["--duration-s", "0.2", "--sustain-s", "0.2", "--contention-s", "0.3"]
+    args += ["--duration-s", "0.2", "--sustain-s", "0.2", "--contention-s", "0.1"]
     assert main([*args, "--sync-reps", "3", "--rounds", "2"]) == 0
     p = Profile.load(out)
     assert [x.level_name for x in p.links] == ["node"]

@@ -26,6 +26,7 @@ from typing import Any
 from moesaic.checks import check_int, check_non_negative, check_output_file, check_positive_int
 from moesaic.sim.calibrate import ROUNDS as CLUSTER_ROUNDS
 from moesaic.sim.cli_files import describe_loads, load_option
+from moesaic.sim.cpuload import REPEATS as CPU_REPEATS
 from moesaic.sim.syncwait import REPS as SYNC_REPS
 
 __all__ = ["add_calibrate", "run_calibrate"]
@@ -63,7 +64,8 @@ def add_calibrate(subparsers) -> None:
         type=float,
         default=1.0,
         help="--cluster: seconds of each half of the communication-CPU measurement "
-        "(compute alone, then beside an all-to-all stream; default 1.0; 0: skip it)",
+        "(compute alone, then beside an all-to-all stream; taken "
+        f"{CPU_REPEATS} times, the median kept; default 1.0; 0: skip it)",
     )
     c.add_argument(
         "--sync-reps",

@@ -26,10 +26,17 @@ from typing import Any
 
 from moesaic.checks import check_non_negative, check_positive, check_positive_int
 
-__all__ = ["CommCpu", "comm_cores", "measure_comm_cpu", "slowdown_worker"]
+__all__ = ["REPEATS", "CommCpu", "comm_cores", "measure_comm_cpu", "slowdown_worker"]
 
 # Shape of the GEMM each rank's compute loop runs (~1 ms on one core here).
 LOOP_GEMM = (256, 256, 1024)
+
+# Measurements per round, the median kept. One 1 s measurement of rule 10's clusters put the
+# communication's cores anywhere in 0.02-1.02 (4 ranks) and 0.25-2.07 (2 ranks) within a few
+# minutes on the cluster kept up, and measuring for 4 s instead did not narrow that; the
+# medians of 8 stayed within 0.27-0.34 and 0.94-1.07 over four series
+# (benchmarks/results/sim_comm_cpu_spread.json).
+REPEATS = 7
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -121,21 +128,23 @@ def measure_comm_cpu(
     seconds: float = 1.0,
     nbytes: int = 512 * 1024,
     rounds: int = 1,
+    repeats: int = REPEATS,
     timeout_s: float = 120.0,
 ) -> CommCpu:
     """Measures a started ``cluster`` (module docstring): one thread per rank, ``seconds``
-    alone and ``seconds`` streaming ``nbytes``-per-rank all-to-alls; ``rounds`` times, each
-    figure the median over the rounds of its median over ranks."""
+    alone and ``seconds`` streaming ``nbytes``-per-rank all-to-alls; ``repeats`` times in each
+    of ``rounds``, each figure the median over all of them of its median over ranks."""
     check_positive("cores_per_rank", cores_per_rank)
     check_non_negative("comm_cpu_s", comm_cpu_s)
     check_non_negative("comm_cpu_per_byte_s", comm_cpu_per_byte_s)
     check_positive("seconds", seconds)
     check_positive_int("nbytes", nbytes)
     check_positive_int("rounds", rounds)
+    check_positive_int("repeats", repeats)
     world = cluster.spec.world_size
     runs = [
         cluster.run(slowdown_worker, world, seconds, nbytes, timeout_s, timeout_s=timeout_s + 60)
-        for _ in range(rounds)
+        for _ in range(rounds * repeats)
     ]
 
     def median(key: str) -> float:
