@@ -31,9 +31,9 @@ __all__ = ["REPEATS", "CommCpu", "comm_cores", "measure_comm_cpu", "slowdown_wor
 # Shape of the GEMM each rank's compute loop runs (~1 ms on one core here).
 LOOP_GEMM = (256, 256, 1024)
 
-# Measurements per round, the median kept. One 1 s measurement of rule 10's clusters put the
-# communication's cores anywhere in 0.02-1.02 (4 ranks) and 0.25-2.07 (2 ranks) within a few
-# minutes on the cluster kept up, and measuring for 4 s instead did not narrow that; the
+# Measurements per round, the median kept. Single measurements (1 s or 4 s) of rule 10's
+# clusters put the communication's cores anywhere in 0.02-1.02 (4 ranks) and 0.25-2.07
+# (2 ranks) within a few minutes on the cluster kept up; 4 s did not narrow 1 s's spread; the
 # medians of 8 stayed within 0.27-0.34 and 0.94-1.07 over four series
 # (benchmarks/results/sim_comm_cpu_spread.json).
 REPEATS = 7
