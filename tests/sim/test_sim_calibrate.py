@@ -137,28 +137,29 @@ def test_median_calls_takes_each_floor_over_the_rounds():
         median_calls([])
 
 
-def test_comm_cpu_keeps_the_median_round():
-    def round_(slowdown: float) -> Callable[..., list[dict]]:
-        one = {"slowdown": slowdown, "bytes_per_s": 1e6, "calls_per_s": 100.0}
-        return lambda *_: [one, one]
+def _comm_cpu_run(slowdown: float) -> Callable[..., list[dict]]:
+    """One run of the communication-CPU measurement: both ranks found ``slowdown``."""
+    one = {"slowdown": slowdown, "bytes_per_s": 1e6, "calls_per_s": 100.0}
+    return lambda *_: [one, one]
 
-    cluster = _Rounds(PAIR, [round_(1.1), round_(2.5), round_(1.3)])
+
+def test_comm_cpu_keeps_the_median_round():
+    cluster = _Rounds(PAIR, [_comm_cpu_run(s) for s in (1.1, 2.5, 1.3)])
     found = measure_comm_cpu(cluster, cores_per_rank=1.0, rounds=3, repeats=1)
     assert found.slowdown == pytest.approx(1.3) and found.cores == pytest.approx(0.3)
 
 
 def test_comm_cpu_is_the_median_of_its_repeats_in_every_round():
-    def run(slowdown: float) -> Callable[..., list[dict]]:
-        one = {"slowdown": slowdown, "bytes_per_s": 1e6, "calls_per_s": 100.0}
-        return lambda *_: [one, one]
-
-    slowdowns = [1.9, 1.1, 1.2, 1.0, 2.0, 1.25]
-    cluster = _Rounds(PAIR, [run(s) for s in slowdowns])
+    cluster = _Rounds(PAIR, [_comm_cpu_run(s) for s in (1.9, 1.1, 1.2, 1.0, 2.0, 1.25)])
     found = measure_comm_cpu(cluster, cores_per_rank=1.0, rounds=2, repeats=3)
     assert cluster.calls == 6
     assert found.slowdown == pytest.approx((1.2 + 1.25) / 2)
-    assert measure_comm_cpu.__kwdefaults__["repeats"] == REPEATS > 1
-    with pytest.raises(ValueError, match="repeats"):
+    # by default, REPEATS runs per round
+    cluster = _Rounds(PAIR, [_comm_cpu_run(1.0 + k / 10) for k in range(REPEATS)])
+    found = measure_comm_cpu(cluster, cores_per_rank=1.0)
+    assert cluster.calls == REPEATS > 1
+    assert found.slowdown == pytest.approx(1.0 + (REPEATS // 2) / 10)
+    with pytest.raises(ValueError, match=r"repeats \(0\) must be > 0"):
         measure_comm_cpu(cluster, cores_per_rank=1.0, repeats=0)
 
 
