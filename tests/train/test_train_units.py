@@ -182,3 +182,20 @@ def test_gradient_rules_match_one_process():
                     e = 4 // ep
                     want = want[ep_rank * e : (ep_rank + 1) * e]
                 torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_unreplicated_gradients_are_divided_in_place(monkeypatch):
+    """A group of one rank (expert shards without replicas) has nothing to sum: its gradients are
+    divided where they are, not flattened into a buffer and copied back (25 of a 305 ms vanilla
+    step on 2 ranks), and no collective is started."""
+    from moesaic.comm.collectives import EPGroup
+    from moesaic.train.parallel import _all_reduce_mean
+
+    solo = EPGroup.solo(60.0)
+    monkeypatch.setattr(solo, "start_all_reduce", lambda *a, **k: pytest.fail("collective"))
+    grads = [torch.full((3, 2), 6.0), torch.arange(4.0)]
+    ptrs = [g.data_ptr() for g in grads]
+    _all_reduce_mean(grads, solo, 2, "all_reduce of expert gradients over the DP group")
+    assert [g.data_ptr() for g in grads] == ptrs
+    torch.testing.assert_close(grads[0], torch.full((3, 2), 3.0), rtol=0, atol=0)
+    torch.testing.assert_close(grads[1], torch.arange(4.0) / 2, rtol=0, atol=0)

@@ -81,6 +81,13 @@ def build_layout(ep_size: int, timeout_s: float) -> Layout:
 def _all_reduce_mean(grads: list[torch.Tensor], group: EPGroup, divisor: int, what: str) -> None:
     if not grads:
         return
+    if group.size == 1:
+        # nothing to sum (expert shards without replicas): divide in place; flattening into
+        # one buffer and copying back took 25 of a 305 ms vanilla step (2 ranks, 14 experts of
+        # 176 x 572 per rank)
+        for g in grads:
+            g.div_(divisor)
+        return
     flat = torch.cat([g.reshape(-1) for g in grads])
     group.all_reduce(flat, what=what)
     flat.div_(divisor)
