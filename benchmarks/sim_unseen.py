@@ -258,7 +258,7 @@ Fixed for all eight: H 176, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
 predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
 
-**The twelfth rule** (``--rule 12``; fixed on 2026-11-27 at 05:40 UTC, committed before any
+**The twelfth rule** (``--rule 12``; fixed on 2026-11-27 at 05:30 UTC, committed before any
 of its configurations was measured or simulated, after vanilla's gradient sync came to divide
 the gradients of expert shards without replicas in place (``train/parallel.py``); nothing in it
 may change after its first measurement): other levels again, with 4 ranks as 2 nodes x 2 (the
