@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.sim.contention import CpuModel, _Load
+from moesaic.sim.contention import LOCKSTEP_RESOURCES, CpuModel, _Load, contend
 from moesaic.sim.cpuload import comm_cores
-from moesaic.sim.graph import SimTask
+from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.opcal import OPS, OpCal, OpFit
 from moesaic.sim.profile import Profile
@@ -66,19 +66,28 @@ def test_off_for_older_profiles_and_without_cores():
         CpuModel(cores_per_rank=0.0)
 
 
+def _optimizer_s(sim: object) -> float:
+    (span,) = [s for s in sim.spans if s.resource == "optimizer"]
+    return span.end - span.start
+
+
 def test_two_ranks_on_one_core_slow_by_the_other_ranks_compute_fraction():
-    """Vanilla is serial: at half a core per rank every compute task takes ``1 + u`` times as
-    long, ``u`` the other rank's compute fraction (the fixed point's ``other_ranks_cores``, no
-    communication CPU here), so the step grows by ``u`` times its compute; at a core per rank
-    nothing changes."""
+    """Vanilla is serial: at half a core per rank every compute task of the step takes ``1 + u``
+    times as long, ``u`` the other rank's compute fraction (the fixed point's
+    ``other_ranks_cores``, no communication CPU here), and the optimizer, which both ranks run
+    at once, twice as long (``LOCKSTEP_RESOURCES``); at a core per rank nothing changes."""
     free = _sim(BASE)
     one_core = _sim(dataclasses.replace(BASE, cores=1, ranks_per_machine=2))
     two_cores = _sim(dataclasses.replace(BASE, cores=2, ranks_per_machine=2))
     assert two_cores.iteration_s == pytest.approx(free.iteration_s)
     u = one_core.details["contention"]["other_ranks_cores"]
     assert 0.0 < u < 1.0
-    assert one_core.compute_s == pytest.approx(free.compute_s * (1 + u))
-    assert one_core.iteration_s == pytest.approx(free.iteration_s + u * free.compute_s)
+    opt = _optimizer_s(free)
+    assert opt > 0
+    assert _optimizer_s(one_core) == pytest.approx(2 * opt)
+    added = u * (free.compute_s - opt) + opt
+    assert one_core.compute_s == pytest.approx(free.compute_s + added)
+    assert one_core.iteration_s == pytest.approx(free.iteration_s + added)
     # the fixed point: u is the slowed step's compute fraction (to the iterations' precision)
     assert u == pytest.approx(one_core.compute_s / one_core.iteration_s, rel=0.05)
     # a rate measured with the ranks already sharing the cores is not slowed a second time
@@ -102,14 +111,19 @@ def test_other_ranks_want_their_compute_fraction_and_communication():
 
 def test_communication_cpu_slows_the_compute_it_overlaps_only():
     """The same communication CPU slows flowmoe (its compute overlaps all-to-alls) and leaves
-    vanilla (compute and communication one after another) as it was."""
+    vanilla's forward and backward (compute and communication one after another) as they were;
+    only its optimizer, which every rank runs at once, is slowed, by the other rank's
+    communication CPU averaged over the step (``Lbar``, kept for the lockstep tail as for every
+    task)."""
     hot = dataclasses.replace(BASE, cores=2, ranks_per_machine=2, comm_cpu_per_byte_s=1e-6)
     for schedule in ("vanilla", "flowmoe"):
         free, slowed = _sim(BASE, schedule), _sim(hot, schedule)
         added = slowed.details["contention"]["compute_added_ms"]
         if schedule == "vanilla":
-            assert added == pytest.approx(0.0, abs=1e-9)
-            assert slowed.iteration_s == pytest.approx(free.iteration_s)
+            stretch = _optimizer_s(slowed) - _optimizer_s(free)
+            assert added == pytest.approx(stretch * 1e3)
+            assert 0 < stretch < 0.5 * _optimizer_s(free)
+            assert slowed.iteration_s == pytest.approx(free.iteration_s + stretch)
         else:
             assert added > 0
             assert slowed.compute_s > free.compute_s
@@ -160,3 +174,20 @@ def test_comm_cores_inverts_the_fair_share(slowdown, threads, cores, want):
     if got > 0:  # the contention model gives the slowdown back
         cpu = CpuModel(cores_per_rank=cores, threads=threads, measured_alone=False)
         assert cpu.slowdown(got) == pytest.approx(slowdown)
+
+
+def test_the_optimizer_runs_beside_every_other_rank():
+    """``contend`` on a graph of one stage and the optimizer, 4 ranks on 2 cores: the stage is
+    slowed by the other ranks' compute fraction, ``(1 + 3u) / 2``, the optimizer as if all
+    three computed, ``(1 + 3) / 2``."""
+    g = SimGraph()
+    stage = g.add("compute", SimTask("AT1.1", "compute", 1.0))
+    g.add("a2a", SimTask("D1.1", "a2a", 3.0, nbytes=1.0), stage)
+    g.add("compute", SimTask("optimizer", "optimizer", 0.5), "D1.1")
+    cpu = CpuModel(cores_per_rank=0.5, machine_ranks=4)
+    tl, info = contend(g, g.run(), cpu)
+    u = info["other_ranks_cores"] / 3
+    assert 0.0 < u < 0.5
+    assert tl.end["AT1.1"] - tl.start["AT1.1"] == pytest.approx((1 + 3 * u) / 2)
+    assert tl.end["optimizer"] - tl.start["optimizer"] == pytest.approx(0.5 * 2)
+    assert "optimizer" in LOCKSTEP_RESOURCES
