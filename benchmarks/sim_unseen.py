@@ -279,7 +279,7 @@ Fixed for all eight: H 168, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
 predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
 
-**The thirteenth rule** (``--rule 13``; fixed on 2026-11-27 at 06:42 UTC, committed before any
+**The thirteenth rule** (``--rule 13``; fixed on 2026-11-27 at 06:40 UTC, committed before any
 of its configurations was measured or simulated, after the optimizer came to be priced beside
 every other rank (``moesaic.sim.contention.LOCKSTEP_RESOURCES``); nothing in it may change after
 its first measurement): other levels again, with 4 ranks as 2 nodes x 2 (the ranks of a node
