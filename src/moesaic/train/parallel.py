@@ -83,8 +83,8 @@ def _all_reduce_mean(grads: list[torch.Tensor], group: EPGroup, divisor: int, wh
         return
     if group.size == 1:
         # nothing to sum (expert shards without replicas): divide in place; flattening into
-        # one buffer and copying back took 25 of a 305 ms vanilla step (2 ranks, 14 experts of
-        # 176 x 572 per rank)
+        # one buffer and copying back cost a vanilla step 348 -> 324 ms (2 ranks, 14 experts
+        # of 176 x 572 each; benchmarks/results/vanilla_sync_ab.json)
         for g in grads:
             g.div_(divisor)
         return
