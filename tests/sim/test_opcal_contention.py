@@ -14,7 +14,7 @@ from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.opcal import OPS, OpCal, OpFit
 from moesaic.sim.profile import Profile
-from moesaic.sim.simulate import SimOptions, simulate
+from moesaic.sim.simulate import SimOptions, SimResult, simulate
 
 MODEL = ModelSpec(
     name="m", layers=2, batch=8, seq_len=16, hidden=64, ffn_hidden=256, experts=4, top_k=2
@@ -34,7 +34,7 @@ BASE = Profile(flops_per_s=1e12, ops=OPS_CAL)  # measured alone: one process, an
 RATE = Profile(flops_per_s=2e9, task_overhead_s=1e-4)  # a rate measured with the ranks running
 
 
-def _sim(profile: Profile, schedule: str = "vanilla") -> object:
+def _sim(profile: Profile, schedule: str = "vanilla") -> SimResult:
     return simulate(SPEC, MODEL, "dropless", profile, SimOptions(degree=4), schedule=schedule)
 
 
@@ -66,7 +66,8 @@ def test_off_for_older_profiles_and_without_cores():
         CpuModel(cores_per_rank=0.0)
 
 
-def _optimizer_s(sim: object) -> float:
+def _optimizer_s(sim: SimResult) -> float:
+    """The seconds of the simulated step's optimizer task."""
     (span,) = [s for s in sim.spans if s.resource == "optimizer"]
     return span.end - span.start
 

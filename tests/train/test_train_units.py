@@ -186,8 +186,8 @@ def test_gradient_rules_match_one_process():
 
 def test_unreplicated_gradients_are_divided_in_place(monkeypatch):
     """A group of one rank (expert shards without replicas) has nothing to sum: its gradients are
-    divided where they are, not flattened into a buffer and copied back (25 of a 305 ms vanilla
-    step on 2 ranks), and no collective is started."""
+    divided where they are, not flattened into a buffer and copied back (a 2-rank vanilla step
+    348 -> 324 ms, benchmarks/results/vanilla_sync_ab.json), and no collective is started."""
     from moesaic.comm.collectives import EPGroup
     from moesaic.train.parallel import _all_reduce_mean
 
