@@ -93,6 +93,23 @@ def test_contend_adds_each_collectives_wait_after_its_compute():
     assert "sync_wait_ms" not in without
 
 
+def test_a_collective_waits_for_the_compute_since_the_ranks_last_met_on_any_lane():
+    """FlowMoE's gradient chunks have a lane of their own, and the ranks meet at every
+    all-to-all before them: a chunk after 20 ms of compute, 2.5 ms of it after an all-to-all
+    ended (15 ms of compute, a 1 ms call and its own 1.5 ms wait), waits for those 2.5 ms
+    (0.25 ms), not for the 20 ms since its lane's start (2 ms)."""
+    g = SimGraph()
+    work = g.add("compute", SimTask("work", "compute", 0.015))
+    g.add("a2a", SimTask("x", "a2a", 0.001, nbytes=32.0), work)
+    more = g.add("compute", SimTask("more", "compute", 0.005), work)
+    g.add("grad", SimTask("chunk", "allreduce", 0.001, nbytes=32.0), more)
+    tl, info = contend(g, g.run(), CpuModel(cores_per_rank=4.0), waits=POINTS)
+    assert tl.end["x"] == pytest.approx(0.0175)
+    assert tl.start["chunk"] == pytest.approx(0.02)
+    assert tl.end["chunk"] - tl.start["chunk"] == pytest.approx(0.00125)
+    assert info["sync_wait_ms"] == pytest.approx(1.75)
+
+
 def test_simulate_waits_more_for_blocking_collectives_than_pipelined():
     """On a fast link (compute-bound), vanilla's collectives each follow a stage of compute and
     block: the waits lengthen its step by their sum. FlowMoE's overlap the other microbatches'

@@ -23,8 +23,9 @@ passes (first tried: waits of -15 to +20 ms on the same cluster). Stored as
 :class:`~moesaic.sim.profile.SyncWait` points, with the segments' mean compute.
 
 **Priced** (:func:`wait_s`, applied by :func:`moesaic.sim.contention.contend`): a communication
-task waits ``wait(T, b)`` beyond its price, ``T`` the compute its rank did since the previous
-task of its lane ended (or since the step began), ``b`` its bytes. Between measured segments
+task waits ``wait(T, b)`` beyond its price, ``T`` the compute its rank did since the ranks last
+met (the latest end of a communication task of any lane before it starts, or the step's start),
+``b`` its bytes. Between measured segments
 linear in ``T`` from ``wait(0) = 0``, beyond the longest proportional to ``T``; between
 measured sizes linear in log bytes, the nearest size outside them; never below 0 (a measured
 negative excess is noise).
