@@ -25,6 +25,7 @@ from moesaic.sim.planner import (
 )
 from moesaic.sim.profile import Profile
 from moesaic.sim.simulate import SimOptions, link_model, simulate
+from moesaic.sim.steptail import flags_s, norm_s
 from moesaic.strategies.registry import check_supported
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +125,9 @@ def test_entry_is_what_simulate_gives(small_plan, index):
 def test_hybrid_vanilla_includes_the_gradient_all_reduce(small_plan):
     """HybridEP's benchmark step (``hybrid_step="benchmark"``) has no data-parallel all-reduce;
     hybrid+vanilla as trained (the simulator's default, what the planner ranks) has one
-    (``AR1``) on top of the same gathers and exchanges: the block pipeline at R = 1."""
+    (``AR1``) on top of the same gathers and exchanges: the block pipeline at R = 1, whose
+    health check (``moesaic.sim.steptail``) is vanilla's two blocking calls where moe-only
+    gathers its flags beside ``AR1``."""
     c = next(c for c in small_plan.ranked if c.name == "hybrid+vanilla")
     ds = tuple(c.options["domain_sizes"])
     cr = c.options["compression_ratio"]
@@ -136,9 +139,11 @@ def test_hybrid_vanilla_includes_the_gradient_all_reduce(small_plan):
     pipeline = simulate(
         SMALL, MODEL, "hybrid", PROFILE, dataclasses.replace(opts, degree=1), schedule="moe-only"
     )
-    assert step.iteration_s == pytest.approx(pipeline.iteration_s, rel=1e-12)
+    link = link_model(SMALL, PROFILE)
+    checks = norm_s(link) + flags_s(link)
+    assert step.iteration_s == pytest.approx(pipeline.iteration_s + checks, rel=1e-12)
     reduces = [s for s in step.spans if s.resource == "allreduce"]
-    assert [s.name for s in reduces] == ["AR1"] and reduces[0].duration > 0
+    assert [s.name for s in reduces] == ["AR1", "norm", "flags"] and reduces[0].duration > 0
     assert c.predicted_ms == pytest.approx(step.iteration_s * 1e3, rel=1e-12)
 
 

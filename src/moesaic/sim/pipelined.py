@@ -23,6 +23,8 @@ order from data without a rewrite of that module; the order test keeps the two i
   each all-to-all the schedule waits for (a gap, until it issues the next all-to-all) at most
   one chunk whose gradients are ready by then, and after the last such wait every chunk left,
   as its gradients complete.
+* the step's tail (:mod:`moesaic.sim.steptail`): the health check's tiny collectives (vanilla's
+  after the gradients, the pipelined schedules' gather beside them), then the optimizer.
 
 The chunks therefore run beside the all-to-alls, not between them: they are placed from the
 timeline of the step without them (:func:`run_pipelined`), on a lane of their own (``GRAD``),
@@ -58,6 +60,7 @@ from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, expert_shares
 from moesaic.sim.opcal import OpPrices
 from moesaic.sim.profile import Profile
+from moesaic.sim.steptail import add_tail
 from moesaic.taskflow.engine import Timeline
 
 __all__ = [
@@ -495,6 +498,7 @@ def run_pipelined(
     overlap: bool,
     chunk_bytes: float | None,
     in_gaps: bool = True,
+    early: bool = True,
     durations: Callable[[SimTask], float] | None = None,
 ) -> tuple[SimGraph, Timeline]:
     """Builds and simulates a step.
@@ -507,6 +511,9 @@ def run_pipelined(
             Sp-byte all-reduce chunks.
         in_gaps: the chunks go where the pool puts them (True), or all after the last
             all-to-all (False: centralized, FlowMoE's ``T*_b``).
+        early: the health check's flags are gathered while the last gradients travel (the
+            pipelined schedules) rather than after them, with the norm's all-reduce (vanilla;
+            :mod:`moesaic.sim.steptail`).
         durations: overrides each compute and all-to-all task's seconds (tests: random times).
     """
     g, done = build_pipelined(costs, degree=degree, overlap=overlap)
@@ -518,11 +525,14 @@ def run_pipelined(
         total = costs.grad_bytes()
         if total == 0:  # layer_only: no replicated gradient, no optimizer step
             return g, g.run()
-        ar = SimTask("AR1", "allreduce", costs.all_reduce_s(total), "bwd", 0, 0, total)
-        g.add(NET, ar, g.lanes["compute"][-1][0])
-        g.add("compute", SimTask("optimizer", "optimizer", costs.optimizer_s), ar)
+        last = g.lanes["compute"][-1][0]
+        ar = g.add(
+            NET, SimTask("AR1", "allreduce", costs.all_reduce_s(total), "bwd", 0, 0, total), last
+        )
+        add_tail(g, costs.link, NET, ar, costs.optimizer_s, backward_end=last if early else None)
         return g, g.run()
     check_positive("chunk_bytes", chunk_bytes)
+    last = g.lanes["compute"][-1][0]
     chunks = _ar_chunks(costs, done, chunk_bytes)
     tl = g.run()  # the step without chunks: they delay none of its tasks
     placed = _place_chunks(chunks, _wait_points(g, tl), tl, in_gaps)
@@ -534,5 +544,6 @@ def run_pipelined(
         opening = point.keys() if point is not None else ()
         keys = tuple(dict.fromkeys((*opening, wait)))  # the gap's opening and the hook
         g.add(GRAD, task, keys if len(keys) > 1 else keys[0])
-    g.add("compute", SimTask("optimizer", "optimizer", costs.optimizer_s), task)
+    assert task is not None  # internal: a positive total cuts into at least one chunk
+    add_tail(g, costs.link, GRAD, task, costs.optimizer_s, backward_end=last if early else None)
     return g, g.run()

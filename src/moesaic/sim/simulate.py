@@ -204,7 +204,8 @@ def _graph(
     if run.schedule == "flowmoe" and costs.grad_bytes() > 0:  # layer_only: nothing to reduce
         sp = opts.sp_bytes if opts.sp_bytes is not None else costs.grad_bytes() / 16
     overlap = run.schedule == "flowmoe"
-    g, tl = run_pipelined(costs, degree=R, overlap=overlap, chunk_bytes=sp)
+    early = run.schedule != "vanilla"  # the pipelined steps gather their flags early
+    g, tl = run_pipelined(costs, degree=R, overlap=overlap, chunk_bytes=sp, early=early)
     details: dict[str, Any] = {"degree": R, **_compute_details(profile, costs.notes)}
     if sp is not None:
         details["sp_bytes"] = sp

@@ -68,6 +68,7 @@ from moesaic.sim.collectives import LinkModel, all_reduce_s, p2p_s
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, layer_shares
 from moesaic.sim.profile import OPS_PER_TASK, Profile
+from moesaic.sim.steptail import add_tail
 from moesaic.taskflow.tasks import Region, TaskDescriptor
 from moesaic.trace import Span
 
@@ -501,5 +502,5 @@ def build_taskflow(
     ar = g.add(
         "net", SimTask("AR1", "allreduce", all_reduce_s(link, nbytes), "bwd", 0, 0, nbytes), last
     )
-    g.add("compute", SimTask("optimizer", "optimizer", p.optimizer_s), ar)
+    add_tail(g, link, "net", ar, p.optimizer_s)  # vanilla's health check
     return g, plans
