@@ -321,10 +321,30 @@ Fixed for all eight: H 152, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
 predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
 
+**The fifteenth rule** (``--rule 15``; fixed on 2026-11-27 at 09:39 UTC, committed before any
+of its configurations was measured or simulated, after the health check's collectives came to be
+priced (``moesaic.sim.steptail``); nothing in it may change after its first measurement): other
+levels again, with 4 ranks as 2 nodes x 2 (the ranks of a node share a 4.4 Gbit/s, 0.05 ms
+level), generators ``D = A x C`` and ``E = -B x C``; names start with ``l``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.95 Gbit/s, 0.2 ms one way      2.8 Gbit/s, 0.07 ms
+B     routed experts E (top-2)              16                               24
+C     expert width F / H                    1.25                             2.5
+D     tokens per rank (sequences of 128)    1024                             1536
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 144, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
+predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|14]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|14] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|15]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|15] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -345,7 +365,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)
+RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -491,11 +511,20 @@ FACTORS_14: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_14, INTRA_NODE_14 = 152, (4.2, 0.06)
-HIDDEN = (H, H_2, H_3, H_4, H_5, H_6, H_7, H_8, H_9, H_10, H_11, H_12, H_13, H_14)  # by rule
+# The fifteenth rule's (the docstring's fifteenth table), its fixed hidden size and node level.
+FACTORS_15: dict[str, tuple[Any, Any]] = {
+    "link": ((0.95, 0.2), (2.8, 0.07)),
+    "experts": (16, 24),
+    "f_over_h": (1.25, 2.5),
+    "tokens_per_rank": (1024, 1536),
+    "ranks": (2, 4),
+}
+H_15, INTRA_NODE_15 = 144, (4.4, 0.05)
+HIDDEN = (H, H_2, H_3, H_4, H_5, H_6, H_7, H_8, H_9, H_10, H_11, H_12, H_13, H_14, H_15)
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 14), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 15), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -513,6 +542,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         12: (FACTORS_12, "o"),
         13: (FACTORS_13, "n"),
         14: (FACTORS_14, "m"),
+        15: (FACTORS_15, "l"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -531,6 +561,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             12: (a * b, -b * c),
             13: (-a * c, a * b),
             14: (-b * c, -a * b),
+            15: (a * c, -b * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
@@ -549,6 +580,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             12: INTRA_NODE_12,
             13: INTRA_NODE_13,
             14: INTRA_NODE_14,
+            15: INTRA_NODE_15,
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
@@ -786,7 +818,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 14 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 15 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
