@@ -11,7 +11,10 @@ they travel depends on the schedule:
 * the pipelined schedules (``moe-only``, ``flowmoe``): one all-gather of 3 values a rank (the
   unreduced gradients' squared norm and the two loss flags), issued when the backward ends and
   waited for while the last gradient all-reduce travels, on the world group
-  (``_PipelinedStep._gather_early``); the reduced part of the norm needs no collective.
+  (``_PipelinedStep._gather_early``); the reduced part of the norm needs no collective. That
+  holds when every pooled gradient is reduced over all ranks or none, as at EP = world (every
+  simulated run); with data-parallel replicas of the expert shards training falls back to
+  vanilla's two calls, which this module does not price.
 
 A tiny collective costs what one small call costs, the profile's measured all-reduce call
 (``LinkModel.allreduce_call_s``), whatever its latency terms would say: traced inside training
