@@ -521,18 +521,18 @@ def run_pipelined(
         g.lanes = {
             k: [(t._replace(seconds=durations(t)), w) for t, w in v] for k, v in g.lanes.items()
         }
+    last = g.lanes["compute"][-1][0]  # the backward's end
+    backward_end = last if early else None  # the pipelined schedules' early gather waits it
     if chunk_bytes is None:
         total = costs.grad_bytes()
         if total == 0:  # layer_only: no replicated gradient, no optimizer step
             return g, g.run()
-        last = g.lanes["compute"][-1][0]
         ar = g.add(
             NET, SimTask("AR1", "allreduce", costs.all_reduce_s(total), "bwd", 0, 0, total), last
         )
-        add_tail(g, costs.link, NET, ar, costs.optimizer_s, backward_end=last if early else None)
+        add_tail(g, costs.link, NET, ar, costs.optimizer_s, backward_end=backward_end)
         return g, g.run()
     check_positive("chunk_bytes", chunk_bytes)
-    last = g.lanes["compute"][-1][0]
     chunks = _ar_chunks(costs, done, chunk_bytes)
     tl = g.run()  # the step without chunks: they delay none of its tasks
     placed = _place_chunks(chunks, _wait_points(g, tl), tl, in_gaps)
@@ -545,5 +545,5 @@ def run_pipelined(
         keys = tuple(dict.fromkeys((*opening, wait)))  # the gap's opening and the hook
         g.add(GRAD, task, keys if len(keys) > 1 else keys[0])
     assert task is not None  # internal: a positive total cuts into at least one chunk
-    add_tail(g, costs.link, GRAD, task, costs.optimizer_s, backward_end=last if early else None)
+    add_tail(g, costs.link, GRAD, task, costs.optimizer_s, backward_end=backward_end)
     return g, g.run()
