@@ -12,10 +12,15 @@ profile, the new predictions (``predicted_s``; the stored ones as ``predicted_s_
 new plan (``plan_top3``; the stored one as ``plan_top3_first``) and the floors are written to
 ``--out``; ``sim_unseen_report.py`` reads it as it reads the original.
 
+With ``--loaded-only`` only the loaded all-reduce (``allreduce_loaded_call_s``) is measured
+again and replaced; the idle floors and the shares stay as the rule's calibration stored them.
+
 Usage::
 
     python benchmarks/sim_call_floors.py benchmarks/results/sim_unseen5.json \\
         --out benchmarks/results/sim_unseen5_floors.json
+    python benchmarks/sim_call_floors.py benchmarks/results/sim_unseen15.json --loaded-only \\
+        --out /tmp/sim_unseen15_loaded.json
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("result", help="a sim_unseen.py result file")
     ap.add_argument("--out", required=True, help="where the re-priced result goes")
+    ap.add_argument(
+        "--loaded-only",
+        action="store_true",
+        help="replace only the loaded all-reduce (allreduce_loaded_call_s)",
+    )
     args = ap.parse_args()
     data = json.loads(Path(args.result).read_text())
     capacity = 1.25 if data.get("rule_number", 0) >= 5 else None
@@ -63,9 +73,16 @@ def main() -> None:
         (work / "cluster.toml").write_text(su.cluster_toml(cfg))
         spec = ClusterSpec.from_toml(work / "cluster.toml")
         with EmulatedCluster(spec) as cluster:
-            a2a, allreduce = collective_calls(cluster)
-        profile = floored_profile(Profile.from_dict(entry["profile"]), spec, a2a, allreduce)
-        entry["call_floors_ms"] = {"all_to_all": a2a * 1e3, "all_reduce": allreduce * 1e3}
+            a2a, allreduce, loaded = collective_calls(cluster)
+        stored = Profile.from_dict(entry["profile"])
+        if args.loaded_only:
+            entry["loaded_call_ms_first"] = stored.allreduce_loaded_call_s * 1e3
+            entry["loaded_call_ms"] = loaded * 1e3
+            profile = dataclasses.replace(stored, allreduce_loaded_call_s=loaded)
+            a2a, allreduce = stored.a2a_call_s, stored.allreduce_call_s
+        else:
+            profile = floored_profile(stored, spec, a2a, allreduce)
+            entry["call_floors_ms"] = {"all_to_all": a2a * 1e3, "all_reduce": allreduce * 1e3}
         entry["profile"] = profile.to_dict()
         profile.save(work / "p.json")
         points = [p for p in data["points"] if p["configuration"] == entry["name"]]
@@ -79,7 +96,7 @@ def main() -> None:
         entry["plan_top3"] = su.plan(work, capacity)[:3]
         print(
             f"{entry['name']}: all-to-all {a2a * 1e3:.2f} ms, all-reduce {allreduce * 1e3:.2f} ms "
-            f"a call; pick {entry['plan_top3'][0]['reason'].split(' predicted')[0]}",
+            f"a call, loaded {profile.allreduce_loaded_call_s * 1e3:.1f} ms; pick {entry['plan_top3'][0]['reason'].split(' predicted')[0]}",
             flush=True,
         )
         Path(args.out).write_text(json.dumps(data, indent=1))

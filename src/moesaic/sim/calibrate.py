@@ -33,7 +33,8 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    of ``CALL_STREAM`` calls issued back to back then waited (how FlowMoE's pool issues its
    gradient chunks in the tail), on the idle machine; measured before step 3, whose shares
    are relative to the closed forms with these floors; then one such all-reduce issued alone
-   while every rank computes (how the pool issues a chunk beside the backward);
+   while every rank computes (how the pool issues a chunk beside the backward), in
+   ``LOADED_CALL_BLOCKS`` blocks, each under a load started for it;
 5. still on that cluster, the CPU that the taskflow runtime's one-sided puts
    (``comm.channel.PutChannel``) cost between ranks 0 and 1 (:func:`put_cpu`): per put and per
    byte;
@@ -105,6 +106,14 @@ LOAD_MATMUL = 384
 CALL_STREAM = 32
 CALL_REPS = 6
 CALL_BYTES_PER_PAIR = 16
+# Blocks of the loaded all-reduce, each ``CALL_REPS`` calls (after one warm-up) under a load
+# thread started for the block and stopped after it. Under one load thread left running, the
+# calls' mean drifts over seconds: on m+---+'s cluster (4 ranks) six calls gave 13-118 ms
+# between 18 rounds, 24 calls 11-137 ms, and four runs of 8 x 6 calls 72-145 ms. Under a fresh
+# thread per block the same four runs gave 56-65 ms (their mean over 48 calls), as a training
+# step computes for well under a second beside its gradient chunks, not for tens of seconds
+# (``benchmarks/results/sim_loaded_call_blocks.json``).
+LOADED_CALL_BLOCKS = 8
 
 # The emulator's floor: a link shaped far above what this machine moves (cluster_check.py's).
 UNSHAPED = ClusterSpec(
@@ -266,13 +275,17 @@ def _worker_collectives(
     return out
 
 
-def _worker_calls(rank: int, world: int, reps: int, stream: int, timeout_s: float) -> list:
-    """``[all_to_all seconds, all_reduce seconds per call, loaded all_reduce seconds]`` of each
-    of ``reps`` repetitions after one warm-up: one all-to-all of ``CALL_BYTES_PER_PAIR`` bytes to
-    every rank, after a barrier; ``stream`` all-reduces of that many bytes issued at once
-    (async) and then waited, their elapsed time over ``stream``, after a barrier; then, while a
-    thread of this rank runs ``LOAD_MATMUL`` matmuls, one such all-reduce issued alone and
-    waited, after a barrier (how FlowMoE's pool issues a chunk beside the backward)."""
+def _worker_calls(
+    rank: int, world: int, reps: int, stream: int, blocks: int, timeout_s: float
+) -> tuple[list[list[float]], list[list[float]]]:
+    """``(idle, loaded)`` seconds of this rank. ``idle``: per repetition (``reps`` after one
+    warm-up) ``[all_to_all, all_reduce per call]``: one all-to-all of ``CALL_BYTES_PER_PAIR``
+    bytes to every rank, after a barrier; ``stream`` all-reduces of that many bytes issued at
+    once (async) and then waited, their elapsed time over ``stream``, after a barrier.
+    ``loaded``: per block (``blocks`` of them), ``reps`` such all-reduces each issued alone and
+    waited after a barrier (how FlowMoE's pool issues a chunk beside the backward), after one
+    warm-up, while a thread of this rank started for the block runs ``LOAD_MATMUL`` matmuls
+    (``LOADED_CALL_BLOCKS``)."""
 
     import torch
 
@@ -282,7 +295,7 @@ def _worker_calls(rank: int, world: int, reps: int, stream: int, timeout_s: floa
     send = torch.zeros(world * CALL_BYTES_PER_PAIR // 4)
     recv = torch.empty_like(send)
     grads = [torch.zeros(CALL_BYTES_PER_PAIR // 4) for _ in range(stream)]
-    out = []
+    idle = []
     for i in range(1 + reps):
         group.barrier("calibrate barrier")
         t0 = time.perf_counter()
@@ -295,16 +308,20 @@ def _worker_calls(rank: int, world: int, reps: int, stream: int, timeout_s: floa
             p.wait()
         per_call = (time.perf_counter() - t0) / stream
         if i:
-            out.append([a2a, per_call])
-    with matmul_load():
-        for i in range(1 + reps):
-            group.barrier("calibrate barrier")
-            t0 = time.perf_counter()
-            group.all_reduce(grads[0], what="calibrate loaded call floor all_reduce")
-            if i:
-                out[i - 1].append(time.perf_counter() - t0)
+            idle.append([a2a, per_call])
+    loaded = []
+    for _ in range(blocks):
+        times = []
+        with matmul_load():
+            for i in range(1 + reps):
+                group.barrier("calibrate barrier")
+                t0 = time.perf_counter()
+                group.all_reduce(grads[0], what="calibrate loaded call floor all_reduce")
+                if i:
+                    times.append(time.perf_counter() - t0)
+        loaded.append(times)
     group.barrier("calibrate barrier")
-    return out
+    return idle, loaded
 
 
 class CallFloors(NamedTuple):
@@ -328,16 +345,19 @@ def collective_calls(
     *,
     reps: int = CALL_REPS,
     stream: int = CALL_STREAM,
+    blocks: int = LOADED_CALL_BLOCKS,
     timeout_s: float = 300.0,
 ) -> CallFloors:
     """The call floors of a started emulated ``cluster`` (every rank), or of a loopback pair
-    without one: per repetition the slowest rank's time, then the mean over ``reps`` (a step
-    pays every call, its slow ones too). The machine should be otherwise idle: the loaded
-    regime of the shares holds what computing beside a collective costs; the loaded all-reduce
-    is the one figure timed beside compute here (``_worker_calls``)."""
+    without one: per call the slowest rank's time, then the mean over the ``reps`` calls (a
+    step pays every call, its slow ones too), over all ``blocks`` x ``reps`` for the loaded
+    all-reduce. The machine should be otherwise idle: the loaded regime of the shares holds
+    what computing beside a collective costs; the loaded all-reduce is the one figure timed
+    beside compute here (``_worker_calls``)."""
     check_positive_int("reps", reps)
     check_positive_int("stream", stream)
-    args = (reps, stream, timeout_s)
+    check_positive_int("blocks", blocks)
+    args = (reps, stream, blocks, timeout_s)
     if cluster is None:
         from moesaic.comm.world import run_world
 
@@ -345,8 +365,13 @@ def collective_calls(
     else:
         world = cluster.spec.world_size
         per_rank = cluster.run(_worker_calls, world, *args, timeout_s=timeout_s)
-    slowest = [[max(r[i][k] for r in per_rank) for k in range(3)] for i in range(len(per_rank[0]))]
-    return CallFloors(*(statistics.fmean(x[k] for x in slowest) for k in range(3)))
+    idle = [[max(r[0][i][k] for r in per_rank) for k in range(2)] for i in range(reps)]
+    loaded = [max(r[1][b][i] for r in per_rank) for b in range(blocks) for i in range(reps)]
+    return CallFloors(
+        statistics.fmean(x[0] for x in idle),
+        statistics.fmean(x[1] for x in idle),
+        statistics.fmean(loaded),
+    )
 
 
 # Put sizes of the put-CPU measurement: a tiny tile (the per-message cost) and a large one
