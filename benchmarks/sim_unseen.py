@@ -341,10 +341,31 @@ Fixed for all eight: H 144, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
 predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
 
+**The sixteenth rule** (``--rule 16``; fixed on 2026-11-27 at 11:31 UTC, committed before any
+of its configurations was measured or simulated, after ``calibrate`` came to measure the loaded
+all-reduce in blocks under a fresh load each (``moesaic.sim.calibrate.LOADED_CALL_BLOCKS``);
+nothing in it may change after its first measurement): other levels again, with 4 ranks as 2
+nodes x 2 (the ranks of a node share a 4.8 Gbit/s, 0.05 ms level), generators ``D = -A x B x C``
+and ``E = A x C``; names start with ``k``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.85 Gbit/s, 0.24 ms one way     2.6 Gbit/s, 0.075 ms
+B     routed experts E (top-2)              12                               20
+C     expert width F / H                    1.5                              3
+D     tokens per rank (sequences of 128)    1280                             1792
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 136, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
+predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|15]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|15] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|16]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|16] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -365,7 +386,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -520,11 +541,20 @@ FACTORS_15: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_15, INTRA_NODE_15 = 144, (4.4, 0.05)
-HIDDEN = (H, H_2, H_3, H_4, H_5, H_6, H_7, H_8, H_9, H_10, H_11, H_12, H_13, H_14, H_15)
+# The sixteenth rule's (the docstring's sixteenth table), its fixed hidden size and node level.
+FACTORS_16: dict[str, tuple[Any, Any]] = {
+    "link": ((0.85, 0.24), (2.6, 0.075)),
+    "experts": (12, 20),
+    "f_over_h": (1.5, 3),
+    "tokens_per_rank": (1280, 1792),
+    "ranks": (2, 4),
+}
+H_16, INTRA_NODE_16 = 136, (4.8, 0.05)
+HIDDEN = (H, H_2, H_3, H_4, H_5, H_6, H_7, H_8, H_9, H_10, H_11, H_12, H_13, H_14, H_15, H_16)
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 15), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 16), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -543,6 +573,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         13: (FACTORS_13, "n"),
         14: (FACTORS_14, "m"),
         15: (FACTORS_15, "l"),
+        16: (FACTORS_16, "k"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -562,6 +593,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             13: (-a * c, a * b),
             14: (-b * c, -a * b),
             15: (a * c, -b * c),
+            16: (-a * b * c, a * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
@@ -581,6 +613,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             13: INTRA_NODE_13,
             14: INTRA_NODE_14,
             15: INTRA_NODE_15,
+            16: INTRA_NODE_16,
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
@@ -818,7 +851,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 15 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 16 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
