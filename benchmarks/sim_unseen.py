@@ -341,7 +341,7 @@ Fixed for all eight: H 144, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
 predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
 
-**The sixteenth rule** (``--rule 16``; fixed on 2026-11-27 at 11:31 UTC, committed before any
+**The sixteenth rule** (``--rule 16``; fixed on 2026-11-27 at 11:28 UTC, committed before any
 of its configurations was measured or simulated, after ``calibrate`` came to measure the loaded
 all-reduce in blocks under a fresh load each (``moesaic.sim.calibrate.LOADED_CALL_BLOCKS``);
 nothing in it may change after its first measurement): other levels again, with 4 ranks as 2
