@@ -94,9 +94,11 @@ def main() -> None:
         (work / "train_dropless.toml").write_text(su.train_toml(cfg, work / "r", "dropless"))
         entry.setdefault("plan_top3_first", entry.get("plan_top3"))
         entry["plan_top3"] = su.plan(work, capacity)[:3]
+        loaded_ms = profile.allreduce_loaded_call_s * 1e3
+        pick = entry["plan_top3"][0]["reason"].split(" predicted")[0]
         print(
             f"{entry['name']}: all-to-all {a2a * 1e3:.2f} ms, all-reduce {allreduce * 1e3:.2f} ms "
-            f"a call, loaded {profile.allreduce_loaded_call_s * 1e3:.1f} ms; pick {entry['plan_top3'][0]['reason'].split(' predicted')[0]}",
+            f"a call, loaded {loaded_ms:.1f} ms; pick {pick}",
             flush=True,
         )
         Path(args.out).write_text(json.dumps(data, indent=1))
