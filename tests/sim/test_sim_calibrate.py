@@ -192,8 +192,9 @@ PROBLEM = support_problem(probe=True)
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 @pytest.mark.timeout(120)
 def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
-    """Brings a 100 Mbit/s, 2 ms pair up and measures it (~10 s): the profile holds the level as
-    configured and as measured, and the scale and floor derive from those measurements."""
+    """Brings a 100 Mbit/s, 2 ms pair up and measures it in two rounds (~40 s): the profile
+    holds the level as configured and as measured, and the scale and floor derive from those
+    measurements."""
     toml = tmp_path / "pair.toml"
     toml.write_text(PAIR_TOML)
     out = tmp_path / "p.json"
