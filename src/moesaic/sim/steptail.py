@@ -63,10 +63,9 @@ def add_tail(
     optimizer = SimTask("optimizer", "optimizer", optimizer_s)
     if link.world_size < 2:
         return g.add("compute", optimizer, reduced)
+    flags = SimTask("flags", "allreduce", flags_s(link), nbytes=FLAG_BYTES)
     if backward_end is None:
         norm = g.add(lane, SimTask("norm", "allreduce", norm_s(link), nbytes=NORM_BYTES), reduced)
-        flags = g.add(lane, SimTask("flags", "allreduce", flags_s(link), nbytes=FLAG_BYTES), norm)
-        return g.add("compute", optimizer, flags)
-    flags = SimTask("flags", "allreduce", flags_s(link), nbytes=FLAG_BYTES)
+        return g.add("compute", optimizer, g.add(lane, flags, norm))
     g.add(CONTROL, flags, backward_end)
     return g.add("compute", optimizer, (reduced, flags))
