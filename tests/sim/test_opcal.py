@@ -148,6 +148,10 @@ def test_profile_round_trip_and_older_profiles(tmp_path):
     # every committed profile predates ops and the communication CPU: they load without them
     old = Profile.load(RESULTS / "sim_profile_flowmoe_2rank.json")
     assert old.ops is None and old.comm_cpu_s == 0.0 and old.comm_cpu_per_byte_s == 0.0
+    # operations measured before the speed reference load with none
+    data = json.loads(json.dumps(dataclasses.replace(p, ops=_cal()).to_dict()))
+    data["ops"].pop("reference_s")
+    assert Profile.from_dict(data).ops.reference_s == 0.0
     data = json.loads(json.dumps(p.to_dict()))
     data["ops"]["fwd"].pop("head")
     with pytest.raises(ValueError, match=r"ops\.fwd must map each of"):
@@ -172,6 +176,8 @@ def test_measure_ops_on_a_tiny_model():
         # every piece costs something at the model's size
         assert all(fit.seconds(16) > 0 for fit in fits.values())
     assert cal.optimizer.seconds(1e6) > 0
+    # the speed reference (a block and the head, forward and backward) is timed beside them
+    assert cal.reference_s > 0
     with pytest.raises(ValueError, match=r"model\.experts \(2\) must be a multiple of world \(4\)"):
         measure_ops(model, world=4)
 

@@ -194,7 +194,8 @@ def _measure_model(args: argparse.Namespace, world: int) -> tuple[Any, dict[str,
     ops = measure_ops(model, world=world, threads=threads)
     print(
         f"model {model.name!r}: {len(ops.fwd)} operations timed at {ops.tokens[0]} and "
-        f"{ops.tokens[1]} tokens, {threads} thread(s), {ops.expert_count} experts per rank"
+        f"{ops.tokens[1]} tokens, {threads} thread(s), {ops.expert_count} experts per rank; "
+        f"speed reference {ops.reference_s * 1e3:.1f} ms (re-timed by simulate/plan --retime)"
     )
     tiles = tile_cpu_figures(model)
     print(

@@ -24,9 +24,11 @@ from moesaic.sim.calibrate_cli import add_calibrate
 from moesaic.sim.cli_files import (
     add_all_reduce_option,
     add_loads_option,
+    add_retime_option,
     apply_loads,
     check_profile,
     load_option,
+    retimed,
 )
 
 __all__ = ["add_subparser"]
@@ -97,6 +99,7 @@ def add_subparser(subparsers) -> None:
         action="store_true",
         help="use a --profile measured on another cluster (its figures extrapolated)",
     )
+    add_retime_option(p)
     p.add_argument("--degree", type=int, default=2, metavar="R", help="pipeline degree R")
     p.add_argument("--sp-bytes", type=float, metavar="B", help="FlowMoE Sp (default G/16)")
     p.add_argument("--domains", metavar="S0,S1,..", help="hybrid domain sizes (default: planned)")
@@ -149,9 +152,11 @@ def _profile(args: argparse.Namespace, spec: Any) -> Any:
     if flops is not None:
         check_number("--flops-per-s", flops, 0.0, lo_open=True)
     if not args.profile:
+        retimed(args, None, note=_note)  # refuses --retime without a profile
         return Profile(flops_per_s=1e11 if flops is None else flops, source="--flops-per-s")
     profile = load_option("profile", args.profile, Profile.load)
     check_profile(args, profile, spec, note=_note)
+    profile = retimed(args, profile, note=_note)
     if flops is None:
         return profile
     half = f", bf16 {profile.half_flops_per_s:.3g}" if profile.half_flops_per_s else ""

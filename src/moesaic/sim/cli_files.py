@@ -1,6 +1,7 @@
 """What the simulator's commands (``simulate``, ``calibrate``, ``plan``) share: reading the files
 they are given (errors that name the option and the file), checking a ``--profile`` against
-the ``--cluster``, and the ``--all-reduce`` option. Torch-free."""
+the ``--cluster``, and the ``--all-reduce`` and ``--retime`` options. Torch-free (``--retime``
+imports torch when given)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from typing import Any
 __all__ = [
     "add_all_reduce_option",
     "add_loads_option",
+    "add_retime_option",
     "apply_loads",
     "check_profile",
     "describe_loads",
     "load_option",
+    "retimed",
 ]
 
 
@@ -92,6 +95,36 @@ def apply_loads(
         f"{describe_loads(routing.loads)}"
     )
     return dataclasses.replace(model, measured_loads=routing.loads)
+
+
+def add_retime_option(p: argparse.ArgumentParser) -> None:
+    """``--retime``: time the profile's speed reference now and rescale its compute."""
+    p.add_argument(
+        "--retime",
+        action="store_true",
+        help="time --profile's speed reference here now (about a second) and rescale its "
+        "compute to the machine's speed (a shared machine's drifts); CPU profiles with "
+        "operations measured by calibrate --model",
+    )
+
+
+def retimed(args: argparse.Namespace, profile: Any, *, note: Callable[[str], None]) -> Any:
+    """``profile`` re-timed when ``--retime`` was given (:mod:`moesaic.sim.retime`), with a
+    line (``note``) saying by how much; unchanged otherwise."""
+    if not getattr(args, "retime", False):
+        return profile
+    if not args.profile:
+        raise ValueError("--retime re-times a --profile; give one")
+    from moesaic.sim.retime import retime
+
+    out, factor = retime(profile)
+    note(
+        f"--retime: the machine runs {factor:.2f}x the time of --profile {args.profile}'s "
+        f"calibration (its reference {profile.ops.reference_s * 1e3:.1f} ms then, "
+        f"{profile.ops.reference_s * factor * 1e3:.1f} ms now); compute and CPU figures "
+        "rescaled, network figures as measured"
+    )
+    return out
 
 
 def check_profile(

@@ -82,6 +82,11 @@ class OpFit:
         """The same fixed cost, ``per_unit_s`` times ``factor``."""
         return dataclasses.replace(self, per_unit_s=self.per_unit_s * factor)
 
+    def slowed(self, factor: float) -> OpFit:
+        """Both coefficients times ``factor``: the operation on a machine ``factor`` times
+        slower."""
+        return OpFit(overhead_s=self.overhead_s * factor, per_unit_s=self.per_unit_s * factor)
+
 
 def fit_line(n1: float, t1: float, n2: float, t2: float) -> OpFit:
     """The line through ``(n1, t1)`` and ``(n2, t2)`` (``n1 < n2``), both coefficients clamped
@@ -114,6 +119,11 @@ class OpCal:
         bwd: Backward fit per piece.
         optimizer: the gradients' norm and AdamW's step, per parameter byte.
         op_overhead_s: One tiny torch op (a 1 x 1 matmul), for the record.
+        reference_s: The speed reference timed with the pieces: one forward and backward of
+            block 0's attention stage, expert stage and the head at the model's batch
+            (:func:`moesaic.sim.opmeasure.reference_s`). Timed again later, it says how much
+            faster or slower the machine runs than when the pieces were measured
+            (:mod:`moesaic.sim.retime`); 0: not measured (older profiles).
         device: Where the pieces ran (``measure_ops`` runs them on the CPU): the ``padded``
             strategy skips its padding rows there (``strategies.padded``), so the simulator
             prices its experts on the kept rows only.
@@ -127,6 +137,7 @@ class OpCal:
     bwd: Mapping[str, OpFit]
     optimizer: OpFit
     op_overhead_s: float = 0.0
+    reference_s: float = 0.0
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -135,6 +146,7 @@ class OpCal:
         check_positive_int("ops.threads", self.threads)
         check_positive_int("ops.expert_count", self.expert_count)
         check_non_negative("ops.op_overhead_s", self.op_overhead_s)
+        check_non_negative("ops.reference_s", self.reference_s)
         for name, table in (("fwd", self.fwd), ("bwd", self.bwd)):
             if set(table) != set(OPS) or not all(isinstance(x, OpFit) for x in table.values()):
                 raise ValueError(f"ops.{name} must map each of {list(OPS)} to an OpFit")
@@ -149,8 +161,22 @@ class OpCal:
             "bwd": {k: dataclasses.asdict(v) for k, v in self.bwd.items()},
             "optimizer": dataclasses.asdict(self.optimizer),
             "op_overhead_s": self.op_overhead_s,
+            "reference_s": self.reference_s,
             "device": self.device,
         }
+
+    def slowed(self, factor: float) -> OpCal:
+        """Every measured time (the fits, the tiny op, the reference) times ``factor``: the
+        same operations on the machine running ``factor`` times slower."""
+        check_positive("factor", factor)
+        return dataclasses.replace(
+            self,
+            fwd={k: v.slowed(factor) for k, v in self.fwd.items()},
+            bwd={k: v.slowed(factor) for k, v in self.bwd.items()},
+            optimizer=self.optimizer.slowed(factor),
+            op_overhead_s=self.op_overhead_s * factor,
+            reference_s=self.reference_s * factor,
+        )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OpCal:
@@ -159,7 +185,7 @@ class OpCal:
             raise ValueError("profile.ops must be an object")
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(data) - set(allowed))
-        missing = sorted(set(allowed) - set(data) - {"op_overhead_s", "device"})
+        missing = sorted(set(allowed) - set(data) - {"op_overhead_s", "reference_s", "device"})
         if unknown or missing:
             raise ValueError(
                 f"profile.ops: unknown field(s) {unknown}, missing {missing}; fields are {allowed}"
@@ -185,6 +211,7 @@ class OpCal:
             bwd=bwd,
             optimizer=optimizer,
             op_overhead_s=data.get("op_overhead_s", 0.0),
+            reference_s=data.get("reference_s", 0.0),
             device=str(data.get("device", "cpu")),
         )
 

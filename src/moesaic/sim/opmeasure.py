@@ -5,9 +5,10 @@ The model is the real ``MoEGPT`` that ``moesaic train`` builds from the model (o
 process group: its MoE layer holds every expert and exchanges nothing). With ``threads`` torch
 threads (training's per-rank count), every piece is timed forward and backward at two batch
 sizes (a quarter of the model's batch and the whole, at least 1 and 2 sequences), ``repeats``
-times after one warm-up, the fastest (the machine may be shared: the fastest call is the least
-disturbed one; the simulator adds the slowdown of the run's own CPU sharing,
-:mod:`moesaic.sim.contention`):
+times after one warm-up, the median call: a training step pays every call, not the least
+disturbed one (the fastest of five priced a step's compute 3-10% under the median on this
+project's shared CPU machine, ``benchmarks/results/sim_unseen17_setup.json``; the simulator adds
+the slowdown of the run's own CPU sharing, :mod:`moesaic.sim.contention`):
 
 * ``attention``: block 0's ``attention_stage`` (its outputs' backward with fixed gradients);
 * ``experts``: a ``GroupedExperts`` of ``expert_count`` experts on ``T K`` rows spread evenly
@@ -17,7 +18,12 @@ disturbed one; the simulator adds the slowdown of the run's own CPU sharing,
 * ``head``: ``MoEGPT.head`` and the cross-entropy;
 * ``optimizer``: a step's tail, the gradients' squared norm (``moesaic.gradnorm``, as every
   schedule computes it for clipping) and ``torch.optim.AdamW.step``, over block 0's parameters
-  and over the whole model's, fitted per parameter byte.
+  and over the whole model's, fitted per parameter byte;
+* ``reference_s`` (:func:`reference_s`): one forward and backward of block 0's attention stage,
+  its expert stage and the head at the model's batch, the median of ``repeats``: the speed
+  reference. A machine whose speed drifts (a shared VM's ran the same GEMM at 145-300 GFLOPS
+  within a day) can time it again later and rescale the profile's compute
+  (:mod:`moesaic.sim.retime`).
 
 A tiny model takes about a second; the issue's H 160, F 1536, 8 x 64 tokens about five.
 """
@@ -34,7 +40,7 @@ from moesaic.checks import check_positive_int
 from moesaic.sim.model import ModelSpec, train_config_of
 from moesaic.sim.opcal import OpCal, OpFit, fit_line
 
-__all__ = ["DRAWS", "measure_ops"]
+__all__ = ["DRAWS", "REFERENCE_REPEATS", "measure_ops", "reference_s"]
 
 # Inputs drawn per size, each piece's time the mean over them (what a step pays on average):
 # the expert stage's backward takes 32 or 53 ms on the same shape depending on the routing its
@@ -43,13 +49,18 @@ __all__ = ["DRAWS", "measure_ops"]
 # backward 0-27 ms per call on the unseen rules' models.
 DRAWS = 4
 
+# Calls of the speed reference after its warm-up, the median kept: with one thread its median
+# varied by about 7% between calls a second apart here, with two threads (sharing the 2 cores
+# with everything else) by up to 30%.
+REFERENCE_REPEATS = 7
 
-def _fastest(fn: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
-    """The fastest forward and backward seconds of ``fn`` (which returns both) over
-    ``repeats`` calls after a warm-up: the least disturbed by other work on the machine."""
+
+def _typical(fn: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
+    """The median forward and backward seconds of ``fn`` (which returns both) over ``repeats``
+    calls after a warm-up: what a step pays per call on this machine as it runs."""
     fn()
     runs = [fn() for _ in range(repeats)]
-    return min(r[0] for r in runs), min(r[1] for r in runs)
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 def _timed(forward: Callable[[], Any], grads: Callable[[Any], Any]) -> tuple[float, float]:
@@ -133,7 +144,52 @@ def _measure(model: ModelSpec, shape: ModelSpec, world: int, threads: int, repea
         bwd=fits_b,
         optimizer=_optimizer_fit(net, block, repeats),
         op_overhead_s=_op_overhead(repeats),
+        reference_s=_reference(net, shape, REFERENCE_REPEATS),
     )
+
+
+def reference_s(
+    model: ModelSpec, *, threads: int = 1, repeats: int = REFERENCE_REPEATS, seed: int = 0
+) -> float:
+    """The speed reference of ``model`` (module docstring) on this machine now, seconds, with
+    ``threads`` torch threads (restored after): what :func:`measure_ops` records as
+    ``OpCal.reference_s``."""
+    import torch
+
+    from moesaic.models import MoEGPT
+
+    check_positive_int("threads", threads)
+    check_positive_int("repeats", repeats)
+    shape = dataclasses.replace(model, layer_only=False, routing_skew=0.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return _reference(MoEGPT(train_config_of(shape).model), shape, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference(net: Any, shape: ModelSpec, repeats: int) -> float:
+    """The median seconds of one forward and backward of block 0's attention stage, its expert
+    stage and the head at ``shape.batch`` sequences (after one warm-up)."""
+    import torch
+    import torch.nn.functional as F
+
+    block = net.blocks[0]
+    x = torch.randn(shape.batch, shape.seq_len, shape.hidden, requires_grad=True)
+    y = torch.randint(0, shape.vocab, (shape.batch, shape.seq_len))
+
+    def once() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        out = block.expert_stage(*block.attention_stage(x))
+        loss = F.cross_entropy(net.head(out).flatten(0, 1), y.flatten())
+        block.moe.take_aux_terms()
+        loss.backward()
+        return time.perf_counter() - t0, 0.0
+
+    return _typical(once, repeats)[0]
 
 
 def _like(outs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -185,7 +241,7 @@ def _pieces_at(
         "experts": (lambda: rank_experts(x_rank, counts_rank), _like),
         "head": (head, lambda outs: (torch.ones_like(outs[0]),)),
     }
-    return {name: _fastest(_bound(fn, grads), repeats) for name, (fn, grads) in pieces.items()}
+    return {name: _typical(_bound(fn, grads), repeats) for name, (fn, grads) in pieces.items()}
 
 
 def _bound(
@@ -215,7 +271,7 @@ def _optimizer_fit(net: Any, block: Any, repeats: int) -> OpFit:
             opt.step()
             return time.perf_counter() - t0, 0.0
 
-        points.append((float(nbytes), _fastest(step, repeats)[0]))
+        points.append((float(nbytes), _typical(step, repeats)[0]))
     (n1, t1), (n2, t2) = points
     return fit_line(n1, t1, n2, t2)
 
@@ -232,4 +288,4 @@ def _op_overhead(repeats: int) -> float:
             tiny @ tiny
         return (time.perf_counter() - t0) / 100, 0.0
 
-    return _fastest(hundred, repeats)[0]
+    return _typical(hundred, repeats)[0]

@@ -36,9 +36,11 @@ from moesaic.planning.costmodel import DomainCandidate, DomainPlan, StreamInputs
 from moesaic.sim.cli_files import (
     add_all_reduce_option,
     add_loads_option,
+    add_retime_option,
     apply_loads,
     check_profile,
     load_option,
+    retimed,
 )
 
 PLAN_EPILOG = """\
@@ -86,6 +88,7 @@ def add_subparser(subparsers) -> None:
         action="store_true",
         help="use a --profile measured on another cluster (its figures extrapolated)",
     )
+    add_retime_option(p)
     p.add_argument(
         "--flops-per-s",
         type=float,
@@ -387,9 +390,11 @@ def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
     if args.profile:
         profile = load_option("profile", args.profile, Profile.load)
         check_profile(args, profile, spec, note=_note)
+        profile = retimed(args, profile, note=_note)
         if flops is None:
             return profile
         return dataclasses.replace(profile, flops_per_s=flops, half_flops_per_s=0.0)
+    retimed(args, None, note=_note)  # refuses --retime without a profile
     if flops is not None:
         return Profile(flops_per_s=flops, source="--flops-per-s")
     from moesaic.sim.machine import measure

@@ -467,6 +467,33 @@ class Profile:
             )
         return self
 
+    def slowed(self, factor: float, *, why: str = "") -> Profile:
+        """This profile on the same machine running ``factor`` times slower (< 1: faster), as
+        a speed reference timed again says (:mod:`moesaic.sim.retime`): every rate of its
+        compute divided by ``factor`` and every CPU time (the operations, the task overhead,
+        the taskflow runtime's and the communication's CPU) multiplied by it. The network's
+        figures (links, collective shares, call floors, sync waits) stay as measured: they
+        were timed on the emulated links, and this says nothing about them. ``why`` is added
+        to ``source``."""
+        check_positive("factor", factor)
+        rate = 1.0 / factor
+        return dataclasses.replace(
+            self,
+            flops_per_s=self.flops_per_s * rate,
+            half_flops_per_s=self.half_flops_per_s * rate,
+            router_flops_per_s=self.router_flops_per_s * rate,
+            task_overhead_s=self.task_overhead_s * factor,
+            tile_cpu_s=self.tile_cpu_s * factor,
+            put_cpu_s=self.put_cpu_s * factor,
+            put_cpu_per_byte_s=self.put_cpu_per_byte_s * factor,
+            tile_elem_cpu_s=self.tile_elem_cpu_s * factor,
+            copy_elem_cpu_s=self.copy_elem_cpu_s * factor,
+            comm_cpu_s=self.comm_cpu_s * factor,
+            comm_cpu_per_byte_s=self.comm_cpu_per_byte_s * factor,
+            ops=None if self.ops is None else self.ops.slowed(factor),
+            source=f"{self.source}; compute x{factor:.3g}" + (f" ({why})" if why else ""),
+        )
+
     def stage_s(self, model: ModelSpec, tokens: int) -> float:
         """Forward seconds of a block's attention stage and router gate for ``tokens`` tokens
         at these rates: the gate at the router's rate (``router_flops_per_s``), the rest at

@@ -1,0 +1,59 @@
+"""A profile's compute re-timed to the machine's speed now (``moesaic simulate --retime``,
+``moesaic plan --retime``).
+
+A profile prices compute at the machine's speed while ``calibrate`` ran. A shared or
+virtualised machine does not keep one speed: this project's 2-core VM ran the same 512^3 GEMM
+at 145 to 300 GFLOPS within a day, and its model's operations at up to 1.8x their calibrated
+times an hour later (``benchmarks/results/sim_unseen17_setup.json``). ``calibrate --model``
+therefore also times a speed reference beside the operations (``OpCal.reference_s``: one
+forward and backward of the model's block and head, :func:`moesaic.sim.opmeasure.reference_s`).
+:func:`retime` times the same reference now and returns the profile slowed (or sped up) by
+the ratio (:meth:`Profile.slowed`): its compute and CPU figures, not its network's.
+
+It is one ratio for every operation: the reference mixes the model's GEMMs, attention and
+small ops as a step does, so a machine that slowed unevenly (its GEMMs more than its small
+ops) is rescaled by their mix, not per operation. On a GPU the device's speed does not drift
+this way; a CUDA profile is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moesaic.checks import check_positive_int
+
+__all__ = ["retime", "speed_factor"]
+
+
+def speed_factor(profile: Any, reference_now_s: float) -> float:
+    """How many times slower the machine runs than when ``profile`` was measured, from its
+    reference timed now (``reference_now_s``); errors say why a profile cannot be re-timed."""
+    ops = profile.ops
+    if profile.device != "cpu" or (ops is not None and ops.device != "cpu"):
+        raise ValueError(
+            f"--retime re-times a CPU profile; this one was measured on {profile.device!r} "
+            "(a GPU's speed does not drift as a shared CPU's does)"
+        )
+    if ops is None or ops.reference_s <= 0:
+        raise ValueError(
+            "--retime needs a profile with a speed reference (profile.ops.reference_s > 0), "
+            "which `moesaic calibrate --model` records since it was added; calibrate again"
+        )
+    if reference_now_s <= 0:
+        raise ValueError(f"reference_now_s ({reference_now_s}) must be > 0")
+    return reference_now_s / ops.reference_s
+
+
+def retime(profile: Any, *, repeats: int | None = None) -> tuple[Any, float]:
+    """``(profile at the machine's speed now, factor)``: the reference of the profile's model
+    timed here with its threads (``repeats`` calls, by default
+    ``opmeasure.REFERENCE_REPEATS``, the median), ``factor`` = now / then."""
+    from moesaic.sim.opmeasure import REFERENCE_REPEATS, reference_s
+
+    repeats = REFERENCE_REPEATS if repeats is None else repeats
+    check_positive_int("repeats", repeats)
+    speed_factor(profile, 1.0)  # refuses before timing anything
+    now = reference_s(profile.ops.model, threads=profile.ops.threads, repeats=repeats)
+    factor = speed_factor(profile, now)
+    why = f"reference {now * 1e3:.1f} ms now, {profile.ops.reference_s * 1e3:.1f} ms measured"
+    return profile.slowed(factor, why=why), factor
