@@ -362,10 +362,40 @@ Fixed for all eight: H 136, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
 predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule.
 
+**The seventeenth rule** (``--rule 17``; fixed on 2026-11-27 at 13:40 UTC, committed before
+any of its configurations was measured or simulated, after ``calibrate --model`` came to price
+the operations at their median call (not the fastest) and to time a speed reference beside them
+(``OpCal.reference_s``, :mod:`moesaic.sim.retime`); nothing in it may change after its first
+measurement): other levels again, with 4 ranks as 2 nodes x 2 (the ranks of a node share a 4
+Gbit/s, 0.06 ms level), generators ``D = -A x C`` and ``E = B x C``; names start with ``j``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.7 Gbit/s, 0.3 ms one way       2.2 Gbit/s, 0.09 ms
+B     routed experts E (top-2)              8                                16
+C     expert width F / H                    1.75                             3.5
+D     tokens per rank (sequences of 128)    1024                             1536
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 128, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise. What runs, how it is measured (two interleaved passes, flowmoe at the
+predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth rule. **What is
+judged**: the machine's speed is measured beside the runs. The profile's speed reference
+(``opmeasure.reference_s`` of the configuration's model with the profile's threads) is timed
+in this process before the first run and after every run, nothing else running; a run's speed
+factor is the geometric mean of the references before and after it over the one in the
+profile. Every point is predicted again with the profile slowed by its configuration's factor
+(the geometric mean over all of its runs: one speed per configuration, so the ranking is the
+model's, not the runs' moments) and that prediction is ``predicted_s``, judged by the same
+goals; the prediction at calibration speed is kept as ``predicted_calibrated_s`` and reported
+beside it. The planner's pick is made at calibration speed, before any run, as before.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|16]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|16] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|17]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|17] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -373,6 +403,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -386,7 +417,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
+RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -550,11 +581,20 @@ FACTORS_16: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_16, INTRA_NODE_16 = 136, (4.8, 0.05)
-HIDDEN = (H, H_2, H_3, H_4, H_5, H_6, H_7, H_8, H_9, H_10, H_11, H_12, H_13, H_14, H_15, H_16)
+FACTORS_17: dict[str, tuple[Any, Any]] = {
+    "link": ((0.7, 0.3), (2.2, 0.09)),
+    "experts": (8, 16),
+    "f_over_h": (1.75, 3.5),
+    "tokens_per_rank": (1024, 1536),
+    "ranks": (2, 4),
+}
+H_17, INTRA_NODE_17 = 128, (4.0, 0.06)
+RETIMED_FROM = 17  # rules from which predictions are judged at the runs' measured speed
+HIDDEN = (H, H_2, H_3, H_4, H_5, H_6, H_7, H_8, H_9, H_10, H_11, H_12, H_13, H_14, H_15, H_16, H_17)
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 16), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 17), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -574,6 +614,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         14: (FACTORS_14, "m"),
         15: (FACTORS_15, "l"),
         16: (FACTORS_16, "k"),
+        17: (FACTORS_17, "j"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -594,6 +635,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             14: (-b * c, -a * b),
             15: (a * c, -b * c),
             16: (-a * b * c, a * c),
+            17: (-a * c, b * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
@@ -614,6 +656,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             14: INTRA_NODE_14,
             15: INTRA_NODE_15,
             16: INTRA_NODE_16,
+            17: INTRA_NODE_17,
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
@@ -784,8 +827,8 @@ def measure_plan(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def repredict(path: Path) -> None:
     """Every point of a result predicted again by the simulator as it is now (same profiles,
-    the configuration's files rebuilt from the rule); the first prediction is kept as
-    ``predicted_s_first``."""
+    slowed by the configuration's speed factor where the rule measured one; the configuration's
+    files rebuilt from the rule); the first prediction is kept as ``predicted_s_first``."""
     data = json.loads(path.read_text())
     by_name = {c["name"]: c for c in data["configurations"]}
     for name, entry in by_name.items():
@@ -793,6 +836,11 @@ def repredict(path: Path) -> None:
         work = Path(tempfile.mkdtemp(prefix=f"unseen_re_{name}_"))
         (work / "cluster.toml").write_text(cluster_toml(cfg))
         (work / "p.json").write_text(json.dumps(entry["profile"]))
+        if "speed" in entry:  # the seventeenth rule's on: judged at the runs' speed
+            from moesaic.sim.profile import Profile
+
+            profile = Profile.load(work / "p.json")
+            profile.slowed(entry["speed"]["speed_factor"]).save(work / "p.json")
         for strategy in {p["strategy"] for p in data["points"] if p["configuration"] == name}:
             (work / f"train_{strategy}.toml").write_text(train_toml(cfg, work / "r", strategy))
         for point in (p for p in data["points"] if p["configuration"] == name):
@@ -801,12 +849,53 @@ def repredict(path: Path) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
+def speed_reference(work: Path) -> float:
+    """The profile's speed reference timed here now (its model, its threads), seconds."""
+    from moesaic.sim.opmeasure import reference_s
+    from moesaic.sim.profile import Profile
+
+    ops = Profile.load(work / "p.json").ops
+    if ops is None or ops.reference_s <= 0:
+        raise RuntimeError("the profile has no speed reference: calibrate --model records one")
+    return reference_s(ops.model, threads=ops.threads)
+
+
+def predict_retimed(work: Path, points: list[dict[str, Any]], refs: list[float]) -> dict:
+    """The seventeenth rule's judged predictions: every point predicted again with the profile
+    slowed by the configuration's speed factor (the geometric mean over its runs of the
+    references before and after each, over the profile's); the first kept as
+    ``predicted_calibrated_s``."""
+    from moesaic.sim.profile import Profile
+
+    profile = Profile.load(work / "p.json")
+    assert profile.ops is not None
+    runs = [math.sqrt(a * b) / profile.ops.reference_s for a, b in itertools.pairwise(refs)]
+    factor = math.exp(statistics.fmean(math.log(f) for f in runs))
+    calibrated = work / "p.json"
+    shutil.copy(calibrated, work / "p_calibrated.json")
+    profile.slowed(factor, why="the runs' speed reference").save(calibrated)
+    for point in points:
+        point["predicted_calibrated_s"] = point.get("predicted_s")
+        point["bound_calibrated_s"] = point.get("bound_s")
+        point.update(predict(work, point["strategy"], point["schedule"]))
+    shutil.copy(work / "p_calibrated.json", calibrated)
+    return {
+        "reference_calibrated_s": profile.ops.reference_s,
+        "references_s": refs,
+        "run_factors": runs,
+        "speed_factor": factor,
+    }
+
+
 def run_configuration_passes(
-    cfg: dict[str, Any], index: int, out: dict[str, Any], path: str
+    cfg: dict[str, Any], index: int, out: dict[str, Any], path: str, *, retimed: bool = False
 ) -> None:
     """The fifth rule's protocol on one configuration: calibrate, plan (capacity allowed),
     predict every combination, then ``PASSES_5`` passes of every combination (flowmoe at the
-    predicted Sp) and the pick; ``measured_s`` is the mean of a point's runs' medians."""
+    predicted Sp) and the pick; ``measured_s`` is the mean of a point's runs' medians.
+    ``retimed`` (from the seventeenth rule): the speed reference timed before the first run and
+    after every run, and every point predicted again at the runs' speed
+    (:func:`predict_retimed`)."""
     work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))
     (work / "cluster.toml").write_text(cluster_toml(cfg))
     entry: dict[str, Any] = {"index": index, **cfg, "load_before": os.getloadavg()}
@@ -822,19 +911,27 @@ def run_configuration_passes(
         point["runs"] = []
         points.append(point)
     picks: list[dict[str, Any]] = []
+    refs = [speed_reference(work)] if retimed else []
     for _ in range(PASSES_5):
         for point in points:
             sp = point.get("sp_bytes") if point["schedule"] == "flowmoe" else None
             run = measure(work, cfg, point["strategy"], point["schedule"], sp)
+            if retimed:
+                refs.append(speed_reference(work))
+                run["reference_after_s"] = refs[-1]
             point["runs"].append(run)
             print(json.dumps({**{k: v for k, v in point.items() if k != "runs"}, **run}))
         picks.append(measure_plan(work, cfg))
+        if retimed:
+            refs.append(speed_reference(work))
     for point in points:
         medians = [r["measured_s"] for r in point["runs"] if "measured_s" in r]
         if len(medians) == PASSES_5:
             point["measured_s"] = statistics.fmean(medians)
         else:
             point["error"] = [r["error"] for r in point["runs"] if "error" in r]
+    if retimed:
+        entry["speed"] = predict_retimed(work, points, refs)
     out["points"] += points
     medians = [p["measured_s"] for p in picks if "measured_s" in p]
     entry["plan_measured"] = {"runs": picks}
@@ -851,7 +948,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 16 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 17 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
@@ -876,7 +973,7 @@ def main() -> None:
     for i in chosen:
         cfg = cfgs[i]
         if args.rule >= 5:
-            run_configuration_passes(cfg, i, out, args.out)
+            run_configuration_passes(cfg, i, out, args.out, retimed=args.rule >= RETIMED_FROM)
             continue
         work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))
         (work / "cluster.toml").write_text(cluster_toml(cfg))
