@@ -10,9 +10,14 @@ choice); the geometric-mean error over every point. Where a point was measured i
 against the spread (``within_noise``: the measured best and the ranked-first combination differ
 by less than the larger of their two runs' spreads).
 
+From the seventeenth rule on, ``predicted_s`` is the prediction at the runs' measured speed
+(the rule's text); ``--calibrated`` reports the prediction at the calibration's speed instead
+(``predicted_calibrated_s``).
+
 Usage::
 
     python benchmarks/sim_unseen_report.py [benchmarks/results/sim_unseen.json] [--markdown]
+        [--calibrated]
 """
 
 from __future__ import annotations
@@ -136,9 +141,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", nargs="?", default="benchmarks/results/sim_unseen.json")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument(
+        "--calibrated",
+        action="store_true",
+        help="judge the predictions at the calibration's speed (rule 17 on: predicted_calibrated_s)",
+    )
     args = parser.parse_args()
     with open(args.path) as f:
         data = json.load(f)
+    if args.calibrated:
+        for p in data["points"]:
+            if "predicted_calibrated_s" in p:
+                p["predicted_s"] = p["predicted_calibrated_s"]
     s = summarize(data)
     if args.markdown:
         print(markdown(data, s))
