@@ -181,6 +181,8 @@ def _reference(net: Any, shape: ModelSpec, repeats: int) -> float:
     x = torch.randn(shape.batch, shape.seq_len, shape.hidden, requires_grad=True)
     y = torch.randint(0, shape.vocab, (shape.batch, shape.seq_len))
 
+    net.zero_grad(set_to_none=True)  # as a fresh model: the warm-up allocates, then accumulate
+
     def once() -> tuple[float, float]:
         t0 = time.perf_counter()
         out = block.expert_stage(*block.attention_stage(x))
