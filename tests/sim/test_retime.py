@@ -20,17 +20,13 @@ from moesaic.sim.simulate import SimOptions, simulate
 MODEL = ModelSpec(
     name="tiny", layers=1, batch=2, seq_len=8, hidden=16, ffn_hidden=32, experts=2, top_k=1, heads=2
 )
-TOML = """[model]
-name = "tiny"
-layers = 1
-batch = 2
-seq_len = 8
-hidden = 16
-ffn_hidden = 32
-experts = 2
-top_k = 1
-heads = 2
-"""
+# the same model as a model file
+TOML = "[model]\n" + "".join(
+    f"{k} = {v!r}\n".replace("'", '"')
+    for k, v in dataclasses.asdict(MODEL).items()
+    if k
+    in ("name", "layers", "batch", "seq_len", "hidden", "ffn_hidden", "experts", "top_k", "heads")
+)
 CLUSTER = """name = "pair"
 world_size = 2
 

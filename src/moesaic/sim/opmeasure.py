@@ -30,10 +30,11 @@ A tiny model takes about a second; the issue's H 160, F 1536, 8 x 64 tokens abou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from moesaic.checks import check_positive_int
@@ -85,7 +86,6 @@ def measure_ops(
 ) -> OpCal:
     """Times ``model``'s pieces (module docstring). ``world``: the ranks its experts are spread
     over (``expert_count = experts / world``); ``threads``: torch threads (restored after)."""
-    import torch
 
     check_positive_int("world", world)
     check_positive_int("threads", threads)
@@ -94,12 +94,22 @@ def measure_ops(
         raise ValueError(f"model.experts ({model.experts}) must be a multiple of world ({world})")
     # layer_only and routing skew change what a simulation runs, not the pieces' shapes
     shape = dataclasses.replace(model, layer_only=False, routing_skew=0.0)
+    with _threads_and_seed(threads, seed):
+        return _measure(model, shape, world, threads, repeats)
+
+
+@contextlib.contextmanager
+def _threads_and_seed(threads: int, seed: int) -> Iterator[None]:
+    """Torch at ``threads`` threads (restored after) and ``seed`` (the caller's RNG state
+    restored after)."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            return _measure(model, shape, world, threads, repeats)
+            yield
     finally:
         torch.set_num_threads(before)
 
@@ -154,21 +164,13 @@ def reference_s(
     """The speed reference of ``model`` (module docstring) on this machine now, seconds, with
     ``threads`` torch threads (restored after): what :func:`measure_ops` records as
     ``OpCal.reference_s``."""
-    import torch
-
     from moesaic.models import MoEGPT
 
     check_positive_int("threads", threads)
     check_positive_int("repeats", repeats)
     shape = dataclasses.replace(model, layer_only=False, routing_skew=0.0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            return _reference(MoEGPT(train_config_of(shape).model), shape, repeats)
-    finally:
-        torch.set_num_threads(before)
+    with _threads_and_seed(threads, seed):
+        return _reference(MoEGPT(train_config_of(shape).model), shape, repeats)
 
 
 def _reference(net: Any, shape: ModelSpec, repeats: int) -> float:
