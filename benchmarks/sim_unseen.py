@@ -392,10 +392,30 @@ model's, not the runs' moments) and that prediction is ``predicted_s``, judged b
 goals; the prediction at calibration speed is kept as ``predicted_calibrated_s`` and reported
 beside it. The planner's pick is made at calibration speed, before any run, as before.
 
+**The eighteenth rule** (``--rule 18``; fixed on 2026-11-27 at HH:MM UTC, committed before any
+of its configurations was measured or simulated, with the simulator and protocol of the
+seventeenth rule unchanged (a replication); nothing in it may change after its first
+measurement): other levels again, with 4 ranks as 2 nodes x 2 (the ranks of a node share a 3.6
+Gbit/s, 0.07 ms level), generators ``D = A x B`` and ``E = A x B x C``; names start with ``i``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.6 Gbit/s, 0.35 ms one way      1.8 Gbit/s, 0.12 ms
+B     routed experts E (top-2)              12                               24
+C     expert width F / H                    1.5                              3
+D     tokens per rank (sequences of 128)    1024                             1792
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 120, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise. What runs, how it is measured, what the planner may choose and what is
+judged (the predictions at the runs' measured speed): as for the seventeenth rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|17]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|17] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|18]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|18] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -417,7 +437,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
+RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -589,12 +609,39 @@ FACTORS_17: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_17, INTRA_NODE_17 = 128, (4.0, 0.06)
+FACTORS_18: dict[str, tuple[Any, Any]] = {
+    "link": ((0.6, 0.35), (1.8, 0.12)),
+    "experts": (12, 24),
+    "f_over_h": (1.5, 3),
+    "tokens_per_rank": (1024, 1792),
+    "ranks": (2, 4),
+}
+H_18, INTRA_NODE_18 = 120, (3.6, 0.07)
 RETIMED_FROM = 17  # rules from which predictions are judged at the runs' measured speed
-HIDDEN = (H, H_2, H_3, H_4, H_5, H_6, H_7, H_8, H_9, H_10, H_11, H_12, H_13, H_14, H_15, H_16, H_17)
+HIDDEN = (
+    H,
+    H_2,
+    H_3,
+    H_4,
+    H_5,
+    H_6,
+    H_7,
+    H_8,
+    H_9,
+    H_10,
+    H_11,
+    H_12,
+    H_13,
+    H_14,
+    H_15,
+    H_16,
+    H_17,
+    H_18,
+)
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 17), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 18), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -615,6 +662,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         15: (FACTORS_15, "l"),
         16: (FACTORS_16, "k"),
         17: (FACTORS_17, "j"),
+        18: (FACTORS_18, "i"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -636,6 +684,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             15: (a * c, -b * c),
             16: (-a * b * c, a * c),
             17: (-a * c, b * c),
+            18: (a * b, a * b * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
@@ -657,6 +706,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             15: INTRA_NODE_15,
             16: INTRA_NODE_16,
             17: INTRA_NODE_17,
+            18: INTRA_NODE_18,
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
@@ -948,7 +998,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 17 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 18 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
