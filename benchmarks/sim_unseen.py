@@ -392,7 +392,7 @@ model's, not the runs' moments) and that prediction is ``predicted_s``, judged b
 goals; the prediction at calibration speed is kept as ``predicted_calibrated_s`` and reported
 beside it. The planner's pick is made at calibration speed, before any run, as before.
 
-**The eighteenth rule** (``--rule 18``; fixed on 2026-11-27 at HH:MM UTC, committed before any
+**The eighteenth rule** (``--rule 18``; fixed on 2026-11-27 at 14:49 UTC, committed before any
 of its configurations was measured or simulated, with the simulator and protocol of the
 seventeenth rule unchanged (a replication); nothing in it may change after its first
 measurement): other levels again, with 4 ranks as 2 nodes x 2 (the ranks of a node share a 3.6
