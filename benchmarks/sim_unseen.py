@@ -835,10 +835,11 @@ def plan(work: Path, capacity: float | None = None) -> list[dict[str, Any]]:
     return ranking
 
 
-def predict(work: Path, strategy: str, schedule: str) -> dict[str, Any]:
-    """``moesaic simulate --json`` of one combination with the configuration's profile."""
+def predict(work: Path, strategy: str, schedule: str, profile: str = "p.json") -> dict[str, Any]:
+    """``moesaic simulate --json`` of one combination with the configuration's profile (the
+    file ``profile`` in ``work``)."""
     args = ["simulate", "--cluster", str(work / "cluster.toml"), "--model"]
-    args += [str(work / f"train_{strategy}.toml"), "--profile", str(work / "p.json")]
+    args += [str(work / f"train_{strategy}.toml"), "--profile", str(work / profile)]
     args += ["--strategy", strategy, "--schedule", schedule, "--json"]
     if schedule != "vanilla":
         args += ["--degree", str(PIPELINE_DEGREE)]
@@ -921,14 +922,11 @@ def predict_retimed(work: Path, points: list[dict[str, Any]], refs: list[float])
     assert profile.ops is not None
     runs = [math.sqrt(a * b) / profile.ops.reference_s for a, b in itertools.pairwise(refs)]
     factor = math.exp(statistics.fmean(math.log(f) for f in runs))
-    calibrated = work / "p.json"
-    shutil.copy(calibrated, work / "p_calibrated.json")
-    profile.slowed(factor, why="the runs' speed reference").save(calibrated)
+    profile.slowed(factor, why="the runs' speed reference").save(work / "p_runs.json")
     for point in points:
         point["predicted_calibrated_s"] = point.get("predicted_s")
         point["bound_calibrated_s"] = point.get("bound_s")
-        point.update(predict(work, point["strategy"], point["schedule"]))
-    shutil.copy(work / "p_calibrated.json", calibrated)
+        point.update(predict(work, point["strategy"], point["schedule"], "p_runs.json"))
     return {
         "reference_calibrated_s": profile.ops.reference_s,
         "references_s": refs,

@@ -121,8 +121,8 @@ def retimed(args: argparse.Namespace, profile: Any, *, note: Callable[[str], Non
     note(
         f"--retime: the machine runs {factor:.2f}x the time of --profile {args.profile}'s "
         f"calibration (its reference {profile.ops.reference_s * 1e3:.1f} ms then, "
-        f"{profile.ops.reference_s * factor * 1e3:.1f} ms now); compute and CPU figures "
-        "rescaled, network figures as measured"
+        f"{out.ops.reference_s * 1e3:.1f} ms now); compute and CPU figures rescaled, network "
+        "figures as measured"
     )
     return out
 

@@ -22,26 +22,31 @@ from typing import Any
 
 from moesaic.checks import check_positive_int
 
-__all__ = ["retime", "speed_factor"]
+__all__ = ["check_retimable", "retime", "speed_factor"]
 
 
-def speed_factor(profile: Any, reference_now_s: float) -> float:
-    """How many times slower the machine runs than when ``profile`` was measured, from its
-    reference timed now (``reference_now_s``); errors say why a profile cannot be re-timed."""
-    ops = profile.ops
-    if profile.device != "cpu" or (ops is not None and ops.device != "cpu"):
+def check_retimable(profile: Any) -> None:
+    """Refuses a profile that cannot be re-timed, saying why: a GPU's, or one without a speed
+    reference (measured before ``calibrate --model`` recorded one)."""
+    if profile.device != "cpu":
         raise ValueError(
             f"--retime re-times a CPU profile; this one was measured on {profile.device!r} "
             "(a GPU's speed does not drift as a shared CPU's does)"
         )
-    if ops is None or ops.reference_s <= 0:
+    if profile.ops is None or profile.ops.reference_s <= 0:
         raise ValueError(
             "--retime needs a profile with a speed reference (profile.ops.reference_s > 0), "
             "which `moesaic calibrate --model` records since it was added; calibrate again"
         )
+
+
+def speed_factor(profile: Any, reference_now_s: float) -> float:
+    """How many times slower the machine runs than when ``profile`` was measured, from its
+    reference timed now (``reference_now_s``)."""
+    check_retimable(profile)
     if reference_now_s <= 0:
         raise ValueError(f"reference_now_s ({reference_now_s}) must be > 0")
-    return reference_now_s / ops.reference_s
+    return reference_now_s / profile.ops.reference_s
 
 
 def retime(profile: Any, *, repeats: int | None = None) -> tuple[Any, float]:
@@ -52,7 +57,7 @@ def retime(profile: Any, *, repeats: int | None = None) -> tuple[Any, float]:
 
     repeats = REFERENCE_REPEATS if repeats is None else repeats
     check_positive_int("repeats", repeats)
-    speed_factor(profile, 1.0)  # refuses before timing anything
+    check_retimable(profile)  # before timing anything
     now = reference_s(profile.ops.model, threads=profile.ops.threads, repeats=repeats)
     factor = speed_factor(profile, now)
     why = f"reference {now * 1e3:.1f} ms now, {profile.ops.reference_s * 1e3:.1f} ms measured"
