@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything issue 27 measures on one GPU, in one call of the device machine (a fresh image with
-# torch, no registry): the peers' wheels travel in .whl, the baseline library (optional) in
-# .base/src (docs/performance.md, "On a GPU").
+# torch, no registry): the peers' wheels travel in .whl (bayesian-optimization too: the image
+# lacks it, and tests/gpu's nccl-flowmoe training tunes Sp with it), the baseline library
+# (optional) in .base/src (docs/performance.md, "On a GPU").
 #   bash benchmarks/gpu_run.sh OUT_DIR COMMIT [gpu_layer args...]
 # Writes OUT_DIR/{run.log,sim_profile.json,gpu_layer.json,gpu_layer_base.json,traces.tar.gz,
 # gpu_check.json,tests_gpu.log,train.log} (8 files: what one device call brings back).
