@@ -412,10 +412,39 @@ Fixed for all eight: H 120, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured, what the planner may choose and what is
 judged (the predictions at the runs' measured speed): as for the seventeenth rule.
 
+**The nineteenth rule** (``--rule 19``; fixed on 2026-11-27 at 16:25 UTC, committed before any
+of its configurations was measured or simulated, with the simulator of the eighteenth rule
+unchanged; nothing in it may change after its first measurement): other levels again, with 4
+ranks as 2 nodes x 2 (the ranks of a node share a 4.4 Gbit/s, 0.06 ms level), generators
+``D = -B x C`` and ``E = A x C``; names start with ``h``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.65 Gbit/s, 0.32 ms one way     2.0 Gbit/s, 0.1 ms
+B     routed experts E (top-2)              8                                20
+C     expert width F / H                    2                                3.25
+D     tokens per rank (sequences of 128)    1280                             1536
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 112, 4 heads, 2 transformer blocks, both MoE, fp32, the training
+defaults otherwise. What runs, what the planner may choose and what is judged (the predictions
+at the runs' measured speed): as for the seventeenth rule, but every combination and the pick
+are measured in **four** interleaved passes (``PASSES_19``), not two, and ``measured_s`` is the
+mean of four runs. **Why**: over rules 5-18 (112 configurations), one pass of the measurements
+used as the prediction of the other met the ranking goal in 79.5 and the grid's pick goal in 89,
+the simulator in 78 and 87: the goals as judged on two passes are at the measurement's own
+repeatability. **Judged as before**, on the four-pass means; **reported beside** (from
+``sim_unseen_report.py``): the repeat's ceiling, the fraction of the six ways to split the four
+passes into two halves where one half's means, taken as the prediction, meet the goal on the
+other half's. **Stated before measuring**: if the misses are the measurement's noise, the
+simulator ranks right in at least as many configurations as the split halves do on average.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|18]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|18] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|19]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|19] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -437,7 +466,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)
+RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -617,6 +646,15 @@ FACTORS_18: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_18, INTRA_NODE_18 = 120, (3.6, 0.07)
+FACTORS_19: dict[str, tuple[Any, Any]] = {
+    "link": ((0.65, 0.32), (2.0, 0.1)),
+    "experts": (8, 20),
+    "f_over_h": (2, 3.25),
+    "tokens_per_rank": (1280, 1536),
+    "ranks": (2, 4),
+}
+H_19, INTRA_NODE_19 = 112, (4.4, 0.06)
+PASSES_19 = 4  # the nineteenth rule's passes (from it on)
 RETIMED_FROM = 17  # rules from which predictions are judged at the runs' measured speed
 HIDDEN = (
     H,
@@ -637,11 +675,12 @@ HIDDEN = (
     H_16,
     H_17,
     H_18,
+    H_19,
 )
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 18), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 19), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -663,6 +702,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         16: (FACTORS_16, "k"),
         17: (FACTORS_17, "j"),
         18: (FACTORS_18, "i"),
+        19: (FACTORS_19, "h"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -685,6 +725,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             16: (-a * b * c, a * c),
             17: (-a * c, b * c),
             18: (a * b, a * b * c),
+            19: (-b * c, a * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
@@ -707,6 +748,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             16: INTRA_NODE_16,
             17: INTRA_NODE_17,
             18: INTRA_NODE_18,
+            19: INTRA_NODE_19,
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
@@ -936,10 +978,16 @@ def predict_retimed(work: Path, points: list[dict[str, Any]], refs: list[float])
 
 
 def run_configuration_passes(
-    cfg: dict[str, Any], index: int, out: dict[str, Any], path: str, *, retimed: bool = False
+    cfg: dict[str, Any],
+    index: int,
+    out: dict[str, Any],
+    path: str,
+    *,
+    retimed: bool = False,
+    passes: int = PASSES_5,
 ) -> None:
     """The fifth rule's protocol on one configuration: calibrate, plan (capacity allowed),
-    predict every combination, then ``PASSES_5`` passes of every combination (flowmoe at the
+    predict every combination, then ``passes`` passes of every combination (flowmoe at the
     predicted Sp) and the pick; ``measured_s`` is the mean of a point's runs' medians.
     ``retimed`` (from the seventeenth rule): the speed reference timed before the first run and
     after every run, and every point predicted again at the runs' speed
@@ -960,7 +1008,7 @@ def run_configuration_passes(
         points.append(point)
     picks: list[dict[str, Any]] = []
     refs = [speed_reference(work)] if retimed else []
-    for _ in range(PASSES_5):
+    for _ in range(passes):
         for point in points:
             sp = point.get("sp_bytes") if point["schedule"] == "flowmoe" else None
             run = measure(work, cfg, point["strategy"], point["schedule"], sp)
@@ -974,7 +1022,7 @@ def run_configuration_passes(
             refs.append(speed_reference(work))
     for point in points:
         medians = [r["measured_s"] for r in point["runs"] if "measured_s" in r]
-        if len(medians) == PASSES_5:
+        if len(medians) == passes:
             point["measured_s"] = statistics.fmean(medians)
         else:
             point["error"] = [r["error"] for r in point["runs"] if "error" in r]
@@ -983,7 +1031,7 @@ def run_configuration_passes(
     out["points"] += points
     medians = [p["measured_s"] for p in picks if "measured_s" in p]
     entry["plan_measured"] = {"runs": picks}
-    if len(medians) == PASSES_5:
+    if len(medians) == passes:
         entry["plan_measured"].update(measured_s=statistics.fmean(medians), pick=picks[0]["pick"])
     entry["profile"] = json.loads((work / "p.json").read_text())
     entry["load_after"] = os.getloadavg()
@@ -996,7 +1044,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 18 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 19 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
@@ -1021,7 +1069,9 @@ def main() -> None:
     for i in chosen:
         cfg = cfgs[i]
         if args.rule >= 5:
-            run_configuration_passes(cfg, i, out, args.out, retimed=args.rule >= RETIMED_FROM)
+            passes = PASSES_19 if args.rule >= 19 else PASSES_5
+            retimed = args.rule >= RETIMED_FROM
+            run_configuration_passes(cfg, i, out, args.out, retimed=retimed, passes=passes)
             continue
         work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))
         (work / "cluster.toml").write_text(cluster_toml(cfg))

@@ -8,7 +8,11 @@ among its choices; from rule 5 on it is allowed that capacity, and every grid co
 choice); the geometric-mean error over every point. Where a point was measured in several passes
 (rule 5), the table also gives each run's median and their spread, and how the ranking fares
 against the spread (``within_noise``: the measured best and the ranked-first combination differ
-by less than the larger of their two runs' spreads).
+by less than the larger of their two runs' spreads), and the repeat's ceiling (``repeat_*``): the
+measurement's own passes split into two halves in every way (one pass against the other for
+two; a half of the passes against the other half from four), one half's means taken as the
+prediction and judged on the other's by the same two rules (the fastest ranked first or within
+5%; the ranked-first within 10% of the best), as the fraction of the splits that meet each.
 
 From the seventeenth rule on, ``predicted_s`` is the prediction at the runs' measured speed
 (the rule's text); ``--calibrated`` reports the prediction at the calibration's speed instead
@@ -23,8 +27,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import statistics
 from typing import Any
 
 
@@ -48,6 +54,38 @@ def _within_noise(best: dict[str, Any], other: dict[str, Any]) -> bool | None:
     return gap <= max(_spread(best), _spread(other))
 
 
+def _meets(
+    points: list[dict[str, Any]], predicted: dict[int, float], measured: dict[int, float]
+) -> tuple[bool, bool]:
+    """(the measured-fastest predicted within 5% of the predicted-first, the predicted-first
+    measured within 10% of the fastest); ``predicted``/``measured`` by index in ``points``."""
+    best = min(range(len(points)), key=measured.__getitem__)
+    first = min(range(len(points)), key=predicted.__getitem__)
+    return (
+        predicted[best] <= 1.05 * predicted[first],
+        measured[first] <= 1.10 * measured[best],
+    )
+
+
+def _repeat_ceiling(points: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """The fractions of the ways to split the passes into two halves in which one half's means,
+    taken as the prediction, meet the ranking and the pick rule on the other half's (None:
+    single runs)."""
+    passes = min(len(_runs(p)) for p in points)
+    if passes < 2:
+        return None
+    splits = list(itertools.combinations(range(passes), passes // 2))
+    ranked = picked = 0
+    for half in splits:
+        other = [i for i in range(passes) if i not in half]
+        pred = {j: statistics.fmean(_runs(p)[i] for i in half) for j, p in enumerate(points)}
+        meas = {j: statistics.fmean(_runs(p)[i] for i in other) for j, p in enumerate(points)}
+        r, k = _meets(points, pred, meas)
+        ranked += r
+        picked += k
+    return ranked / len(splits), picked / len(splits)
+
+
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
     points = [p for p in data["points"] if "measured_s" in p and "predicted_s" in p]
     errors = [abs(p["predicted_s"] - p["measured_s"]) / p["measured_s"] for p in points]
@@ -63,6 +101,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         ok = best["predicted_s"] <= 1.05 * ranked_first["predicted_s"]
         pick = c.get("plan_measured", {})
         pick_ratio = pick["measured_s"] / best["measured_s"] if "measured_s" in pick else None
+        ceiling = _repeat_ceiling(mine)
         capacity_allowed = data.get("rule_number", 1) >= 5
         choosable = [p for p in mine if capacity_allowed or p["strategy"] != "padded"]
         best_choosable = min(choosable, key=lambda p: p["measured_s"])
@@ -78,6 +117,8 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 "best_ranked_first_or_within_5pct": ok,
                 "within_noise": _within_noise(best, ranked_first),
                 "ranked_first_over_best_measured": ranked_first["measured_s"] / best["measured_s"],
+                "repeat_ranked": None if ceiling is None else ceiling[0],
+                "repeat_picked": None if ceiling is None else ceiling[1],
                 "plan_pick": (
                     f"{pick['pick']['strategy']}+{pick['pick']['schedule']} "
                     f"{json.dumps(pick['pick']['options'])}"
@@ -92,8 +133,15 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 "plan_pick_over_best_without_capacity": pick_ratio_choosable,
             }
         )
+    ceilings = [c for c in configs if c["repeat_ranked"] is not None]
     return {
         "points": len(points),
+        "ranked": sum(c["best_ranked_first_or_within_5pct"] for c in configs),
+        "ranked_first_within_10pct": sum(
+            c["ranked_first_over_best_measured"] <= 1.10 for c in configs
+        ),
+        "repeat_ranked": sum(c["repeat_ranked"] for c in ceilings) if ceilings else None,
+        "repeat_picked": sum(c["repeat_picked"] for c in ceilings) if ceilings else None,
         "failed_points": [p for p in data["points"] if "measured_s" not in p],
         "geomean_error": geo,
         "median_error": sorted(errors)[len(errors) // 2] if errors else None,

@@ -71,3 +71,24 @@ def test_report_compares_the_pick_with_what_it_could_choose(rule, choosable_rati
     assert c["best_ranked_first_or_within_5pct"] is False
     assert c["within_noise"] is True
     assert "(1000, 1200)" in report.markdown(data, report.summarize(data))
+
+
+def test_the_repeat_ceiling_splits_the_passes_into_halves():
+    """Four passes: six splits into two halves. B's passes alternate 0.9 and 1.2 against A's
+    steady 1.0, so the halves {0, 2} and {1, 3} (either way round) disagree on the fastest by
+    more than 5% and 10%; the four mixed halves agree (B 1.05 on both sides)."""
+    points = [
+        _point("c", "padded", "vanilla", 1.0, 1.0, runs=[1.0, 1.0, 1.0, 1.0]),
+        _point("c", "dropless", "vanilla", 1.05, 1.2, runs=[0.9, 1.2, 0.9, 1.2]),
+    ]
+    data = {"rule_number": 19, "points": points, "configurations": [{"name": "c"}]}
+    s = report.summarize(data)
+    (c,) = s["configurations"]
+    assert c["repeat_ranked"] == pytest.approx(4 / 6)
+    assert c["repeat_picked"] == pytest.approx(4 / 6)
+    assert s["ranked"] == 1 and s["repeat_ranked"] == pytest.approx(4 / 6)
+    # two passes: each pass predicts the other; B 0.9 then 1.2 flips the fastest both ways
+    for p in points:
+        p["runs"] = p["runs"][:2]
+    (c,) = report.summarize(data)["configurations"]
+    assert c["repeat_ranked"] == 0.0 and c["repeat_picked"] == 0.0
