@@ -98,7 +98,11 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         best = min(mine, key=lambda p: p["measured_s"])
         ranked_first = min(mine, key=lambda p: p["predicted_s"])
         # the measured-fastest is "ranked first" when its prediction is within 5% of the first's
-        ok = best["predicted_s"] <= 1.05 * ranked_first["predicted_s"]
+        ok, _ = _meets(
+            mine,
+            {j: p["predicted_s"] for j, p in enumerate(mine)},
+            {j: p["measured_s"] for j, p in enumerate(mine)},
+        )
         pick = c.get("plan_measured", {})
         pick_ratio = pick["measured_s"] / best["measured_s"] if "measured_s" in pick else None
         ceiling = _repeat_ceiling(mine)
