@@ -683,7 +683,7 @@ FACTORS_20: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_20, INTRA_NODE_20 = 104, (3.8, 0.07)
-PASSES_19 = 4  # the nineteenth rule's passes (from it on)
+PASSES_19 = 4  # the nineteenth rule's passes (from it on: passes_of)
 RETIMED_FROM = 17  # rules from which predictions are judged at the runs' measured speed
 HIDDEN = (
     H,
@@ -785,6 +785,11 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
+
+
+def passes_of(rule: int) -> int:
+    """How many interleaved passes ``rule`` measures (from the fifth on)."""
+    return PASSES_19 if rule >= 19 else PASSES_5
 
 
 def find_configuration(name: str) -> dict[str, Any]:
@@ -1102,8 +1107,8 @@ def main() -> None:
     for i in chosen:
         cfg = cfgs[i]
         if args.rule >= 5:
-            passes = PASSES_19 if args.rule >= 19 else PASSES_5
             retimed = args.rule >= RETIMED_FROM
+            passes = passes_of(args.rule)
             run_configuration_passes(cfg, i, out, args.out, retimed=retimed, passes=passes)
             continue
         work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))

@@ -20,6 +20,7 @@ pytestmark = NEEDS_CUDA
 
 def test_gpu_calibration_figures_are_physical():
     before = measure()["half_flops_per_s"]
+    # against a rate of 1 FLOP/s each point is the grouped GEMMs' achieved FLOP/s
     points = gpucal.grouped_gemm_efficiency(1.0, repeats=3)
     half = max(before, measure()["half_flops_per_s"])
     points = tuple((rows, flops / half) for rows, flops in points)

@@ -92,3 +92,7 @@ def test_the_repeat_ceiling_splits_the_passes_into_halves():
         p["runs"] = p["runs"][:2]
     (c,) = report.summarize(data)["configurations"]
     assert c["repeat_ranked"] == 0.0 and c["repeat_picked"] == 0.0
+
+
+def test_rules_from_the_nineteenth_measure_four_passes():
+    assert [unseen.passes_of(r) for r in (5, 18, 19, 20)] == [2, 2, 4, 4]
