@@ -462,10 +462,36 @@ Fixed for all eight: H 104, 4 heads, 2 transformer blocks, both MoE, fp32, the t
 defaults otherwise. What runs, how it is measured (four interleaved passes), what the planner
 may choose and what is judged: as for the nineteenth rule.
 
+**The twenty-first rule** (``--rule 21``; fixed on 2026-11-27 at 18:53 UTC, committed before
+any of its configurations was measured or simulated, with the simulator of the nineteenth rule
+unchanged; nothing in it may change after its first measurement): other levels again, with 4
+ranks as 2 nodes x 2 (the ranks of a node share a 4.2 Gbit/s, 0.065 ms level), generators
+``D = A x C`` and ``E = A x B``; names start with ``f``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.7 Gbit/s, 0.3 ms one way       2.1 Gbit/s, 0.095 ms
+B     routed experts E (top-2)              8                                24
+C     expert width F / H                    1.5                              2.75
+D     tokens per rank (sequences of 128)    1024                             1536
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 96, 4 heads, 2 transformer blocks, both MoE, fp32, the training defaults
+otherwise. One change of protocol (``PRICED_DOMAINS_FROM``): every ``hybrid`` grid run trains at
+the domain sizes its own prediction priced (``--domains S0,S1`` from ``moesaic simulate``'s
+``domain_sizes``), not ``--domains auto``. **Why**: on the twentieth rule's g---++ the run's
+``--domains auto`` planned from the FLOP rate it measured at its start and chose [2, 1], while
+the simulator priced [1, 1] from the profile: the point compared two different runs. The
+planner's pick already trained at the domains it priced (``--plan``). What runs otherwise, how it
+is measured (four interleaved passes), what the planner may choose and what is judged: as for
+the nineteenth rule; the twentieth's miss is not re-judged.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|20]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|20] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|21]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|21] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -487,7 +513,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20)
+RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -683,8 +709,17 @@ FACTORS_20: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_20, INTRA_NODE_20 = 104, (3.8, 0.07)
+FACTORS_21: dict[str, tuple[Any, Any]] = {
+    "link": ((0.7, 0.3), (2.1, 0.095)),
+    "experts": (8, 24),
+    "f_over_h": (1.5, 2.75),
+    "tokens_per_rank": (1024, 1536),
+    "ranks": (2, 4),
+}
+H_21, INTRA_NODE_21 = 96, (4.2, 0.065)
 PASSES_19 = 4  # the nineteenth rule's passes (from it on: passes_of)
 RETIMED_FROM = 17  # rules from which predictions are judged at the runs' measured speed
+PRICED_DOMAINS_FROM = 21  # rules from which hybrid runs at the domains its prediction priced
 HIDDEN = (
     H,
     H_2,
@@ -706,11 +741,12 @@ HIDDEN = (
     H_18,
     H_19,
     H_20,
+    H_21,
 )
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 20), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 21), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -734,6 +770,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         18: (FACTORS_18, "i"),
         19: (FACTORS_19, "h"),
         20: (FACTORS_20, "g"),
+        21: (FACTORS_21, "f"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -758,6 +795,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             18: (a * b, a * b * c),
             19: (-b * c, a * c),
             20: (-a * b * c, a * b),
+            21: (a * c, a * b),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
@@ -782,6 +820,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             18: INTRA_NODE_18,
             19: INTRA_NODE_19,
             20: INTRA_NODE_20,
+            21: INTRA_NODE_21,
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
@@ -833,14 +872,21 @@ def job_toml(cfg: dict[str, Any], run_dir: Path, *, capacity: float | None = Non
     return "\n".join([*run, "", "[model]", *model, "", "[model.moe]", *moe, ""])
 
 
-def combo_flags(strategy: str, schedule: str, ar_chunk: int | None = None) -> list[str]:
+def combo_flags(
+    strategy: str,
+    schedule: str,
+    ar_chunk: int | None = None,
+    domains: list[int] | None = None,
+) -> list[str]:
+    """The ``moesaic train`` flags of one combination: hybrid at ``domains`` when given (the
+    sizes the simulator priced), else ``--domains auto`` (planned by the run at its start)."""
     flags = ["--strategy", strategy, "--schedule", schedule]
     if schedule != "vanilla":
         flags += ["--pipeline-degree", str(PIPELINE_DEGREE)]
     if ar_chunk is not None and schedule == "flowmoe":
         flags += ["--ar-chunk", f"{ar_chunk}B"]
     if strategy == "hybrid":
-        flags += ["--domains", "auto"]
+        flags += ["--domains", "auto" if domains is None else ",".join(map(str, domains))]
     return flags
 
 
@@ -861,18 +907,24 @@ def _drop_checkpoints(run_dir: Path) -> None:
 
 
 def measure(
-    work: Path, cfg: dict[str, Any], strategy: str, schedule: str, ar_chunk: int | None = None
+    work: Path,
+    cfg: dict[str, Any],
+    strategy: str,
+    schedule: str,
+    ar_chunk: int | None = None,
+    domains: list[int] | None = None,
 ) -> dict[str, Any]:
     """One emulated training run; rank 0's median step time after the warm-up (flowmoe at
-    ``ar_chunk`` bytes when given, else the training default)."""
+    ``ar_chunk`` bytes when given, else the training default; hybrid at ``domains`` when
+    given, else ``--domains auto``)."""
     run_dir = work / f"run_{strategy}_{schedule}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a second pass starts afresh
     config = work / f"train_{strategy}.toml"
     config.write_text(train_toml(cfg, run_dir, strategy))
     cluster = str(work / "cluster.toml")
     args = [sys.executable, "-m", "moesaic", "train", "--config", str(config)]
-    args += ["--emulate", cluster, *combo_flags(strategy, schedule, ar_chunk)]
-    if strategy == "hybrid":  # its domains are planned on the cluster's levels
+    args += ["--emulate", cluster, *combo_flags(strategy, schedule, ar_chunk, domains)]
+    if strategy == "hybrid":  # its domains are on the cluster's levels
         args += ["--cluster", cluster]
     t0 = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
@@ -931,6 +983,8 @@ def predict(work: Path, strategy: str, schedule: str, profile: str = "p.json") -
     pred = {"predicted_s": out["iteration_ms"] / 1e3, "bound_s": out["bound_ms"] / 1e3}
     if out.get("sp_bytes") is not None:
         pred["sp_bytes"] = int(out["sp_bytes"])
+    if out.get("domain_sizes") is not None:
+        pred["domain_sizes"] = [int(x) for x in out["domain_sizes"]]
     return pred
 
 
@@ -1023,13 +1077,15 @@ def run_configuration_passes(
     *,
     retimed: bool = False,
     passes: int = PASSES_5,
+    priced_domains: bool = False,
 ) -> None:
     """The fifth rule's protocol on one configuration: calibrate, plan (capacity allowed),
     predict every combination, then ``passes`` passes of every combination (flowmoe at the
     predicted Sp) and the pick; ``measured_s`` is the mean of a point's runs' medians.
     ``retimed`` (from the seventeenth rule): the speed reference timed before the first run and
     after every run, and every point predicted again at the runs' speed
-    (:func:`predict_retimed`)."""
+    (:func:`predict_retimed`). ``priced_domains`` (from the twenty-first rule): hybrid runs at
+    the domain sizes its prediction priced, not at the ones ``--domains auto`` plans."""
     work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))
     (work / "cluster.toml").write_text(cluster_toml(cfg))
     entry: dict[str, Any] = {"index": index, **cfg, "load_before": os.getloadavg()}
@@ -1049,7 +1105,8 @@ def run_configuration_passes(
     for _ in range(passes):
         for point in points:
             sp = point.get("sp_bytes") if point["schedule"] == "flowmoe" else None
-            run = measure(work, cfg, point["strategy"], point["schedule"], sp)
+            domains = point.get("domain_sizes") if priced_domains else None
+            run = measure(work, cfg, point["strategy"], point["schedule"], sp, domains)
             if retimed:
                 refs.append(speed_reference(work))
                 run["reference_after_s"] = refs[-1]
@@ -1082,7 +1139,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 20 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 21 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
@@ -1109,7 +1166,10 @@ def main() -> None:
         if args.rule >= 5:
             retimed = args.rule >= RETIMED_FROM
             passes = passes_of(args.rule)
-            run_configuration_passes(cfg, i, out, args.out, retimed=retimed, passes=passes)
+            priced = args.rule >= PRICED_DOMAINS_FROM
+            run_configuration_passes(
+                cfg, i, out, args.out, retimed=retimed, passes=passes, priced_domains=priced
+            )
             continue
         work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))
         (work / "cluster.toml").write_text(cluster_toml(cfg))

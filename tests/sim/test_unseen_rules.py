@@ -96,3 +96,46 @@ def test_the_repeat_ceiling_splits_the_passes_into_halves():
 
 def test_rules_from_the_nineteenth_measure_four_passes():
     assert [unseen.passes_of(r) for r in (5, 18, 19, 20)] == [2, 2, 4, 4]
+
+
+def test_hybrid_runs_at_the_domains_it_was_priced_at_from_the_twenty_first_rule(
+    monkeypatch, tmp_path
+):
+    """From ``PRICED_DOMAINS_FROM`` on, a hybrid grid run gets ``--domains`` from its own
+    prediction's ``domain_sizes``; before it (and for a run without them) ``--domains auto``."""
+    assert unseen.PRICED_DOMAINS_FROM == 21
+    flags = unseen.combo_flags("hybrid", "moe-only", domains=[2, 1])
+    assert flags[flags.index("--domains") + 1] == "2,1"
+    flags = unseen.combo_flags("hybrid", "vanilla")
+    assert flags[flags.index("--domains") + 1] == "auto"
+    assert "--domains" not in unseen.combo_flags("dropless", "flowmoe", 4096, domains=[2, 1])
+
+    seen: list[tuple[str, list[int] | None]] = []
+
+    def fake_measure(work, cfg, strategy, schedule, ar_chunk=None, domains=None):
+        seen.append((strategy, domains))
+        return {"measured_s": 0.1, "steps_s": [0.1]}
+
+    def fake_predict(work, strategy, schedule, profile="p.json"):
+        pred = {"predicted_s": 0.1, "bound_s": 0.05}
+        return {**pred, "domain_sizes": [2, 1]} if strategy == "hybrid" else pred
+
+    monkeypatch.setattr(unseen, "measure", fake_measure)
+    monkeypatch.setattr(unseen, "predict", fake_predict)
+
+    def fake_calibrate(work, cfg):
+        (work / "p.json").write_text("{}")
+        return {}
+
+    monkeypatch.setattr(unseen, "calibrate", fake_calibrate)
+    monkeypatch.setattr(unseen, "plan", lambda work, capacity=None: [])
+    monkeypatch.setattr(unseen, "measure_plan", lambda work, cfg: {"measured_s": 0.1, "pick": {}})
+    cfg = unseen.configurations(21)[0]
+    for priced in (False, True):
+        seen.clear()
+        out: dict = {"configurations": [], "points": []}
+        path = str(tmp_path / "out.json")
+        unseen.run_configuration_passes(cfg, 0, out, path, passes=1, priced_domains=priced)
+        hybrid = {d if d is None else tuple(d) for s, d in seen if s == "hybrid"}
+        others = {d for s, d in seen if s != "hybrid"}
+        assert hybrid == ({(2, 1)} if priced else {None}) and others == {None}
