@@ -112,19 +112,13 @@ def analyse(trace: Path, sim_trace: Path) -> dict[str, Any]:
 
 
 def trace_one(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> dict[str, Any]:
+    """One combination simulated (with its trace), then trained with ``--trace`` at what was
+    simulated (hybrid at the domain sizes the simulation priced, as the rules do from the
+    twenty-first on)."""
     run_dir = work / f"run_{strategy}_{schedule}"
     config = work / f"train_{strategy}.toml"
     config.write_text(su.train_toml(cfg, run_dir, strategy))
     cluster = str(work / "cluster.toml")
-    trace = work / f"trace_{strategy}_{schedule}.json"
-    args = [sys.executable, "-m", "moesaic", "train", "--config", str(config), "--emulate"]
-    args += [cluster, *su.combo_flags(strategy, schedule), "--trace", str(trace)]
-    if strategy == "hybrid":
-        args += ["--cluster", cluster]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    steps = su._steps(run_dir, cfg)
     sim_trace = work / f"sim_{strategy}_{schedule}.json"
     sargs = ["simulate", "--cluster", cluster, "--model", str(config), "--profile"]
     sargs += [str(work / "p.json"), "--strategy", strategy, "--schedule", schedule, "--json"]
@@ -133,10 +127,21 @@ def trace_one(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> 
         sargs += ["--degree", str(su.PIPELINE_DEGREE)]
     sim = json.loads(su.run_cli(sargs).stdout)
     sim = sim[0] if isinstance(sim, list) else sim
+    trace = work / f"trace_{strategy}_{schedule}.json"
+    args = [sys.executable, "-m", "moesaic", "train", "--config", str(config), "--emulate"]
+    flags = su.combo_flags(strategy, schedule, domains=sim.get("domain_sizes"))
+    args += [cluster, *flags, "--trace", str(trace)]
+    if strategy == "hybrid":
+        args += ["--cluster", cluster]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    steps = su._steps(run_dir, cfg)
     return {
         "measured_s": steps["measured_s"],
         "steps_s": steps["steps_s"],
         "predicted_s": sim["iteration_ms"] / 1e3,
+        "domain_sizes": sim.get("domain_sizes"),
         "contention": sim.get("contention"),
         **analyse(trace, sim_trace),
     }
