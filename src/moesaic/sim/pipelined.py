@@ -537,12 +537,22 @@ def run_pipelined(
     tl = g.run()  # the step without chunks: they delay none of its tasks
     placed = _place_chunks(chunks, _wait_points(g, tl), tl, in_gaps)
     task = None
+    lane_end = 0.0
     for k, ((nbytes, wait), (point, in_gap)) in enumerate(zip(chunks, placed), start=1):
-        # a gap's chunk runs beside the backward's compute: the loaded call floor
-        seconds = costs.all_reduce_s(nbytes, loaded=in_gap)
-        task = SimTask(f"AR{k}", "allreduce", seconds, "bwd", 0, 0, nbytes)
         opening = point.keys() if point is not None else ()
         keys = tuple(dict.fromkeys((*opening, wait)))  # the gap's opening and the hook
+        ready = max(tl.end[key] for key in keys)  # the chunks delay no task of ``tl``
+        start = max(ready, lane_end)
+        # A gap's chunk runs beside the backward's compute and waits the loaded call floor
+        # (a rank's communication thread waking among busy ones). One issued while an earlier
+        # chunk is in flight shares that wait: it ends the idle price after the earlier one,
+        # or its own loaded wait after it was ready, whichever is later ("shared" waits,
+        # adopted on rules 17-21, docs/simulator.md).
+        lane_end = max(
+            ready + costs.all_reduce_s(nbytes, loaded=in_gap),
+            lane_end + costs.all_reduce_s(nbytes),
+        )
+        task = SimTask(f"AR{k}", "allreduce", lane_end - start, "bwd", 0, 0, nbytes)
         g.add(GRAD, task, keys if len(keys) > 1 else keys[0])
     assert task is not None  # internal: a positive total cuts into at least one chunk
     add_tail(g, costs.link, GRAD, task, costs.optimizer_s, backward_end=backward_end)
