@@ -1000,12 +1000,21 @@ def plan(work: Path, capacity: float | None = None) -> list[dict[str, Any]]:
     return ranking
 
 
-def predict(work: Path, strategy: str, schedule: str, profile: str = "p.json") -> dict[str, Any]:
+def predict(
+    work: Path,
+    strategy: str,
+    schedule: str,
+    profile: str = "p.json",
+    domains: list[int] | None = None,
+) -> dict[str, Any]:
     """``moesaic simulate --json`` of one combination with the configuration's profile (the
-    file ``profile`` in ``work``)."""
+    file ``profile`` in ``work``); hybrid at ``domains`` when given, else at the sizes the
+    simulator plans (recorded as ``domain_sizes``)."""
     args = ["simulate", "--cluster", str(work / "cluster.toml"), "--model"]
     args += [str(work / f"train_{strategy}.toml"), "--profile", str(work / profile)]
     args += ["--strategy", strategy, "--schedule", schedule, "--json"]
+    if domains is not None:
+        args += ["--domains", ",".join(map(str, domains))]
     if schedule != "vanilla":
         args += ["--degree", str(PIPELINE_DEGREE)]
     proc = run_cli(args)
@@ -1063,7 +1072,8 @@ def repredict(path: Path) -> None:
             (work / f"train_{strategy}.toml").write_text(train_toml(cfg, work / "r", strategy))
         for point in (p for p in data["points"] if p["configuration"] == name):
             point.setdefault("predicted_s_first", point.get("predicted_s"))
-            point.update(predict(work, point["strategy"], point["schedule"]))
+            domains = ran_at(point, data.get("rule_number", 1))
+            point.update(predict(work, point["strategy"], point["schedule"], domains=domains))
     path.write_text(json.dumps(data, indent=1))
 
 
@@ -1078,7 +1088,16 @@ def speed_reference(work: Path) -> float:
     return reference_s(ops.model, threads=ops.threads)
 
 
-def predict_retimed(work: Path, points: list[dict[str, Any]], refs: list[float]) -> dict:
+def ran_at(point: dict[str, Any], rule: int) -> list[int] | None:
+    """The domain sizes ``point``'s runs trained at, for a prediction of it again: the ones
+    first priced from ``PRICED_DOMAINS_FROM`` on (a slowed profile or a changed simulator may
+    plan others), else None (the runs planned theirs with ``--domains auto``)."""
+    return point.get("domain_sizes") if rule >= PRICED_DOMAINS_FROM else None
+
+
+def predict_retimed(
+    work: Path, points: list[dict[str, Any]], refs: list[float], rule: int = RETIMED_FROM
+) -> dict:
     """The seventeenth rule's judged predictions: every point predicted again with the profile
     slowed by the configuration's speed factor (the geometric mean over its runs of the
     references before and after each, over the profile's); the first kept as
@@ -1093,7 +1112,8 @@ def predict_retimed(work: Path, points: list[dict[str, Any]], refs: list[float])
     for point in points:
         point["predicted_calibrated_s"] = point.get("predicted_s")
         point["bound_calibrated_s"] = point.get("bound_s")
-        point.update(predict(work, point["strategy"], point["schedule"], "p_runs.json"))
+        domains = ran_at(point, rule)
+        point.update(predict(work, point["strategy"], point["schedule"], "p_runs.json", domains))
     return {
         "reference_calibrated_s": profile.ops.reference_s,
         "references_s": refs,
@@ -1110,15 +1130,15 @@ def run_configuration_passes(
     *,
     retimed: bool = False,
     passes: int = PASSES_5,
-    priced_domains: bool = False,
+    rule: int = 5,
 ) -> None:
     """The fifth rule's protocol on one configuration: calibrate, plan (capacity allowed),
     predict every combination, then ``passes`` passes of every combination (flowmoe at the
     predicted Sp) and the pick; ``measured_s`` is the mean of a point's runs' medians.
     ``retimed`` (from the seventeenth rule): the speed reference timed before the first run and
     after every run, and every point predicted again at the runs' speed
-    (:func:`predict_retimed`). ``priced_domains`` (from the twenty-first rule): hybrid runs at
-    the domain sizes its prediction priced, not at the ones ``--domains auto`` plans."""
+    (:func:`predict_retimed`). From ``PRICED_DOMAINS_FROM`` on, hybrid runs at the domain
+    sizes its prediction priced (:func:`ran_at`), not at the ones ``--domains auto`` plans."""
     work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))
     (work / "cluster.toml").write_text(cluster_toml(cfg))
     entry: dict[str, Any] = {"index": index, **cfg, "load_before": os.getloadavg()}
@@ -1138,7 +1158,7 @@ def run_configuration_passes(
     for _ in range(passes):
         for point in points:
             sp = point.get("sp_bytes") if point["schedule"] == "flowmoe" else None
-            domains = point.get("domain_sizes") if priced_domains else None
+            domains = ran_at(point, rule)
             run = measure(work, cfg, point["strategy"], point["schedule"], sp, domains)
             if retimed:
                 refs.append(speed_reference(work))
@@ -1155,7 +1175,7 @@ def run_configuration_passes(
         else:
             point["error"] = [r["error"] for r in point["runs"] if "error" in r]
     if retimed:
-        entry["speed"] = predict_retimed(work, points, refs)
+        entry["speed"] = predict_retimed(work, points, refs, rule)
     out["points"] += points
     medians = [p["measured_s"] for p in picks if "measured_s" in p]
     entry["plan_measured"] = {"runs": picks}
@@ -1199,9 +1219,8 @@ def main() -> None:
         if args.rule >= 5:
             retimed = args.rule >= RETIMED_FROM
             passes = passes_of(args.rule)
-            priced = args.rule >= PRICED_DOMAINS_FROM
             run_configuration_passes(
-                cfg, i, out, args.out, retimed=retimed, passes=passes, priced_domains=priced
+                cfg, i, out, args.out, retimed=retimed, passes=passes, rule=args.rule
             )
             continue
         work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))

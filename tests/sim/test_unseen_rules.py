@@ -116,7 +116,7 @@ def test_hybrid_runs_at_the_domains_it_was_priced_at_from_the_twenty_first_rule(
         seen.append((strategy, domains))
         return {"measured_s": 0.1, "steps_s": [0.1]}
 
-    def fake_predict(work, strategy, schedule, profile="p.json"):
+    def fake_predict(work, strategy, schedule, profile="p.json", domains=None):
         pred = {"predicted_s": 0.1, "bound_s": 0.05}
         return {**pred, "domain_sizes": [2, 1]} if strategy == "hybrid" else pred
 
@@ -131,11 +131,20 @@ def test_hybrid_runs_at_the_domains_it_was_priced_at_from_the_twenty_first_rule(
     monkeypatch.setattr(unseen, "plan", lambda work, capacity=None: [])
     monkeypatch.setattr(unseen, "measure_plan", lambda work, cfg: {"measured_s": 0.1, "pick": {}})
     cfg = unseen.configurations(21)[0]
-    for priced in (False, True):
+    for rule, priced in ((20, False), (21, True)):
         seen.clear()
         out: dict = {"configurations": [], "points": []}
         path = str(tmp_path / "out.json")
-        unseen.run_configuration_passes(cfg, 0, out, path, passes=1, priced_domains=priced)
+        unseen.run_configuration_passes(cfg, 0, out, path, passes=1, rule=rule)
         hybrid = {d if d is None else tuple(d) for s, d in seen if s == "hybrid"}
         others = {d for s, d in seen if s != "hybrid"}
         assert hybrid == ({(2, 1)} if priced else {None}) and others == {None}
+
+
+def test_a_point_is_predicted_again_at_the_domains_it_ran_at():
+    """Re-predictions (a slowed profile, ``--repredict``) pin hybrid to the domains its runs
+    trained at from ``PRICED_DOMAINS_FROM`` on; before it the runs planned their own."""
+    point = {"strategy": "hybrid", "schedule": "vanilla", "domain_sizes": [2, 1]}
+    assert unseen.ran_at(point, 21) == [2, 1]
+    assert unseen.ran_at(point, 20) is None
+    assert unseen.ran_at({"strategy": "dropless"}, 22) is None
