@@ -35,6 +35,10 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    are relative to the closed forms with these floors; then one such all-reduce issued alone
    while every rank computes (how the pool issues a chunk beside the backward), in
    ``LOADED_CALL_BLOCKS`` blocks, each under a load started for it;
+   On a cluster of more than one level, also each inner exchange (:func:`level_shares`): an
+   all-to-all over every group of ranks that differ in one level's coordinate only, all at
+   once, at the same sizes and in both regimes (HybridEP's gathers and exchanges inside a
+   level);
 5. still on that cluster, the CPU that the taskflow runtime's one-sided puts
    (``comm.channel.PutChannel``) cost between ranks 0 and 1 (:func:`put_cpu`): per put and per
    byte;
@@ -61,7 +65,7 @@ from typing import Any, NamedTuple
 from moesaic.checks import check_non_negative, check_positive, check_positive_int
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.sim import syncwait
-from moesaic.sim.profile import CollectiveShare, LinkLevel, Profile, SyncWait
+from moesaic.sim.profile import CollectiveShare, LevelShare, LinkLevel, Profile, SyncWait
 
 __all__ = [
     "CALL_STREAM",
@@ -73,6 +77,8 @@ __all__ = [
     "collective_calls",
     "collective_share",
     "collective_shares",
+    "level_groups",
+    "level_shares",
     "matmul_load",
     "measure_links",
     "median_calls",
@@ -131,6 +137,7 @@ class LinkCalibration:
         floor_s: One-way latency of the unshaped pair, seconds (0 when not measured).
         collectives: The check's all-to-all and all-reduce medians and bounds (for the record).
         shares: The collectives timed at ``COLLECTIVE_SIZES``, as shares of the links.
+        level_shares: Each inner exchange timed at those sizes (:func:`level_shares`).
         put_cpu_s: CPU seconds per one-sided put (sender and receiver; :func:`put_cpu`).
         put_cpu_per_byte_s: CPU seconds per byte put.
         a2a_call_s: One isolated tiny all-to-all (:func:`collective_calls`).
@@ -145,6 +152,7 @@ class LinkCalibration:
     floor_s: float
     collectives: dict[str, Any]
     shares: tuple[CollectiveShare, ...] = ()
+    level_shares: tuple[LevelShare, ...] = ()
     put_cpu_s: float = 0.0
     put_cpu_per_byte_s: float = 0.0
     a2a_call_s: float = 0.0
@@ -210,14 +218,22 @@ def matmul_load() -> Iterator[list[int]]:
 
 
 def _worker_collectives(
-    rank: int, world: int, sizes: list[int], reps: int, warmup: dict[str, int], timeout_s: float
+    rank: int,
+    world: int,
+    sizes: list[int],
+    reps: int,
+    warmup: dict[str, int],
+    timeout_s: float,
+    groups: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """Times ``all_to_all_single`` and ``all_reduce`` at every size: idle (a barrier before
     each call, after one warm-up; keys ``kind:nbytes``), then, when ``warmup`` has the key,
     loaded: in one unbroken stream (``warmup[key]`` untimed calls, then ``reps`` timed, no
     barrier in between, sizes ascending; keys ``loaded:kind:nbytes``: one value, the timed
     calls' elapsed time over ``reps``) while a thread of this rank runs ``LOAD_MATMUL`` fp32
-    matmuls; ``"load_flops_per_s"``: that thread's rate.
+    matmuls; ``"load_flops_per_s"``: that thread's rate. With ``groups`` (rank lists that
+    partition the world, the same on every rank) the calls run over this rank's group, every
+    group at once (the barriers stay the world's), all-to-alls only.
 
     The calls go through ``EPGroup`` (the choke point: issued async, waited under
     ``timeout_s``), as a training step issues them; its traffic count and order log add about
@@ -228,7 +244,16 @@ def _worker_collectives(
 
     from moesaic.comm.collectives import EPGroup
 
-    group = EPGroup(None, timeout_s)
+    world_group = group = EPGroup(None, timeout_s)
+    kinds: tuple[str, ...] = ("all_to_all", "all_reduce")
+    if groups is not None:
+        import torch.distributed as dist
+
+        for members in groups:  # every rank creates every group, in one order
+            made = dist.new_group(members)
+            if rank in members:
+                group = EPGroup(made, timeout_s)
+        kinds = ("all_to_all",)
 
     def call(name: str, send: Any, recv: Any) -> None:
         if name == "all_to_all":
@@ -240,16 +265,16 @@ def _worker_collectives(
     for nbytes in sizes:
         send = torch.full((nbytes // 4,), float(rank), dtype=torch.float32)
         recv = torch.empty_like(send)
-        for name in ("all_to_all", "all_reduce"):
+        for name in kinds:
             times = []
             for i in range(1 + reps):
-                group.barrier("calibrate barrier")
+                world_group.barrier("calibrate barrier")
                 t0 = time.perf_counter()
                 call(name, send, recv)
                 if i:
                     times.append(time.perf_counter() - t0)
             out[f"{name}:{nbytes}"] = times
-    group.barrier("calibrate barrier")
+    world_group.barrier("calibrate barrier")
     if not warmup:
         return out
     t_load = time.perf_counter()
@@ -257,7 +282,7 @@ def _worker_collectives(
         for nbytes in sizes:
             send = torch.zeros(nbytes // 4)  # all-reduced in place: zeros stay finite
             recv = torch.empty_like(send)
-            for name in ("all_to_all", "all_reduce"):
+            for name in kinds:
                 key = f"{name}:{nbytes}"
                 if key not in warmup:
                     continue
@@ -271,7 +296,7 @@ def _worker_collectives(
                     call(name, send, recv)
                 out[f"loaded:{key}"] = [(time.perf_counter() - t0) / reps]
     out["load_flops_per_s"] = 2.0 * LOAD_MATMUL**3 * done[0] / (time.perf_counter() - t_load)
-    group.barrier("calibrate barrier")
+    world_group.barrier("calibrate barrier")
     return out
 
 
@@ -554,6 +579,98 @@ def collective_shares(
     return tuple(out)
 
 
+def level_groups(spec: ClusterSpec, level: int) -> list[list[int]]:
+    """The groups of ranks that differ only in ``level``'s coordinate (each of that level's
+    size), in rank order: HybridEP's gathers and an offset group inside one level run over
+    them, all at once."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(spec.world_size):
+        coords = spec.coords(rank)
+        groups.setdefault(coords[:level] + coords[level + 1 :], []).append(rank)
+    return list(groups.values())
+
+
+def _level_closed_form_s(
+    spec: ClusterSpec, profile: Profile, level: int, bytes_per_rank: float
+) -> tuple[float, float]:
+    """``(time, latency term)`` of :func:`~moesaic.sim.collectives.level_exchange_s` at share
+    1 for an all-to-all of ``bytes_per_rank`` per rank inside ``level``."""
+    from moesaic.sim.collectives import LinkModel, level_exchange_s
+
+    link_spec, scale = profile.link_spec(spec)
+    link = LinkModel(spec=link_spec, floor_s=profile.floor_s, bandwidth_scale=scale)
+    size = link_spec.levels[level].size
+    return level_exchange_s(link, level, size - 1, bytes_per_rank / size), link.latency_s(level)
+
+
+def level_shares(
+    cluster: Any,
+    profile: Profile,
+    base_bytes: int,
+    *,
+    reps: int = COLLECTIVE_REPS,
+    sustain_s: float = 1.0,
+    rounds: int = 1,
+    timeout_s: float = 300.0,
+) -> tuple[LevelShare, ...]:
+    """On a started cluster of more than one level: per level with more than one member per
+    parent (and fewer than the world), an all-to-all over every group of :func:`level_groups`
+    at once, at ``COLLECTIVE_SIZES`` x ``base_bytes`` per rank, idle and (unless
+    ``sustain_s`` is 0) loaded, timed as :func:`collective_shares` times the world's; each a
+    :class:`~moesaic.sim.profile.LevelShare` of ``level_exchange_s``'s share-1 closed form on
+    ``profile``'s links. Empty on a one-level cluster (its only exchange is the world's).
+
+    Why: HybridEP's gathers, gradient reduces and an offset group's exchange inside a node run
+    over such groups. The world's shares are set by its slowest link; on a machine that moves
+    bytes slower than a fast inner link carries them they priced a 2-rank exchange of 1.26
+    MB per rank inside a node of 4 Gbit/s at 1.7 ms idle, measured 5.1 ms (``docs/simulator.md``,
+    "Exchanges inside one level")."""
+    check_non_negative("sustain_s", sustain_s)
+    check_positive_int("rounds", rounds)
+    spec: ClusterSpec = cluster.spec
+    unit = 4 * spec.world_size
+    sizes = sorted({max(unit, int(base_bytes * f) // unit * unit) for f in COLLECTIVE_SIZES})
+    out: list[LevelShare] = []
+    for level, lv in enumerate(spec.levels):
+        if spec.num_levels < 2 or lv.size < 2 or lv.size == spec.world_size:
+            continue
+        warmup = {}
+        if sustain_s > 0:
+            for nbytes in sizes:
+                full, _ = _level_closed_form_s(spec, profile, level, nbytes)
+                calls = math.ceil(sustain_s / full) if full > 0 else MAX_WARMUP_CALLS
+                warmup[f"all_to_all:{nbytes}"] = min(MAX_WARMUP_CALLS, max(MIN_WARMUP_CALLS, calls))
+        groups = level_groups(spec, level)
+        args = (sizes, reps, warmup, timeout_s, groups)
+        runs = [
+            cluster.run(_worker_collectives, spec.world_size, *args, timeout_s=timeout_s)
+            for _ in range(rounds)
+        ]
+        for regime, prefix in (("idle", ""), ("loaded", "loaded:")):
+            for nbytes in sizes:
+                key = f"{prefix}all_to_all:{nbytes}"
+                if key not in runs[0][0]:
+                    continue
+                measured = statistics.median(
+                    statistics.fmean(max(t) for t in zip(*(r[key] for r in per_rank)))
+                    for per_rank in runs
+                )
+                full, latency = _level_closed_form_s(spec, profile, level, nbytes)
+                if measured <= latency or full <= latency:
+                    continue
+                share = (full - latency) / (measured - latency)
+                out.append(
+                    LevelShare(
+                        level=level,
+                        bytes_per_rank=float(nbytes),
+                        share=share,
+                        measured_s=measured,
+                        regime=regime,
+                    )
+                )
+    return tuple(out)
+
+
 def measure_links(
     spec: ClusterSpec,
     *,
@@ -615,6 +732,9 @@ def measure_links(
         shares = collective_shares(
             cluster, probe, nbytes, sustain_s=sustain_s, rounds=rounds, timeout_s=timeout_s
         )
+        inner = level_shares(
+            cluster, probe, nbytes, sustain_s=sustain_s, rounds=rounds, timeout_s=timeout_s
+        )
         per_put, per_byte = put_cpu(cluster, timeout_s=timeout_s)
         waits = (
             syncwait.measure(
@@ -633,6 +753,7 @@ def measure_links(
         floor_s=floor_s,
         collectives=collectives,
         shares=shares,
+        level_shares=inner,
         put_cpu_s=per_put,
         put_cpu_per_byte_s=per_byte,
         a2a_call_s=calls.a2a_s,

@@ -144,6 +144,11 @@ def _print_calibration(cal: Any, shares: tuple[Any, ...]) -> None:
             f"{x.kind} {x.regime} {x.bytes_per_rank / 1e3:.0f} kB/rank: "
             f"{x.measured_s * 1e3:.2f} ms, share {x.share:.2f} of the links"
         )
+    for y in cal.level_shares:
+        print(
+            f"exchange inside level {y.level} {y.regime} {y.bytes_per_rank / 1e3:.0f} kB/rank: "
+            f"{y.measured_s * 1e3:.2f} ms, share {y.share:.2f} of the links"
+        )
 
 
 def _comm_cpu_busy(args: argparse.Namespace, spec: Any, cpu: dict[str, Any]) -> float:
@@ -330,6 +335,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             "allreduce_call_s": cal.allreduce_call_s,
             "allreduce_loaded_call_s": cal.allreduce_loaded_call_s,
             "sync_waits": cal.sync_waits,
+            "level_shares": cal.level_shares,
         }
         cpu["comm_cpu_busy"] = _comm_cpu_busy(args, spec, cpu)
         floor = "no floor" if args.no_floor else "floor from an unshaped pair"

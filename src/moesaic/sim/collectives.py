@@ -59,8 +59,12 @@ that allows (a stall in its few timed calls, not a rate: a loaded 0.35 MB all-re
 111 ms against 70 ms at 1.4 MB), the larger size's time bounds it. :func:`p2p_s` uses the
 link rates alone (the taskflow strategy prices its puts, an all-to-all cut into tiles, at the
 all-to-all's share: ``sim.taskflow``).
-Level-local exchanges (:func:`level_exchange_s`) use the all-to-all share, or the all-reduce
-one for gathers.
+Level-local exchanges (:func:`level_exchange_s`) and an offset group's exchange inside one
+level use that level's measured share (``level_shares``, :class:`moesaic.sim.profile.
+LevelShare`): on a machine whose inner links are faster than it moves bytes, the world's share,
+set by the slowest link, prices them several times too fast (a 2-rank exchange inside a node of
+e--+++'s cluster, 4 Gbit/s: 5.1 ms idle against 1.7 ms at the world's share). Where no level
+was measured, the all-to-all share, or the all-reduce one for gathers.
 
 Torch-free, standard library only.
 """
@@ -116,6 +120,9 @@ class LinkModel:
             of calls (0: not measured): an all-reduce's latency terms sum to at least this.
         allreduce_loaded_call_s: The measured time of one such call issued alone while every
             rank computes (0: not measured): what ``loaded()`` floors the all-reduces with.
+        level_shares: Per level (by index), ``(bytes_per_rank, share)`` points of the measured
+            exchange inside that level (:class:`moesaic.sim.profile.LevelShare`); a level with
+            none, or past the tuple's end, is priced with the world's shares.
     """
 
     spec: ClusterSpec
@@ -127,6 +134,7 @@ class LinkModel:
     a2a_call_s: float = 0.0
     allreduce_call_s: float = 0.0
     allreduce_loaded_call_s: float = 0.0
+    level_shares: tuple[tuple[tuple[float, float], ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_one_of("all_reduce", self.all_reduce, ALL_REDUCE_ALGORITHMS)
@@ -139,6 +147,21 @@ class LinkModel:
         check_positive("bandwidth_scale", self.bandwidth_scale)
         for name in ("a2a_shares", "allreduce_shares"):
             points = getattr(self, name)
+            if not isinstance(points, tuple) or any(len(p) != 2 for p in points):
+                raise ValueError(f"{name} must be a tuple of (bytes_per_rank, share) pairs")
+            for nbytes, share in points:
+                check_positive(f"{name} bytes_per_rank", nbytes)
+                check_positive(f"{name} share", share)
+            if list(points) != sorted(points):
+                raise ValueError(f"{name} must be sorted by bytes_per_rank")
+        if not isinstance(self.level_shares, tuple) or len(self.level_shares) > len(
+            self.spec.levels
+        ):
+            raise ValueError(
+                f"level_shares must be a tuple of at most {len(self.spec.levels)} levels' points"
+            )
+        for level, points in enumerate(self.level_shares):
+            name = f"level_shares[{level}]"
             if not isinstance(points, tuple) or any(len(p) != 2 for p in points):
                 raise ValueError(f"{name} must be a tuple of (bytes_per_rank, share) pairs")
             for nbytes, share in points:
@@ -162,6 +185,13 @@ class LinkModel:
             raise ValueError(f"kind ({kind!r}) must be 'all_to_all' or 'all_reduce'")
         points = self.a2a_shares if kind == "all_to_all" else self.allreduce_shares
         return log_linear(points, bytes_per_rank)
+
+    def level_share(self, level: int, bytes_per_rank: float) -> float | None:
+        """The measured share of an exchange inside ``level`` of ``bytes_per_rank`` per rank
+        (log-linear between its sizes, as :meth:`share`), or None where it was not measured."""
+        if level >= len(self.level_shares) or not self.level_shares[level]:
+            return None
+        return log_linear(self.level_shares[level], bytes_per_rank)
 
     @property
     def world_size(self) -> int:
@@ -299,7 +329,9 @@ def all_to_all_shares_s(
     order of :func:`offset_group_sizes`). A level-``l`` member holds ``g = prod_{i>l} Q_i``
     members of each of the ``prod_{i>l} S_i`` offset groups that cross it, all with the same
     shares, so its uplink carries that many times one group's load. All ``S`` = 1 is the
-    all-to-all-v over the world.
+    all-to-all-v over the world. An offset group whose members differ in one level only is
+    the exchange inside that level: its uniform part is priced at that level's measured share
+    where there is one (:meth:`LinkModel.level_share`).
     """
     D = _bytes("bytes_per_rank", bytes_per_rank)
     Q_l = offset_group_sizes(link.spec, domain_sizes)
@@ -334,7 +366,12 @@ def all_to_all_shares_s(
     # link's rate and the uniform exchange as measured (a 4-rank step on a 0.3 Gbit/s link whose
     # hot rank received 59-95% of the rows took the busiest links' time, 1.2 s, where the
     # share applied to them gave 1.8 s; the uniform exchange, 0.8 s, was no faster).
-    even = busiest_link_s([1.0 / Q] * Q) / link.share("all_to_all", D)
+    varying = [level for level, q in enumerate(Q_l) if q > 1]
+    inside = domain_sizes is not None and len(varying) == 1
+    share = link.level_share(varying[0], D) if inside else None
+    if share is None:
+        share = link.share("all_to_all", D)
+    even = busiest_link_s([1.0 / Q] * Q) / share
     worst = max(busiest_link_s(shares_P), even)
     return worst + link.a2a_latency_s(domain_sizes)
 
@@ -398,8 +435,10 @@ def level_exchange_s(
 
     The traffic leaves every member of ``level`` and of each inner level; a level-``j`` member's
     uplink carries ``g_j x peers x bytes`` each way. Latency: ``level``'s own (floored). Priced
-    as an all-to-all of ``(peers + 1) x bytes`` per rank, or with ``gather`` as the all-gather
-    it is (the all-reduce share at half that, as :func:`all_gather_s`).
+    at the level's measured exchange share at ``(peers + 1) x bytes`` per rank
+    (:meth:`LinkModel.level_share`, gathers too: the same traffic); where none was measured, as
+    an all-to-all of that many bytes per rank, or with ``gather`` as the all-gather it is (the
+    all-reduce share at half that, as :func:`all_gather_s`).
     """
     check_int("level", level, 0, link.spec.num_levels - 1)
     n = check_int("peers", peers, 0, link.spec.levels[level].size - 1)
@@ -411,7 +450,9 @@ def level_exchange_s(
         for j in range(level, link.spec.num_levels)
     )
     volume = (n + 1) * b
-    share = link.share("all_reduce", volume / 2) if gather else link.share("all_to_all", volume)
+    share = link.level_share(level, volume)
+    if share is None:
+        share = link.share("all_reduce", volume / 2) if gather else link.share("all_to_all", volume)
     return worst / share + link.latency_s(level)
 
 

@@ -98,6 +98,7 @@ __all__ = [
     "COLLECTIVE_REGIMES",
     "OPS_PER_TASK",
     "CollectiveShare",
+    "LevelShare",
     "LinkLevel",
     "Profile",
     "RoutingLoads",
@@ -149,6 +150,36 @@ class CollectiveShare:
         check_positive("collectives.bytes_per_rank", self.bytes_per_rank)
         check_positive("collectives.share", self.share)
         check_non_negative("collectives.measured_s", self.measured_s)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LevelShare:
+    """One level's exchange measured at one size on an emulated cluster of several levels: an
+    all-to-all over every group of ranks that differ only in that level's coordinate, all
+    groups at once (HybridEP's gathers, gradient reduces and an offset group's exchange inside
+    one level run so; ``calibrate.level_shares``).
+
+    Attributes:
+        level: The level's index (outermost 0).
+        bytes_per_rank: Bytes every rank sent in the call (``all_to_all_single``'s buffer).
+        share: Multiplier of the link rates under which
+            :func:`~moesaic.sim.collectives.level_exchange_s` gives the measured time.
+        measured_s: The measured mean time (slowest rank), for the record.
+        regime: ``"idle"`` or ``"loaded"``, as :class:`CollectiveShare`'s.
+    """
+
+    level: int
+    bytes_per_rank: float
+    share: float
+    measured_s: float = 0.0
+    regime: str = "idle"
+
+    def __post_init__(self) -> None:
+        check_int("level_shares.level", self.level, 0)
+        check_one_of("level_shares.regime", self.regime, COLLECTIVE_REGIMES)
+        check_positive("level_shares.bytes_per_rank", self.bytes_per_rank)
+        check_positive("level_shares.share", self.share)
+        check_non_negative("level_shares.measured_s", self.measured_s)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -245,6 +276,8 @@ class Profile:
         source: Where the figures come from (free text, kept in results).
         links: Per-level measurements behind ``bandwidth_scale`` (empty unless measured).
         collectives: Measured collective shares (empty: collectives run at the link rates).
+        level_shares: Measured shares of the exchanges inside one level (empty: those are
+            priced with ``collectives``' all-to-all and all-reduce shares).
         tile_cpu_s: CPU seconds per taskflow tile beyond its FLOPs and launch.
         put_cpu_s: CPU seconds per remote taskflow put (sender and receiver together).
         put_cpu_per_byte_s: CPU seconds per byte of a remote put.
@@ -311,6 +344,7 @@ class Profile:
     source: str = "given"
     links: tuple[LinkLevel, ...] = ()
     collectives: tuple[CollectiveShare, ...] = ()
+    level_shares: tuple[LevelShare, ...] = ()
     tile_cpu_s: float = 0.0
     put_cpu_s: float = 0.0
     put_cpu_per_byte_s: float = 0.0
@@ -389,6 +423,10 @@ class Profile:
             isinstance(x, CollectiveShare) for x in self.collectives
         ):
             raise ValueError("profile.collectives must be a tuple of CollectiveShare")
+        if not isinstance(self.level_shares, tuple) or not all(
+            isinstance(x, LevelShare) for x in self.level_shares
+        ):
+            raise ValueError("profile.level_shares must be a tuple of LevelShare")
         if self.cluster is not None and not isinstance(self.cluster, ClusterSpec):
             raise ValueError("profile.cluster must be a ClusterSpec or None")
 
@@ -396,7 +434,7 @@ class Profile:
     def cluster_bound(self) -> bool:
         """Whether any figure belongs to one cluster (per-level links, collective shares, the
         ranks sharing the cores), as opposed to the machine's compute alone."""
-        return bool(self.links or self.collectives or self.ranks_per_machine)
+        return bool(self.links or self.collectives or self.level_shares or self.ranks_per_machine)
 
     def cluster_differences(self, spec: ClusterSpec) -> list[str]:
         """What differs between the measured ``cluster`` and ``spec`` (empty: the same world
@@ -429,6 +467,31 @@ class Profile:
                 for x in self.collectives
                 if x.kind == kind and x.regime == regime
             )
+        )
+
+    def level_share_points(
+        self, regime: str | None = None
+    ) -> tuple[tuple[tuple[float, float], ...], ...]:
+        """Per level (index = level, up to the deepest measured one), its exchange's
+        ``(bytes_per_rank, share)`` points of one regime, by size: ``regime`` if given, else
+        ``"loaded"`` where the profile has such points, else ``"idle"``; empty for a level with
+        none (:class:`LevelShare`)."""
+        if not self.level_shares:
+            return ()
+        if regime is None:
+            loaded = any(x.regime == "loaded" for x in self.level_shares)
+            regime = "loaded" if loaded else "idle"
+        check_one_of("regime", regime, COLLECTIVE_REGIMES)
+        depth = 1 + max(x.level for x in self.level_shares)
+        return tuple(
+            tuple(
+                sorted(
+                    (x.bytes_per_rank, x.share)
+                    for x in self.level_shares
+                    if x.level == level and x.regime == regime
+                )
+            )
+            for level in range(depth)
         )
 
     def link_spec(self, spec: Any) -> tuple[Any, float]:
@@ -559,6 +622,7 @@ class Profile:
         data = dict(data)
         links = _records(data.pop("links", []), "links", LinkLevel)
         shares = _records(data.pop("collectives", []), "collectives", CollectiveShare)
+        levels = _records(data.pop("level_shares", []), "level_shares", LevelShare)
         waits = _records(data.pop("sync_waits", []), "sync_waits", SyncWait)
         cluster = data.pop("cluster", None)
         if cluster is not None:
@@ -583,6 +647,7 @@ class Profile:
             **data,
             links=links,
             collectives=shares,
+            level_shares=levels,
             sync_waits=waits,
             cluster=cluster,
             ops=ops,

@@ -293,7 +293,27 @@ def link_model(
         a2a_call_s=profile.a2a_call_s,
         allreduce_call_s=profile.allreduce_call_s,
         allreduce_loaded_call_s=profile.allreduce_loaded_call_s,
+        level_shares=_level_shares(spec, profile, regime),
     )
+
+
+def _level_shares(
+    spec: ClusterSpec, profile: Profile, regime: str | None
+) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """The profile's per-level exchange shares (``Profile.level_share_points``: ``regime``'s
+    where measured, else the loaded ones held to the links' rate as :func:`_shares` holds
+    them, else the idle ones), only for the cluster they were measured on (the profile's
+    ``cluster`` with ``spec``'s levels); else none (the world's shares price those
+    exchanges)."""
+    if profile.cluster is None or tuple(profile.cluster.levels) != tuple(spec.levels):
+        return ()
+    measured = {x.regime for x in profile.level_shares}
+    if regime is not None and regime in measured:
+        return profile.level_share_points(regime)
+    points = profile.level_share_points()
+    if "loaded" in measured:
+        return tuple(rate_bounded_shares(p) if p else p for p in points)
+    return points
 
 
 def _shares(
