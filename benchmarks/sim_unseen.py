@@ -509,10 +509,32 @@ Fixed for all eight: H 88, 4 heads, 2 transformer blocks, both MoE, fp32, the tr
 otherwise. What runs, how it is measured (four interleaved passes, hybrid at its priced
 domains), what the planner may choose and what is judged: as for the twenty-first rule.
 
+**The twenty-third rule** (``--rule 23``; fixed on 2026-11-27 at 21:46 UTC, committed before
+any of its configurations was measured or simulated, after one change of the simulator on what
+rules 21-22 showed: the exchanges inside one level (HybridEP's gathers, gradient reduces and an
+offset group inside a node) are priced at their own shares, which ``calibrate --cluster`` now
+measures; nothing in it may change after its first measurement): other levels again, with 4
+ranks as 2 nodes x 2 (the ranks of a node share a 3.9 Gbit/s, 0.065 ms level), generators
+``D = A x B`` and ``E = -A x C``; names start with ``d``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.85 Gbit/s, 0.25 ms one way     2.6 Gbit/s, 0.08 ms
+B     routed experts E (top-2)              12                               20
+C     expert width F / H                    1.75                             2.75
+D     tokens per rank (sequences of 128)    1024                             1792
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 80, 4 heads, 2 transformer blocks, both MoE, fp32, the training defaults
+otherwise. What runs, how it is measured (four interleaved passes, hybrid at its priced
+domains), what the planner may choose and what is judged: as for the twenty-first rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|22]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|22] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|23]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|23] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -534,7 +556,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22)
+RULES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23)
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -746,6 +768,14 @@ FACTORS_22: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_22, INTRA_NODE_22 = 88, (4.0, 0.06)
+FACTORS_23: dict[str, tuple[Any, Any]] = {
+    "link": ((0.85, 0.25), (2.6, 0.08)),
+    "experts": (12, 20),
+    "f_over_h": (1.75, 2.75),
+    "tokens_per_rank": (1024, 1792),
+    "ranks": (2, 4),
+}
+H_23, INTRA_NODE_23 = 80, (3.9, 0.065)
 PASSES_19 = 4  # the nineteenth rule's passes (from it on: passes_of)
 RETIMED_FROM = 17  # rules from which predictions are judged at the runs' measured speed
 PRICED_DOMAINS_FROM = 21  # rules from which hybrid runs at the domains its prediction priced
@@ -772,11 +802,12 @@ HIDDEN = (
     H_20,
     H_21,
     H_22,
+    H_23,
 )
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 22), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 23), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -802,6 +833,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         20: (FACTORS_20, "g"),
         21: (FACTORS_21, "f"),
         22: (FACTORS_22, "e"),
+        23: (FACTORS_23, "d"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -828,6 +860,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             20: (-a * b * c, a * b),
             21: (a * c, a * b),
             22: (-b * c, -a * c),
+            23: (a * b, -a * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
@@ -854,6 +887,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             20: INTRA_NODE_20,
             21: INTRA_NODE_21,
             22: INTRA_NODE_22,
+            23: INTRA_NODE_23,
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
@@ -1192,7 +1226,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 22 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 23 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
