@@ -510,8 +510,29 @@ def warmup_calls(
     ``sustain_s`` at the closed form's share-1 time (at least ``MIN_WARMUP_CALLS``, at most
     ``MAX_WARMUP_CALLS``)."""
     full, _ = closed_form_s(spec, profile, kind, bytes_per_rank)
-    calls = math.ceil(sustain_s / full) if full > 0 else MAX_WARMUP_CALLS
+    return _calls_lasting(sustain_s, full)
+
+
+def _calls_lasting(sustain_s: float, call_s: float) -> int:
+    """Calls of ``call_s`` each that last ``sustain_s``, within ``[MIN_WARMUP_CALLS,
+    MAX_WARMUP_CALLS]``."""
+    calls = math.ceil(sustain_s / call_s) if call_s > 0 else MAX_WARMUP_CALLS
     return min(MAX_WARMUP_CALLS, max(MIN_WARMUP_CALLS, calls))
+
+
+def _sizes(spec: ClusterSpec, base_bytes: int) -> list[int]:
+    """``COLLECTIVE_SIZES`` x ``base_bytes`` per rank, each a whole number of float32 values
+    per rank of the world (``all_to_all_single`` splits evenly)."""
+    unit = 4 * spec.world_size
+    return sorted({max(unit, int(base_bytes * f) // unit * unit) for f in COLLECTIVE_SIZES})
+
+
+def _timed_s(runs: list[list[dict[str, Any]]], key: str) -> float:
+    """A call's time over the ``runs`` (rounds of per-rank results): per round the mean over
+    its calls of the slowest rank, then the median over the rounds."""
+    return statistics.median(
+        statistics.fmean(max(t) for t in zip(*(r[key] for r in per_rank))) for per_rank in runs
+    )
 
 
 def collective_shares(
@@ -535,8 +556,7 @@ def collective_shares(
     check_non_negative("sustain_s", sustain_s)
     check_positive_int("rounds", rounds)
     spec: ClusterSpec = cluster.spec
-    unit = 4 * spec.world_size  # all_to_all_single splits evenly
-    sizes = sorted({max(unit, int(base_bytes * f) // unit * unit) for f in COLLECTIVE_SIZES})
+    sizes = _sizes(spec, base_bytes)
     warmup = {
         f"{kind}:{nbytes}": warmup_calls(spec, profile, kind, nbytes, sustain_s)
         for nbytes in sizes
@@ -562,10 +582,7 @@ def collective_shares(
                 key = f"{prefix}{kind}:{nbytes}"
                 if key not in runs[0][0]:
                     continue
-                measured = statistics.median(
-                    statistics.fmean(max(t) for t in zip(*(r[key] for r in per_rank)))
-                    for per_rank in runs
-                )
+                measured = _timed_s(runs, key)
                 share = collective_share(spec, profile, kind, nbytes, measured)
                 if share is not None:
                     point = CollectiveShare(
@@ -628,18 +645,18 @@ def level_shares(
     check_non_negative("sustain_s", sustain_s)
     check_positive_int("rounds", rounds)
     spec: ClusterSpec = cluster.spec
-    unit = 4 * spec.world_size
-    sizes = sorted({max(unit, int(base_bytes * f) // unit * unit) for f in COLLECTIVE_SIZES})
+    sizes = _sizes(spec, base_bytes)
     out: list[LevelShare] = []
     for level, lv in enumerate(spec.levels):
         if spec.num_levels < 2 or lv.size < 2 or lv.size == spec.world_size:
             continue
-        warmup = {}
-        if sustain_s > 0:
-            for nbytes in sizes:
-                full, _ = _level_closed_form_s(spec, profile, level, nbytes)
-                calls = math.ceil(sustain_s / full) if full > 0 else MAX_WARMUP_CALLS
-                warmup[f"all_to_all:{nbytes}"] = min(MAX_WARMUP_CALLS, max(MIN_WARMUP_CALLS, calls))
+        warmup = {
+            f"all_to_all:{nbytes}": _calls_lasting(
+                sustain_s, _level_closed_form_s(spec, profile, level, nbytes)[0]
+            )
+            for nbytes in sizes
+            if sustain_s > 0
+        }
         groups = level_groups(spec, level)
         args = (sizes, reps, warmup, timeout_s, groups)
         runs = [
@@ -651,10 +668,7 @@ def level_shares(
                 key = f"{prefix}all_to_all:{nbytes}"
                 if key not in runs[0][0]:
                     continue
-                measured = statistics.median(
-                    statistics.fmean(max(t) for t in zip(*(r[key] for r in per_rank)))
-                    for per_rank in runs
-                )
+                measured = _timed_s(runs, key)
                 full, latency = _level_closed_form_s(spec, profile, level, nbytes)
                 if measured <= latency or full <= latency:
                     continue

@@ -146,14 +146,7 @@ class LinkModel:
         check_non_negative("floor_s", self.floor_s)
         check_positive("bandwidth_scale", self.bandwidth_scale)
         for name in ("a2a_shares", "allreduce_shares"):
-            points = getattr(self, name)
-            if not isinstance(points, tuple) or any(len(p) != 2 for p in points):
-                raise ValueError(f"{name} must be a tuple of (bytes_per_rank, share) pairs")
-            for nbytes, share in points:
-                check_positive(f"{name} bytes_per_rank", nbytes)
-                check_positive(f"{name} share", share)
-            if list(points) != sorted(points):
-                raise ValueError(f"{name} must be sorted by bytes_per_rank")
+            _check_share_points(name, getattr(self, name))
         if not isinstance(self.level_shares, tuple) or len(self.level_shares) > len(
             self.spec.levels
         ):
@@ -161,14 +154,7 @@ class LinkModel:
                 f"level_shares must be a tuple of at most {len(self.spec.levels)} levels' points"
             )
         for level, points in enumerate(self.level_shares):
-            name = f"level_shares[{level}]"
-            if not isinstance(points, tuple) or any(len(p) != 2 for p in points):
-                raise ValueError(f"{name} must be a tuple of (bytes_per_rank, share) pairs")
-            for nbytes, share in points:
-                check_positive(f"{name} bytes_per_rank", nbytes)
-                check_positive(f"{name} share", share)
-            if list(points) != sorted(points):
-                raise ValueError(f"{name} must be sorted by bytes_per_rank")
+            _check_share_points(f"level_shares[{level}]", points)
 
     def loaded(self) -> LinkModel:
         """These links with the all-reduce call floor of a call issued beside compute
@@ -227,6 +213,17 @@ class LinkModel:
 
     def members(self, level: int) -> int:
         return self.spec.num_groups(level)
+
+
+def _check_share_points(name: str, points: object) -> None:
+    """``points`` is a tuple of positive ``(bytes_per_rank, share)`` pairs sorted by size."""
+    if not isinstance(points, tuple) or any(len(p) != 2 for p in points):
+        raise ValueError(f"{name} must be a tuple of (bytes_per_rank, share) pairs")
+    for nbytes, share in points:
+        check_positive(f"{name} bytes_per_rank", nbytes)
+        check_positive(f"{name} share", share)
+    if list(points) != sorted(points):
+        raise ValueError(f"{name} must be sorted by bytes_per_rank")
 
 
 def rate_bounded_shares(
