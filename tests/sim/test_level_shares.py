@@ -154,8 +154,9 @@ def test_level_shares_price_only_the_cluster_they_were_measured_on():
 
 @pytest.mark.netns
 def test_level_shares_on_an_emulated_two_by_two_cluster():
-    """Brought up for real (~15 s): both levels timed idle at three sizes; the inner level's
-    time is the measurement's (a share of its closed form within what a machine can do)."""
+    """Brought up for real (~5 s): both levels timed idle at three sizes (128 KB to 2 MB a rank,
+    above the latency), each a positive share of its closed form; how far below 1 depends on
+    the machine and what else runs on it."""
     from moesaic.cluster.netns import EmulatedCluster
     from moesaic.cluster.system import support_problem
 
@@ -164,6 +165,6 @@ def test_level_shares_on_an_emulated_two_by_two_cluster():
         pytest.skip(problem)
     probe = Profile(flops_per_s=1.0, floor_s=1e-4)
     with EmulatedCluster(TWO_BY_TWO) as cluster:
-        got = level_shares(cluster, probe, 256 * 1024, reps=2, sustain_s=0.0, timeout_s=120.0)
+        got = level_shares(cluster, probe, 2 << 20, reps=2, sustain_s=0.0, timeout_s=120.0)
     assert sorted((x.level, x.regime) for x in got) == [(0, "idle")] * 3 + [(1, "idle")] * 3
-    assert all(0.01 < x.share < 3.0 and x.measured_s > 0 for x in got), got
+    assert all(0.0 < x.share < 3.0 and x.measured_s > 0 for x in got), got
