@@ -247,12 +247,11 @@ def _worker_collectives(
     world_group = group = EPGroup(None, timeout_s)
     kinds: tuple[str, ...] = ("all_to_all", "all_reduce")
     if groups is not None:
-        import torch.distributed as dist
+        from moesaic.comm.groups import registry
 
-        for members in groups:  # every rank creates every group, in one order
-            made = dist.new_group(members)
-            if rank in members:
-                group = EPGroup(made, timeout_s)
+        registry().create(groups, "main", timeout_s)  # every rank, every group
+        mine = next(members for members in groups if rank in members)
+        group = EPGroup(registry().lookup(mine), timeout_s)
         kinds = ("all_to_all",)
 
     def call(name: str, send: Any, recv: Any) -> None:
