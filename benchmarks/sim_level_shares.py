@@ -18,6 +18,7 @@ Usage (root: the emulated network needs network namespaces)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -50,16 +51,7 @@ def main() -> None:
         base = int(max(x.bytes_per_rank for x in stored.collectives))
         with EmulatedCluster(spec) as cluster:
             measured = level_shares(cluster, probe, base)
-        entry["profile"]["level_shares"] = [
-            {
-                "level": x.level,
-                "bytes_per_rank": x.bytes_per_rank,
-                "share": x.share,
-                "measured_s": x.measured_s,
-                "regime": x.regime,
-            }
-            for x in measured
-        ]
+        entry["profile"]["level_shares"] = [dataclasses.asdict(x) for x in measured]
         summary = ", ".join(
             f"L{x.level} {x.regime} {x.bytes_per_rank / 1e3:.0f} kB {x.measured_s * 1e3:.1f} ms "
             f"(share {x.share:.2f})"
