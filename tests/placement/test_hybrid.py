@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 import moesaic
 from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.comm.collectives import record_collectives
 from moesaic.placement.compress import compressed_nbytes, shared_expert, sr_decode, sr_encode
 from moesaic.strategies.hybrid import HybridStrategy
-from moesaic.strategies.migration import decode_experts, encode_experts
+from moesaic.strategies.migration import decode_experts, encode_experts, pack_rows, unpack_rows
 from moesaic.strategies.prefetch import ExpertPrefetcher
 from moesaic.testing import (
     assert_close_to_ref,
@@ -128,7 +129,12 @@ def _cache_and_prefetch(rank: int) -> dict:
     out = {}
     _, layer, _ = _layer((2, 2), True)
     x = _inputs(rank, 6, False)
-    y0 = layer(x)
+    with record_collectives() as log:
+        y0 = layer(x)
+        y0.square().sum().backward()
+    # One message per gathered level for all three weight matrices, each way.
+    out["gathers"] = sum("hybrid gather of" in what for *_, what in log)
+    out["reduces"] = sum("gradient reduce" in what for *_, what in log)
     first = layer.take_stats().comm.expert_bytes
     y1 = layer(x)  # same weights: the cached copies
     second = layer.take_stats().comm.expert_bytes
@@ -231,6 +237,7 @@ def test_gathers_are_cached_and_prefetched(world_results):
         cache = res["cache"]
         full = 3 * (3 * (E // WORLD) * H * F * 4)  # 3 peers of a 4-rank domain
         assert cache["bytes"] == (full, 0, full)
+        assert cache["gathers"] == 2 and cache["reduces"] == 2  # levels, not levels x weights
         assert cache["prefetched_bytes"] == [full, full]
         assert ("encode", "encode L0") in cache["spans"]
         assert ("gather", "gather L1") in cache["spans"]
@@ -263,3 +270,17 @@ def test_batched_wire_form_equals_per_expert_sr():
     assert torch.equal(
         decode_experts(encode_experts(w, shared, 1.0), shared, (8, 5), w.dtype, 1.0), w
     )
+
+
+def test_packed_rows_travel_as_one_message_and_unpack_bit_exact():
+    """Every weight matrix in one message: rows stay rows (a gather concatenates packed rows
+    of several members, and they unpack to those members' rows), any dtype, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(3, 4, 5, generator=gen)
+    b = torch.randn(3, 7, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    c = torch.randint(0, 2**31 - 1, (3, 2), generator=gen, dtype=torch.int32)
+    mine, theirs = pack_rows([a, b, c]), pack_rows([a + 1, b, c - 1])
+    assert mine.dtype == torch.uint8 and mine.shape == (3, 4 * 5 * 4 + 7 * 2 + 2 * 4)
+    got = unpack_rows(torch.cat([mine, theirs]), [a, b, c])
+    for t, want in zip(got, [torch.cat([a, a + 1]), torch.cat([b, b]), torch.cat([c, c - 1])]):
+        assert t.dtype == want.dtype and torch.equal(t, want)

@@ -22,7 +22,8 @@ None: one domain of the whole group). Every forward:
    member ``q`` holds every expert of its domain, in its gathered order (``routing_placement``).
 3. **Backward**: the exchange's all-to-alls run in reverse; the gradients of the gathered copies
    are reduced to their owners (per level, innermost first: an all-to-all over the level's
-   group, summed in source order).
+   group, summed in source order). Gathers and reduces move every weight matrix in one
+   message per level.
 
 Departure from the paper's multilevel routing: tokens go straight to their destination (one
 all-to-all over the offset group) instead of hopping level by level. The bytes on every link of
@@ -93,33 +94,53 @@ def hybrid_topology(ctx: StrategyContext) -> Topology:
 
 
 class _GatheredExperts(torch.autograd.Function):
-    """Local experts ``[e, *X]`` + gathered copies ``[S*e, *X]`` -> the domain's experts.
+    """Per weight matrix, local experts ``[e, *X]`` + gathered copies ``[S*e, *X]`` -> the
+    domain's experts (``apply(levels, position, what, w_1, g_1, w_2, g_2, ...)``).
 
-    Forward: the gathered bundle with this rank's slice replaced by its own (exact) weights.
+    Forward: each gathered bundle with this rank's slice replaced by its own (exact) weights.
     Backward: the adjoint of the level-by-level gathers, innermost level first: at each level
     the bundle's gradient is cut into the members' sub-bundles, each goes to its member (an
-    all-to-all over the level's group) and the received ones are summed in source order.
+    all-to-all over the level's group) and the received ones are summed in source order. Every
+    matrix of one dtype travels in one all-to-all per level (the gathers' one message).
     """
 
     @staticmethod
-    def forward(ctx, w_local, gathered, levels: list[EPGroup], position: int, what: str):
+    def forward(ctx, levels: list[EPGroup], position: int, what: str, *pairs):
         ctx.levels, ctx.what = levels, what
-        e = w_local.shape[0]
-        return torch.cat(
-            [gathered[: position * e], w_local.detach(), gathered[(position + 1) * e :]]
-        )
+        out = []
+        for w_local, gathered in zip(pairs[::2], pairs[1::2]):
+            e = w_local.shape[0]
+            out.append(
+                torch.cat(
+                    [gathered[: position * e], w_local.detach(), gathered[(position + 1) * e :]]
+                )
+            )
+        return tuple(out)
 
     @staticmethod
-    def backward(ctx, grad_SeX):
-        grad = grad_SeX.contiguous()
-        for group in reversed(ctx.levels):
-            received = torch.empty_like(grad)
-            group.all_to_all_single(received, grad, what=f"{ctx.what} gradient reduce")
-            parts = received.view(group.size, -1, *received.shape[1:])
-            grad = parts[0].clone()
-            for s in range(1, group.size):
-                grad += parts[s]
-        return grad, None, None, None, None
+    def backward(ctx, *grads_SeX):
+        reduced: list[torch.Tensor | None] = [None] * len(grads_SeX)
+        for dtype in dict.fromkeys(g.dtype for g in grads_SeX):
+            index = [i for i, g in enumerate(grads_SeX) if g.dtype == dtype]
+            rows = grads_SeX[index[0]].shape[0]
+            flat = torch.cat([grads_SeX[i].reshape(rows, -1) for i in index], dim=1)
+            for group in reversed(ctx.levels):
+                received = torch.empty_like(flat)
+                group.all_to_all_single(received, flat, what=f"{ctx.what} gradient reduce")
+                parts = received.view(group.size, -1, flat.shape[1])
+                flat = parts[0].clone()
+                for s in range(1, group.size):
+                    flat += parts[s]
+            offset = 0
+            for i in index:
+                width = grads_SeX[i][0].numel()
+                cols = flat[:, offset : offset + width]
+                reduced[i] = cols.reshape(flat.shape[0], *grads_SeX[i].shape[1:])
+                offset += width
+        out: list[torch.Tensor | None] = [None, None, None]
+        for g in reduced:
+            out += [g, None]
+        return tuple(out)
 
 
 def bundle_order(topo: Topology, m: int) -> list[int]:
@@ -356,11 +377,11 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
     def _in_graph(self, weights: Weights, gathered: Weights) -> tuple[torch.Tensor | None, ...]:
         """The domain's experts: the gathered copies with this rank's own (exact) weights in
         place, in the autograd graph of the local weights (``_GatheredExperts``)."""
+        present = [(w, g) for w, g in zip(weights, gathered) if w is not None and g is not None]
+        pairs = [t for pair in present for t in pair]
+        used = iter(_GatheredExperts.apply(self.levels, self.position, "hybrid experts", *pairs))
         return tuple(
-            None
-            if w is None or g is None
-            else _GatheredExperts.apply(w, g, self.levels, self.position, f"hybrid experts.{n}")
-            for w, g, n in zip(weights, gathered, ("w1", "w3", "w2"))
+            None if w is None or g is None else next(used) for w, g in zip(weights, gathered)
         )
 
     def dispatch_send(self, x_TH: torch.Tensor, plan: RoutingPlan) -> Outbound[DroplessHandle]:

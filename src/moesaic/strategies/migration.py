@@ -30,7 +30,14 @@ import torch
 from moesaic.comm.collectives import EPGroup
 from moesaic.placement.compress import kept_entries
 
-__all__ = ["PendingGather", "decode_experts", "encode_experts", "start_gather"]
+__all__ = [
+    "PendingGather",
+    "decode_experts",
+    "encode_experts",
+    "pack_rows",
+    "start_gather",
+    "unpack_rows",
+]
 
 Weights = tuple[torch.Tensor | None, ...]
 Gathered = tuple[Weights, "PendingGather"]  # decoded experts, and what their gathers sent
@@ -128,9 +135,11 @@ def start_gather(
     """Encode the local experts and gather them over the domain, level by level.
 
     Level ``l``'s group gathers the bundles its members hold after the outer levels, so the
-    slowest (outermost) links carry the smallest bundles (the cost model's rule). The first
-    level's gathers are issued here; :meth:`PendingGather.result` waits them, runs the inner
-    levels (each needs the previous one's result) and decodes.
+    slowest (outermost) links carry the smallest bundles (the cost model's rule). Every weight
+    matrix's payload travels in one message per level (:func:`pack_rows`: one all-gather per
+    level, not one per matrix, as the cost model prices it). The first level's gather is
+    issued here; :meth:`PendingGather.result` waits for it, runs the inner levels (each needs
+    the previous one's result) and decodes.
 
     Args:
         weights: the local expert weights ``[e, *X]`` (w1, w3, w2; None where absent).
@@ -157,26 +166,44 @@ def start_gather(
         for g in groups:
             level_bytes.append(bundle * factor + shared_bytes)
             factor *= g.size
-        first = [
-            None if p is None else groups[0].start_all_gather_dim0(p, f"hybrid gather of {name}")
-            for p in payloads
-        ]
+        present = [p for p in payloads if p is not None]
+        first = groups[0].start_all_gather_dim0(pack_rows(present), f"hybrid gather of {name}")
 
     def finish() -> Weights:
-        out: list[torch.Tensor | None] = []
         with torch.no_grad():
-            for w, sh, got in zip(weights, shared, first):
-                if w is None or got is None:
+            buffer, wait = first
+            wait()
+            for g in groups[1:]:
+                buffer = g.all_gather_dim0(buffer, f"hybrid gather of {name}")
+            received = iter(unpack_rows(buffer, present))
+            out: list[torch.Tensor | None] = []
+            for w, sh, p in zip(weights, shared, payloads):
+                if w is None or p is None:
                     out.append(None)
                     continue
-                buffer, wait = got
-                wait()
-                for g in groups[1:]:
-                    buffer = g.all_gather_dim0(buffer, f"hybrid gather of {name}")
-                out.append(
-                    decode_experts(buffer, sh, tuple(w.shape[1:]), w.dtype, compression_ratio)
-                )
+                rows = next(received)
+                out.append(decode_experts(rows, sh, tuple(w.shape[1:]), w.dtype, compression_ratio))
         return tuple(out)
 
-    per_level = sum(p is not None for p in payloads) + (1 if shared_bytes else 0)
+    per_level = 1 + (1 if shared_bytes else 0)
     return PendingGather(finish, level_bytes, per_level * len(groups), shared)
+
+
+def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tensors with the same first dimension ``r`` (any dtypes and trailing shapes) -> one
+    ``[r, total bytes]`` uint8 tensor, row ``i`` holding every tensor's row ``i`` in turn: one
+    message where the rows are what a collective splits (gathered or sent per member)."""
+    rows = tensors[0].shape[0]
+    return torch.cat([t.contiguous().view(torch.uint8).reshape(rows, -1) for t in tensors], dim=1)
+
+
+def unpack_rows(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`pack_rows`' inverse for any number of rows: ``packed[R, total bytes]`` -> one
+    tensor per ``like`` entry, ``[R, *like[i].shape[1:]]`` of its dtype (bit-exact)."""
+    out, offset = [], 0
+    for t in like:
+        width = t[0].numel() * t.element_size()
+        cols = packed[:, offset : offset + width].contiguous()
+        out.append(cols.view(t.dtype).reshape(packed.shape[0], *t.shape[1:]))
+        offset += width
+    return out
