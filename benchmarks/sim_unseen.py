@@ -553,10 +553,32 @@ Fixed for all eight: H 72, 4 heads, 2 transformer blocks, both MoE, fp32, the tr
 otherwise. What runs, how it is measured (four interleaved passes, hybrid at its priced
 domains), what the planner may choose and what is judged: as for the twenty-first rule.
 
+**The twenty-fifth rule** (``--rule 25``; fixed on 2026-11-28 at 00:30 UTC, committed before
+any of its configurations was measured or simulated, with the simulator and protocol of the
+twenty-fourth rule unchanged and one change of the runtime: ``hybrid`` moves every weight
+matrix in one message per level (gathers and gradient reduce), as the simulator already priced
+it; nothing in it may change after its first measurement): other levels again, with 4 ranks as
+2 nodes x 2 (the ranks of a node share a 3.7 Gbit/s, 0.07 ms level), generators ``D = A x B``
+and ``E = B x C``; names start with ``b``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.9 Gbit/s, 0.22 ms one way      2.7 Gbit/s, 0.07 ms
+B     routed experts E (top-2)              8                                20
+C     expert width F / H                    1.5                              2.5
+D     tokens per rank (sequences of 128)    1024                             1536
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 96, 4 heads, 2 transformer blocks, both MoE, fp32, the training defaults
+otherwise. What runs, how it is measured (four interleaved passes, hybrid at its priced
+domains), what the planner may choose and what is judged: as for the twenty-first rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|24]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|24] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|25]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|25] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -578,7 +600,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = tuple(range(1, 25))  # the docstring's rules, 1 to 24
+RULES = tuple(range(1, 26))  # the docstring's rules, 1 to 25
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -806,6 +828,14 @@ FACTORS_24: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_24, INTRA_NODE_24 = 72, (4.1, 0.06)
+FACTORS_25: dict[str, tuple[Any, Any]] = {
+    "link": ((0.9, 0.22), (2.7, 0.07)),
+    "experts": (8, 20),
+    "f_over_h": (1.5, 2.5),
+    "tokens_per_rank": (1024, 1536),
+    "ranks": (2, 4),
+}
+H_25, INTRA_NODE_25 = 96, (3.7, 0.07)
 PASSES_19 = 4  # the nineteenth rule's passes (from it on: passes_of)
 RETIMED_FROM = 17  # rules from which predictions are judged at the runs' measured speed
 PRICED_DOMAINS_FROM = 21  # rules from which hybrid runs at the domains its prediction priced
@@ -834,11 +864,12 @@ HIDDEN = (
     H_22,
     H_23,
     H_24,
+    H_25,
 )
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 24), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 25), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -866,6 +897,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         22: (FACTORS_22, "e"),
         23: (FACTORS_23, "d"),
         24: (FACTORS_24, "c"),
+        25: (FACTORS_25, "b"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -894,6 +926,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             22: (-b * c, -a * c),
             23: (a * b, -a * c),
             24: (-a * b, a * b * c),
+            25: (a * b, b * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
@@ -922,6 +955,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             22: INTRA_NODE_22,
             23: INTRA_NODE_23,
             24: INTRA_NODE_24,
+            25: INTRA_NODE_25,
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
@@ -1260,7 +1294,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 24 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 25 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
