@@ -575,10 +575,33 @@ Fixed for all eight: H 96, 4 heads, 2 transformer blocks, both MoE, fp32, the tr
 otherwise. What runs, how it is measured (four interleaved passes, hybrid at its priced
 domains), what the planner may choose and what is judged: as for the twenty-first rule.
 
+**The twenty-sixth rule** (``--rule 26``; fixed on 2026-11-28 at 01:32 UTC, committed before
+any of its configurations was measured or simulated, with the simulator, runtime and protocol
+of the twenty-fifth rule unchanged (a replication: the twenty-fourth and twenty-fifth met all
+three goals; the simulator has not changed since the twenty-third); nothing in it may change
+after its first measurement; decided before it: if it meets all three goals, issue 24's goals
+have held on three rules in a row and the issue is resolved, otherwise it stays open): other
+levels again, with 4 ranks as 2 nodes x 2 (the ranks of a node share a 4.0 Gbit/s, 0.065 ms
+level), generators ``D = A x C`` and ``E = A x B x C``; names start with ``a``:
+
+====  ====================================  ===============================  =================
+code  factor                                -1                               +1
+====  ====================================  ===============================  =================
+A     slowest link (between nodes)          0.8 Gbit/s, 0.28 ms one way      2.5 Gbit/s, 0.075 ms
+B     routed experts E (top-2)              16                               24
+C     expert width F / H                    1.75                             3
+D     tokens per rank (sequences of 128)    1024                             1536
+E     ranks                                 2 (2 nodes x 1)                  4 (2 nodes x 2)
+====  ====================================  ===============================  =================
+
+Fixed for all eight: H 88, 4 heads, 2 transformer blocks, both MoE, fp32, the training defaults
+otherwise. What runs, how it is measured (four interleaved passes, hybrid at its priced
+domains), what the planner may choose and what is judged: as for the twenty-first rule.
+
 Usage (root: the emulated network needs network namespaces; run on an otherwise idle machine)::
 
-    python benchmarks/sim_unseen.py --list [--rule 2|...|25]  # the eight, nothing run
-    python benchmarks/sim_unseen.py [--rule 2|...|25] [--only 0,3] [--out F.json]
+    python benchmarks/sim_unseen.py --list [--rule 2|...|26]  # the eight, nothing run
+    python benchmarks/sim_unseen.py [--rule 2|...|26] [--only 0,3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -600,7 +623,7 @@ from typing import Any
 H, HEADS, BLOCKS, SEQ, TOP_K = 192, 4, 2, 128, 2
 WARMUP, STEPS = 2, 6
 PIPELINE_DEGREE = 2
-RULES = tuple(range(1, 26))  # the docstring's rules, 1 to 25
+RULES = tuple(range(1, 27))  # the docstring's rules, 1 to 26
 PADDED_CAPACITY = 1.25
 INTRA_NODE = (3.0, 0.1)  # Gbit/s, ms: the level inside a node when it holds 2 ranks
 
@@ -836,6 +859,14 @@ FACTORS_25: dict[str, tuple[Any, Any]] = {
     "ranks": (2, 4),
 }
 H_25, INTRA_NODE_25 = 96, (3.7, 0.07)
+FACTORS_26: dict[str, tuple[Any, Any]] = {
+    "link": ((0.8, 0.28), (2.5, 0.075)),
+    "experts": (16, 24),
+    "f_over_h": (1.75, 3),
+    "tokens_per_rank": (1024, 1536),
+    "ranks": (2, 4),
+}
+H_26, INTRA_NODE_26 = 88, (4.0, 0.065)
 PASSES_19 = 4  # the nineteenth rule's passes (from it on: passes_of)
 RETIMED_FROM = 17  # rules from which predictions are judged at the runs' measured speed
 PRICED_DOMAINS_FROM = 21  # rules from which hybrid runs at the domains its prediction priced
@@ -865,11 +896,12 @@ HIDDEN = (
     H_23,
     H_24,
     H_25,
+    H_26,
 )
 
 
 def configurations(rule: int = 1) -> list[dict[str, Any]]:
-    """The eight configurations of ``rule`` (1 to 25), in standard order (A slowest-varying)."""
+    """The eight configurations of ``rule`` (1 to 26), in standard order (A slowest-varying)."""
     if rule not in RULES:
         raise ValueError(f"rule ({rule}) must be 1 to {RULES[-1]}")
     factors, prefix = {
@@ -898,6 +930,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
         23: (FACTORS_23, "d"),
         24: (FACTORS_24, "c"),
         25: (FACTORS_25, "b"),
+        26: (FACTORS_26, "a"),
     }[rule]
     out = []
     for a, b, c in itertools.product((-1, 1), repeat=3):
@@ -927,6 +960,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             23: (a * b, -a * c),
             24: (-a * b, a * b * c),
             25: (a * b, b * c),
+            26: (a * c, a * b * c),
         }[rule]
         levels = dict(zip(factors, (a, b, c, d, e), strict=True))
         cfg = {k: factors[k][0 if v < 0 else 1] for k, v in levels.items()}
@@ -956,6 +990,7 @@ def configurations(rule: int = 1) -> list[dict[str, Any]]:
             23: INTRA_NODE_23,
             24: INTRA_NODE_24,
             25: INTRA_NODE_25,
+            26: INTRA_NODE_26,
         }.get(rule, INTRA_NODE)
         out.append(cfg)
     return out
@@ -1294,7 +1329,7 @@ def run_configuration_passes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the configurations only")
-    parser.add_argument("--rule", type=int, default=1, help="1 to 25 (the docstring's rules)")
+    parser.add_argument("--rule", type=int, default=1, help="1 to 26 (the docstring's rules)")
     parser.add_argument("--only", default=None, help="comma-separated configuration indices")
     parser.add_argument("--out", default="benchmarks/results/sim_unseen.json")
     parser.add_argument(
