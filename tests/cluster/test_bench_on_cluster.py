@@ -30,8 +30,11 @@ def test_bench_layer_on_the_emulated_cluster(tmp_path):
     rows = result["rows"]
     assert {r["ep"] for r in rows} == {4}
     for r in rows:
-        # 5 collectives per step, each at least the 10 ms between datacenters.
-        assert r["network_bound_ms"] >= 50.0
+        # Collectives per step, each at least the 10 ms between datacenters: the token
+        # exchange's 5; hybrid (one domain of the whole world: no token exchange) at least one
+        # message per level for all its weight matrices together, over both levels.
+        floor = 20.0 if r["impl"] == "hybrid" else 50.0
+        assert r["network_bound_ms"] >= floor, r["impl"]
         assert r["step"]["median_ms"] >= r["network_bound_ms"]
 
 
