@@ -131,12 +131,9 @@ class _GatheredExperts(torch.autograd.Function):
                 flat = parts[0].clone()
                 for s in range(1, group.size):
                     flat += parts[s]
-            offset = 0
-            for i in index:
-                width = grads_SeX[i][0].numel()
-                cols = flat[:, offset : offset + width]
+            widths = [grads_SeX[i][0].numel() for i in index]
+            for i, cols in zip(index, flat.split(widths, dim=1)):
                 reduced[i] = cols.reshape(flat.shape[0], *grads_SeX[i].shape[1:])
-                offset += width
         out: list[torch.Tensor | None] = [None, None, None]
         for g in reduced:
             out += [g, None]

@@ -200,10 +200,8 @@ def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def unpack_rows(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """:func:`pack_rows`' inverse for any number of rows: ``packed[R, total bytes]`` -> one
     tensor per ``like`` entry, ``[R, *like[i].shape[1:]]`` of its dtype (bit-exact)."""
-    out, offset = [], 0
-    for t in like:
-        width = t[0].numel() * t.element_size()
-        cols = packed[:, offset : offset + width].contiguous()
-        out.append(cols.view(t.dtype).reshape(packed.shape[0], *t.shape[1:]))
-        offset += width
-    return out
+    widths = [t[0].numel() * t.element_size() for t in like]
+    return [
+        cols.contiguous().view(t.dtype).reshape(packed.shape[0], *t.shape[1:])
+        for t, cols in zip(like, packed.split(widths, dim=1))
+    ]
