@@ -113,8 +113,10 @@ def test_domains_of_one_are_dropless(spec, schedule):
         h = simulate(spec, model, "hybrid", PROFILE, opts, schedule=schedule)
         d = simulate(spec, model, "dropless", PROFILE, opts, schedule=schedule)
         assert h.iteration_s == pytest.approx(d.iteration_s, rel=1e-12)
-        key = [(s.name, s.start, s.end) for s in d.spans]
-        assert [(s.name, s.start, s.end) for s in h.spans] == pytest.approx(key, rel=1e-12)
+        # Names (and their order) exactly; each time to the same relative rule as the iteration.
+        assert [s.name for s in h.spans] == [s.name for s in d.spans]
+        assert [s.start for s in h.spans] == pytest.approx([s.start for s in d.spans], rel=1e-12)
+        assert [s.end for s in h.spans] == pytest.approx([s.end for s in d.spans], rel=1e-12)
         assert not [s for s in h.spans if s.resource == "gather"]
 
 
