@@ -98,6 +98,15 @@ class _TaskflowFn(torch.autograd.Function):
         return g.dx_TH, dtopk, g.dw1_eHF.to(w1.dtype), g.dw2_eFH.to(w2.dtype), dw3, None
 
 
+def _empty_linked(x_TH: torch.Tensor, plan: RoutingPlan, experts: GroupedExperts) -> torch.Tensor:
+    """A ``(0, H)`` output still linked to the input, the routing weights and the experts, so a
+    backward through a step without tokens gives them zero gradients (as dropless does) rather
+    than failing with "element 0 of tensors does not require grad"."""
+    linked = [x_TH, plan.topk_weights_TK, experts.w1, experts.w2, experts.w3]
+    zero = sum((t.sum() * 0 for t in linked if t is not None), x_TH.new_zeros(()))
+    return x_TH.new_zeros(0, x_TH.shape[1]) + zero
+
+
 class TaskflowStrategy(MoEStrategy):
     """Compiled tile plans run by a static or dynamic executor with one-sided puts."""
 
@@ -150,7 +159,7 @@ class TaskflowStrategy(MoEStrategy):
         plans = self.plans(plan)
         if plans is None:  # no rank has a token: nothing to compute or send
             stats = self._stats(plan, None, None, checked=False)
-            return StrategyOutput(y_TH=x_TH.new_zeros(0, H), stats=stats)
+            return StrategyOutput(y_TH=_empty_linked(x_TH, plan, experts), stats=stats)
         fwd, bwd = plans
         checked = not self.runtime.world_checked(fwd)  # this step runs the fingerprint check
         tokens = fwd.bucket.tokens
