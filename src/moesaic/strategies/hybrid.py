@@ -276,7 +276,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
             self._pending = None
             ready, self.prefetch_ready = self.prefetch_ready, None
             if ready is not None:  # enqueued on a device side stream: this stream waits for it
-                torch.cuda.current_stream().wait_event(ready)
+                ready.wait()  # (a comm.streams event: the current stream waits)
             try:
                 tensors, pending = fut.result(timeout=self.group.timeout_s)
             except FutureTimeout as exc:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moesaic.comm.streams import CudaStreams
 from moesaic.strategies.base import StrategyHooks
 from moesaic.strategies.hybrid import HybridStrategy
 from moesaic.strategies.migration import Gathered
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
+    from moesaic.comm.streams import Streams
     from moesaic.experts import GroupedExperts
     from moesaic.strategies.base import ExpertFn, MoEStrategy
 
@@ -51,6 +53,9 @@ class ExpertPrefetcher(StrategyHooks):
             holding them (each module with a ``hybrid`` ``strategy`` and its ``experts``, as an
             ``MoELayer``); other strategies' layers are left out.
         recorder: spans ``encode Lk`` / ``gather Lk`` go to lanes "encode" and "gather".
+        streams: enqueue on these streams (``comm.streams``) whatever the groups' backend
+            (a test's CPU stand-in ``HostStreams`` runs the NCCL branch on CPU); default: on
+            ``torch.cuda`` streams where the groups run on device streams, else a thread.
     """
 
     def __init__(
@@ -58,6 +63,7 @@ class ExpertPrefetcher(StrategyHooks):
         layers: nn.Module | Sequence[tuple[MoEStrategy, ExpertFn]],
         *,
         recorder: Recorder | None = None,
+        streams: Streams | None = None,
     ) -> None:
         pairs: list[tuple[Any, Any]] = (
             [(getattr(m, "strategy", None), getattr(m, "experts", None)) for m in layers.modules()]
@@ -69,6 +75,7 @@ class ExpertPrefetcher(StrategyHooks):
         ]
         self.recorder = recorder
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moesaic-prefetch")
+        self._streams = streams
         self._stream: Any = None  # the side stream of device gathers
         self._lock = threading.Lock()
         self._last: Future[None] | None = None
@@ -93,7 +100,7 @@ class ExpertPrefetcher(StrategyHooks):
             fut = strategy.reserve_prefetch(experts)
             if fut is not None:
                 jobs.append((index, strategy, experts, fut))
-        if jobs and self._on_device(jobs):
+        if jobs and (self._streams is not None or self._on_device(jobs)):
             self._run_on_stream(jobs)
         elif jobs:
             with self._lock:
@@ -116,27 +123,39 @@ class ExpertPrefetcher(StrategyHooks):
         stream: encoding, gathers (stream waits) and decoding all run on the device while the
         host goes on to the forward, which waits for the side stream only where it takes the
         experts (``HybridStrategy._gathered``)."""
-        main = torch.cuda.current_stream()
+        if self._streams is None:
+            self._streams = CudaStreams()
+        streams = self._streams
+        main = streams.current()
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
+            self._stream = streams.new_stream()
         self._stream.wait_stream(main)  # the optimizer's update comes first
-        with torch.cuda.stream(self._stream):
+        with streams.use(self._stream):
             self._run(jobs)
-            ready = torch.cuda.Event()
+            ready = streams.event()
             ready.record(self._stream)
         for _, strategy, _, fut in jobs:
             if not fut.done() or fut.exception() is not None:
                 continue
-            tensors, _pending = fut.result()
-            for t in tensors:
+            tensors, pending = fut.result()
+            # Allocated on the side stream, used on the main one: the decoded experts, and the
+            # compressed gather's shared experts (kept for the next gathers' encoding).
+            for t in (*tensors, *pending.shared):
                 if t is not None:
-                    t.record_stream(main)  # allocated on the side stream, used on the main one
+                    streams.record_stream(t, main)
             strategy.prefetch_ready = ready
 
     def _run(
         self, jobs: list[tuple[int, HybridStrategy, GroupedExperts, Future[Gathered]]]
     ) -> None:
-        torch.set_grad_enabled(False)
+        # A context, never the global switch: on device streams this runs on the caller's
+        # thread (the optimizer's post-hook), whose next forward must build a graph.
+        with torch.no_grad():
+            self._run_queues(jobs)
+
+    def _run_queues(
+        self, jobs: list[tuple[int, HybridStrategy, GroupedExperts, Future[Gathered]]]
+    ) -> None:
         issued = []
         for index, strategy, experts, fut in jobs:  # send queue: encode + issue, layer order
             try:
