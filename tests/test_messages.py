@@ -13,6 +13,7 @@ import json
 import pytest
 
 from moesaic.checks import read_toml
+from moesaic.sim.cli_files import load_option
 from moesaic.sim.profile import links_from_cluster_check
 
 
@@ -28,14 +29,24 @@ def test_config_that_is_a_directory_says_so(tmp_path):
         read_toml(tmp_path, "config file")
 
 
+def _links(path) -> None:
+    load_option("links", str(path), links_from_cluster_check)
+
+
 def test_links_that_are_not_a_cluster_check_result(tmp_path):
+    # The option and the file are named once (issue 57 item 8: "--links /dev/null: --links
+    # /dev/null: cannot be read as JSON").
     f = tmp_path / "links.json"
     f.write_text(json.dumps([1, 2, 3]))
-    with pytest.raises(ValueError, match=r"--links .*: not a cluster_check result .* got a list"):
-        links_from_cluster_check(f)
+    with pytest.raises(ValueError, match=r"^--links \S+: not a cluster_check result .* got a list"):
+        _links(f)
     f.write_text("{not json")
-    with pytest.raises(ValueError, match=r"--links .*: cannot be read as JSON"):
-        links_from_cluster_check(f)
+    with pytest.raises(ValueError, match=r"^--links \S+: cannot be read as JSON") as info:
+        _links(f)
+    assert str(info.value).count("--links") == 1 and str(info.value).count(str(f)) == 1
+    f.write_text(json.dumps({"unshaped": {}}))
+    with pytest.raises(ValueError, match=r"^--links \S+: not a cluster_check result \(missing"):
+        _links(f)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])

@@ -720,14 +720,17 @@ def cluster_differences(measured: ClusterSpec, spec: ClusterSpec) -> list[str]:
 
 def links_from_cluster_check(path: str | Path) -> tuple[float, float]:
     """``(floor_s, bandwidth_scale)`` from a ``benchmarks/cluster_check.py`` result: the
-    unshaped loopback latency (min RTT/2) and 1 + the median bandwidth error of every level."""
+    unshaped loopback latency (min RTT/2) and 1 + the median bandwidth error of every level.
+
+    Its errors say what is wrong with the file, not which option named it: the command line
+    adds ``--links PATH:`` once (``cli_files.load_option``)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--links {path}: cannot be read as JSON ({exc})") from None
+        raise ValueError(f"cannot be read as JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ValueError(
-            f"--links {path}: not a cluster_check result (a JSON object with 'unshaped' and "
+            "not a cluster_check result (a JSON object with 'unshaped' and "
             f"'clusters'; got a {type(data).__name__})"
         )
     try:
@@ -738,5 +741,5 @@ def links_from_cluster_check(path: str | Path) -> tuple[float, float]:
             for level in cluster["summary"]
         ]
     except (KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a cluster_check result (missing {exc})") from exc
+        raise ValueError(f"not a cluster_check result (missing {exc})") from None
     return floor_s, 1.0 + (statistics.median(errors) if errors else 0.0)

@@ -259,13 +259,15 @@ class TrainConfig:
         # calls the block stages, never MoEGPT.forward): option_rules refuses the flag there.
         check_one_of("dtype", self.dtype, DTYPES)
         check_bool("activation_checkpointing", self.activation_checkpointing)
-        used = ["dtype bf16"] if self.dtype == "bf16" else []
+        used = ["--dtype bf16"] if self.dtype == "bf16" else []
         if self.activation_checkpointing:
-            used.append("activation_checkpointing")
+            used.append("--activation-checkpointing")
         if used and self.hf_config is not None:
+            verb = "applies" if len(used) == 1 else "apply"
+            fp32 = ", which trains in fp32" if self.dtype == "bf16" else ""
             raise ValueError(
-                f"{' and '.join(used)} apply to moesaic's MoEGPT; a transformers model "
-                f"(--hf-config {self.hf_config}) trains in fp32 without them"
+                f"{' and '.join(used)} {verb} only to moesaic's MoEGPT, not to a transformers "
+                f"model (--hf-config {self.hf_config}){fp32}"
             )
 
     def _check_hf_config(self) -> None:
