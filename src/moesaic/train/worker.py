@@ -37,42 +37,55 @@ from moesaic.train.errors import RECORD_KEY, describe, is_peer_failure
 __all__ = ["fail", "worker_main", "write_traceback"]
 
 
-def _log_candidates(run_dir: str, rank: int) -> list[Path]:
-    """``run_dir/logs/rank_<rank>.log``, then a file in the temp directory; only the latter
-    when another job holds the run directory (a run refused by its lock must not append to
-    the running job's logs)."""
+def _open_run_dir_log(run_dir: str, rank: int) -> tuple[Path, TextIO] | None:
+    """``run_dir/logs/rank_<rank>.log`` opened for appending; None when it cannot be, or when
+    another job holds the run directory (a run refused by its lock must not append to the
+    running job's logs)."""
     from moesaic.train.runlock import held_by_other_job
 
-    tmp = Path(tempfile.gettempdir()) / f"moesaic-train-rank_{rank}-{os.getpid()}.log"
     if held_by_other_job(run_dir, os.environ.get("TORCHELASTIC_RUN_ID")):
-        return [tmp]
-    return [Path(run_dir) / "logs" / f"rank_{rank}.log", tmp]
+        return None
+    path = Path(run_dir) / "logs" / f"rank_{rank}.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path, path.open("a")
+    except OSError:
+        return None
+
+
+def _open_temp_log(rank: int) -> tuple[Path, TextIO] | None:
+    """A new private file in the temp directory, made by ``mkstemp`` (``O_CREAT | O_EXCL``,
+    mode 0600, a random name): a predictable name there could be pre-created by another local
+    user as a link to any file, which this process (root, perhaps) would then append to. Its
+    path is in the line the user sees."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"moesaic-train-rank_{rank}-", suffix=".log")
+    except OSError:
+        return None
+    return Path(name), os.fdopen(fd, "a")
 
 
 def _open_log(run_dir: str, rank: int) -> tuple[Path, TextIO] | None:
-    for path in _log_candidates(run_dir, rank):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return path, path.open("a")
-        except OSError:
-            continue
-    return None
+    return _open_run_dir_log(run_dir, rank) or _open_temp_log(rank)
 
 
 def write_traceback(run_dir: str, rank: int, exc: BaseException) -> Path | None:
     """Append ``exc``'s traceback to ``run_dir/logs/rank_<rank>.log``; returns the file.
 
-    Falls back to the temp directory when the run directory cannot be written; None when
-    nothing could be written.
+    Falls back to a new private file in the temp directory when the run directory cannot be
+    written; None when nothing could be written.
     """
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     header = f"=== {now} host {socket.gethostname()} pid {os.getpid()} attempt {attempt}\n"
     body = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    for path in _log_candidates(run_dir, rank):
-        try:  # a full disk fails at the write or the close: then try the next place
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a") as f:
+    for opened in (_open_run_dir_log(run_dir, rank), None):
+        opened = opened or _open_temp_log(rank)
+        if opened is None:
+            return None
+        path, f = opened
+        try:  # a full disk fails at the write or the close: then try the temp directory
+            with f:
                 f.write(header + body)
             return path
         except OSError:
