@@ -39,6 +39,15 @@ class Traffic:
         return tuple(self.peer_bytes_P), self.collectives
 
 
+def shortcuts_allowed() -> bool:
+    """Whether a set of one process may skip its collectives (copies, no-ops): unless
+    ``MOESAIC_NO_SHORTCUTS=1``, under which an initialised world issues every collective even
+    for one rank (solo groups become process groups of their own, one-rank gradient buckets
+    are all-reduced), so one GPU exercises every NCCL path. The one rule every group, lane and
+    bucket reads."""
+    return os.environ.get("MOESAIC_NO_SHORTCUTS", "0") in ("", "0")
+
+
 def wait_work(work: Any, failed: str, timeout_s: float, *, on_stream: bool = False) -> None:
     """Wait for ``work`` under the deadline; a failure or timeout is a ``CollectiveError``.
 
@@ -186,11 +195,7 @@ class EPGroup:
         self.traffic = Traffic([0] * self.size)
         self._parent: tuple[EPGroup, list[int]] | None = None
         self._backends: dict[str, str] | None = None
-        # MOESAIC_NO_SHORTCUTS=1: a group of one initialised process still issues its
-        # collectives (a one-GPU NCCL run then exercises every communication path).
-        self.trivial = self.size == 1 and (
-            not self.active or os.environ.get("MOESAIC_NO_SHORTCUTS", "0") in ("", "0")
-        )
+        self.trivial = self.size == 1 and (not self.active or shortcuts_allowed())
 
     @classmethod
     def solo(cls, timeout_s: float) -> EPGroup:
@@ -388,10 +393,11 @@ def shared_groups(global_sets: list[tuple[int, ...]], lane: str, timeout_s: floa
         return [EPGroup.solo(timeout_s) for _ in global_sets]
     reg = registry()
     world = EPGroup(None, timeout_s)
-    reg.create(_gather_rank_sets(world, global_sets, lane), lane, timeout_s)
+    singletons = not shortcuts_allowed()
+    reg.create(_gather_rank_sets(world, global_sets, lane), lane, timeout_s, singletons=singletons)
     return [
         EPGroup(reg.lookup(s, lane), timeout_s, lane=lane)
-        if len(set(s)) > 1
+        if len(set(s)) > 1 or singletons
         else EPGroup.solo(timeout_s)
         for s in global_sets
     ]

@@ -6,7 +6,8 @@ its last hook calls).
 
 * **Buckets.** Parameters are grouped by (reduction rank set, dtype) and laid out, in the ready
   order, in one flat staging buffer per group. A rank set of one rank (expert shards without
-  replicas) gets no buffer: its gradients are not reduced, only divided.
+  replicas) gets no buffer: its gradients are not reduced, only divided (unless
+  ``reduce_singletons``: the single-rank shortcuts are off).
 * **Chunks.** Each buffer is cut into chunks of ``chunk_bytes`` (Sp); the chunks of all buckets
   form one sequence, sorted by the place of their last parameter in the ready order, which every
   rank issues in the same order. A chunk is complete when every parameter it covers is.
@@ -68,9 +69,18 @@ class GradLayout:
         ranks_N: each parameter's reduction rank set (global ranks; ``(0,)`` without a world).
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], ranks_N: Sequence[tuple[int, ...]]) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        ranks_N: Sequence[tuple[int, ...]],
+        *,
+        reduce_singletons: bool = False,
+    ) -> None:
         self.params = list(params)
         self.ranks_N = list(ranks_N)
+        # a rank set of one still staged and all-reduced (MOESAIC_NO_SHORTCUTS: the pool's
+        # one-rank groups are process groups then, see comm.collectives.shortcuts_allowed)
+        self.reduce_singletons = reduce_singletons
         N = len(self.params)
         self.order: list[int] = list(reversed(range(N)))  # until learned: reverse registration
         self.expected_N: list[int] = [0] * N  # 0: reduce at finish only
@@ -102,7 +112,7 @@ class GradLayout:
                 ranks=ranks, dtype=dtype, params=members, offsets=offsets[:-1], numel=offsets[-1]
             )
             self.buckets.append(b)
-            if len(ranks) == 1:
+            if len(ranks) == 1 and not self.reduce_singletons:
                 continue  # no replicas: divided at finish, never reduced
             staging = old.get((ranks, dtype))
             if staging is None or staging.numel() != b.numel:

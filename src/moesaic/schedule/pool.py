@@ -32,7 +32,8 @@ and has waited for all of them, nothing is left to protect: every ready chunk go
 step's tail). ``finish`` issues the rest, waits each under the deadline, and writes
 ``sum / divisor`` back to ``p.grad``. A parameter whose gradient never arrived on this rank
 reduces zeros, so every rank issues the same chunks. Reduction rank sets of one rank (expert
-shards without replicas) are not reduced, only divided.
+shards without replicas) are not reduced, only divided (unless the single-rank shortcuts are off,
+``MOESAIC_NO_SHORTCUTS=1``: then they are all-reduced over their one-rank group).
 
 Trace spans: on gloo a transfer's span ends when its work completes (the work's future); on a
 device stream the future completes at enqueue, so spans are timed by CUDA events recorded around
@@ -51,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moesaic.checks import check_positive, check_positive_int
-from moesaic.comm.collectives import EPGroup, Pending, in_lanes
+from moesaic.comm.collectives import EPGroup, Pending, in_lanes, shortcuts_allowed
 from moesaic.schedule.grad_layout import Chunk, GradLayout
 
 if TYPE_CHECKING:
@@ -152,8 +153,10 @@ class CommPool:
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         reduce_groups = [grad_sync.group_of(p) for p in self.params]
-        ranks_N = [g.global_ranks if g.active else (0,) for g in reduce_groups]
-        self._layout = GradLayout(self.params, ranks_N)
+        ranks_N = [g.global_ranks if g.active else (self.rank,) for g in reduce_groups]
+        self._layout = GradLayout(
+            self.params, ranks_N, reduce_singletons=self.active and not shortcuts_allowed()
+        )
         self._groups: dict[tuple[int, ...], EPGroup] = {}
         self._rows: dict[tuple[int, ...], EPGroup] = {}  # EP rank set -> its rows-lane group
         if self.active:

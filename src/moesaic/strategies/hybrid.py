@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moesaic.comm.collectives import CollectiveError, EPGroup
+from moesaic.comm.collectives import CollectiveError, EPGroup, shortcuts_allowed
 from moesaic.experts import GroupedExperts, expert_ffn
 from moesaic.placement import ExpertPlacement
 from moesaic.placement.topology import Topology
@@ -191,6 +191,10 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
             for lv in range(topo.num_levels)
             if topo.domain_sizes[lv] > 1
         ]
+        if not self.level_ranks and self.group.active and not shortcuts_allowed():
+            # a domain of this rank alone still gathers (over a group of one) with the
+            # single-rank shortcuts off, so one GPU runs the gathers, reduces and prefetch
+            self.level_ranks = [[me]]
         # From the world's registry: one group per distinct rank set and lane, shared by every
         # hybrid layer (NCCL spends hundreds of MB per communicator).
         self.levels = self.group.subgroups(self.level_ranks, "main")
