@@ -1,4 +1,4 @@
-"""The ``moesaic`` command line: ``moesaic train | generate | bench | cluster | taskflow | plan ...``.
+"""The ``moesaic`` command line: ``moesaic train | generate | prepare | bench | cluster ...``.
 
 Each subsystem owns its subcommands in its own module and exposes ``add_subparser(subparsers)``;
 this file only wires them together. Only the module of the command being run is imported: the
@@ -23,6 +23,10 @@ _MODULES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
             ("train", "expert-parallel training of an MoE GPT (elastic, checkpointed)"),
             ("generate", "sample text from a trained checkpoint"),
         ),
+    ),
+    (
+        "moesaic.data.cli",
+        (("prepare", "tokenize text, JSONL, parquet or a saved dataset into token shards"),),
     ),
     ("moesaic.bench.cli", (("bench", "benchmarks (results as JSON)"),)),
     ("moesaic.cluster.cli", (("cluster", "emulated multi-level cluster in network namespaces"),)),

@@ -247,14 +247,19 @@ FIXED_MOE_FIELDS = (
 )
 
 
-def apply_hf_shape(model: dict[str, Any], path: str | Path) -> dict[str, Any]:
-    """A ``[model]`` dict with the shape of the transformers config at ``path`` filled in.
+def apply_hf_shape(
+    model: dict[str, Any], path: str | Path, *, vocab_size: int | None = None
+) -> dict[str, Any]:
+    """A ``[model]`` dict with the shape of the transformers config at ``path`` filled in
+    (its ``vocab_size`` replaced by ``vocab_size`` when given: a tokenizer's).
 
     A shape field the dict already holds must agree (a ValueError names it and both values):
     under ``--hf-config`` the transformers config gives the model's shape; ``seq_len``, the
     strategy and the loss weights stay the run's.
     """
     shape = training_shape(read_hf_config(path), path)
+    if vocab_size is not None:
+        shape["vocab_size"] = vocab_size
     moe_shape = shape.pop("moe")
     out = dict(model)
     moe = dict(out.get("moe") or {})

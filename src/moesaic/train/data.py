@@ -184,6 +184,7 @@ class PackedData:
             )
         self.seq_len = seq_len
         self.num_windows = n
+        self.bytes_per_token = 1.0  # a token is a byte (for bits per byte)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         # Window i is bytes [i*T, i*T + T + 1): consecutive windows share one byte, so every
         # byte but the first is a target exactly once.
