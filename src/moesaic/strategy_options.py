@@ -59,3 +59,14 @@ class StrategyOptions:
     def names(cls) -> tuple[str, ...]:
         """The option names, in declaration order."""
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    def check_run(self, *, ep: int, device: str, ep_hosts: int) -> None:
+        """Refuse a run these options cannot make, before anything starts (ValueError naming
+        the option and the reason); every run is fine unless a strategy's options say
+        otherwise.
+
+        Args:
+            ep: the expert-parallel group's size.
+            device: the device type the run computes on ("cpu", "cuda").
+            ep_hosts: the most hosts one expert-parallel group spans.
+        """

@@ -229,11 +229,16 @@ class EPGroup:
         """``torch.tensor(data)`` on ``control_device`` (created on the host, copied once)."""
         return torch.tensor(data, dtype=dtype).to(self.control_device)
 
+    def backend_of(self, device_type: str) -> str:
+        """The backend that carries this group's tensors of ``device_type`` ("gloo" for a
+        group of one process)."""
+        return self._backend_map().get(device_type, "gloo")
+
     def on_stream(self, tensor: torch.Tensor) -> bool:
         """Whether a collective of ``tensor`` runs on a device stream (NCCL and the like):
         then waits are stream waits and completion is an event, not a host callback."""
         kind = tensor.device.type
-        return kind != "cpu" and self._backend_map().get(kind, "gloo") != "gloo"
+        return kind != "cpu" and self.backend_of(kind) != "gloo"
 
     # ---- groups -------------------------------------------------------------------------------
     def subgroups(self, rank_lists: list[list[int]], lane: str = "main") -> list[EPGroup]:

@@ -211,12 +211,22 @@ class LocalLauncher:
         )
 
 
+def visible_cuda_device(local_rank: int) -> torch.device:
+    """The GPU of the process with ``local_rank`` among the GPUs it can see: ``local_rank``
+    modulo the visible count. A scheduler that gives each process its own GPU through
+    ``CUDA_VISIBLE_DEVICES`` leaves one visible device to every process, whose index is 0
+    whatever ``LOCAL_RANK`` says (``cuda:LOCAL_RANK`` would be "invalid device ordinal")."""
+    if local_rank < 0:
+        raise ValueError(f"local_rank ({local_rank}) must be >= 0")
+    return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+
+
 def rank_device(device: str, rank: int) -> torch.device:
     """The device of ``rank`` in a :func:`run_world` of ``device``: ``cpu``; for ``cuda`` GPU
     ``rank % device_count`` (on a one-GPU machine every rank shares it); ``cuda:i`` as given."""
     out = torch.device(device)
     if out.type == "cuda" and out.index is None:
-        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+        return visible_cuda_device(rank)
     return out
 
 

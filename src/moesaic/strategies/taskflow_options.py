@@ -48,3 +48,22 @@ class TaskflowOptions(StrategyOptions):
         check_positive_int("tile_m", self.tile_m)
         check_bool("pipeline", self.pipeline)
         check_one_of("transport", self.transport, TRANSPORTS)
+
+    def check_run(self, *, ep: int, device: str, ep_hosts: int) -> None:
+        """Device tiles between ranks: the gloo channel carries CPU tensors only (a CUDA run at
+        EP > 1 would fail at its first forward), and symmetric memory maps the peers of one
+        host only (torch's symmetric memory is intra-node)."""
+        if ep == 1 or device == "cpu":
+            return
+        if self.transport == "gloo":
+            raise ValueError(
+                f"options.transport ('gloo') puts CPU tensors only: taskflow on {device} at "
+                f"ep {ep} needs transport 'symmetric' or 'auto' (torch's symmetric memory, one "
+                "host), or dispatcher 'dropless'"
+            )
+        if ep_hosts > 1:
+            raise ValueError(
+                f"options.transport ({self.transport!r}) maps peers' memory on one host, but "
+                f"an expert-parallel group of {ep} ranks spans {ep_hosts} hosts: make ep at "
+                "most the ranks per host, or use dispatcher 'dropless'"
+            )

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moesaic.checks import check_bool, check_int, check_number, check_one_of
+from moesaic.data.shards import token_vocab_size
 from moesaic.interop.hf_families import apply_hf_shape, family_of, read_hf_config
 from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule import schedule_names
 from moesaic.strategies.registry import check_supported
+from moesaic.strategy_options import StrategyOptions
 from moesaic.train import domains
 from moesaic.train.option_rules import RULES
 from moesaic.train.schedule_options import (
@@ -76,7 +78,10 @@ class TrainConfig:
             never applied; "stop" ends the run with an error naming the step, "skip" goes on.
         nonfinite_skip_limit: with "skip", this many non-finite steps in a row stop the run.
         seed: seeds the init (alike on every rank) and the data order.
-        data: a text file or a directory of files; None = the running Python's standard library.
+        data: a text file or a directory of files (bytes), a directory written by ``moesaic
+            prepare`` (token shards, ``moesaic.train.tokens``; the model's ``vocab_size`` is the
+            tokenizer's unless set larger; ``data_max_bytes`` does not apply); None = the
+            running Python's standard library.
         data_max_bytes: read at most this many bytes of the corpus (keeps loading fast).
         val_fraction: the corpus tail kept for validation.
         eval_every: validation loss every this many steps (and at the end; 0 = only at the end).
@@ -110,7 +115,8 @@ class TrainConfig:
             (``moesaic.interop.hf_families``): the run trains that architecture from random
             initialisation, its MoE blocks made expert-parallel by
             ``moesaic.interop.hf.expert_parallel``; ``model``'s shape fields are filled in from
-            it (``apply_hf_shape``). Data stay bytes, so its ``vocab_size`` must be >= 256.
+            it (``apply_hf_shape``). Byte data need its ``vocab_size`` >= 256; token shards
+            replace it by the tokenizer's.
             Every schedule runs, except the pipelined ones for a family whose decoder layers
             do not split into their stages (``Family.no_pipeline``: Granite-MoE). None: an
             MoEGPT.
@@ -222,6 +228,7 @@ class TrainConfig:
         self._check_emulate()
         self._check_domains()
         self._check_plan()
+        self._check_token_vocab()
         self._check_hf_config()
         self._check_memory_options()
         for name in ("trace", "trace_png", "cluster"):
@@ -283,10 +290,25 @@ class TrainConfig:
                 f"{family.model_type} (--hf-config {path}) cannot be: {family.no_pipeline}; "
                 "run it with --schedule vanilla"
             )
-        if self.model.vocab_size < 256:
+        if token_vocab_size(self.data) is None and self.model.vocab_size < 256:
             raise ValueError(
                 f"the transformers config {path} has vocab_size {self.model.vocab_size}: "
                 "moesaic train feeds bytes (token ids 0-255), which need vocab_size >= 256"
+            )
+
+    def _check_token_vocab(self) -> None:
+        """Token shards (``data``: a ``moesaic prepare`` directory): the model's vocabulary is
+        the tokenizer's when left at the bytes' 256 (a transformers config's is replaced by
+        ``from_dict``); a smaller one than the tokenizer's is refused."""
+        vocab = token_vocab_size(self.data)
+        if vocab is None or self.model.vocab_size == vocab:
+            return
+        if self.hf_config is None and self.model.vocab_size == 256:
+            self.model = dataclasses.replace(self.model, vocab_size=vocab)
+        elif self.model.vocab_size < vocab:
+            raise ValueError(
+                f"the tokenizer of data {self.data} has {vocab} tokens, more than the model's "
+                f"vocab_size ({self.model.vocab_size}); give vocab_size >= {vocab} or leave it out"
             )
 
     def _check_emulate(self) -> None:
@@ -347,8 +369,13 @@ class TrainConfig:
         """Sp in bytes, or None for "auto" (tuned online)."""
         return None if self.ar_chunk == "auto" else int(self.ar_chunk)
 
-    def check_world(self, world_size: int) -> int:
-        """Validate the EP layout for ``world_size`` ranks; returns the EP size."""
+    def check_world(
+        self, world_size: int, *, device: str = "cpu", ranks_per_host: int | None = None
+    ) -> int:
+        """Validate the EP layout for ``world_size`` ranks computing on ``device`` (a device
+        type), ``ranks_per_host`` of them on each host (None: one host); returns the EP size.
+        The strategy's options refuse what they cannot run there (``StrategyOptions.check_run``).
+        """
         ep = world_size if self.ep is None else self.ep
         if world_size % ep:
             raise ValueError(f"ep ({ep}) must divide the world size ({world_size})")
@@ -366,6 +393,13 @@ class TrainConfig:
         check_supported(
             moe.dispatcher, schedule=self.schedule, capacity=moe.capacity_factor is not None
         )
+        per_host = ranks_per_host or world_size
+        # EP groups are consecutive ranks (train.parallel.build_layout); hosts hold
+        # consecutive ranks too (torchrun's node ranks)
+        ep_hosts = max(
+            len({r // per_host for r in range(g, g + ep)}) for g in range(0, world_size, ep)
+        )
+        moe.options_as(StrategyOptions).check_run(ep=ep, device=device, ep_hosts=ep_hosts)
         return ep
 
     def to_dict(self) -> dict[str, Any]:
@@ -412,7 +446,10 @@ class TrainConfig:
             raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
         model, auto = domains.split_auto_domains(nest_legacy_keys(model))
         if d.get("hf_config") is not None:
-            model = apply_hf_shape(model, d["hf_config"])
+            # a tokenizer's vocabulary replaces the config's (token shards as data)
+            model = apply_hf_shape(
+                model, d["hf_config"], vocab_size=token_vocab_size(d.get("data"))
+            )
         if auto:
             d["auto_domains"] = True
         moe = model.get("moe")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from moesaic.comm.agree import check_ranks_agree
 from moesaic.comm.spans import gather_spans
-from moesaic.comm.world import init_world
+from moesaic.comm.world import init_world, visible_cuda_device
 from moesaic.interop.hf_families import read_hf_config
 from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
@@ -74,7 +74,7 @@ def _init_distributed(cfg: TrainConfig) -> torch.device:
     use_nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
     device = torch.device("cpu")
     if use_nccl:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = visible_cuda_device(int(os.environ.get("LOCAL_RANK", "0")))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return init_world(device=device, timeout_s=cfg.timeout_s)
     # The agent's store outlives a restart and torch (2.13) reuses it without a per-attempt
@@ -259,7 +259,8 @@ def train(cfg: TrainConfig) -> dict:
     """Train on this rank; returns rank 0's summary (other ranks: an empty dict)."""
     device = _init_distributed(cfg)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    ep_size = cfg.check_world(world)
+    ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    ep_size = cfg.check_world(world, device=device.type, ranks_per_host=ranks_per_host)
     threads = cfg.threads or max(
         1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     )

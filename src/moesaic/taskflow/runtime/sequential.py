@@ -327,9 +327,23 @@ def make_buffers(
     return bufs
 
 
+def check_tagged_messages(ranks: int, backend: str) -> None:
+    """This runtime posts every receive first and matches messages by tag: refuse a backend
+    that ignores tags (NCCL pairs point-to-point messages by issue order per peer, so a tile
+    would land in another tile's receive) before anything is posted."""
+    if ranks > 1 and backend != "gloo":
+        raise ValueError(
+            f"the sequential taskflow runtime matches its {ranks} ranks' messages by tag, which "
+            f"backend {backend!r} ignores (its receives, all posted first, would take other "
+            "tiles): run it on CPU tensors (gloo), or use the taskflow strategy's runtime"
+        )
+
+
 def _execute(plan, inputs, routing, group, timeout_s, direction):
-    group = check_step(plan, group, timeout_s, direction)
     ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
+    group = group or EPGroup(None, timeout_s)
+    check_tagged_messages(group.size, group.backend_of(ref.device.type))
+    group = check_step(plan, group, timeout_s, direction)
     bufs = make_buffers(plan, inputs, ref)
     route = step_routing(plan, routing, group)
     run = _Run(plan, bufs, route, group, timeout_s, ref.device)
