@@ -33,6 +33,14 @@ class Codec:
             return list(text.encode("utf-8", errors="surrogateescape"))
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The ids a generation starts from: the prompt's, or for an empty prompt a newline
+        (bytes) or EOS (tokens: the start of a document)."""
+        ids = self.encode(prompt)
+        if ids:
+            return ids
+        return [10] if self.eos_id is None else [self.eos_id]
+
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return bytes(ids).decode("utf-8", errors="replace")

@@ -1,4 +1,5 @@
-"""``moesaic generate``: sample bytes from a trained checkpoint in one process."""
+"""``moesaic generate``: sample bytes (or the run's tokens) from a trained checkpoint in one
+process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 
 from moesaic.train.checkpoint import latest_checkpoint, load_model_for_inference
+from moesaic.train.codec import codec_of
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -33,18 +35,26 @@ def generate_text(
     top_k: int | None = 40,
     seed: int = 0,
 ) -> str:
-    """The prompt followed by ``max_new_tokens`` sampled bytes, decoded as UTF-8 (lossy)."""
+    """The prompt followed by ``max_new_tokens`` sampled bytes, decoded as UTF-8 (lossy), or
+    tokens of the run's tokenizer (up to the first EOS)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k ({top_k}) must be >= 1")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature ({temperature}) must be a finite number >= 0 (0 = greedy)")
-    # A command line with bytes that are not UTF-8 reaches Python as lone surrogates: send
-    # those bytes back as they were (the model is byte-level).
-    data = prompt.encode("utf-8", errors="surrogateescape") or b"\n"
-    model, _ = load_model_for_inference(resolve_checkpoint(checkpoint))
-    idx_1T = torch.tensor([list(data)], dtype=torch.long)
+    path = resolve_checkpoint(checkpoint)
+    model, meta = load_model_for_inference(path)
+    codec = codec_of(meta, str(path))  # bytes, or the tokenizer the run trained with
+    if "hf_config" in meta:
+        from moesaic.train.hf_model import HFCausalLM
+
+        if isinstance(model, HFCausalLM):
+            model.sample_vocab = codec.vocab_size
+    idx_1T = torch.tensor([codec.prompt_ids(prompt)], dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
     out_1T = model.generate(idx_1T, max_new_tokens, temperature, top_k, generator=gen)
-    return bytes(out_1T[0].tolist()).decode("utf-8", errors="replace")
+    prompt_len = idx_1T.shape[1]
+    ids = out_1T[0].tolist()
+    # a token run's document ends at EOS (what transformers' generate stops at too)
+    return codec.decode(ids[:prompt_len] + codec.until_eos(ids[prompt_len:]))

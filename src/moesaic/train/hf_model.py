@@ -2,9 +2,9 @@
 
 The model is built from the transformers config file alone (random initialisation from the
 run's seed, alike on every rank; nothing is downloaded) and converted by
-``moesaic.interop.hf.expert_parallel``. Data are bytes (token ids 0-255), so the config's
-``vocab_size`` must be at least 256 (``TrainConfig`` checks it); a larger vocabulary leaves the
-rows above 255 unused.
+``moesaic.interop.hf.expert_parallel``. Byte data (token ids 0-255) need the config's
+``vocab_size`` to be at least 256 (``TrainConfig`` checks it; a larger vocabulary leaves the
+rows above 255 unused); token shards replace it by the tokenizer's (``run_hf_config``).
 
 The pipelined schedules (``moesaic.schedule.pipeline``) run a block model: ``embed``, ``blocks``
 (each with ``attention_stage`` and an ``moe`` layer, or a dense block run whole) and ``head``.
@@ -48,8 +48,15 @@ def build_model(
     """
     if cfg.hf_config is None:
         return MoEGPT(cfg.model, ep_group=ep_group, topology=topology)
-    model = HFCausalLM(read_hf_config(cfg.hf_config), cfg.model, ep_group, topology)
+    model = HFCausalLM(run_hf_config(cfg), cfg.model, ep_group, topology)
     return cast(MoEGPT, model)
+
+
+def run_hf_config(cfg: TrainConfig) -> dict[str, Any]:
+    """The transformers config a ``--hf-config`` run builds: the file's, with the run's
+    vocabulary (the tokenizer's when the data are token shards)."""
+    assert cfg.hf_config is not None  # callers check
+    return {**read_hf_config(cfg.hf_config), "vocab_size": cfg.model.vocab_size}
 
 
 class HFCausalLM(nn.Module):
@@ -91,6 +98,9 @@ class HFCausalLM(nn.Module):
         }
         expert_parallel(self.hf, ep_group, topology=topology, **run)
         self.config = config
+        # ids a sample may take: the bytes 0-255 (byte data under any vocabulary); a token
+        # run's generate sets the tokenizer's
+        self.sample_vocab = 256
         for name, layer in self.moe_layers():
             for key in FIXED_MOE_FIELDS:
                 mine, recorded = getattr(layer.config, key), getattr(config.moe, key)
@@ -178,10 +188,12 @@ class HFCausalLM(nn.Module):
         *,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` byte ids after ``idx_BT`` (``MoEGPT.generate``'s rule:
-        temperature 0 is greedy); the whole context is run again for every token."""
+        """Sample ``max_new_tokens`` ids below ``sample_vocab`` after ``idx_BT``
+        (``MoEGPT.generate``'s rule: temperature 0 is greedy); the whole context is run again
+        for every token."""
         for _ in range(max_new_tokens):
-            logits_BV = self(idx_BT[:, -self.config.seq_len :])[:, -1, :256].float()
+            logits_BV = self(idx_BT[:, -self.config.seq_len :])[:, -1, : self.sample_vocab]
+            logits_BV = logits_BV.float()
             nxt_B1 = sample_next(logits_BV, temperature, top_k, generator)
             idx_BT = torch.cat([idx_BT, nxt_B1], dim=1)
             for _, layer in self.moe_layers():  # inference: no aux loss, no statistics kept

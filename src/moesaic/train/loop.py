@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from moesaic.comm.agree import check_ranks_agree
 from moesaic.comm.spans import gather_spans
 from moesaic.comm.world import init_world, visible_cuda_device
-from moesaic.interop.hf_families import read_hf_config
 from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.schedule import make_step
@@ -45,14 +44,16 @@ from moesaic.train.checkpoint import (
     save_checkpoint,
 )
 from moesaic.train.config import TRACE_STEPS, TrainConfig
-from moesaic.train.data import PackedData, load_splits
+from moesaic.train.data import PackedData
+from moesaic.train.data_source import TrainingData, check_resume_data, open_training_data
 from moesaic.train.domains import check_cluster_and_domains, plan_training_domains
 from moesaic.train.health import NonFiniteError, nonfinite_message
-from moesaic.train.hf_model import build_model
+from moesaic.train.hf_model import build_model, run_hf_config
 from moesaic.train.hooks import ModelHooks
 from moesaic.train.parallel import GradientSync, Layout, build_layout
 from moesaic.train.plan_auto import resolve_auto_plan
 from moesaic.train.report import Reporter
+from moesaic.train.tokens import TokenData
 
 # The optimizer every run uses (part of what ranks must agree on).
 ADAMW_BETAS = (0.9, 0.95)
@@ -130,12 +131,14 @@ def check_config_agrees(
     fields["world_size"] = layout.world_size
     fields["data_windows"] = data
     fields["cluster"] = cluster  # its contents (the path may differ between nodes)
-    fields["hf_config"] = None if cfg.hf_config is None else read_hf_config(cfg.hf_config)
+    fields["hf_config"] = None if cfg.hf_config is None else run_hf_config(cfg)
     check_ranks_agree(fields, timeout_s=cfg.timeout_s, what="training config")
 
 
 @torch.no_grad()
-def evaluate(model: MoEGPT, val: PackedData, cfg: TrainConfig, layout: Layout, device) -> float:
+def evaluate(
+    model: MoEGPT, val: PackedData | TokenData, cfg: TrainConfig, layout: Layout, device
+) -> float:
     """Mean validation loss over all ranks' fixed validation batches."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -241,7 +244,7 @@ def resolve_auto_domains(cfg: TrainConfig, spec, layout: Layout, device) -> Trai
     return dataclasses.replace(cfg, model=model, auto_domains=False)
 
 
-def _maybe_resume(cfg, model, optimizer, layout) -> tuple[int, int, str | None]:
+def _maybe_resume(cfg, model, optimizer, layout, data: TrainingData) -> tuple[int, int, str | None]:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     path = latest_checkpoint(cfg.run_dir)
     if path is not None and not (cfg.resume or restarted):
@@ -250,7 +253,7 @@ def _maybe_resume(cfg, model, optimizer, layout) -> tuple[int, int, str | None]:
         if cfg.resume:
             raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
         return 0, 0, None  # a fresh run, or a restart before the first checkpoint
-    read_checkpoint_meta(path, cfg.model)
+    check_resume_data(path, read_checkpoint_meta(path, cfg.model), data, str(cfg.data))
     step, consumed = load_checkpoint(path, model=model, optimizer=optimizer, rank=layout.rank)
     return step, consumed, str(path)
 
@@ -266,9 +269,9 @@ def train(cfg: TrainConfig) -> dict:
     )
     torch.set_num_threads(threads)
     layout = build_layout(ep_size, cfg.timeout_s)
-    train_data, val_data = load_splits(
-        cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len
-    )
+    # bytes of text, or the token shards of `moesaic prepare` (memory-mapped)
+    data = open_training_data(cfg.data, cfg.data_max_bytes, cfg.val_fraction, cfg.model.seq_len)
+    train_data, val_data = data.train, data.val
     spec = check_cluster_and_domains(cfg.cluster, cfg.model.moe, ep_size)
     # Before any collective depends on it (a model with another num_experts aborts gloo).
     windows = (train_data.num_windows, val_data.num_windows)
@@ -298,12 +301,13 @@ def train(cfg: TrainConfig) -> dict:
     # The strategies' hooks (hybrid: the next step's expert gathers start right after each
     # optimizer step); they do nothing for the others.
     hooks = ModelHooks(model, recorder=recorder).attach(optimizer)
-    start, consumed, resumed_from = _maybe_resume(cfg, model, optimizer, layout)
+    start, consumed, resumed_from = _maybe_resume(cfg, model, optimizer, layout, data)
     reporter = Reporter(cfg, layout, start, resumed_from)
     meta = {"model": cfg.model.to_dict(), "train": cfg.to_dict(), "world_size": world}
     meta["ep_size"] = ep_size
-    if cfg.hf_config is not None:  # the file's contents: what rebuilds the model
-        meta["hf_config"] = read_hf_config(cfg.hf_config)
+    meta.update(data.checkpoint_meta())  # the data's identity, the tokenizer of token shards
+    if cfg.hf_config is not None:  # the file's contents (the run's vocabulary): rebuilds it
+        meta["hf_config"] = run_hf_config(cfg)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tokens_per_step = world * cfg.batch_size * cfg.model.seq_len
     skipped_in_a_row = 0
@@ -358,7 +362,8 @@ def train(cfg: TrainConfig) -> dict:
         last = step == cfg.steps and cfg.save_final
         if last or (cfg.eval_every and step % cfg.eval_every == 0):
             hooks.before_evaluation()
-            reporter.validation(step, evaluate(model, val_data, cfg, layout, device))
+            val_loss = evaluate(model, val_data, cfg, layout, device)
+            reporter.validation(step, val_loss, data.bits_per_byte(val_loss))
         if last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
             _check_biases_agree(model, cfg)
             path = save_checkpoint(

@@ -132,12 +132,19 @@ class Reporter:
         elif step % 10 == 0 or step == self.cfg.steps:
             self._log(f"step {step}: loss {loss:.4f} tok/s {tokens_per_s:,.0f}")
 
-    def validation(self, step: int, val_loss: float) -> None:
+    def validation(self, step: int, val_loss: float, bits_per_byte: float | None = None) -> None:
+        """One validation: its loss (nats per token) and, when given, bits per UTF-8 byte of
+        the validation text (comparable between byte and token runs)."""
         if not self.active:
             return
         self.val_losses.append((step, val_loss))
-        self._write({"kind": "val", "step": step, "val_loss": val_loss, "attempt": self.attempt})
-        self._log(f"step {step}: validation loss {val_loss:.4f}")
+        record = {"kind": "val", "step": step, "val_loss": val_loss, "attempt": self.attempt}
+        bpb = ""
+        if bits_per_byte is not None:
+            record["val_bits_per_byte"] = bits_per_byte
+            bpb = f" ({bits_per_byte:.4f} bits per byte)"
+        self._write(record)
+        self._log(f"step {step}: validation loss {val_loss:.4f}{bpb}")
 
     def checkpoint(self, step: int, path) -> None:
         if self.active:
