@@ -10,12 +10,15 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from moesaic.comm.streams import device_streams, standin_streams_enabled
 
 
 class CollectiveError(RuntimeError):
@@ -48,7 +51,14 @@ def shortcuts_allowed() -> bool:
     return os.environ.get("MOESAIC_NO_SHORTCUTS", "0") in ("", "0")
 
 
-def wait_work(work: Any, failed: str, timeout_s: float, *, on_stream: bool = False) -> None:
+def wait_work(
+    work: Any,
+    failed: str,
+    timeout_s: float,
+    *,
+    on_stream: bool = False,
+    device: torch.device | None = None,
+) -> None:
     """Wait for ``work`` under the deadline; a failure or timeout is a ``CollectiveError``.
 
     Args:
@@ -56,23 +66,47 @@ def wait_work(work: Any, failed: str, timeout_s: float, *, on_stream: bool = Fal
         failed: the start of the error message, naming the operation and the rank
             ("dispatch counts failed on rank 0/2 of the expert-parallel group").
         timeout_s: the deadline in force, named in the message.
-        on_stream: the work runs on a device stream (NCCL): make the current stream wait and
-            return at once. A ``wait(timeout)`` there would busy-wait the host until the GPU
-            finished, so the deadline is the process group's own (its watchdog aborts a
-            collective that outlives ``timeout``, which every moesaic group is created with).
+        on_stream: the work runs on a device stream (NCCL, or a CPU's stand-in): the current
+            stream of ``device``'s streams waits (``comm.streams``: on CUDA the host returns
+            at once, the deadline being the process group's watchdog; the stand-in blocks the
+            host under ``timeout_s``).
+        device: the device of the work's tensors (with ``on_stream``).
     """
     if work is None:
         return
     try:
         if on_stream:
-            work.wait()
+            device_streams(device or torch.device("cuda")).wait_work(work, timeout_s)
         else:
             work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:  # gloo/NCCL report both timeouts and dead peers as this
-        raise CollectiveError(
-            f"{failed} (collective_timeout_s={timeout_s:g}): a peer died, hung, or skipped "
-            f"this collective. Cause: {str(exc).splitlines()[0][:300]}"
-        ) from exc
+        raise collective_error(exc, failed, timeout_s) from exc
+
+
+# NCCL's watchdog wraps its finding in tags and a preamble: "[PG ID 1 PG GUID 3 Rank 1] Process
+# group watchdog thread terminated with exception: [Rank 1] Watchdog caught collective operation
+# timeout: WorkNCCL(SeqNum=5, OpType=ALLTOALL_BASE, ...) ran for 60012 milliseconds ...".
+_WATCHDOG_PREAMBLE = "terminated with exception:"
+_TAGS = re.compile(r"^(?:\s*\[[^\]]*\])+\s*")
+
+
+def failure_cause(exc: BaseException) -> str:
+    """What a backend's error says, in one line: its first line without NCCL's watchdog tags
+    and preamble (the flight recorder's and watchdog's own finding: the timed-out work and
+    its sequence number, or ``ncclRemoteError``), at most 300 characters."""
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    text = text.split(_WATCHDOG_PREAMBLE, 1)[-1]
+    return " ".join(_TAGS.sub("", text).split())[:300] or type(exc).__name__
+
+
+def collective_error(exc: BaseException, failed: str, timeout_s: float) -> CollectiveError:
+    """The one-line root cause of a failed collective, the same on gloo and NCCL: ``failed``
+    (the operation and the rank), the deadline, and the backend's cause (``failure_cause``)."""
+    return CollectiveError(
+        f"{failed} (collective_timeout_s={timeout_s:g}): a peer died, hung, or skipped this "
+        f"collective. Cause: {failure_cause(exc)}"
+    )
 
 
 def device_backends(backend: str) -> dict[str, str]:
@@ -155,7 +189,13 @@ class Pending:
         group's, for a caller that promised its own)."""
         if self._work is not None:
             deadline = self._timeout_s if timeout_s is None else timeout_s
-            wait_work(self._work, self._failed, deadline, on_stream=self._on_stream)
+            wait_work(
+                self._work,
+                self._failed,
+                deadline,
+                on_stream=self._on_stream,
+                device=self._output.device,
+            )
             self._work = None
         return self._output
 
@@ -235,10 +275,13 @@ class EPGroup:
         return self._backend_map().get(device_type, "gloo")
 
     def on_stream(self, tensor: torch.Tensor) -> bool:
-        """Whether a collective of ``tensor`` runs on a device stream (NCCL and the like):
-        then waits are stream waits and completion is an event, not a host callback."""
+        """Whether a collective of ``tensor`` runs on a device stream (NCCL and the like,
+        or a CPU tensor through ``comm.streams``' stand-in): then waits are stream waits and
+        completion is an event, not a host callback."""
         kind = tensor.device.type
-        return kind != "cpu" and self.backend_of(kind) != "gloo"
+        if kind == "cpu":  # gloo; the NCCL branches with MOESAIC_STANDIN_STREAMS=1
+            return self.active and standin_streams_enabled()
+        return self.backend_of(kind) != "gloo"
 
     # ---- groups -------------------------------------------------------------------------------
     def subgroups(self, rank_lists: list[list[int]], lane: str = "main") -> list[EPGroup]:
@@ -294,8 +337,20 @@ class EPGroup:
     def _failed(self, what: str) -> str:
         return f"{what} failed on rank {self.rank}/{self.size} of the expert-parallel group"
 
+    def _issue(self, what: str, call: Callable[[], Any]) -> Any:
+        """Issue a collective; an error at issue (NCCL: a communicator its watchdog aborted
+        after a peer died, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, see ``comm.world``) is the
+        same ``CollectiveError`` as one seen while waiting."""
+        try:
+            return call()
+        except RuntimeError as exc:
+            raise collective_error(exc, self._failed(what), self.timeout_s) from exc
+
     def _wait(self, work: dist.Work | None, what: str, tensor: torch.Tensor) -> None:
-        wait_work(work, self._failed(what), self.timeout_s, on_stream=self.on_stream(tensor))
+        on_stream = self.on_stream(tensor)
+        wait_work(
+            work, self._failed(what), self.timeout_s, on_stream=on_stream, device=tensor.device
+        )
 
     # ---- collectives ---------------------------------------------------------------------------
     def start_all_to_all(
@@ -314,8 +369,11 @@ class EPGroup:
         rows_P = input_splits or [input.shape[0] // self.size] * self.size
         self._count([rows * row_bytes for rows in rows_P])
         self._note("all_to_all", what)
-        work = dist.all_to_all_single(
-            output, input, output_splits, input_splits, group=self.group, async_op=True
+        work = self._issue(
+            what,
+            lambda: dist.all_to_all_single(
+                output, input, output_splits, input_splits, group=self.group, async_op=True
+            ),
         )
         return Pending(work, output, self._failed(what), self.timeout_s, self.on_stream(input))
 
@@ -339,7 +397,9 @@ class EPGroup:
             return Pending(None, tensor, what, self.timeout_s, False)
         self._count([tensor.numel() * tensor.element_size()] * self.size)
         self._note("all_reduce", what)
-        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        work = self._issue(
+            what, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        )
         return Pending(work, tensor, self._failed(what), self.timeout_s, self.on_stream(tensor))
 
     def all_reduce(
@@ -370,18 +430,24 @@ class EPGroup:
         out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
         # all_gather_single replaces all_gather_into_tensor in newer torch; both exist in 2.4+.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(out, tensor.contiguous(), group=self.group, async_op=True)
+        work = self._issue(
+            what, lambda: gather(out, tensor.contiguous(), group=self.group, async_op=True)
+        )
         return out, lambda: self._wait(work, what, tensor)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "send") -> Pending:
         """Point-to-point send of ``tensor`` to rank ``peer`` of this group (counted)."""
         self.count_sent(peer, tensor.numel() * tensor.element_size())
-        work = dist.isend(tensor, dst=self._global(peer), tag=tag, group=self.group)
+        work = self._issue(
+            what, lambda: dist.isend(tensor, dst=self._global(peer), tag=tag, group=self.group)
+        )
         return Pending(work, tensor, self._failed(what), self.timeout_s, self.on_stream(tensor))
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "recv") -> Pending:
         """Point-to-point receive into ``tensor`` from rank ``peer`` of this group."""
-        work = dist.irecv(tensor, src=self._global(peer), tag=tag, group=self.group)
+        work = self._issue(
+            what, lambda: dist.irecv(tensor, src=self._global(peer), tag=tag, group=self.group)
+        )
         return Pending(work, tensor, self._failed(what), self.timeout_s, self.on_stream(tensor))
 
     def _global(self, rank: int) -> int:

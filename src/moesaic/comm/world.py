@@ -131,6 +131,10 @@ def process_group_args(
     return CUDA_WORLD_BACKEND, {**kwargs, "device_id": device}
 
 
+# How NCCL's watchdog handles a failed collective (see init_world).
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
 def init_world(*, device: torch.device | str, **options: Any) -> torch.device:
     """Initialise this process's torch.distributed world for ``device``; ``options`` are
     :func:`process_group_args`'s (``timeout_s``, ``backend``, the rendezvous). On CUDA,
@@ -141,6 +145,11 @@ def init_world(*, device: torch.device | str, **options: Any) -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError(f"device ({device}) needs CUDA, which this process does not have")
         torch.cuda.set_device(device)
+        # NCCL's watchdog, finding a collective failed or past its timeout, by default takes
+        # the process down from its own thread: no Python error, no root-cause line. Clean-up
+        # only (2) aborts the communicators and lets the next issue or wait raise, which the
+        # choke point turns into the CollectiveError line gloo gives (a user's value stays).
+        os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
     dist.init_process_group(name, **kwargs)
     _meet()
     return device
