@@ -22,6 +22,7 @@ _MODULES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         (
             ("train", "expert-parallel training of an MoE GPT (elastic, checkpointed)"),
             ("generate", "sample text from a trained checkpoint"),
+            ("export", "write a checkpoint as a transformers model directory (with its tokenizer)"),
         ),
     ),
     (

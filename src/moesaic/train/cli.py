@@ -1,4 +1,4 @@
-"""The ``moesaic train`` and ``moesaic generate`` subcommands."""
+"""The ``moesaic train``, ``moesaic generate`` and ``moesaic export`` subcommands."""
 
 from __future__ import annotations
 
@@ -53,6 +53,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from moesaic.train.export import export_hf
+
+    out = export_hf(args.checkpoint, args.hf)
+    print(
+        f"moesaic export: {args.checkpoint} -> {out} (transformers: config, safetensors, tokenizer)"
+    )
+    return 0
+
+
 def add_subparser(subparsers) -> None:
     """Add ``train`` and ``generate`` to the top-level ``moesaic`` parser."""
     from moesaic.train.config import TrainConfig
@@ -90,3 +100,21 @@ def add_subparser(subparsers) -> None:
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.set_defaults(func=_generate)
+
+    export = subparsers.add_parser(
+        "export",
+        help="write a checkpoint as a transformers model directory (with its tokenizer)",
+        description=(
+            "Write a --hf-config run's checkpoint as a transformers directory: config.json, "
+            "model.safetensors and the tokenizer, which AutoModelForCausalLM and AutoTokenizer "
+            "load to generate what `moesaic generate` does. An MoEGPT is not exportable."
+        ),
+    )
+    export.add_argument(
+        "--checkpoint",
+        default=run_dir,
+        metavar="DIR",
+        help=f"a checkpoint or a run directory (default: {run_dir})",
+    )
+    export.add_argument("--hf", required=True, metavar="OUT", help="the directory to write (new)")
+    export.set_defaults(func=_export)
