@@ -1,0 +1,282 @@
+"""FSDP2 sharding composed with expert parallelism, on one ``DeviceMesh`` (issue 50).
+
+Shape legend: e local experts of an EP rank, H hidden, F expert hidden, W ranks.
+
+The world is laid out as torchtitan lays out FSDP + EP, with EP borrowing ranks from the
+data-parallel shard dimension (``torchtitan/distributed/parallel_dims.py``):
+
+```
+world = dp_replicate x dp_shard x ep        init_device_mesh(("dp_replicate", "dp_shard", "ep"))
+
+dense parameters   [dp_replicate, dp_shard_ep]   sharded over dp_shard x ep ranks (every rank of
+                                                 a replica: EP's ranks shard the dense part too)
+expert parameters  [dp_replicate, dp_shard]      an EP rank's e experts sharded over the dp_shard
+                                                 ranks beside it (torchtitan's "efsdp"); EP splits
+                                                 the experts themselves
+```
+
+``ep`` is innermost, so EP groups are consecutive ranks, as in ``train.parallel.build_layout``:
+the model's all-to-alls run on the same rank sets with and without sharding. Both parts are
+wrapped with ``torch.distributed.fsdp.fully_shard`` (FSDP2): each block's experts on the
+expert mesh, each block on the dense mesh, then the root (embedding, final norm, tied head). No
+sharding is written by hand here: FSDP2 all-gathers a unit's parameters in its forward and
+reduce-scatters its gradients in the backward.
+
+One gradient rule for both parts, the unsharded run's (``train.parallel``): the sum over the
+ranks that hold copies of the gradient, divided by W (the loss is the mean of the W per-rank
+losses). FSDP2 divides by the size of its mesh by default; the experts' mesh has W / ep ranks,
+so both parts get ``set_gradient_divide_factor(W)``. That factor is not the mesh size, which
+FSDP2 would reduce with ``ReduceOp.PREMUL_SUM`` (NCCL only; gloo has none), so both also get
+``set_force_sum_reduction_for_comms(True)``: a SUM reduce-scatter (and a SUM all-reduce over
+``dp_replicate`` for HSDP), then a division by W: the path that runs on gloo and NCCL alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from moesaic.checks import check_positive_int
+from moesaic.comm.collectives import EPGroup
+from moesaic.experts import GroupedExperts
+from moesaic.gradnorm import square_norm
+from moesaic.layer import is_expert_param
+
+__all__ = [
+    "MemoryBytes",
+    "MeshShape",
+    "ShardedGradientSync",
+    "TrainingMesh",
+    "build_mesh",
+    "memory_bytes",
+    "shard_model",
+]
+
+DIMS = ("dp_replicate", "dp_shard", "ep")
+DENSE_SHARD = "dp_shard_ep"  # the flattened dp_shard x ep dimension the dense part shards over
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeshShape:
+    """The degrees of the training mesh.
+
+    Attributes:
+        dp_replicate: replicas of the whole sharded model (HSDP); gradients are all-reduced
+            across them after the reduce-scatter.
+        dp_shard: FSDP degree beside EP: the ranks an EP rank's experts are sharded over
+            (torchtitan's efsdp); the dense part is sharded over ``dp_shard * ep`` ranks.
+        ep: expert parallelism (consecutive ranks).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in DIMS:
+            check_positive_int(name, getattr(self, name))
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.ep
+
+    @property
+    def dense_shards(self) -> int:
+        """How many ranks the dense parameters are sharded over (``dp_shard * ep``)."""
+        return self.dp_shard * self.ep
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a world that is not ``dp_replicate x dp_shard x ep`` ranks."""
+        if world_size != self.world_size:
+            raise ValueError(
+                f"the world size ({world_size}) must be dp_replicate ({self.dp_replicate}) x "
+                f"dp_shard ({self.dp_shard}) x ep ({self.ep}) = {self.world_size}"
+            )
+
+
+@dataclass(slots=True)
+class TrainingMesh:
+    """The device mesh of a sharded run and the sub-meshes FSDP2 shards over.
+
+    Attributes:
+        shape: the degrees.
+        mesh: the world mesh ``[dp_replicate, dp_shard, ep]``.
+        dense: the dense parameters' mesh: ``[dp_replicate, dp_shard_ep]`` (HSDP) or
+            ``[dp_shard_ep]``.
+        experts: the experts' mesh: ``[dp_replicate, dp_shard]`` or ``[dp_shard]``.
+        norm_group: the ranks of one replica (``dp_shard_ep``): every dense and every expert
+            shard once, so one all-reduce over it gives the global gradient norm.
+    """
+
+    shape: MeshShape
+    mesh: DeviceMesh
+    dense: DeviceMesh
+    experts: DeviceMesh
+    norm_group: EPGroup
+
+
+def build_mesh(shape: MeshShape, device_type: str, timeout_s: float) -> TrainingMesh:
+    """The training mesh on the initialised world (a collective: every rank, same order).
+
+    Raises:
+        ValueError: the world is not ``shape.world_size`` ranks.
+    """
+    shape.check_world(dist.get_world_size())
+    mesh = init_device_mesh(
+        device_type, (shape.dp_replicate, shape.dp_shard, shape.ep), mesh_dim_names=DIMS
+    )
+    mesh["dp_shard", "ep"]._flatten(DENSE_SHARD)
+    replicated = shape.dp_replicate > 1
+    dense = mesh["dp_replicate", DENSE_SHARD] if replicated else mesh[DENSE_SHARD]
+    experts = mesh["dp_replicate", "dp_shard"] if replicated else mesh["dp_shard"]
+    norm_group = EPGroup(mesh.get_group(DENSE_SHARD), timeout_s)
+    return TrainingMesh(shape=shape, mesh=mesh, dense=dense, experts=experts, norm_group=norm_group)
+
+
+def _expert_placement(shards: int):
+    """Experts' ``[e, H, F]`` weights along the experts when they divide evenly over the shard
+    ranks (whole experts per rank), else along H (torchtitan's rule: FSDP2 would pad dim 0)."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        return Shard(0) if param.shape[0] % shards == 0 else Shard(1)
+
+    return placement
+
+
+def _one_rule(module: FSDPModule, world_size: int) -> None:
+    # sum, then divide by W (module docstring): the unsharded run's rule, on gloo too
+    module.set_gradient_divide_factor(float(world_size))
+    module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_model(model: nn.Module, mesh: TrainingMesh) -> nn.Module:
+    """Wrap ``model`` (an ``MoEGPT``, or any module with ``blocks``) with FSDP2 in place.
+
+    Each block's ``GroupedExperts`` on the expert mesh, each block on the dense mesh, then the
+    root. The expert marks (``layer.is_expert_param``) move to the sharded parameters that
+    replace the originals. Build the optimizer after this call.
+    """
+    W = mesh.shape.world_size
+    blocks: Iterable[nn.Module] = getattr(model, "blocks", [])
+    for block in blocks:
+        for module in block.modules():
+            if isinstance(module, GroupedExperts):
+                fully_shard(
+                    module,
+                    mesh=mesh.experts,
+                    shard_placement_fn=_expert_placement(mesh.shape.dp_shard),
+                )
+                for p in module.parameters():
+                    p._moesaic_expert = True  # type: ignore[attr-defined]
+                _one_rule(module, W)  # type: ignore[arg-type]
+        fully_shard(block, mesh=mesh.dense)
+        _one_rule(block, W)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh.dense)
+    _one_rule(model, W)  # type: ignore[arg-type]
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardedGradientSync:
+    """The gradient rules of a sharded run (``moesaic.schedule.base.GradientSync``).
+
+    FSDP2 reduce-scatters every gradient in the backward with the unsharded run's rule (sum,
+    divide by W; module docstring), so ``sync`` only gives a parameter without a gradient a
+    zero one, as ``train.parallel.GradientSync.sync`` does (AdamW then moves every parameter
+    alike in both runs). The global norm sums the squares of this rank's dense and expert
+    shards and all-reduces them once over the ranks of one replica, which hold every shard of
+    both parts exactly once (expert and dense norms combined in one collective).
+
+    Args:
+        mesh: the training mesh.
+        world: the whole world (health flags).
+    """
+
+    def __init__(self, mesh: TrainingMesh, world: EPGroup) -> None:
+        self.mesh = mesh
+        self.world = world
+
+    @property
+    def divisor(self) -> int:
+        return self.mesh.shape.world_size
+
+    def group_of(self, param: torch.Tensor) -> EPGroup:
+        """Not used: FSDP2 reduces in the backward, and the pipelined schedules that would ask
+        are refused with sharding (``check_sharding``)."""
+        raise NotImplementedError("sharded gradients are reduced by FSDP2, not per parameter")
+
+    def sync(self, params: Sequence[torch.Tensor]) -> None:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def global_norm(self, params: Sequence[torch.Tensor]) -> float:
+        device = _local(params[0]).device if params else torch.device("cpu")
+        sq = torch.zeros(2, dtype=torch.float64, device=device)  # [dense, experts]
+        for p in params:
+            if p.grad is not None:
+                sq[int(is_expert_param(p))] += square_norm(_local(p.grad))
+        self.mesh.norm_group.all_reduce(sq, what="all_reduce of the sharded gradient norms")
+        return math.sqrt(float(sq.sum()))
+
+    def all_ranks(self, flags_F: torch.Tensor) -> torch.Tensor:
+        return self.world.all_gather_dim0(
+            flags_F.to(self.world.control_device), "all_gather of step health flags"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBytes:
+    """Bytes this rank holds of parameters, gradients and optimizer state (local shards)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    dense_params: int
+    expert_params: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "dense_params": self.dense_params,
+            "expert_params": self.expert_params,
+        }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def memory_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> MemoryBytes:
+    """Per-rank bytes of ``model``'s parameters and gradients and ``optimizer``'s state, as
+    held on this rank (a sharded tensor counts its local shard)."""
+    dense = expert = grads = 0
+    for p in model.parameters():
+        n = _nbytes(p)
+        if is_expert_param(p):
+            expert += n
+        else:
+            dense += n
+        if p.grad is not None:
+            grads += _nbytes(p.grad)
+    opt = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            opt += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return MemoryBytes(
+        params=dense + expert, grads=grads, optimizer=opt, dense_params=dense, expert_params=expert
+    )
