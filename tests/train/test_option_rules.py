@@ -52,6 +52,7 @@ SAMPLES: dict[str, list[str]] = {
     "keep_checkpoints": ["--keep-checkpoints", "3"],
     "run_dir": ["--run-dir", "runs/x"],
     "resume": ["--resume"],
+    "async_checkpoint": ["--async-checkpoint"],
     "max_restarts": ["--max-restarts", "1"],
     "backend": ["--backend", "gloo"],
     "timeout_s": ["--timeout-s", "30"],

@@ -17,7 +17,10 @@ shared by every later layer and thread. The lanes are a fixed, small set:
   exchanges on ``main`` (the dispatch counts) never queue behind rows in flight;
 * ``grad``: the gradient all-reduce chunks of the communication pool;
 * ``prefetch``: HybridEP's expert gathers issued ahead of the forward;
-* ``puts``: the taskflow runtime's one-sided puts.
+* ``puts``: the taskflow runtime's one-sided puts;
+* ``ckpt``: asynchronous checkpoint saves (``train.checkpoint.Checkpointer``), whose writer
+  thread runs DCP's collectives while the training thread runs its own; created only by a run
+  that asks for them.
 
 So a world holds at most ``len(LANES)`` groups per distinct rank set, whatever the number of
 layers. Creating a group is a collective of the *whole world* (``dist.new_group`` without
@@ -42,7 +45,7 @@ import torch.distributed as dist
 
 __all__ = ["LANES", "GroupRegistry", "registry"]
 
-LANES = ("main", "rows", "grad", "prefetch", "puts")
+LANES = ("main", "rows", "grad", "prefetch", "puts", "ckpt")
 
 
 class GroupRegistry:

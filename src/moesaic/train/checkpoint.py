@@ -15,32 +15,45 @@ Keys of the DCP state dict:
   saves and loads exactly the experts it holds, whatever the EP size was at save time;
 * ``optim.<same key>.<state>``: AdamW's ``exp_avg`` / ``exp_avg_sq`` (per expert for experts)
   and ``optim.<param>.step``;
-* ``train.step``, ``train.consumed`` (data position), ``rng.<rank>`` (torch RNG states).
+* ``train.step``, ``train.consumed`` (data position), ``rng.<rank>`` (torch's CPU RNG state)
+  and, when the model is on a GPU, ``rng.cuda.<rank>`` (that device's RNG state).
 
-Atomicity: ranks write into ``step_N.tmp``; rank 0 then adds meta.json and manifest.json,
-renames the directory to ``step_N`` and replaces ``latest``. A crash at any point leaves the
-previous checkpoint and ``latest`` intact; every leftover ``*.tmp`` / ``*.old`` is removed before
-the next save, so a crashed save does not keep the room the next one needs.
+Atomicity: ranks write into ``step_N.tmp``; each rank then hashes the data files it wrote
+(a part of the manifest, outside any collective wait: ``ckpt_manifest``); rank 0 adds meta.json,
+merges the parts into manifest.json, renames the directory to ``step_N`` and replaces
+``latest``. A crash at any point leaves the previous checkpoint and ``latest`` intact; every
+leftover ``*.tmp`` / ``*.old`` is removed before the next save, so a crashed save does not keep
+the room the next one needs. :class:`Checkpointer` can save asynchronously
+(``torch.distributed.checkpoint.async_save``: the state is copied to host memory, training goes
+on while a thread writes and hashes it on a process group of its own, the ``ckpt`` lane); the
+save is published when the next one starts and at the end of the run.
 
 Integrity: :func:`read_checkpoint_meta` checks every file against manifest.json, so a damaged
-checkpoint is refused with one line naming the file, by ``--resume`` and by ``generate``. A save
-refuses non-finite parameters or optimizer states (the ranks agree on it first), so a diverged
-run never replaces or prunes the last good checkpoint.
+checkpoint is refused with one line naming the file, by ``--resume`` and by ``generate``; a
+resume whose newest checkpoint is damaged goes back to the newest intact one and says so
+(:func:`choose_resume_checkpoint`, the ranks sharing the hashing). ``latest`` must name a
+``step_<N>`` directory inside ``checkpoints/``. A save refuses non-finite parameters or optimizer
+states (the ranks agree on it first), so a diverged run never replaces or prunes the last good
+checkpoint. Reading never runs code from the checkpoint (``ckpt_reader``: metadata unpickled
+with an allow-list, tensors with ``weights_only``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import errno
-import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
 from operator import attrgetter
 from pathlib import Path
 from types import ModuleType
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -50,7 +63,18 @@ from moesaic.layer import is_expert_param
 from moesaic.models.config import with_legacy_architecture
 from moesaic.models.gpt import MoEGPT, MoEGPTConfig
 from moesaic.strategies.registry import get_strategy
+from moesaic.train.ckpt_manifest import (
+    MANIFEST,
+    damage_message,
+    damaged_file_index,
+    fsync_dir,
+    merge_manifest,
+    verify_manifest,
+    write_atomic,
+    write_part,
+)
 from moesaic.train.errors import (
+    CheckpointDamaged,
     CheckpointError,
     checkpoint_cause,
     describe,
@@ -58,11 +82,25 @@ from moesaic.train.errors import (
     is_checkpoint_exception,
 )
 
+__all__ = [
+    "MANIFEST",
+    "Checkpointer",
+    "choose_resume_checkpoint",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "newest_intact_checkpoint",
+    "read_checkpoint_meta",
+    "resume_note",
+    "save_checkpoint",
+    "verify_manifest",
+]
+
 # 2: manifest.json with the sha256 of every file. Format-1 checkpoints (no manifest) still load,
 # with the size check only.
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
-MANIFEST = "manifest.json"
+# What ``latest`` may name: a checkpoint directory of this run, nothing else.
+_STEP_NAME = re.compile(r"step_[0-9]+")
 # Fields that fix tensor shapes or routing; the others (loss weights, dispatcher, timeouts) may
 # change on resume.
 SHAPE_FIELDS = (
@@ -142,35 +180,24 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 }
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _barrier(layout, what: str, device: torch.device) -> None:
     # An all-reduce through EPGroup rather than dist.barrier: it waits with the deadline.
     layout.world.all_reduce(torch.zeros(1, device=device), what=what)
 
 
 def _nonfinite_keys(state: dict[str, torch.Tensor]) -> list[str]:
-    return [
-        k
-        for k, v in state.items()
-        if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())
-    ]
+    """The keys of the floating-point entries holding NaN or inf, with one host read per
+    device (the flags are stacked on the device first): a value read per entry is a host sync
+    each on a GPU, thousands for a large model."""
+    by_device: dict[torch.device, list[str]] = {}
+    for k, v in state.items():
+        if torch.is_tensor(v) and v.is_floating_point():
+            by_device.setdefault(v.device, []).append(k)
+    bad = []
+    for keys in by_device.values():
+        finite_N = torch.stack([torch.isfinite(state[k]).all() for k in keys])
+        bad += [k for k, ok in zip(keys, finite_N.tolist(), strict=True) if not ok]
+    return bad
 
 
 def _agree_finite(layout, state: dict, step: int, root: Path, device: torch.device) -> None:
@@ -182,14 +209,15 @@ def _agree_finite(layout, state: dict, step: int, root: Path, device: torch.devi
     counts_P = torch.zeros(layout.world_size, dtype=torch.float64, device=device)
     counts_P[layout.rank] = len(bad)
     layout.world.all_reduce(counts_P, what="barrier before checkpoint save (finite check)")
-    if not bool(counts_P.any()):
+    counts = counts_P.tolist()  # the one read of the agreement
+    if not any(counts):
         return
-    per_rank = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(counts_P.tolist()) if c)
+    per_rank = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(counts) if c)
     example = f", e.g. {bad[0]}" if bad else ""
     latest = root / "latest"
     kept = latest.read_text().strip() if latest.is_file() else "none yet"
     raise CheckpointError(
-        f"refusing to save checkpoint step {step}: {int(counts_P.sum())} tensors hold NaN or "
+        f"refusing to save checkpoint step {step}: {int(sum(counts))} tensors hold NaN or "
         f"inf ({per_rank}{example}); the last good checkpoint ({kept}) is kept"
     )
 
@@ -210,54 +238,244 @@ def clean_stale(root: Path) -> list[Path]:
     return removed
 
 
-def _sha256(path: Path) -> str:
-    # hashlib.file_digest is Python 3.11+; we support 3.10.
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_manifest(ckpt: Path) -> None:
-    """Record the size and sha256 of every file of ``ckpt`` in its manifest.json."""
-    files = {
-        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(ckpt.iterdir())
-        if p.is_file() and p.name != MANIFEST
-    }
-    _write_atomic(ckpt / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=1))
-
-
-def verify_manifest(ckpt: Path) -> None:
-    """Raise CheckpointError unless every file listed in manifest.json is intact."""
-    try:
-        files = json.loads((ckpt / MANIFEST).read_text())["files"]
-        items = [(str(n), int(e["size"]), str(e["sha256"])) for n, e in files.items()]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(
-            f"checkpoint {ckpt} is corrupt: cannot read {MANIFEST} ({describe(exc)})"
-        ) from None
-    for name, size, digest in items:
-        f = ckpt / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {ckpt} is corrupt: file {name} is missing")
-        if f.stat().st_size != size:
-            raise CheckpointError(
-                f"checkpoint {ckpt} is corrupt: file {name} has {f.stat().st_size} bytes, "
-                f"{MANIFEST} says {size}"
-            )
-        if _sha256(f) != digest:
-            raise CheckpointError(
-                f"checkpoint {ckpt} is corrupt: file {name} does not match its sha256 in "
-                f"{MANIFEST} (damaged after it was written)"
-            )
-
-
 def _complete(root: Path, upto: str) -> list[Path]:
     """Finished checkpoints up to step name ``upto``, oldest first (those with a manifest)."""
     done = [p for p in root.glob("step_*") if p.is_dir() and not p.suffix and p.name <= upto]
     return sorted(p for p in done if (p / MANIFEST).is_file())
+
+
+class DeviceRng(Protocol):
+    """The RNG of an accelerator, as ``torch.cuda`` offers it for one device."""
+
+    def get_rng_state(self) -> torch.Tensor: ...
+
+    def set_rng_state(self, new_state: torch.Tensor) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _CudaRng:
+    device: torch.device
+
+    def get_rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device)
+
+    def set_rng_state(self, new_state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(new_state, self.device)
+
+
+def device_rng(device: torch.device) -> DeviceRng | None:
+    """The RNG of ``device`` beside torch's CPU one (CUDA's), None on the CPU. Dropout and any
+    sampling on a GPU draw from it, so a resumed run restores it too. (A test stands one in on
+    the CPU by replacing this function.)"""
+    return _CudaRng(device) if device.type == "cuda" else None
+
+
+def rng_entries(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``rng.<rank>`` (the CPU RNG) and, on a GPU, ``rng.<type>.<rank>`` (the device's)."""
+    out = {f"rng.{rank}": torch.get_rng_state()}
+    rng = device_rng(device)
+    if rng is not None:
+        out[f"rng.{device.type}.{rank}"] = rng.get_rng_state()
+    return out
+
+
+def _restore_rng(state: dict[str, torch.Tensor], rank: int, device: torch.device) -> None:
+    if f"rng.{rank}" in state:
+        torch.set_rng_state(state[f"rng.{rank}"])
+    rng = device_rng(device)
+    if rng is not None and f"rng.{device.type}.{rank}" in state:
+        rng.set_rng_state(state[f"rng.{device.type}.{rank}"])
+
+
+@dataclasses.dataclass(eq=False)
+class _Save:
+    """One save between its write and its publication."""
+
+    root: Path
+    step: int
+    info: dict  # meta.json
+    keep: int
+    device: torch.device
+    written: concurrent.futures.Future | None = None  # asynchronous: the write and the hashing
+
+    @property
+    def name(self) -> str:
+        return f"step_{self.step:08d}"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / f"{self.name}.tmp"
+
+    @property
+    def final(self) -> Path:
+        return self.root / self.name
+
+
+class Checkpointer:
+    """The saves of one run (a collective: every rank calls each method, in the same order).
+
+    Synchronous by default: :meth:`save` returns once the checkpoint is published. With
+    ``asynchronous``, :meth:`save` copies the state to host memory and returns while a thread
+    writes it (``torch.distributed.checkpoint.async_save`` on the ``ckpt`` lane, a process
+    group of its own, so its collectives never interleave with training's) and hashes this
+    rank's files; the checkpoint is published (renamed, ``latest`` replaced) by the next
+    :meth:`save` or by :meth:`finish`, which the run calls at its end. A run that dies before
+    then keeps its previous checkpoint.
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        layout,
+        meta: dict,
+        keep: int,
+        asynchronous: bool = False,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.layout, self.meta, self.keep = layout, meta, keep
+        self._group = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        if asynchronous:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, "moesaic-checkpoint")
+            if dist.is_initialized():
+                self._group = _checkpoint_group(layout.world_size, timeout_s)
+        self._pending: _Save | None = None
+
+    def save(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        step: int,
+        consumed: int,
+        check_finite: bool = True,
+    ) -> list[tuple[int, Path]]:
+        """Checkpoint ``step``; returns the ``(step, path)`` of the checkpoints published by
+        this call (the previous asynchronous one, this one when synchronous).
+
+        Raises:
+            CheckpointError: on every rank, when ``check_finite`` and some rank's parameters
+                or optimizer states hold NaN or inf (nothing is written, nothing pruned); on
+                the rank that failed, when writing failed (a full disk): the message names
+                the cause.
+        """
+        published = self.finish()
+        save, state = self._prepare(model, optimizer, step, consumed, check_finite)
+        rank = self.layout.rank
+        if self._thread is None:
+            try:
+                with _quiet_single_process():
+                    _dcp().save(state, checkpoint_id=str(save.tmp), no_dist=_no_dist())
+                write_part(save.tmp, rank)
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                raise self._failed(save, exc) from None
+            return [*published, (step, self._publish(save))]
+        try:
+            with _quiet_single_process():
+                response = _dcp().async_save(
+                    state,
+                    checkpoint_id=str(save.tmp),
+                    process_group=self._group,
+                    no_dist=_no_dist(),
+                )
+        except BaseException as exc:
+            raise self._failed(save, exc) from None
+        upload = getattr(response, "upload_completion", response)  # a Future either way
+        save.written = self._thread.submit(_wait_and_hash, upload, save.tmp, rank)
+        self._pending = save
+        return published
+
+    def finish(self) -> list[tuple[int, Path]]:
+        """Publish the asynchronous save in flight, if any (after its write and hashing on
+        every rank); returns its ``(step, path)``."""
+        save, self._pending = self._pending, None
+        if save is None:
+            return []
+        assert save.written is not None  # set by save() with every pending save
+        try:
+            save.written.result()
+        except BaseException as exc:
+            raise self._failed(save, exc) from None
+        return [(save.step, self._publish(save))]
+
+    def close(self) -> None:
+        """Stop the writer thread (call :meth:`finish` first to keep the save in flight)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
+    def _prepare(self, model, optimizer, step, consumed, check_finite) -> tuple[_Save, dict]:
+        layout = self.layout
+        device = next(model.parameters()).device
+        info = {**self.meta, "step": step, "consumed": consumed}
+        save = _Save(self.root, step, info, self.keep, device)
+        if layout.rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CheckpointError(f"cannot create {self.root}: {describe(exc)}") from None
+            clean_stale(self.root)
+        state = tensor_entries(model, optimizer)
+        if check_finite:
+            _agree_finite(layout, state, step, self.root, device)
+        else:
+            _barrier(layout, "barrier before checkpoint save", device)
+        state["train.step"] = torch.tensor(step, dtype=torch.int64)
+        state["train.consumed"] = torch.tensor(consumed, dtype=torch.int64)
+        state.update(rng_entries(layout.rank, device))
+        return save, state
+
+    def _publish(self, save: _Save) -> Path:
+        """Every rank has hashed its files: rank 0 publishes, the others wait for it."""
+        layout = self.layout
+        _barrier(layout, "barrier after every rank hashed its checkpoint files", save.device)
+        if layout.rank == 0:
+            try:
+                _publish(save, layout.world_size)
+            except BaseException as exc:
+                raise self._failed(save, exc) from None
+        _barrier(layout, "barrier after checkpoint save", save.device)
+        return save.final
+
+    def _failed(self, save: _Save, exc: BaseException) -> BaseException:
+        """The CheckpointError for a failed write (``exc`` itself for Ctrl-C and exits)."""
+        if not (isinstance(exc, Exception) or is_checkpoint_exception(exc)):
+            return exc  # KeyboardInterrupt, SystemExit
+        if isinstance(exc, CheckpointError):
+            return exc
+        cause = _save_failure_cause(exc, save.root)  # before the room is given back
+        if self.layout.rank == 0:
+            shutil.rmtree(save.tmp, ignore_errors=True)  # give the room back
+        return CheckpointError(f"saving checkpoint {save.name} in {save.root} failed: {cause}")
+
+
+def _no_dist() -> bool:
+    return not dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns "assuming the intent is to save in a single process": yes, a one-process run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        yield
+
+
+def _wait_and_hash(upload: concurrent.futures.Future, tmp: Path, rank: int) -> None:
+    """The checkpoint thread: wait for this rank's write, then hash what it wrote."""
+    upload.result()
+    write_part(tmp, rank)
+
+
+def _checkpoint_group(world_size: int, timeout_s: float) -> Any:
+    """The world's ``ckpt`` lane (a collective: every rank creates it, at the same point)."""
+    from moesaic.comm.groups import registry
+
+    reg = registry()
+    ranks = list(range(world_size))
+    reg.create([ranks], "ckpt", timeout_s, singletons=True)
+    return reg.lookup(ranks, "ckpt")
 
 
 def save_checkpoint(
@@ -272,47 +490,13 @@ def save_checkpoint(
     keep: int,
     check_finite: bool = True,
 ) -> Path:
-    """Write checkpoint ``step`` atomically (a collective: every rank calls it).
-
-    Raises:
-        CheckpointError: on every rank, when ``check_finite`` and some rank's parameters or
-            optimizer states hold NaN or inf (nothing is written, nothing pruned); on the rank
-            that failed, when writing failed (a full disk): the message names the cause.
-    """
-    root = Path(run_dir) / "checkpoints"
-    name = f"step_{step:08d}"
-    tmp, final = root / f"{name}.tmp", root / name
-    if layout.rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(f"cannot create {root}: {describe(exc)}") from None
-        clean_stale(root)
-    device = next(model.parameters()).device
-    state = tensor_entries(model, optimizer)
-    if check_finite:
-        _agree_finite(layout, state, step, root, device)
-    else:
-        _barrier(layout, "barrier before checkpoint save", device)
-    state["train.step"] = torch.tensor(step, dtype=torch.int64)
-    state["train.consumed"] = torch.tensor(consumed, dtype=torch.int64)
-    state[f"rng.{layout.rank}"] = torch.get_rng_state()
-    try:
-        with warnings.catch_warnings():
-            # "assuming the intent is to save in a single process": yes, a one-process run.
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            _dcp().save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-        if layout.rank == 0:
-            _publish(root, tmp, final, {**meta, "step": step, "consumed": consumed}, keep)
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if not (isinstance(exc, Exception) or is_checkpoint_exception(exc)):
-            raise  # KeyboardInterrupt, SystemExit
-        cause = _save_failure_cause(exc, root)  # before the room is given back
-        if layout.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # give the room back
-        raise CheckpointError(f"saving checkpoint {name} in {root} failed: {cause}") from None
-    _barrier(layout, "barrier after checkpoint save", device)
-    return final
+    """Write checkpoint ``step`` synchronously (a collective: every rank calls it); see
+    :meth:`Checkpointer.save`."""
+    saver = Checkpointer(run_dir, layout=layout, meta=meta, keep=keep)
+    published = saver.save(
+        model, optimizer, step=step, consumed=consumed, check_finite=check_finite
+    )
+    return published[-1][1]
 
 
 # Below this many free bytes the file system of a failed save counts as full.
@@ -346,10 +530,12 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _publish(root: Path, tmp: Path, final: Path, info: dict, keep: int) -> None:
-    """Rank 0: meta.json and manifest into ``tmp``, rename it to ``final``, point ``latest``."""
-    _write_atomic(tmp / "meta.json", json.dumps({**info, "format": FORMAT_VERSION}, indent=1))
-    write_manifest(tmp)
+def _publish(save: _Save, world_size: int) -> None:
+    """Rank 0: meta.json and manifest.json into ``save.tmp`` (the ranks' hashes merged), rename
+    it to ``save.final``, point ``latest`` at it, prune."""
+    root, tmp, final = save.root, save.tmp, save.final
+    write_atomic(tmp / "meta.json", json.dumps({**save.info, "format": FORMAT_VERSION}, indent=1))
+    merge_manifest(tmp, world_size)
     # The same step may exist from an attempt that died before updating ``latest`` (so it
     # is not the checkpoint ``latest`` names): move it aside, never delete it first.
     trash = final.with_name(final.name + ".old")
@@ -357,12 +543,12 @@ def _publish(root: Path, tmp: Path, final: Path, info: dict, keep: int) -> None:
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(final, trash)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     shutil.rmtree(trash, ignore_errors=True)
-    _write_atomic(root / "latest", final.name + "\n")
+    write_atomic(root / "latest", final.name + "\n")
     # Prune only finished (manifest-bearing, hence finite) checkpoints older than this one:
     # never the one ``latest`` now names, never one a later step of another attempt wrote.
-    for old in _complete(root, final.name)[:-keep]:
+    for old in _complete(root, final.name)[: -save.keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -372,9 +558,20 @@ def latest_checkpoint(run_dir: str) -> Path | None:
     pointer = root / "latest"
     if not pointer.is_file():
         return None
-    name = pointer.read_text().strip()
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"checkpoint pointer {pointer} is unreadable ({describe(exc)})"
+        ) from None
     path = root / name
-    if not name or not path.is_dir():
+    # Only a checkpoint of this run: "../../../../etc" would send a resume to /etc/meta.json.
+    if not _STEP_NAME.fullmatch(name) or path.is_symlink():
+        raise CheckpointError(
+            f"checkpoint pointer {pointer} names {name!r}; it must name a step_<N> directory "
+            f"inside {root}"
+        )
+    if not path.is_dir():
         raise CheckpointError(
             f"checkpoint pointer {pointer} names {name!r}, which is not a directory"
         )
@@ -414,13 +611,15 @@ def read_checkpoint_meta(
     or unreadable file, a file whose size or sha256 differs from manifest.json (when ``verify``),
     a data file shorter than the metadata says, or a model shape that differs.
     """
+    from moesaic.train.ckpt_reader import read_metadata  # imports DCP (see _dcp)
+
     meta_path = path / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
         saved = saved_model_config(meta)
         int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(
+        raise CheckpointDamaged(
             f"checkpoint {path} is corrupt: cannot read {meta_path.name} ({describe(exc)})"
         ) from None
     fmt = meta.get("format")
@@ -431,16 +630,11 @@ def read_checkpoint_meta(
         )
     if verify and fmt >= 2:
         verify_manifest(path)
-    try:
-        md = _dcp().FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # DCP raises pickle/EOF/OS errors for a damaged .metadata
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt: cannot read its DCP .metadata ({describe(exc)})"
-        ) from None
+    md = read_metadata(path)  # never unpickles anything but metadata types
     for info in (md.storage_data or {}).values():
         f = path / info.relative_path
         if not f.is_file() or f.stat().st_size < info.offset + info.length:
-            raise CheckpointError(
+            raise CheckpointDamaged(
                 f"checkpoint {path} is corrupt: data file {f.name} is missing or short"
             )
     if model_cfg is not None:
@@ -454,6 +648,88 @@ def read_checkpoint_meta(
     return meta
 
 
+def newest_intact_checkpoint(
+    run_dir: str, model_cfg: MoEGPTConfig | None = None
+) -> tuple[Path, dict, list[str]] | None:
+    """The newest intact checkpoint of ``run_dir`` (one process hashing every file: the
+    launcher, ``generate``): ``(path, meta, damage)`` where ``damage`` has one line for each
+    newer checkpoint that is damaged; None when there is no checkpoint.
+
+    Raises:
+        CheckpointDamaged: every checkpoint is damaged (the line names the newest's damage).
+        CheckpointError: the newest is refused or incompatible (never passed over silently).
+    """
+
+    def check(path: Path) -> tuple[str | None, dict]:
+        try:
+            return None, read_checkpoint_meta(path, model_cfg)
+        except CheckpointDamaged as exc:
+            return str(exc), {}
+
+    return _newest_passing(run_dir, check)
+
+
+def choose_resume_checkpoint(
+    run_dir: str, model_cfg: MoEGPTConfig, layout, device: torch.device
+) -> tuple[Path, dict, list[str]] | None:
+    """:func:`newest_intact_checkpoint` as a collective of every rank: each hashes its share
+    of the files (outside any collective wait), then one all-reduce per checkpoint tried
+    agrees on the first damaged file, so every rank resumes from the same checkpoint."""
+
+    def check(path: Path) -> tuple[str | None, dict]:
+        code, mine, meta = 0, None, {}
+        try:
+            meta = read_checkpoint_meta(path, model_cfg, verify=False)
+            index = None
+            if meta["format"] >= 2:
+                index = damaged_file_index(path, layout.rank, layout.world_size)
+            code = 0 if index is None else 2 + index
+        except CheckpointDamaged as exc:
+            code, mine = 1, str(exc)
+        codes_P = torch.zeros(layout.world_size, dtype=torch.int64, device=device)
+        codes_P[layout.rank] = code
+        layout.world.all_reduce(codes_P, what="agreement on a checkpoint's integrity")
+        bad = [(r, c) for r, c in enumerate(codes_P.tolist()) if c]
+        if not bad:
+            return None, meta
+        rank, code = bad[0]
+        if code >= 2:  # a file of the manifest: the same line on every rank
+            return damage_message(path, code - 2), {}
+        return mine or f"checkpoint {path} is corrupt (found by rank {rank})", {}
+
+    return _newest_passing(run_dir, check)
+
+
+def _newest_passing(
+    run_dir: str, check: Callable[[Path], tuple[str | None, dict]]
+) -> tuple[Path, dict, list[str]] | None:
+    """The first of ``latest`` and the finished checkpoints before it, newest first, that
+    ``check`` finds intact (``check`` returns ``(damage line or None, meta)``)."""
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return None
+    candidates = [
+        latest,
+        *(p for p in reversed(_complete(latest.parent, latest.name)) if p != latest),
+    ]
+    damage: list[str] = []
+    for path in candidates:
+        line, meta = check(path)
+        if line is None:
+            return path, meta, damage
+        damage.append(line)
+    if len(candidates) == 1:
+        raise CheckpointDamaged(damage[0])
+    raise CheckpointDamaged(f"{damage[0]}; no older checkpoint in {latest.parent} is intact either")
+
+
+def resume_note(path: Path, damage: list[str]) -> str | None:
+    """The line a resume prints when it passed over damaged checkpoints (None if it did not)."""
+    if not damage:
+        return None
+    return f"{damage[0]}; resuming from {path.name}, the newest intact checkpoint"
+
+
 def load_checkpoint(
     path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int
 ) -> tuple[int, int]:
@@ -461,10 +737,12 @@ def load_checkpoint(
 
     Works at any EP size: each rank reads the per-expert keys of the experts it holds.
     """
+    from moesaic.train.ckpt_reader import SafeReader, read_metadata  # imports DCP (see _dcp)
+
     if optimizer is not None:
         init_optimizer_state(optimizer)
     views = tensor_entries(model, optimizer)
-    md = _dcp().FileSystemReader(str(path)).read_metadata()
+    md = read_metadata(path)
     for key in buffer_entries(model):  # a buffer the checkpoint predates keeps its init
         if key not in md.state_dict_metadata:
             views.pop(key)
@@ -477,14 +755,12 @@ def load_checkpoint(
     state = {k: v.detach().clone() for k, v in views.items()}
     state["train.step"] = torch.zeros((), dtype=torch.int64)
     state["train.consumed"] = torch.zeros((), dtype=torch.int64)
-    rng_key = f"rng.{rank}"
-    if rng_key in md.state_dict_metadata:
-        state[rng_key] = torch.get_rng_state()
+    device = next(model.parameters()).device
+    rngs = {k: v for k, v in rng_entries(rank, device).items() if k in md.state_dict_metadata}
+    state.update(rngs)
     try:
-        with warnings.catch_warnings():
-            # "assuming the intent is to load in a single process": yes, in `generate`.
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            _dcp().load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with _quiet_single_process():  # in `generate`, a single process indeed
+            _dcp().load(state, storage_reader=SafeReader(str(path)), no_dist=_no_dist())
     except BaseException as exc:  # a damaged file: many error types, CheckpointException too
         if not (isinstance(exc, Exception) or is_checkpoint_exception(exc)):
             raise  # KeyboardInterrupt, SystemExit
@@ -498,8 +774,7 @@ def load_checkpoint(
                     f"this model needs {tuple(v.shape)}"
                 )
             v.copy_(state[k])
-    if rng_key in state:
-        torch.set_rng_state(state[rng_key])
+    _restore_rng({k: state[k] for k in rngs}, rank, device)
     return int(state["train.step"]), int(state["train.consumed"])
 
 

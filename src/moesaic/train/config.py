@@ -87,6 +87,10 @@ class TrainConfig:
         eval_every: validation loss every this many steps (and at the end; 0 = only at the end).
         eval_batches: validation batches per rank per evaluation.
         ckpt_every: checkpoint every this many steps (and at the end; 0 = only at the end).
+        async_checkpoint: write each checkpoint in the background
+            (``torch.distributed.checkpoint.async_save``): training goes on while a thread
+            writes it from a copy in host memory; it is published (``latest``) when the next
+            checkpoint starts and at the end. Costs a host copy of the state.
         save_final: the last step's validation and checkpoint (False: a throwaway run, e.g.
             ``calibrate``'s routing measurement or a benchmark point, writes only its metrics
             and whatever ``eval_every`` / ``ckpt_every`` ask for before the end).
@@ -167,6 +171,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     ckpt_every: int = 100
+    async_checkpoint: bool = False
     save_final: bool = True
     keep_checkpoints: int = 2
     run_dir: str = "runs/moe-gpt"
@@ -222,6 +227,7 @@ class TrainConfig:
         self._check_pipeline()
         check_one_of("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         check_bool("resume", self.resume)
+        check_bool("async_checkpoint", self.async_checkpoint)
         check_bool("progress", self.progress)
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"run_dir must be a non-empty path, got {self.run_dir!r}")

@@ -20,6 +20,11 @@ class CheckpointError(ValueError):
     """A checkpoint is damaged, incompatible, non-finite, or could not be written."""
 
 
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's files are missing, short, unreadable or differ from its manifest (a
+    resume may go back to an older, intact one); not one that is refused or incompatible."""
+
+
 class RunDirError(ValueError):
     """The run directory cannot be used (not a directory, not writable, locked by another run)."""
 

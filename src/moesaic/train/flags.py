@@ -251,6 +251,12 @@ def load_toml(path: str) -> dict[str, Any]:
 # Switches: (flag, dest, action, help); a "store_false" one turns a default-on field off.
 _SWITCHES = (
     ("--resume", "resume", "store_true", "continue from the latest checkpoint in --run-dir"),
+    (
+        "--async-checkpoint",
+        "async_checkpoint",
+        "store_true",
+        "write checkpoints in the background while training goes on (a host copy of the state)",
+    ),
     ("--no-progress", "progress", "store_false", "no progress bar (log lines only)"),
     (
         "--no-save-final",

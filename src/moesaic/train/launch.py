@@ -35,7 +35,7 @@ from moesaic.train.checkpoint import (
     already_has_checkpoints,
     check_resume_step,
     latest_checkpoint,
-    read_checkpoint_meta,
+    newest_intact_checkpoint,
 )
 from moesaic.train.config import TrainConfig
 from moesaic.train.data import load_splits
@@ -78,7 +78,11 @@ def validate_checkpoints(cfg: TrainConfig) -> int | None:
     if cfg.resume:
         if path is None:
             raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
-        meta = read_checkpoint_meta(path, cfg.model)
+        # A damaged newest checkpoint is passed over (the workers say so when they resume).
+        chosen = newest_intact_checkpoint(cfg.run_dir, cfg.model)
+        if chosen is None:
+            raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
+        path, meta, _ = chosen
         check_resume_step(path, meta, cfg.steps)
         return int(meta["step"])
     if path is not None:

@@ -37,11 +37,13 @@ from moesaic.trace import (
     write_chrome_trace,
 )
 from moesaic.train.checkpoint import (
+    Checkpointer,
     already_has_checkpoints,
+    check_resume_step,
+    choose_resume_checkpoint,
     latest_checkpoint,
     load_checkpoint,
-    read_checkpoint_meta,
-    save_checkpoint,
+    resume_note,
 )
 from moesaic.train.config import TRACE_STEPS, TrainConfig
 from moesaic.train.data import PackedData
@@ -253,7 +255,17 @@ def _maybe_resume(cfg, model, optimizer, layout, data: TrainingData) -> tuple[in
         if cfg.resume:
             raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
         return 0, 0, None  # a fresh run, or a restart before the first checkpoint
-    check_resume_data(path, read_checkpoint_meta(path, cfg.model), data, str(cfg.data))
+    device = next(model.parameters()).device
+    # A damaged newest checkpoint: back to the newest intact one (every rank agrees), said once.
+    chosen = choose_resume_checkpoint(cfg.run_dir, cfg.model, layout, device)
+    if chosen is None:  # removed since latest_checkpoint above
+        raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
+    path, meta, damage = chosen
+    note = resume_note(path, damage)
+    if note is not None and layout.rank == 0:
+        print(f"moesaic train: {note}", file=sys.stderr, flush=True)
+    check_resume_step(path, meta, cfg.steps)
+    check_resume_data(path, meta, data, str(cfg.data))
     step, consumed = load_checkpoint(path, model=model, optimizer=optimizer, rank=layout.rank)
     return step, consumed, str(path)
 
@@ -308,6 +320,14 @@ def train(cfg: TrainConfig) -> dict:
     meta.update(data.checkpoint_meta())  # the data's identity, the tokenizer of token shards
     if cfg.hf_config is not None:  # the file's contents (the run's vocabulary): rebuilds it
         meta["hf_config"] = run_hf_config(cfg)
+    saver = Checkpointer(
+        cfg.run_dir,
+        layout=layout,
+        meta=meta,
+        keep=cfg.keep_checkpoints,
+        asynchronous=cfg.async_checkpoint,
+        timeout_s=cfg.timeout_s,
+    )
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tokens_per_step = world * cfg.batch_size * cfg.model.seq_len
     skipped_in_a_row = 0
@@ -366,17 +386,11 @@ def train(cfg: TrainConfig) -> dict:
             reporter.validation(step, val_loss, data.bits_per_byte(val_loss))
         if last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
             _check_biases_agree(model, cfg)
-            path = save_checkpoint(
-                cfg.run_dir,
-                model=model,
-                optimizer=optimizer,
-                step=step,
-                consumed=consumed,
-                meta=meta,
-                layout=layout,
-                keep=cfg.keep_checkpoints,
-            )
-            reporter.checkpoint(step, path)
+            for saved, path in saver.save(model, optimizer, step=step, consumed=consumed):
+                reporter.checkpoint(saved, path)
+    for saved, path in saver.finish():  # an asynchronous save still in flight
+        reporter.checkpoint(saved, path)
+    saver.close()
     hooks.close()
     if recorder is not None:
         _write_trace(cfg, layout, recorder, start)

@@ -101,6 +101,7 @@ RULES: dict[str, Applies] = {
     "eval_every": EVERYWHERE,
     "eval_batches": EVERYWHERE,
     "ckpt_every": EVERYWHERE,
+    "async_checkpoint": EVERYWHERE,
     "save_final": EVERYWHERE,
     "keep_checkpoints": EVERYWHERE,
     "run_dir": EVERYWHERE,

@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn, TextIO
 
-from moesaic.train.errors import RECORD_KEY, describe, is_peer_failure
+from moesaic.train.errors import RECORD_KEY, CheckpointDamaged, describe, is_peer_failure
 
 __all__ = ["fail", "worker_main", "write_traceback"]
 
@@ -169,7 +169,8 @@ def worker_main(cfg_dict: dict, *, launched: bool) -> dict:
             lock = RunLock(cfg.run_dir, job=os.environ.get("TORCHELASTIC_RUN_ID")).acquire()
         path = latest_checkpoint(cfg.run_dir) if cfg.resume else None
         if path is not None:
-            check_resume_step(path, read_checkpoint_meta(path, verify=False), cfg.steps)
+            with contextlib.suppress(CheckpointDamaged):  # train() goes back to an intact one
+                check_resume_step(path, read_checkpoint_meta(path, verify=False), cfg.steps)
         return train(cfg)
     except KeyboardInterrupt:
         # The agent forwards the signal once more while stopping us: not a second traceback.
