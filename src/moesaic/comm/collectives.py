@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moesaic.comm.streams import device_streams, standin_streams_enabled
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out: a peer died, hung, or took another code path."""
@@ -49,7 +51,14 @@ def shortcuts_allowed() -> bool:
     return os.environ.get("MOESAIC_NO_SHORTCUTS", "0") in ("", "0")
 
 
-def wait_work(work: Any, failed: str, timeout_s: float, *, on_stream: bool = False) -> None:
+def wait_work(
+    work: Any,
+    failed: str,
+    timeout_s: float,
+    *,
+    on_stream: bool = False,
+    device: torch.device | None = None,
+) -> None:
     """Wait for ``work`` under the deadline; a failure or timeout is a ``CollectiveError``.
 
     Args:
@@ -57,16 +66,17 @@ def wait_work(work: Any, failed: str, timeout_s: float, *, on_stream: bool = Fal
         failed: the start of the error message, naming the operation and the rank
             ("dispatch counts failed on rank 0/2 of the expert-parallel group").
         timeout_s: the deadline in force, named in the message.
-        on_stream: the work runs on a device stream (NCCL): make the current stream wait and
-            return at once. A ``wait(timeout)`` there would busy-wait the host until the GPU
-            finished, so the deadline is the process group's own (its watchdog aborts a
-            collective that outlives ``timeout``, which every moesaic group is created with).
+        on_stream: the work runs on a device stream (NCCL, or a CPU's stand-in): the current
+            stream of ``device``'s streams waits (``comm.streams``: on CUDA the host returns
+            at once, the deadline being the process group's watchdog; the stand-in blocks the
+            host under ``timeout_s``).
+        device: the device of the work's tensors (with ``on_stream``).
     """
     if work is None:
         return
     try:
         if on_stream:
-            work.wait()
+            device_streams(device or torch.device("cuda")).wait_work(work, timeout_s)
         else:
             work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:  # gloo/NCCL report both timeouts and dead peers as this
@@ -179,7 +189,13 @@ class Pending:
         group's, for a caller that promised its own)."""
         if self._work is not None:
             deadline = self._timeout_s if timeout_s is None else timeout_s
-            wait_work(self._work, self._failed, deadline, on_stream=self._on_stream)
+            wait_work(
+                self._work,
+                self._failed,
+                deadline,
+                on_stream=self._on_stream,
+                device=self._output.device,
+            )
             self._work = None
         return self._output
 
@@ -259,10 +275,13 @@ class EPGroup:
         return self._backend_map().get(device_type, "gloo")
 
     def on_stream(self, tensor: torch.Tensor) -> bool:
-        """Whether a collective of ``tensor`` runs on a device stream (NCCL and the like):
-        then waits are stream waits and completion is an event, not a host callback."""
+        """Whether a collective of ``tensor`` runs on a device stream (NCCL and the like,
+        or a CPU tensor through ``comm.streams``' stand-in): then waits are stream waits and
+        completion is an event, not a host callback."""
         kind = tensor.device.type
-        return kind != "cpu" and self.backend_of(kind) != "gloo"
+        if kind == "cpu":  # gloo; the NCCL branches with MOESAIC_STANDIN_STREAMS=1
+            return self.active and standin_streams_enabled()
+        return self.backend_of(kind) != "gloo"
 
     # ---- groups -------------------------------------------------------------------------------
     def subgroups(self, rank_lists: list[list[int]], lane: str = "main") -> list[EPGroup]:
@@ -328,7 +347,10 @@ class EPGroup:
             raise collective_error(exc, self._failed(what), self.timeout_s) from exc
 
     def _wait(self, work: dist.Work | None, what: str, tensor: torch.Tensor) -> None:
-        wait_work(work, self._failed(what), self.timeout_s, on_stream=self.on_stream(tensor))
+        on_stream = self.on_stream(tensor)
+        wait_work(
+            work, self._failed(what), self.timeout_s, on_stream=on_stream, device=tensor.device
+        )
 
     # ---- collectives ---------------------------------------------------------------------------
     def start_all_to_all(

@@ -1,15 +1,35 @@
 """Device streams and events behind one small interface, with a CPU stand-in.
 
-The code NCCL takes enqueues work on side streams, makes streams wait for each other and times
-transfers with events. ``CudaStreams`` is that interface over ``torch.cuda``; ``HostStreams`` is
-its stand-in on a CPU: a CPU runs every kernel when it is issued, so issuing *is* the order of
-execution, and the stand-in keeps a log of what was issued on which stream and which waits were
-asked for (``HostStreams.log``), so a test on CPU runs the same branch (``_run_on_stream`` of
-the hybrid prefetcher, the pool's event-timed spans) and can check its order.
+The code NCCL takes enqueues work on side streams, makes streams wait for each other and for
+collectives, and times transfers with events. :class:`CudaStreams` is that interface over
+``torch.cuda``; :class:`HostStreams` is its stand-in on a CPU, so that a gloo world on CPU runs
+exactly the branches an NCCL world runs (``EPGroup.on_stream`` true, ``Pending.wait`` a stream
+wait, the hybrid prefetcher's ``_run_on_stream``, the pool's event-timed spans):
+
+* **issue order is execution order.** A CPU runs every kernel when it is issued, so work
+  "enqueued" on a stand-in stream has run, in issue order, by the time the host goes on;
+* **waits are real dependencies.** A stream's wait for a collective (``wait_work``) blocks the
+  host until the collective is done, under the group's deadline (on a device the stream waits
+  and the host goes on; the stand-in's stricter wait keeps every read after it correct, and a
+  dead peer is still a ``CollectiveError``). Waits between streams (``wait_stream``,
+  ``wait_event``) are then already met; an event waited for that was never recorded raises;
+* **events record host timestamps** (``time.perf_counter``), so ``elapsed_time`` of two events
+  is the host time between their records.
+
+Which one a tensor's collectives use is :func:`device_streams`: ``torch.cuda`` for a CUDA
+tensor, the stand-in for a CPU tensor when ``MOESAIC_STANDIN_STREAMS=1`` (read on every call, as
+``MOESAIC_NO_SHORTCUTS``: a test may switch it between two runs in one process); a CPU tensor
+without it has no device streams (the gloo path: host waits under the deadline, a thread for
+the prefetch). A stand-in keeps, when asked (:func:`record_streams`, or an instance's ``log``),
+what was issued on which stream in issue order, so a test can check the device order.
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
+import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,11 +37,31 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CudaStreams", "HostEvent", "HostStream", "HostStreams", "Streams"]
+__all__ = [
+    "ENV_VAR",
+    "CudaStreams",
+    "HostEvent",
+    "HostStream",
+    "HostStreams",
+    "Streams",
+    "device_streams",
+    "record_streams",
+    "standin_streams_enabled",
+]
+
+# Set to 1: collectives of CPU tensors on an initialised world run the device-stream branches
+# through the stand-in (``HostStreams``).
+ENV_VAR = "MOESAIC_STANDIN_STREAMS"
+
+
+def standin_streams_enabled() -> bool:
+    """Whether CPU tensors take the device-stream branches through :class:`HostStreams`
+    (``MOESAIC_STANDIN_STREAMS=1``)."""
+    return os.environ.get(ENV_VAR, "0") not in ("", "0")
 
 
 class Streams(Protocol):
-    """Where device work is enqueued: the current stream, side streams, events."""
+    """Where device work is enqueued: the current stream, side streams, events, waits."""
 
     def current(self) -> Any:
         """The stream the model computes on."""
@@ -37,12 +77,17 @@ class Streams(Protocol):
 
     def event(self, *, timing: bool = False) -> Any:
         """An event (``record(stream=None)``, ``wait(stream=None)``, ``synchronize()``,
-        ``elapsed_time(end)`` in ms when ``timing``)."""
+        ``query()``, ``elapsed_time(end)`` in ms when ``timing``)."""
         ...
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         """``tensor`` (allocated on another stream) is used on ``stream``: the caching
         allocator must not reuse its memory before ``stream`` is done with it."""
+        ...
+
+    def wait_work(self, work: Any, timeout_s: float) -> None:
+        """The current stream waits for an asynchronous collective's ``work`` (a
+        ``dist.Work``); ``timeout_s``: the group's deadline (see the implementations)."""
         ...
 
 
@@ -64,20 +109,31 @@ class CudaStreams:
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)
 
+    def wait_work(self, work: Any, timeout_s: float) -> None:
+        """``work.wait()``: the current stream waits and the host returns at once. A
+        ``wait(timeout)`` would busy-wait the host until the GPU finished, so the deadline is
+        the process group's own (its watchdog aborts a collective that outlives the timeout
+        every moesaic group is created with)."""
+        del timeout_s
+        work.wait()
+
 
 class HostStream:
-    """A stand-in stream: waits are logged (the host already ran what they wait for)."""
+    """A stand-in stream: what was issued on it has run; its waits are checked and logged."""
 
     def __init__(self, owner: HostStreams, name: str) -> None:
         self.owner, self.name = owner, name
 
     def wait_stream(self, other: HostStream) -> None:
-        self.owner.log.append(("wait_stream", self.name, other.name))
+        self.owner._note("wait_stream", self.name, other.name)
 
     def wait_event(self, event: HostEvent) -> None:
         if event.stream is None:
             raise RuntimeError("a stream waited for an event that was never recorded")
-        self.owner.log.append(("wait_event", self.name, event.stream))
+        self.owner._note("wait_event", self.name, event.stream)
+
+    def synchronize(self) -> None:
+        """Everything issued on this stream has run (the host ran it)."""
 
 
 class HostEvent:
@@ -91,10 +147,14 @@ class HostEvent:
     def record(self, stream: HostStream | None = None) -> None:
         self.stream = (stream or self.owner.current()).name
         self.time_s = time.perf_counter()
-        self.owner.log.append(("record", self.stream, id(self)))
+        self.owner._note("record", self.stream, id(self))
 
     def wait(self, stream: HostStream | None = None) -> None:
         (stream or self.owner.current()).wait_event(self)
+
+    def query(self) -> bool:
+        """Whether the work before the record has run (on a host: once recorded)."""
+        return self.stream is not None
 
     def synchronize(self) -> None:
         if self.stream is None:
@@ -103,37 +163,103 @@ class HostEvent:
     def elapsed_time(self, end: HostEvent) -> float:
         if not (self.timing and end.timing):
             raise RuntimeError("elapsed_time needs events created with timing=True")
+        if self.stream is None or end.stream is None:
+            raise RuntimeError("elapsed_time of an event that was never recorded")
         return (end.time_s - self.time_s) * 1e3
 
 
 class HostStreams:
-    """:class:`Streams` on a CPU (see the module docstring): ``log`` lists, in issue order,
-    ``("wait_stream", waiter, waited)``, ``("wait_event", waiter, recorded on)``,
-    ``("record", stream, event id)`` and ``("record_stream", stream, shape)``."""
+    """:class:`Streams` on a CPU (see the module docstring).
 
-    def __init__(self) -> None:
-        self.log: list[tuple[Any, ...]] = []
+    ``log`` (None: not kept) lists, in issue order, ``("wait_stream", waiter, waited)``,
+    ``("wait_event", waiter, recorded on)``, ``("record", stream, event id)``,
+    ``("record_stream", stream, shape)`` and ``("wait_work", stream)``. The current stream is
+    per thread, as on a device.
+
+    Args:
+        keep_log: keep ``log`` from the start (an instance a test hands to a component);
+            the process's own stand-in keeps it only inside :func:`record_streams`.
+    """
+
+    def __init__(self, *, keep_log: bool = True) -> None:
+        self.log: list[tuple[Any, ...]] | None = [] if keep_log else None
         self._main = HostStream(self, "main")
-        self._stack: list[HostStream] = [self._main]
+        self._local = threading.local()
         self._made = 0
+        self._made_lock = threading.Lock()
+
+    def _note(self, *entry: Any) -> None:
+        log = self.log
+        if log is not None:
+            log.append(entry)
+
+    def _stack(self) -> list[HostStream]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = [self._main]
+        return stack
 
     def current(self) -> HostStream:
-        return self._stack[-1]
+        return self._stack()[-1]
 
     def new_stream(self) -> HostStream:
-        self._made += 1
-        return HostStream(self, f"side{self._made}")
+        with self._made_lock:
+            self._made += 1
+            return HostStream(self, f"side{self._made}")
 
     @contextmanager
     def use(self, stream: HostStream) -> Iterator[HostStream]:
-        self._stack.append(stream)
+        stack = self._stack()
+        stack.append(stream)
         try:
             yield stream
         finally:
-            self._stack.pop()
+            stack.pop()
 
     def event(self, *, timing: bool = False) -> HostEvent:
         return HostEvent(self, timing)
 
     def record_stream(self, tensor: torch.Tensor, stream: HostStream) -> None:
-        self.log.append(("record_stream", stream.name, tuple(tensor.shape)))
+        self._note("record_stream", stream.name, tuple(tensor.shape))
+
+    def wait_work(self, work: Any, timeout_s: float) -> None:
+        """The host blocks until ``work`` is done, under ``timeout_s`` (a real dependency:
+        whatever the current stream issues next runs after the collective)."""
+        self._note("wait_work", self.current().name)
+        work.wait(datetime.timedelta(seconds=timeout_s))
+
+
+@functools.cache
+def _process_standin() -> HostStreams:
+    """The process's stand-in: one, as a device has one set of streams per process (its log
+    is off outside :func:`record_streams`)."""
+    return HostStreams(keep_log=False)
+
+
+def device_streams(device: torch.device) -> Streams:
+    """The streams that collectives and side-stream work on ``device`` use.
+
+    Raises:
+        ValueError: ``device`` has no streams: a CPU without ``MOESAIC_STANDIN_STREAMS=1``, or
+            an accelerator other than CUDA.
+    """
+    if device.type == "cuda":
+        return CudaStreams()
+    if device.type == "cpu" and standin_streams_enabled():
+        return _process_standin()
+    raise ValueError(
+        f"no device streams for {device.type} tensors (CUDA has them; a CPU has the stand-in "
+        f"with {ENV_VAR}=1)"
+    )
+
+
+@contextmanager
+def record_streams() -> Iterator[list[tuple[Any, ...]]]:
+    """``with record_streams() as log:`` what the process's stand-in issues (any thread) is
+    appended to ``log`` in issue order (the entries of :class:`HostStreams`)."""
+    standin = _process_standin()
+    saved, standin.log = standin.log, []
+    try:
+        yield standin.log
+    finally:
+        standin.log = saved

@@ -36,9 +36,10 @@ shards without replicas) are not reduced, only divided (unless the single-rank s
 ``MOESAIC_NO_SHORTCUTS=1``: then they are all-reduced over their one-rank group).
 
 Trace spans: on gloo a transfer's span ends when its work completes (the work's future); on a
-device stream the future completes at enqueue, so spans are timed by CUDA events recorded around
-the transfer and resolved at ``finish`` (one host synchronisation per step, only when the
-recorder is enabled).
+device stream the future completes at enqueue, so spans are timed by the device's events
+(``comm.streams``: CUDA events, or the CPU stand-in's host times) recorded around the transfer
+and resolved at ``finish`` (one host synchronisation per step, only when the recorder is
+enabled).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from torch import nn
 
 from moesaic.checks import check_positive, check_positive_int
 from moesaic.comm.collectives import EPGroup, Pending, in_lanes, shortcuts_allowed
+from moesaic.comm.streams import device_streams
 from moesaic.schedule.grad_layout import Chunk, GradLayout
 
 if TYPE_CHECKING:
@@ -63,29 +65,29 @@ __all__ = ["CommPool", "PendingA2A"]
 
 
 class _DeviceSpans:
-    """Spans of transfers on a device stream, timed by CUDA events: each transfer records a
-    start event before it is issued and an end event once the stream waited for it; at
-    ``resolve`` the events are turned into host times through one anchor (event, host time)
+    """Spans of transfers on a device stream, timed by events of the device's streams
+    (``comm.streams``: CUDA events, or the CPU stand-in's host timestamps): each transfer
+    records a start event before it is issued and an end event once the stream waited for it;
+    at ``resolve`` the events are turned into host times through one anchor (event, host time)
     taken at the start of the step."""
 
     def __init__(self) -> None:
         self._anchor: tuple[Any, float] | None = None
         self._open: list[tuple[str, str, Any, Any, dict[str, Any]]] = []
 
-    def begin(self, now: float) -> None:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        self._anchor, self._open = (ev, now), []
+    def begin(self, now: float, device: torch.device) -> None:
+        self._anchor, self._open = (self.start(device), now), []
 
-    def start(self) -> Any:
-        ev = torch.cuda.Event(enable_timing=True)
+    @staticmethod
+    def start(device: torch.device) -> Any:
+        ev = device_streams(device).event(timing=True)
         ev.record()
         return ev
 
-    def end(self, resource: str, name: str, start: Any, args: dict[str, Any]) -> None:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        self._open.append((resource, name, start, ev, args))
+    def end(
+        self, resource: str, name: str, start: Any, args: dict[str, Any], device: torch.device
+    ) -> None:
+        self._open.append((resource, name, start, self.start(device), args))
 
     def resolve(self, recorder: Recorder) -> None:
         if self._anchor is None:
@@ -234,7 +236,8 @@ class CommPool:
         with self._lock:
             self._gap = False
             self._a2a_unwaited += 1
-            start = self._device_spans.start() if on_stream and self.recorder.enabled else None
+            timed = on_stream and self.recorder.enabled
+            start = self._device_spans.start(input.device) if timed else None
             t0 = self.recorder.now()
             pending = rows.start_all_to_all(
                 output, input, output_splits, input_splits, f"all_to_all {name}"
@@ -244,7 +247,7 @@ class CommPool:
             if start is not None:
 
                 def span() -> None:
-                    self._device_spans.end("a2a", name, start, args)
+                    self._device_spans.end("a2a", name, start, args, input.device)
 
         else:
 
@@ -291,16 +294,20 @@ class CommPool:
             self._a2a_closed = False
             self._a2a_unwaited = 0
             self._gap = True  # the network is free until the step's first all-to-all
-            if self.recorder.enabled and self._on_device():
-                self._device_spans.begin(self.recorder.now())
+            device = self._stream_device() if self.recorder.enabled else None
+            if device is not None:
+                self._device_spans.begin(self.recorder.now(), device)
             self._armed = True
 
-    def _on_device(self) -> bool:
-        """Whether the gradients' collectives run on a device stream."""
-        return any(
-            self._groups[b.ranks].on_stream(b.staging)
-            for b in self._layout.buckets
-            if b.staging is not None
+    def _stream_device(self) -> torch.device | None:
+        """The device whose stream the gradients' collectives run on (None: the host's)."""
+        return next(
+            (
+                b.staging.device
+                for b in self._layout.buckets
+                if b.staging is not None and self._groups[b.ranks].on_stream(b.staging)
+            ),
+            None,
         )
 
     # -- issuing ----------------------------------------------------------------------------
@@ -330,10 +337,10 @@ class CommPool:
         what = f"all_reduce chunk AR{chunk.index} ({chunk.nbytes} bytes) over ranks {list(ranks)}"
         args = {"bytes": chunk.nbytes, "phase": phase, "ranks": len(ranks)}
         if group.on_stream(data):
-            start = self._device_spans.start() if self.recorder.enabled else None
+            start = self._device_spans.start(data.device) if self.recorder.enabled else None
             self._pending[chunk.index] = group.start_all_reduce(data, what=what)
             if start is not None:
-                self._device_spans.end("allreduce", f"AR{chunk.index}", start, args)
+                self._device_spans.end("allreduce", f"AR{chunk.index}", start, args, data.device)
             return
         t0 = self.recorder.now()
         pending = self._pending[chunk.index] = group.start_all_reduce(data, what=what)

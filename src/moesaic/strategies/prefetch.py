@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moesaic.comm.streams import CudaStreams
+from moesaic.comm.streams import device_streams
 from moesaic.strategies.base import StrategyHooks
 from moesaic.strategies.hybrid import HybridStrategy
 from moesaic.strategies.migration import Gathered
@@ -55,7 +55,9 @@ class ExpertPrefetcher(StrategyHooks):
         recorder: spans ``encode Lk`` / ``gather Lk`` go to lanes "encode" and "gather".
         streams: enqueue on these streams (``comm.streams``) whatever the groups' backend
             (a test's CPU stand-in ``HostStreams`` runs the NCCL branch on CPU); default: on
-            ``torch.cuda`` streams where the groups run on device streams, else a thread.
+            the experts' device streams (``comm.streams.device_streams``: CUDA's, or the CPU
+            stand-in under ``MOESAIC_STANDIN_STREAMS=1``) where the groups run on device
+            streams, else a thread.
     """
 
     def __init__(
@@ -123,8 +125,8 @@ class ExpertPrefetcher(StrategyHooks):
         stream: encoding, gathers (stream waits) and decoding all run on the device while the
         host goes on to the forward, which waits for the side stream only where it takes the
         experts (``HybridStrategy._gathered``)."""
-        if self._streams is None:
-            self._streams = CudaStreams()
+        if self._streams is None:  # CUDA's, or the CPU stand-in (MOESAIC_STANDIN_STREAMS=1)
+            self._streams = device_streams(jobs[0][2].w1.device)
         streams = self._streams
         main = streams.current()
         if self._stream is None:
