@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from moesaic.checks import check_positive_int
 from moesaic.gradnorm import square_norm
@@ -71,13 +72,16 @@ class _PipelinedStep(TrainStep):
 
     @property
     def pool(self) -> CommPool:
-        """The communication pool, built on the first step (a collective: new process groups)."""
+        """The communication pool, built on the first step (a collective: new process groups).
+
+        It reduces every gradient but those of parameters FSDP2 shards (``DTensor``s,
+        ``train/fsdp.py``): FSDP2 reduce-scatters those in the backward itself."""
         if self._pool is None:
             from moesaic.schedule.pool import CommPool
 
             self._pool = CommPool(
                 grad_sync=self.parts.grad_sync,
-                params=self.params,
+                params=[p for p in self.params if not isinstance(p, DTensor)],
                 chunk_bytes=self._chunk_bytes,
                 recorder=self.recorder,
                 timeout_s=self.pipeline.timeout_s,
@@ -122,6 +126,8 @@ class _PipelinedStep(TrainStep):
         otherwise nothing here and ``TrainStep.norm_and_flags`` runs after the reduction."""
         sets = self.pool.reduction_sets()
         world = dist.get_world_size() if self.pool.active else 1
+        if not sets:  # every gradient sharded (FSDP2): grad_sync.global_norm counts them
+            return
         if any(1 < len(ranks) < world for ranks, _ in sets):
             return
         with maybe_span(self.parts.recorder, "allreduce", "norm", part="unreduced"):
@@ -200,10 +206,14 @@ class FlowMoEStep(_PipelinedStep):
             low = max(TUNE_MIN_BYTES, high // TUNE_CHUNKS)
             self.tuner = SpTuner(low=low, high=high)
             self._chunk_bytes = self.tuner.current()
+        self._observed = 0  # steps observed (on every rank: the same count)
 
     def _next_chunk_bytes(self) -> int:
-        """Rank 0's tuner decides; every rank takes its choice (one tiny all-gather)."""
-        if self.tuner is None:
+        """Rank 0's tuner decides; every rank takes its choice (one tiny all-gather), only
+        where the choice can have changed: the tuner moves once per ``iters_per_sample``
+        observed steps (``SpTuner.observe``), so the other steps keep the agreed Sp without a
+        collective (5x fewer control-plane all-gathers at the default)."""
+        if self.tuner is None or self._observed % self.tuner.iters_per_sample:
             return self._chunk_bytes
         mine = self.tuner.current() if self.rank == 0 else 0
         flags = self.parts.grad_sync.all_ranks(torch.tensor([[mine]], dtype=torch.int64))
@@ -211,5 +221,6 @@ class FlowMoEStep(_PipelinedStep):
         return self._chunk_bytes
 
     def _observe(self, seconds: float) -> None:
+        self._observed += 1
         if self.tuner is not None and self.rank == 0:
             self.tuner.observe(seconds)

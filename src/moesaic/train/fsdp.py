@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
 from moesaic.checks import check_positive_int
@@ -49,6 +49,7 @@ from moesaic.comm.collectives import EPGroup
 from moesaic.experts import GroupedExperts
 from moesaic.gradnorm import square_norm
 from moesaic.layer import is_expert_param
+from moesaic.routing import Router
 
 __all__ = [
     "MemoryBytes",
@@ -130,14 +131,17 @@ def build_mesh(shape: MeshShape, device_type: str, timeout_s: float) -> Training
         ValueError: the world is not ``shape.world_size`` ranks.
     """
     shape.check_world(dist.get_world_size())
-    mesh = init_device_mesh(
-        device_type, (shape.dp_replicate, shape.dp_shard, shape.ep), mesh_dim_names=DIMS
+    # One world mesh unflattened twice (as torchtitan does): the [dp_replicate, dp_shard, ep]
+    # layout and the dense parts' [dp_replicate, dp_shard_ep], the same ranks in the same order
+    world = init_device_mesh(device_type, (shape.world_size,), mesh_dim_names=("world",))
+    mesh = world._unflatten(0, (shape.dp_replicate, shape.dp_shard, shape.ep), DIMS)
+    dense_2d = world._unflatten(
+        0, (shape.dp_replicate, shape.dense_shards), ("dp_replicate", DENSE_SHARD)
     )
-    mesh["dp_shard", "ep"]._flatten(DENSE_SHARD)
     replicated = shape.dp_replicate > 1
-    dense = mesh["dp_replicate", DENSE_SHARD] if replicated else mesh[DENSE_SHARD]
+    dense = dense_2d if replicated else dense_2d[DENSE_SHARD]
     experts = mesh["dp_replicate", "dp_shard"] if replicated else mesh["dp_shard"]
-    norm_group = EPGroup(mesh.get_group(DENSE_SHARD), timeout_s)
+    norm_group = EPGroup(dense_2d.get_group(DENSE_SHARD), timeout_s)
     return TrainingMesh(shape=shape, mesh=mesh, dense=dense, experts=experts, norm_group=norm_group)
 
 
@@ -151,22 +155,35 @@ def _expert_placement(shards: int):
     return placement
 
 
-def _one_rule(module: FSDPModule, world_size: int) -> None:
-    # sum, then divide by W (module docstring): the unsharded run's rule, on gloo too
+def _one_rule(module: FSDPModule, world_size: int, mesh: DeviceMesh) -> None:
+    """Sum, then divide by W (module docstring): the unsharded run's rule, on gloo too.
+
+    Sums are forced only where the unit's shard dimension has more than one rank: with one,
+    FSDP2 (torch 2.13, ``foreach_reduce``) issues no reduce-scatter, divides the gradient by
+    the factor while copying it, and with sums forced divides it by the factor a second time
+    after the (HSDP) all-reduce: the experts' gradients came out W times too small in the
+    HSDP parity test. Unforced, that path divides once and all-reduces with SUM (the
+    ``PREMUL_SUM`` gloo lacks belongs to the reduce-scatter that is not issued).
+    """
     module.set_gradient_divide_factor(float(world_size))
-    module.set_force_sum_reduction_for_comms(True)
+    module.set_force_sum_reduction_for_comms(mesh.size(mesh.ndim - 1) > 1)
 
 
 def shard_model(model: nn.Module, mesh: TrainingMesh) -> nn.Module:
     """Wrap ``model`` (an ``MoEGPT``, or any module with ``blocks``) with FSDP2 in place.
 
-    Each block's ``GroupedExperts`` on the expert mesh, each block on the dense mesh, then the
-    root. The expert marks (``layer.is_expert_param``) move to the sharded parameters that
-    replace the originals. Build the optimizer after this call.
+    Units: each block's ``GroupedExperts`` on the expert mesh; each MoE layer's router and each
+    block on the dense mesh; then the root (embedding, final norm, tied head). The expert
+    marks (``layer.is_expert_param``) move to the sharded parameters that replace the
+    originals. Build the optimizer after this call.
+
+    The pipelined schedules call a block's stages and the root's ``embed``/``head``, not their
+    ``forward``: those are registered as FSDP forward methods (all-gather before, reshard and
+    the backward hooks after), and the router is a unit of its own because they call the gate
+    (``MoELayer.route``) between two stages, when the block's parameters are sharded again.
     """
     W = mesh.shape.world_size
-    blocks: Iterable[nn.Module] = getattr(model, "blocks", [])
-    for block in blocks:
+    for block in getattr(model, "blocks", []):
         for module in block.modules():
             if isinstance(module, GroupedExperts):
                 fully_shard(
@@ -176,11 +193,20 @@ def shard_model(model: nn.Module, mesh: TrainingMesh) -> nn.Module:
                 )
                 for p in module.parameters():
                     p._moesaic_expert = True  # type: ignore[attr-defined]
-                _one_rule(module, W)  # type: ignore[arg-type]
+                _one_rule(module, W, mesh.experts)  # type: ignore[arg-type]
+            elif isinstance(module, Router):
+                fully_shard(module, mesh=mesh.dense)
+                _one_rule(module, W, mesh.dense)  # type: ignore[arg-type]
         fully_shard(block, mesh=mesh.dense)
-        _one_rule(block, W)  # type: ignore[arg-type]
+        _one_rule(block, W, mesh.dense)  # type: ignore[arg-type]
+        for stage in ("attention_stage", "expert_stage"):
+            if callable(getattr(type(block), stage, None)):
+                register_fsdp_forward_method(block, stage)
     fully_shard(model, mesh=mesh.dense)
-    _one_rule(model, W)  # type: ignore[arg-type]
+    _one_rule(model, W, mesh.dense)  # type: ignore[arg-type]
+    for method in ("embed", "head"):
+        if callable(getattr(type(model), method, None)):
+            register_fsdp_forward_method(model, method)
     return model
 
 
