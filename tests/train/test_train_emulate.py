@@ -177,3 +177,58 @@ def test_a_machine_without_namespaces_is_refused_before_anything(
     err = fails(tiny_args(data_file, run_dir, "--emulate", str(slow_cluster)), capsys)
     assert err == f"moesaic train: error: --emulate {slow_cluster}: the emulated cluster needs root"
     assert not run_dir.exists()
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+@pytest.mark.timeout(180)
+def test_cluster_down_removes_a_killed_emulation_s_work_directory(
+    data_file, slow_cluster, tmp_path
+):
+    # Issue 57 item 7: a SIGKILLed `train --emulate` left moesaic-emulate-* in the temp dir,
+    # which `cluster down` did not remove (it removed the namespaces).
+    import signal
+    import time
+
+    from moesaic.cluster.lifecycle import down
+
+    run, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    args = tiny_args(data_file, run, "--emulate", str(slow_cluster), "--steps", "100000")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moesaic", *args],
+        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(tmp)},
+        start_new_session=True,
+    )
+    metrics = run / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 90
+        while not (metrics.is_file() and '"train"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        fabric = list(tmp.glob("msc-*"))
+        assert len(fabric) == 1, fabric
+        # Every file of the run's own lies inside the network's directory (torch's compile
+        # cache, torchinductor_<user>, is torch's).
+        assert _run_files(tmp) == [fabric[0].name]
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: no teardown runs
+        proc.wait(timeout=30)
+        run_id = fabric[0].name.split("-")[1]
+        deadline = time.monotonic() + 60  # the workers notice their launcher is gone
+        while subprocess.run(["pgrep", "-f", f"moesaic.train.launched {tmp}"]).returncode == 0:
+            assert time.monotonic() < deadline, "workers outlived the launcher"
+            time.sleep(0.2)
+        report = down(run_id, tmp_root=tmp)
+        assert str(fabric[0]) in report.removed_dirs, report
+        assert not _run_files(tmp), "the killed run's directories stayed behind"
+        assert not leftover_namespaces(run_id)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _run_files(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith(("msc-", "moesaic-")))

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -94,24 +93,24 @@ def run_emulated(cfg: TrainConfig, job: str) -> dict:
     if cfg.emulate is None:
         raise ValueError("run_emulated needs a run with emulate (--emulate CLUSTER.toml)")
     spec = ClusterSpec.from_toml(cfg.emulate)
-    work = Path(tempfile.mkdtemp(prefix="moesaic-emulate-"))
-    try:
+    with _signals_as_interrupts(), NetworkFabric(spec) as fabric:
+        # Inside the network's own directory (msc-<run id>-*, named in its owner record): it
+        # goes with the network, and `moesaic cluster down` removes it once this process is
+        # dead (a killed launcher's directory in the temp dir used to stay behind).
+        work = Path(tempfile.mkdtemp(prefix="emulate-", dir=fabric.tmpdir))
         config_file = work / "config.json"
         config_file.write_text(json.dumps(cfg.to_dict()))
         summary_file = work / "summary.json"
-        with _signals_as_interrupts(), NetworkFabric(spec) as fabric:
-            for attempt in range(cfg.max_restarts + 1):
-                failures = _run_attempt(fabric, cfg, job, attempt, work, config_file, summary_file)
-                if not failures:
-                    break
-                if attempt == cfg.max_restarts:
-                    raise RuntimeError(failure_line(failures, cfg.max_restarts))
-            counters = network_counters(fabric)
+        for attempt in range(cfg.max_restarts + 1):
+            failures = _run_attempt(fabric, cfg, job, attempt, work, config_file, summary_file)
+            if not failures:
+                break
+            if attempt == cfg.max_restarts:
+                raise RuntimeError(failure_line(failures, cfg.max_restarts))
+        counters = network_counters(fabric)
         summary: dict = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
-        summary["network"] = _report_network(cfg, spec, counters)
-        return summary
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    summary["network"] = _report_network(cfg, spec, counters)
+    return summary
 
 
 def _run_attempt(
