@@ -34,7 +34,7 @@ FSDP2 would reduce with ``ReduceOp.PREMUL_SUM`` (NCCL only; gloo has none), so b
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
