@@ -53,6 +53,7 @@ def _probe(*argv: str) -> dict:
         ("taskflow", "--help"),
         ("bench", "--help"),
         ("bench", "layer", "--help"),
+        ("prepare", "--help"),
         # commands that run, not just print help: both are torch-free work
         ("cluster", "show", "--cluster", str(CLUSTER)),
         ("taskflow", "show", *TASKFLOW_SHAPE),

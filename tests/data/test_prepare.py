@@ -188,3 +188,18 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main([*args, "--vocab-size", "300"]) == 0
     assert "4 documents" in capsys.readouterr().out
     assert json.loads((tmp_path / "o" / META_NAME).read_text())["documents"] == 4
+
+
+def test_parquet_and_saved_dataset_read_the_named_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    rows = {"body": DOCS, "n": list(range(len(DOCS)))}
+    pq.write_table(pa.table(rows), tmp_path / "docs.parquet")
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
+    for name in ("docs.parquet", "saved"):
+        out = tmp_path / f"out_{name}"
+        prepare(_cfg(tmp_path / name, out, field="body"))
+        assert _decoded_documents(out) == DOCS
+        with pytest.raises(BadInput, match=rf"{name}: no column 'text' \(the text column"):
+            prepare(_cfg(tmp_path / name, tmp_path / "x"))
