@@ -190,3 +190,52 @@ if __name__ == "__main__":
                 f"gradients {max(e[1] for e in errs):.2e} (max |error| / max |g|), "
                 f"worst err(sharded, fp64) / err(unsharded, fp64) {ratio:.2f}"
             )
+
+
+# Every strategy and schedule either runs sharded (the parity test above) or is refused by its
+# own declaration, with the reason: a new entry must take one side.
+RUNS_SHARDED = {"dropless", "padded", "vanilla", "moe-only"}
+
+
+def test_every_strategy_and_schedule_runs_sharded_or_is_refused():
+    from moesaic.schedule import schedule_names
+    from moesaic.strategies import strategy_names
+    from moesaic.train.fsdp import check_sharding
+
+    for strategy in strategy_names():
+        if strategy in RUNS_SHARDED:
+            check_sharding(strategy, "vanilla")
+            continue
+        with pytest.raises(ValueError) as err:
+            check_sharding(strategy, "vanilla")
+        line = str(err.value)
+        assert line.startswith(f"strategy {strategy!r} does not run with FSDP sharding"), line
+        assert "\n" not in line and "weights" in line
+    for schedule in schedule_names():
+        if schedule in RUNS_SHARDED:
+            check_sharding("dropless", schedule)
+            continue
+        with pytest.raises(ValueError, match=rf"^schedule '{schedule}' does not run with FSDP"):
+            check_sharding("dropless", schedule)
+
+
+def test_flowmoe_refusal_names_the_pool_and_the_choices():
+    from moesaic.train.fsdp import check_sharding
+
+    with pytest.raises(ValueError) as err:
+        check_sharding("dropless", "flowmoe")
+    assert "gradient pool" in str(err.value)
+    assert str(err.value).endswith("choose --schedule vanilla or moe-only")
+
+
+def test_mesh_shape_names_the_rule():
+    from moesaic.train.fsdp import MeshShape
+
+    assert MeshShape(dp_replicate=2, dp_shard=2, ep=2).world_size == 8
+    with pytest.raises(ValueError, match=r"^dp_shard \(0\) must be"):
+        MeshShape(dp_shard=0)
+    with pytest.raises(
+        ValueError,
+        match=r"^the world size \(4\) must be dp_replicate \(1\) x dp_shard \(4\) x ep \(2\) = 8$",
+    ):
+        MeshShape(dp_shard=4, ep=2).check_world(4)

@@ -31,13 +31,18 @@ def schedule_names() -> tuple[str, ...]:
     return tuple(SCHEDULES)
 
 
-def make_step(name: str, parts: StepParts) -> TrainStep:
-    """The ``TrainStep`` registered as ``name``, built on ``parts``."""
+def step_class(name: str) -> type[TrainStep]:
+    """The ``TrainStep`` class registered as ``name`` (imports it: torch), for its traits."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule ({name!r}) must be one of {', '.join(map(repr, SCHEDULES))}")
     module, cls = SCHEDULES[name].split(":")
     step_cls: type[TrainStep] = getattr(importlib.import_module(module), cls)
-    return step_cls(parts)
+    return step_cls
 
 
-__all__ = ["SCHEDULES", "make_step", "schedule_names"]
+def make_step(name: str, parts: StepParts) -> TrainStep:
+    """The ``TrainStep`` registered as ``name``, built on ``parts``."""
+    return step_class(name)(parts)
+
+
+__all__ = ["SCHEDULES", "make_step", "schedule_names", "step_class"]

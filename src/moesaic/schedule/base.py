@@ -143,6 +143,9 @@ class TrainStep(ABC):
     """
 
     name: ClassVar[str]
+    # Empty when the schedule runs with FSDP2 sharding (``train/fsdp.py``: it reduces no
+    # gradient of a sharded parameter itself), else why it does not, for the refusal.
+    unsharded_why: ClassVar[str] = ""
 
     def __init__(self, parts: StepParts) -> None:
         self.parts = parts
@@ -172,8 +175,9 @@ class TrainStep(ABC):
         with maybe_span(parts.recorder, "allreduce", "norm"):  # norm + health flags
             norm, flags_PF = self.norm_and_flags(ce, aux)
         nonfinite = []
+        flags = flags_PF.tolist()  # one read of every rank's flags
         for i, what in enumerate(HEALTH_FLAGS):
-            ranks = [r for r, bad in enumerate(flags_PF[:, i].tolist()) if bad]
+            ranks = [r for r, row in enumerate(flags) if row[i]]
             if what == "gradients" and ranks:
                 nonfinite.append(f"gradients (global norm {norm})")
             elif ranks:
@@ -183,10 +187,8 @@ class TrainStep(ABC):
             return StepResult(ce=ce, aux=aux, grad_norm=norm, nonfinite=tuple(nonfinite))
         with maybe_span(parts.recorder, "optimizer", "optimizer"):  # clip + update
             if parts.grad_clip > 0 and norm > parts.grad_clip:
-                scale = parts.grad_clip / (norm + 1e-6)
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
+                grads = [p.grad for p in self.params if p.grad is not None]
+                torch._foreach_mul_(grads, parts.grad_clip / (norm + 1e-6))  # one multi-tensor op
             parts.optimizer.step()
             parts.optimizer.zero_grad(set_to_none=True)
         return StepResult(ce=ce, aux=aux, grad_norm=norm)

@@ -196,6 +196,12 @@ class FlowMoEStep(_PipelinedStep):
     name = "flowmoe"
     overlap_attention = True
     reduce_in_backward = True
+    unsharded_why = (
+        "its gradient pool all-reduces Sp-byte chunks in its own priority order in the gaps "
+        "between all-to-alls, while FSDP2 reduce-scatters each unit's gradients from its own "
+        "backward hook; the pool does not drive FSDP2's reduce-scatters, so the order FlowMoE "
+        "is about would not hold"
+    )
 
     def __init__(self, parts: StepParts) -> None:
         super().__init__(parts)

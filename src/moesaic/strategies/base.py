@@ -121,18 +121,34 @@ class Supports:
         schedules: the training schedules it runs under; None: every one.
         capacity: whether it honours ``capacity_factor`` (dropping what overflows).
         why: the reason for what it does not support, for the refusal.
+        unsharded_why: empty when it runs with FSDP2 sharding (``--dp-shard`` /
+            ``--dp-replicate``, ``train/fsdp.py``: the experts' weights are all-gathered
+            around each call of the layer's ``GroupedExperts`` module); else why it does not.
     """
 
     schedules: tuple[str, ...] | None = None
     capacity: bool = True
     why: str = ""
+    unsharded_why: str = ""
 
-    def check(self, strategy: str, *, schedule: str | None = None, capacity: bool = False) -> None:
+    def check(
+        self,
+        strategy: str,
+        *,
+        schedule: str | None = None,
+        capacity: bool = False,
+        sharded: bool = False,
+    ) -> None:
         """Refuse a combination this strategy does not support.
 
         Raises:
             ValueError: naming the strategy, the schedule or option, and why.
         """
+        if sharded and self.unsharded_why:
+            raise ValueError(
+                f"strategy {strategy!r} does not run with FSDP sharding (--dp-shard, "
+                f"--dp-replicate): {self.unsharded_why}"
+            )
         because = f": {self.why}" if self.why else ""
         if schedule is not None and self.schedules is not None and schedule not in self.schedules:
             runs = ", ".join(self.schedules)

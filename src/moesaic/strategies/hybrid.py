@@ -56,6 +56,7 @@ from moesaic.strategies.base import (
     ExpertRun,
     Outbound,
     StrategyContext,
+    Supports,
 )
 from moesaic.strategies.dropless import DroplessHandle, DroplessStrategy
 from moesaic.strategies.hybrid_options import HybridOptions
@@ -172,6 +173,13 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
     name = "hybrid"
     needs_expert_weights = True
     options_class = HybridOptions
+    supports = Supports(
+        unsharded_why=(
+            "it all-gathers whole expert weights inside each domain and reduces their "
+            "gradients itself, which would need FSDP2's shards gathered first and its "
+            "reduce-scatter bypassed (two owners of the same gradient)"
+        )
+    )
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)

@@ -52,10 +52,13 @@ def make_strategy(name: str, ctx: StrategyContext) -> MoEStrategy:
     return get_strategy(name)(ctx)
 
 
-def check_supported(name: str, *, schedule: str | None = None, capacity: bool = False) -> None:
+def check_supported(
+    name: str, *, schedule: str | None = None, capacity: bool = False, sharded: bool = False
+) -> None:
     """Refuse what strategy ``name`` does not support (its ``supports``), naming why.
 
     Raises:
-        ValueError: the strategy, the schedule or option, and the strategy's reason.
+        ValueError: the strategy, the schedule or option (``sharded``: FSDP2), and the
+            strategy's reason.
     """
-    get_strategy(name).supports.check(name, schedule=schedule, capacity=capacity)
+    get_strategy(name).supports.check(name, schedule=schedule, capacity=capacity, sharded=sharded)

@@ -119,6 +119,10 @@ class TaskflowStrategy(MoEStrategy):
             "its dispatch, GEMMs and combine are fused into tile tasks of one compiled plan, so "
             "there are no row all-to-alls for a pipelined schedule to issue between stages"
         ),
+        unsharded_why=(
+            "its tile tasks read the local experts' weights (w1, w3, w2) directly, outside a "
+            "call of the GroupedExperts module around which FSDP2 all-gathers them"
+        ),
     )
 
     def __init__(self, ctx: StrategyContext) -> None:

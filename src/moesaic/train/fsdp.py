@@ -50,6 +50,8 @@ from moesaic.experts import GroupedExperts
 from moesaic.gradnorm import square_norm
 from moesaic.layer import is_expert_param
 from moesaic.routing import Router
+from moesaic.schedule import schedule_names, step_class
+from moesaic.strategies.registry import check_supported
 
 __all__ = [
     "MemoryBytes",
@@ -57,6 +59,7 @@ __all__ = [
     "ShardedGradientSync",
     "TrainingMesh",
     "build_mesh",
+    "check_sharding",
     "memory_bytes",
     "shard_model",
 ]
@@ -124,6 +127,23 @@ class TrainingMesh:
     norm_group: EPGroup
 
 
+def check_sharding(strategy: str, schedule: str) -> None:
+    """Refuse a strategy or a schedule that does not run with FSDP2 sharding, through their
+    declarations (``Supports.unsharded_why``, ``TrainStep.unsharded_why``), naming why.
+
+    Raises:
+        ValueError: one line naming the strategy or schedule, the options and the reason.
+    """
+    check_supported(strategy, sharded=True)
+    why = step_class(schedule).unsharded_why
+    if why:
+        runs = [n for n in schedule_names() if not step_class(n).unsharded_why]
+        raise ValueError(
+            f"schedule {schedule!r} does not run with FSDP sharding (--dp-shard, "
+            f"--dp-replicate): {why}; choose --schedule {' or '.join(runs)}"
+        )
+
+
 def build_mesh(shape: MeshShape, device_type: str, timeout_s: float) -> TrainingMesh:
     """The training mesh on the initialised world (a collective: every rank, same order).
 
@@ -186,24 +206,18 @@ def shard_model(model: nn.Module, mesh: TrainingMesh) -> nn.Module:
     for block in getattr(model, "blocks", []):
         for module in block.modules():
             if isinstance(module, GroupedExperts):
-                fully_shard(
-                    module,
-                    mesh=mesh.experts,
-                    shard_placement_fn=_expert_placement(mesh.shape.dp_shard),
-                )
+                placement = _expert_placement(mesh.shape.dp_shard)
+                unit = fully_shard(module, mesh=mesh.experts, shard_placement_fn=placement)
+                _one_rule(unit, W, mesh.experts)
                 for p in module.parameters():
                     p._moesaic_expert = True  # type: ignore[attr-defined]
-                _one_rule(module, W, mesh.experts)  # type: ignore[arg-type]
             elif isinstance(module, Router):
-                fully_shard(module, mesh=mesh.dense)
-                _one_rule(module, W, mesh.dense)  # type: ignore[arg-type]
-        fully_shard(block, mesh=mesh.dense)
-        _one_rule(block, W, mesh.dense)  # type: ignore[arg-type]
+                _one_rule(fully_shard(module, mesh=mesh.dense), W, mesh.dense)
+        _one_rule(fully_shard(block, mesh=mesh.dense), W, mesh.dense)
         for stage in ("attention_stage", "expert_stage"):
             if callable(getattr(type(block), stage, None)):
                 register_fsdp_forward_method(block, stage)
-    fully_shard(model, mesh=mesh.dense)
-    _one_rule(model, W, mesh.dense)  # type: ignore[arg-type]
+    _one_rule(fully_shard(model, mesh=mesh.dense), W, mesh.dense)
     for method in ("embed", "head"):
         if callable(getattr(type(model), method, None)):
             register_fsdp_forward_method(model, method)
