@@ -250,8 +250,70 @@ def budget_worker(rank: int, world: int) -> dict[tuple[str, int], tuple[int, str
     return out
 
 
+# ---- a whole training step: forward, backward, gradient sync, norm, flags, clip, optimizer --
+
+TRAIN_BLOCKS, TRAIN_STEPS, TRAIN_COUNTED = 2, 7, 5
+# what the world's control plane carries per step (told apart from the EP group's own
+# collectives of EP = world by what they carry)
+CONTROL = ("health flags", "gradient norm")
+
+
+def train_step_worker(rank: int, world: int) -> dict[str, dict]:
+    """Host syncs of the last of ``TRAIN_STEPS`` whole training steps (dropless, EP 2, AdamW as
+    a GPU run builds it: ``make_adamw``, fused), and the control-plane collectives per step
+    over the last ``TRAIN_COUNTED`` (flowmoe with Sp tuned online)."""
+    from moesaic.comm.collectives import record_collectives
+    from moesaic.models import MoEGPT, MoEGPTConfig
+    from moesaic.schedule import make_step
+    from moesaic.schedule.base import StepParts
+    from moesaic.train.loop import make_adamw
+    from moesaic.train.parallel import GradientSync, build_layout
+
+    torch.set_num_threads(1)
+    layout = build_layout(world, 60.0)
+    out = {}
+    for schedule, R in (("vanilla", 1), ("flowmoe", 2)):
+        moe = {"ffn_hidden_size": 24, "num_experts": 4, "top_k": 2}
+        model_cfg = {"vocab_size": 64, "d_model": 16, "n_layers": TRAIN_BLOCKS, "n_heads": 2}
+        torch.manual_seed(0)
+        model = MoEGPT(MoEGPTConfig.from_dict({**model_cfg, "seq_len": 8, "moe": moe}))
+        parts = StepParts(
+            model=model,
+            loss_fn=lambda logits, y: torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), y.flatten()
+            ),
+            grad_sync=GradientSync(layout),
+            optimizer=make_adamw(model.parameters(), lr=1e-3, device=torch.device("cuda")),
+            pipeline_degree=R,
+            ar_chunk_bytes=None if schedule == "flowmoe" else 1024,  # flowmoe: tuned online
+            grad_clip=1e-3,  # always clips: the clipping's cost is counted too
+        )
+        step = make_step(schedule, parts)
+        gen = torch.Generator().manual_seed(rank)
+        control = 0
+        for s in range(TRAIN_STEPS):
+            x_BT = torch.randint(0, 64, (4, 9), generator=gen)
+            with record_collectives() as log, HostSyncCounter() as syncs:
+                assert step.run(x_BT[:, :-1], x_BT[:, 1:]).applied
+            if s >= TRAIN_STEPS - TRAIN_COUNTED:
+                control += sum(1 for *_, what in log if any(c in what for c in CONTROL))
+        if hasattr(step, "close"):
+            step.close()
+        out[schedule] = {
+            "syncs": syncs.count,
+            "report": syncs.report(),
+            "control": control / TRAIN_COUNTED,
+            "R": R,
+        }
+    return out
+
+
 def _two_rank_worker(rank: int, world: int) -> dict:
-    return {"budget": budget_worker(rank, world), "flowmoe": flowmoe_worker(rank, world)}
+    return {
+        "budget": budget_worker(rank, world),
+        "flowmoe": flowmoe_worker(rank, world),
+        "train": train_step_worker(rank, world),
+    }
 
 
 @functools.cache
@@ -363,3 +425,29 @@ def test_dropless_at_ep1_reads_nothing_on_the_host():
     with HostSyncCounter() as syncs:
         _step(layer, x, g)
     assert syncs.count == 0, syncs.report()
+
+
+def test_training_step_host_sync_budget():
+    """A whole training step (dropless, EP 2): each MoE layer's budget (1 per layer and chunk)
+    plus two reads at the step's end, the global norm and every rank's health flags; the
+    optimizer (fused AdamW, as on a GPU) and the clipping (one multi-tensor multiply) read
+    nothing (on 3bca125 AdamW(foreach=False) read each parameter's step count and the flags
+    were read once per flag: 29-34 per step in ``benchmarks/results/step_budget.json``)."""
+    for rank, result in enumerate(r["train"] for r in _world_of_2()):
+        for schedule, got in result.items():
+            budget = got["R"] * TRAIN_BLOCKS + 2
+            assert got["syncs"] <= budget, f"rank {rank} {schedule}: {got['report']}"
+            assert got["syncs"] >= got["R"] * TRAIN_BLOCKS  # not vacuous: the layers' reads
+
+
+def test_control_plane_collectives_per_step():
+    """The world's control plane per step: vanilla all-reduces the expert norm over the EP
+    group and all-gathers the health flags (2); flowmoe gathers its unreduced norm with the
+    flags (1) and agrees the tuner's Sp only where it can have changed, once per
+    ``iters_per_sample`` (5) steps (3bca125: every step, 2 in all)."""
+    from moesaic.schedule.tuner import SpTuner
+
+    per_sample = SpTuner.__init__.__kwdefaults__["iters_per_sample"]
+    for result in (r["train"] for r in _world_of_2()):
+        assert result["vanilla"]["control"] == 2
+        assert result["flowmoe"]["control"] == 1 + 1 / per_sample

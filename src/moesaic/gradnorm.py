@@ -16,9 +16,11 @@ moe-only on 2 ranks and for the 4-rank steps tried.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["CPU_SLICE", "square_norm"]
+__all__ = ["CPU_SLICE", "square_norm", "square_norm_sum"]
 
 # Elements per float64 slice on a CPU (fastest of 16 K - 1 M measured: 64 K).
 CPU_SLICE = 1 << 16
@@ -35,3 +37,23 @@ def square_norm(grad: torch.Tensor) -> torch.Tensor:
         .square()
         .sum()
     )
+
+
+def square_norm_sum(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``sum(g ** 2 for g in grads)`` as a 0-d float64 tensor on ``device`` (zero when empty).
+
+    On a device, torch's multi-tensor norm (``torch._foreach_norm`` in float64, what
+    ``clip_grad_norm_`` uses): a few launches for all gradients instead of one reduction per
+    parameter. On a CPU :func:`square_norm` per gradient (the cache-sized float64 slices).
+    """
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if not grads:
+        return total
+    on_cpu = [g for g in grads if g.device.type == "cpu"]
+    on_device = [g.detach() for g in grads if g.device.type != "cpu"]
+    for g in on_cpu:
+        total += square_norm(g).to(device)
+    if on_device:
+        norms = torch._foreach_norm(on_device, 2, dtype=torch.float64)
+        total += torch.stack([n.to(device) for n in norms]).square().sum()
+    return total

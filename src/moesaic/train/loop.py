@@ -108,7 +108,36 @@ def _make_optimizer(model: MoEGPT, cfg: TrainConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": other, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=ADAMW_BETAS, foreach=False)
+    return make_adamw(groups, lr=cfg.lr, device=next(model.parameters()).device)
+
+
+def adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation for ``device``: the fused kernel on a GPU (one launch for all
+    parameters and no host read of the step count), the multi-tensor ``foreach`` one elsewhere
+    (the per-parameter loop it replaces launched ~10 small kernels per parameter)."""
+    if device.type == "cuda":
+        return {"fused": True}
+    return {"foreach": True}
+
+
+def make_adamw(
+    params: torch.optim.optimizer.ParamsT, *, lr: float, device: torch.device
+) -> torch.optim.AdamW:
+    """The run's AdamW (``adamw_kernel``). The fused kernel writes the parameters without
+    bumping their version counters, by which hybrid's gathered copies and prefetch know that
+    the weights changed (``HybridStrategy._key``): a step post-hook, registered before any
+    other (the prefetcher's runs after it), bumps them."""
+    kernel = adamw_kernel(device)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=ADAMW_BETAS, **kernel)
+    if kernel.get("fused"):
+        optimizer.register_step_post_hook(_bump_versions)
+    return optimizer
+
+
+def _bump_versions(optimizer: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+    from torch.autograd.graph import increment_version
+
+    increment_version([p for group in optimizer.param_groups for p in group["params"]])
 
 
 def lm_loss(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
@@ -129,7 +158,7 @@ def check_config_agrees(
     """
     fields = cfg.agreement_fields()
     fields["default_dtype"] = torch.get_default_dtype()
-    fields["optimizer"] = f"AdamW(betas={ADAMW_BETAS}, foreach=False)"
+    fields["optimizer"] = f"AdamW(betas={ADAMW_BETAS})"  # its kernel follows the device
     fields["world_size"] = layout.world_size
     fields["data_windows"] = data
     fields["cluster"] = cluster  # its contents (the path may differ between nodes)

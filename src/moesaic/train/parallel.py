@@ -24,7 +24,7 @@ from torch import nn
 
 from moesaic.comm.collectives import EPGroup
 from moesaic.comm.groups import registry
-from moesaic.gradnorm import square_norm
+from moesaic.gradnorm import square_norm_sum
 from moesaic.layer import is_expert_param
 
 
@@ -137,18 +137,16 @@ class GradientSync:
         its DP group, and the EP group holds all shards once: the global squared norm is the
         replicated part plus the EP-group sum of the expert parts.
         """
-        grads = [(p, p.grad) for p in params if p.grad is not None]
         # the parameters' device, not the gradients': a rank without gradients must still
         # all-reduce a tensor of the same backend as its peers (CPU -> gloo, CUDA -> NCCL)
         device = params[0].device if params else torch.device("cpu")
-        rep_sq = torch.zeros((), dtype=torch.float64, device=device)
-        exp_sq = torch.zeros((), dtype=torch.float64, device=device)
-        for p, g in grads:
-            sq = square_norm(g)
-            if is_expert_param(p):
-                exp_sq += sq
-            else:
-                rep_sq += sq
+        replicated: list[torch.Tensor] = []
+        expert: list[torch.Tensor] = []
+        for p in params:
+            if p.grad is not None:
+                (expert if is_expert_param(p) else replicated).append(p.grad)
+        rep_sq = square_norm_sum(replicated, device)
+        exp_sq = square_norm_sum(expert, device)
         self.layout.ep.all_reduce(exp_sq, what="all_reduce of the expert gradient norm")
         return math.sqrt(float(rep_sq + exp_sq))
 
