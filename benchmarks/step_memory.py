@@ -1,0 +1,341 @@
+"""Peak memory per rank of one training step on CPU, by category (issue 49 item 4).
+
+A ``TorchDispatchMode`` counts live tensor storage bytes: every storage an op returns is
+counted once (``UntypedStorage``'s address) until it is freed (a ``weakref.finalize`` on the
+storage object, which torch keeps alive as long as the storage lives), and every tensor alive
+when the step starts (a ``gc`` scan: parameters, gradients, optimizer state, hybrid's cached
+gathered experts) is counted from the start. The mode is entered on the step's thread and on
+the hybrid prefetcher's worker thread (gloo runs its gathers there), so the step's allocations
+are seen wherever they run; autograd runs a CPU backward on the calling thread.
+
+At each new peak the live storages are attributed, in this order, to: the model's
+``parameters``, their ``gradients`` (``p.grad``), the ``optimizer state``, ``strategy state``
+(tensors held by the MoE layers' strategies: hybrid's gathered experts and their shared
+copies, routing tables) and the rest: ``other, made in the step`` (activations saved for the
+backward, temporaries, communication and gradient staging buffers made during the step) and
+``other, alive at the step's start`` (kept across steps: the pool's staging buffers, the
+batch, routing and placement tables).
+
+Each case runs in a fresh gloo world of ``--ranks`` processes at EP = ranks, three optimizer
+steps with the training job's AdamW (``train.loop._make_optimizer``); the first step (AdamW
+creates its state) and the third (steady state) are measured. The script imports whichever
+``moesaic`` is on ``PYTHONPATH``, so the same file measures another commit's tree::
+
+    PYTHONPATH=/tmp/before/src python benchmarks/step_memory.py --label before \\
+        --out benchmarks/results/step_memory_issue49.json
+    PYTHONPATH=src python benchmarks/step_memory.py --label after \\
+        --out benchmarks/results/step_memory_issue49.json
+
+(results of several labels share the file: each run replaces its label's entry.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import threading
+import types
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer state",
+    "strategy state",
+    "other, alive at the step's start",
+    "other, made in the step",
+)
+# (strategy, schedule): hybrid and flowmoe, dropless under vanilla as the reference
+CASES = [
+    ("dropless", "vanilla"),
+    ("hybrid", "vanilla"),
+    ("dropless", "flowmoe"),
+    ("hybrid", "flowmoe"),
+]
+MEASURED = (0, 2)  # the first step (AdamW's state created) and the third (steady state)
+
+
+class LiveBytes:
+    """Live storage bytes over time and their attribution at the peak (see the module
+    docstring), counted by :meth:`mode` (one per thread). ``classify()`` returns
+    ``{storage key: category}`` for the known tensors."""
+
+    def __init__(self, classify: Any) -> None:
+        self._classify = classify
+        self._lock = threading.RLock()
+        self.live: dict[int, int] = {}
+        self.before: set[int] = set()  # alive when the step started
+        self.current = self.peak = 0
+        self.at_peak: dict[str, int] = {}
+
+    def mode(self) -> _Counting:
+        """A dispatch mode counting into this tally (enter it on the thread it counts)."""
+        return _Counting(self)
+
+    def track(self, t: torch.Tensor) -> None:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, meta)
+            return
+        key, n = st._cdata, st.nbytes()
+        with self._lock:
+            old = self.live.get(key)
+            if old is None:
+                weakref.finalize(st, self._free, key)
+            self.live[key] = n
+            self.current += n - (old or 0)
+            if self.current > self.peak:
+                self.peak = self.current
+                self.at_peak = self._attribute()
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            self.current -= self.live.pop(key, 0)
+
+    def _attribute(self) -> dict[str, int]:
+        known = self._classify()
+        out = dict.fromkeys(CATEGORIES, 0)
+        for key, n in self.live.items():
+            other = CATEGORIES[4] if key in self.before else CATEGORIES[5]
+            out[known.get(key, other)] += n
+        return out
+
+    def start(self) -> None:
+        """Count every tensor alive now, and take the peak from here."""
+        with warnings.catch_warnings():  # (isinstance on deprecated torch aliases warns)
+            warnings.simplefilter("ignore")
+            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        for t in tensors:
+            if t.device.type == "cpu":
+                self.track(t)
+        with self._lock:
+            self.before = set(self.live)
+            self.peak = self.current
+            self.at_peak = self._attribute()
+
+
+class _Counting(TorchDispatchMode):
+    """Every tensor an op returns goes to the tally."""
+
+    def __init__(self, tally: LiveBytes) -> None:
+        super().__init__()
+        self.tally = tally
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.tally.track(t)
+        return out
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensors_in(obj: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
+    """Tensors reachable from ``obj`` through attributes, containers and done futures."""
+    if id(obj) in seen or depth > 6:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple, set)):
+        items: Any = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    elif hasattr(obj, "done") and hasattr(obj, "result") and hasattr(obj, "exception"):
+        items = [obj.result()] if obj.done() and obj.exception() is None else []
+    elif isinstance(obj, (torch.nn.Module, str, bytes, int, float, type)) or obj is None:
+        return []
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("moesaic.strategies"):
+        items = vars(obj).values()
+    else:
+        return []
+    return [t for item in items for t in _tensors_in(item, seen, depth + 1)]
+
+
+def _classifier(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    params = list(model.parameters())
+    strategies = [m.strategy for m in model.modules() if hasattr(m, "strategy")]
+
+    def classify() -> dict[int, str]:
+        out: dict[int, str] = {}
+        held = _tensors_in(strategies, set())
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        grads = [p.grad for p in params if p.grad is not None]
+        # reversed precedence: a later assignment wins
+        for category, tensors in (
+            ("strategy state", held),
+            ("optimizer state", state),
+            ("gradients", grads),
+            ("parameters", params),
+        ):
+            for t in tensors:
+                out[_key(t)] = category
+        return out
+
+    return classify
+
+
+def _config(args, strategy: str):
+    from moesaic.models import MoEGPTConfig
+
+    moe = {
+        "num_experts": args.experts,
+        "top_k": 2,
+        "ffn_hidden_size": args.ffn,
+        "dispatcher": strategy,
+    }
+    return MoEGPTConfig.from_dict(
+        {
+            "d_model": args.d_model,
+            "n_layers": args.layers,
+            "n_heads": 4,
+            "seq_len": args.seq,
+            "moe": moe,
+        }
+    )
+
+
+def _case(rank: int, world_size: int, args, strategy: str, schedule: str) -> dict:
+    from moesaic.models import MoEGPT
+    from moesaic.schedule import make_step
+    from moesaic.schedule.base import StepParts
+    from moesaic.strategies.prefetch import ExpertPrefetcher
+    from moesaic.train.hooks import ModelHooks
+    from moesaic.train.loop import _make_optimizer
+    from moesaic.train.parallel import GradientSync, build_layout
+
+    torch.manual_seed(0)
+    layout = build_layout(world_size, 120.0)
+    model = MoEGPT(_config(args, strategy), ep_group=layout.ep_group)
+    optimizer = _make_optimizer(model, types.SimpleNamespace(lr=1e-3, weight_decay=0.1))
+    hooks = ModelHooks(model).attach(optimizer)
+    parts = StepParts(
+        model=model,
+        loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()),
+        grad_sync=GradientSync(layout),
+        optimizer=optimizer,
+        pipeline_degree=args.degree,
+    )
+    step = make_step(schedule, parts)
+    gen = torch.Generator().manual_seed(100 + rank)
+    prefetchers = [h for h in hooks.hooks if isinstance(h, ExpertPrefetcher)]
+    out: dict[str, Any] = {}
+    for s in range(max(MEASURED) + 1):
+        x_BT = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
+        gc.collect()
+        tally = LiveBytes(_classifier(model, optimizer))
+        runs = [p._run for p in prefetchers]
+        for p, run in zip(prefetchers, runs):  # gloo: the gathers' own thread
+
+            def counted(jobs, _run=run, _tally=tally):
+                with _tally.mode():
+                    return _run(jobs)
+
+            p._run = counted
+        tally.start()
+        start = tally.current
+        with tally.mode():
+            assert step.run(x_BT[:, :-1], x_BT[:, 1:]).applied
+        for p in prefetchers:
+            p.wait()
+            del p._run
+        if s in MEASURED:
+            out[f"step{s + 1}"] = {
+                "at_start_bytes": start,
+                "peak_bytes": tally.peak,
+                "at_peak_bytes": tally.at_peak,
+            }
+    if hasattr(step, "close"):
+        step.close()
+    hooks.close()
+    return out
+
+
+def _source_meta() -> dict:
+    import moesaic
+
+    root = Path(moesaic.__file__).resolve().parents[2]
+
+    def git(*cmd: str) -> str:
+        res = subprocess.run(["git", "-C", str(root), *cmd], capture_output=True, text=True)
+        return res.stdout.strip()
+
+    return {
+        "source": str(root),
+        "commit": git("rev-parse", "HEAD") or "unknown",
+        "uncommitted_files": len(git("status", "--porcelain", "--untracked-files=no").splitlines()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--label", required=True, help="this run's name (before, after)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--ffn", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--degree", type=int, default=2, help="flowmoe's R")
+    args = parser.parse_args()
+
+    from moesaic.comm.world import run_world
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cases = {}
+    for strategy, schedule in CASES:  # a fresh world each: nothing of another case alive
+        per_rank = run_world(
+            _case, args.ranks, args, strategy, schedule, timeout_s=600.0, pg_timeout_s=300.0
+        )
+        name = f"{strategy}/{schedule}"
+        cases[name] = {
+            step: {
+                "peak_bytes_max_rank": max(r[step]["peak_bytes"] for r in per_rank),
+                "per_rank": [r[step] for r in per_rank],
+            }
+            for step in per_rank[0]
+        }
+    entry = {
+        "meta": {
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.machine(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            **_source_meta(),
+        },
+        "config": {k: v for k, v in vars(args).items() if k not in ("label", "out")}
+        | {"cases": [f"{st}/{sc}" for st, sc in CASES], "backend": "gloo", "ep": args.ranks},
+        "cases": cases,
+    }
+    data = json.loads(args.out.read_text()) if args.out.exists() else {}
+    data.setdefault("method", __doc__.split("\n\n")[1])
+    data.setdefault("runs", {})[args.label] = entry
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    for name, steps in cases.items():
+        for step, res in steps.items():
+            peak = res["peak_bytes_max_rank"]
+            print(f"{args.label:8s} {name:18s} {step}: peak {peak / 2**20:8.2f} MiB (max rank)")
+
+
+if __name__ == "__main__":
+    main()
