@@ -43,7 +43,9 @@ from test_collective_order import assert_same_order
 from moesaic.comm.collectives import CollectiveError, EPGroup, record_collectives
 from moesaic.comm.streams import (
     ENV_VAR,
+    HostStream,
     HostStreams,
+    StreamHazardError,
     device_streams,
     record_streams,
     standin_streams_enabled,
@@ -95,7 +97,9 @@ def _train(layout, schedule: str, strategy: str, ep: int, batches, rank: int) ->
     from moesaic.train.parallel import GradientSync
 
     recorder = Recorder(rank)
-    with record_streams() as streams_log:  # (any thread, construction to the last step)
+    # (any thread, construction to the last step; on the stand-in, every read of what another
+    # stream wrote must come after a wait for it)
+    with record_streams(check_hazards=standin_streams_enabled()) as streams_log:
         with record_collectives() as log:
             torch.manual_seed(0)
             model = MoEGPT(_config(strategy, ep), ep_group=layout.ep_group)
@@ -316,3 +320,73 @@ def test_standin_wait_keeps_the_deadline():
     assert out[1] == "left"
     assert "lonely all_reduce failed on rank 0/2" in out[0], out[0]
     assert "collective_timeout_s=1" in out[0]
+
+
+def test_hazard_check_finds_a_read_before_its_wait(monkeypatch):
+    """A kernel on the main stream reading what a side stream wrote raises until the main
+    stream waited for that write: by an event recorded after it, or by ``wait_stream``; an
+    event recorded before the write is not enough."""
+    monkeypatch.setenv(ENV_VAR, "1")
+    streams = device_streams(torch.device("cpu"))
+    side = streams.new_stream()
+    with record_streams(check_hazards=True):
+        early = streams.event()
+        early.record(side)
+        with streams.use(side):
+            x = torch.ones(4) * 2
+        with pytest.raises(StreamHazardError, match=rf"stream main reads .* stream {side.name}"):
+            x + 1
+        early.wait()
+        with pytest.raises(StreamHazardError):
+            x + 1
+        ready = streams.event()
+        ready.record(side)
+        ready.wait()
+        assert torch.equal(x + 1, torch.full((4,), 3.0))
+        with streams.use(side):
+            y = x * 3  # the side stream reads its own writes: no wait needed
+        streams.current().wait_stream(side)
+        assert torch.equal(y - 1, torch.full((4,), 5.0))
+
+
+def _broken_prefetch(rank: int, world_size: int, broken: str) -> str:
+    """Hybrid at EP 2 under vanilla through the stand-in with the hazard check, its
+    prefetcher missing one of its two waits: the forward's wait for the side stream's event,
+    or the side stream's wait for the optimizer's update."""
+    from moesaic.strategies.prefetch import ExpertPrefetcher
+    from moesaic.train.parallel import build_layout
+
+    os.environ[ENV_VAR] = "1"
+    if broken == "forward waits":
+        run = ExpertPrefetcher._run_on_stream
+
+        def without_ready(self, jobs):
+            run(self, jobs)
+            for _, strategy, _, _ in jobs:
+                strategy.prefetch_ready = None
+
+        ExpertPrefetcher._run_on_stream = without_ready  # type: ignore[method-assign]
+    elif broken == "side waits":
+        HostStream.wait_stream = lambda self, other: None  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randint(0, 256, (B, T + 1), generator=gen) for _ in range(2)]
+    try:
+        _train(build_layout(2, 60.0), "vanilla", "hybrid", 2, batches, rank)
+    except StreamHazardError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.mark.parametrize("broken", ["nothing", "forward waits", "side waits"])
+def test_hazard_check_catches_a_prefetch_without_its_waits(broken):
+    """The check is what makes the stand-in's runs above able to fail on a missing wait: a
+    prefetch without either wait is refused at the first read of the unwaited-for data (the
+    second forward's experts; the side stream's read of the updated weights), and the real
+    prefetcher trains."""
+    out = run_world(_broken_prefetch, 2, broken, timeout_s=120.0)
+    for message in out:
+        if broken == "nothing":
+            assert message == "trained"
+        else:
+            writer = "main" if broken == "side waits" else "side"
+            assert f"that stream {writer}" in message, message

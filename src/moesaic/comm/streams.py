@@ -14,7 +14,14 @@ wait, the hybrid prefetcher's ``_run_on_stream``, the pool's event-timed spans):
   dead peer is still a ``CollectiveError``). Waits between streams (``wait_stream``,
   ``wait_event``) are then already met; an event waited for that was never recorded raises;
 * **events record host timestamps** (``time.perf_counter``), so ``elapsed_time`` of two events
-  is the host time between their records.
+  is the host time between their records;
+* **what a device would race on is found** (``record_streams(check_hazards=True)``): each
+  stand-in stream counts the kernels issued on it and keeps a vector clock of what it waited
+  for (``wait_stream``, ``wait_event``: an event carries its stream's clock at ``record``); a
+  dispatch mode notes which stream wrote each storage last, and a kernel on another stream
+  that reads it before waiting for that write raises :class:`StreamHazardError`, where a GPU
+  would read stale or half-written data (as HybridEP's forward would, taking prefetched
+  experts without waiting for the side stream's event).
 
 Which one a tensor's collectives use is :func:`device_streams`: ``torch.cuda`` for a CUDA
 tensor, the stand-in for a CPU tensor when ``MOESAIC_STANDIN_STREAMS=1`` (read on every call, as
@@ -31,11 +38,14 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "ENV_VAR",
@@ -43,6 +53,7 @@ __all__ = [
     "HostEvent",
     "HostStream",
     "HostStreams",
+    "StreamHazardError",
     "Streams",
     "device_streams",
     "record_streams",
@@ -118,18 +129,39 @@ class CudaStreams:
         work.wait()
 
 
+class StreamHazardError(RuntimeError):
+    """A kernel read, on one stream, what another stream wrote without waiting for it."""
+
+
 class HostStream:
-    """A stand-in stream: what was issued on it has run; its waits are checked and logged."""
+    """A stand-in stream: what was issued on it has run; its waits are checked and logged.
+
+    ``issued`` counts the kernels issued on it (under ``record_streams(check_hazards=True)``)
+    and ``waited`` is its vector clock: for each other stream, how many of its kernels this
+    one has waited for."""
 
     def __init__(self, owner: HostStreams, name: str) -> None:
         self.owner, self.name = owner, name
+        self.issued = 0
+        self.waited: dict[str, int] = {}
+
+    def clock(self) -> dict[str, int]:
+        """What work after this point may rely on: its own kernels and what it waited for."""
+        return {**self.waited, self.name: self.issued}
+
+    def _merge(self, clock: dict[str, int]) -> None:
+        for name, n in clock.items():
+            if name != self.name and n > self.waited.get(name, 0):
+                self.waited[name] = n
 
     def wait_stream(self, other: HostStream) -> None:
+        self._merge(other.clock())
         self.owner._note("wait_stream", self.name, other.name)
 
     def wait_event(self, event: HostEvent) -> None:
         if event.stream is None:
             raise RuntimeError("a stream waited for an event that was never recorded")
+        self._merge(event.clock)
         self.owner._note("wait_event", self.name, event.stream)
 
     def synchronize(self) -> None:
@@ -142,10 +174,12 @@ class HostEvent:
     def __init__(self, owner: HostStreams, timing: bool) -> None:
         self.owner, self.timing = owner, timing
         self.stream: str | None = None
+        self.clock: dict[str, int] = {}
         self.time_s = 0.0
 
     def record(self, stream: HostStream | None = None) -> None:
-        self.stream = (stream or self.owner.current()).name
+        on = stream or self.owner.current()
+        self.stream, self.clock = on.name, on.clock()
         self.time_s = time.perf_counter()
         self.owner._note("record", self.stream, id(self))
 
@@ -254,12 +288,76 @@ def device_streams(device: torch.device) -> Streams:
 
 
 @contextmanager
-def record_streams() -> Iterator[list[tuple[Any, ...]]]:
+def record_streams(*, check_hazards: bool = False) -> Iterator[list[tuple[Any, ...]]]:
     """``with record_streams() as log:`` what the process's stand-in issues (any thread) is
-    appended to ``log`` in issue order (the entries of :class:`HostStreams`)."""
+    appended to ``log`` in issue order (the entries of :class:`HostStreams`).
+
+    Args:
+        check_hazards: also check, on this thread, that no kernel reads on one stream what
+            another stream wrote before waiting for it (:class:`StreamHazardError`; see the
+            module docstring).
+    """
     standin = _process_standin()
     saved, standin.log = standin.log, []
     try:
-        yield standin.log
+        if check_hazards:
+            with _HazardCheck(standin):
+                yield standin.log
+        else:
+            yield standin.log
     finally:
         standin.log = saved
+
+
+class _HazardCheck(TorchDispatchMode):
+    """Each kernel counts as issued on the stand-in's current stream; a tensor it reads that
+    another stream wrote after the last point this stream waited for raises; what it returns
+    (outputs, and in-place and ``out=`` arguments, which ops return) is written here.
+
+    Read-after-write only: a device could also overwrite what another stream still reads
+    (what ``record_stream`` guards for freed memory); a host cannot show that order."""
+
+    def __init__(self, streams: HostStreams) -> None:
+        super().__init__()
+        self.streams = streams
+        self.writes: dict[int, tuple[HostStream, int]] = {}  # storage -> (stream, kernel no.)
+
+    @staticmethod
+    def _storage(t: torch.Tensor) -> int | None:
+        try:
+            return t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, nested)
+            return None
+
+    def _written(self, t: torch.Tensor, stream: HostStream) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = storage._cdata
+        if key not in self.writes:  # forget it when freed: its address may be reused
+            weakref.finalize(storage, self.writes.pop, key, None)
+        self.writes[key] = (stream, stream.issued)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        stream = self.streams.current()
+        for t in tree_flatten((args, kwargs))[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            write = self.writes.get(self._storage(t) or 0)
+            if write is None or write[0] is stream:
+                continue
+            producer, n = write
+            if stream.waited.get(producer.name, 0) < n:
+                raise StreamHazardError(
+                    f"{func} on stream {stream.name} reads a {tuple(t.shape)} tensor that "
+                    f"stream {producer.name} wrote (its kernel {n}) without waiting for it "
+                    f"(it waited for {stream.waited.get(producer.name, 0)}): wait_stream, or "
+                    f"wait for an event recorded after the write"
+                )
+        out = func(*args, **(kwargs or {}))
+        stream.issued += 1
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._written(t, stream)
+        return out
