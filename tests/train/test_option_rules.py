@@ -27,6 +27,8 @@ SAMPLES: dict[str, list[str]] = {
     "config": ["--config", "{config}"],
     "nproc": ["--nproc", "2"],
     "ep": ["--ep", "2"],
+    "dp_shard": ["--dp-shard", "2"],
+    "dp_replicate": ["--dp-replicate", "2"],
     "steps": ["--steps", "10"],
     "batch_size": ["--batch-size", "4"],
     "lr": ["--lr", "0.001"],
@@ -66,6 +68,7 @@ SAMPLES: dict[str, list[str]] = {
     "activation_checkpointing": ["--activation-checkpointing"],
     "emulate": ["--emulate", str(ROOT / "examples" / "clusters" / "flowmoe_2rank.toml")],
     "plan": [],  # chooses the walk's axes itself: tests/train/test_train_plan.py
+    "force_plan": [],  # needs a --plan file: tests/train/test_plan_fits.py
     "model.seq_len": ["--seq-len", "32"],
     "model.d_model": ["--d-model", "32"],
     "model.n_layers": ["--n-layers", "3"],

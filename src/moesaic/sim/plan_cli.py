@@ -431,11 +431,13 @@ def _with_routing(args: argparse.Namespace, spec: ClusterSpec, profile: Any) -> 
     return dataclasses.replace(profile, routing=routing)
 
 
-def build_ranking(args: argparse.Namespace) -> tuple[Any, float]:
-    """The ranking of ``args`` (:class:`moesaic.sim.planner.Plan`) and its wall seconds."""
+def build_ranking(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any]]:
+    """The ranking of ``args`` (:class:`moesaic.sim.planner.Plan`), its wall seconds and the
+    job it was made for (``moesaic.train.plan.made_for``)."""
     from moesaic.checks import check_positive_int
     from moesaic.sim.model import load_model_spec
     from moesaic.sim.planner import plan_runs
+    from moesaic.train.plan import PLAN_SHAPE_FIELDS, made_for
 
     check_positive_int("top (--top)", args.top)
     for flag in ("tokens_per_rank", "dtype_bytes"):
@@ -458,12 +460,21 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float]:
         all_reduce=args.all_reduce,
         capacity_factors=capacities,
     )
-    return plan, time.perf_counter() - t0
+    wall_s = time.perf_counter() - t0
+    job = made_for(
+        world_size=spec.world_size,
+        cluster=spec.name,
+        shape={name: getattr(model, name) for name in PLAN_SHAPE_FIELDS},
+        profile=args.profile or f"{profile.source} ({profile.flops_per_s:.3g} FLOP/s)",
+    )
+    return plan, wall_s, job
 
 
-def ranking_json(plan: Any) -> list[dict[str, Any]]:
-    """``--json``: every candidate, fastest first, with its rank; the first with the reason."""
-    rows = [{"rank": i + 1, **c.to_dict()} for i, c in enumerate(plan.ranked)]
+def ranking_json(plan: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """``--json``: every candidate, fastest first, with its rank and the job it was made for
+    (``made_for``: ``moesaic train --plan`` refuses it for another); the first with the
+    reason."""
+    rows = [{"rank": i + 1, **c.to_dict(), "made_for": job} for i, c in enumerate(plan.ranked)]
     rows[0]["reason"] = plan.reason
     return rows
 
@@ -512,11 +523,11 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = build_plan(args)
         print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
         return 0
-    ranking, wall_s = build_ranking(args)
+    ranking, wall_s, job = build_ranking(args)
     if args.json:
         for name, why in ranking.skipped:
             _note(f"skipped {name}: {why}")
-        print(json.dumps(ranking_json(ranking), indent=1))
+        print(json.dumps(ranking_json(ranking, job), indent=1))
     else:
         print(format_ranking(ranking, top=args.top, wall_s=wall_s))
     return 0

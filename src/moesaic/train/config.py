@@ -145,6 +145,8 @@ class TrainConfig:
             ``config_from_args``; recorded here), or "auto": at the start of the run rank 0
             plans on ``cluster`` (needed) with a quick measurement of its machine and every
             rank trains with its pick (``moesaic.train.plan_auto``). None: the options given.
+        force_plan: apply a ``plan`` file made for another world size, cluster or model shape
+            (its ``made_for``) with a note, instead of refusing it.
     """
 
     model: MoEGPTConfig = field(default_factory=MoEGPTConfig)
@@ -190,6 +192,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     emulate: str | None = None
     plan: str | None = None
+    force_plan: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MoEGPTConfig):
@@ -228,6 +231,7 @@ class TrainConfig:
         check_one_of("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         check_bool("resume", self.resume)
         check_bool("async_checkpoint", self.async_checkpoint)
+        check_bool("force_plan", self.force_plan)
         check_bool("progress", self.progress)
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ValueError(f"run_dir must be a non-empty path, got {self.run_dir!r}")
@@ -353,6 +357,8 @@ class TrainConfig:
             )
 
     def _check_plan(self) -> None:
+        if self.force_plan and (self.plan is None or self.plan == "auto"):
+            raise ValueError("force_plan (--force-plan) applies to a plan file (--plan FILE.json)")
         if self.plan is None:
             return
         if not isinstance(self.plan, str) or not self.plan:

@@ -27,7 +27,7 @@ from moesaic.strategy_table import options_class
 from moesaic.train.config import TRACE_STEPS, TrainConfig
 from moesaic.train.domains import load_cluster
 from moesaic.train.option_rules import check_applicable, drop_other_options
-from moesaic.train.plan import apply_plan_option
+from moesaic.train.plan import AUTO, apply_plan_option, blame_plan
 from moesaic.train.schedule_options import parse_pipeline_degree
 
 __all__ = ["add_train_arguments", "config_from_args", "load_toml"]
@@ -252,6 +252,12 @@ def load_toml(path: str) -> dict[str, Any]:
 _SWITCHES = (
     ("--resume", "resume", "store_true", "continue from the latest checkpoint in --run-dir"),
     (
+        "--force-plan",
+        "force_plan",
+        "store_true",
+        "apply --plan FILE.json even if it was made for another world size, cluster or model",
+    ),
+    (
         "--async-checkpoint",
         "async_checkpoint",
         "store_true",
@@ -344,4 +350,10 @@ def config_from_args(
     if isinstance(emulate, str) and emulate and "nproc" not in d:
         # One worker per rank of the emulated cluster; a --nproc that disagrees is refused.
         d["nproc"] = load_cluster(emulate, option="emulate").world_size
-    return TrainConfig.from_dict(d)
+    try:
+        return TrainConfig.from_dict(d)
+    except ValueError as exc:
+        plan = d.get("plan")
+        if isinstance(plan, str) and plan != AUTO:  # an option it set may be the cause
+            raise blame_plan(exc, plan) from None
+        raise

@@ -40,6 +40,7 @@ from moesaic.train.checkpoint import (
 from moesaic.train.config import TrainConfig
 from moesaic.train.data import load_splits
 from moesaic.train.errors import RECORD_KEY, pick_root_cause
+from moesaic.train.plan import AUTO, blame_plan, check_plan_fits, cluster_name
 from moesaic.train.runlock import RunLock, check_run_dir
 
 # Loggers of the elastic agent and of torch.multiprocessing: they log rendezvous, restarts,
@@ -59,8 +60,14 @@ def validate(cfg: TrainConfig, world_size: int) -> int | None:
 
 
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
-    """The layout and the data (nothing on disk is created or locked)."""
-    cfg.check_world(world_size)
+    """The plan, the layout and the data (nothing on disk is created or locked)."""
+    applied = check_plan_fits(cfg, world_size, cluster_name(cfg), note=_note)
+    try:
+        cfg.check_world(world_size)
+    except ValueError as exc:
+        if cfg.plan is None or cfg.plan == AUTO:
+            raise
+        raise blame_plan(exc, cfg.plan) from None  # a value the plan set may be the cause
     for name in ("trace", "trace_png"):  # writable before the run, not found bad after it
         if getattr(cfg, name) is not None:
             check_output_file(f"--{name.replace('_', '-')}", getattr(cfg, name))
@@ -70,6 +77,12 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         print(f"moesaic train: {line}", file=sys.stderr, flush=True)
     if cfg.resume and not Path(cfg.run_dir).is_dir():
         raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
+    if applied is not None:
+        _note(applied)
+
+
+def _note(line: str) -> None:
+    print(f"moesaic train: {line}", file=sys.stderr, flush=True)
 
 
 def validate_checkpoints(cfg: TrainConfig) -> int | None:

@@ -132,6 +132,7 @@ RULES: dict[str, Applies] = {
     "emulate": EVERYWHERE,
     # What chooses the strategy and schedule (moesaic.train.plan): any of them.
     "plan": EVERYWHERE,
+    "force_plan": EVERYWHERE,
     "auto_domains": Applies(
         strategies=("hybrid",),
         what="hybrid's expert domains chosen by the cost model; no other strategy has domains",

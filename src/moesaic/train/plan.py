@@ -16,6 +16,12 @@ key is overridden with a note (a config file is often shared by runs, as ``optio
 The strategy options go through :func:`strategy_option_dest`, the one place that knows where a
 strategy's options live in the configuration.
 
+An entry of ``moesaic plan --json`` also records the job it was priced for (``made_for``: the
+world size, the cluster, the model's shape in ``PLAN_SHAPE_FIELDS`` and the machine profile).
+A run whose world, model or cluster differs is refused (:func:`check_plan_fits`) unless
+``--force-plan``; either way the run prints the combination it applies. An error that a value
+set by the plan causes names the plan (:func:`blame_plan`).
+
 ``--plan auto`` chooses at the start of the run instead (:mod:`moesaic.train.plan_auto`): it
 needs ``--cluster``, and the options it chooses may not be given too, nor options that apply to
 some strategies or schedules only (which the plan may not pick). Torch-free.
@@ -24,11 +30,13 @@ some strategies or schedules only (which the plan may not pick). Torch-free.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from moesaic.checks import check_number
+from moesaic.cluster.spec import ClusterSpec
 from moesaic.schedule import schedule_names
 from moesaic.strategy_table import options_class, strategy_names
 from moesaic.train.domains import parse_domain_sizes
@@ -38,10 +46,15 @@ from moesaic.train.schedule_options import parse_ar_chunk, parse_pipeline_degree
 __all__ = [
     "AUTO",
     "MODEL_OPTIONS",
+    "PLAN_SHAPE_FIELDS",
     "RUN_OPTIONS",
     "apply_plan_option",
+    "blame_plan",
     "check_auto_options",
     "check_entry",
+    "check_plan_fits",
+    "cluster_name",
+    "made_for",
     "plan_record",
     "plan_settings",
     "read_plan",
@@ -58,6 +71,9 @@ RUN_OPTIONS = ("pipeline_degree", "ar_chunk")
 MODEL_OPTIONS = {"capacity_factor": "model.moe.capacity_factor"}
 # The dests a plan decides besides its strategy's options.
 CHOSEN = ("model.moe.dispatcher", "schedule", *RUN_OPTIONS)
+# The model's shape a plan is priced for, by the names of the simulator's ``ModelSpec`` fields
+# (MoE blocks, one rank's batch); :func:`run_shape` reads the same from a training config.
+PLAN_SHAPE_FIELDS = ("layers", "batch", "seq_len", "hidden", "ffn_hidden", "experts", "top_k")
 
 
 def strategy_option_dest(option: str) -> str:
@@ -293,3 +309,117 @@ def plan_record(cfg: Any) -> dict[str, Any] | None:
         "capacity_factor": moe.capacity_factor,
         "options": moe.options.to_dict(),
     }
+
+
+def made_for(
+    *, world_size: int, cluster: str, shape: Mapping[str, int], profile: str
+) -> dict[str, Any]:
+    """The ``made_for`` record of a plan entry (``moesaic plan --json``)."""
+    return {
+        "world_size": world_size,
+        "cluster": cluster,
+        "model": {name: shape[name] for name in PLAN_SHAPE_FIELDS},
+        "profile": profile,
+    }
+
+
+def run_shape(cfg: Any) -> dict[str, int]:
+    """A training config's model shape as a plan records it (``PLAN_SHAPE_FIELDS``)."""
+    model, moe = cfg.model, cfg.model.moe
+    return dict(
+        zip(
+            PLAN_SHAPE_FIELDS,
+            (
+                model.num_moe_layers,
+                cfg.batch_size,
+                model.seq_len,
+                model.d_model,
+                moe.ffn_hidden_size,
+                moe.num_experts,
+                moe.top_k,
+            ),
+            strict=True,
+        )
+    )
+
+
+def _mismatches(record: Any, cfg: Any, world_size: int | None, cluster: str | None) -> list[str]:
+    """What differs between a plan's ``made_for`` and this run, one phrase each."""
+    if not isinstance(record, Mapping) or not isinstance(record.get("model"), Mapping):
+        return ["its made_for record is not an object with a model"]
+    out = []
+    if world_size is not None and record.get("world_size") != world_size:
+        out.append(f"world_size {record.get('world_size')} (this run: {world_size})")
+    if cluster is not None and record.get("cluster") != cluster:
+        out.append(f"cluster {record.get('cluster')!r} (this run: {cluster!r})")
+    mine = run_shape(cfg)
+    for name in PLAN_SHAPE_FIELDS:
+        if record["model"].get(name) != mine[name]:
+            out.append(f"model {name} {record['model'].get(name)} (this run: {mine[name]})")
+    return out
+
+
+def _applied(entry: Mapping[str, Any], path: str) -> str:
+    options = ", ".join(f"{k} {v}" for k, v in entry["options"].items())
+    rank = f" (ranked {entry['rank']})" if "rank" in entry else ""
+    what = f"{entry['strategy']} / {entry['schedule']}" + (f" with {options}" if options else "")
+    record = entry.get("made_for")
+    if isinstance(record, Mapping):
+        made = (
+            f"; made for {record.get('world_size')} ranks on cluster {record.get('cluster')!r}, "
+            f"profile {record.get('profile')}"
+        )
+    else:
+        made = "; it records no job it was made for (an older moesaic plan)"
+    return f"--plan {path}: training {what}{rank}{made}"
+
+
+def cluster_name(cfg: Any) -> str | None:
+    """The name of the cluster a run describes (``--cluster``, else ``--emulate``), or None."""
+    path = cfg.cluster or cfg.emulate
+    return None if path is None else ClusterSpec.from_toml(path).name
+
+
+def check_plan_fits(
+    cfg: Any, world_size: int | None, cluster: str | None, note: Callable[[str], None]
+) -> str | None:
+    """``--plan FILE.json``: refuse a plan made for another world, cluster or model (unless
+    ``cfg.force_plan``, then a note); returns the line saying which combination the run
+    applies, for the caller to print once the rest of the run is checked (None without a
+    plan file).
+
+    Args:
+        cfg: the run's ``TrainConfig`` (its ``plan`` a file; anything else is not checked).
+        world_size: the run's world size, None where not known yet.
+        cluster: the name of the run's ``--cluster``, None without one.
+        note: where the lines go (one each).
+
+    Raises:
+        ValueError: naming every difference, and the flag that applies the plan anyway.
+    """
+    if cfg.plan is None or cfg.plan == AUTO:
+        return None
+    entry = read_plan(cfg.plan)
+    record = entry.get("made_for")
+    if record is not None:
+        differ = _mismatches(record, cfg, world_size, cluster)
+        if differ:
+            line = f"--plan {cfg.plan} was made for another job: {'; '.join(differ)}"
+            if not cfg.force_plan:
+                raise ValueError(
+                    f"{line}; plan this job (moesaic plan --json) or pass --force-plan"
+                )
+            note(f"{line}; applied anyway (--force-plan)")
+    return _applied(entry, cfg.plan)
+
+
+def blame_plan(exc: ValueError, path: str) -> ValueError:
+    """``exc`` (raised by the configuration ``--plan path`` was applied to) naming the plan
+    when it is about an option the plan set: ``pipeline_degree (4) must divide batch_size
+    (2)`` came from the plan, not from a flag."""
+    settings = plan_settings(read_plan(path))
+    for dest, value in settings.items():
+        name = dest.rsplit(".", 1)[-1]
+        if re.search(rf"(?<![\w]){re.escape(name)}(?![\w])", str(exc)):
+            return ValueError(f"--plan {path} sets {name} {value}: {exc}")
+    return exc

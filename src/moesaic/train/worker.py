@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, TextIO
 
@@ -140,6 +141,14 @@ def fail(
     sys.exit(1)
 
 
+def _rank0_note(rank: int) -> Callable[[str], None]:
+    def note(line: str) -> None:
+        if rank == 0:
+            print(f"moesaic train: {line}", file=sys.stderr, flush=True)
+
+    return note
+
+
 def worker_main(cfg_dict: dict, *, launched: bool) -> dict:
     """Run this process's rank of a training job; every failure becomes one line (see above).
 
@@ -154,6 +163,7 @@ def worker_main(cfg_dict: dict, *, launched: bool) -> dict:
     from moesaic.train.checkpoint import check_resume_step, latest_checkpoint, read_checkpoint_meta
     from moesaic.train.config import TrainConfig
     from moesaic.train.loop import train
+    from moesaic.train.plan import check_plan_fits, cluster_name
     from moesaic.train.runlock import RunLock, check_run_dir
 
     rank = int(os.environ.get("RANK", "0"))
@@ -164,6 +174,12 @@ def worker_main(cfg_dict: dict, *, launched: bool) -> dict:
     fault_log = _fault_dumps_to_log(run_dir, rank) if launched else None
     try:
         cfg = TrainConfig.from_dict(cfg_dict)
+        if not launched:  # torchrun: the world is known here (the launcher checked its own)
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            note = _rank0_note(rank)
+            applied = check_plan_fits(cfg, world, cluster_name(cfg), note=note)
+            if applied is not None:
+                note(applied)
         if not launched and rank == 0:
             check_run_dir(cfg.run_dir)
             lock = RunLock(cfg.run_dir, job=os.environ.get("TORCHELASTIC_RUN_ID")).acquire()
