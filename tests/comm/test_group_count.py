@@ -49,22 +49,29 @@ CASES = {
     # group: see comm/groups.py); DP groups of one rank are not made
     (2, "vanilla", "dropless", 2, None): (1, 2),
     (2, "vanilla", "padded", 2, None): (1, 2),
-    # one domain of 2: its level group is the EP group {0, 1} (main), and {0, 1} in the
-    # prefetch lane; offset groups of one rank
-    (2, "vanilla", "hybrid", 2, None): (2, 3),
+    # one domain of 2: its level group is the EP group {0, 1} (main); offset groups of one
+    # rank; no prefetch lane without a prefetcher (PREFETCHED: with one; before issue 49 item
+    # 7 the lane was made with the layer, 2 and 3 here)
+    (2, "vanilla", "hybrid", 2, None): (1, 2),
     (2, "vanilla", "taskflow", 2, None): (2, 3),  # {0, 1} in the main and puts lanes
     (2, "moe-only", "dropless", 2, None): (3, 4),  # {0, 1} in the main, grad and rows lanes
     (2, "flowmoe", "dropless", 2, None): (3, 4),
     (2, "flowmoe", "padded", 2, None): (3, 4),
-    # EP {0..3}, levels {0, 1}, {2, 3} in the main and prefetch lanes; offset groups {0, 2},
-    # {1, 3}
-    (4, "vanilla", "hybrid", 4, (2,)): (7, 5),
+    # EP {0..3}, levels {0, 1}, {2, 3} in the main lane; offset groups {0, 2}, {1, 3} (with
+    # the prefetch lane made eagerly before issue 49 item 7: 7 and 5)
+    (4, "vanilla", "hybrid", 4, (2,)): (5, 4),
     # main: EP {0, 1}, {2, 3} and DP {0, 2}, {1, 3}; grad: the DP groups and the world;
     # rows: the EP groups
     (4, "flowmoe", "dropless", 2, None): (9, 6),
     (4, "vanilla", "taskflow", 4, None): (2, 3),  # the world's ranks in the main and puts lanes
     # main: EP {0, 1}, {2, 3} and DP {0, 2}, {1, 3}; puts: the EP groups
     (4, "vanilla", "taskflow", 2, None): (6, 4),
+}
+# The same with hybrid's prefetcher attached to the optimizer: its first prefetch (after the
+# step) makes the level groups in the prefetch lane, once for all layers.
+PREFETCHED = {
+    (2, "vanilla", "hybrid", 2, None): (2, 3),  # + {0, 1} in the prefetch lane
+    (4, "vanilla", "hybrid", 4, (2,)): (7, 5),  # + {0, 1}, {2, 3} in the prefetch lane
 }
 
 
@@ -93,8 +100,11 @@ def _fresh_world(rank: int, world_size: int, path: str) -> None:
     )
 
 
-def _groups_after_one_step(schedule, strategy, ep, domains, layers) -> dict[str, int]:
+def _groups_after_one_step(
+    schedule, strategy, ep, domains, layers, prefetch=False
+) -> dict[str, int]:
     from moesaic.comm.groups import registry
+    from moesaic.strategies.prefetch import ExpertPrefetcher
     from moesaic.train.parallel import GradientSync, build_layout
 
     layout = build_layout(ep, 60.0)
@@ -109,8 +119,12 @@ def _groups_after_one_step(schedule, strategy, ep, domains, layers) -> dict[str,
         ar_chunk_bytes=4096,
     )
     step = make_step(schedule, parts)
+    prefetcher = ExpertPrefetcher(model).attach(parts.optimizer) if prefetch else None
     x_BT = torch.randint(0, 256, (B, T + 1), generator=torch.Generator().manual_seed(layout.rank))
     assert step.run(x_BT[:, :-1], x_BT[:, 1:]).applied
+    if prefetcher is not None:
+        prefetcher.wait()
+        prefetcher.close()
     if hasattr(step, "close"):
         step.close()
     reg = registry()
@@ -124,13 +138,33 @@ def _groups_after_one_step(schedule, strategy, ep, domains, layers) -> dict[str,
     }
 
 
+def _puts_lane_before_and_after_a_step() -> tuple[int, int]:
+    """Groups in the puts lane once a taskflow layer is built, and after its first step."""
+    from moesaic import MoEConfig, MoELayer
+    from moesaic.comm.groups import registry
+
+    def puts() -> int:
+        return sum(lane == "puts" for _ranks, lane in registry()._groups)
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=4, dispatcher="taskflow")
+    layer = MoELayer(cfg)
+    before = puts()
+    layer(torch.randn(6, 16)).sum().backward()
+    return before, puts()
+
+
 def _world(rank, world_size, rdv_dir):
     out, k = {}, 0
-    for case in (c for c in CASES if c[0] == world_size):
+    if world_size == 2:
+        _fresh_world(rank, world_size, os.path.join(rdv_dir, "world2-puts"))
+        out["puts"] = _puts_lane_before_and_after_a_step()
+    runs = [(c, False) for c in CASES] + [(c, True) for c in PREFETCHED]
+    for case, prefetch in (r for r in runs if r[0][0] == world_size):
         for layers in LAYERS:
             _fresh_world(rank, world_size, os.path.join(rdv_dir, f"world{world_size}-{k}"))
             k += 1
-            out[case, layers] = _groups_after_one_step(*case[1:], layers)
+            out[case, layers, prefetch] = _groups_after_one_step(*case[1:], layers, prefetch)
     return out
 
 
@@ -155,7 +189,27 @@ def test_same_groups_for_2_and_8_layers(case, rdv_dir):
     registry's, as many as the distinct (rank set, lane) pairs the case uses."""
     made, on_rank = CASES[case]
     for rank, r in enumerate(_results(case[0], rdv_dir)):
-        two, eight = r[case, 2], r[case, 8]
+        two, eight = r[case, 2, False], r[case, 8, False]
         assert two == eight, (rank, two, eight)
         assert two["outside"] == 0, (rank, two)
         assert (two["registry"], two["pg_map"]) == (made, on_rank), (rank, two)
+
+
+@pytest.mark.parametrize(
+    "case", list(PREFETCHED), ids=["-".join(map(str, c[:4])) for c in PREFETCHED]
+)
+def test_the_prefetch_lane_is_made_by_the_first_prefetch(case, rdv_dir):
+    """Communicators per rank are made where something uses them (issue 49 item 7): hybrid's
+    prefetch lane by its first prefetch, once for every layer."""
+    made, on_rank = PREFETCHED[case]
+    for rank, r in enumerate(_results(case[0], rdv_dir)):
+        two, eight = r[case, 2, True], r[case, 8, True]
+        assert two == eight, (rank, two, eight)
+        assert (two["registry"], two["pg_map"]) == (made, on_rank), (rank, two)
+
+
+def test_the_puts_lane_is_made_by_the_first_step_that_puts(rdv_dir):
+    """taskflow's gloo put channel (and its lane) comes with the first step that puts, not with
+    the layer: a run on symmetric memory, or one never stepped, holds none."""
+    for r in _results(2, rdv_dir):
+        assert r["puts"] == (0, 1)

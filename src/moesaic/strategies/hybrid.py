@@ -206,7 +206,9 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         # From the world's registry: one group per distinct rank set and lane, shared by every
         # hybrid layer (NCCL spends hundreds of MB per communicator).
         self.levels = self.group.subgroups(self.level_ranks, "main")
-        self.prefetch_levels = self.group.subgroups(self.level_ranks, "prefetch")
+        # the same sets in the prefetch lane, made by the first prefetch (``reserve_prefetch``):
+        # a model trained without the prefetcher (or evaluated) holds no such communicators
+        self._prefetch_levels: list[EPGroup] | None = None
         (a2a,) = self.group.subgroups([self.offset_ranks], "main")
         self._routing = ExpertPlacement(
             ctx.config.num_experts,
@@ -259,12 +261,21 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         weights = self._local_weights(experts)
         if not self.levels:
             return None
+        if self._prefetch_levels is None:  # every rank reserves at the same point
+            self._prefetch_levels = self.group.subgroups(self.level_ranks, "prefetch")
         key = self._key(weights)
         if (self._cache is not None and self._cache[0] == key) or self._pending is not None:
             return None
         fut: Future[Gathered] = Future()
         self._pending = (key, fut)
         return fut
+
+    @property
+    def prefetch_levels(self) -> list[EPGroup]:
+        """The level groups in the prefetch lane (made by the first ``reserve_prefetch``)."""
+        if self._prefetch_levels is None:
+            raise RuntimeError("hybrid: prefetch_levels before the first reserve_prefetch")
+        return self._prefetch_levels
 
     def start_prefetch(self, experts: GroupedExperts) -> PendingGather:
         """For :class:`ExpertPrefetcher`'s thread: encode and issue on the prefetch group."""

@@ -193,7 +193,10 @@ class TaskflowRuntime:
         self.options = options or CompileOptions()
         self.timeout_s = check_positive("timeout_s", timeout_s)
         self.recorder = recorder
-        self._gloo = PutChannel(group, timeout_s) if group.size > 1 else None
+        # created at the first step that puts through it (a collective of the world, which
+        # every rank reaches together: the step's bucket is agreed), so a run whose tiles go
+        # through symmetric memory, or a group of one, holds no "puts" lane
+        self._gloo: PutChannel | None = None
         # no collective: symmetric memory is mapped per window (``window``)
         self._symmetric = (
             SymmetricMemoryChannel(group, timeout_s)
@@ -248,14 +251,18 @@ class TaskflowRuntime:
 
     @property
     def channel(self) -> PutTransport | None:
-        """The transport of the latest step (before any step, the gloo channel)."""
+        """The transport of the latest step (None before the first step)."""
         return self._last
 
     def transport_for(self, device: torch.device) -> PutTransport | None:
         """The transport of a step on ``device`` (``comm.symmetric.pick_transport``)."""
         ready = self._symmetric is not None
         kind = pick_transport(self.transport, device.type, self.group.size, ready)
-        return self._symmetric if kind == "symmetric" else self._gloo if kind == "gloo" else None
+        if kind == "symmetric":
+            return self._symmetric
+        if kind == "gloo" and self._gloo is None:
+            self._gloo = PutChannel(self.group, self.timeout_s)
+        return self._gloo if kind == "gloo" else None
 
     def window(self, plan: Plan, dtype: torch.dtype, device: torch.device) -> _Window:
         """``plan``'s receive window, allocated once per bucket by the step's transport (a
