@@ -189,13 +189,18 @@ def _nonfinite_keys(state: dict[str, torch.Tensor]) -> list[str]:
     """The keys of the floating-point entries holding NaN or inf, with one host read per
     device (the flags are stacked on the device first): a value read per entry is a host sync
     each on a GPU, thousands for a large model."""
+    from torch.distributed.tensor import DTensor  # (with DCP: only when saving)
+
+    # a sharded entry (FSDP2, train/fsdp.py) is checked on this rank's shard: every rank
+    # checks its own, and the ranks agree on the counts (_agree_finite)
+    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
     by_device: dict[torch.device, list[str]] = {}
-    for k, v in state.items():
+    for k, v in local.items():
         if torch.is_tensor(v) and v.is_floating_point():
             by_device.setdefault(v.device, []).append(k)
     bad = []
     for keys in by_device.values():
-        finite_N = torch.stack([torch.isfinite(state[k]).all() for k in keys])
+        finite_N = torch.stack([torch.isfinite(local[k]).all() for k in keys])
         bad += [k for k, ok in zip(keys, finite_N.tolist(), strict=True) if not ok]
     return bad
 

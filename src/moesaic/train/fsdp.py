@@ -44,17 +44,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
-from moesaic.checks import check_positive_int
 from moesaic.comm.collectives import EPGroup
 from moesaic.experts import GroupedExperts
 from moesaic.gradnorm import square_norm
 from moesaic.layer import is_expert_param
 from moesaic.routing import Router
-from moesaic.schedule import schedule_names, step_class
-from moesaic.strategies.registry import check_supported
+from moesaic.train.mesh import DIMS, MeshShape, check_sharding
 
 __all__ = [
     "MemoryBytes",
+    "MemoryProbe",
     "MeshShape",
     "ShardedGradientSync",
     "TrainingMesh",
@@ -64,46 +63,7 @@ __all__ = [
     "shard_model",
 ]
 
-DIMS = ("dp_replicate", "dp_shard", "ep")
 DENSE_SHARD = "dp_shard_ep"  # the flattened dp_shard x ep dimension the dense part shards over
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MeshShape:
-    """The degrees of the training mesh.
-
-    Attributes:
-        dp_replicate: replicas of the whole sharded model (HSDP); gradients are all-reduced
-            across them after the reduce-scatter.
-        dp_shard: FSDP degree beside EP: the ranks an EP rank's experts are sharded over
-            (torchtitan's efsdp); the dense part is sharded over ``dp_shard * ep`` ranks.
-        ep: expert parallelism (consecutive ranks).
-    """
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    ep: int = 1
-
-    def __post_init__(self) -> None:
-        for name in DIMS:
-            check_positive_int(name, getattr(self, name))
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.ep
-
-    @property
-    def dense_shards(self) -> int:
-        """How many ranks the dense parameters are sharded over (``dp_shard * ep``)."""
-        return self.dp_shard * self.ep
-
-    def check_world(self, world_size: int) -> None:
-        """Refuse a world that is not ``dp_replicate x dp_shard x ep`` ranks."""
-        if world_size != self.world_size:
-            raise ValueError(
-                f"the world size ({world_size}) must be dp_replicate ({self.dp_replicate}) x "
-                f"dp_shard ({self.dp_shard}) x ep ({self.ep}) = {self.world_size}"
-            )
 
 
 @dataclass(slots=True)
@@ -127,23 +87,6 @@ class TrainingMesh:
     norm_group: EPGroup
 
 
-def check_sharding(strategy: str, schedule: str) -> None:
-    """Refuse a strategy or a schedule that does not run with FSDP2 sharding, through their
-    declarations (``Supports.unsharded_why``, ``TrainStep.unsharded_why``), naming why.
-
-    Raises:
-        ValueError: one line naming the strategy or schedule, the options and the reason.
-    """
-    check_supported(strategy, sharded=True)
-    why = step_class(schedule).unsharded_why
-    if why:
-        runs = [n for n in schedule_names() if not step_class(n).unsharded_why]
-        raise ValueError(
-            f"schedule {schedule!r} does not run with FSDP sharding (--dp-shard, "
-            f"--dp-replicate): {why}; choose --schedule {' or '.join(runs)}"
-        )
-
-
 def build_mesh(shape: MeshShape, device_type: str, timeout_s: float) -> TrainingMesh:
     """The training mesh on the initialised world (a collective: every rank, same order).
 
@@ -165,14 +108,14 @@ def build_mesh(shape: MeshShape, device_type: str, timeout_s: float) -> Training
     return TrainingMesh(shape=shape, mesh=mesh, dense=dense, experts=experts, norm_group=norm_group)
 
 
-def _expert_placement(shards: int):
-    """Experts' ``[e, H, F]`` weights along the experts when they divide evenly over the shard
-    ranks (whole experts per rank), else along H (torchtitan's rule: FSDP2 would pad dim 0)."""
-
-    def placement(param: nn.Parameter) -> Shard:
-        return Shard(0) if param.shape[0] % shards == 0 else Shard(1)
-
-    return placement
+def _expert_shard(param: nn.Parameter) -> Shard:
+    """Experts' ``[e, H, F]`` weights are sharded along H, not along the experts (torchtitan
+    shards dim 0 when the experts divide evenly): every local expert's ``[H, F]`` slice is then
+    itself sharded over ``dp_shard``, so the checkpoint keeps one key per global expert
+    (``train/checkpoint.py``: ``model.<layer>.experts.<w>.<g>``, here a DTensor), which DCP
+    reshards to another ``dp_shard`` and another EP, and checkpoints written before sharding
+    load unchanged. The bytes per rank are the same either way (1 / dp_shard of the experts)."""
+    return Shard(1)
 
 
 def _one_rule(module: FSDPModule, world_size: int, mesh: DeviceMesh) -> None:
@@ -206,8 +149,7 @@ def shard_model(model: nn.Module, mesh: TrainingMesh) -> nn.Module:
     for block in getattr(model, "blocks", []):
         for module in block.modules():
             if isinstance(module, GroupedExperts):
-                placement = _expert_placement(mesh.shape.dp_shard)
-                unit = fully_shard(module, mesh=mesh.experts, shard_placement_fn=placement)
+                unit = fully_shard(module, mesh=mesh.experts, shard_placement_fn=_expert_shard)
                 _one_rule(unit, W, mesh.experts)
                 for p in module.parameters():
                     p._moesaic_expert = True  # type: ignore[attr-defined]
@@ -320,3 +262,27 @@ def memory_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> M
     return MemoryBytes(
         params=dense + expert, grads=grads, optimizer=opt, dense_params=dense, expert_params=expert
     )
+
+
+class MemoryProbe:
+    """Records ``memory_bytes`` once, right after the first optimizer step that runs (the
+    gradients are still there, AdamW's state has just been created): a step post-hook."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.taken: MemoryBytes | None = None
+        self._model = model
+
+        def hook(opt: torch.optim.Optimizer, *_: object) -> None:
+            if self.taken is None:  # (removed by gather: not while the optimizer iterates)
+                self.taken = memory_bytes(self._model, opt)
+
+        self._handle = optimizer.register_step_post_hook(hook)
+
+    def gather(self, world: EPGroup) -> list[dict[str, int]]:
+        """Every rank's record in rank order (a collective; zeros from a rank without one)."""
+        self._handle.remove()
+        fields = ("params", "grads", "optimizer", "dense_params", "expert_params")
+        mine = self.taken.to_dict() if self.taken is not None else dict.fromkeys(fields, 0)
+        row_1X = world.control_tensor([[mine[f] for f in fields]])
+        rows = world.all_gather_dim0(row_1X, "all_gather of per-rank memory bytes").tolist()
+        return [dict(zip(fields, (int(v) for v in row), strict=True)) for row in rows]

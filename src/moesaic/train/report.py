@@ -146,6 +146,24 @@ class Reporter:
         self._write(record)
         self._log(f"step {step}: validation loss {val_loss:.4f}{bpb}")
 
+    def memory(self, step: int, per_rank: list[dict[str, int]]) -> None:
+        """Per-rank bytes of parameters, gradients and optimizer state (local shards), measured
+        right after ``step``'s optimizer step: one record, and one line with rank 0's."""
+        if not self.active:
+            return
+        self._write({"kind": "memory", "step": step, "per_rank": per_rank})
+        mine = per_rank[0]
+        self._log(
+            "memory per rank (rank 0): parameters {:,} B (dense {:,}, experts {:,}), gradients "
+            "{:,} B, optimizer state {:,} B".format(
+                mine["params"],
+                mine["dense_params"],
+                mine["expert_params"],
+                mine["grads"],
+                mine["optimizer"],
+            )
+        )
+
     def checkpoint(self, step: int, path) -> None:
         if self.active:
             self._write({"kind": "checkpoint", "step": step, "path": str(path)})
