@@ -23,6 +23,7 @@ from moesaic.schedule import schedule_names
 from moesaic.strategies.registry import check_supported
 from moesaic.strategy_options import StrategyOptions
 from moesaic.train import domains
+from moesaic.train.mesh import MeshShape, check_sharding
 from moesaic.train.option_rules import RULES
 from moesaic.train.schedule_options import (
     auto_pipeline_degree,
@@ -51,6 +52,13 @@ class TrainConfig:
         nproc: worker processes on this node (torchrun's ``--nproc-per-node``).
         ep: expert-parallel group size; None = all ranks in one EP group. The world size must
             be a multiple; the quotient is the data-parallel degree.
+        dp_shard: FSDP2 sharding (``train/fsdp.py``): the ranks beside EP that each EP rank's
+            experts are sharded over; the dense parameters are sharded over ``dp_shard * ep``
+            ranks. None (and ``dp_replicate`` None): no sharding, every rank holds the dense
+            model. With either set, the world is ``dp_replicate * dp_shard * ep`` ranks (the
+            one left out is what the world leaves) and the strategy and schedule must run
+            sharded (``train.mesh.check_sharding``).
+        dp_replicate: HSDP: replicas of the sharded model; None = 1 when sharding.
         steps: optimizer steps of the whole run (the LR schedule's length).
         batch_size: sequences per rank per step (the global batch is world size times this).
         lr: peak learning rate (AdamW), reached after ``warmup_steps``; cosine decay to
@@ -152,6 +160,8 @@ class TrainConfig:
     model: MoEGPTConfig = field(default_factory=MoEGPTConfig)
     nproc: int = 2
     ep: int | None = None
+    dp_shard: int | None = None
+    dp_replicate: int | None = None
     steps: int = 600
     batch_size: int = 8
     lr: float = 3e-3
@@ -212,7 +222,7 @@ class TrainConfig:
             ("nonfinite_skip_limit", 1),
         ):
             check_int(name, getattr(self, name), minimum)
-        for name in ("ep", "threads", "fault_kill_step"):
+        for name in ("ep", "dp_shard", "dp_replicate", "threads", "fault_kill_step"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         if self.fault_kill_rank is not None:
@@ -381,6 +391,34 @@ class TrainConfig:
         """Sp in bytes, or None for "auto" (tuned online)."""
         return None if self.ar_chunk == "auto" else int(self.ar_chunk)
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 sharding on (``dp_shard`` or ``dp_replicate`` given)."""
+        return self.dp_shard is not None or self.dp_replicate is not None
+
+    def mesh_shape(self, world_size: int) -> MeshShape:
+        """The degrees of the training mesh for ``world_size`` ranks (sharded runs only)."""
+        return MeshShape(
+            dp_replicate=self.dp_replicate or 1,
+            dp_shard=self.dp_shard or 1,
+            ep=self._mesh_ep(world_size),
+        )
+
+    def _mesh_ep(self, world_size: int) -> int:
+        """``ep``, or when not given what the world leaves: all ranks, or with sharding
+        ``world_size / (dp_replicate * dp_shard)``."""
+        if self.ep is not None:
+            return self.ep
+        if not self.sharded:
+            return world_size
+        dp = (self.dp_replicate or 1) * (self.dp_shard or 1)
+        if world_size % dp:
+            raise ValueError(
+                f"dp_replicate ({self.dp_replicate or 1}) x dp_shard ({self.dp_shard or 1}) = "
+                f"{dp} must divide the world size ({world_size})"
+            )
+        return world_size // dp
+
     def check_world(
         self, world_size: int, *, device: str = "cpu", ranks_per_host: int | None = None
     ) -> int:
@@ -388,7 +426,7 @@ class TrainConfig:
         type), ``ranks_per_host`` of them on each host (None: one host); returns the EP size.
         The strategy's options refuse what they cannot run there (``StrategyOptions.check_run``).
         """
-        ep = world_size if self.ep is None else self.ep
+        ep = self._mesh_ep(world_size)
         if world_size % ep:
             raise ValueError(f"ep ({ep}) must divide the world size ({world_size})")
         if self.model.moe.num_experts % ep:
@@ -412,6 +450,9 @@ class TrainConfig:
             len({r // per_host for r in range(g, g + ep)}) for g in range(0, world_size, ep)
         )
         moe.options_as(StrategyOptions).check_run(ep=ep, device=device, ep_hosts=ep_hosts)
+        if self.sharded:
+            self.mesh_shape(world_size).check_world(world_size)
+            check_sharding(moe.dispatcher, self.schedule)
         return ep
 
     def to_dict(self) -> dict[str, Any]:

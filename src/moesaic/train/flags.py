@@ -66,6 +66,8 @@ _ALIASES = {"--dispatcher": ("--strategy",)}
 _RUN_FLAGS = (
     ("--nproc", "nproc", int),
     ("--ep", "ep", int),
+    ("--dp-shard", "dp_shard", int),
+    ("--dp-replicate", "dp_replicate", int),
     ("--steps", "steps", int),
     ("--batch-size", "batch_size", int),
     ("--lr", "lr", float),
@@ -134,6 +136,9 @@ _HELP = {
     "(1 = exact)",
     "nproc": "worker processes on this node",
     "ep": "expert-parallel group size (default: all ranks); DP = world / EP",
+    "dp_shard": "FSDP2 sharding: the ranks beside EP each expert is sharded over; dense "
+    "parameters are sharded over dp_shard x ep ranks (world = dp_replicate x dp_shard x ep)",
+    "dp_replicate": "HSDP: replicas of the sharded model (gradients all-reduced across them)",
     "steps": "optimizer steps (length of the LR schedule)",
     "batch_size": "sequences per rank per step",
     "lr": "peak learning rate (AdamW, warm-up then cosine)",

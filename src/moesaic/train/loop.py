@@ -26,6 +26,7 @@ from moesaic.comm.world import init_world, visible_cuda_device
 from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.schedule import make_step
+from moesaic.schedule.base import GradientSync as GradSync
 from moesaic.schedule.base import StepParts
 from moesaic.strategies import get_strategy
 from moesaic.trace import (
@@ -49,6 +50,7 @@ from moesaic.train.config import TRACE_STEPS, TrainConfig
 from moesaic.train.data import PackedData
 from moesaic.train.data_source import TrainingData, check_resume_data, open_training_data
 from moesaic.train.domains import check_cluster_and_domains, plan_training_domains
+from moesaic.train.fsdp import MemoryProbe, ShardedGradientSync, build_mesh, shard_model
 from moesaic.train.health import NonFiniteError, nonfinite_message
 from moesaic.train.hf_model import build_model, run_hf_config
 from moesaic.train.hooks import ModelHooks
@@ -299,6 +301,17 @@ def _maybe_resume(cfg, model, optimizer, layout, data: TrainingData) -> tuple[in
     return step, consumed, str(path)
 
 
+def _shard(cfg: TrainConfig, model: torch.nn.Module, layout: Layout, device) -> GradSync:
+    """With ``--dp-shard``/``--dp-replicate``: build the training mesh, shard ``model`` in
+    place with FSDP2 (``train/fsdp.py``) and return its gradient rules; else the EP x DP
+    rules of ``layout``."""
+    if not cfg.sharded:
+        return GradientSync(layout)
+    mesh = build_mesh(cfg.mesh_shape(layout.world_size), device.type, cfg.timeout_s)
+    shard_model(model, mesh)
+    return ShardedGradientSync(mesh, layout.world)
+
+
 def train(cfg: TrainConfig) -> dict:
     """Train on this rank; returns rank 0's summary (other ranks: an empty dict)."""
     device = _init_distributed(cfg)
@@ -325,13 +338,15 @@ def train(cfg: TrainConfig) -> dict:
     if isinstance(model, MoEGPT):  # TrainConfig refuses both for a transformers model
         model.set_autocast(torch.bfloat16 if cfg.dtype == "bf16" else None)
         model.activation_checkpointing = cfg.activation_checkpointing
+    grad_sync = _shard(cfg, model, layout, device)  # --dp-shard / --dp-replicate: FSDP2
     optimizer = _make_optimizer(model, cfg)
+    probe = MemoryProbe(model, optimizer)
     tracing = cfg.trace is not None or cfg.trace_png is not None
     recorder = Recorder(rank=layout.rank) if tracing else None
     parts = StepParts(
         model=model,
         loss_fn=lm_loss,
-        grad_sync=GradientSync(layout),
+        grad_sync=grad_sync,
         optimizer=optimizer,
         grad_clip=cfg.grad_clip,
         pipeline_degree=int(cfg.pipeline_degree),  # "auto" is resolved by TrainConfig
@@ -398,6 +413,8 @@ def train(cfg: TrainConfig) -> dict:
             loads,
             nonfinite=result.nonfinite,
         )
+        if step == start + 1:  # parameters, gradients, optimizer state per rank
+            reporter.memory(step, probe.gather(layout.world))
         if result.applied:
             skipped_in_a_row = 0
         else:  # nothing was applied, on any rank (they agreed): the weights are still finite

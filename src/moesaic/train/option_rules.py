@@ -75,6 +75,9 @@ RULES: dict[str, Applies] = {
     # run
     "nproc": EVERYWHERE,
     "ep": EVERYWHERE,
+    # refused by a strategy's or schedule's own declaration (train/mesh.check_sharding)
+    "dp_shard": EVERYWHERE,
+    "dp_replicate": EVERYWHERE,
     "steps": EVERYWHERE,
     "batch_size": EVERYWHERE,
     "lr": EVERYWHERE,
