@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from moesaic.cli import main
 from moesaic.data.prepare import PrepareConfig, prepare
 from moesaic.train.export import export_hf
-from moesaic.train.generate import generate_text
+from moesaic.train.generate import generate_ids
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "hf"
 PROMPT = "def parse(self"
@@ -36,50 +36,64 @@ def tokens(data_file, tmp_path_factory) -> Path:
     return root / "data"
 
 
-def _train(family: str, data: Path, run_dir: Path) -> None:
-    """4 steps in this process (the loop without torchrun: one rank, no spawn)."""
+def _train(options: dict, run_dir: Path, model: dict | None = None) -> None:
+    """A few steps in this process (the loop without torchrun: one rank, no spawn)."""
     from moesaic.train.config import TrainConfig
     from moesaic.train.loop import train
 
-    cfg = {"hf_config": str(EXAMPLES / f"{family}.json"), "data": str(data), "nproc": 1}
-    cfg |= {"run_dir": str(run_dir), "batch_size": 4, "steps": 4, "warmup_steps": 1}
+    cfg = {"nproc": 1, "run_dir": str(run_dir), "batch_size": 4, "steps": 4, "warmup_steps": 1}
     cfg |= {"eval_every": 0, "eval_batches": 1, "threads": 1, "progress": False}
-    train(TrainConfig.from_dict({**cfg, "model": {"seq_len": 32}}))
+    train(TrainConfig.from_dict({**cfg, **options, "model": model or {"seq_len": 32}}))
+
+
+def _greedy_parity(run_dir: Path, out: Path) -> None:
+    """transformers' greedy tokens from ``out`` are moesaic generate's from ``run_dir``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ours, codec = generate_ids(str(run_dir), PROMPT, max_new_tokens=NEW, temperature=0)
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, experts_implementation="eager")
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    assert ids[0].tolist() == codec.encode(PROMPT)  # the same tokenizer
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    assert theirs[0].tolist() == ours
+    assert len(ours) > ids.shape[1]  # it generated something
+    assert tok.decode(theirs[0]) == codec.decode(ours)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_transformers_generates_what_moesaic_generates(family, tokens, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     run_dir = tmp_path / "run"
-    _train(family, tokens, run_dir)
+    _train({"hf_config": str(EXAMPLES / f"{family}.json"), "data": str(tokens)}, run_dir)
     out = export_hf(str(run_dir), str(tmp_path / "hf"))
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == 300 and config["model_type"] == family
-
-    ours = generate_text(str(run_dir), PROMPT, max_new_tokens=NEW, temperature=0)
-    tok = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out, experts_implementation="eager")
-    ids = tok(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        theirs = model.generate(ids, max_new_tokens=NEW, do_sample=False)
-    assert tok.decode(theirs[0]) == ours
-    assert theirs.shape[1] > ids.shape[1]  # it generated something
+    _greedy_parity(run_dir, out)
 
 
-def test_refusals(tokens, tmp_path, capsys, data_file):
+def test_moegpt_exports_as_mixtral_on_bytes(data_file, tmp_path):
     run_dir = tmp_path / "gpt"
-    args = ["train", "--data", str(data_file), "--run-dir", str(run_dir), "--nproc", "1"]
-    args += ["--n-layers", "1", "--d-model", "16", "--n-heads", "2", "--experts", "2"]
-    args += ["--expert-hidden", "16", "--seq-len", "16", "--batch-size", "2", "--steps", "1"]
-    args += ["--threads", "1", "--no-progress", "--eval-batches", "1"]
-    assert main(args) == 0
+    model = {"n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 32}
+    model["moe"] = {"num_experts": 4, "ffn_hidden_size": 32}
+    _train({"data": str(data_file)}, run_dir, model)
+    out = export_hf(str(run_dir), str(tmp_path / "hf"))
+    assert json.loads((out / "config.json").read_text())["model_type"] == "mixtral"
+    _greedy_parity(run_dir, out)
+
+
+def test_refusals(data_file, tmp_path, capsys):
+    run_dir = tmp_path / "gpt"
+    model = {"n_layers": 2, "d_model": 16, "n_heads": 2, "seq_len": 16, "dense_layers": 1}
+    model["moe"] = {"num_experts": 2, "ffn_hidden_size": 16}
+    _train({"data": str(data_file), "steps": 1}, run_dir, model)
+    capsys.readouterr()
     assert main(["export", "--checkpoint", str(run_dir), "--hf", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "is an MoEGPT" in err and "\n" not in err
-    assert not (tmp_path / "o").exists()
+    assert "has no Mixtral equivalent: dense_layers 1" in err and "\n" not in err
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     assert main(["export", "--checkpoint", str(run_dir), "--hf", str(tmp_path / "full")]) == 2

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from moesaic.train.checkpoint import latest_checkpoint, load_model_for_inference
-from moesaic.train.codec import codec_of
+from moesaic.train.codec import Codec, codec_of
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -37,6 +37,27 @@ def generate_text(
 ) -> str:
     """The prompt followed by ``max_new_tokens`` sampled bytes, decoded as UTF-8 (lossy), or
     tokens of the run's tokenizer (up to the first EOS)."""
+    ids, codec = generate_ids(
+        checkpoint,
+        prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+    )
+    return codec.decode(ids)
+
+
+def generate_ids(
+    checkpoint: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+) -> tuple[list[int], Codec]:
+    """The ids of :func:`generate_text` (prompt included) and the codec that decodes them."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
     if top_k is not None and top_k < 1:
@@ -57,4 +78,4 @@ def generate_text(
     prompt_len = idx_1T.shape[1]
     ids = out_1T[0].tolist()
     # a token run's document ends at EOS (what transformers' generate stops at too)
-    return codec.decode(ids[:prompt_len] + codec.until_eos(ids[prompt_len:]))
+    return ids[:prompt_len] + codec.until_eos(ids[prompt_len:]), codec
