@@ -42,6 +42,7 @@ STEPS, TUNE_STEPS = 7, 5
 CASES = [  # (schedule, dispatcher, prefetcher, tuned Sp)
     ("vanilla", "dropless", False, False),
     ("vanilla", "hybrid", True, False),
+    ("vanilla", "hybrid", False, False),  # no prefetcher: what a hybrid run without it holds
     ("flowmoe", "dropless", False, True),
     ("flowmoe", "hybrid", True, True),
 ]
@@ -160,6 +161,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--label", default="")
+    ap.add_argument("--commit", help="the commit of a tree that is no git checkout (an archive)")
     args = ap.parse_args()
     import moesaic
 
@@ -173,10 +175,14 @@ def main() -> None:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown (not a git checkout)"
+    commit = args.commit or commit
     results: list[dict] = [{} for _ in range(WORLD)]
     for case in CASES:  # a world each: communicators are counted from a fresh registry
         for rank, got in enumerate(run_world(_world, WORLD, case, timeout_s=600.0)):
-            results[rank][f"{case[0]}/{case[1]}"] = got
+            name = f"{case[0]}/{case[1]}" + (
+                "" if case[2] or case[1] != "hybrid" else " (no prefetcher)"
+            )
+            results[rank][name] = got
     doc = {
         "what": __doc__.splitlines()[0],
         "label": args.label,
