@@ -163,7 +163,9 @@ def _tokenizer_text(sources: list[Source], cfg: PrepareConfig, root: Path) -> st
 _WORKER: dict[str, Any] = {}  # the worker process's tokenizer (set once by _init_worker)
 
 
-def _init_worker(tokenizer_text: str) -> None:
+def _init_worker(tokenizer_text: str, serial: bool = False) -> None:
+    if serial:  # one worker process per core: its encode_batch stays on one thread
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
     _WORKER["tok"] = Tokenizer.from_str(tokenizer_text)
@@ -280,8 +282,7 @@ def _run_jobs(jobs: list[ShardJob], text: str, cfg: PrepareConfig, bar) -> list[
     # spawn: a fork would inherit the parent's tokenizers thread pool (it warns and goes
     # serial); one single-threaded tokenizer per process uses the cores without oversubscribing
     ctx = multiprocessing.get_context("spawn")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited by the workers
-    with ctx.Pool(min(cfg.workers, len(jobs)), _init_worker, (text,)) as pool:
+    with ctx.Pool(min(cfg.workers, len(jobs)), _init_worker, (text, True)) as pool:
         for record in pool.imap_unordered(build_shard, jobs):
             out.append(record)
             bar.update(sizes[record["name"]])
