@@ -13,7 +13,7 @@ ranks), which AdamW carries into the next steps' weights.
 from __future__ import annotations
 
 import pytest
-from _train_helpers import read_metrics, start_from, tiny_args, train_losses
+from _train_helpers import fails, read_metrics, start_from, tiny_args, train_losses
 
 from moesaic.cli import main
 
@@ -67,3 +67,30 @@ def test_pre_sharding_checkpoint_resumes_sharded(reference, data_file, tmp_path)
     run_dir = start_from(reference, 4, tmp_path / "run")
     assert main(tiny_args(data_file, run_dir, "--resume", "--dp-shard", "2", "--ep", "1")) == 0
     _close(train_losses(run_dir), train_losses(reference), range(5, 9))
+
+
+@pytest.mark.parametrize(
+    "flags,start",
+    [
+        (
+            ("--dp-shard", "2", "--ep", "1", "--schedule", "flowmoe"),
+            "schedule 'flowmoe' does not run with FSDP sharding (--dp-shard, --dp-replicate): "
+            "its gradient pool",
+        ),
+        (
+            ("--dp-replicate", "2", "--strategy", "taskflow"),
+            "strategy 'taskflow' does not run with FSDP sharding (--dp-shard, --dp-replicate): "
+            "its tile tasks",
+        ),
+        (
+            ("--dp-shard", "4", "--ep", "1"),
+            "the world size (2) must be dp_replicate (1) x dp_shard (4) x ep (1) = 4",
+        ),
+        (("--dp-shard", "4"), "dp_replicate (1) x dp_shard (4) = 4 must divide the world size (2)"),
+    ],
+    ids=["flowmoe", "taskflow", "world", "ep-left"],
+)
+def test_refused_before_any_worker_starts(data_file, tmp_path, capsys, flags, start):
+    err = fails(tiny_args(data_file, tmp_path / "run", *flags), capsys)
+    assert err.startswith(f"moesaic train: error: {start}"), err
+    assert not (tmp_path / "run").exists()

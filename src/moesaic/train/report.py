@@ -66,8 +66,15 @@ class Reporter:
         except OSError as exc:
             raise self._io_error(exc) from None
         E, ep = cfg.model.moe.num_experts, cfg.check_world(layout.world_size)
+        grid = f"DP {layout.dp_size} x EP {ep}"
+        if cfg.sharded:  # FSDP2 (train/fsdp.py)
+            m = cfg.mesh_shape(layout.world_size)
+            grid = (
+                f"dp_replicate {m.dp_replicate} x dp_shard {m.dp_shard} x EP {ep} (FSDP2: dense "
+                f"parameters sharded over {m.dense_shards} ranks, each expert over {m.dp_shard})"
+            )
         self._log(
-            f"moesaic train: {layout.world_size} ranks = DP {layout.dp_size} x EP {ep} "
+            f"moesaic train: {layout.world_size} ranks = {grid} "
             f"({E // ep} experts per rank), {cfg.steps} steps of "
             f"{layout.world_size * cfg.batch_size * cfg.model.seq_len} tokens"
             + (f"; resumed from {resumed_from} at step {start_step}" if resumed_from else "")
