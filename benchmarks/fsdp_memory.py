@@ -118,7 +118,7 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "commit": commit,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {
             "flags": MODEL,
             "ep": EP,
