@@ -317,6 +317,12 @@ class _HazardCheck(TorchDispatchMode):
     Read-after-write only: a device could also overwrite what another stream still reads
     (what ``record_stream`` guards for freed memory); a host cannot show that order."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Never runs under torch.compile; torch's default (True) wraps __torch_dispatch__ in
+        # dynamo's disable, whose first call imports torch._dynamo: 3.5 s per process here.
+        return False
+
     def __init__(self, streams: HostStreams) -> None:
         super().__init__()
         self.streams = streams
