@@ -13,7 +13,8 @@ ranks), which AdamW carries into the next steps' weights.
 from __future__ import annotations
 
 import pytest
-from _train_helpers import fails, read_metrics, start_from, tiny_args, train_losses
+import torch
+from _train_helpers import fails, final_weights, read_metrics, start_from, tiny_args, train_losses
 
 from moesaic.cli import main
 
@@ -35,6 +36,11 @@ def _close(got: dict[int, float], want: dict[int, float], steps) -> None:
 
 def test_sharded_run_equals_unsharded(sharded, reference):
     _close(train_losses(sharded), train_losses(reference), range(1, 9))
+    # the sharded checkpoint loads whole into one process (generate's path): the same weights
+    got, want = final_weights(sharded), final_weights(reference)
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-7, msg=name)
     (memory,) = [r for r in read_metrics(sharded) if r["kind"] == "memory"]
     assert len(memory["per_rank"]) == 2 and memory["step"] == 1
     # measured on the unsharded reference: every rank holds all of the dense part
