@@ -133,3 +133,16 @@ def test_a_cuda_world_asks_the_watchdog_to_clean_up_only(monkeypatch):
     assert seen == [("cpu:gloo,cuda:nccl", "2"), ("cpu:gloo,cuda:nccl", "3")]
     world.init_world(device="cpu", timeout_s=5.0)  # a CPU world: not asked
     assert seen[-1] == ("gloo", "3")
+
+
+def test_the_launcher_hands_the_workers_clean_up_only_unless_set(monkeypatch):
+    """torch's elastic agent gives each worker its own environment's value (1 when unset, which
+    takes the process down): ``moesaic train``'s launcher asks before starting it."""
+    from moesaic.comm import world
+
+    monkeypatch.delenv(world.NCCL_ERROR_HANDLING, raising=False)
+    world.ask_nccl_watchdog_to_clean_up_only()
+    assert os.environ[world.NCCL_ERROR_HANDLING] == "2"
+    monkeypatch.setenv(world.NCCL_ERROR_HANDLING, "1")  # the user's choice stays
+    world.ask_nccl_watchdog_to_clean_up_only()
+    assert os.environ[world.NCCL_ERROR_HANDLING] == "1"

@@ -131,8 +131,19 @@ def process_group_args(
     return CUDA_WORLD_BACKEND, {**kwargs, "device_id": device}
 
 
-# How NCCL's watchdog handles a failed collective (see init_world).
+# How NCCL's watchdog handles a failed collective (ask_nccl_watchdog_to_clean_up_only).
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def ask_nccl_watchdog_to_clean_up_only() -> None:
+    """NCCL's watchdog, finding a collective failed or past its timeout, by default takes the
+    process down from its own thread: no Python error, no root-cause line. Clean-up only (2)
+    aborts the communicators and lets the next issue or wait raise, which the choke point turns
+    into the ``CollectiveError`` line gloo gives. A value already set stays. ``init_world`` asks
+    for a CUDA world; torch's elastic agent gives its workers its own environment's value (1
+    when unset), so ``moesaic train``'s launcher asks before it starts the agent; a job
+    started by ``torchrun`` directly passes ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` itself."""
+    os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
 
 
 def init_world(*, device: torch.device | str, **options: Any) -> torch.device:
@@ -145,11 +156,7 @@ def init_world(*, device: torch.device | str, **options: Any) -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError(f"device ({device}) needs CUDA, which this process does not have")
         torch.cuda.set_device(device)
-        # NCCL's watchdog, finding a collective failed or past its timeout, by default takes
-        # the process down from its own thread: no Python error, no root-cause line. Clean-up
-        # only (2) aborts the communicators and lets the next issue or wait raise, which the
-        # choke point turns into the CollectiveError line gloo gives (a user's value stays).
-        os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
+        ask_nccl_watchdog_to_clean_up_only()
     dist.init_process_group(name, **kwargs)
     _meet()
     return device

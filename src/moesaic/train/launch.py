@@ -221,10 +221,15 @@ def _run_agent(cfg: TrainConfig, job: str) -> dict:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from moesaic.cluster.lifecycle import process_start_ticks
-    from moesaic.comm.world import InheritedFd, forkserver_context
+    from moesaic.comm.world import (
+        InheritedFd,
+        ask_nccl_watchdog_to_clean_up_only,
+        forkserver_context,
+    )
     from moesaic.train.launched import run_forked
 
     _quiet_torch_loggers()
+    ask_nccl_watchdog_to_clean_up_only()  # the agent hands its workers this environment's value
     # Workers forked from the preloaded server where the platform has one (no worker imports
     # torch and torch._dynamo anew: about 3.5 s of CPU each), else commands.
     forked = forkserver_context() is not None
