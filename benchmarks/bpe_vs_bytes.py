@@ -67,6 +67,19 @@ def at_time(curve: list[dict], t: float) -> dict:
     return [v for v in curve if v["train_s"] <= t + 1e-9][-1]
 
 
+def versions() -> dict[str, str]:
+    """The data stack's versions (run_metadata gives Python's and torch's)."""
+    import numpy
+    import tokenizers
+    import transformers
+
+    return {
+        "tokenizers": tokenizers.__version__,
+        "numpy": numpy.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -88,6 +101,7 @@ def main() -> int:
     t = min(byte_run["train_s"], token_run["train_s"])
     result = {
         "meta": run_metadata(),
+        "versions": versions(),
         "command": "python benchmarks/bpe_vs_bytes.py " + " ".join(sys.argv[1:]),
         "config": {**vars(args), "train_flags": common, "defaults": TrainConfig().to_dict()},
         "corpus": {

@@ -112,6 +112,19 @@ def rss_of_training(data: Path, steps: int, run_dir: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def versions() -> dict[str, str]:
+    """The data stack's versions (run_metadata gives Python's and torch's)."""
+    import numpy
+    import tokenizers
+    import transformers
+
+    return {
+        "tokenizers": tokenizers.__version__,
+        "numpy": numpy.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target-mb", type=float, default=200)
@@ -122,7 +135,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", default="benchmarks/results/prepare_tokens_cpu.json")
+    parser.add_argument(
+        "--rss-only",
+        metavar="WORKDIR",
+        help="only phase 3, --repeats times alternating, in WORKDIR (kept: prepare reuses its "
+        "shards and tokenizer on a rerun); results to --out",
+    )
     args = parser.parse_args()
+    if args.rss_only:
+        return rss_only(args)
     files = corpus_files(int(args.target_mb * 1e6))
     small = corpus_files(int(args.small_mb * 1e6))
     tmp = Path(tempfile.mkdtemp(prefix="moesaic-prepare-bench-"))
@@ -151,6 +172,7 @@ def main() -> int:
     prep_s = [p[0] for p in prep]
     result = {
         "meta": run_metadata(),
+        "versions": versions(),
         "command": "python benchmarks/prepare_tokens.py " + " ".join(sys.argv[1:]),
         "config": vars(args),
         "corpus": {
@@ -193,6 +215,48 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("prepare", "plain_encode_batch")}, indent=1))
     print(json.dumps(result["training_rank_memory_kB"], indent=1))
+    return 0
+
+
+def rss_only(args: argparse.Namespace) -> int:
+    work = Path(args.rss_only)
+    work.mkdir(parents=True, exist_ok=True)
+    files = corpus_files(int(args.target_mb * 1e6))
+    small = corpus_files(int(args.small_mb * 1e6))
+    tok_path = work / "tokenizer.json"
+    if not tok_path.is_file():
+        tok_path.write_text(
+            train_bpe(_texts_upto(files, int(args.train_mb * 1e6)), args.vocab_size)
+        )
+    corpora = {}
+    for name, group in (("small", small), ("full", files)):
+        cfg = PrepareConfig(inputs=group, out=str(work / name), tokenizer=str(tok_path))
+        cfg.workers, cfg.skip_bad, cfg.progress = args.workers, True, False
+        corpora[name] = prepare(cfg)  # a rerun reuses every shard
+    runs: dict[str, list[dict]] = {"small": [], "full": []}
+    for _ in range(args.repeats):
+        for name in ("small", "full"):
+            shutil.rmtree(work / f"run_{name}", ignore_errors=True)
+            runs[name].append(rss_of_training(work / name, args.steps, work / f"run_{name}"))
+    result = {
+        "meta": run_metadata(),
+        "versions": versions(),
+        "command": "python benchmarks/prepare_tokens.py " + " ".join(sys.argv[1:]),
+        "config": vars(args),
+        "corpus_tokens": {k: v["tokens"] for k, v in corpora.items()},
+        "corpus_utf8_bytes": {k: v["bytes"] for k, v in corpora.items()},
+        "training_rank_memory_kB": runs,
+        "note": (
+            "One rank (world 1) in a fresh process per run, the default model with the "
+            "tokenizer's vocabulary, --steps steps, runs alternating small/full; VmHWM is the "
+            "process' peak resident size, RssAnon its own memory at the end, RssFile mapped "
+            "file pages at the end (libraries and shard pages: page cache, reclaimable). 2 CPU "
+            "cores shared with other work."
+        ),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(runs, indent=1))
     return 0
 
 
