@@ -146,16 +146,21 @@ def shard_model(model: nn.Module, mesh: TrainingMesh) -> nn.Module:
     (``MoELayer.route``) between two stages, when the block's parameters are sharded again.
     """
     W = mesh.shape.world_size
+    units: list[list[FSDPModule]] = []  # per block: the block, then its router and experts
     for block in getattr(model, "blocks", []):
+        inner: list[FSDPModule] = []
         for module in block.modules():
             if isinstance(module, GroupedExperts):
                 unit = fully_shard(module, mesh=mesh.experts, shard_placement_fn=_expert_shard)
                 _one_rule(unit, W, mesh.experts)
+                inner.append(unit)
                 for p in module.parameters():
                     p._moesaic_expert = True  # type: ignore[attr-defined]
             elif isinstance(module, Router):
-                _one_rule(fully_shard(module, mesh=mesh.dense), W, mesh.dense)
-        _one_rule(fully_shard(block, mesh=mesh.dense), W, mesh.dense)
+                inner.append(fully_shard(module, mesh=mesh.dense))
+                _one_rule(inner[-1], W, mesh.dense)
+        units.append([fully_shard(block, mesh=mesh.dense), *inner])
+        _one_rule(units[-1][0], W, mesh.dense)
         for stage in ("attention_stage", "expert_stage"):
             if callable(getattr(type(block), stage, None)):
                 register_fsdp_forward_method(block, stage)
@@ -163,7 +168,21 @@ def shard_model(model: nn.Module, mesh: TrainingMesh) -> nn.Module:
     for method in ("embed", "head"):
         if callable(getattr(type(model), method, None)):
             register_fsdp_forward_method(model, method)
+    _prefetch(units)
     return model
+
+
+def _prefetch(units: list[list[FSDPModule]]) -> None:
+    """Explicit prefetch, as torchtitan sets it for MoE: entering block i's forward starts the
+    all-gathers of block i + 1, its router and its experts; entering its backward those of
+    block i - 1. FSDP2's implicit prefetch follows the order of the previous forward, but an
+    MoE layer's host sync (the dispatch's split sizes read on the host) stalls the issuing
+    thread before the next unit's all-gather is issued; explicitly, it is already in flight."""
+    for i, block in enumerate(units):
+        if i + 1 < len(units):
+            block[0].set_modules_to_forward_prefetch(units[i + 1])
+        if i > 0:
+            block[0].set_modules_to_backward_prefetch(units[i - 1])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
