@@ -41,7 +41,7 @@ def test_prefetch_queues_leave_grad_mode_on_on_the_calling_thread():
     prefetcher.close()
 
 
-def _config() -> MoEGPTConfig:
+def _config(compression_ratio: float = 1.0) -> MoEGPTConfig:
     return MoEGPTConfig.from_dict(
         {
             "d_model": 16,
@@ -54,18 +54,20 @@ def _config() -> MoEGPTConfig:
                 "top_k": 2,
                 "ffn_hidden_size": 16,
                 "dispatcher": "hybrid",
-                "options": {"domain_sizes": [2]},
+                "options": {"domain_sizes": [2], "compression_ratio": compression_ratio},
             },
         }
     )
 
 
-def _train(layout, schedule: str, streams: HostStreams | None, batches, rank) -> dict:
+def _train(
+    layout, schedule: str, streams: HostStreams | None, batches, rank, compression_ratio=1.0
+) -> dict:
     from moesaic.train.parallel import GradientSync
 
     cls, R = SCHEDULES[schedule]
     torch.manual_seed(0)
-    model = MoEGPT(_config(), ep_group=layout.ep_group)
+    model = MoEGPT(_config(compression_ratio), ep_group=layout.ep_group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     grads: list[dict] = []  # each step's gradients as the optimizer sees them
 
@@ -99,6 +101,7 @@ def _train(layout, schedule: str, streams: HostStreams | None, batches, rank) ->
     prefetcher.close()
     out["grads"] = grads
     out["log"] = [entry[:2] for entry in streams.log] if streams is not None else []
+    out["record_stream"] = [e for e in streams.log if e[0] == "record_stream"] if streams else []
     return out
 
 
@@ -116,6 +119,7 @@ def _world(rank, world_size):
                 out[(schedule, path)] = _train(layout, schedule, streams, batches, rank)
             except RuntimeError as exc:  # 3bca125: "element 0 of tensors does not require grad"
                 out[(schedule, path)] = {"error": str(exc).splitlines()[0]}
+    out["compressed"] = _train(layout, "vanilla", HostStreams(), batches, rank, 4.0)
     return out
 
 
@@ -160,3 +164,16 @@ def test_stream_path_keeps_the_device_order(schedule):
         first = log.index(("wait_stream", "side1"))
         assert log.index(("record", "side1")) > first
         assert log.index(("wait_event", "main")) > log.index(("record", "side1"))
+
+
+def test_compressed_gathers_mark_their_shared_experts_for_the_main_stream():
+    """A compressed gather's shared experts (made on the side stream, kept to encode the next
+    gathers) are marked as used on the main stream like the decoded experts (issue 49 item 9):
+    per step and layer 3 decoded matrices and 3 shared experts, where 3bca125 marked 3."""
+    for results in _results():
+        marked = results["compressed"]["record_stream"]
+        assert len(marked) == 2 * 6 * STEPS, marked  # two hybrid layers
+        assert {stream for _, stream, _ in marked} == {"main"}
+        # the shared experts: one expert's shape each ([H, F] or [F, H]), no expert dimension
+        shared = [shape for *_, shape in marked if len(shape) == 2]
+        assert len(shared) == 2 * 3 * STEPS, marked
