@@ -41,7 +41,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor, Shard
 
 from moesaic.comm.collectives import EPGroup
@@ -132,7 +137,9 @@ def _one_rule(module: FSDPModule, world_size: int, mesh: DeviceMesh) -> None:
     module.set_force_sum_reduction_for_comms(mesh.size(mesh.ndim - 1) > 1)
 
 
-def shard_model(model: nn.Module, mesh: TrainingMesh) -> nn.Module:
+def shard_model(
+    model: nn.Module, mesh: TrainingMesh, compute_dtype: torch.dtype | None = None
+) -> nn.Module:
     """Wrap ``model`` (an ``MoEGPT``, or any module with ``blocks``) with FSDP2 in place.
 
     Units: each block's ``GroupedExperts`` on the expert mesh; each MoE layer's router and each
@@ -144,27 +151,39 @@ def shard_model(model: nn.Module, mesh: TrainingMesh) -> nn.Module:
     ``forward``: those are registered as FSDP forward methods (all-gather before, reshard and
     the backward hooks after), and the router is a unit of its own because they call the gate
     (``MoELayer.route``) between two stages, when the block's parameters are sharded again.
+
+    ``compute_dtype`` (bf16): mixed precision through FSDP2's ``MixedPrecisionPolicy`` instead
+    of autocast: the blocks and experts are all-gathered in it and compute in it, their
+    gradients reduced in fp32 into fp32 master shards; the routers and the root (embedding,
+    final norm, tied head) keep fp32 parameters and take their inputs in fp32, as the
+    autocast path keeps them.
     """
     W = mesh.shape.world_size
+    low = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy()
+    if compute_dtype is not None:  # inputs of the fp32 units cast back to fp32
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     units: list[list[FSDPModule]] = []  # per block: the block, then its router and experts
     for block in getattr(model, "blocks", []):
         inner: list[FSDPModule] = []
         for module in block.modules():
             if isinstance(module, GroupedExperts):
-                unit = fully_shard(module, mesh=mesh.experts, shard_placement_fn=_expert_shard)
+                unit = fully_shard(
+                    module, mesh=mesh.experts, shard_placement_fn=_expert_shard, mp_policy=low
+                )
                 _one_rule(unit, W, mesh.experts)
                 inner.append(unit)
                 for p in module.parameters():
                     p._moesaic_expert = True  # type: ignore[attr-defined]
             elif isinstance(module, Router):
-                inner.append(fully_shard(module, mesh=mesh.dense))
+                inner.append(fully_shard(module, mesh=mesh.dense, mp_policy=fp32))
                 _one_rule(inner[-1], W, mesh.dense)
-        units.append([fully_shard(block, mesh=mesh.dense), *inner])
+        units.append([fully_shard(block, mesh=mesh.dense, mp_policy=low), *inner])
         _one_rule(units[-1][0], W, mesh.dense)
         for stage in ("attention_stage", "expert_stage"):
             if callable(getattr(type(block), stage, None)):
                 register_fsdp_forward_method(block, stage)
-    _one_rule(fully_shard(model, mesh=mesh.dense), W, mesh.dense)
+    _one_rule(fully_shard(model, mesh=mesh.dense, mp_policy=fp32), W, mesh.dense)
     for method in ("embed", "head"):
         if callable(getattr(type(model), method, None)):
             register_fsdp_forward_method(model, method)

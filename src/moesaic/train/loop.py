@@ -308,7 +308,10 @@ def _shard(cfg: TrainConfig, model: torch.nn.Module, layout: Layout, device) -> 
     if not cfg.sharded:
         return GradientSync(layout)
     mesh = build_mesh(cfg.mesh_shape(layout.world_size), device.type, cfg.timeout_s)
-    shard_model(model, mesh)
+    bf16 = cfg.dtype == "bf16"
+    if bf16 and isinstance(model, MoEGPT):  # FSDP2's mixed precision replaces autocast
+        model.set_autocast(None)
+    shard_model(model, mesh, torch.bfloat16 if bf16 else None)
     return ShardedGradientSync(mesh, layout.world)
 
 
