@@ -16,9 +16,12 @@ backward, temporaries, communication and gradient staging buffers made during th
 ``other, alive at the step's start`` (kept across steps: the pool's staging buffers, the
 batch, routing and placement tables).
 
-Each case runs in a fresh gloo world of ``--ranks`` processes at EP = ranks, three optimizer
-steps with the training job's AdamW (``train.loop._make_optimizer``); the first step (AdamW
-creates its state) and the third (steady state) are measured. The script imports whichever
+Each case (strategy, schedule, the blocks' compute dtype) runs in a fresh gloo world of
+``--ranks`` processes at EP = ranks, ``--repeats`` times, three optimizer steps with the
+training job's AdamW (``train.loop._make_optimizer``) and its autocast (``--dtype bf16``:
+``MoEGPT.set_autocast``); the first step (AdamW creates its state) and the third (steady
+state) are measured. A case's peak is its largest rank's; repeats differ only where a thread's
+timing decides what is alive at once (hybrid's gathers on gloo's prefetch thread). The script imports whichever
 ``moesaic`` is on ``PYTHONPATH``, so the same file measures another commit's tree::
 
     PYTHONPATH=/tmp/before/src python benchmarks/step_memory.py --label before \\
@@ -26,7 +29,10 @@ creates its state) and the third (steady state) are measured. The script imports
     PYTHONPATH=src python benchmarks/step_memory.py --label after \\
         --out benchmarks/results/step_memory_issue49.json
 
-(results of several labels share the file: each run replaces its label's entry.)
+    python benchmarks/step_memory.py --table benchmarks/results/step_memory_issue49.json
+
+(results of several labels share the file: each run replaces its label's entry; ``--table``
+prints them side by side.)
 """
 
 from __future__ import annotations
@@ -58,12 +64,18 @@ CATEGORIES = (
     "other, alive at the step's start",
     "other, made in the step",
 )
-# (strategy, schedule): hybrid and flowmoe, dropless under vanilla as the reference
+# (strategy, schedule, blocks' compute dtype): hybrid and flowmoe, dropless under vanilla as the
+# reference; fp32 (the CPU default) and bf16 autocast (``--dtype bf16``: what a GPU trains in,
+# where the gathered experts' and the expert weights' casts can be half the size)
 CASES = [
-    ("dropless", "vanilla"),
-    ("hybrid", "vanilla"),
-    ("dropless", "flowmoe"),
-    ("hybrid", "flowmoe"),
+    (strategy, schedule, dtype)
+    for dtype in ("fp32", "bf16")
+    for strategy, schedule in (
+        ("dropless", "vanilla"),
+        ("hybrid", "vanilla"),
+        ("dropless", "flowmoe"),
+        ("hybrid", "flowmoe"),
+    )
 ]
 MEASURED = (0, 2)  # the first step (AdamW's state created) and the third (steady state)
 
@@ -217,7 +229,7 @@ def _config(args, strategy: str):
     )
 
 
-def _case(rank: int, world_size: int, args, strategy: str, schedule: str) -> dict:
+def _case(rank: int, world_size: int, args, strategy: str, schedule: str, dtype: str) -> dict:
     from moesaic.models import MoEGPT
     from moesaic.schedule import make_step
     from moesaic.schedule.base import StepParts
@@ -229,6 +241,7 @@ def _case(rank: int, world_size: int, args, strategy: str, schedule: str) -> dic
     torch.manual_seed(0)
     layout = build_layout(world_size, 120.0)
     model = MoEGPT(_config(args, strategy), ep_group=layout.ep_group)
+    model.set_autocast(torch.bfloat16 if dtype == "bf16" else None)  # as train/loop.py does
     optimizer = _make_optimizer(model, types.SimpleNamespace(lr=1e-3, weight_decay=0.1))
     hooks = ModelHooks(model).attach(optimizer)
     parts = StepParts(
@@ -273,6 +286,19 @@ def _case(rank: int, world_size: int, args, strategy: str, schedule: str) -> dic
     return out
 
 
+def _summary(repeats: list[list[dict]]) -> dict:
+    """The largest rank's peak of each repeat (hybrid's gathers run on gloo's prefetch thread,
+    so the overlap of its allocations with the step's, and the peak, vary with timing); the
+    per-rank detail of the repeat with the highest."""
+    peaks = [max(r["peak_bytes"] for r in per_rank) for per_rank in repeats]
+    top = max(range(len(repeats)), key=peaks.__getitem__)
+    return {
+        "peak_bytes_max_rank": peaks[top],
+        "peak_bytes_max_rank_repeats": peaks,
+        "per_rank": repeats[top],
+    }
+
+
 def _source_meta() -> dict:
     import moesaic
 
@@ -289,10 +315,39 @@ def _source_meta() -> dict:
     }
 
 
+def table(path: Path, step: str = "step3") -> str:
+    """A markdown table of ``path``'s runs side by side: each case's peak (the largest rank's)
+    and its parts at that rank's peak, in MiB."""
+    runs = json.loads(path.read_text())["runs"]
+    labels = list(runs)
+    short = ["params", "grads", "opt", "strategy", "kept", "step"]
+    head = "| case | " + " | ".join(f"peak {label}" for label in labels)
+    head += " | " + " | ".join(f"{c} {labels[-1]}" for c in short) + " |"
+    lines = [head, "|" + " --- |" * (1 + len(labels) + len(short))]
+    for case in runs[labels[-1]]["cases"]:
+        peaks, parts = [], {}
+        for label in labels:
+            res = runs[label]["cases"].get(case, {}).get(step)
+            if res is None:
+                peaks.append("-")
+                continue
+            low = min(res.get("peak_bytes_max_rank_repeats", [res["peak_bytes_max_rank"]]))
+            spread = res["peak_bytes_max_rank"] - low
+            peaks.append(f"{res['peak_bytes_max_rank'] / 2**20:.2f}")
+            if spread:
+                peaks[-1] += f" (-{spread / 2**20:.2f})"
+            top = max(res["per_rank"], key=lambda r: r["peak_bytes"])
+            parts = top["at_peak_bytes"]
+        cells = [f"{parts[c] / 2**20:.2f}" for c in CATEGORIES]
+        lines.append(f"| {case} | " + " | ".join(peaks) + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--label", required=True, help="this run's name (before, after)")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--table", type=Path, help="print a results file's table and exit")
+    parser.add_argument("--label", help="this run's name (before, after)")
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=256)
@@ -301,23 +356,35 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--degree", type=int, default=2, help="flowmoe's R")
+    parser.add_argument("--repeats", type=int, default=2, help="worlds per case")
     args = parser.parse_args()
+    if args.table is not None:
+        print(table(args.table))
+        return
+    if args.label is None or args.out is None:
+        parser.error("--label and --out are needed to measure")
 
     from moesaic.comm.world import run_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cases = {}
-    for strategy, schedule in CASES:  # a fresh world each: nothing of another case alive
-        per_rank = run_world(
-            _case, args.ranks, args, strategy, schedule, timeout_s=600.0, pg_timeout_s=300.0
-        )
-        name = f"{strategy}/{schedule}"
-        cases[name] = {
-            step: {
-                "peak_bytes_max_rank": max(r[step]["peak_bytes"] for r in per_rank),
-                "per_rank": [r[step] for r in per_rank],
-            }
-            for step in per_rank[0]
+    for strategy, schedule, dtype in CASES:  # a fresh world each: nothing of another alive
+        repeats = [
+            run_world(
+                _case,
+                args.ranks,
+                args,
+                strategy,
+                schedule,
+                dtype,
+                timeout_s=600.0,
+                pg_timeout_s=300.0,
+            )
+            for _ in range(args.repeats)
+        ]
+        cases[f"{strategy}/{schedule}/{dtype}"] = {
+            step: _summary([[r[step] for r in per_rank] for per_rank in repeats])
+            for step in repeats[0][0]
         }
     entry = {
         "meta": {
@@ -329,8 +396,8 @@ def main() -> None:
             "torch": torch.__version__,
             **_source_meta(),
         },
-        "config": {k: v for k, v in vars(args).items() if k not in ("label", "out")}
-        | {"cases": [f"{st}/{sc}" for st, sc in CASES], "backend": "gloo", "ep": args.ranks},
+        "config": {k: v for k, v in vars(args).items() if k not in ("label", "out", "table")}
+        | {"cases": ["/".join(case) for case in CASES], "backend": "gloo", "ep": args.ranks},
         "cases": cases,
     }
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -340,7 +407,7 @@ def main() -> None:
     for name, steps in cases.items():
         for step, res in steps.items():
             peak = res["peak_bytes_max_rank"]
-            print(f"{args.label:8s} {name:18s} {step}: peak {peak / 2**20:8.2f} MiB (max rank)")
+            print(f"{args.label:8s} {name:23s} {step}: peak {peak / 2**20:8.2f} MiB (max rank)")
 
 
 if __name__ == "__main__":
