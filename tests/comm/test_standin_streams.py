@@ -24,8 +24,12 @@ domains of 2 there: level, prefetch and row groups all distinct). Compared:
 * the trace spans (resource, name) of each path: the event-timed spans of the stand-in name the
   same transfers as the gloo path's completion callbacks;
 * the stand-in's own log (``record_streams``): the branches really ran (stream waits for
-  collectives; events for the pool's spans under the pipelined schedules; the prefetch's side
-  stream for hybrid), and nothing went through it on the gloo path.
+  collectives; events for the pool's spans; the prefetch's side stream for hybrid), and
+  nothing went through it on the gloo path;
+* no stream hazard (``record_streams(check_hazards=True)`` on the stand-in runs): no kernel
+  read on one stream what another wrote before waiting for it. A prefetch missing either of
+  its waits is refused (``test_hazard_check_catches_a_prefetch_without_its_waits``), so the
+  bitwise equality above is not the host's strict order hiding a missing device wait.
 """
 
 from __future__ import annotations
