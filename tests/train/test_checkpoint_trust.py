@@ -385,3 +385,27 @@ def test_a_checkpoint_without_device_rng_leaves_it_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "device_rng", lambda device: fake)
     load_checkpoint(path, model=model, optimizer=optimizer, rank=0)
     assert torch.equal(fake.state, torch.full((16,), 7, dtype=torch.uint8))
+
+
+def test_a_failed_asynchronous_save_is_one_line_and_leaves_the_last_good_one(tmp_path, monkeypatch):
+    model, optimizer = _model(7)
+    run = tmp_path / "run"
+    first = _save(run, 1, model, optimizer)
+    saver = Checkpointer(
+        str(run), layout=build_layout(1, 60.0), meta=META, keep=2, asynchronous=True
+    )
+
+    def full_disk(ckpt: Path, rank: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "write_part", full_disk)  # the writer thread's hashing step
+    saver.save(model, optimizer, step=2, consumed=2)
+    with pytest.raises(CheckpointError) as info:
+        saver.finish()
+    saver.close()
+    root = run / "checkpoints"
+    assert str(info.value) == (
+        f"saving checkpoint step_00000002 in {root} failed: No space left on device"
+    )
+    assert latest_checkpoint(str(run)) == first
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
