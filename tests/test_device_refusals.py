@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moesaic.comm.world import visible_cuda_device
+from moesaic.comm.world import device_type_for, visible_cuda_device
 from moesaic.taskflow.runtime.sequential import check_tagged_messages
 from moesaic.train.config import TrainConfig
 
@@ -88,3 +88,27 @@ def test_the_device_is_chosen_among_the_visible_ones(monkeypatch, local_rank, co
 def test_a_negative_local_rank_is_refused():
     with pytest.raises(ValueError, match=r"^local_rank \(-1\) must be >= 0$"):
         visible_cuda_device(-1)
+
+
+@pytest.mark.parametrize(
+    ("backend", "cuda", "want"),
+    [
+        ("nccl", False, "cuda"),
+        ("auto", True, "cuda"),
+        ("auto", False, "cpu"),
+        ("gloo", True, "cpu"),
+    ],
+)
+def test_the_run_device_follows_the_backend(monkeypatch, backend, cuda, want):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert device_type_for(backend) == want
+
+
+def test_the_launcher_refuses_before_it_starts_a_worker(monkeypatch):
+    """``moesaic train``'s check before spawning knows the device its workers will take."""
+    from moesaic.train.launch import validate_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = TrainConfig.from_dict({"nproc": 2, "model": {"moe": {"dispatcher": "taskflow"}}})
+    with pytest.raises(ValueError, match=r"^options.transport \('gloo'\) puts CPU tensors only"):
+        validate_config(cfg, 2)

@@ -227,6 +227,14 @@ class LocalLauncher:
         )
 
 
+def device_type_for(backend: str) -> str:
+    """The device type a training run with ``backend`` ("auto", "gloo", "nccl") computes on:
+    CUDA for NCCL, and for "auto" where CUDA is available; else the CPU."""
+    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
 def visible_cuda_device(local_rank: int) -> torch.device:
     """The GPU of the process with ``local_rank`` among the GPUs it can see: ``local_rank``
     modulo the visible count. A scheduler that gives each process its own GPU through

@@ -61,9 +61,11 @@ def validate(cfg: TrainConfig, world_size: int) -> int | None:
 
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
     """The plan, the layout and the data (nothing on disk is created or locked)."""
+    from moesaic.comm.world import device_type_for
+
     applied = check_plan_fits(cfg, world_size, cluster_name(cfg), note=_note)
-    try:
-        cfg.check_world(world_size)
+    try:  # one node: every rank on this host
+        cfg.check_world(world_size, device=device_type_for(cfg.backend))
     except ValueError as exc:
         if cfg.plan is None or cfg.plan == AUTO:
             raise

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from moesaic.comm.agree import check_ranks_agree
 from moesaic.comm.spans import gather_spans
-from moesaic.comm.world import init_world, visible_cuda_device
+from moesaic.comm.world import device_type_for, init_world, visible_cuda_device
 from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.schedule import make_step
@@ -76,9 +76,8 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def _init_distributed(cfg: TrainConfig) -> torch.device:
     if "RANK" not in os.environ:
         return torch.device("cpu")  # a single process without torchrun
-    use_nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
     device = torch.device("cpu")
-    if use_nccl:
+    if device_type_for(cfg.backend) == "cuda":
         device = visible_cuda_device(int(os.environ.get("LOCAL_RANK", "0")))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return init_world(device=device, timeout_s=cfg.timeout_s)
