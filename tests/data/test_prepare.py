@@ -203,3 +203,14 @@ def test_parquet_and_saved_dataset_read_the_named_column(tmp_path):
         assert _decoded_documents(out) == DOCS
         with pytest.raises(BadInput, match=rf"{name}: no column 'text' \(the text column"):
             prepare(_cfg(tmp_path / name, tmp_path / "x"))
+
+
+def test_saved_dataset_dict_needs_a_split(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("pyarrow")
+    train = datasets.Dataset.from_dict({"text": DOCS})
+    datasets.DatasetDict({"train": train, "test": train}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"holds the splits train, test: choose one with --split"):
+        prepare(_cfg(tmp_path / "dd", tmp_path / "out"))
+    prepare(_cfg(tmp_path / "dd", tmp_path / "out", split="test"))
+    assert _decoded_documents(tmp_path / "out") == DOCS
