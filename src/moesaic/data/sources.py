@@ -230,9 +230,16 @@ def _no_column(path: str, field: str, names: list[str]) -> BadInput:
 
 
 def _parquet_docs(src: Source, field: str) -> Iterator[Doc]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(src.path)
+    try:
+        pf = pq.ParquetFile(src.path)
+    except pa.ArrowException as exc:
+        yield BadInput(
+            f"{src.path}: not a parquet file ({str(exc).splitlines()[0]})", "not parquet"
+        )
+        return
     if field not in pf.schema_arrow.names:
         yield _no_column(src.path, field, pf.schema_arrow.names)
         return
