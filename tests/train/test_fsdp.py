@@ -54,6 +54,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+@functools.cache
+def _mesh(dp_replicate: int = 1, dp_shard: int = 1):
+    """One mesh per shape for all the runs of a worker (each new mesh is new gloo groups)."""
+    from moesaic.train.fsdp import MeshShape, build_mesh
+
+    return build_mesh(
+        MeshShape(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=2), "cpu", TIMEOUT_S
+    )
+
+
 def _train(
     rank: int,
     strategy: str,
@@ -65,7 +75,7 @@ def _train(
     """3 steps of EP 2 on 4 ranks; ``mesh_shape`` None: unsharded (EP 2 x DP 2); ``fp64``:
     the same weights in float64 (the router still scores in fp32); ``bf16``: the blocks in
     bfloat16, by autocast unsharded, by FSDP2's ``MixedPrecisionPolicy`` sharded."""
-    from moesaic.train.fsdp import MeshShape, ShardedGradientSync, build_mesh, shard_model
+    from moesaic.train.fsdp import ShardedGradientSync, shard_model
     from moesaic.train.loop import _step_stats, _update_score_biases
     from moesaic.train.parallel import GradientSync, build_layout
 
@@ -78,7 +88,7 @@ def _train(
         sync = GradientSync(layout)
         model.set_autocast(torch.bfloat16 if bf16 else None)
     else:
-        mesh = build_mesh(MeshShape(**mesh_shape, ep=2), "cpu", TIMEOUT_S)
+        mesh = _mesh(**mesh_shape)
         shard_model(model, mesh, torch.bfloat16 if bf16 else None)
         sync = ShardedGradientSync(mesh, EPGroup(None, TIMEOUT_S))
     seen: set[torch.dtype] = set()  # the experts' weights inside their forward
