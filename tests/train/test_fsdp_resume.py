@@ -12,6 +12,8 @@ ranks), which AdamW carries into the next steps' weights.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from _train_helpers import fails, final_weights, read_metrics, start_from, tiny_args, train_losses
@@ -19,6 +21,7 @@ from _train_helpers import fails, final_weights, read_metrics, start_from, tiny_
 from moesaic.cli import main
 
 RTOL = 1e-5
+HF_MIXTRAL = Path(__file__).resolve().parents[2] / "examples/hf/mixtral.json"
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +103,12 @@ def test_refused_before_any_worker_starts(data_file, tmp_path, capsys, flags, st
     err = fails(tiny_args(data_file, tmp_path / "run", *flags), capsys)
     assert err.startswith(f"moesaic train: error: {start}"), err
     assert not (tmp_path / "run").exists()
+
+
+def test_hf_config_refused_sharded(data_file, tmp_path, capsys):
+    args = ["train", "--data", str(data_file), "--run-dir", str(tmp_path / "run")]
+    err = fails([*args, "--hf-config", str(HF_MIXTRAL), "--dp-shard", "2"], capsys)
+    assert err.startswith(
+        f"moesaic train: error: --dp-shard/--dp-replicate do not apply to --hf-config "
+        f"({HF_MIXTRAL}) yet"
+    ), err

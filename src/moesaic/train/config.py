@@ -304,6 +304,12 @@ class TrainConfig:
         if not isinstance(path, str) or not path:
             raise ValueError(f"hf_config must be a non-empty path or None, got {path!r}")
         family = family_of(read_hf_config(path)["model_type"], f"transformers config {path}")
+        if self.sharded:
+            raise ValueError(
+                f"--dp-shard/--dp-replicate do not apply to --hf-config ({path}) yet: FSDP2's "
+                "units are an MoEGPT's blocks (train/fsdp.shard_model), and a transformers "
+                "model's decoder layers are not wrapped; drop them or train an MoEGPT"
+            )
         if self.schedule != "vanilla" and family.no_pipeline is not None:
             raise ValueError(
                 f"schedule {self.schedule!r} cuts the decoder layers into stages, and "

@@ -140,7 +140,7 @@ def _one_rule(module: FSDPModule, world_size: int, mesh: DeviceMesh) -> None:
 def shard_model(
     model: nn.Module, mesh: TrainingMesh, compute_dtype: torch.dtype | None = None
 ) -> nn.Module:
-    """Wrap ``model`` (an ``MoEGPT``, or any module with ``blocks``) with FSDP2 in place.
+    """Wrap ``model`` (an ``MoEGPT``: ``blocks`` an ``nn.ModuleList``) with FSDP2 in place.
 
     Units: each block's ``GroupedExperts`` on the expert mesh; each MoE layer's router and each
     block on the dense mesh; then the root (embedding, final norm, tied head). The expert
@@ -158,13 +158,20 @@ def shard_model(
     final norm, tied head) keep fp32 parameters and take their inputs in fp32, as the
     autocast path keeps them.
     """
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):  # e.g. --hf-config's stage views
+        raise ValueError(
+            f"shard_model needs a model whose blocks are an nn.ModuleList (MoEGPT): each block "
+            f"is an FSDP2 unit and its experts one on the expert mesh; got "
+            f"{type(model).__name__}"
+        )
     W = mesh.shape.world_size
     low = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     fp32 = MixedPrecisionPolicy()
     if compute_dtype is not None:  # inputs of the fp32 units cast back to fp32
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     units: list[list[FSDPModule]] = []  # per block: the block, then its router and experts
-    for block in getattr(model, "blocks", []):
+    for block in blocks:
         inner: list[FSDPModule] = []
         for module in block.modules():
             if isinstance(module, GroupedExperts):
