@@ -71,6 +71,7 @@ def _train(
     mesh_shape: dict | None,
     fp64: bool = False,
     bf16: bool = False,
+    recompute: bool = False,
 ) -> dict:
     """3 steps of EP 2 on 4 ranks; ``mesh_shape`` None: unsharded (EP 2 x DP 2); ``fp64``:
     the same weights in float64 (the router still scores in fp32); ``bf16``: the blocks in
@@ -84,6 +85,7 @@ def _train(
     model = MoEGPT(_config(strategy), layout.ep_group)
     if fp64:
         model.double()
+    model.activation_checkpointing = recompute
     if mesh_shape is None:
         sync = GradientSync(layout)
         model.set_autocast(torch.bfloat16 if bf16 else None)
@@ -150,6 +152,7 @@ def _all(rank: int, world_size: int) -> dict:
             runs[strategy, schedule, "fp64"] = _train(rank, strategy, schedule, None, fp64=True)
         for schedule, shape in SHARDED:
             runs[strategy, schedule, str(shape)] = _train(rank, strategy, schedule, shape)
+    runs["recompute"] = _train(rank, "dropless", "vanilla", {"dp_shard": 2}, recompute=True)
     runs["bf16"] = (  # unsharded autocast, then sharded with FSDP2's policy
         _train(rank, "dropless", "vanilla", None, bf16=True),
         _train(rank, "dropless", "vanilla", {"dp_shard": 2}, bf16=True),
@@ -240,6 +243,17 @@ def test_bf16_mixed_precision_policy():
         for name, g in ref["grads"][0].items():
             bound = 2 * _err(autocast["grads"][0][name], g) + 1e-7 * float(g.abs().max())
             assert _err(policy["grads"][0][name], g) <= bound, (rank, name)
+
+
+def test_activation_checkpointing_sharded():
+    """Recomputing each block in the backward (its FSDP2 unit inside the checkpoint: the
+    recomputation all-gathers it again) gives the sharded run's losses and gradients bitwise."""
+    for rank, runs in enumerate(_runs()):
+        plain, again = runs["dropless", "vanilla", str({"dp_shard": 2})], runs["recompute"]
+        assert again["loss"] == plain["loss"], rank
+        for g_plain, g_again in zip(plain["grads"], again["grads"], strict=True):
+            for name, g in g_plain.items():
+                assert torch.equal(g_again[name], g), (rank, name)
 
 
 # Every strategy and schedule either runs sharded (the parity test above) or is refused by its
