@@ -29,6 +29,8 @@ timing decides what is alive at once (hybrid's gathers on gloo's prefetch thread
     PYTHONPATH=src python benchmarks/step_memory.py --label after \\
         --out benchmarks/results/step_memory_issue49.json
 
+    PYTHONPATH=src python benchmarks/step_memory.py --label after-standin --standin-streams \\
+        --out benchmarks/results/step_memory_issue49.json
     python benchmarks/step_memory.py --table benchmarks/results/step_memory_issue49.json
 
 (results of several labels share the file: each run replaces its label's entry; ``--table``
@@ -357,6 +359,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--degree", type=int, default=2, help="flowmoe's R")
     parser.add_argument("--repeats", type=int, default=2, help="worlds per case")
+    parser.add_argument("--only", default="", help="the cases whose name holds this text")
+    parser.add_argument(
+        "--standin-streams",
+        action="store_true",
+        help="the workers take the device-stream branches (MOESAIC_STANDIN_STREAMS=1, trees "
+        "that have comm/streams.py's stand-in): hybrid's prefetch on the calling thread",
+    )
     args = parser.parse_args()
     if args.table is not None:
         print(table(args.table))
@@ -367,8 +376,12 @@ def main() -> None:
     from moesaic.comm.world import run_world
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.standin_streams:  # the spawned workers inherit it
+        os.environ["MOESAIC_STANDIN_STREAMS"] = "1"
     cases = {}
     for strategy, schedule, dtype in CASES:  # a fresh world each: nothing of another alive
+        if args.only not in f"{strategy}/{schedule}/{dtype}":
+            continue
         repeats = [
             run_world(
                 _case,
@@ -397,7 +410,7 @@ def main() -> None:
             **_source_meta(),
         },
         "config": {k: v for k, v in vars(args).items() if k not in ("label", "out", "table")}
-        | {"cases": ["/".join(case) for case in CASES], "backend": "gloo", "ep": args.ranks},
+        | {"cases": list(cases), "backend": "gloo", "ep": args.ranks},
         "cases": cases,
     }
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
