@@ -11,7 +11,7 @@ are seen wherever they run; autograd runs a CPU backward on the calling thread.
 At each new peak the live storages are attributed, in this order, to: the model's
 ``parameters``, their ``gradients`` (``p.grad``), the ``optimizer state``, ``strategy state``
 (tensors held by the MoE layers' strategies: hybrid's gathered experts and their shared
-copies, routing tables) and the rest: ``other, made in the step`` (activations saved for the
+copies, the packed buffers a gather keeps, routing tables) and the rest: ``other, made in the step`` (activations saved for the
 backward, temporaries, communication and gradient staging buffers made during the step) and
 ``other, alive at the step's start`` (kept across steps: the pool's staging buffers, the
 batch, routing and placement tables).
@@ -167,25 +167,38 @@ def _key(t: torch.Tensor) -> int:
 
 
 def _tensors_in(obj: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
-    """Tensors reachable from ``obj`` through attributes, containers and done futures."""
-    if id(obj) in seen or depth > 6:
+    """Tensors reachable from ``obj`` through containers, done futures, the attributes of the
+    strategies' objects and the closures of moesaic's functions (a pending gather's buffers)."""
+    if id(obj) in seen or depth > 12:
         return []
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
         return [obj]
+    kind = type(obj)
+    items: Any = ()
     if isinstance(obj, (list, tuple, set)):
-        items: Any = obj
+        items = obj
     elif isinstance(obj, dict):
         items = obj.values()
+    elif isinstance(obj, types.FunctionType) and obj.__module__.startswith("moesaic."):
+        items = [_cell(c) for c in obj.__closure__ or ()]
     elif hasattr(obj, "done") and hasattr(obj, "result") and hasattr(obj, "exception"):
         items = [obj.result()] if obj.done() and obj.exception() is None else []
-    elif isinstance(obj, (torch.nn.Module, str, bytes, int, float, type)) or obj is None:
+    elif isinstance(obj, torch.nn.Module):
         return []
-    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("moesaic.strategies"):
-        items = vars(obj).values()
-    else:
-        return []
+    elif kind.__module__.startswith("moesaic.strategies"):
+        if hasattr(obj, "__dict__"):
+            items = vars(obj).values()
+        else:  # a slots dataclass
+            items = [getattr(obj, n, None) for n in getattr(kind, "__slots__", ())]
     return [t for item in items for t in _tensors_in(item, seen, depth + 1)]
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # not yet set
+        return None
 
 
 def _classifier(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
