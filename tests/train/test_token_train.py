@@ -114,3 +114,33 @@ def test_shard_changed_under_a_running_job_is_refused(tokens, tmp_path):
             stream.read(0, 10)
     finally:
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _rss_file_kb() -> int:
+    lines = Path("/proc/self/status").read_text().splitlines()
+    status = dict(line.split(":", 1) for line in lines if ":" in line)
+    return int(status["RssFile"].split()[0])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status")
+def test_reading_windows_keeps_no_shard_pages_resident(tmp_path):
+    import numpy as np
+
+    from moesaic.data.shards import PreparedCorpus, ShardInfo
+    from moesaic.data.tokenizer import TokenizerInfo
+    from moesaic.train.tokens import permuted_index
+
+    n = 8 << 20  # 16 MiB of uint16: 512 windows of 1 page each would map 2-32 MiB unreleased
+    np.arange(n, dtype=np.uint16).tofile(tmp_path / "shard_00000.bin")
+    corpus = PreparedCorpus(
+        tmp_path,
+        TokenizerInfo(sha256="0" * 64, vocab_size=65536, eos_id=0, eos_token="e"),
+        "uint16",
+        (ShardInfo("shard_00000", n, 1, n, "0" * 64),),
+    )
+    stream = TokenStream(corpus)
+    before = _rss_file_kb()
+    for i in range(512):
+        start = permuted_index(i, n // 129, 3) * 129
+        assert stream.read(start, 129).tolist() == [(start + j) % 65536 for j in range(129)]
+    assert _rss_file_kb() - before < 1024  # kB: the pages went back after each read

@@ -3,8 +3,10 @@
 Shape legend: B sequences per rank, T sequence length (windows hold T + 1 tokens).
 
 The shards are one stream of token ids (documents in order, EOS after each: concat-then-split
-packing), read through ``numpy.memmap``: a rank's memory holds the pages of the windows it
-reads, never the corpus. The last documents (at least ``val_fraction`` of the tokens, whole
+packing), memory-mapped read-only (``mmap`` viewed by NumPy, as ``numpy.memmap`` does, so that
+the kernel can be advised: random access without read-ahead, and the pages a window's read
+mapped released right after it is copied): a rank's resident memory never holds the corpus,
+nor the pages of the windows it read (measured flat in corpus size: docs/training.md). The last documents (at least ``val_fraction`` of the tokens, whole
 documents) are validation; the rest is cut into non-overlapping windows of T + 1 tokens exactly
 as the byte corpus is (:mod:`moesaic.train.data`), and sampled the same way: global sample
 ``consumed + rank * B + j`` is window ``perm_epoch(pos)`` with ``epoch, pos = divmod(sample,
@@ -22,6 +24,7 @@ process with SIGBUS instead.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +36,11 @@ from moesaic.data.shards import PreparedCorpus
 
 _M64 = (1 << 64) - 1
 _FEISTEL_ROUNDS = 4
+# The pages a window's read mapped are released in aligned blocks of this size: on a read
+# fault the kernel maps cached neighbours too (64 KiB of "fault-around", or a whole large folio
+# of the page cache, up to 2 MiB: reading one window of 258 bytes mapped 64-960 KiB on this
+# project's machine, Linux 6.18), so the whole block goes back.
+_RELEASE_BLOCK = 2 * 1024 * 1024
 
 
 def _mix64(v: int) -> int:
@@ -67,8 +75,26 @@ def permuted_index(pos: int, n: int, key: int) -> int:
 class _Shard:
     path: Path
     start: int  # global offset of its first token
-    tokens: np.memmap
+    tokens: np.ndarray  # a read-only view of ``mapping``
+    mapping: mmap.mmap
     stat: tuple[int, int, int]  # size, mtime_ns, inode at open
+
+    def release(self, lo_byte: int, hi_byte: int) -> None:
+        """Unmap (``MADV_DONTNEED``) the pages of bytes ``[lo_byte, hi_byte)`` from this
+        process: the file's pages stay in the page cache, the process' resident size does not
+        keep them (the next read maps them again)."""
+        a = lo_byte // _RELEASE_BLOCK * _RELEASE_BLOCK
+        b = min(len(self.mapping), -(-hi_byte // _RELEASE_BLOCK) * _RELEASE_BLOCK)
+        self.mapping.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+
+def _map(path: Path, dtype: str, tokens: int) -> tuple[np.ndarray, mmap.mmap]:
+    """A read-only memory map of ``path`` as ``tokens`` ids (``numpy.memmap``'s mapping, made
+    here to advise the kernel: random access, no read-ahead)."""
+    with open(path, "rb") as fh:
+        mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    mapping.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapping, dtype=dtype, count=tokens), mapping
 
 
 def _stat(path: Path) -> tuple[int, int, int]:
@@ -86,8 +112,8 @@ class TokenStream:
             if info.tokens == 0:
                 continue  # every document of it was skipped
             path = corpus.bin_path(info)
-            mm = np.memmap(path, dtype=corpus.dtype, mode="r", shape=(info.tokens,))
-            shards.append(_Shard(path, start, mm, _stat(path)))
+            tokens, mapping = _map(path, corpus.dtype, info.tokens)
+            shards.append(_Shard(path, start, tokens, mapping, _stat(path)))
             start += info.tokens
         self._shards = shards
         self._starts = np.array([s.start for s in shards], dtype=np.int64)
@@ -120,6 +146,8 @@ class TokenStream:
             lo = start + done - shard.start
             take = min(n - done, len(shard.tokens) - lo)
             out[done : done + take] = shard.tokens[lo : lo + take]
+            size = shard.tokens.itemsize
+            shard.release(lo * size, (lo + take) * size)
             done += take
             i += 1
         return out
