@@ -72,6 +72,7 @@ def _train(
     fp64: bool = False,
     bf16: bool = False,
     recompute: bool = False,
+    starve: bool = False,
 ) -> dict:
     """3 steps of EP 2 on 4 ranks; ``mesh_shape`` None: unsharded (EP 2 x DP 2); ``fp64``:
     the same weights in float64 (the router still scores in fp32); ``bf16``: the blocks in
@@ -86,6 +87,9 @@ def _train(
     if fp64:
         model.double()
     model.activation_checkpointing = recompute
+    if starve:  # the choice-score bias sends every token to experts 0 and 1 (EP rank 0)
+        for _, layer in model.moe_layers():
+            layer.router.score_bias.copy_(torch.tensor([100.0, 100.0, -100.0, -100.0]))
     if mesh_shape is None:
         sync = GradientSync(layout)
         model.set_autocast(torch.bfloat16 if bf16 else None)
@@ -152,6 +156,8 @@ def _all(rank: int, world_size: int) -> dict:
             runs[strategy, schedule, "fp64"] = _train(rank, strategy, schedule, None, fp64=True)
         for schedule, shape in SHARDED:
             runs[strategy, schedule, str(shape)] = _train(rank, strategy, schedule, shape)
+    for shape in (None, {"dp_shard": 2}):
+        runs["starve", str(shape)] = _train(rank, "dropless", "vanilla", shape, starve=True)
     runs["recompute"] = _train(rank, "dropless", "vanilla", {"dp_shard": 2}, recompute=True)
     runs["bf16"] = (  # unsharded autocast, then sharded with FSDP2's policy
         _train(rank, "dropless", "vanilla", None, bf16=True),
@@ -254,6 +260,24 @@ def test_activation_checkpointing_sharded():
         for g_plain, g_again in zip(plain["grads"], again["grads"], strict=True):
             for name, g in g_plain.items():
                 assert torch.equal(g_again[name], g), (rank, name)
+
+
+def test_experts_without_tokens():
+    """EP rank 1's experts receive no token (every rank still takes part in every FSDP2
+    all-gather and reduce-scatter, forward and backward): no hang, the unsharded run's losses
+    (3 steps), its gradients at step 1 (the same weights; the module docstring's tolerance),
+    and EP rank 1's expert gradients zero at every step."""
+    for rank, runs in enumerate(_runs()):
+        ref, got = runs["starve", "None"], runs["starve", str({"dp_shard": 2})]
+        assert all(load[2:] == [0, 0] for loads in got["loads"] for load in loads), rank
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), rank
+        for name, t in ref["grads"][0].items():
+            atol = 1e-6 * float(t.abs().max())
+            torch.testing.assert_close(got["grads"][0][name], t, rtol=1e-5, atol=atol)
+        for g_got in got["grads"]:
+            for name, g in g_got.items():
+                if rank % 2 and ".experts." in name:  # EP rank 1 holds experts 2 and 3
+                    assert not g.any(), (rank, name)
 
 
 # Every strategy and schedule either runs sharded (the parity test above) or is refused by its
