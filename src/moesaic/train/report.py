@@ -4,7 +4,10 @@
 ``{"kind": "train", "step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s",
 "expert_load": [[per-expert assignments] per MoE layer], "imbalance": [max/mean per layer],
 "attempt"}``, ``{"kind": "val", "step", "val_loss"}``, ``{"kind": "checkpoint", "step",
-"path"}`` and a final ``{"kind": "summary", ...}``, after which a run on an emulated cluster's
+"path"}``, once per attempt after its first step ``{"kind": "memory", "step", "per_rank":
+[{"params", "grads", "optimizer", "dense_params", "expert_params"} bytes per rank]}`` (local
+shards with ``--dp-shard``: ``moesaic.train.fsdp.MemoryProbe``) and a final ``{"kind":
+"summary", ...}``, after which a run on an emulated cluster's
 launcher appends ``{"kind": "network", "cluster", "tx_bytes", "rx_bytes"}`` (per rank:
 ``moesaic.train.emulate``). Every line is strict JSON: a NaN or infinite number (a diverged
 loss) is written as ``null``.
