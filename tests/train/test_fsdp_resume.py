@@ -96,8 +96,12 @@ def test_pre_sharding_checkpoint_resumes_sharded(reference, data_file, tmp_path)
             "the world size (2) must be dp_replicate (1) x dp_shard (4) x ep (1) = 4",
         ),
         (("--dp-shard", "4"), "dp_replicate (1) x dp_shard (4) = 4 must divide the world size (2)"),
+        (
+            ("--dp-shard", "2", "--ep", "1", "--async-checkpoint"),
+            "async_checkpoint (--async-checkpoint) does not apply with --dp-shard/--dp-replicate",
+        ),
     ],
-    ids=["flowmoe", "taskflow", "world", "ep-left"],
+    ids=["flowmoe", "taskflow", "world", "ep-left", "async-checkpoint"],
 )
 def test_refused_before_any_worker_starts(data_file, tmp_path, capsys, flags, start):
     err = fails(tiny_args(data_file, tmp_path / "run", *flags), capsys)
