@@ -180,6 +180,30 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 }
 
 
+def _own_storages(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` for DCP's asynchronous staging: each sharded entry (a DTensor: FSDP2,
+    ``train/fsdp.py``) whose local tensor is a view into a larger storage (an expert's slice
+    of the sharded expert weight, a shard of FSDP2's padded buffer) as a DTensor of a copy.
+    Staging such a view failed in torch 2.13 ("Attempted to call copy_() on an invalid python
+    storage"); the copy costs this rank's shards once more, which the staging copies anyway.
+    Entries that are not DTensors are as they were."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, DTensor) and v.to_local()._base is not None:
+            v = DTensor.from_local(
+                v.to_local().clone(),
+                v.device_mesh,
+                v.placements,
+                run_check=False,
+                shape=v.shape,
+                stride=v.stride(),
+            )
+        out[k] = v
+    return out
+
+
 def _barrier(layout, what: str, device: torch.device) -> None:
     # An all-reduce through EPGroup rather than dist.barrier: it waits with the deadline.
     layout.world.all_reduce(torch.zeros(1, device=device), what=what)
@@ -380,7 +404,7 @@ class Checkpointer:
         try:
             with _quiet_single_process():
                 response = _dcp().async_save(
-                    state,
+                    _own_storages(state),
                     checkpoint_id=str(save.tmp),
                     process_group=self._group,
                     no_dist=_no_dist(),

@@ -250,7 +250,6 @@ class TrainConfig:
         self._check_plan()
         self._check_token_vocab()
         self._check_hf_config()
-        self._check_sharded_options()
         self._check_memory_options()
         for name in ("trace", "trace_png", "cluster"):
             path = getattr(self, name)
@@ -296,15 +295,6 @@ class TrainConfig:
             raise ValueError(
                 f"{' and '.join(used)} {verb} only to moesaic's MoEGPT, not to a transformers "
                 f"model (--hf-config {self.hf_config}){fp32}"
-            )
-
-    def _check_sharded_options(self) -> None:
-        if self.sharded and self.async_checkpoint:
-            raise ValueError(
-                "async_checkpoint (--async-checkpoint) does not apply with --dp-shard/"
-                "--dp-replicate yet: DCP's asynchronous staging of the sharded state failed "
-                "in torch 2.13 ('Attempted to call copy_() on an invalid python storage', not "
-                "analysed); sharded runs save synchronously: drop --async-checkpoint"
             )
 
     def _check_hf_config(self) -> None:
