@@ -118,6 +118,7 @@ class LiveBytes:
     def _free(self, key: int) -> None:
         with self._lock:
             self.current -= self.live.pop(key, 0)
+            self.before.discard(key)  # (a storage made later may take its address)
 
     def _attribute(self) -> dict[str, int]:
         known = self._classify()

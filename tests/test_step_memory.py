@@ -61,3 +61,15 @@ def test_live_bytes_counts_another_threads_allocations():
     assert tally.current == base + 8192 == tally.peak
     out.clear()
     assert tally.current == base
+
+
+def test_a_freed_storage_address_is_not_kept_from_the_start():
+    """A storage alive at the start and freed in the step leaves "alive at the start": one made
+    later at its address is the step's."""
+    old = torch.empty(4096)
+    tally = step_memory.LiveBytes(dict)
+    tally.start()
+    key = step_memory._key(old)
+    assert key in tally.before
+    del old
+    assert key not in tally.before
