@@ -4,8 +4,9 @@ and the unsharded EP 2 run, beside the prediction.
 
 Measured: the ``memory`` record of ``metrics.jsonl`` (``train/fsdp.py``'s ``MemoryProbe``:
 the local shards' bytes right after the first optimizer step, gradients still held). Predicted:
-dense bytes / (dp_shard x EP) plus expert bytes / (EP x dp_shard) for parameters and gradients,
-twice that plus 4 bytes per parameter tensor (AdamW's ``step``) for the optimizer; the error
+``train.mesh.state_bytes_per_rank`` (torch-free, from the config): dense bytes / (dp_shard x
+EP) plus expert bytes / (EP x dp_shard) for parameters and gradients, twice that plus 4 bytes
+per parameter tensor (AdamW's ``step``) for the optimizer; the error
 column says how far FSDP2's padding of uneven shards moves the measurement from that rule.
 Not measured here: the activation peak (``benchmarks/step_memory.py`` measures step peaks).
 
@@ -15,6 +16,7 @@ Usage: ``python benchmarks/fsdp_memory.py --out benchmarks/results/fsdp_memory.j
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -26,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from moesaic.layer import is_expert_param
-from moesaic.models import MoEGPT, MoEGPTConfig
+from moesaic.models import MoEGPTConfig
+from moesaic.train.mesh import MeshShape, model_elements, state_bytes_per_rank
 
 # A model whose dense part outweighs its experts (attention and the byte embedding: 1.6x).
 MODEL = ["--n-layers", "2", "--d-model", "256", "--n-heads", "4", "--experts", "4"]
@@ -42,27 +44,15 @@ CASES = [
 ]
 
 
-def model_numel() -> tuple[int, int, int]:
-    """(dense elements, expert elements over all experts, parameter tensors at EP 1)."""
-    cfg = MoEGPTConfig.from_dict(
-        {
-            "n_layers": 2,
-            "d_model": 256,
-            "n_heads": 4,
-            "seq_len": 64,
-            "moe": {"num_experts": 4, "ffn_hidden_size": 64},
-        }
-    )
-    model = MoEGPT(cfg)
-    dense = sum(p.numel() for p in model.parameters() if not is_expert_param(p))
-    expert = sum(p.numel() for p in model.parameters() if is_expert_param(p))
-    return dense, expert, len(list(model.parameters()))
-
-
-def predict(dp_shard: int | None, dense: int, expert: int, tensors: int) -> dict[str, float]:
-    n = EP * (dp_shard or 1) if dp_shard is not None else 1  # dense: every rank when unsharded
-    params = 4 * (dense / n + expert / (EP * (dp_shard or 1)))
-    return {"params": params, "grads": params, "optimizer": 2 * params + 4 * tensors}
+MODEL_CONFIG = MoEGPTConfig.from_dict(
+    {
+        "n_layers": 2,
+        "d_model": 256,
+        "n_heads": 4,
+        "seq_len": 64,
+        "moe": {"num_experts": 4, "ffn_hidden_size": 64},
+    }
+)  # the same shape as MODEL's flags
 
 
 def run(data: Path, work: Path, flags: list[str], world: int) -> list[dict]:
@@ -83,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    dense, expert, tensors = model_numel()
+    n = model_elements(MODEL_CONFIG)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -92,7 +82,8 @@ def main() -> None:
         for label, flags, world in CASES:
             per_rank = run(data, work, flags, world)
             shard = int(flags[1]) if flags else None
-            pred = predict(shard, dense, expert, tensors)
+            shape = None if shard is None else MeshShape(dp_shard=shard, ep=EP)
+            pred = dataclasses.asdict(state_bytes_per_rank(MODEL_CONFIG, shape, EP))
             worst = {k: max(r[k] for r in per_rank) for k in ("params", "grads", "optimizer")}
             rows.append(
                 {
@@ -123,9 +114,9 @@ def main() -> None:
             "flags": MODEL,
             "ep": EP,
             "backend": "gloo (CPU)",
-            "dense_elements": dense,
-            "expert_elements": expert,
-            "parameter_tensors": tensors,
+            "dense_elements": n.dense,
+            "expert_elements": n.expert,
+            "parameter_tensors": n.tensors,
         },
         "rows": rows,
     }
