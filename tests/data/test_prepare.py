@@ -19,6 +19,7 @@ from moesaic.data import prepare as prep
 from moesaic.data.prepare import PrepareConfig, PrepareError, prepare
 from moesaic.data.shards import META_NAME, dtype_for, read_prepared
 from moesaic.data.sources import BadInput
+from moesaic.train.data_source import open_training_data
 
 DOCS = [
     "def f(x):\n    return x + 1\n",
@@ -126,6 +127,8 @@ def test_disk_full_leaves_nothing_that_reads_as_valid(tmp_path, monkeypatch):
     assert not list(out.glob("*.tmp"))
     with pytest.raises(ValueError, match="cannot be read"):
         read_prepared(out)
+    with pytest.raises(ValueError, match=r"holds token shards but no moesaic-data\.json"):
+        open_training_data(str(out), 1000, 0.1, 8)  # never read as text either
     monkeypatch.setattr(prep, "_write_batch", real)
     assert prepare(_cfg(src, out, tokenizer=tok, vocab_size=None))["documents"] == 4
 

@@ -130,6 +130,17 @@ def is_prepared(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / META_NAME).is_file()
 
 
+def check_not_unfinished(path: str | os.PathLike[str]) -> None:
+    """ValueError if ``path`` is a directory ``prepare`` began and did not finish (shard files,
+    no metadata): read as text it would train on the shards' bytes."""
+    root = Path(path)
+    if root.is_dir() and not is_prepared(root) and any(root.glob("shard_*.bin*")):
+        raise ValueError(
+            f"data {path} holds token shards but no {META_NAME}: `moesaic prepare` did not "
+            "finish there (interrupted or failed); run it again"
+        )
+
+
 def read_metadata(root: Path) -> dict[str, Any]:
     """The metadata of ``root`` (ValueError, one line, when it is absent or not ours)."""
     path = root / META_NAME

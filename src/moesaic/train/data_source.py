@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moesaic.data.shards import TOKENIZER_NAME, is_prepared, read_prepared
+from moesaic.data.shards import TOKENIZER_NAME, check_not_unfinished, is_prepared, read_prepared
 from moesaic.train.data import PackedData, load_splits
 from moesaic.train.tokens import TokenData, load_token_splits
 
@@ -46,6 +46,8 @@ def open_training_data(
     data: str | None, max_bytes: int, val_fraction: float, seq_len: int
 ) -> TrainingData:
     """The splits of ``data``: a prepared directory's token shards, else text as bytes."""
+    if data is not None:
+        check_not_unfinished(data)
     if data is not None and is_prepared(data):
         corpus = read_prepared(data)
         train, val = load_token_splits(corpus, val_fraction, seq_len)
