@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from moesaic.comm.collectives import EPGroup
 from moesaic.comm.world import run_world
 from moesaic.models import MoEGPT, MoEGPTConfig
-from moesaic.schedule import make_step
+from moesaic.schedule import make_step, step_class
 from moesaic.schedule.base import StepParts
 
 STEPS = 3
@@ -95,7 +95,8 @@ def _train(
         model.set_autocast(torch.bfloat16 if bf16 else None)
     else:
         mesh = _mesh(**mesh_shape)
-        shard_model(model, mesh, torch.bfloat16 if bf16 else None)
+        prefetch = not step_class(schedule).runs_stages  # as the training loop
+        shard_model(model, mesh, torch.bfloat16 if bf16 else None, prefetch=prefetch)
         sync = ShardedGradientSync(mesh, EPGroup(None, TIMEOUT_S))
     seen: set[torch.dtype] = set()  # the experts' weights inside their forward
     for _, layer in model.moe_layers():

@@ -146,6 +146,9 @@ class TrainStep(ABC):
     # Empty when the schedule runs with FSDP2 sharding (``train/fsdp.py``: it reduces no
     # gradient of a sharded parameter itself), else why it does not, for the refusal.
     unsharded_why: ClassVar[str] = ""
+    # True when the step runs the model's stages chunk by chunk (``BlockPipeline``), not its
+    # forward: FSDP2's explicit prefetch then gathers units again (train/fsdp.shard_model).
+    runs_stages: ClassVar[bool] = False
 
     def __init__(self, parts: StepParts) -> None:
         self.parts = parts

@@ -47,6 +47,7 @@ class _PipelinedStep(TrainStep):
 
     overlap_attention: ClassVar[bool]
     reduce_in_backward: ClassVar[bool]
+    runs_stages = True
 
     def __init__(self, parts: StepParts) -> None:
         super().__init__(parts)

@@ -138,7 +138,11 @@ def _one_rule(module: FSDPModule, world_size: int, mesh: DeviceMesh) -> None:
 
 
 def shard_model(
-    model: nn.Module, mesh: TrainingMesh, compute_dtype: torch.dtype | None = None
+    model: nn.Module,
+    mesh: TrainingMesh,
+    compute_dtype: torch.dtype | None = None,
+    *,
+    prefetch: bool = True,
 ) -> nn.Module:
     """Wrap ``model`` (an ``MoEGPT``: ``blocks`` an ``nn.ModuleList``) with FSDP2 in place.
 
@@ -157,6 +161,12 @@ def shard_model(
     gradients reduced in fp32 into fp32 master shards; the routers and the root (embedding,
     final norm, tied head) keep fp32 parameters and take their inputs in fp32, as the
     autocast path keeps them.
+
+    ``prefetch``: explicit forward/backward prefetch (``_prefetch``); off for a schedule that
+    runs the stages chunk by chunk (``TrainStep.runs_stages``), where a prefetched unit is
+    resharded after the current chunk's stage and gathered again: measured on the tests' 2-block
+    model, a moe-only step at R = 2 issued 35 all-gathers with it, 29 without (vanilla: 22
+    with, 23 without).
     """
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):  # e.g. --hf-config's stage views
@@ -194,7 +204,8 @@ def shard_model(
     for method in ("embed", "head"):
         if callable(getattr(type(model), method, None)):
             register_fsdp_forward_method(model, method)
-    _prefetch(units)
+    if prefetch:
+        _prefetch(units)
     return model
 
 
