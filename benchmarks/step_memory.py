@@ -332,30 +332,34 @@ def _source_meta() -> dict:
 
 
 def table(path: Path, step: str = "step3") -> str:
-    """A markdown table of ``path``'s runs side by side: each case's peak (the largest rank's)
-    and its parts at that rank's peak, in MiB."""
+    """A markdown table of ``path``'s runs side by side, in MiB: each case's peak (the largest
+    rank's; "(-x)": the lowest repeat's peak x lower) and what was alive when the step started
+    (the largest rank's), per run; the parts at the peak of the last run."""
     runs = json.loads(path.read_text())["runs"]
     labels = list(runs)
     short = ["params", "grads", "opt", "strategy", "kept", "step"]
     head = "| case | " + " | ".join(f"peak {label}" for label in labels)
+    head += " | " + " | ".join(f"at start {label}" for label in labels)
     head += " | " + " | ".join(f"{c} {labels[-1]}" for c in short) + " |"
-    lines = [head, "|" + " --- |" * (1 + len(labels) + len(short))]
+    lines = [head, "|" + " --- |" * (1 + 2 * len(labels) + len(short))]
+    mib = 2**20
     for case in runs[labels[-1]]["cases"]:
-        peaks, parts = [], {}
+        peaks, starts, parts = [], [], {}
         for label in labels:
             res = runs[label]["cases"].get(case, {}).get(step)
             if res is None:
                 peaks.append("-")
+                starts.append("-")
                 continue
             low = min(res.get("peak_bytes_max_rank_repeats", [res["peak_bytes_max_rank"]]))
             spread = res["peak_bytes_max_rank"] - low
-            peaks.append(f"{res['peak_bytes_max_rank'] / 2**20:.2f}")
+            peaks.append(f"{res['peak_bytes_max_rank'] / mib:.2f}")
             if spread:
-                peaks[-1] += f" (-{spread / 2**20:.2f})"
-            top = max(res["per_rank"], key=lambda r: r["peak_bytes"])
-            parts = top["at_peak_bytes"]
-        cells = [f"{parts[c] / 2**20:.2f}" for c in CATEGORIES]
-        lines.append(f"| {case} | " + " | ".join(peaks) + " | " + " | ".join(cells) + " |")
+                peaks[-1] += f" (-{spread / mib:.2f})"
+            starts.append(f"{max(r['at_start_bytes'] for r in res['per_rank']) / mib:.2f}")
+            parts = max(res["per_rank"], key=lambda r: r["peak_bytes"])["at_peak_bytes"]
+        cells = [f"{parts[c] / mib:.2f}" for c in CATEGORIES]
+        lines.append(f"| {case} | " + " | ".join([*peaks, *starts, *cells]) + " |")
     return "\n".join(lines)
 
 
