@@ -6,7 +6,7 @@ The world is laid out as torchtitan lays out FSDP + EP, with EP borrowing ranks 
 data-parallel shard dimension (``torchtitan/distributed/parallel_dims.py``):
 
 ```
-world = dp_replicate x dp_shard x ep        init_device_mesh(("dp_replicate", "dp_shard", "ep"))
+world = dp_replicate x dp_shard x ep        init_device_mesh(("world",)), unflattened twice
 
 dense parameters   [dp_replicate, dp_shard_ep]   sharded over dp_shard x ep ranks (every rank of
                                                  a replica: EP's ranks shard the dense part too)
