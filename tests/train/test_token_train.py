@@ -86,6 +86,20 @@ def test_resume_on_another_tokenizer_names_both_hashes(token_run, data_file, tmp
     assert mine in err and saved["data"]["tokenizer"]["sha256"] in err and mine != saved
 
 
+def test_resume_on_a_tokenizer_of_another_size_names_both_hashes(
+    token_run, data_file, tmp_path, capsys
+):
+    # another vocabulary size implies another model shape: the tokenizer is still the cause named
+    other = _prepare(data_file, tmp_path / "other", vocab_size=VOCAB + 32)
+    run_dir = start_from(token_run, 4, tmp_path / "resumed")
+    assert main(tiny_args(other, run_dir, "--resume")) != 0
+    err = capsys.readouterr().err
+    mine = read_prepared(other).tokenizer.sha256
+    saved = json.loads((run_dir / "checkpoints" / "step_00000004" / "meta.json").read_text())
+    assert mine in err and saved["data"]["tokenizer"]["sha256"] in err
+    assert "vocab_size" not in err
+
+
 def test_generate_encodes_and_decodes_with_the_runs_tokenizer(token_run):
     text = generate_text(str(token_run), "def ", max_new_tokens=12, temperature=0)
     assert text.startswith("def ") and len(text) > len("def ") + 6  # tokens of > 1 byte

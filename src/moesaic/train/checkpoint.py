@@ -632,13 +632,19 @@ def saved_model_config(meta: dict) -> MoEGPTConfig:
 
 
 def read_checkpoint_meta(
-    path: Path, model_cfg: MoEGPTConfig | None = None, *, verify: bool = True
+    path: Path,
+    model_cfg: MoEGPTConfig | None = None,
+    *,
+    verify: bool = True,
+    check_meta: Callable[[Path, dict], None] | None = None,
 ) -> dict:
     """Check that ``path`` is a complete, intact checkpoint (matching ``model_cfg``).
 
     Returns its meta.json. Raises CheckpointError (a ValueError) naming what is wrong: a missing
     or unreadable file, a file whose size or sha256 differs from manifest.json (when ``verify``),
-    a data file shorter than the metadata says, or a model shape that differs.
+    a data file shorter than the metadata says, or a model shape that differs. ``check_meta``
+    (e.g. the data's tokenizer against the run's) runs before the shapes are compared, so its
+    refusal names the cause rather than a shape it implies.
     """
     from moesaic.train.ckpt_reader import read_metadata  # imports DCP (see _dcp)
 
@@ -666,6 +672,8 @@ def read_checkpoint_meta(
             raise CheckpointDamaged(
                 f"checkpoint {path} is corrupt: data file {f.name} is missing or short"
             )
+    if check_meta is not None:
+        check_meta(path, meta)
     if model_cfg is not None:
         for name in SHAPE_FIELDS:
             old, new = attrgetter(name)(saved), attrgetter(name)(model_cfg)
@@ -678,7 +686,9 @@ def read_checkpoint_meta(
 
 
 def newest_intact_checkpoint(
-    run_dir: str, model_cfg: MoEGPTConfig | None = None
+    run_dir: str,
+    model_cfg: MoEGPTConfig | None = None,
+    check_meta: Callable[[Path, dict], None] | None = None,
 ) -> tuple[Path, dict, list[str]] | None:
     """The newest intact checkpoint of ``run_dir`` (one process hashing every file: the
     launcher, ``generate``): ``(path, meta, damage)`` where ``damage`` has one line for each
@@ -691,7 +701,7 @@ def newest_intact_checkpoint(
 
     def check(path: Path) -> tuple[str | None, dict]:
         try:
-            return None, read_checkpoint_meta(path, model_cfg)
+            return None, read_checkpoint_meta(path, model_cfg, check_meta=check_meta)
         except CheckpointDamaged as exc:
             return str(exc), {}
 
@@ -699,16 +709,21 @@ def newest_intact_checkpoint(
 
 
 def choose_resume_checkpoint(
-    run_dir: str, model_cfg: MoEGPTConfig, layout, device: torch.device
+    run_dir: str,
+    model_cfg: MoEGPTConfig,
+    layout,
+    device: torch.device,
+    check_meta: Callable[[Path, dict], None] | None = None,
 ) -> tuple[Path, dict, list[str]] | None:
     """:func:`newest_intact_checkpoint` as a collective of every rank: each hashes its share
     of the files (outside any collective wait), then one all-reduce per checkpoint tried
-    agrees on the first damaged file, so every rank resumes from the same checkpoint."""
+    agrees on the first damaged file, so every rank resumes from the same checkpoint.
+    ``check_meta`` as in :func:`read_checkpoint_meta` (the same outcome on every rank)."""
 
     def check(path: Path) -> tuple[str | None, dict]:
         code, mine, meta = 0, None, {}
         try:
-            meta = read_checkpoint_meta(path, model_cfg, verify=False)
+            meta = read_checkpoint_meta(path, model_cfg, verify=False, check_meta=check_meta)
             index = None
             if meta["format"] >= 2:
                 index = damaged_file_index(path, layout.rank, layout.world_size)

@@ -57,17 +57,28 @@ def open_training_data(
     return TrainingData(train_b, val_b, dict(BYTES), None)
 
 
+def data_identity(data: str | None) -> dict[str, Any]:
+    """What a checkpoint records of ``data`` (see :class:`TrainingData`), from its metadata
+    alone: the launcher checks a resume against it before any worker starts."""
+    if data is not None and is_prepared(data):
+        return read_prepared(data).identity()
+    return dict(BYTES)
+
+
 def _describe(identity: dict[str, Any]) -> str:
     if identity.get("kind") != "tokens":
         return "bytes"
     return f"tokens of tokenizer sha256 {identity['tokenizer']['sha256']}"
 
 
-def check_resume_data(path: Path, meta: dict[str, Any], data: TrainingData, where: str) -> None:
+def check_resume_data(
+    path: Path, meta: dict[str, Any], identity: dict[str, Any], where: str
+) -> None:
     """Refuse to resume checkpoint ``path`` on data of another tokenizer (or bytes on tokens),
-    naming both; a checkpoint without ``data`` (older) was trained on bytes."""
+    naming both; a checkpoint without ``data`` (older) was trained on bytes. ``identity`` is
+    the data's (:func:`data_identity`, ``TrainingData.identity``)."""
     saved = meta.get("data", BYTES)
-    mine = data.identity
+    mine = identity
     same_kind = saved.get("kind") == mine.get("kind")
     if same_kind and mine.get("kind") != "tokens":
         return

@@ -39,6 +39,7 @@ from moesaic.train.checkpoint import (
 )
 from moesaic.train.config import TrainConfig
 from moesaic.train.data import load_splits
+from moesaic.train.data_source import check_resume_data, data_identity
 from moesaic.train.errors import RECORD_KEY, pick_root_cause
 from moesaic.train.plan import AUTO, blame_plan, check_plan_fits, cluster_name
 from moesaic.train.runlock import RunLock, check_run_dir
@@ -94,7 +95,12 @@ def validate_checkpoints(cfg: TrainConfig) -> int | None:
         if path is None:
             raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
         # A damaged newest checkpoint is passed over (the workers say so when they resume).
-        chosen = newest_intact_checkpoint(cfg.run_dir, cfg.model)
+        identity = data_identity(cfg.data)
+
+        def same_data(path: Path, meta: dict) -> None:  # before shapes: a tokenizer's vocab is one
+            check_resume_data(path, meta, identity, str(cfg.data))
+
+        chosen = newest_intact_checkpoint(cfg.run_dir, cfg.model, check_meta=same_data)
         if chosen is None:
             raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
         path, meta, _ = chosen

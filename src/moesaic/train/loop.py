@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -286,8 +287,12 @@ def _maybe_resume(cfg, model, optimizer, layout, data: TrainingData) -> tuple[in
             raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
         return 0, 0, None  # a fresh run, or a restart before the first checkpoint
     device = next(model.parameters()).device
+
     # A damaged newest checkpoint: back to the newest intact one (every rank agrees), said once.
-    chosen = choose_resume_checkpoint(cfg.run_dir, cfg.model, layout, device)
+    def same_data(path: Path, meta: dict) -> None:  # before shapes: a tokenizer's vocab is one
+        check_resume_data(path, meta, data.identity, str(cfg.data))
+
+    chosen = choose_resume_checkpoint(cfg.run_dir, cfg.model, layout, device, same_data)
     if chosen is None:  # removed since latest_checkpoint above
         raise ValueError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
     path, meta, damage = chosen
@@ -295,7 +300,6 @@ def _maybe_resume(cfg, model, optimizer, layout, data: TrainingData) -> tuple[in
     if note is not None and layout.rank == 0:
         print(f"moesaic train: {note}", file=sys.stderr, flush=True)
     check_resume_step(path, meta, cfg.steps)
-    check_resume_data(path, meta, data, str(cfg.data))
     step, consumed = load_checkpoint(path, model=model, optimizer=optimizer, rank=layout.rank)
     return step, consumed, str(path)
 
