@@ -225,6 +225,12 @@ def _classifier(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     return classify
 
 
+def _bump_versions(optimizer: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+    from torch.autograd.graph import increment_version
+
+    increment_version([p for group in optimizer.param_groups for p in group["params"]])
+
+
 def _config(args, strategy: str):
     from moesaic.models import MoEGPTConfig
 
@@ -259,6 +265,12 @@ def _case(rank: int, world_size: int, args, strategy: str, schedule: str, dtype:
     model = MoEGPT(_config(args, strategy), ep_group=layout.ep_group)
     model.set_autocast(torch.bfloat16 if dtype == "bf16" else None)  # as train/loop.py does
     optimizer = _make_optimizer(model, types.SimpleNamespace(lr=1e-3, weight_decay=0.1))
+    # Under a dispatch mode (this counter) torch 2.13's foreach AdamW updates the parameters
+    # without bumping their version counters, by which hybrid knows its gathered copies are
+    # stale: without this hook it would neither prefetch nor gather again, and train on the
+    # first step's experts. Registered before the prefetcher's hook, as train/loop.py does
+    # for the fused kernel; a second bump where the kernel made one is harmless.
+    optimizer.register_step_post_hook(_bump_versions)
     hooks = ModelHooks(model).attach(optimizer)
     parts = StepParts(
         model=model,
