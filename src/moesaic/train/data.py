@@ -165,7 +165,43 @@ def load_corpus(data: str | None, max_bytes: int, *, notes: list[str] | None = N
     return corpus
 
 
-class PackedData:
+class WindowedData:
+    """Sampling over non-overlapping windows of ``seq_len + 1`` ids of one split, shared by
+    bytes (:class:`PackedData`) and token shards (``moesaic.train.tokens.TokenData``): one
+    integer of data position (``consumed``) fixes every rank's batch, so a resume is exact and
+    the world size may change. A split gives ``num_windows``, :meth:`windows` and, per epoch,
+    its order of windows (:meth:`window_of`)."""
+
+    num_windows: int
+
+    def windows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each [B, T] int64, of the windows ``idx``."""
+        raise NotImplementedError
+
+    def window_of(self, epoch: int, pos: int, seed: int) -> int:
+        """The window at position ``pos`` of epoch ``epoch``'s order (keyed by ``seed``)."""
+        raise NotImplementedError
+
+    def train_batch(
+        self, consumed: int, rank: int, batch_size: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s batch when ``consumed`` samples were used by all ranks before it."""
+        idx = []
+        for j in range(batch_size):
+            epoch, pos = divmod(consumed + rank * batch_size + j, self.num_windows)
+            idx.append(self.window_of(epoch, pos, seed))
+        return self.windows(torch.tensor(idx))
+
+    def val_batch(
+        self, i: int, rank: int, world_size: int, batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The i-th validation batch of ``rank`` (fixed windows, wrapped if the split is small)."""
+        start = (i * world_size + rank) * batch_size
+        idx = torch.arange(start, start + batch_size) % self.num_windows
+        return self.windows(idx)
+
+
+class PackedData(WindowedData):
     """Non-overlapping windows of ``seq_len + 1`` bytes of one split.
 
     Args:
@@ -196,30 +232,12 @@ class PackedData:
         w_BS = self._windows_NS[idx].long()
         return w_BS[:, :-1], w_BS[:, 1:]
 
-    def _perm(self, epoch: int, seed: int) -> torch.Tensor:
+    def window_of(self, epoch: int, pos: int, seed: int) -> int:
+        """Epoch ``epoch``'s order: a permutation of the windows, kept for the epoch."""
         if self._perm_epoch is None or self._perm_epoch[0] != epoch:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
             self._perm_epoch = (epoch, torch.randperm(self.num_windows, generator=gen))
-        return self._perm_epoch[1]
-
-    def train_batch(
-        self, consumed: int, rank: int, batch_size: int, seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank ``rank``'s batch when ``consumed`` samples were used by all ranks before it."""
-        idx = []
-        for j in range(batch_size):
-            g = consumed + rank * batch_size + j
-            epoch, pos = divmod(g, self.num_windows)
-            idx.append(int(self._perm(epoch, seed)[pos]))
-        return self.windows(torch.tensor(idx))
-
-    def val_batch(
-        self, i: int, rank: int, world_size: int, batch_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The i-th validation batch of ``rank`` (fixed windows, wrapped if the split is small)."""
-        start = (i * world_size + rank) * batch_size
-        idx = torch.arange(start, start + batch_size) % self.num_windows
-        return self.windows(idx)
+        return int(self._perm_epoch[1][pos])
 
 
 def split_corpus(corpus: bytes, val_fraction: float) -> tuple[bytes, bytes]:

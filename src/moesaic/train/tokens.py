@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from moesaic.data.shards import PreparedCorpus
+from moesaic.train.data import WindowedData
 
 _M64 = (1 << 64) - 1
 _FEISTEL_ROUNDS = 4
@@ -153,7 +154,7 @@ class TokenStream:
         return out
 
 
-class TokenData:
+class TokenData(WindowedData):
     """Non-overlapping windows of ``seq_len + 1`` tokens of one split of a :class:`TokenStream`
     (the interface of :class:`moesaic.train.data.PackedData`).
 
@@ -185,23 +186,9 @@ class TokenData:
         w_BS = torch.from_numpy(np.stack(rows))
         return w_BS[:, :-1], w_BS[:, 1:]
 
-    def train_batch(
-        self, consumed: int, rank: int, batch_size: int, seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank ``rank``'s batch when ``consumed`` samples were used by all ranks before it."""
-        idx = []
-        for j in range(batch_size):
-            epoch, pos = divmod(consumed + rank * batch_size + j, self.num_windows)
-            idx.append(permuted_index(pos, self.num_windows, seed * 1_000_003 + epoch))
-        return self.windows(torch.tensor(idx))
-
-    def val_batch(
-        self, i: int, rank: int, world_size: int, batch_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The i-th validation batch of ``rank`` (fixed windows, wrapped if the split is small)."""
-        start = (i * world_size + rank) * batch_size
-        idx = torch.arange(start, start + batch_size) % self.num_windows
-        return self.windows(idx)
+    def window_of(self, epoch: int, pos: int, seed: int) -> int:
+        """Epoch ``epoch``'s order, computed per position (no array that grows with the corpus)."""
+        return permuted_index(pos, self.num_windows, seed * 1_000_003 + epoch)
 
 
 def _document_split(corpus: PreparedCorpus, val_fraction: float) -> tuple[int, int]:
