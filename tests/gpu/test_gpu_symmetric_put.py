@@ -9,7 +9,8 @@ replace with host stand-ins.
 * The ``taskflow`` layer at EP 1 with ``transport="symmetric"`` (its windows in symmetric
   memory, the step fence on the device) against ``dropless``: output and gradients.
 
-Skipped without CUDA. Written without a GPU at hand: it has not run yet.
+Skipped without CUDA. Passed in the GPU sessions (one H200, one H100: a world of one; puts
+between two GPUs have not run).
 """
 
 from __future__ import annotations
