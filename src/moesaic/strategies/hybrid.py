@@ -61,6 +61,7 @@ from moesaic.strategies.base import (
 from moesaic.strategies.dropless import DroplessHandle, DroplessStrategy
 from moesaic.strategies.hybrid_options import HybridOptions
 from moesaic.strategies.migration import Gathered, PendingGather, Weights, start_gather
+from moesaic.strategies.prefetch import ExpertPrefetcher
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -450,8 +451,6 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
     ) -> StrategyHooks:
         """The asynchronous communicator (:class:`~moesaic.strategies.prefetch.
         ExpertPrefetcher`): the next forwards' gathers start after every optimizer step."""
-        from moesaic.strategies.prefetch import ExpertPrefetcher
-
         return ExpertPrefetcher(layers, recorder=recorder)
 
     @classmethod

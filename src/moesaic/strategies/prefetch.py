@@ -1,9 +1,10 @@
 """HybridEP's asynchronous communicator (Fig. 10): every ``hybrid`` layer's expert gathers issued
 right after the optimizer step, so they overlap what runs before each layer's next forward.
 
-It is ``hybrid``'s training hooks (:meth:`HybridStrategy.training_hooks`): the training loop
-calls :meth:`ExpertPrefetcher.after_optimizer_step` after every optimizer step, as it calls every
-strategy's hooks, without knowing which strategy it runs.
+It is ``hybrid``'s training hooks (``HybridStrategy.training_hooks``): the training loop calls
+:meth:`ExpertPrefetcher.after_optimizer_step` after every optimizer step, as it calls every
+strategy's hooks, without knowing which strategy it runs. It knows the strategy only through
+:class:`PrefetchedExperts` (``hybrid`` imports this module, never the reverse).
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from moesaic.comm.streams import device_streams
 from moesaic.strategies.base import StrategyHooks
-from moesaic.strategies.hybrid import HybridStrategy
-from moesaic.strategies.migration import Gathered
+from moesaic.strategies.migration import Gathered, PendingGather
 from moesaic.trace import Recorder, maybe_span
 
 if TYPE_CHECKING:
@@ -26,15 +26,39 @@ if TYPE_CHECKING:
 
     from torch import nn
 
+    from moesaic.comm.collectives import EPGroup
     from moesaic.comm.streams import Streams
     from moesaic.experts import GroupedExperts
     from moesaic.strategies.base import ExpertFn, MoEStrategy
 
-__all__ = ["ExpertPrefetcher"]
+__all__ = ["ExpertPrefetcher", "PrefetchedExperts"]
+
+
+@runtime_checkable
+class PrefetchedExperts(Protocol):
+    """What a strategy whose experts the prefetcher gathers provides (``hybrid``): the
+    prefetcher takes the layers whose strategy has it and knows nothing else of them."""
+
+    # set by the prefetcher: the event the forward's stream waits for (device streams)
+    prefetch_ready: Any
+
+    def reserve_prefetch(self, experts: GroupedExperts) -> Future[Gathered] | None:
+        """A slot for the next gather on every rank alike; None when none is needed."""
+        ...
+
+    @property
+    def prefetch_levels(self) -> list[EPGroup]:
+        """The groups the prefetch's gathers run on (made by the first reserve)."""
+        ...
+
+    def start_prefetch(self, experts: GroupedExperts) -> PendingGather:
+        """Encode and issue the gathers of ``experts`` on ``prefetch_levels``."""
+        ...
 
 
 class ExpertPrefetcher(StrategyHooks):
-    """The asynchronous communicator of Fig. 10 for every ``hybrid`` layer of a model.
+    """The asynchronous communicator of Fig. 10 for every ``hybrid`` layer of a model (every
+    layer whose strategy is :class:`PrefetchedExperts`).
 
     :meth:`start` (called on every rank at the same point, e.g. right after the optimizer step:
     :meth:`after_optimizer_step`, or :meth:`attach` registers it as a step post-hook) reserves
@@ -72,8 +96,8 @@ class ExpertPrefetcher(StrategyHooks):
             if isinstance(layers, torch.nn.Module)
             else list(layers)
         )
-        self.layers: list[tuple[HybridStrategy, GroupedExperts]] = [
-            (s, e) for s, e in pairs if isinstance(s, HybridStrategy)
+        self.layers: list[tuple[PrefetchedExperts, GroupedExperts]] = [
+            (s, e) for s, e in pairs if isinstance(s, PrefetchedExperts)
         ]
         self.recorder = recorder
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moesaic-prefetch")
@@ -110,7 +134,7 @@ class ExpertPrefetcher(StrategyHooks):
 
     @staticmethod
     def _on_device(
-        jobs: list[tuple[int, HybridStrategy, GroupedExperts, Future[Gathered]]],
+        jobs: list[tuple[int, PrefetchedExperts, GroupedExperts, Future[Gathered]]],
     ) -> bool:
         """Whether the gathers run on device streams (NCCL): then a thread issuing them while
         the main thread issues its own would give each rank another order across
@@ -119,7 +143,7 @@ class ExpertPrefetcher(StrategyHooks):
         return any(g.on_stream(experts.w1) for g in strategy.prefetch_levels)
 
     def _run_on_stream(
-        self, jobs: list[tuple[int, HybridStrategy, GroupedExperts, Future[Gathered]]]
+        self, jobs: list[tuple[int, PrefetchedExperts, GroupedExperts, Future[Gathered]]]
     ) -> None:
         """The send and receive queues enqueued from this thread, in layer order, on a side
         stream: encoding, gathers (stream waits) and decoding all run on the device while the
@@ -148,7 +172,7 @@ class ExpertPrefetcher(StrategyHooks):
             strategy.prefetch_ready = ready
 
     def _run(
-        self, jobs: list[tuple[int, HybridStrategy, GroupedExperts, Future[Gathered]]]
+        self, jobs: list[tuple[int, PrefetchedExperts, GroupedExperts, Future[Gathered]]]
     ) -> None:
         # A context, never the global switch: on device streams this runs on the caller's
         # thread (the optimizer's post-hook), whose next forward must build a graph.
@@ -156,7 +180,7 @@ class ExpertPrefetcher(StrategyHooks):
             self._run_queues(jobs)
 
     def _run_queues(
-        self, jobs: list[tuple[int, HybridStrategy, GroupedExperts, Future[Gathered]]]
+        self, jobs: list[tuple[int, PrefetchedExperts, GroupedExperts, Future[Gathered]]]
     ) -> None:
         issued = []
         for index, strategy, experts, fut in jobs:  # send queue: encode + issue, layer order
