@@ -3,7 +3,7 @@ what FlowMoE's chunks pay in the backward (issue 24, the flowmoe ranking misses)
 
 ``moesaic calibrate`` measures the all-reduce's call floor as a stream of tiny calls on the idle
 machine (``calibrate.collective_calls``), and the simulator prices every gradient chunk with it.
-A traced flowmoe run on a 4-rank cluster sharing 2 cores (z++--+, docs/simulator.md, the sixth
+A traced flowmoe run on a 4-rank cluster sharing 2 cores (z++--+, benchmarks/sim_validation.md, the sixth
 rule) showed chunks of 110 kB in flight 22-46 ms each beside the backward, against 4.8 ms
 priced. This measures, per size and cluster, with every rank's slowest time per repetition:
 

@@ -1,4 +1,4 @@
-"""The markdown tables of docs/simulator.md, from the committed results (no measurement).
+"""The markdown tables of docs/simulator.md (calibration) and benchmarks/sim_validation.md, from the committed results (no measurement).
 
 Usage::
 

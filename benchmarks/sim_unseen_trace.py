@@ -2,7 +2,7 @@
 and simulated with its stored profile: busy milliseconds per step by lane and by task name,
 measured (rank 0 and 1, the trace's last steps) beside simulated (the representative rank).
 
-Where a point's error comes from (``docs/simulator.md``). The trace's spans cost a little
+Where a point's error comes from (``benchmarks/sim_validation.md``). The trace's spans cost a little
 time of their own, so a traced step is not the grid's measurement. Per collective lane also
 the ranks' arrival (:func:`arrival`): how long a call waits for the last rank to issue it and
 how long it takes once every rank has (the ranks' clocks are one machine's monotonic clock).
