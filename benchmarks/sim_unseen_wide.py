@@ -10,7 +10,7 @@ simulation of it: w55c was to be skewed by a wide router init (std 0.2), but a r
 is invariant to the scale of its weights, so a fresh router routes alike at any init std (the
 routing prior's measurements, ``sim_routing_prior.json``, show 0.02 and 0.1 alike); its skew
 comes from many experts instead, E 32, where a fresh router's busiest expert takes ~5x the
-mean). Four configurations, chosen by hand to cover the factors the issue names,
+mean; and the model files do not name the init std, which the prior does not read). Four configurations, chosen by hand to cover the factors the issue names,
 each once (this is not a factorial design: there are too few runs for one on this machine);
 names start with ``w55``:
 
@@ -47,7 +47,7 @@ profile, with the routing of the job's router on its data), then ``moesaic plan 
 --capacity-factor 1.25`` and ``moesaic simulate --json`` of every combination, twice each:
 
 * *training config*: the configuration's training config with the calibrated profile;
-* *model file*: a model file of the same shape (``router_init_std`` set, no data) with the same
+* *model file*: a model file of the same shape (no data) with the same
   profile less its measured routing (what a user has before any data: the simulator falls back
   to its routing prior).
 
@@ -187,7 +187,6 @@ def model_toml(cfg: dict[str, Any], *, capacity: float | None = None) -> str:
     lines += [f"batch = {cfg['tokens_per_rank'] // SEQ}", f"seq_len = {SEQ}"]
     lines += [f"hidden = {cfg['hidden']}", f"ffn_hidden = {ffn(cfg)}"]
     lines += [f"experts = {cfg['experts']}", f"top_k = {cfg['top_k']}", f"heads = {HEADS}"]
-    lines.append(f"router_init_std = {cfg['init_std']}")
     if capacity is not None:
         lines.append(f"capacity_factor = {capacity}")
     return "\n".join(lines) + "\n"
