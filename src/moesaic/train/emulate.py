@@ -14,7 +14,7 @@ since each rank lives in a namespace of its own.
 What the user sees is a normal run's: the rank-0 progress bar and log lines (the workers share
 the terminal's output), the run directory with its checkpoints and ``metrics.jsonl``, a failure
 as the one line of the rank that failed first for a reason of its own
-(:func:`moesaic.train.launch.failure_line`, from the same error records), ``--max-restarts``
+(:func:`moesaic.train.errors.failure_line`, from the same error records), ``--max-restarts``
 restarting the whole group (resuming from the latest checkpoint), and Ctrl-C or SIGTERM stopping
 the workers (SIGTERM, in sessions of their own) and tearing the network down before the
 "interrupted" line. After a successful run, the bytes every rank's interface sent and received
@@ -41,7 +41,7 @@ from moesaic.cluster.spec import ClusterSpec
 from moesaic.cluster.system import run_cmd, support_problem
 from moesaic.cluster.topology import RANK_IFNAME
 from moesaic.train.config import TrainConfig
-from moesaic.train.errors import RECORD_KEY
+from moesaic.train.errors import RECORD_KEY, failure_line
 
 __all__ = ["check_can_emulate", "network_counters", "run_emulated"]
 
@@ -88,8 +88,6 @@ def run_emulated(cfg: TrainConfig, job: str) -> dict:
             network could not be built (``ClusterError``).
         KeyboardInterrupt: Ctrl-C or SIGTERM; the workers were stopped, the network removed.
     """
-    from moesaic.train.launch import failure_line
-
     if cfg.emulate is None:
         raise ValueError("run_emulated needs a run with emulate (--emulate CLUSTER.toml)")
     spec = ClusterSpec.from_toml(cfg.emulate)

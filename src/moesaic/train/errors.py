@@ -3,7 +3,8 @@
 A leaf (no moesaic import at module level) that checkpoints, the run lock, the loop and the
 launcher all import. The worker side, which turns a failure into a log and that line, is
 :mod:`moesaic.train.worker`; the launcher picks the rank that failed first for a reason of its own
-(:func:`pick_root_cause`) from the records the workers leave under :data:`RECORD_KEY`.
+(:func:`pick_root_cause`) from the records the workers leave under :data:`RECORD_KEY`, and
+reports the group's failure in one line (:func:`failure_line`: the local and the emulated launcher).
 """
 
 from __future__ import annotations
@@ -105,3 +106,21 @@ def pick_root_cause(failures: dict[int, Any]) -> tuple[int, str | None]:
     rank, failure = min(failures.items(), key=key)
     rec = (getattr(failure, "error_file_data", None) or {}).get(RECORD_KEY)
     return rank, rec.get("line") if isinstance(rec, dict) else None
+
+
+def failure_line(failures: dict[int, Any], max_restarts: int) -> str:
+    """The one line of a failed worker group: the root cause's (``pick_root_cause``), or how
+    the rank ended when it left no record; ``failures`` maps rank to a ``ProcessFailure`` (or
+    anything with its ``exitcode``, ``signal_name()``, ``error_file_data`` and ``timestamp``)."""
+    rank, line = pick_root_cause(failures)
+    if line is None:
+        failure = failures[rank]
+        how = (
+            f"was killed by signal {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exited with code {failure.exitcode}"
+        )
+        line = f"rank {rank} {how} without reporting an error"
+    if max_restarts:
+        line += f" (the group was restarted {max_restarts} time(s) before)"
+    return line

@@ -40,7 +40,7 @@ from moesaic.train.checkpoint import (
 from moesaic.train.config import TrainConfig
 from moesaic.train.data import load_splits
 from moesaic.train.data_source import check_resume_data, data_identity
-from moesaic.train.errors import RECORD_KEY, pick_root_cause
+from moesaic.train.errors import RECORD_KEY, failure_line
 from moesaic.train.plan import AUTO, blame_plan, check_plan_fits, cluster_name
 from moesaic.train.runlock import RunLock, check_run_dir
 
@@ -145,24 +145,6 @@ def launch(cfg: TrainConfig) -> dict:
 
             return run_emulated(cfg, job)
         return _run_agent(cfg, job)
-
-
-def failure_line(failures: dict[int, Any], max_restarts: int) -> str:
-    """The one line of a failed worker group: the root cause's (``pick_root_cause``), or how
-    the rank ended when it left no record; ``failures`` maps rank to a ``ProcessFailure`` (or
-    anything with its ``exitcode``, ``signal_name()``, ``error_file_data`` and ``timestamp``)."""
-    rank, line = pick_root_cause(failures)
-    if line is None:
-        failure = failures[rank]
-        how = (
-            f"was killed by signal {failure.signal_name()}"
-            if failure.exitcode < 0
-            else f"exited with code {failure.exitcode}"
-        )
-        line = f"rank {rank} {how} without reporting an error"
-    if max_restarts:
-        line += f" (the group was restarted {max_restarts} time(s) before)"
-    return line
 
 
 def _quiet_torch_loggers() -> None:
