@@ -51,17 +51,17 @@ from moesaic.comm.world import run_world
 from moesaic.models import MoEGPT, MoEGPTConfig
 from moesaic.schedule import make_step, schedule_names
 from moesaic.schedule.base import StepParts
+from moesaic.schedule_table import schedule_spec
 from moesaic.strategies import get_strategy, strategy_names
 
 Entry = tuple[Any, ...]  # (global ranks, lane, op, what)
 
-PIPELINED = [name for name in schedule_names() if name != "vanilla"]
+PIPELINED = [name for name in schedule_names() if schedule_spec(name).pipelined]
 
 
 def _runs(strategy: str, schedule: str) -> bool:
     """What the strategy declares it runs under (``MoEStrategy.supports``)."""
-    schedules = get_strategy(strategy).supports.schedules
-    return schedules is None or schedule in schedules
+    return get_strategy(strategy).supports.runs_under(schedule)
 
 
 # (schedule, strategy, EP size, domain sizes) on 2 ranks: EP 2, and EP 1 x DP 2 for flowmoe

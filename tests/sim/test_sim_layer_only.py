@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.schedule_table import schedule_names
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
-from moesaic.sim.runs import SCHEDULES, runs
+from moesaic.sim.runs import runs
 from moesaic.sim.simulate import SimOptions, simulate
 from moesaic.sim.taskflow import valid_rows
 from moesaic.taskflow.tasks import Region
 
+SCHEDULES = schedule_names()
 ROOT = Path(__file__).resolve().parents[2]
 LAYER = ModelSpec.from_toml(ROOT / "examples/models/taskflow_layer.toml")
 PAIR = ClusterSpec(levels=(Level(name="node", size=2, bandwidth_gbps=1.0, latency_ms=0.1),))

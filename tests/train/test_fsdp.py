@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from moesaic.comm.collectives import EPGroup
 from moesaic.comm.world import run_world
 from moesaic.models import MoEGPT, MoEGPTConfig
-from moesaic.schedule import make_step, step_class
+from moesaic.schedule import make_step
 from moesaic.schedule.base import StepParts
+from moesaic.schedule_table import schedule_spec
 
 STEPS = 3
 TIMEOUT_S = 60.0
@@ -95,7 +96,7 @@ def _train(
         model.set_autocast(torch.bfloat16 if bf16 else None)
     else:
         mesh = _mesh(**mesh_shape)
-        prefetch = not step_class(schedule).runs_stages  # as the training loop
+        prefetch = not schedule_spec(schedule).pipelined  # as the training loop
         shard_model(model, mesh, torch.bfloat16 if bf16 else None, prefetch=prefetch)
         sync = ShardedGradientSync(mesh, EPGroup(None, TIMEOUT_S))
     seen: set[torch.dtype] = set()  # the experts' weights inside their forward

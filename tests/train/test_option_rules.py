@@ -147,8 +147,9 @@ def test_every_option_is_accepted_or_refused_by_name(dest, strategy, schedule, t
 # The cases of the issue, each with the line a user now sees.
 AR_CHUNK = (
     "--ar-chunk does not apply to --schedule vanilla: only to --schedule moe-only or flowmoe (Sp, "
-    "the chunk size of their gradient all-reduce pool; vanilla all-reduces every gradient at "
-    "once after the backward); drop --ar-chunk or choose --schedule moe-only or flowmoe"
+    "the chunk size of their gradient all-reduce pool; a schedule without the pool all-reduces "
+    "every gradient at once after the backward); drop --ar-chunk or choose --schedule moe-only "
+    "or flowmoe"
 )
 DOMAINS = (
     "--domains does not apply to --strategy {s}: only to --strategy hybrid (the sizes of hybrid's "
@@ -232,7 +233,7 @@ def test_toml_keys_that_do_not_apply_are_noted_not_refused(tmp_path, capsys):
     assert notes == [
         f"ar_chunk in {toml} has no effect with --schedule vanilla: it applies only to "
         "--schedule moe-only or flowmoe (Sp, the chunk size of their gradient all-reduce pool; "
-        "vanilla all-reduces every gradient at once after the backward)",
+        "a schedule without the pool all-reduces every gradient at once after the backward)",
         f"cluster in {toml} has no effect with --strategy padded: it applies only to --strategy "
         "hybrid (the topology whose levels hold hybrid's expert domains; no other strategy reads "
         "it)",

@@ -34,6 +34,7 @@ from torch import nn
 
 from moesaic.checks import check_int, check_non_negative, check_positive_int
 from moesaic.comm.collectives import EPGroup
+from moesaic.schedule_table import ScheduleSpec, schedule_spec
 from moesaic.trace import Recorder, maybe_span
 
 # (logits_BTV, y_BT) -> the scalar mean loss of those tokens. A schedule that cuts the batch
@@ -142,17 +143,17 @@ class TrainStep(ABC):
         parts: the model, loss, gradient rules and optimizer of the run.
     """
 
+    # The schedule's name in ``moesaic.schedule_table``, where its traits are declared.
     name: ClassVar[str]
-    # Empty when the schedule runs with FSDP2 sharding (``train/fsdp.py``: it reduces no
-    # gradient of a sharded parameter itself), else why it does not, for the refusal.
-    unsharded_why: ClassVar[str] = ""
-    # True when the step runs the model's stages chunk by chunk (``BlockPipeline``), not its
-    # forward: FSDP2's explicit prefetch then gathers units again (train/fsdp.shard_model).
-    runs_stages: ClassVar[bool] = False
 
     def __init__(self, parts: StepParts) -> None:
         self.parts = parts
         self.params = list(parts.model.parameters())
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """This schedule's traits (``moesaic.schedule_table``)."""
+        return schedule_spec(self.name)
 
     @abstractmethod
     def run(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> StepResult:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -45,10 +45,6 @@ TUNE_CHUNKS = 64
 class _PipelinedStep(TrainStep):
     """A step that runs ``BlockPipeline`` and reduces gradients through a ``CommPool``."""
 
-    overlap_attention: ClassVar[bool]
-    reduce_in_backward: ClassVar[bool]
-    runs_stages = True
-
     def __init__(self, parts: StepParts) -> None:
         super().__init__(parts)
         self.degree = check_positive_int("pipeline_degree", parts.pipeline_degree)
@@ -59,7 +55,7 @@ class _PipelinedStep(TrainStep):
         self.pipeline = BlockPipeline(
             parts.model,
             degree=self.degree,
-            overlap_attention=self.overlap_attention,
+            overlap_attention=self.spec.overlaps_attention,
             recorder=parts.recorder,
             schedule=self.name,
         )
@@ -86,7 +82,7 @@ class _PipelinedStep(TrainStep):
                 chunk_bytes=self._chunk_bytes,
                 recorder=self.recorder,
                 timeout_s=self.pipeline.timeout_s,
-                reduce_in_backward=self.reduce_in_backward,
+                reduce_in_backward=self.spec.reduce_in_backward,
                 a2a_groups=[
                     layer.exchange_strategy().exchange_group
                     for _, _, layer in self.pipeline.moe_blocks
@@ -186,8 +182,6 @@ class MoeOnlyStep(_PipelinedStep):
     """Pipelining inside the MoE layer only (Tutel/ScheMoE); all-reduce after the backward."""
 
     name = "moe-only"
-    overlap_attention = False
-    reduce_in_backward = False
 
 
 class FlowMoEStep(_PipelinedStep):
@@ -195,14 +189,6 @@ class FlowMoEStep(_PipelinedStep):
     all-reduce chunks of Sp bytes in the all-to-alls' gaps, Sp tuned online when not given."""
 
     name = "flowmoe"
-    overlap_attention = True
-    reduce_in_backward = True
-    unsharded_why = (
-        "its gradient pool all-reduces Sp-byte chunks in its own priority order in the gaps "
-        "between all-to-alls, while FSDP2 reduce-scatters each unit's gradients from its own "
-        "backward hook; the pool does not drive FSDP2's reduce-scatters, so the order FlowMoE "
-        "is about would not hold"
-    )
 
     def __init__(self, parts: StepParts) -> None:
         super().__init__(parts)

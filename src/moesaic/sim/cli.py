@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from moesaic.checks import check_number
+from moesaic.schedule_table import DEFAULT_SCHEDULE
 from moesaic.sim.calibrate_cli import add_calibrate
 from moesaic.sim.cli_files import (
     add_all_reduce_option,
@@ -178,7 +179,7 @@ def _runs(args: argparse.Namespace, spec: Any, model: Any, opts: Any) -> list[tu
     legacy = legacy_run(strategy, spec.num_levels)
     if legacy is not None:
         return [_legacy(args, *legacy, opts)]
-    schedule = args.schedule or ("all" if strategy == "all" else "vanilla")
+    schedule = args.schedule or ("all" if strategy == "all" else DEFAULT_SCHEDULE)
     try:
         chosen = runs(strategy, schedule)
     except ValueError as exc:

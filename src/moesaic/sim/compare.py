@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from moesaic.cluster.spec import ClusterSpec
+from moesaic.schedule_table import DEFAULT_SCHEDULE
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
 from moesaic.sim.runs import Run, check_run, legacy_run
@@ -58,7 +59,7 @@ class MeasuredPoint:
         changes: dict[str, Any] = {}
         if self.degree is not None:
             changes["degree"] = self.degree
-        if self.sp_bytes is not None and self.run.schedule == "flowmoe":
+        if self.sp_bytes is not None and self.run.traits.reduce_in_backward:
             changes["sp_bytes"] = self.sp_bytes
         if self.domain_sizes is not None:
             changes["domain_sizes"] = self.domain_sizes
@@ -85,7 +86,7 @@ def _run(label: str, raw: Mapping[str, Any], levels: int) -> tuple[Run, Any]:
         run, fixed = legacy
         return run, domains if fixed is None else fixed
     try:
-        return check_run(strategy, raw.get("schedule", "vanilla")), domains
+        return check_run(strategy, raw.get("schedule", DEFAULT_SCHEDULE)), domains
     except ValueError as exc:
         raise ValueError(f"point {label!r}: {exc}") from None
 
@@ -95,7 +96,7 @@ def _point(label: str, raw: Any, levels: int) -> MeasuredPoint:
         raise ValueError(f"point {label!r} must be a JSON object, got {type(raw).__name__}")
     run, domains = _run(label, raw, levels)
     degree = raw.get("pipeline_degree", raw.get("degree"))
-    if run.schedule == "vanilla":
+    if not run.traits.pipelined:
         degree = 1
     sp = raw.get("sp_bytes")
     return MeasuredPoint(

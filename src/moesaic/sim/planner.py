@@ -47,10 +47,11 @@ from typing import Any
 from moesaic.checks import check_number, check_one_of, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.planning.costmodel import domain_size_choices
+from moesaic.schedule_table import schedule_names
 from moesaic.sim.hybrid import hybrid_parts
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
-from moesaic.sim.runs import SCHEDULES, STRATEGIES, Run, runs, unsupported_reason
+from moesaic.sim.runs import STRATEGIES, Run, check_schedule, runs, unsupported_reason
 from moesaic.sim.simulate import SimOptions, SimResult, link_model, simulate
 
 __all__ = [
@@ -287,7 +288,7 @@ def uncalibrated_reason(profile: Profile, run: Run) -> str | None:
 
 
 def _degrees(run: Run, model: ModelSpec, degrees: Sequence[int]) -> list[int]:
-    if run.schedule == "vanilla":
+    if not run.traits.pipelined:
         return [1]
     return sorted({r for r in degrees if model.batch % r == 0})
 
@@ -361,7 +362,7 @@ def _pair_candidates(
             ]
         for shown, sim in settings:
             base = {"pipeline_degree": R, **shown}
-            if run.schedule != "flowmoe":
+            if not run.traits.reduce_in_backward:
                 out.append(pricer.candidate(run, base, degree=R, **sim))
                 continue
             out += _sp_candidates(pricer, run, base, sp_divisors, degree=R, **sim)
@@ -391,7 +392,7 @@ def plan_runs(
     profile: Profile,
     *,
     strategies: Sequence[str] = STRATEGIES,
-    schedules: Sequence[str] = SCHEDULES,
+    schedules: Sequence[str] | None = None,
     degrees: Sequence[int] = PIPELINE_DEGREES,
     sp_divisors: Sequence[float] = SP_DIVISORS,
     compression_ratios: Sequence[float] = (1.0,),
@@ -406,7 +407,8 @@ def plan_runs(
         model: the model and one rank's batch.
         profile: the machine's rates (``moesaic calibrate``).
         strategies: the strategies to consider (default: every one the simulator prices).
-        schedules: the schedules to consider (default: every one).
+        schedules: the schedules to consider (default: every registered one; one the
+            simulator does not price is skipped with its reason).
         degrees: R of the pipelined schedules (those dividing ``model.batch`` are tried).
         sp_divisors: ``flowmoe``'s Sp = G / n for each n.
         compression_ratios: ``hybrid``'s SR compression ratios (1: exact gathers).
@@ -444,7 +446,7 @@ def plan_runs(
         pricer = _Pricer(spec, variant, profile, all_reduce)
         for run in pairs:
             why = unsupported_reason(spec, variant, run)
-            if why is None and run.schedule != "vanilla" and not _degrees(run, variant, degrees):
+            if why is None and run.traits.pipelined and not _degrees(run, variant, degrees):
                 why = f"no R of {list(degrees)} divides model.batch ({variant.batch})"
             if why is not None:
                 if not extra:  # said once, for the model as given
@@ -470,10 +472,11 @@ def plan_runs(
     return Plan(ranked=ranked, skipped=skipped, simulations=simulations)
 
 
-def _pairs(strategies: Sequence[str], schedules: Sequence[str]) -> list[Run]:
+def _pairs(strategies: Sequence[str], schedules: Sequence[str] | None) -> list[Run]:
     """The pairs of the strategies and schedules asked for that can run together (taskflow
     under a pipelined schedule cannot), strategy by strategy."""
-    for i, t in enumerate(schedules):
-        check_one_of(f"schedules[{i}]", t, SCHEDULES)
-    pairs = [r for s in strategies for r in runs(s, "all") if r.schedule in schedules]
+    for i, t in enumerate(schedules or ()):
+        check_schedule(check_one_of(f"schedules[{i}]", t, schedule_names()))
+    every = [r for s in strategies for r in runs(s, "all")]  # an unpriced schedule: skipped
+    pairs = [r for r in every if schedules is None or r.schedule in schedules]
     return list(dict.fromkeys(pairs))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from moesaic.checks import check_positive_int
+from moesaic.schedule_table import DEFAULT_SCHEDULE
 
 __all__ = ["ROUTING_SKIP", "ROUTING_STEPS", "measure_routing"]
 
@@ -44,7 +45,7 @@ def routing_config(cfg: Any, *, world: int, steps: int, run_dir: Path) -> Any:
         ep=1,
         batch_size=cfg.batch_size * world,
         steps=steps,
-        schedule="vanilla",
+        schedule=DEFAULT_SCHEDULE,  # the whole batch at once (R 1)
         pipeline_degree=1,
         ar_chunk="auto",
         trace=None,

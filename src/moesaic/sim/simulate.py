@@ -1,7 +1,8 @@
 """Simulate one training iteration of a model on a cluster: a strategy under a schedule.
 
 The two axes are :mod:`moesaic.sim.runs`' (``STRATEGIES``: dropless, padded, hybrid, taskflow;
-``SCHEDULES``: vanilla, moe-only, flowmoe; taskflow runs vanilla only). Which model prices a run:
+the schedules it prices, ``check_schedule``: vanilla, moe-only, flowmoe built in; taskflow runs
+the unpipelined ones only). Which model prices a run:
 
 * dropless, padded (every schedule) and hybrid under moe-only or flowmoe: the block pipeline of
   :mod:`moesaic.sim.pipelined` (vanilla: R = 1, one all-reduce after the backward; moe-only: R
@@ -39,6 +40,7 @@ from typing import Any
 
 from moesaic.checks import check_bool, check_number, check_one_of, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
+from moesaic.schedule_table import DEFAULT_SCHEDULE
 from moesaic.sim.collectives import ALL_REDUCE_ALGORITHMS, LinkModel, rate_bounded_shares
 from moesaic.sim.contention import CpuModel, contend
 from moesaic.sim.graph import SimGraph, SimTask
@@ -187,13 +189,14 @@ def _graph(
 ) -> tuple[SimGraph, Timeline, dict[str, Any]]:
     if run.strategy == "taskflow":
         return _taskflow(model, link, profile, opts)
-    R = 1 if run.schedule == "vanilla" else check_degree(model, opts.degree)
+    traits = run.traits  # check_run: a schedule priced by "block-pipeline"
+    R = check_degree(model, opts.degree) if traits.pipelined else 1
     parts = None
     if run.strategy == "hybrid":
         # planned on the tokens of one chunk, as training plans --domains auto
         chunk = dataclasses.replace(model, batch=model.batch // R)
         parts = _hybrid_parts(chunk, link, profile, opts)
-    if parts is not None and run.schedule == "vanilla" and opts.hybrid_step == "benchmark":
+    if parts is not None and not traits.pipelined and opts.hybrid_step == "benchmark":
         g = build_hybrid(parts, model, profile)
         return g, g.run(), {"domain_sizes": list(parts.domain_sizes)}
     if parts is not None:
@@ -201,10 +204,10 @@ def _graph(
     else:
         costs = Costs(model, link, profile, R, strategy=run.strategy)
     sp = None
-    if run.schedule == "flowmoe" and costs.grad_bytes() > 0:  # layer_only: nothing to reduce
+    if traits.reduce_in_backward and costs.grad_bytes() > 0:  # layer_only: nothing to reduce
         sp = opts.sp_bytes if opts.sp_bytes is not None else costs.grad_bytes() / 16
-    overlap = run.schedule == "flowmoe"
-    early = run.schedule != "vanilla"  # the pipelined steps gather their flags early
+    overlap = traits.overlaps_attention
+    early = traits.pipelined  # the pipelined steps gather their flags early
     g, tl = run_pipelined(costs, degree=R, overlap=overlap, chunk_bytes=sp, early=early)
     details: dict[str, Any] = {"degree": R, **_compute_details(profile, costs.notes)}
     if sp is not None:
@@ -267,7 +270,7 @@ def _resolve(
     without a schedule is read as its pair, with a DeprecationWarning."""
     legacy = legacy_run(strategy, spec.num_levels) if schedule is None else None
     if legacy is None:
-        return check_run(strategy, "vanilla" if schedule is None else schedule), opts
+        return check_run(strategy, DEFAULT_SCHEDULE if schedule is None else schedule), opts
     warnings.warn(legacy_note(strategy), DeprecationWarning, stacklevel=3)
     run, domains = legacy
     if domains is not None:  # classic EP, whatever domains were given
@@ -385,7 +388,8 @@ def simulate(
             mixed name (``vanilla``, ``moe-only``, ``flowmoe``, ``ep``) with ``schedule`` None.
         profile: the machine's rates.
         options: the strategies' and schedules' knobs.
-        schedule: ``runs.SCHEDULES`` (vanilla, moe-only, flowmoe); None: vanilla.
+        schedule: a schedule the simulator prices (``runs.check_schedule``: vanilla,
+            moe-only, flowmoe built in); None: the default (vanilla).
 
     Raises:
         ValueError: an unknown strategy or schedule, a pair that cannot run (taskflow under a

@@ -26,6 +26,7 @@ from moesaic.comm.collectives import EPGroup, all_to_all_v
 from moesaic.config import MoEConfig
 from moesaic.placement import ExpertPlacement
 from moesaic.routing import RoutingPlan
+from moesaic.schedule_table import schedule_spec, schedules_where
 from moesaic.strategy_options import StrategyOptions
 
 if TYPE_CHECKING:
@@ -118,7 +119,9 @@ class Supports:
     before any worker starts (``check``), and again by whatever builds a pipelined step.
 
     Attributes:
-        schedules: the training schedules it runs under; None: every one.
+        pipelined: whether it runs under a pipelined schedule (``ScheduleSpec.pipelined``:
+            one that issues the strategy's dispatch and combine itself, stage by stage);
+            every schedule that is not pipelined runs it.
         capacity: whether it honours ``capacity_factor`` (dropping what overflows).
         why: the reason for what it does not support, for the refusal.
         unsharded_why: empty when it runs with FSDP2 sharding (``--dp-shard`` /
@@ -126,10 +129,14 @@ class Supports:
             around each call of the layer's ``GroupedExperts`` module); else why it does not.
     """
 
-    schedules: tuple[str, ...] | None = None
+    pipelined: bool = True
     capacity: bool = True
     why: str = ""
     unsharded_why: str = ""
+
+    def runs_under(self, schedule: str) -> bool:
+        """Whether it runs under ``schedule`` (a registered name)."""
+        return self.pipelined or not schedule_spec(schedule).pipelined
 
     def check(
         self,
@@ -150,11 +157,11 @@ class Supports:
                 f"--dp-replicate): {self.unsharded_why}"
             )
         because = f": {self.why}" if self.why else ""
-        if schedule is not None and self.schedules is not None and schedule not in self.schedules:
-            runs = ", ".join(self.schedules)
+        if schedule is not None and not self.runs_under(schedule):
+            runs = ", ".join(schedules_where("pipelined", False))
             raise ValueError(
-                f"strategy {strategy!r} does not run under schedule {schedule!r} (it runs under "
-                f"{runs}){because}"
+                f"strategy {strategy!r} does not run under schedule {schedule!r} (a pipelined "
+                f"one; it runs under {runs}){because}"
             )
         if capacity and not self.capacity:
             raise ValueError(
@@ -191,7 +198,7 @@ class MoEStrategy(ABC):
     # Only the vanilla schedule: a pipelined one issues a strategy's row all-to-alls itself,
     # which needs its dispatch/combine phases (``DispatchCombineStrategy``).
     supports: ClassVar[Supports] = Supports(
-        schedules=("vanilla",),
+        pipelined=False,
         why="it has no dispatch/combine phases for a pipelined schedule to run as stages",
     )
     # True when the strategy computes with the expert weights itself (moving them, or running

@@ -114,7 +114,7 @@ class TaskflowStrategy(MoEStrategy):
     needs_expert_weights = True
     options_class = TaskflowOptions
     supports = Supports(
-        schedules=("vanilla",),
+        pipelined=False,
         why=(
             "its dispatch, GEMMs and combine are fused into tile tasks of one compiled plan, so "
             "there are no row all-to-alls for a pipelined schedule to issue between stages"

@@ -19,7 +19,7 @@ from moesaic.checks import check_bool, check_int, check_number, check_one_of
 from moesaic.data.shards import token_vocab_size
 from moesaic.interop.hf_families import apply_hf_shape, family_of, read_hf_config
 from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
-from moesaic.schedule import schedule_names
+from moesaic.schedule_table import DEFAULT_SCHEDULE, schedule_names, schedule_spec, schedules_where
 from moesaic.strategies.registry import check_supported
 from moesaic.strategy_options import StrategyOptions
 from moesaic.train import domains
@@ -169,7 +169,7 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    schedule: str = "vanilla"
+    schedule: str = DEFAULT_SCHEDULE
     pipeline_degree: int | str = "auto"
     ar_chunk: str | int = "auto"
     trace: str | None = None
@@ -272,12 +272,12 @@ class TrainConfig:
                 f"pipeline_degree ({R}) must divide batch_size ({self.batch_size}): "
                 "--pipeline-degree R cuts each rank's batch of sequences into R equal chunks"
             )
-        if R > 1 and self.schedule == "vanilla":
-            pipelined = [n for n in schedule_names() if n != "vanilla"]
+        if R > 1 and not schedule_spec(self.schedule).pipelined:
+            pipelined = schedules_where("pipelined")
             raise ValueError(
                 f"pipeline_degree ({R}) needs a pipelined schedule "
-                f"({', '.join(pipelined) or 'none registered'}); --schedule vanilla runs the "
-                "whole batch at once"
+                f"({', '.join(pipelined) or 'none registered'}); --schedule {self.schedule} "
+                "runs the whole batch at once"
             )
         self.ar_chunk = parse_ar_chunk(self.ar_chunk)
 
@@ -310,7 +310,7 @@ class TrainConfig:
                 "units are an MoEGPT's blocks (train/fsdp.shard_model), and a transformers "
                 "model's decoder layers are not wrapped; drop them or train an MoEGPT"
             )
-        if self.schedule != "vanilla" and family.no_pipeline is not None:
+        if schedule_spec(self.schedule).pipelined and family.no_pipeline is not None:
             raise ValueError(
                 f"schedule {self.schedule!r} cuts the decoder layers into stages, and "
                 f"{family.model_type} (--hf-config {path}) cannot be: {family.no_pipeline}; "

@@ -26,9 +26,10 @@ from moesaic.comm.spans import gather_spans
 from moesaic.comm.world import device_type_for, init_world, visible_cuda_device
 from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
-from moesaic.schedule import make_step, step_class
+from moesaic.schedule import make_step
 from moesaic.schedule.base import GradientSync as GradSync
 from moesaic.schedule.base import StepParts
+from moesaic.schedule_table import schedule_spec
 from moesaic.strategies import get_strategy
 from moesaic.trace import (
     Recorder,
@@ -314,7 +315,7 @@ def _shard(cfg: TrainConfig, model: torch.nn.Module, layout: Layout, device) -> 
     bf16 = cfg.dtype == "bf16"
     if bf16 and isinstance(model, MoEGPT):  # FSDP2's mixed precision replaces autocast
         model.set_autocast(None)
-    prefetch = not step_class(cfg.schedule).runs_stages  # (shard_model's docstring)
+    prefetch = not schedule_spec(cfg.schedule).pipelined  # (shard_model's docstring)
     shard_model(model, mesh, torch.bfloat16 if bf16 else None, prefetch=prefetch)
     return ShardedGradientSync(mesh, layout.world)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from moesaic.checks import check_positive_int
 from moesaic.models.config import MoEGPTConfig
-from moesaic.schedule import schedule_names, step_class
+from moesaic.schedule_table import schedule_names, schedule_spec
 from moesaic.strategies.registry import check_supported
 
 __all__ = [
@@ -66,15 +66,15 @@ class MeshShape:
 
 def check_sharding(strategy: str, schedule: str) -> None:
     """Refuse a strategy or a schedule that does not run with FSDP2 sharding, through their
-    declarations (``Supports.unsharded_why``, ``TrainStep.unsharded_why``), naming why.
+    declarations (``Supports.unsharded_why``, ``ScheduleSpec.unsharded_why``), naming why.
 
     Raises:
         ValueError: one line naming the strategy or schedule, the options and the reason.
     """
     check_supported(strategy, sharded=True)
-    why = step_class(schedule).unsharded_why
+    why = schedule_spec(schedule).unsharded_why
     if why:
-        runs = [n for n in schedule_names() if not step_class(n).unsharded_why]
+        runs = [n for n in schedule_names() if not schedule_spec(n).unsharded_why]
         raise ValueError(
             f"schedule {schedule!r} does not run with FSDP sharding (--dp-shard, "
             f"--dp-replicate): {why}; choose --schedule {' or '.join(runs)}"

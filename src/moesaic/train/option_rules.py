@@ -2,8 +2,8 @@
 
 Every option (its argparse ``dest``: a ``TrainConfig`` field, or ``model.<field>`` /
 ``model.moe.<field>``) has an entry in :data:`RULES`; an entry names the strategies
-(``moesaic.strategies.strategy_names()``) and schedules (``moesaic.schedule.schedule_names()``)
-it applies to, or none (every one). ``tests/train/test_option_rules.py`` walks every option of
+(``moesaic.strategies.strategy_names()``) and schedules (by a trait of theirs,
+``moesaic.schedule_table``) it applies to, or none (every one). ``tests/train/test_option_rules.py`` walks every option of
 the parser against every strategy and schedule, so a new option without an entry fails it.
 
 :func:`check_applicable` judges only the options the user set (flags and TOML keys, never
@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from moesaic.schedule_table import schedule_names, schedule_spec
 from moesaic.strategy_table import options_class, strategy_names
 
 __all__ = ["RULES", "Applies", "check_applicable", "drop_other_options", "rule_of"]
@@ -46,27 +47,35 @@ class Applies:
 
     Attributes:
         strategies: the strategies it applies to; None = every one.
-        schedules: the schedules it applies to; None = every one.
+        schedule_trait: the schedules it applies to, by a boolean trait of theirs
+            (``moesaic.schedule_table.ScheduleSpec``): those whose trait is
+            ``schedule_value``; None = every one.
+        schedule_value: see ``schedule_trait``.
         what: what the option is for, said when it is refused.
     """
 
     strategies: tuple[str, ...] | None = None
-    schedules: tuple[str, ...] | None = None
+    schedule_trait: str | None = None
+    schedule_value: bool = True
     what: str = ""
+
+    def applies_to_schedule(self, schedule: str) -> bool:
+        """Whether the option has an effect under the registered ``schedule``."""
+        if self.schedule_trait is None:
+            return True
+        return getattr(schedule_spec(schedule), self.schedule_trait) is self.schedule_value
 
     def misfit(self, strategy: str, schedule: str) -> tuple[str, str, tuple[str, ...]] | None:
         """``(flag, chosen, names)`` of the first choice this option does not apply to, or
         None when it applies to both."""
         if self.strategies is not None and strategy not in self.strategies:
             return "--strategy", strategy, self.strategies
-        if self.schedules is not None and schedule not in self.schedules:
-            return "--schedule", schedule, self.schedules
+        if not self.applies_to_schedule(schedule):
+            return "--schedule", schedule, tuple(filter(self.applies_to_schedule, schedule_names()))
         return None
 
 
 EVERYWHERE = Applies()
-# The schedules with a communication pool that all-reduces gradients in chunks of Sp bytes.
-_POOLED = ("moe-only", "flowmoe")
 
 # option -> where it applies. Only the strategy- or schedule-specific ones say more than
 # EVERYWHERE; every option is listed so that a new one has to be placed here.
@@ -89,9 +98,9 @@ RULES: dict[str, Applies] = {
     # vanilla's R is 1: a larger R is a value error (TrainConfig._check_pipeline).
     "pipeline_degree": EVERYWHERE,
     "ar_chunk": Applies(
-        schedules=_POOLED,
-        what="Sp, the chunk size of their gradient all-reduce pool; vanilla all-reduces every "
-        "gradient at once after the backward",
+        schedule_trait="pools_gradients",
+        what="Sp, the chunk size of their gradient all-reduce pool; a schedule without the pool "
+        "all-reduces every gradient at once after the backward",
     ),
     "trace": EVERYWHERE,
     "trace_png": EVERYWHERE,
@@ -123,7 +132,8 @@ RULES: dict[str, Applies] = {
     # ``--domains auto`` (a TOML file may also say ``auto_domains = true``)
     "dtype": EVERYWHERE,
     "activation_checkpointing": Applies(
-        schedules=("vanilla",),
+        schedule_trait="pipelined",
+        schedule_value=False,
         what="recomputing each block forward in the backward; the pipelined schedules run "
         "the blocks' stages chunk by chunk with their own stage-wise backward, never a whole "
         "block forward to recompute",

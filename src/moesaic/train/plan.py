@@ -249,7 +249,9 @@ def check_auto_options(given: Mapping[str, str], note: Callable[[str], None]) ->
             judged.append(dest)
             continue
         rule = rule_of(dest)
-        limited = rule is not None and (rule.strategies is not None or rule.schedules is not None)
+        limited = rule is not None and (
+            rule.strategies is not None or rule.schedule_trait is not None
+        )
         if not _chosen(dest) and not limited:
             continue
         judged.append(dest)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+from moesaic.schedule_table import schedule_spec
+
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _BYTE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -23,8 +25,9 @@ MIN_AR_CHUNK_BYTES = 4096
 
 
 def auto_pipeline_degree(schedule: str, batch_size: int) -> int:
-    """The documented rule for ``pipeline_degree = "auto"``."""
-    if schedule == "vanilla" or batch_size % AUTO_PIPELINE_DEGREE:
+    """The documented rule for ``pipeline_degree = "auto"``: ``AUTO_PIPELINE_DEGREE`` for a
+    pipelined schedule when it divides ``batch_size``, else 1."""
+    if not schedule_spec(schedule).pipelined or batch_size % AUTO_PIPELINE_DEGREE:
         return 1
     return AUTO_PIPELINE_DEGREE
 
