@@ -135,7 +135,7 @@ def worker(rank: int, world: int, spec_dict: dict, points: list, steps: int) -> 
     from moesaic.layer import aux_loss
     from moesaic.planning.costmodel import measure_gemm_flops
     from moesaic.trace import Recorder
-    from moesaic.train.prefetch import ExpertPrefetcher
+    from moesaic.strategies.prefetch import ExpertPrefetcher
 
     torch.set_num_threads(1)
     spec = ClusterSpec.from_dict(spec_dict)

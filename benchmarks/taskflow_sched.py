@@ -44,7 +44,11 @@ import torch
 
 from moesaic.bench.meta import run_metadata
 from moesaic.comm.counters import EventCounters
-from moesaic.taskflow.microbench import (
+from moesaic.taskflow.plan import Schedule, TaskGraph
+from moesaic.taskflow.runtime.executors import engine_lanes
+from moesaic.taskflow.tasks import TaskDescriptor
+from moesaic.trace import Recorder, write_chrome_trace
+from taskflow_microbench import (  # beside this script
     SwigluAddShape,
     chain_graph,
     make_buffers,
@@ -56,10 +60,6 @@ from moesaic.taskflow.microbench import (
     swiglu_add_graph,
     swiglu_add_schedule,
 )
-from moesaic.taskflow.plan import Schedule, TaskGraph
-from moesaic.taskflow.runtime.executors import engine_lanes
-from moesaic.taskflow.tasks import TaskDescriptor
-from moesaic.trace import Recorder, write_chrome_trace
 
 OUT = Path(__file__).parent / "results" / "taskflow_sched.json"
 Launch = Callable[[TaskDescriptor], None]

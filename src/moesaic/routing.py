@@ -148,11 +148,6 @@ class RoutingPlan:
         """Global expert of each expert-grouped row."""
         return self.topk_ids_TK.reshape(-1).index_select(0, self.order_N)
 
-    @property
-    def token_idx_N(self) -> torch.Tensor:
-        """Source token of each expert-grouped row."""
-        return self.order_N // self.top_k
-
     def permute(self, x_TH: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """Gather tokens into expert-grouped rows: [T, H] -> [R, H].
 

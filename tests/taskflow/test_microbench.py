@@ -1,4 +1,4 @@
-"""The taskized SwiGLU+Add microbenchmark (``taskflow.microbench``): its graphs compute
+"""The taskized SwiGLU+Add microbenchmark (``benchmarks/taskflow_microbench.py``): its graphs compute
 ``silu(x1) * x2 + r`` under both schedules and both executors, run every task once, in the
 order the schedule claims (static), and refuse bad parameters naming them."""
 
@@ -8,21 +8,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moesaic.taskflow.microbench import (
-    ORDERS,
-    SwigluAddShape,
-    chain_graph,
-    make_buffers,
-    make_launch,
-    noop_launch,
-    order_distance,
-    reference,
-    run_graph,
-    run_untiled,
-    swiglu_add_graph,
-    swiglu_add_schedule,
-)
+from _scripts import load_benchmark
 from moesaic.trace import Recorder
+
+microbench = load_benchmark("taskflow_microbench")
+ORDERS = microbench.ORDERS
+SwigluAddShape = microbench.SwigluAddShape
+chain_graph = microbench.chain_graph
+make_buffers = microbench.make_buffers
+make_launch = microbench.make_launch
+noop_launch = microbench.noop_launch
+order_distance = microbench.order_distance
+reference = microbench.reference
+run_graph = microbench.run_graph
+run_untiled = microbench.run_untiled
+swiglu_add_graph = microbench.swiglu_add_graph
+swiglu_add_schedule = microbench.swiglu_add_schedule
 
 RUNS = [("static", 1), ("dynamic", 1), ("dynamic", 2)]
 SHAPES = [

@@ -59,12 +59,12 @@ def test_registry_is_the_one_list():
 def _old_loop_step(model, layout, optimizer, x_BT, y_BT, grad_clip):
     """The training loop's step body before it became a schedule (moesaic 0.1), verbatim."""
     from moesaic.layer import is_expert_param
-    from moesaic.train.parallel import sync_gradients
+    from moesaic.train.parallel import GradientSync
 
     ce = _lm_loss(model(x_BT), y_BT)
     aux = aux_loss(model).to(ce.device)
     (ce + aux).backward()
-    sync_gradients(model, layout)
+    GradientSync(layout).sync(list(model.parameters()))
     params = [p for p in model.parameters() if p.grad is not None]
     rep_sq = torch.zeros((), dtype=torch.float64)
     exp_sq = torch.zeros((), dtype=torch.float64)

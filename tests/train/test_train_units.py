@@ -148,7 +148,7 @@ def test_model_is_causal_and_dense_layers(one_thread):
 
 def _grads_world(rank, world_size, ep):
     """Gradients after the EP x DP rules vs one process on all ranks' tokens (no aux loss)."""
-    from moesaic.train.parallel import build_layout, sync_gradients
+    from moesaic.train.parallel import GradientSync, build_layout
 
     cfg = small(moe=dict(aux_loss_coef=0.0, z_loss_coef=0.0))
     x_WBT = torch.randint(0, 256, (world_size, 2, 17), generator=torch.Generator().manual_seed(1))
@@ -157,7 +157,7 @@ def _grads_world(rank, world_size, ep):
     model = MoEGPT(cfg, ep_group=layout.ep_group)
     x_BT = x_WBT[rank]
     F.cross_entropy(model(x_BT[:, :-1]).flatten(0, 1), x_BT[:, 1:].flatten()).backward()
-    sync_gradients(model, layout)
+    GradientSync(layout).sync(list(model.parameters()))
     return {n: p.grad for n, p in model.named_parameters()}, layout.ep.rank
 
 

@@ -256,13 +256,6 @@ class ModelSpec:
             return 0
         return (self.vocab + self.seq_len) * self.hidden + 2 * self.hidden
 
-    def head_params(self) -> int:
-        return self.vocab * self.hidden
-
-    def expert_param_bytes(self) -> int:
-        """Bytes of one expert's weights."""
-        return self.mats * self.hidden * self.ffn_hidden * self.param_bytes
-
 
 def load_rows(raw: Any, name: str, experts: int | None = None) -> tuple[tuple[float, ...], ...]:
     """Expert loads as one row per MoE layer (``model.measured_loads``, a profile's

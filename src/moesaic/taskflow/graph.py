@@ -146,10 +146,6 @@ class OperatorGraph:
         self.ops[op.name] = op
         return op
 
-    def producer(self, tensor: str) -> str | None:
-        """Name of the operator writing ``tensor``; None for a graph input."""
-        return self._producer.get(tensor)
-
     def predecessors(self, op_name: str) -> list[str]:
         """Operators producing an input of ``op_name`` (deduplicated, in input order)."""
         seen: list[str] = []

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moesaic.comm.collectives import EPGroup
 from moesaic.comm.groups import registry
@@ -156,8 +155,3 @@ class GradientSync:
         return world.all_gather_dim0(
             flags_F.to(world.control_device), "all_gather of step health flags"
         )
-
-
-def sync_gradients(model: nn.Module, layout: Layout) -> None:
-    """Apply the EP x DP gradient rules to ``model``'s ``.grad`` (``GradientSync.sync``)."""
-    GradientSync(layout).sync(list(model.parameters()))
