@@ -1,5 +1,6 @@
-"""The persistent taskflow kernels (``kernels.persistent``) on lowered plans
-(``taskflow.lower``), EP 1, under Triton's interpreter (tests/kernels/conftest.py):
+"""The persistent taskflow kernel (``kernels.persistent``) on lowered plans
+(``taskflow.lower``), EP 1, under Triton's interpreter (tests/kernels/conftest.py); EP > 1 on
+virtual ranks is test_persistent_world.py:
 
 * plan level: every output and gradient of the forward and backward kernels equals the
   sequential executor's (the Python handlers), at odd shapes with tiles smaller than a slot,
@@ -7,8 +8,9 @@
   same executor in float64);
 * layer level: ``dispatcher="taskflow", kernels="triton"`` gives the output and every
   gradient (input, router, expert weights) of ``dropless`` and of the Python static executor;
-* the tables: thresholds reachable, the single-program order never waits on a later
-  producer, the concurrent split is the plan's queues; each broken table is refused by name.
+* the tables: thresholds reachable, the topological order never waits on a later producer;
+  each broken table is refused by name; the kernel's programs take the rows in that order
+  (one program or several) and a wait that cannot be met stops them with the row named.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def test_layer_matches_dropless_and_static_executor(extra, skew, monkeypatch):
     launches = []
     real = persistent.run_tables
     monkeypatch.setattr(
-        persistent, "run_tables", lambda d, *a, **k: launches.append(d) or real(d, *a, **k)
+        persistent, "run_tables", lambda x, **k: launches.append(x.direction) or real(x, **k)
     )
     cfg, sd, x, g = odd_layer_case(extra, skew)
     fast = run_layer(dataclasses.replace(cfg, dispatcher="taskflow", kernels="triton"), sd, x, g)
@@ -159,7 +161,7 @@ def _simulate(tables, rows):
 
 
 @pytest.mark.parametrize("options", list(OPTIONS))
-def test_single_program_order_never_blocks(options):
+def test_topological_order_never_blocks(options):
     routing = _routing(None)
     for plan in _plans(routing, options):
         tables = lower(plan)
@@ -176,13 +178,8 @@ def test_single_program_order_never_blocks(options):
             assert mine == list(range(starts[q], starts[q + 1]))
             uids = tables.tasks[starts[q] : starts[q + 1], ops.UID].tolist()
             assert list(dict.fromkeys(uids)) == list(plan.queue(name))
-        # what the single program runs is that order
-        tasks, cut = tables.program_tables("single_program")
-        assert torch.equal(tasks, tables.tasks[tables.order])
-        assert cut.tolist() == [0, len(order)]
-        # the concurrent split is one program per queue
-        tasks, cut = tables.program_tables("concurrent")
-        assert cut.tolist() == starts and torch.equal(tasks, tables.tasks)
+        # what a launch takes is that order
+        assert torch.equal(tables.launch_rows(), tables.tasks[tables.order])
 
 
 def test_broken_tables_are_refused():
@@ -205,20 +202,17 @@ def test_broken_tables_are_refused():
         TableError, match=r"single-program order: position \d+ .* waits on event \d+ at 0/"
     ):
         check_tables(dataclasses.replace(tables, order=tables.order.flip(0)))
-    # the vector queue reversed (its reduce tiles first) while the single-program order runs
-    # the same rows as before: runnable by one program, a deadlock for one program per queue
-    n, m_end = tables.tasks.shape[0], int(tables.queue_starts[1])
-    perm = torch.cat([torch.arange(m_end), torch.arange(m_end, n).flip(0)])
-    inv = torch.argsort(perm)
-    reversed_vector = dataclasses.replace(tables, tasks=tables.tasks[perm], order=inv[tables.order])
-    with pytest.raises(TableError, match="concurrent mode: the queues' programs would deadlock"):
-        check_tables(reversed_vector)
+    peer = tables.tasks.clone()
+    peer[0, ops.PEER] = 1  # a put to a rank the world does not have
+    with pytest.raises(TableError, match=r"task row 0: PEER 1 must be in \[0, 1\)"):
+        check_tables(dataclasses.replace(tables, tasks=peer))
 
 
-def _launch(plan, tables, tasks, starts):
+def _launch(plan, tables, tasks, programs=None):
     """``run_tables`` on random inputs and ``plan``'s routing (the runtime's step, by hand)."""
     from moesaic.kernels.persistent import run_tables
     from moesaic.taskflow.lower import step_tables
+    from moesaic.taskflow.runtime.persistent import rank_launch
     from moesaic.taskflow.runtime.sequential import make_buffers, step_routing
 
     routing = _routing(None)
@@ -227,63 +221,55 @@ def _launch(plan, tables, tasks, starts):
     inputs = {b.name: torch.randn(b.rows, b.cols, generator=g) for b in specs}
     bufs = make_buffers(plan, inputs, inputs[specs[0].name])
     step = step_tables(tables, step_routing(plan, routing, EPGroup(None, 60.0)), "cpu")
-    return run_tables(
-        plan.direction,
-        tasks,
-        starts,
-        tables.triggers,
-        tables.counters(),
-        dataclasses.asdict(step),
-        bufs,
-        hidden=H,
-        ffn=F,
-        top_k=K,
-        ep_size=1,
-        slot_rows=tables.slot_rows,
-        trace=True,
+    launch = rank_launch(
+        tables, step, bufs, tokens=T, counters=tables.counters(), psig=[0], pdata=[0]
     )
+    return run_tables(dataclasses.replace(launch, tasks=tasks), programs=programs, trace=True)
 
 
-def test_kernel_runs_the_single_program_order():
+@pytest.mark.parametrize("programs", [1, 3])
+def test_kernel_runs_the_topological_order(programs):
+    """Programs take rows by ticket: under the interpreter (programs in turn) the first takes
+    every row in the table's order, the others find the queue drained."""
     _, bwd = _plans(_routing(None), "pipeline")
     tables = lower(bwd)
-    tasks, starts = tables.program_tables("single_program")
-    done = _launch(bwd, tables, tasks, starts)
-    # every row once, in the table's order, which is the checked single-program order
+    done = _launch(bwd, tables, tables.launch_rows(), programs)
+    # every row once, in the table's order, which is the checked topological order
     assert done == list(range(tables.tasks.shape[0]))
     _simulate(tables, tables.order[done].tolist())
 
 
-def test_kernel_refuses_blocking_order_and_concurrent_interpreter():
+@pytest.mark.timeout(60)
+def test_kernel_stops_at_a_wait_that_cannot_be_met():
     fwd, _ = _plans(_routing(None))
     tables = lower(fwd)
-    with pytest.raises(ValueError, match="2 concurrent programs cannot run under Triton's int"):
-        _launch(fwd, tables, *tables.program_tables("concurrent"))
-    # the queues one after the other in one program: the matrix queue's first tile waits on a
-    # dispatch tile of the vector queue, so the program records it and stops (no hang)
-    starts = torch.tensor([0, tables.tasks.shape[0]], dtype=torch.int32)
+    # the queues one after the other: the matrix queue's first tile waits on a dispatch tile
+    # of the vector queue, so the program records it and every program stops (no hang)
+    from moesaic.kernels.persistent import TaskError
+
     with pytest.raises(
-        RuntimeError, match=r"program 0 gave up at task row 0 .* waiting on event \d+ at 0/1"
+        TaskError,
+        match=r"program 0 gave up at task row 0 \(rank slot 0, .* waiting on event \d+ at 0/1",
     ):
-        _launch(fwd, tables, tables.tasks, starts)
+        _launch(fwd, tables, tables.tasks, programs=2)
 
 
 def test_unsupported_plans_are_refused():
-    from moesaic.taskflow.runtime.persistent import PersistentRuntime
+    from moesaic.taskflow.runtime.persistent import PersistentRuntime, check_peers
 
     class Two:
         size = 2
 
-    with pytest.raises(ValueError, match=r"runs EP 1 only \(got an expert-parallel group of 2\)"):
-        PersistentRuntime(Two())  # type: ignore[arg-type]
+    # puts store into peer GPUs: a group of CPU tensors is refused before anything starts
+    assert "store into peer GPUs' memory; the tensors are on cpu" in str(
+        check_peers(Two(), torch.device("cpu"))  # type: ignore[arg-type]
+    )
     with pytest.raises(ValueError, match=r"SwiGLU experts only \(got activation 'gelu'\)"):
         PersistentRuntime(EPGroup(None, 60.0), activation="gelu")
     bucket = ShapeBucket(
-        tokens=T, hidden=H, ffn=F, experts=4, top_k=K, ep_size=2, slot_rows=8, tile_m=TILE
+        tokens=T, hidden=H, ffn=F, experts=E, top_k=K, ep_size=1, slot_rows=8, tile_m=TILE
     )
-    with pytest.raises(TableError, match="ep_size 2; the persistent kernel runs EP 1 only"):
-        lower(compile_plan(bucket, "forward", 0))
-    gelu = dataclasses.replace(bucket, ep_size=1, experts=E, activation="gelu")
+    gelu = dataclasses.replace(bucket, activation="gelu")
     with pytest.raises(TableError, match="activation 'gelu' has no device opcode"):
         lower(compile_plan(gelu, "forward", 0))
 
@@ -293,33 +279,39 @@ import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+import torch
 from moesaic.kernels import persistent as pk
 
-INTS = {"tasks", "starts", "trig", "cnt", "status", "trace", "count", "tok", "ret"}
-# fp32 forward, bf16 backward: both kernels and both tl.dot paths (IEEE fp32, half tiles)
-for fn, fdt in ((pk._forward_kernel, "fp32"), (pk._backward_kernel, "bf16")):
+INTS = {"tasks", "ticket", "err", "trace", "trig", "trank", "cnt", "count", "tok", "ret"}
+BM, BN, BK = pk.device_tiles(torch.device("cuda"))
+# fp32 forward on one device, bf16 backward across devices: both directions, both tl.dot
+# paths (IEEE fp32, half tiles) and both scopes of the release atomics
+for fdt, forward, scope in (("fp32", True, "gpu"), ("bf16", False, "sys")):
     sig = {}
-    for name in fn.arg_names:
-        if name in ("BM", "BN", "BK", "UPCAST", "TRACE"):
+    for name in pk._kernel.arg_names:
+        if name in ("BM", "BN", "BK", "UPCAST", "TRACE", "SCOPE", "FORWARD"):
             sig[name] = "constexpr"
         elif not name.endswith("_ptr"):
             sig[name] = "i32"
         elif name[:-4] in INTS:
             sig[name] = "*i32"
+        elif name[:-4] in ("psig", "pdata"):
+            sig[name] = "*i64"
         else:
             sig[name] = "*fp32" if name[:-4] in ("wt", "wtk") else "*" + fdt
-    consts = {"BM": pk.BLOCK_M, "BN": pk.BLOCK_N, "BK": pk.BLOCK_K, "UPCAST": False, "TRACE": False}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    consts = dict(BM=BM, BN=BN, BK=BK, UPCAST=False, TRACE=False, SCOPE=scope, FORWARD=forward)
+    src = ASTSource(fn=pk._kernel, signature=sig, constexprs=consts)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    ops = set(re.findall(r"(?:ld|red)[.a-z]*\\.(?:acquire|release)[.a-z0-9]*", ptx))
-    print(fn.__name__, fdt, sorted(ops))
+    ops = set(re.findall(r"(?:ld|red|atom)[.a-z]*\\.(?:acquire|release)[.a-z0-9]*", ptx))
+    print(fdt, scope, sorted(ops))
 """
 
 
 def test_kernels_compile_for_a_gpu(tmp_path):
-    """The concurrent mode's code path cannot run here, but both kernels compile for an H100
-    (sm_90, down to a cubin; fp32 forward, bf16 backward), with the counters read by acquire
-    loads and bumped by release reductions."""
+    """The kernel compiles for an H100 (sm_90, down to a cubin; fp32 forward on one device,
+    bf16 backward across devices), with the counters read by acquire loads and bumped by
+    release reductions at the launch's scope ("gpu": virtual ranks on one device; "sys": real
+    peers, whose bumps cross NVLink)."""
     import subprocess
     import sys
 
@@ -334,6 +326,6 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split("\n")
-    acq_rel = "['ld.global.gpu.acquire.b32', 'red.global.gpu.release.add.u32']"
-    for fn, fdt in (("_forward_kernel", "fp32"), ("_backward_kernel", "bf16")):
-        assert f"{fn} {fdt} {acq_rel}" in lines, out.stdout
+    for fdt, scope in (("fp32", "gpu"), ("bf16", "sys")):
+        acq_rel = f"['ld.global.{scope}.acquire.b32', 'red.global.{scope}.release.add.u32']"
+        assert f"{fdt} {scope} {acq_rel}" in lines, out.stdout

@@ -10,14 +10,20 @@ A task table is ``int32 [n, NCOL]``, one row per device task, columns:
 * ``UID``: the plan task it comes from (several rows when the task spans several slots or
   experts: the first waits, the last bumps).
 * ``WAIT``, ``THRESH``: the local event it waits on (-1: none) and that event's threshold.
-* ``TRIG0``, ``NTRIG``: its triggers, ``triggers[TRIG0 : TRIG0 + NTRIG]`` (local event ids).
+* ``TRIG0``, ``NTRIG``: its triggers, ``triggers[TRIG0 : TRIG0 + NTRIG]`` (event ids), each on
+  rank ``trigger_ranks[k]`` (a put's arrival signal lands on the put's target).
 * ``EXPERT``: local expert of a GEMM tile or weight-gradient task (-1: none).
-* ``SLOT``, ``VOFF``: the slot whose step count gives the valid rows, and the row offset of
-  the tile inside that slot: ``valid = clamp(count[SLOT] - VOFF, 0, ROWS)`` (-1: every row).
+* ``SLOT``, ``VOFF``: the entry of the step's count table (``count[:e * P]``: rows received
+  per local slot ``j * P + s``; ``count[e * P + g]``: rows sent to global expert ``g``, what a
+  dispatch put carries) that gives the valid rows, and the row offset of the tile inside that
+  slot: ``valid = clamp(count[SLOT] - VOFF, 0, ROWS)`` (-1: every row).
 * ``ROW0``: first row read (receive rows; tokens for token tiles; for a dispatch, the
   return-layout position ``expert * S + VOFF`` of its first row in the step's token table).
 * ``DST0``: first row written (the destination rows of a put: the window offset in rows).
 * ``ROWS``: rows of the tile (tokens for token tiles; for a weight gradient, unused).
+* ``PEER``: the rank whose buffer a put writes (the row's own rank for other rows).
+* ``HOME``: the launch slot of the rank that runs the row: 0 in one rank's table; a
+  virtual-rank launch (several ranks' tables in one launch) numbers the ranks 0 .. V - 1.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ COLUMNS = (
     "ROW0",
     "DST0",
     "ROWS",
+    "PEER",
+    "HOME",
 )
 NCOL = len(COLUMNS)
-OP, UID, WAIT, THRESH, TRIG0, NTRIG, EXPERT, SLOT, VOFF, ROW0, DST0, ROWS = range(NCOL)
+OP, UID, WAIT, THRESH, TRIG0, NTRIG, EXPERT, SLOT, VOFF, ROW0, DST0, ROWS, PEER, HOME = range(NCOL)

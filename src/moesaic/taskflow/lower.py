@@ -1,69 +1,73 @@
-"""A compiled plan lowered to flat device tables for the persistent kernel (issue 26, item 2).
+"""Compiled plans lowered to flat device tables for the persistent kernel (issues 26 and 53).
 
 Shape legend: n device tasks, m trigger entries, V events, Q queues, T tokens, K top-k, E
 experts, e local experts, P ranks, S slot rows.
 
-``lower(plan)`` turns one rank's validated plan into ``DeviceTables``: int32 tensors that a
-persistent kernel (``moesaic.kernels.persistent``) walks without any host work per tile:
+``lower_world(plans)`` turns the validated plans of every rank of one world (one plan at EP 1)
+into ``WorldTables``: per rank ``DeviceTables``, int32 tensors that a persistent kernel
+(``moesaic.kernels.persistent``) walks without any host work per tile:
 
 * ``tasks`` ``[n, NCOL]``: one row per device task (columns in ``kernels.task_ops``): opcode,
-  plan uid, the event waited on and its threshold, the slice of ``triggers`` it bumps, and the
-  tile's coordinates (local expert, slot and in-slot offset for the step's valid-row count, first
-  row read, first row written, rows). The queues' rows are concatenated, each queue in its
-  compiled order; ``queue_starts`` ``[Q + 1]`` cuts them (the **concurrent** mode: one program
-  per queue). A plan task whose rows span several slots, or a weight-gradient task spanning
-  several experts, becomes several rows: the first carries the wait, the last the triggers.
-* ``order`` ``[n]``: the rows in **single-program** order: the queues' launch order in one
-  simulated execution (the event engine with the drawing's nominal costs; with
-  ``CompileOptions(pipeline=True)`` the queues are listsched's world-consistent orders), so a
-  single program walking it never reaches a wait whose producers come later.
-* ``triggers`` ``[m]`` (event ids) and ``thresholds`` ``[V]``; ``counters()`` gives the
+  plan uid, the event waited on and its threshold, the slice of ``triggers`` it bumps, the
+  tile's coordinates (local expert, count entry and in-slot offset for the step's valid rows,
+  first row read, first row written, rows) and the rank a put writes to. The queues' rows are
+  concatenated, each queue in its compiled order (``queue_starts`` cuts them). A plan task whose
+  rows span several slots, or a weight-gradient task spanning several experts, becomes several
+  rows: the first carries the wait, the last the triggers.
+* ``triggers`` ``[m]`` (event ids) with ``trigger_ranks`` ``[m]`` (the rank owning each event:
+  a put bumps its target's arrival event) and ``thresholds`` ``[V]``; ``counters()`` gives the
   zeroed int32 counters of one step.
+* ``order`` ``[n]``: the rank's rows in the world's **topological order**: one simulated
+  execution of every rank's queues together (the event engine with the drawing's nominal
+  costs, events keyed by (rank, event); with ``CompileOptions(pipeline=True)`` the queues are
+  listsched's world-consistent orders). ``WorldTables.order`` is that order over all ranks'
+  rows. The kernel's programs take rows from it by an atomic ticket, so a row's producers hold
+  earlier tickets: whatever the number of programs (one, or one per SM) and however they
+  interleave, a waiting row's producers have been taken by running programs, and executed one
+  after another (Triton's interpreter runs a grid's programs in turn) no wait ever blocks.
 
 Empty slots need no extra signal: a tile whose slot has no valid row this step skips its body
 and still bumps its triggers, so every count reaches its threshold whatever the routing (the
 static-counter rule of the plans). The routing of a step goes to the device as ``StepTables``
-(``step_tables``): valid rows per slot, the token (and combine weight) of every dispatch row,
-the returned row of every (token, choice).
+(``step_tables``): valid rows per receive slot and per sent expert, the token (and combine
+weight) of every dispatch row, the returned row of every (token, choice).
 
-``check_tables`` (run by ``lower``) refuses tables a kernel could not finish: an unknown opcode,
-an event id or trigger slice out of range, a wait whose threshold differs from its event's, an
-event whose bumps do not add up to its threshold (unreachable, or bumped past it), a
-single-program order that waits before the producers, queues that deadlock together.
-
-EP 1 only: at EP > 1 dispatch and combine tiles are puts to other ranks with remote counter
-updates, which the device data plane (a separate item of issue 26) has to provide.
+``check_world_tables`` (run by ``lower_world``) refuses tables a kernel could not finish: an
+unknown opcode, an event id, trigger slice or peer out of range, a wait whose threshold differs
+from its event's, an event whose bumps over all ranks do not add up to its threshold
+(unreachable, or bumped past it), a topological order that waits before the producers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from moesaic.kernels import task_ops as ops
+from moesaic.taskflow.compile import compile_world
 from moesaic.taskflow.draw import nominal_cost
-from moesaic.taskflow.engine import DeadlockError, EventEngine, Job, Lane
+from moesaic.taskflow.engine import EventEngine, Job, Lane
 from moesaic.taskflow.plan import Plan
 from moesaic.taskflow.runtime.sequential import StepRouting
 from moesaic.taskflow.tasks import Region, TaskDescriptor
 from moesaic.taskflow.validate import ensure_validated
 
 __all__ = [
-    "MODES",
     "DeviceTables",
     "StepTables",
     "TableError",
+    "WorldTables",
     "check_tables",
+    "check_world_tables",
     "lower",
-    "single_program_order",
+    "lower_world",
     "step_tables",
+    "world_order",
 ]
-
-MODES = ("single_program", "concurrent")
 
 
 class TableError(ValueError):
@@ -72,16 +76,18 @@ class TableError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class DeviceTables:
-    """The static device form of one plan (see the module docstring).
+    """The static device form of one rank's plan (see the module docstring).
 
     Attributes:
         direction: "forward" or "backward".
         tasks: int32 ``[n, NCOL]``, queues concatenated, each in its compiled order.
         queue_names: the schedule's queue names, in ``tasks``' order.
         queue_starts: int32 ``[Q + 1]``: queue q is rows ``queue_starts[q] .. [q + 1]``.
-        order: int64 ``[n]``: the rows of ``tasks`` in single-program order.
-        triggers: int32 ``[m]``: the local event ids the tasks bump (slices of it).
-        thresholds: int32 ``[V]``: threshold of every event.
+        order: int64 ``[n]``: the rows of ``tasks`` in the world's topological order.
+        triggers: int32 ``[m]``: the event ids the tasks bump (slices of it).
+        trigger_ranks: int32 ``[m]``: the rank of each trigger's event.
+        thresholds: int32 ``[V]``: threshold of every event of this rank.
+        rank: the rank whose plan this is.
         hidden, ffn, top_k, local_experts, ep_size, slot_rows: the bucket's shape.
     """
 
@@ -91,7 +97,9 @@ class DeviceTables:
     queue_starts: torch.Tensor
     order: torch.Tensor
     triggers: torch.Tensor
+    trigger_ranks: torch.Tensor
     thresholds: torch.Tensor
+    rank: int
     hidden: int
     ffn: int
     top_k: int
@@ -99,17 +107,9 @@ class DeviceTables:
     ep_size: int
     slot_rows: int
 
-    def program_tables(self, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(tasks, starts)`` as a kernel launch takes them: program p runs rows
-        ``starts[p] .. starts[p + 1]``. ``single_program``: one program over ``order``;
-        ``concurrent``: one program per queue."""
-        if mode == "single_program":
-            dev = self.tasks.device
-            starts = torch.tensor([0, self.tasks.shape[0]], dtype=torch.int32, device=dev)
-            return self.tasks[self.order.to(dev)].contiguous(), starts
-        if mode == "concurrent":
-            return self.tasks, self.queue_starts
-        raise ValueError(f"mode ({mode!r}) must be one of {MODES}")
+    def launch_rows(self) -> torch.Tensor:
+        """The task rows in topological order, as one rank's launch takes them."""
+        return self.tasks[self.order.to(self.tasks.device)].contiguous()
 
     def counters(self) -> torch.Tensor:
         """Zeroed int32 event counters of one step (at least one, for an event-free plan)."""
@@ -125,8 +125,22 @@ class DeviceTables:
             queue_starts=self.queue_starts.to(device),
             order=self.order.to(device),
             triggers=self.triggers.to(device),
+            trigger_ranks=self.trigger_ranks.to(device),
             thresholds=self.thresholds.to(device),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class WorldTables:
+    """The device tables of every rank of one world and their topological order.
+
+    Attributes:
+        ranks: ``DeviceTables`` of rank 0 .. P - 1.
+        order: int64 ``[N, 2]``: ``(rank, row)`` of every rank's rows in topological order.
+    """
+
+    ranks: tuple[DeviceTables, ...]
+    order: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +148,8 @@ class StepTables:
     """The routing of one step on the device (what ``StepRouting`` is on the host).
 
     Attributes:
-        count: int32 ``[e * P]``: valid rows of each receive slot ``j * P + s``.
+        count: int32 ``[e * P + E]``: valid rows of each receive slot ``j * P + s``, then the
+            rows this rank sends to each global expert (a dispatch put's valid rows).
         tok: int32 ``[E * S]``: token of dispatch row ``expert * S + i`` (-1: padding).
         wt: fp32 ``[E * S]``: its combine weight (the backward dispatch scales by it).
         ret: int32 ``[T, K]``: returned row of choice (t, k), -1 where the capacity dropped it.
@@ -150,12 +165,6 @@ class StepTables:
 
 def _check_lowerable(plan: Plan) -> None:
     b = plan.bucket
-    if b.ep_size != 1:
-        raise TableError(
-            f"lower: the plan is for ep_size {b.ep_size}; the persistent kernel runs EP 1 only "
-            "(its dispatch and combine tiles would be puts to other ranks with remote counter "
-            "updates, which the device data plane has to provide)"
-        )
     if b.activation != "swiglu":
         raise TableError(
             f"lower: activation {b.activation!r} has no device opcode; the persistent kernel "
@@ -168,8 +177,6 @@ def _check_lowerable(plan: Plan) -> None:
                 f"lower: task {t.label} has type {t.task_type!r}, which the {plan.direction} "
                 "kernel does not execute"
             )
-        if any(ref.rank != plan.rank for ref in t.trigger_events):
-            raise TableError(f"lower: task {t.label} bumps another rank's counter")
 
 
 def _slot_pieces(r: Region, S: int) -> list[tuple[int, int, int]]:
@@ -188,11 +195,12 @@ def _rows_of(plan: Plan, t: TaskDescriptor) -> list[list[int]]:
     op = ops.OPCODES[t.task_type]
     rows: list[list[int]] = []
 
-    def row(expert=-1, slot=-1, voff=0, row0=0, dst0=0, n=0) -> None:
+    def row(expert=-1, slot=-1, voff=0, row0=0, dst0=0, n=0, peer=plan.rank) -> None:
         r = [0] * ops.NCOL
         r[ops.OP], r[ops.UID], r[ops.WAIT] = op, t.uid, -1
         r[ops.EXPERT], r[ops.SLOT], r[ops.VOFF] = expert, slot, voff
         r[ops.ROW0], r[ops.DST0], r[ops.ROWS] = row0, dst0, n
+        r[ops.PEER], r[ops.HOME] = peer, 0
         rows.append(r)
 
     if op in ops.WEIGHT_GRAD_OPS:
@@ -203,12 +211,13 @@ def _rows_of(plan: Plan, t: TaskDescriptor) -> list[list[int]]:
         out = t.outputs[0]
         row(row0=out.start, dst0=out.start, n=out.rows)
     elif op in (ops.OPCODES["put_dispatch"], ops.OPCODES["put_dispatch_grad"]):
-        for out in t.outputs:
+        for out in t.outputs:  # rows of the target's receive slots (j, this rank)
             for slot, a, n in _slot_pieces(out, S):
                 j, _ = divmod(slot, P)
                 g = out.rank * e + j  # the global expert (dispatch slot) of these rows
                 voff = a - slot * S
-                row(expert=j, slot=slot, voff=voff, row0=g * S + voff, dst0=a, n=n)
+                sent = e * P + g  # count entry: rows this rank sends to expert g
+                row(expert=j, slot=sent, voff=voff, row0=g * S + voff, dst0=a, n=n, peer=out.rank)
     elif op == ops.OPCODES["put_combine"]:
         for src, dst in zip(t.inputs, t.outputs):
             for slot, a, n in _slot_pieces(src, S):
@@ -219,6 +228,7 @@ def _rows_of(plan: Plan, t: TaskDescriptor) -> list[list[int]]:
                     row0=a,
                     dst0=dst.start + a - src.start,
                     n=n,
+                    peer=dst.rank,
                 )
     else:  # row-tiled compute: inputs[0] and outputs[0] are the same receive rows
         src, dst = t.inputs[0], t.outputs[0]
@@ -229,176 +239,247 @@ def _rows_of(plan: Plan, t: TaskDescriptor) -> list[list[int]]:
     return rows
 
 
-def single_program_order(plan: Plan) -> list[int]:
-    """Plan uids in the order one simulated execution of the queues launches them (the event
-    engine with ``draw.nominal_cost``): a job starts only after its event is complete, so no
-    task in this order waits on a task after it."""
-    tile_m = plan.bucket.tile_m
-    lanes, thresholds = _plan_lanes(plan)
+def world_order(plans: Sequence[Plan]) -> list[tuple[int, int]]:
+    """``(rank, plan uid)`` in the order one simulated execution of every rank's queues
+    launches them (the event engine with ``draw.nominal_cost``, events keyed by (rank, event)):
+    a job starts only after its event is complete, so no task in this order waits on a task
+    after it."""
+    lanes: list[Lane[TaskDescriptor]] = []
+    thresholds: dict[Hashable, int] = {}
+    for p in plans:
+        thresholds.update({(p.rank, ev.id): ev.threshold for ev in p.events})
+        for name, uids in p.schedule.queues:
+            jobs = []
+            for uid in uids:
+                t = p.tasks[uid]
+                wait = (p.rank, t.dependent_event) if t.dependent_event >= 0 else None
+                trig = tuple((r.rank, r.event) for r in t.trigger_events)
+                jobs.append(Job(key=(p.rank, uid), task=t, wait=wait, triggers=trig))
+            lanes.append(Lane(name=(p.rank, name), jobs=jobs))
+    tile_m = plans[0].bucket.tile_m
     engine: EventEngine[TaskDescriptor] = EventEngine(
         lanes, thresholds, cost=lambda t: nominal_cost(t, tile_m)
     )
-    return [int(k) for k in engine.run().order]  # type: ignore[call-overload]
-
-
-def _plan_lanes(plan: Plan) -> tuple[list[Lane[TaskDescriptor]], dict[Hashable, int]]:
-    lanes = []
-    for name, uids in plan.schedule.queues:
-        jobs = []
-        for uid in uids:
-            t = plan.tasks[uid]
-            wait = t.dependent_event if t.dependent_event >= 0 else None
-            jobs.append(
-                Job(key=uid, task=t, wait=wait, triggers=tuple(r.event for r in t.trigger_events))
-            )
-        lanes.append(Lane(name=name, jobs=jobs))
-    return lanes, {ev.id: ev.threshold for ev in plan.events}
+    return [k for k in engine.run().order]  # type: ignore[misc]
 
 
 def lower(plan: Plan) -> DeviceTables:
-    """The device tables of ``plan`` (validated first if it is not yet), checked by
-    ``check_tables``.
+    """The device tables of ``plan``; at EP > 1 the other ranks' plans (the same bucket and
+    options) are compiled to order and check the world's tables together.
 
     Raises:
-        TableError: a plan the persistent kernel cannot run (EP > 1, GELU) or tables that
-            fail the check.
+        TableError: a plan the persistent kernel cannot run (GELU) or tables that fail the
+            check.
     """
-    ensure_validated(plan)
-    _check_lowerable(plan)
-    b = plan.bucket
-    thresholds = {ev.id: ev.threshold for ev in plan.events}
-    rows: list[list[int]] = []
-    triggers: list[int] = []
-    rows_of_uid: dict[int, list[int]] = {}
-    starts = [0]
-    for _, uids in plan.schedule.queues:
-        for uid in uids:
-            t = plan.tasks[uid]
-            mine = _rows_of(plan, t)
-            first, last = mine[0], mine[-1]
-            if t.dependent_event >= 0:
-                first[ops.WAIT] = t.dependent_event
-                first[ops.THRESH] = thresholds[t.dependent_event]
-            last[ops.TRIG0], last[ops.NTRIG] = len(triggers), len(t.trigger_events)
-            triggers.extend(ref.event for ref in t.trigger_events)
-            rows_of_uid[uid] = list(range(len(rows), len(rows) + len(mine)))
-            rows.extend(mine)
-        starts.append(len(rows))
-    order = [i for uid in single_program_order(plan) for i in rows_of_uid[uid]]
-    tables = DeviceTables(
-        direction=plan.direction,
-        tasks=torch.tensor(rows, dtype=torch.int32).reshape(-1, ops.NCOL),
-        queue_names=plan.schedule.names,
-        queue_starts=torch.tensor(starts, dtype=torch.int32),
-        order=torch.tensor(order, dtype=torch.int64),
-        triggers=torch.tensor(triggers, dtype=torch.int32),
-        thresholds=torch.tensor([thresholds[i] for i in range(len(thresholds))], dtype=torch.int32),
-        hidden=b.hidden,
-        ffn=b.ffn,
-        top_k=b.top_k,
-        local_experts=b.local_experts,
-        ep_size=b.ep_size,
-        slot_rows=b.slot_rows,
+    world: list[Plan] = [plan]
+    if plan.bucket.ep_size > 1:
+        world = compile_world(plan.bucket, plan.direction, plan.options)
+        world[plan.rank] = plan
+    return lower_world(world).ranks[plan.rank]
+
+
+def lower_world(plans: Sequence[Plan]) -> WorldTables:
+    """The device tables of a world's plans (rank r's plan at index r; validated first if
+    they are not yet), checked by ``check_world_tables``.
+
+    Raises:
+        TableError: plans of different worlds, a plan the persistent kernel cannot run
+            (GELU), or tables that fail the check.
+    """
+    P = plans[0].bucket.ep_size
+    if [p.rank for p in plans] != list(range(P)) or any(
+        p.world_fingerprint != plans[0].world_fingerprint or p.direction != plans[0].direction
+        for p in plans
+    ):
+        raise TableError(
+            f"lower_world: needs the {plans[0].direction} plans of ranks 0 .. {P - 1} of one "
+            f"world in rank order, got ranks {[p.rank for p in plans]}"
+        )
+    rows_of_uid: list[dict[int, list[int]]] = []
+    built = []
+    for plan in plans:
+        ensure_validated(plan)
+        _check_lowerable(plan)
+        thresholds = {ev.id: ev.threshold for ev in plan.events}
+        rows: list[list[int]] = []
+        triggers: list[int] = []
+        trigger_ranks: list[int] = []
+        mine_of_uid: dict[int, list[int]] = {}
+        starts = [0]
+        for _, uids in plan.schedule.queues:
+            for uid in uids:
+                t = plan.tasks[uid]
+                mine = _rows_of(plan, t)
+                first, last = mine[0], mine[-1]
+                if t.dependent_event >= 0:
+                    first[ops.WAIT] = t.dependent_event
+                    first[ops.THRESH] = thresholds[t.dependent_event]
+                last[ops.TRIG0], last[ops.NTRIG] = len(triggers), len(t.trigger_events)
+                triggers.extend(ref.event for ref in t.trigger_events)
+                trigger_ranks.extend(ref.rank for ref in t.trigger_events)
+                mine_of_uid[uid] = list(range(len(rows), len(rows) + len(mine)))
+                rows.extend(mine)
+            starts.append(len(rows))
+        rows_of_uid.append(mine_of_uid)
+        built.append((plan, rows, triggers, trigger_ranks, starts, thresholds))
+    order = [(r, i) for r, uid in world_order(plans) for i in rows_of_uid[r][uid]]
+    ranks = []
+    for plan, rows, triggers, trigger_ranks, starts, thresholds in built:
+        b = plan.bucket
+        ranks.append(
+            DeviceTables(
+                direction=plan.direction,
+                tasks=torch.tensor(rows, dtype=torch.int32).reshape(-1, ops.NCOL),
+                queue_names=plan.schedule.names,
+                queue_starts=torch.tensor(starts, dtype=torch.int32),
+                order=torch.tensor([i for r, i in order if r == plan.rank], dtype=torch.int64),
+                triggers=torch.tensor(triggers, dtype=torch.int32),
+                trigger_ranks=torch.tensor(trigger_ranks, dtype=torch.int32),
+                thresholds=torch.tensor(
+                    [thresholds[i] for i in range(len(thresholds))], dtype=torch.int32
+                ),
+                rank=plan.rank,
+                hidden=b.hidden,
+                ffn=b.ffn,
+                top_k=b.top_k,
+                local_experts=b.local_experts,
+                ep_size=b.ep_size,
+                slot_rows=b.slot_rows,
+            )
+        )
+    world = WorldTables(
+        ranks=tuple(ranks), order=torch.tensor(order, dtype=torch.int64).reshape(-1, 2)
     )
-    check_tables(tables)
-    return tables
-
-
-def _table_lanes(
-    tasks: list[list[int]], trig: list[int], starts: list[int], names: tuple[str, ...]
-) -> list[Lane[int]]:
-    lanes = []
-    for q, name in enumerate(names):
-        jobs = []
-        for i in range(starts[q], starts[q + 1]):
-            r = tasks[i]
-            wait = r[ops.WAIT] if r[ops.WAIT] >= 0 else None
-            bumps = tuple(trig[r[ops.TRIG0] : r[ops.TRIG0] + r[ops.NTRIG]])
-            jobs.append(Job(key=i, task=i, wait=wait, triggers=bumps))
-        lanes.append(Lane(name=name, jobs=jobs))
-    return lanes
+    check_world_tables(world)
+    return world
 
 
 def check_tables(tables: DeviceTables) -> None:
+    """``check_world_tables`` on one EP-1 rank's tables (a world of one; its order is the
+    world's).
+
+    Raises:
+        TableError: see ``check_world_tables``; also tables of a rank of EP > 1 (their events
+            are bumped by other ranks: check them with their world).
+    """
+    if tables.ep_size != 1:
+        raise TableError(
+            f"check_tables: rank {tables.rank} of ep_size {tables.ep_size}: other ranks bump "
+            "its events, so its tables are checked with the world's (check_world_tables)"
+        )
+    order = torch.stack([torch.zeros_like(tables.order), tables.order.cpu()], dim=1)
+    check_world_tables(WorldTables(ranks=(tables,), order=order))
+
+
+def check_world_tables(world: WorldTables) -> None:
     """Refuse tables a persistent kernel could not run to the end (see the module docstring).
 
     Raises:
-        TableError: naming the row, event or order position at fault and the rule.
+        TableError: naming the rank (at EP > 1), row, event or order position at fault and
+            the rule.
     """
-    t = tables.tasks
-    if t.dtype != torch.int32 or t.dim() != 2 or t.shape[1] != ops.NCOL:
-        raise TableError(f"tasks must be int32 [n, {ops.NCOL}], got {t.dtype} {tuple(t.shape)}")
-    tasks, trig = t.tolist(), tables.triggers.tolist()
-    thr = tables.thresholds.tolist()
-    V, n = len(thr), len(tasks)
-    allowed = ops.FORWARD_OPS if tables.direction == "forward" else ops.BACKWARD_OPS
-    bumps = [0] * V
-    for i, r in enumerate(tasks):
-        if r[ops.OP] not in allowed:
-            raise TableError(f"task row {i}: opcode {r[ops.OP]} is not a {tables.direction} op")
-        w = r[ops.WAIT]
-        if not -1 <= w < V:
-            raise TableError(f"task row {i}: WAIT event {w} must be -1 or in [0, {V})")
-        want = thr[w] if w >= 0 else 0
-        if r[ops.THRESH] != want:
+    P = len(world.ranks)
+    allowed = ops.FORWARD_OPS if world.ranks[0].direction == "forward" else ops.BACKWARD_OPS
+    thr = [t.thresholds.tolist() for t in world.ranks]
+    bumps = [[0] * len(x) for x in thr]
+    tasks_of = []
+    for r, tables in enumerate(world.ranks):
+        who = f"rank {r} " if P > 1 else ""
+        t = tables.tasks
+        if t.dtype != torch.int32 or t.dim() != 2 or t.shape[1] != ops.NCOL:
             raise TableError(
-                f"task row {i}: THRESH {r[ops.THRESH]} must equal event {w}'s threshold {want}"
+                f"{who}tasks must be int32 [n, {ops.NCOL}], got {t.dtype} {tuple(t.shape)}"
             )
-        a, k = r[ops.TRIG0], r[ops.NTRIG]
-        if k < 0 or a < 0 or a + k > len(trig):
-            raise TableError(f"task row {i}: triggers [{a}, {a + k}) out of [0, {len(trig)})")
-        for ev in trig[a : a + k]:
-            if not 0 <= ev < V:
-                raise TableError(f"task row {i}: trigger event {ev} must be in [0, {V})")
-            bumps[ev] += 1
-        if r[ops.ROWS] < 0:
-            raise TableError(f"task row {i}: ROWS {r[ops.ROWS]} must be >= 0")
-    for ev in range(V):
-        if thr[ev] < 1:
-            raise TableError(f"event {ev}: threshold {thr[ev]} must be >= 1")
-        if bumps[ev] != thr[ev]:
-            rule = "is unreachable" if bumps[ev] < thr[ev] else "would be passed"
+        tasks, trig = t.tolist(), tables.triggers.tolist()
+        trig_ranks = tables.trigger_ranks.tolist()
+        tasks_of.append((tasks, trig, trig_ranks))
+        V = len(thr[r])
+        for i, row in enumerate(tasks):
+            if row[ops.OP] not in allowed:
+                raise TableError(
+                    f"{who}task row {i}: opcode {row[ops.OP]} is not a {tables.direction} op"
+                )
+            w = row[ops.WAIT]
+            if not -1 <= w < V:
+                raise TableError(f"{who}task row {i}: WAIT event {w} must be -1 or in [0, {V})")
+            want = thr[r][w] if w >= 0 else 0
+            if row[ops.THRESH] != want:
+                raise TableError(
+                    f"{who}task row {i}: THRESH {row[ops.THRESH]} must equal event {w}'s "
+                    f"threshold {want}"
+                )
+            if not 0 <= row[ops.PEER] < P or row[ops.HOME] != 0:
+                raise TableError(
+                    f"{who}task row {i}: PEER {row[ops.PEER]} must be in [0, {P}) and HOME "
+                    f"{row[ops.HOME]} 0"
+                )
+            a, k = row[ops.TRIG0], row[ops.NTRIG]
+            if k < 0 or a < 0 or a + k > len(trig):
+                raise TableError(
+                    f"{who}task row {i}: triggers [{a}, {a + k}) out of [0, {len(trig)})"
+                )
+            for ev, er in zip(trig[a : a + k], trig_ranks[a : a + k]):
+                if not 0 <= er < P or not 0 <= ev < len(thr[er]):
+                    raise TableError(
+                        f"{who}task row {i}: trigger event {ev} of rank {er} must be an event "
+                        f"of a rank in [0, {P})"
+                    )
+                bumps[er][ev] += 1
+            if row[ops.ROWS] < 0:
+                raise TableError(f"{who}task row {i}: ROWS {row[ops.ROWS]} must be >= 0")
+        starts = tables.queue_starts.tolist()
+        n = len(tasks)
+        if (
+            len(starts) != len(tables.queue_names) + 1
+            or starts[0] != 0
+            or starts[-1] != n
+            or any(a > z for a, z in itertools.pairwise(starts))
+        ):
             raise TableError(
-                f"event {ev}: threshold {thr[ev]} {rule}: the tasks bump it {bumps[ev]} times "
-                "(every threshold must equal its event's number of bumps)"
+                f"{who}queue_starts {starts} must rise from 0 to {n}, one cut per queue"
             )
-    order = tables.order.tolist()
-    if sorted(order) != list(range(n)):
-        raise TableError(f"order must be a permutation of the {n} task rows")
-    count = [0] * V
-    for pos, i in enumerate(order):
-        r = tasks[i]
-        w = r[ops.WAIT]
-        if w >= 0 and count[w] < thr[w]:
+    for r in range(P):
+        who = f"rank {r} " if P > 1 else ""
+        for ev, want in enumerate(thr[r]):
+            if want < 1:
+                raise TableError(f"{who}event {ev}: threshold {want} must be >= 1")
+            if bumps[r][ev] != want:
+                rule = "is unreachable" if bumps[r][ev] < want else "would be passed"
+                raise TableError(
+                    f"{who}event {ev}: threshold {want} {rule}: the tasks bump it "
+                    f"{bumps[r][ev]} times (every threshold must equal its event's number of "
+                    "bumps)"
+                )
+    order = [tuple(x) for x in world.order.tolist()]
+    every = sorted((r, i) for r in range(P) for i in range(len(tasks_of[r][0])))
+    if sorted(order) != every:
+        raise TableError(f"order must be a permutation of the {len(every)} task rows")
+    for r, tables in enumerate(world.ranks):
+        if tables.order.tolist() != [i for q, i in order if q == r]:
+            raise TableError(f"rank {r}: its order must be its rows in the world's order")
+    count = [[0] * len(x) for x in thr]
+    for pos, (r, i) in enumerate(order):
+        tasks, trig, trig_ranks = tasks_of[r]
+        row = tasks[i]
+        w = row[ops.WAIT]
+        if w >= 0 and count[r][w] < thr[r][w]:
+            who = f"rank {r} " if P > 1 else ""
             raise TableError(
-                f"single-program order: position {pos} (task row {i}, plan uid {r[ops.UID]}) "
-                f"waits on event {w} at {count[w]}/{thr[w]}; its producers come later, so one "
-                "program would wait forever"
+                f"single-program order: position {pos} ({who}task row {i}, plan uid "
+                f"{row[ops.UID]}) waits on event {w} at {count[r][w]}/{thr[r][w]}; its "
+                "producers come later, so one program would wait forever"
             )
-        for ev in trig[r[ops.TRIG0] : r[ops.TRIG0] + r[ops.NTRIG]]:
-            count[ev] += 1
-    starts = tables.queue_starts.tolist()
-    if (
-        len(starts) != len(tables.queue_names) + 1
-        or starts[0] != 0
-        or starts[-1] != n
-        or any(a > z for a, z in itertools.pairwise(starts))
-    ):
-        raise TableError(f"queue_starts {starts} must rise from 0 to {n}, one cut per queue")
-    lanes = _table_lanes(tasks, trig, starts, tables.queue_names)
-    try:
-        EventEngine(lanes, dict(enumerate(thr))).run()
-    except DeadlockError as exc:
-        raise TableError(f"concurrent mode: the queues' programs would deadlock: {exc}") from exc
+        a, k = row[ops.TRIG0], row[ops.NTRIG]
+        for ev, er in zip(trig[a : a + k], trig_ranks[a : a + k]):
+            count[er][ev] += 1
 
 
 def step_tables(tables: DeviceTables, route: StepRouting, device: torch.device) -> StepTables:
     """The step's routing (``sequential.step_routing``) as device tensors for ``tables``."""
     e, P, S = tables.local_experts, tables.ep_size, tables.slot_rows
     E = e * P
-    count = torch.tensor(
-        [route.recv_counts_eP[j][s] for j in range(e) for s in range(P)], dtype=torch.int32
-    )
+    recv = [route.recv_counts_eP[j][s] for j in range(e) for s in range(P)]
+    count = torch.tensor(recv + list(route.send_counts_E), dtype=torch.int32)
     tok = torch.full((E * S,), -1, dtype=torch.int32)
     wt = torch.zeros(E * S, dtype=torch.float32)
     for g in range(E):

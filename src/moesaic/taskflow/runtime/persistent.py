@@ -1,43 +1,269 @@
-"""The MoE-FFN plans on the device: ``PersistentRuntime`` runs a lowered plan through one
-persistent Triton kernel per direction (``kernels.persistent``; the ``taskflow`` dispatcher with
-``kernels="triton"``).
+"""The MoE-FFN plans on the device: one launch of the persistent Triton kernel per direction
+(``kernels.persistent``) for one rank, for a world of V **virtual ranks** on one device, or for
+one of several **real peers** on one node.
 
-Shape legend: T tokens, H hidden, F expert hidden, E experts, e local experts.
+Shape legend: T tokens, H hidden, F expert hidden, E experts, e local experts, P ranks, S slot
+rows, V ranks in one launch.
 
-Everything ``TaskflowRuntime`` does per bucket and step stays (the agreed bucket, plans compiled
-once, the step checks and routing offsets); what differs is the executor: instead of host
-threads running a handler per tile, ``taskflow.lower`` turns each plan into device tables once
-(kept on the plan, moved to the device once per device), ``step_tables`` puts the step's routing
-on the device, and one kernel launch walks the tables with its counters in device memory.
+* ``rank_launch`` / ``virtual_launch`` build a ``kernels.persistent.Launch``: the lowered rows
+  (``taskflow.lower``) in topological order, the step's routing (``lower.step_tables``), the
+  buffers, and the two tables of element offsets a row adds to reach another rank's counters
+  (``psig``) and put targets (``pdata``): ``peer_offsets`` of the ranks' tensors, whichever
+  way they were allocated. Virtual ranks: every buffer ``[V * rows, cols]`` in one allocation,
+  rank r's share its r-th block, the rows of all ranks interleaved in the world's topological
+  order, ``HOME`` = r. A real peer: its own rows, ``HOME`` = 0, the offsets of the peers'
+  symmetric-memory buffers. Same kernel, same code; only the offsets differ.
+* ``run_virtual``: the forward or backward plans of every rank of a world run in one launch on
+  one device (CI runs it under Triton's interpreter at V = 2 and 4).
+* ``PersistentRuntime``: ``TaskflowRuntime`` whose steps run in the kernel
+  (``dispatcher="taskflow", kernels="triton"``). EP 1: one launch, no peer. EP > 1: real peers
+  through ``torch.distributed._symmetric_memory`` (the receive window and the counters
+  rendezvous-ed per bucket), refused before anything starts where it cannot run
+  (``check_peers``). Per step on a real peer: the device work of the step before finished
+  (a host sync), the counters zeroed, the routing offsets exchanged (``step_routing``'s
+  all-to-all, the step fence: no peer puts into this rank before it is ready), one launch.
 
-EP 1 only (the tiles' puts to other ranks need the device data plane); SwiGLU plans only.
+SwiGLU plans only.
 """
 
 from __future__ import annotations
 
+import socket
+import zlib
+from collections.abc import Sequence
+from dataclasses import fields
 from typing import cast
 
 import torch
 
-from moesaic.checks import check_one_of
 from moesaic.comm.collectives import EPGroup
+from moesaic.comm.symmetric import symmetric_available
 from moesaic.kernels import require_triton
-from moesaic.taskflow.lower import MODES, DeviceTables, lower, step_tables
+from moesaic.kernels import task_ops as ops
+from moesaic.routing import RoutingPlan
+from moesaic.taskflow.lower import DeviceTables, StepTables, WorldTables, lower, step_tables
 from moesaic.taskflow.plan import Plan
-from moesaic.taskflow.runtime.concurrent import TaskflowRuntime
-from moesaic.taskflow.runtime.sequential import make_buffers, step_routing
+from moesaic.taskflow.runtime.concurrent import RECEIVE_BUFFERS, TaskflowRuntime
+from moesaic.taskflow.runtime.sequential import StepRouting, make_buffers, step_routing
 
-__all__ = ["PersistentRuntime"]
+__all__ = [
+    "PersistentRuntime",
+    "check_peers",
+    "peer_offsets",
+    "rank_launch",
+    "run_virtual",
+    "virtual_launch",
+]
+
+
+def peer_offsets(tensors: Sequence[torch.Tensor], me: int) -> list[int]:
+    """Element offsets from ``tensors[me]`` to every ``tensors[r]`` (one dtype): what a kernel
+    adds to its own pointer to reach rank r's. Virtual ranks: blocks of one allocation; real
+    peers: the mappings of a symmetric-memory buffer."""
+    size = tensors[me].element_size()
+    base = tensors[me].data_ptr()
+    out = []
+    for r, t in enumerate(tensors):
+        delta = t.data_ptr() - base
+        if t.dtype != tensors[me].dtype or delta % size:
+            raise ValueError(
+                f"rank {r}'s tensor ({t.dtype}, {delta} bytes from rank {me}'s) is not a whole "
+                f"number of {tensors[me].dtype} elements away"
+            )
+        out.append(delta // size)
+    return out
+
+
+def check_peers(group: EPGroup, device: torch.device) -> str | None:
+    """Why the persistent kernel cannot put to ``group``'s ranks from ``device``, or None.
+
+    Puts are stores into the peers' memory: every rank must be a CUDA device of one node with
+    torch's symmetric memory and peer access to every other rank's device (NVLink or PCIe
+    P2P). Checked before anything starts (``PersistentRuntime``, and the first step)."""
+    if group.size == 1:
+        return None
+    if device.type != "cuda":
+        return f"its puts store into peer GPUs' memory; the tensors are on {device.type}"
+    if not symmetric_available(group):
+        return "torch's symmetric memory is unavailable (needs torch.distributed initialised)"
+    hosts = group.all_gather_dim0(
+        group.control_tensor([zlib.crc32(socket.gethostname().encode())]), what="persistent hosts"
+    )
+    if len(set(hosts.tolist())) > 1:
+        return f"the {group.size} ranks span {len(set(hosts.tolist()))} hosts; peers map one node"
+    devs = group.all_gather_dim0(
+        group.control_tensor([device.index or 0]), what="persistent devices"
+    ).tolist()
+    me = device.index or 0
+    for r, d in enumerate(devs):
+        if d != me and not torch.cuda.can_device_access_peer(me, d):
+            return f"cuda:{me} has no peer access to rank {r}'s cuda:{d}"
+    return None
+
+
+def rank_launch(
+    tables: DeviceTables,
+    step: StepTables,
+    bufs: dict[str, torch.Tensor],
+    *,
+    tokens: int,
+    counters: torch.Tensor,
+    psig: list[int],
+    pdata: list[int],
+    scope: str = "gpu",
+):
+    """The ``Launch`` of one rank (EP 1, or a real peer with the peers' offsets)."""
+    from moesaic.kernels.persistent import Launch  # imports Triton
+
+    dev = tables.tasks.device
+    return Launch(
+        direction=tables.direction,
+        tasks=tables.launch_rows(),
+        triggers=tables.triggers,
+        trigger_ranks=tables.trigger_ranks,
+        counters=counters,
+        psig=torch.tensor(psig, dtype=torch.int64, device=dev),
+        pdata=torch.tensor(pdata, dtype=torch.int64, device=dev),
+        step={f.name: getattr(step, f.name) for f in fields(step)},
+        bufs=bufs,
+        tokens=tokens,
+        hidden=tables.hidden,
+        ffn=tables.ffn,
+        top_k=tables.top_k,
+        local_experts=tables.local_experts,
+        ep_size=tables.ep_size,
+        slot_rows=tables.slot_rows,
+        scope=scope,
+    )
+
+
+def virtual_launch(
+    world: WorldTables,
+    steps: Sequence[StepTables],
+    bufs: dict[str, torch.Tensor],
+    *,
+    tokens: int,
+):
+    """The ``Launch`` of every rank of ``world`` at once: ``bufs`` are ``[V * rows, cols]``
+    (rank r's share is block r), the steps' tables are stacked, the rows interleaved in the
+    world's topological order with ``HOME`` = rank and their trigger slices shifted."""
+    from moesaic.kernels.persistent import PUT_TARGETS, Launch  # imports Triton
+
+    V = len(world.ranks)
+    t0 = world.ranks[0]
+    dev = t0.tasks.device
+    starts = [0]
+    for t in world.ranks:
+        starts.append(starts[-1] + t.triggers.numel())
+    rows = []
+    for r, t in enumerate(world.ranks):
+        own = t.tasks.clone()
+        own[:, ops.HOME] = r
+        own[:, ops.TRIG0] += starts[r]
+        rows.append(own)
+    order = world.order.to(dev)
+    base = torch.tensor([0] + [t.tasks.shape[0] for t in world.ranks], device=dev).cumsum(0)
+    tasks = torch.cat(rows)[base[order[:, 0]] + order[:, 1]].contiguous()
+    n_ev = max(t.thresholds.numel() for t in world.ranks) or 1
+    counters = torch.zeros(V * n_ev, dtype=torch.int32, device=dev)
+
+    def blocks(t: torch.Tensor) -> list[torch.Tensor]:
+        return list(t.view(V, -1).unbind(0))
+
+    psig = [o for me in range(V) for o in peer_offsets(blocks(counters), me)]
+    targets = [n for n in PUT_TARGETS if n in bufs]
+    pdata = [o for me in range(V) for o in peer_offsets(blocks(bufs[targets[0]]), me)]
+    for name in targets[1:]:
+        if [o for me in range(V) for o in peer_offsets(blocks(bufs[name]), me)] != pdata:
+            raise ValueError(f"put target {name} must have {targets[0]}'s rank stride")
+    step = {
+        f.name: torch.cat([getattr(s, f.name).flatten() for s in steps]) for f in fields(steps[0])
+    }
+    return Launch(
+        direction=t0.direction,
+        tasks=tasks,
+        triggers=torch.cat([t.triggers for t in world.ranks]),
+        trigger_ranks=torch.cat([t.trigger_ranks for t in world.ranks]),
+        counters=counters,
+        psig=torch.tensor(psig, dtype=torch.int64, device=dev),
+        pdata=torch.tensor(pdata, dtype=torch.int64, device=dev),
+        step=step,
+        bufs=bufs,
+        tokens=tokens,
+        hidden=t0.hidden,
+        ffn=t0.ffn,
+        top_k=t0.top_k,
+        local_experts=t0.local_experts,
+        ep_size=t0.ep_size,
+        slot_rows=t0.slot_rows,
+    )
+
+
+class _SlotCounts:
+    """``step_routing``'s slot-count all-to-all among V virtual ranks of one process: each
+    rank's receive row s is what rank s sends it (``sent``, recorded by a first pass)."""
+
+    control_device = torch.device("cpu")
+
+    def __init__(self, sent: list[torch.Tensor] | None, me: int = 0) -> None:
+        self.sent, self.me = sent, me
+        self.recorded: list[torch.Tensor] = []
+
+    def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, what: str = "") -> None:
+        if self.sent is None:
+            self.recorded.append(send.clone())
+            recv.zero_()
+        else:
+            recv.copy_(torch.stack([s[self.me] for s in self.sent]))
+
+
+def virtual_routes(plans: Sequence[Plan], routings: Sequence[RoutingPlan]) -> list[StepRouting]:
+    """Every virtual rank's ``step_routing`` (the slot counts exchanged in process)."""
+    record = _SlotCounts(None)
+    for plan, routing in zip(plans, routings):
+        step_routing(plan, routing, cast(EPGroup, record))
+    return [
+        step_routing(plan, routing, cast(EPGroup, _SlotCounts(record.recorded, plan.rank)))
+        for plan, routing in zip(plans, routings)
+    ]
+
+
+def run_virtual(
+    world: WorldTables,
+    plans: Sequence[Plan],
+    inputs: Sequence[dict[str, torch.Tensor]],
+    routings: Sequence[RoutingPlan],
+    *,
+    programs: int | None = None,
+    spin: int | None = None,
+    trace: bool = False,
+) -> tuple[list[dict[str, torch.Tensor]], list[int] | None]:
+    """Run one direction of a world's plans (rank r's at index r, ``world`` their lowered
+    tables) in one launch on the inputs' device: every rank's buffers (by the plan's names)
+    and the order of the rows run (with ``trace``)."""
+    require_triton()
+    from moesaic.kernels.persistent import run_tables  # imports Triton
+
+    ref = inputs[0]["dy_TH" if plans[0].direction == "backward" else "x_TH"]
+    per_rank = [make_buffers(p, i, ref) for p, i in zip(plans, inputs)]
+    bufs = {name: torch.cat([b[name] for b in per_rank]) for name in per_rank[0]}
+    routes = virtual_routes(plans, routings)
+    steps = [step_tables(t, r, ref.device) for t, r in zip(world.ranks, routes)]
+    launch = virtual_launch(world, steps, bufs, tokens=plans[0].bucket.tokens)
+    done = run_tables(launch, programs=programs, spin=spin, trace=trace)
+    V = len(plans)
+    out = [{name: b.view(V, -1, b.shape[1])[r] for name, b in bufs.items()} for r in range(V)]
+    return out, done
 
 
 class PersistentRuntime(TaskflowRuntime):
-    """``TaskflowRuntime`` whose steps run in one persistent Triton kernel per direction.
+    """``TaskflowRuntime`` whose steps run in one launch of the persistent kernel per
+    direction; EP > 1 through real peers on one node (symmetric memory).
 
     Args:
-        group: the expert-parallel group (of one rank).
-        mode: ``"single_program"`` (one program over the single-program order: the only mode
-            Triton's interpreter can run) or ``"concurrent"`` (one program per queue, a GPU).
+        group: the expert-parallel group.
         activation: the layer's activation (SwiGLU only).
+        programs: the launch's grid (default: ``kernels.persistent.device_programs``).
         **kwargs: ``TaskflowRuntime``'s (tile sizes, compile options, timeout, recorder).
     """
 
@@ -45,24 +271,22 @@ class PersistentRuntime(TaskflowRuntime):
         self,
         group: EPGroup,
         *,
-        mode: str = "single_program",
         activation: str = "swiglu",
+        programs: int | None = None,
         **kwargs,
     ) -> None:
-        if group.size != 1:
-            raise ValueError(
-                f"dispatcher 'taskflow' with kernels='triton' runs EP 1 only (got an expert-"
-                f"parallel group of {group.size}): its persistent kernel has no device puts to "
-                "other ranks yet; use kernels='torch'"
-            )
         if activation != "swiglu":
             raise ValueError(
                 f"dispatcher 'taskflow' with kernels='triton' runs SwiGLU experts only (got "
                 f"activation {activation!r}); use kernels='torch'"
             )
+        if group.size > 1:
+            kwargs["transport"] = "symmetric"
         super().__init__(group, **kwargs)
-        self.mode = check_one_of("mode", mode, MODES)
+        self.programs = programs
         self._tables: dict[tuple, DeviceTables] = {}
+        self._peers: dict[tuple, tuple[torch.Tensor, list[int], list[int]]] = {}
+        self._peers_ok: set[str] = set()
 
     def tables(self, plan: Plan, device: torch.device) -> DeviceTables:
         """``plan``'s device tables on ``device``, lowered and moved once."""
@@ -72,29 +296,66 @@ class PersistentRuntime(TaskflowRuntime):
             self._tables[key] = host.to(device)
         return self._tables[key]
 
+    def _peer_tables(self, plan: Plan, ref: torch.Tensor):
+        """``(counters, psig, pdata)`` of ``plan``'s bucket on ``ref``'s device: one rank's
+        offsets only (EP 1), or the counters in symmetric memory and the offsets of every
+        peer's counters and receive window (a collective, once per bucket)."""
+        key = (plan.bucket, plan.direction, ref.dtype, str(ref.device))
+        if key in self._peers:
+            return self._peers[key]
+        n_ev = max(1, len(plan.graph.events))
+        if self.group.size == 1:
+            counters = torch.zeros(n_ev, dtype=torch.int32, device=ref.device)
+            self._peers[key] = (counters, [0], [0])
+            return self._peers[key]
+        why = check_peers(self.group, ref.device)
+        if why is not None:
+            raise ValueError(
+                f"dispatcher 'taskflow' with kernels='triton' at EP {self.group.size}: {why}"
+            )
+        channel = self.transport_for(ref.device)
+        prims = channel.primitives  # type: ignore[union-attr]
+        window = self.window(plan, ref.dtype, ref.device)
+        counters = prims.allocate(n_ev, torch.int32, ref.device)
+        me = self.group.rank
+        psig = peer_offsets(prims.peers(counters), me)
+        pdata = peer_offsets(prims.peers(window.data), me)
+        self._peers[key] = (counters, psig, pdata)
+        return self._peers[key]
+
     def _run(self, plan, inputs, routing, direction):
         group = self._check_step(plan, direction)
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
-        bufs = make_buffers(plan, inputs, ref)
-        route = step_routing(plan, routing, group)
-        tables = self.tables(plan, ref.device)
-        step = step_tables(tables, route, ref.device)
-        tasks, starts = tables.program_tables(self.mode)
         require_triton()
         from moesaic.kernels.persistent import run_tables  # imports Triton
 
-        run_tables(
-            direction,
-            tasks,
-            starts,
-            tables.triggers,
-            tables.counters(),
-            {"count": step.count, "tok": step.tok, "wt": step.wt, "ret": step.ret, "wtk": step.wtk},
+        counters, psig, pdata = self._peer_tables(plan, ref)
+        if group.size > 1:
+            window = self.window(plan, ref.dtype, ref.device)
+
+            def work(spec):  # the put targets in the symmetric window, the rest fresh
+                if spec.name in RECEIVE_BUFFERS:
+                    return window.view(spec.name)
+                return ref.new_zeros(spec.rows, spec.cols)
+
+            torch.cuda.synchronize(ref.device)  # this rank's last launch read its window
+            counters.zero_()
+            bufs = make_buffers(plan, inputs, ref, work)
+        else:
+            counters.zero_()
+            bufs = make_buffers(plan, inputs, ref)
+        route = step_routing(plan, routing, group)  # with peers, also the step fence
+        tables = self.tables(plan, ref.device)
+        step = step_tables(tables, route, ref.device)
+        launch = rank_launch(
+            tables,
+            step,
             bufs,
-            hidden=tables.hidden,
-            ffn=tables.ffn,
-            top_k=tables.top_k,
-            ep_size=tables.ep_size,
-            slot_rows=tables.slot_rows,
+            tokens=plan.bucket.tokens,
+            counters=counters,
+            psig=psig,
+            pdata=pdata,
+            scope="sys" if group.size > 1 else "gpu",
         )
+        run_tables(launch, programs=self.programs)
         return bufs, route
