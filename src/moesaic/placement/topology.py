@@ -31,7 +31,7 @@ from moesaic.checks import check_positive_int, is_int
 if TYPE_CHECKING:
     from moesaic.cluster.spec import ClusterSpec
 
-__all__ = ["CommType", "Topology"]
+__all__ = ["CommType", "Topology", "default_domain_sizes"]
 
 CommType = Literal["AG", "A2A"]
 
@@ -207,6 +207,15 @@ class Topology:
     def _check_level(self, level: int) -> None:
         if not is_int(level) or not 0 <= level < self.num_levels:
             raise ValueError(f"level ({level!r}) must be an index in [0, {self.num_levels})")
+
+
+def default_domain_sizes(scaling_factors: Sequence[int]) -> tuple[int, ...]:
+    """The expert domains when none are given: the whole innermost level (the ranks of one
+    node, or of the group when it is one level), 1 at every outer level. A domain that
+    spans an outer level would all-gather every expert over its slow links and hold the
+    experts of every node on every rank; tokens cross those links instead."""
+    sizes = _int_tuple("scaling_factors", scaling_factors)
+    return (1,) * (len(sizes) - 1) + (sizes[-1],)
 
 
 def _int_tuple(field: str, values: Sequence[int]) -> tuple[int, ...]:

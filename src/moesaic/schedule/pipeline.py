@@ -45,6 +45,7 @@ Two orders (``overlap_attention``):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,11 +54,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from moesaic.experts import GroupedExperts, expert_compute_dtype, expert_ffn
 from moesaic.layer import MoELayer
 from moesaic.schedule.base import LossFn
 from moesaic.strategies.base import ExchangeHandle, ExpertRun
 
 if TYPE_CHECKING:
+    from moesaic.strategies.base import ExpertFn
     from moesaic.trace import Recorder
 
 __all__ = ["A2AIssuer", "BlockPipeline", "check_degree"]
@@ -86,6 +89,27 @@ class A2AIssuer(Protocol):
 
     def end_all_to_alls(self) -> None:
         """The step's last all-to-all has been issued."""
+
+
+def _cast_once(experts: GroupedExperts) -> ExpertFn:
+    """A layer's own experts for a step's R chunks: where the rows compute in another dtype
+    than the weights (bf16 autocast of fp32 weights), the weights are cast once, on the first
+    chunk, and every chunk computes on (and keeps for its backward) that one cast instead of
+    one of its own; the gradients reach the weights through it."""
+    casts: dict[torch.dtype, tuple[torch.Tensor | None, ...]] = {}
+
+    def run(x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
+        dtype = expert_compute_dtype(x_MH.device, x_MH.dtype)
+        weights = (experts.w1, experts.w3, experts.w2)
+        if all(w is None or w.dtype == dtype for w in weights):
+            return experts(x_MH, counts_e)
+        if dtype not in casts:
+            casts[dtype] = tuple(None if w is None else w.to(dtype) for w in weights)
+        w1, w3, w2 = casts[dtype]
+        assert w1 is not None and w2 is not None  # internal: w3 alone is optional
+        return expert_ffn(x_MH, counts_e, w1, w3, w2, kernels=experts.config.kernels)
+
+    return run
 
 
 def check_degree(degree: int, batch: int) -> None:
@@ -226,7 +250,9 @@ class BlockPipeline:
         self.dense_after = dense
         self.timeout_s = min((m.ep.timeout_s for _, _, m in self.moe_blocks), default=60.0)
         self.pool: A2AIssuer | None = None  # set for the duration of run()
-        self.runs: list[ExpertRun] = []  # each MoE block's experts, for the duration of run()
+        # each MoE block's experts, from one block ahead of its expert stages until its
+        # expert backward is finished (``_prepare``), for the duration of run()
+        self.runs: list[ExpertRun | None] = []
         self._prepared_at: list[float] = []  # when each block's experts were prepared
 
     # ---- recording ----------------------------------------------------------------------
@@ -236,27 +262,39 @@ class BlockPipeline:
 
         return maybe_span(self.recorder, resource, name, **args)
 
-    def _prepare_experts(self) -> list[ExpertRun]:
-        """Each MoE block's experts for the step, prepared before its first stage (``hybrid``
-        issues its gathers here; ``_experts_ready`` waits for them)."""
-        self._prepared_at = []
-        runs: list[ExpertRun] = []
-        for _, _, layer in self.moe_blocks:
-            self._prepared_at.append(time.perf_counter())
-            runs.append(layer.prepare_experts())
-        return runs
+    def _prepare(self, j: int) -> None:
+        """Prepare MoE block j's experts for the step (``hybrid`` issues its gathers here;
+        ``_experts_ready`` waits for them): block 0's before the first stage, block j + 1's
+        once block j's have arrived, so one block's transfer is in flight while the stages
+        before its experts run, and no more than one block ahead. The R chunks share one
+        cast of a layer's own experts to the rows' compute dtype (``_cast_once``)."""
+        if j >= len(self.moe_blocks):
+            return
+        layer = self.moe_blocks[j][2]
+        self._prepared_at[j] = time.perf_counter()
+        run = layer.prepare_experts()
+        if run.fn is layer.experts and isinstance(layer.experts, GroupedExperts):
+            run = dataclasses.replace(run, fn=_cast_once(layer.experts))
+        self.runs[j] = run
+
+    def _run_of(self, j: int) -> ExpertRun:
+        run = self.runs[j]
+        assert run is not None  # internal: prepared one block ahead, finished after its use
+        return run
 
     def _experts_ready(self, j: int) -> None:
         """Before MoE block j's first expert stage: what preparing its experts started has
         arrived (a ``gather`` span ``G.{block}`` from the preparation to here when it
-        communicated: the transfer was in flight during the stages in between)."""
-        run = self.runs[j]
+        communicated: the transfer was in flight during the stages in between); then the
+        next block's are prepared."""
+        run = self._run_of(j)
         if run.wait is not None:
             run.wait()
         if self.recorder is not None and run.stats.collectives:
             blk = self.moe_blocks[j][0]
             start, end = self._prepared_at[j], time.perf_counter()
             self.recorder.add("gather", f"G.{blk}", start, end, phase="fwd", block=blk)
+        self._prepare(j + 1)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -275,7 +313,9 @@ class BlockPipeline:
             for r, (x, y) in enumerate(zip(x_BT.split(B // R), y_BT.split(B // R)))
         ]
         self.pool = pool
-        self.runs = self._prepare_experts()
+        J = len(self.moe_blocks)
+        self.runs, self._prepared_at = [None] * J, [0.0] * J
+        self._prepare(0)
         aux = self._forward(chunks)
         ce = self._heads(chunks, loss_fn)
         self._backward(chunks)
@@ -306,7 +346,7 @@ class BlockPipeline:
                 rows = self._wait(c)
                 with self._span(f"E{c.r}.{blk}", phase="fwd", block=blk, chunk=c.r):
                     stage = _Stage()
-                    y = layer.expert_rows(stage.leaf("rows", rows), c.at[j].handle, self.runs[j])
+                    y = layer.expert_rows(stage.leaf("rows", rows), c.at[j].handle, self._run_of(j))
                     stage.out(y)
                     c.experts.append(stage)
                 self._a2a(c, j, "C", y.detach(), fwd=True)
@@ -410,10 +450,11 @@ class BlockPipeline:
                     stage.set_grad(0, g)
                     rows_grad = stage.backward()["rows"]
                 self._a2a(c, j, "D", rows_grad, fwd=False)
-            finish = self.runs[j].finish_backward
+            finish = self._run_of(j).finish_backward
             if finish is not None:  # while the D gradients travel
                 with self._span(f"G.{blk}", "gather", phase="bwd", block=blk):
                     finish()
+            self.runs[j] = None  # what it held for the chunks' backward is no longer needed
             if j == 0:
                 self.pool.end_all_to_alls()  # type: ignore[union-attr]
             if not self.overlap_attention:

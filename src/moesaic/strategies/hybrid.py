@@ -6,14 +6,18 @@ group, S = prod(S_ED^l) ranks of an expert domain (all levels), Q = P / S domain
 The group is described by a :class:`~moesaic.placement.topology.Topology`: the levels of the
 layer's cluster description (or one level of P ranks), cut into domains of its options'
 ``domain_sizes`` (:class:`~moesaic.strategies.hybrid_options.HybridOptions`, ``config.options``;
-None: one domain of the whole group). Every forward:
+None: ``placement.topology.default_domain_sizes``, the innermost level whole: one node's ranks
+when the description has nodes, else the whole group). Every forward:
 
 1. **Gather** (migration): each rank all-gathers the experts of its domain (``S * e`` experts,
-   SR-compressed when the options' ``compression_ratio > 1``) level by level, outermost first
+   in the experts' compute dtype (bf16 under ``--dtype bf16`` where the device multiplies it
+   natively), SR-compressed when the options' ``compression_ratio > 1``) level by level,
+   outermost first
    (one group per level with a domain size above 1: the slow links carry the smallest
    bundles, as the cost model prices it). The
-   gathered copies are cached per weight version (gradient accumulation and evaluation gather
-   once per optimizer step) and can be prefetched (:class:`~moesaic.strategies.prefetch.
+   gathered copies are cached per optimizer step and weight version (gradient accumulation
+   and evaluation gather once per optimizer step), this rank's slice overwritten by its own
+   weights (the forward computes on the copies as they are), and can be prefetched (:class:`~moesaic.strategies.prefetch.
    ExpertPrefetcher`, its training hooks). Own experts always enter the computation exactly.
 2. **Exchange** (partition): a token for expert ``g`` goes to the one rank that holds ``g``
    after the gathers and has this rank's offsets at every level (the same rank when ``g`` is in
@@ -38,6 +42,7 @@ versions, changes on every rank together at the optimizer step).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -46,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moesaic.comm.collectives import CollectiveError, EPGroup, shortcuts_allowed
-from moesaic.experts import GroupedExperts, expert_ffn
+from moesaic.experts import GroupedExperts, expert_compute_dtype, expert_ffn
 from moesaic.placement import ExpertPlacement
-from moesaic.placement.topology import Topology
+from moesaic.placement.topology import Topology, default_domain_sizes
 from moesaic.routing import RoutingPlan, build_plan
 from moesaic.strategies.base import (
     CommStats,
@@ -86,7 +91,7 @@ def hybrid_topology(ctx: StrategyContext) -> Topology:
     else:
         levels = (P,)
     domain_sizes = ctx.config.options_as(HybridOptions).domain_sizes
-    sizes = domain_sizes if domain_sizes is not None else levels
+    sizes = domain_sizes if domain_sizes is not None else default_domain_sizes(levels)
     if len(sizes) != len(levels):
         raise ValueError(
             f"domain_sizes ({list(sizes)}) must have one entry per cluster level ({len(levels)}: "
@@ -96,50 +101,71 @@ def hybrid_topology(ctx: StrategyContext) -> Topology:
 
 
 class _GatheredExperts(torch.autograd.Function):
-    """Per weight matrix, local experts ``[e, *X]`` + gathered copies ``[S*e, *X]`` -> the
-    domain's experts (``apply(levels, position, what, w_1, g_1, w_2, g_2, ...)``).
+    """Per weight matrix, local experts ``[e, *X]`` + the domain's gathered experts
+    ``[S*e, *X]`` (this rank's slice already its own weights, ``HybridStrategy._store``) -> the
+    domain's experts in the autograd graph of the local weights (``apply(levels, what, w_1,
+    g_1, w_2, g_2, ...)``).
 
-    Forward: each gathered bundle with this rank's slice replaced by its own (exact) weights.
-    Backward: the adjoint of the level-by-level gathers, innermost level first: at each level
-    the bundle's gradient is cut into the members' sub-bundles, each goes to its member (an
-    all-to-all over the level's group) and the received ones are summed in source order. Every
-    matrix of one dtype travels in one all-to-all per level (the gathers' one message).
+    Forward: each gathered bundle itself (a view: no copy). Backward: the adjoint of the
+    level-by-level gathers, innermost level first: at each level the bundle's gradient is cut
+    into the members' sub-bundles, each goes to its member (an all-to-all over the level's
+    group) and the received ones are summed in source order, in fp32 when the bundle travels
+    in a half type. Every matrix of one gathered dtype travels in one all-to-all per level,
+    staged once (each member's part weight-major, so the sum's matrices are contiguous
+    slices of it: no copy per matrix).
     """
 
     @staticmethod
-    def forward(ctx, levels: list[EPGroup], position: int, what: str, *pairs):
+    def forward(ctx, levels: list[EPGroup], what: str, *pairs):
         ctx.levels, ctx.what = levels, what
-        out = []
-        for w_local, gathered in zip(pairs[::2], pairs[1::2]):
-            e = w_local.shape[0]
-            out.append(
-                torch.cat(
-                    [gathered[: position * e], w_local.detach(), gathered[(position + 1) * e :]]
-                )
-            )
-        return tuple(out)
+        ctx.local_dtypes = [w.dtype for w in pairs[::2]]
+        ctx.wire_dtypes = [g.dtype for g in pairs[1::2]]
+        return tuple(g.view_as(g) for g in pairs[1::2])
 
     @staticmethod
     def backward(ctx, *grads_SeX):
         reduced: list[torch.Tensor | None] = [None] * len(grads_SeX)
-        for dtype in dict.fromkeys(g.dtype for g in grads_SeX):
-            index = [i for i, g in enumerate(grads_SeX) if g.dtype == dtype]
-            rows = grads_SeX[index[0]].shape[0]
-            flat = torch.cat([grads_SeX[i].reshape(rows, -1) for i in index], dim=1)
-            for group in reversed(ctx.levels):
-                received = torch.empty_like(flat)
-                group.all_to_all_single(received, flat, what=f"{ctx.what} gradient reduce")
-                parts = received.view(group.size, -1, flat.shape[1])
-                flat = parts[0].clone()
-                for s in range(1, group.size):
-                    flat += parts[s]
-            widths = [grads_SeX[i][0].numel() for i in index]
-            for i, cols in zip(index, flat.split(widths, dim=1)):
-                reduced[i] = cols.reshape(flat.shape[0], *grads_SeX[i].shape[1:])
-        out: list[torch.Tensor | None] = [None, None, None]
+        for wire in dict.fromkeys(ctx.wire_dtypes):
+            index = [i for i, d in enumerate(ctx.wire_dtypes) if d == wire]
+            summed = _reduce_bundle(ctx.levels, [grads_SeX[i] for i in index], wire, ctx.what)
+            for i, g in zip(index, summed):
+                reduced[i] = g.to(ctx.local_dtypes[i])
+        out: list[torch.Tensor | None] = [None, None]
         for g in reduced:
             out += [g, None]
         return tuple(out)
+
+
+def _reduce_bundle(
+    levels: Sequence[EPGroup], grads: Sequence[torch.Tensor], wire: torch.dtype, what: str
+) -> list[torch.Tensor]:
+    """The gradients ``[S*e, *X]`` of one dtype's gathered matrices, reduced to this rank's
+    ``[e, *X]`` (``_GatheredExperts.backward``): per level one staging buffer (in ``wire``),
+    the all-to-all's receive buffer, and the sum (fp32 for a half ``wire``), of which the
+    results are views."""
+    acc_dtype = torch.float32 if wire in (torch.bfloat16, torch.float16) else wire
+    rows = grads[0].shape[0]
+    parts: list[torch.Tensor] = [g.reshape(rows, -1) for g in grads]  # [rows, N_i] each
+    for group in reversed(levels):
+        size = group.size
+        per = rows // size
+        widths = [per * p.shape[1] for p in parts]
+        staged = torch.empty(size, sum(widths), dtype=wire, device=parts[0].device)
+        offset = 0
+        for p, width in zip(parts, widths):  # member m's block: its rows of each matrix
+            staged[:, offset : offset + width].copy_(p.reshape(size, width))
+            offset += width
+        del parts
+        received = torch.empty_like(staged)
+        group.all_to_all_single(received, staged, what=f"{what} gradient reduce")
+        del staged
+        acc = received[0].to(acc_dtype, copy=True)
+        for m in range(1, size):
+            acc += received[m]
+        del received
+        rows = per
+        parts = [cols.view(rows, -1) for cols in acc.split(widths)]
+    return [p.view(rows, *g.shape[1:]) for p, g in zip(parts, grads)]
 
 
 def bundle_order(topo: Topology, m: int) -> list[int]:
@@ -223,6 +249,13 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         self._shared: list[torch.Tensor | None] | None = None  # of compressed gathers
         self._gathers = 0
         self._pending: tuple[tuple, Future[Gathered]] | None = None
+        # optimizer steps seen (``weights_updated``): part of the gathered copies' key, since
+        # not every optimizer bumps the weights' version counters (fused AdamW never does,
+        # foreach AdamW not under a dispatch mode)
+        self._updates = 0
+        # the dtype the domain's experts last computed in (``_gather_dtype``)
+        self._compute_dtype: torch.dtype | None = None
+        self._prefetch_dtype: torch.dtype | None = None
         # set by ExpertPrefetcher when the prefetch was enqueued on a device side stream
         self.prefetch_ready: Any = None
         assert sorted(self.bundle) == self.domain_ranks
@@ -253,9 +286,30 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
             )
         return (experts.w1, experts.w3, experts.w2)
 
-    @staticmethod
-    def _key(weights: Weights) -> tuple:
-        return tuple((w.data_ptr(), w._version) if w is not None else None for w in weights)
+    def _key(self, weights: Weights, dtype: torch.dtype) -> tuple:
+        """What the gathered copies are valid for: the optimizer steps seen, the gathered dtype
+        and the weights (storage and version: a change outside an optimizer step)."""
+        tensors = tuple((w.data_ptr(), w._version) if w is not None else None for w in weights)
+        return (self._updates, dtype, tensors)
+
+    def _gather_dtype(self, weights: Weights) -> torch.dtype:
+        """The dtype the gathers move and the copies compute in: the experts' compute dtype
+        (``expert_compute_dtype`` of the rows, bf16 under ``--dtype bf16`` where the device
+        multiplies it natively, the weights' own otherwise). Inside an autocast region it
+        follows from the autocast dtype; elsewhere (a pipelined stage, the prefetcher after
+        the optimizer step) it is the dtype of the last forward's rows, or the weights' own
+        before the first."""
+        w = next(t for t in weights if t is not None)
+        if torch.is_autocast_enabled(w.device.type):
+            return expert_compute_dtype(w.device, torch.get_autocast_dtype(w.device.type))
+        return self._compute_dtype if self._compute_dtype is not None else w.dtype
+
+    def weights_updated(self) -> None:
+        """After an optimizer step (the prefetcher's hook, before it reserves): the gathered
+        copies of the old weights are stale whatever the version counters say; they are let
+        go now, not when the next forward gathers again."""
+        self._updates += 1
+        self._cache = None
 
     def reserve_prefetch(self, experts: GroupedExperts) -> Future[Gathered] | None:
         """For :class:`ExpertPrefetcher`: a slot for the next gather, None when not needed."""
@@ -264,14 +318,14 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
             return None
         if self._prefetch_levels is None:  # every rank reserves at the same point
             self._prefetch_levels = self.group.subgroups(self.level_ranks, "prefetch")
-        key = self._key(weights)
+        self._prefetch_dtype = dtype = self._gather_dtype(weights)
+        key = self._key(weights, dtype)
         if (self._cache is not None and self._cache[0] == key) or self._pending is not None:
             return None
         fut: Future[Gathered] = Future()
         self._pending = (key, fut)
         return fut
 
-    @property
     def prefetch_levels(self) -> list[EPGroup]:
         """The level groups in the prefetch lane (made by the first ``reserve_prefetch``)."""
         if self._prefetch_levels is None:
@@ -281,7 +335,8 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
     def start_prefetch(self, experts: GroupedExperts) -> PendingGather:
         """For :class:`ExpertPrefetcher`'s thread: encode and issue on the prefetch group."""
         weights = self._local_weights(experts)
-        return self._start(weights, self.prefetch_levels)
+        assert self._prefetch_dtype is not None  # internal: reserve_prefetch came first
+        return self._start(weights, self.prefetch_levels(), self._prefetch_dtype)
 
     def _gathered(self, weights: Weights) -> tuple[Weights, CommStats]:
         """The domain's experts (detached, decoded) for the current weights, and what the
@@ -293,7 +348,8 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         """Start what ``_gathered`` returns: the gathers are issued (their first level) now,
         the returned call waits for them, runs the inner levels and decodes; a prefetch or the
         cache is resolved now."""
-        key = self._key(weights)
+        dtype = self._gather_dtype(weights)
+        key = self._key(weights, dtype)
         stats = CommStats()
         if self._pending is not None:  # a prefetch was reserved on every rank: consume it
             pkey, fut = self._pending
@@ -310,23 +366,36 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
                 ) from exc
             stats = stats + self._gather_stats(pending)
             if pkey == key:
-                self._cache = (key, tensors)
+                self._store(key, weights, tensors)
         if self._cache is not None and self._cache[0] == key:
             cached = self._cache[1]
             return (lambda: cached), stats
-        pending = self._start(weights, self.levels)
+        self._cache = None  # stale: let it go before the new copies arrive
+        pending = self._start(weights, self.levels, dtype)
 
         def finish() -> Weights:
-            self._cache = (key, pending.result())
-            return self._cache[1]
+            return self._store(key, weights, pending.result())
 
         return finish, stats + self._gather_stats(pending)
 
-    def _start(self, weights: Weights, groups: list[EPGroup]) -> PendingGather:
-        """One gather; the shared experts are recomputed every ``shared_expert_every``-th."""
+    def _store(self, key: tuple, weights: Weights, gathered: Weights) -> Weights:
+        """Cache the gathered copies with this rank's slice replaced by its own weights (in
+        the copies' dtype: exact, where a compressed gather decoded an approximation), so the
+        forward computes on them as they are (``_GatheredExperts``: no copy)."""
+        with torch.no_grad():
+            for w, g in zip(weights, gathered):
+                if w is not None and g is not None:
+                    e = w.shape[0]
+                    g[self.position * e : (self.position + 1) * e].copy_(w.detach())
+        self._cache = (key, gathered)
+        return gathered
+
+    def _start(self, weights: Weights, groups: list[EPGroup], dtype: torch.dtype) -> PendingGather:
+        """One gather in ``dtype``; the shared experts are recomputed every
+        ``shared_expert_every``-th."""
         every = self.options.shared_expert_every
         shared = None if self._gathers % every == 0 else self._shared
-        pending = start_gather(weights, groups, self.compression_ratio, shared=shared)
+        pending = start_gather(weights, groups, self.compression_ratio, shared=shared, dtype=dtype)
         self._shared, self._gathers = pending.shared, self._gathers + 1
         return pending
 
@@ -358,49 +427,66 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         once.
         """
         weights = self._local_weights(experts)
-        kernels = self.ctx.config.kernels
         if not self.levels:
-            return ExpertRun(
-                _domain_ffn(weights, kernels), CommStats(peer_bytes_P=(0,) * self.group.size)
-            )
+            return ExpertRun(self._ffn(weights), CommStats(peer_bytes_P=(0,) * self.group.size))
         if not pipelined:
             gathered, stats = self._gathered(weights)
-            return ExpertRun(_domain_ffn(self._in_graph(weights, gathered), kernels), stats)
+            return ExpertRun(self._ffn(self._in_graph(weights, gathered)), stats)
         finish, stats = self._begin_gathered(weights)
-        copies: list[tuple[torch.Tensor | None, ...]] = []  # [used, leaves] once waited for
+        used: list[torch.Tensor | None] = []  # the copies in the graph, once waited for
+        # the chunks' summed gradients per copy (fp32 for half copies, as autocast's casts of
+        # fp32 weights would have summed them), taken from each chunk's own detached alias
+        sums: list[torch.Tensor | None] = []
 
         def wait() -> None:
-            if not copies:
-                used = self._in_graph(weights, finish())
-                copies.extend([used, tuple(None if u is None else u.detach() for u in used)])
-                for leaf in copies[1]:
-                    if leaf is not None:
-                        leaf.requires_grad_()
+            if not used:
+                used.extend(self._in_graph(weights, finish()))
+                sums.extend([None] * len(used))
 
         def run(x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
             wait()
-            return _domain_ffn(copies[1], kernels)(x_MH, counts_e)
+            aliases = []
+            for i, u in enumerate(used):
+                alias = None if u is None else u.detach().requires_grad_()
+                if alias is not None:
+                    alias.register_post_accumulate_grad_hook(functools.partial(_add_to, sums, i))
+                aliases.append(alias)
+            return self._ffn(tuple(aliases))(x_MH, counts_e)
 
         def finish_backward() -> None:
             # Every rank reduces every weight (zeros where its chunks left no gradient), so the
-            # level groups see the same all-to-alls on every rank.
+            # level groups see the same all-to-alls on every rank. Then the copies are let go:
+            # the chunks' graphs, which held them for their backward, are gone.
             wait()
             pairs = [
-                (u, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-                for u, leaf in zip(*copies)
-                if u is not None and leaf is not None and u.requires_grad
+                (u, g if g is not None else torch.zeros_like(u))
+                for u, g in zip(used, sums)
+                if u is not None and u.requires_grad
             ]
+            used.clear()
+            sums.clear()
             if pairs:
                 torch.autograd.backward([u for u, _ in pairs], [g for _, g in pairs])
 
         return ExpertRun(run, stats, finish_backward, wait)
 
+    def _ffn(self, weights: tuple[torch.Tensor | None, ...]) -> ExpertFn:
+        """``_domain_ffn`` on the config's kernels, noting the rows' compute dtype (what the
+        next gathers move, ``_gather_dtype``)."""
+        ffn = _domain_ffn(weights, self.ctx.config.kernels)
+
+        def run(x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
+            self._compute_dtype = expert_compute_dtype(x_MH.device, x_MH.dtype)
+            return ffn(x_MH, counts_e)
+
+        return run
+
     def _in_graph(self, weights: Weights, gathered: Weights) -> tuple[torch.Tensor | None, ...]:
-        """The domain's experts: the gathered copies with this rank's own (exact) weights in
-        place, in the autograd graph of the local weights (``_GatheredExperts``)."""
+        """The domain's experts: the gathered copies (this rank's slice its own weights,
+        ``_store``) in the autograd graph of the local weights (``_GatheredExperts``)."""
         present = [(w, g) for w, g in zip(weights, gathered) if w is not None and g is not None]
         pairs = [t for pair in present for t in pair]
-        used = iter(_GatheredExperts.apply(self.levels, self.position, "hybrid experts", *pairs))
+        used = iter(_GatheredExperts.apply(self.levels, "hybrid experts", *pairs))
         return tuple(
             None if w is None or g is None else next(used) for w, g in zip(weights, gathered)
         )
@@ -459,6 +545,17 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         for the training cluster's levels) gather nothing and ``hybrid`` at EP 1 computes what
         ``dropless`` computes."""
         return dataclasses.replace(config, dispatcher="dropless", options=None)
+
+
+def _add_to(sums: list[torch.Tensor | None], i: int, alias: torch.Tensor) -> None:
+    """A chunk's gradient of copy ``i`` (on its alias) into ``sums[i]``, in fp32 for a half
+    copy; the alias lets go of it."""
+    g, alias.grad = alias.grad, None
+    assert g is not None  # internal: a post-accumulate hook runs after the gradient arrived
+    if sums[i] is None:
+        sums[i] = g.float() if g.dtype in (torch.bfloat16, torch.float16) else g
+    else:
+        sums[i].add_(g)  # type: ignore[union-attr]
 
 
 def _domain_ffn(weights: tuple[torch.Tensor | None, ...], kernels: str = "torch") -> ExpertFn:

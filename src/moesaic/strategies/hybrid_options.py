@@ -7,9 +7,10 @@ is validated, and ``moesaic plan`` reads the compression ratio, without importin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moesaic.checks import check_number, check_positive_int
+from moesaic.field_flags import FLAG, METAVAR
 from moesaic.strategy_options import StrategyOptions
 
 __all__ = ["HybridOptions"]
@@ -22,9 +23,11 @@ class HybridOptions(StrategyOptions):
     Attributes:
         domain_sizes: expert-domain sizes ``S_ED^l`` per level, outermost first (``moesaic
             plan`` chooses them). The levels are those of the layer's cluster description, or
-            one level of the whole expert-parallel group when it has none. None: one domain of
-            the whole group (every expert gathered everywhere, tokens never leave their rank:
-            the paper's p = 0).
+            one level of the whole expert-parallel group when it has none. None: the innermost
+            level whole, 1 at the outer ones (``placement.topology.default_domain_sizes``: one
+            node's ranks, never a domain across nodes); without a cluster description one
+            domain of the whole group (every expert gathered everywhere, tokens never leave
+            their rank: the paper's p = 0).
         compression_ratio: CR of the SR compression (``moesaic.placement.compress``) of the
             experts it gathers; 1.0 gathers them exactly.
         shared_expert_every: compressed gathers recompute the shared expert (the domain's mean
@@ -33,8 +36,12 @@ class HybridOptions(StrategyOptions):
             one; a stale one only leaves larger residuals for the top-k to keep.
     """
 
-    domain_sizes: tuple[int, ...] | None = None
-    compression_ratio: float = 1.0
+    domain_sizes: tuple[int, ...] | None = field(
+        default=None, metadata={FLAG: "--domains", METAVAR: "auto|S0,S1,..."}
+    )
+    compression_ratio: float = field(
+        default=1.0, metadata={FLAG: "--expert-compression-ratio", METAVAR: "CR"}
+    )
     shared_expert_every: int = 1
 
     def __post_init__(self) -> None:

@@ -116,13 +116,19 @@ class PendingGather:
         shared: the shared experts the bundle was encoded against (None entries: dense).
     """
 
-    finish: Callable[[], Weights]
+    finish: Callable[[], Weights] | None
     level_bytes: list[int]
     collectives: int
     shared: list[torch.Tensor | None]
 
     def result(self) -> Weights:
-        return self.finish()
+        """Wait, decode and return the experts (once): the call then lets go of what it
+        held (the packed local bundle, the gathered message), which a consumed gather's
+        record (kept for its statistics and shared experts) would otherwise keep alive."""
+        if self.finish is None:
+            raise RuntimeError("PendingGather.result: already taken")
+        finish, self.finish = self.finish, None
+        return finish()
 
 
 def start_gather(
@@ -131,6 +137,7 @@ def start_gather(
     compression_ratio: float,
     name: str = "experts",
     shared: list[torch.Tensor | None] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> PendingGather:
     """Encode the local experts and gather them over the domain, level by level.
 
@@ -148,8 +155,12 @@ def start_gather(
         name: names the collectives in errors.
         shared: the shared experts to encode against (every member must pass the same); None
             computes them (an all-reduce per level). Unused when not compressed.
+        dtype: gather (and decode to) this dtype, the one the experts compute in (every member
+            must pass the same); None: the weights' own.
     """
     with torch.no_grad():
+        if dtype is not None:
+            weights = tuple(None if w is None else w.detach().to(dtype) for w in weights)
         numel = next(w for w in weights if w is not None)[0].numel()
         sparse = kept_entries(numel, compression_ratio) < numel
         shared_bytes = 0

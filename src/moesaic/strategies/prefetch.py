@@ -42,11 +42,14 @@ class PrefetchedExperts(Protocol):
     # set by the prefetcher: the event the forward's stream waits for (device streams)
     prefetch_ready: Any
 
+    def weights_updated(self) -> None:
+        """An optimizer step changed the weights: gathered copies of the old ones are stale."""
+        ...
+
     def reserve_prefetch(self, experts: GroupedExperts) -> Future[Gathered] | None:
         """A slot for the next gather on every rank alike; None when none is needed."""
         ...
 
-    @property
     def prefetch_levels(self) -> list[EPGroup]:
         """The groups the prefetch's gathers run on (made by the first reserve)."""
         ...
@@ -110,13 +113,16 @@ class ExpertPrefetcher(StrategyHooks):
         """Start the prefetch after every ``optimizer.step()``; returns self."""
 
         def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            self.start()
+            self.after_optimizer_step()
 
         optimizer.register_step_post_hook(hook)
         return self
 
     def after_optimizer_step(self) -> None:
-        """The training hook: :meth:`start`."""
+        """The training hook: tell each layer its weights changed (an explicit count: not
+        every optimizer kernel bumps the version counters), then :meth:`start`."""
+        for strategy, _ in self.layers:
+            strategy.weights_updated()
         self.start()
 
     def start(self) -> None:
@@ -140,7 +146,7 @@ class ExpertPrefetcher(StrategyHooks):
         the main thread issues its own would give each rank another order across
         communicators, which NCCL does not allow."""
         _, strategy, experts, _ = jobs[0]
-        return any(g.on_stream(experts.w1) for g in strategy.prefetch_levels)
+        return any(g.on_stream(experts.w1) for g in strategy.prefetch_levels())
 
     def _run_on_stream(
         self, jobs: list[tuple[int, PrefetchedExperts, GroupedExperts, Future[Gathered]]]
