@@ -329,26 +329,3 @@ def test_mesh_shape_names_the_rule():
         match=r"^the world size \(4\) must be dp_replicate \(1\) x dp_shard \(4\) x ep \(2\) = 8$",
     ):
         MeshShape(dp_shard=4, ep=2).check_world(4)
-
-
-@pytest.mark.parametrize(
-    "shape",
-    [
-        {},  # RMSNorm, rotary positions, every block MoE
-        {"norm": "layernorm", "positions": "learned", "n_layers": 4, "dense_layers": 1,
-         "moe_layer_freq": 2},  # biases, position table, dense blocks between MoE ones
-        {"moe": {**MOE, "activation": "gelu", "num_shared_experts": 2,
-                 "shared_expert_gate": True}},  # 2 expert matrices, gated shared experts
-    ],
-    ids=["default", "layernorm-learned-dense", "gelu-shared"],
-)  # fmt: skip
-def test_model_elements_count_the_model(shape):
-    from moesaic.layer import is_expert_param
-    from moesaic.train.mesh import model_elements
-
-    cfg = MoEGPTConfig.from_dict({**TINY, "moe": MOE, **shape})
-    params = list(MoEGPT(cfg).parameters())
-    n = model_elements(cfg)
-    assert n.dense == sum(p.numel() for p in params if not is_expert_param(p))
-    assert n.expert == sum(p.numel() for p in params if is_expert_param(p))
-    assert n.tensors == len(params)

@@ -21,7 +21,7 @@ from _train_helpers import fails, final_weights, read_metrics, start_from, tiny_
 from moesaic.cli import main
 from moesaic.models import MoEGPTConfig
 from moesaic.train.checkpoint import latest_checkpoint, read_checkpoint_meta
-from moesaic.train.mesh import MeshShape, state_bytes_per_rank
+from moesaic.planning.memory import predict_memory, state_bytes
 
 RTOL = 1e-5
 HF_MIXTRAL = Path(__file__).resolve().parents[2] / "examples/hf/mixtral.json"
@@ -29,9 +29,11 @@ HF_MIXTRAL = Path(__file__).resolve().parents[2] / "examples/hf/mixtral.json"
 
 @pytest.fixture(scope="module")
 def sharded(data_file, tmp_path_factory):
-    """8 steps on 2 ranks, ``--dp-shard 2 --ep 1`` (checkpoints at 4 and 8)."""
+    """8 steps on 2 ranks, ``--dp-shard 2 --ep 1`` (checkpoints at 4 and 8), step 2's peak
+    measured (``--measure-peak``)."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "sharded"
-    assert main(tiny_args(data_file, run_dir, "--dp-shard", "2", "--ep", "1")) == 0
+    flags = ("--dp-shard", "2", "--ep", "1", "--measure-peak")
+    assert main(tiny_args(data_file, run_dir, *flags)) == 0
     return run_dir
 
 
@@ -48,15 +50,21 @@ def test_sharded_run_equals_unsharded(sharded, reference):
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-7, msg=name)
     # the bytes measured per rank after step 1 are those predicted (every tensor's first
-    # dimension divides by 2 here: no rank holds an extra row)
+    # dimension divides by 2 here: no rank holds an extra row); step 2's peak, measured in the
+    # sharded run only (a CPU run counts it with --measure-peak), within the model's 10%
     cfg = MoEGPTConfig.from_dict(read_checkpoint_meta(latest_checkpoint(str(sharded)))["model"])
-    for run, shape, ep in ((sharded, MeshShape(dp_shard=2), 1), (reference, None, 2)):
+    for run, dp_shard, ep in ((sharded, 2, 1), (reference, None, 2)):
         (memory,) = [r for r in read_metrics(run) if r["kind"] == "memory"]
-        assert len(memory["per_rank"]) == 2 and memory["step"] == 1
-        want = state_bytes_per_rank(cfg, shape, ep)
+        assert len(memory["per_rank"]) == 2 and memory["step"] == 2
+        want = state_bytes(cfg, ep=ep, dp_shard=dp_shard)
+        peak = predict_memory(cfg, batch_size=4, ep=ep, dp_shard=dp_shard).peak
         for mine in memory["per_rank"]:
             got = (mine["params"], mine["grads"], mine["optimizer"])
             assert got == (want.params, want.grads, want.optimizer), (run.name, mine)
+            if dp_shard is None:
+                assert mine["step_peak"] == mine["step_start"] == 0  # not measured
+            else:
+                assert mine["step_peak"] == pytest.approx(peak, rel=0.10), (mine, peak)
 
 
 def test_async_checkpoint_sharded(sharded, data_file, tmp_path):

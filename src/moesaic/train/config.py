@@ -155,6 +155,9 @@ class TrainConfig:
             rank trains with its pick (``moesaic.train.plan_auto``). None: the options given.
         force_plan: apply a ``plan`` file made for another world size, cluster or model shape
             (its ``made_for``) with a note, instead of refusing it.
+        measure_peak: on a CPU, also measure each rank's peak bytes of the second step
+            (``moesaic.train.memory.LiveBytes``: a dispatch mode that makes that step several
+            times slower); on CUDA the peak is always measured (the allocator's statistics).
     """
 
     model: MoEGPTConfig = field(default_factory=MoEGPTConfig)
@@ -203,6 +206,7 @@ class TrainConfig:
     emulate: str | None = None
     plan: str | None = None
     force_plan: bool = False
+    measure_peak: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MoEGPTConfig):
@@ -286,6 +290,7 @@ class TrainConfig:
         # calls the block stages, never MoEGPT.forward): option_rules refuses the flag there.
         check_one_of("dtype", self.dtype, DTYPES)
         check_bool("activation_checkpointing", self.activation_checkpointing)
+        check_bool("measure_peak", self.measure_peak)
         used = ["--dtype bf16"] if self.dtype == "bf16" else []
         if self.activation_checkpointing:
             used.append("--activation-checkpointing")

@@ -282,6 +282,12 @@ _SWITCHES = (
         "recompute each block in the backward instead of keeping its activations (vanilla "
         "schedule)",
     ),
+    (
+        "--measure-peak",
+        "measure_peak",
+        "store_true",
+        "on a CPU, measure each rank's peak memory of the second step (that step is slower)",
+    ),
 )
 
 # dest -> the flag that sets it (its first spelling), for messages.

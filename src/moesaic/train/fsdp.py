@@ -57,14 +57,11 @@ from moesaic.routing import Router
 from moesaic.train.mesh import DIMS, MeshShape, check_sharding
 
 __all__ = [
-    "MemoryBytes",
-    "MemoryProbe",
     "MeshShape",
     "ShardedGradientSync",
     "TrainingMesh",
     "build_mesh",
     "check_sharding",
-    "memory_bytes",
     "shard_model",
 ]
 
@@ -272,73 +269,3 @@ class ShardedGradientSync:
         return self.world.all_gather_dim0(
             flags_F.to(self.world.control_device), "all_gather of step health flags"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryBytes:
-    """Bytes this rank holds of parameters, gradients and optimizer state (local shards)."""
-
-    params: int
-    grads: int
-    optimizer: int
-    dense_params: int
-    expert_params: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "params": self.params,
-            "grads": self.grads,
-            "optimizer": self.optimizer,
-            "dense_params": self.dense_params,
-            "expert_params": self.expert_params,
-        }
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    local = _local(t)
-    return local.numel() * local.element_size()
-
-
-def memory_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> MemoryBytes:
-    """Per-rank bytes of ``model``'s parameters and gradients and ``optimizer``'s state, as
-    held on this rank (a sharded tensor counts its local shard)."""
-    dense = expert = grads = 0
-    for p in model.parameters():
-        n = _nbytes(p)
-        if is_expert_param(p):
-            expert += n
-        else:
-            dense += n
-        if p.grad is not None:
-            grads += _nbytes(p.grad)
-    opt = 0
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            opt += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return MemoryBytes(
-        params=dense + expert, grads=grads, optimizer=opt, dense_params=dense, expert_params=expert
-    )
-
-
-class MemoryProbe:
-    """Records ``memory_bytes`` once, right after the first optimizer step that runs (the
-    gradients are still there, AdamW's state has just been created): a step post-hook."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.taken: MemoryBytes | None = None
-        self._model = model
-
-        def hook(opt: torch.optim.Optimizer, *_: object) -> None:
-            if self.taken is None:  # (removed by gather: not while the optimizer iterates)
-                self.taken = memory_bytes(self._model, opt)
-
-        self._handle = optimizer.register_step_post_hook(hook)
-
-    def gather(self, world: EPGroup) -> list[dict[str, int]]:
-        """Every rank's record in rank order (a collective; zeros from a rank without one)."""
-        self._handle.remove()
-        fields = ("params", "grads", "optimizer", "dense_params", "expert_params")
-        mine = self.taken.to_dict() if self.taken is not None else dict.fromkeys(fields, 0)
-        row_1X = world.control_tensor([[mine[f] for f in fields]])
-        rows = world.all_gather_dim0(row_1X, "all_gather of per-rank memory bytes").tolist()
-        return [dict(zip(fields, (int(v) for v in row), strict=True)) for row in rows]

@@ -52,10 +52,11 @@ from moesaic.train.config import TRACE_STEPS, TrainConfig
 from moesaic.train.data import PackedData
 from moesaic.train.data_source import TrainingData, check_resume_data, open_training_data
 from moesaic.train.domains import check_cluster_and_domains, plan_training_domains
-from moesaic.train.fsdp import MemoryProbe, ShardedGradientSync, build_mesh, shard_model
+from moesaic.train.fsdp import ShardedGradientSync, build_mesh, shard_model
 from moesaic.train.health import NonFiniteError, nonfinite_message
 from moesaic.train.hf_model import build_model, run_hf_config
 from moesaic.train.hooks import ModelHooks
+from moesaic.train.memory import MemoryProbe
 from moesaic.train.parallel import GradientSync, Layout, build_layout
 from moesaic.train.plan_auto import resolve_auto_plan
 from moesaic.train.report import Reporter
@@ -348,7 +349,7 @@ def train(cfg: TrainConfig) -> dict:
         model.activation_checkpointing = cfg.activation_checkpointing
     grad_sync = _shard(cfg, model, layout, device)  # --dp-shard / --dp-replicate: FSDP2
     optimizer = _make_optimizer(model, cfg)
-    probe = MemoryProbe(model, optimizer)
+    probe = MemoryProbe(model, optimizer, device=device, count_cpu=cfg.measure_peak)
     tracing = cfg.trace is not None or cfg.trace_png is not None
     recorder = Recorder(rank=layout.rank) if tracing else None
     parts = StepParts(
@@ -421,7 +422,7 @@ def train(cfg: TrainConfig) -> dict:
             loads,
             nonfinite=result.nonfinite,
         )
-        if step == start + 1:  # parameters, gradients, optimizer state per rank
+        if step == min(start + 2, cfg.steps):  # state bytes, the second step's peak
             reporter.memory(step, probe.gather(layout.world))
         if result.applied:
             skipped_in_a_row = 0

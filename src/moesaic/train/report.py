@@ -4,9 +4,11 @@
 ``{"kind": "train", "step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s",
 "expert_load": [[per-expert assignments] per MoE layer], "imbalance": [max/mean per layer],
 "attempt"}``, ``{"kind": "val", "step", "val_loss"}``, ``{"kind": "checkpoint", "step",
-"path"}``, once per attempt after its first step ``{"kind": "memory", "step", "per_rank":
-[{"params", "grads", "optimizer", "dense_params", "expert_params"} bytes per rank]}`` (local
-shards with ``--dp-shard``: ``moesaic.train.fsdp.MemoryProbe``) and a final ``{"kind":
+"path"}``, once per attempt after its second step (its first in a run of one) ``{"kind":
+"memory", "step", "per_rank": [{"params", "grads", "optimizer", "dense_params",
+"expert_params", "step_peak", "step_start"} bytes per rank]}`` (``moesaic.train.memory``: local
+shards with ``--dp-shard``, taken after the first optimizer step; the second step's peak and the
+bytes alive at its start, 0 where not measured) and a final ``{"kind":
 "summary", ...}``, after which a run on an emulated cluster's
 launcher appends ``{"kind": "network", "cluster", "tx_bytes", "rx_bytes"}`` (per rank:
 ``moesaic.train.emulate``). Every line is strict JSON: a NaN or infinite number (a diverged
@@ -157,13 +159,14 @@ class Reporter:
         self._log(f"step {step}: validation loss {val_loss:.4f}{bpb}")
 
     def memory(self, step: int, per_rank: list[dict[str, int]]) -> None:
-        """Per-rank bytes of parameters, gradients and optimizer state (local shards), measured
-        right after ``step``'s optimizer step: one record, and one line with rank 0's."""
+        """Per-rank bytes of parameters, gradients and optimizer state (local shards, after the
+        first optimizer step) and the second step's peak (``moesaic.train.memory``): one
+        record, and one line with rank 0's and the largest peak."""
         if not self.active:
             return
         self._write({"kind": "memory", "step": step, "per_rank": per_rank})
         mine = per_rank[0]
-        self._log(
+        line = (
             "memory per rank (rank 0): parameters {:,} B (dense {:,}, experts {:,}), gradients "
             "{:,} B, optimizer state {:,} B".format(
                 mine["params"],
@@ -173,6 +176,12 @@ class Reporter:
                 mine["optimizer"],
             )
         )
+        top = max(per_rank, key=lambda r: r["step_peak"])
+        if top["step_peak"]:
+            line += "; step peak {:,} B on rank {} ({:,} B above the step's start)".format(
+                top["step_peak"], per_rank.index(top), top["step_peak"] - top["step_start"]
+            )
+        self._log(line)
 
     def checkpoint(self, step: int, path) -> None:
         if self.active:
