@@ -329,3 +329,24 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     for fdt, scope in (("fp32", "gpu"), ("bf16", "sys")):
         acq_rel = f"['ld.global.{scope}.acquire.b32', 'red.global.{scope}.release.add.u32']"
         assert f"{fdt} {scope} {acq_rel}" in lines, out.stdout
+
+
+def test_taskflow_selects_the_kernel_on_cuda_and_the_host_runtime_on_cpu():
+    """``kernels="auto"`` (the default): the persistent kernel for CUDA tensors, the host
+    runtime for CPU ones (so the default CPU layer is the host runtime's, as before);
+    ``"triton"``: the kernel for every step; ``"torch"``: the host runtime only."""
+    import moesaic
+    from moesaic.taskflow.runtime.concurrent import TaskflowRuntime
+    from moesaic.taskflow.runtime.persistent import PersistentRuntime
+
+    cfg = moesaic.MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=2, dispatcher="taskflow")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    auto = moesaic.MoELayer(cfg).strategy.runtime
+    assert isinstance(auto, PersistentRuntime)
+    assert auto.uses_kernel(cuda) and not auto.uses_kernel(cpu)
+    triton = moesaic.MoELayer(dataclasses.replace(cfg, kernels="triton")).strategy.runtime
+    assert isinstance(triton, PersistentRuntime) and triton.uses_kernel(cpu)
+    host = moesaic.MoELayer(dataclasses.replace(cfg, kernels="torch")).strategy.runtime
+    assert type(host) is TaskflowRuntime
+    gelu = dataclasses.replace(cfg, activation="gelu")
+    assert type(moesaic.MoELayer(gelu).strategy.runtime) is TaskflowRuntime

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from moesaic.experts import GroupedExperts
+from moesaic.kernels import triton_available
 from moesaic.routing import RoutingPlan
 from moesaic.strategies.base import (
     CommStats,
@@ -68,11 +69,15 @@ def pad_routing(plan: RoutingPlan, tokens: int) -> RoutingPlan:
 
 
 def _runtime_for(cfg) -> tuple[type[TaskflowRuntime], dict]:
-    """The runtime class for ``cfg.kernels`` and its extra arguments: ``kernels="triton"``
-    runs the plans in one persistent Triton kernel per direction (EP 1, SwiGLU; it refuses
-    anything else when built)."""
-    if cfg.kernels == "triton":
-        return PersistentRuntime, {"activation": cfg.activation}
+    """The runtime class for ``cfg.kernels`` and its extra arguments: the persistent kernel
+    (``PersistentRuntime``: one launch per direction) for ``kernels="triton"`` (every step;
+    it refuses GELU experts when built) and for ``"auto"``, the default, on CUDA tensors of a
+    SwiGLU layer with Triton installed (CPU steps then run on the host runtime); the host
+    runtime (``TaskflowRuntime``) for anything else."""
+    if cfg.kernels == "triton" or (
+        cfg.kernels == "auto" and cfg.activation == "swiglu" and triton_available()
+    ):
+        return PersistentRuntime, {"activation": cfg.activation, "kernels": cfg.kernels}
     return TaskflowRuntime, {}
 
 

@@ -31,19 +31,20 @@ from __future__ import annotations
 import socket
 import zlib
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import cast
 
 import torch
 
+from moesaic.checks import check_one_of
 from moesaic.comm.collectives import EPGroup
-from moesaic.comm.symmetric import symmetric_available
+from moesaic.comm.symmetric import CudaSymmetricMemory, symmetric_available
 from moesaic.kernels import require_triton
 from moesaic.kernels import task_ops as ops
 from moesaic.routing import RoutingPlan
 from moesaic.taskflow.lower import DeviceTables, StepTables, WorldTables, lower, step_tables
 from moesaic.taskflow.plan import Plan
-from moesaic.taskflow.runtime.concurrent import RECEIVE_BUFFERS, TaskflowRuntime
+from moesaic.taskflow.runtime.concurrent import RECEIVE_BUFFERS, TaskflowRuntime, _Window, _window
 from moesaic.taskflow.runtime.sequential import StepRouting, make_buffers, step_routing
 
 __all__ = [
@@ -256,21 +257,37 @@ def run_virtual(
     return out, done
 
 
+@dataclass(frozen=True, slots=True)
+class _Peers:
+    """One bucket and direction's device state on a rank: the event counters, the receive
+    window (None at EP 1: the put targets are fresh buffers) and the offset tables."""
+
+    counters: torch.Tensor
+    window: _Window | None
+    psig: list[int]
+    pdata: list[int]
+
+
 class PersistentRuntime(TaskflowRuntime):
     """``TaskflowRuntime`` whose steps run in one launch of the persistent kernel per
     direction; EP > 1 through real peers on one node (symmetric memory).
 
     Args:
         group: the expert-parallel group.
+        kernels: "triton" (every step in the kernel; CPU tensors only under Triton's
+            interpreter) or "auto" (the kernel for CUDA tensors, the host runtime,
+            ``TaskflowRuntime``'s, for the others).
         activation: the layer's activation (SwiGLU only).
         programs: the launch's grid (default: ``kernels.persistent.device_programs``).
-        **kwargs: ``TaskflowRuntime``'s (tile sizes, compile options, timeout, recorder).
+        **kwargs: ``TaskflowRuntime``'s (tile sizes, compile options, timeout, recorder, the
+            host runtime's executor and transport).
     """
 
     def __init__(
         self,
         group: EPGroup,
         *,
+        kernels: str = "triton",
         activation: str = "swiglu",
         programs: int | None = None,
         **kwargs,
@@ -280,13 +297,16 @@ class PersistentRuntime(TaskflowRuntime):
                 f"dispatcher 'taskflow' with kernels='triton' runs SwiGLU experts only (got "
                 f"activation {activation!r}); use kernels='torch'"
             )
-        if group.size > 1:
-            kwargs["transport"] = "symmetric"
         super().__init__(group, **kwargs)
+        self.kernels = check_one_of("kernels", kernels, ("triton", "auto"))
         self.programs = programs
         self._tables: dict[tuple, DeviceTables] = {}
-        self._peers: dict[tuple, tuple[torch.Tensor, list[int], list[int]]] = {}
-        self._peers_ok: set[str] = set()
+        self._peers: dict[tuple, _Peers] = {}
+        self._memory: CudaSymmetricMemory | None = None
+
+    def uses_kernel(self, device: torch.device) -> bool:
+        """Whether a step on ``device`` runs in the kernel (else on the host runtime)."""
+        return self.kernels == "triton" or device.type == "cuda"
 
     def tables(self, plan: Plan, device: torch.device) -> DeviceTables:
         """``plan``'s device tables on ``device``, lowered and moved once."""
@@ -296,65 +316,72 @@ class PersistentRuntime(TaskflowRuntime):
             self._tables[key] = host.to(device)
         return self._tables[key]
 
-    def _peer_tables(self, plan: Plan, ref: torch.Tensor):
-        """``(counters, psig, pdata)`` of ``plan``'s bucket on ``ref``'s device: one rank's
-        offsets only (EP 1), or the counters in symmetric memory and the offsets of every
-        peer's counters and receive window (a collective, once per bucket)."""
+    def peers(self, plan: Plan, ref: torch.Tensor) -> _Peers:
+        """The counters, receive window and offset tables of ``plan``'s bucket on ``ref``'s
+        device, made once: at EP 1 plain counters and offsets 0; at EP > 1 the counters and
+        the window in symmetric memory and the offsets of every peer's (a collective every
+        rank reaches at the bucket's first step), refused first where peers cannot be
+        reached (``check_peers``)."""
         key = (plan.bucket, plan.direction, ref.dtype, str(ref.device))
         if key in self._peers:
             return self._peers[key]
         n_ev = max(1, len(plan.graph.events))
         if self.group.size == 1:
             counters = torch.zeros(n_ev, dtype=torch.int32, device=ref.device)
-            self._peers[key] = (counters, [0], [0])
+            self._peers[key] = _Peers(counters, None, [0], [0])
             return self._peers[key]
         why = check_peers(self.group, ref.device)
         if why is not None:
             raise ValueError(
                 f"dispatcher 'taskflow' with kernels='triton' at EP {self.group.size}: {why}"
             )
-        channel = self.transport_for(ref.device)
-        prims = channel.primitives  # type: ignore[union-attr]
-        window = self.window(plan, ref.dtype, ref.device)
-        counters = prims.allocate(n_ev, torch.int32, ref.device)
-        me = self.group.rank
-        psig = peer_offsets(prims.peers(counters), me)
-        pdata = peer_offsets(prims.peers(window.data), me)
-        self._peers[key] = (counters, psig, pdata)
+        if self._memory is None:
+            self._memory = CudaSymmetricMemory(self.group)
+        mem, me = self._memory, self.group.rank
+        window = _window(plan, lambda numel: mem.allocate(numel, ref.dtype, ref.device))
+        counters = mem.allocate(n_ev, torch.int32, ref.device)
+        self._peers[key] = _Peers(
+            counters,
+            window,
+            peer_offsets(mem.peers(counters), me),
+            peer_offsets(mem.peers(window.data), me),
+        )
         return self._peers[key]
 
     def _run(self, plan, inputs, routing, direction):
-        group = self._check_step(plan, direction)
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
+        if not self.uses_kernel(ref.device):
+            return super()._run(plan, inputs, routing, direction)
+        group = self._check_step(plan, direction)
         require_triton()
         from moesaic.kernels.persistent import run_tables  # imports Triton
 
-        counters, psig, pdata = self._peer_tables(plan, ref)
-        if group.size > 1:
-            window = self.window(plan, ref.dtype, ref.device)
+        peers = self.peers(plan, ref)
+        window = peers.window
+        if window is not None:
+            # this rank's last launch is done with its window and counters before the fence
+            # below lets any peer put the next step's tiles into them
+            torch.cuda.synchronize(ref.device)
 
             def work(spec):  # the put targets in the symmetric window, the rest fresh
                 if spec.name in RECEIVE_BUFFERS:
                     return window.view(spec.name)
                 return ref.new_zeros(spec.rows, spec.cols)
 
-            torch.cuda.synchronize(ref.device)  # this rank's last launch read its window
-            counters.zero_()
             bufs = make_buffers(plan, inputs, ref, work)
         else:
-            counters.zero_()
             bufs = make_buffers(plan, inputs, ref)
+        peers.counters.zero_()
         route = step_routing(plan, routing, group)  # with peers, also the step fence
         tables = self.tables(plan, ref.device)
-        step = step_tables(tables, route, ref.device)
         launch = rank_launch(
             tables,
-            step,
+            step_tables(tables, route, ref.device),
             bufs,
             tokens=plan.bucket.tokens,
-            counters=counters,
-            psig=psig,
-            pdata=pdata,
+            counters=peers.counters,
+            psig=peers.psig,
+            pdata=peers.pdata,
             scope="sys" if group.size > 1 else "gpu",
         )
         run_tables(launch, programs=self.programs)
