@@ -33,9 +33,11 @@ an ``*_reference`` in plain torch):
   ``silu(x @ w1[i]) * (x @ w3[i])`` from one pass over ``x``.
 * ``swiglu_act``: SwiGLU's elementwise part alone, ``silu(a) * b`` from the two GEMMs'
   outputs, and its backward, one pass each (the "fused" path's activation).
-* ``persistent``: one persistent kernel per direction that runs a lowered taskflow plan
-  (``taskflow.lower``; its table vocabulary is ``task_ops``, which imports no Triton): the
-  ``taskflow`` dispatcher's path with ``kernels="triton"`` (EP 1).
+* ``persistent``: one persistent kernel that runs a lowered taskflow plan, one launch per
+  direction (``taskflow.lower``; its table vocabulary is ``task_ops``, which imports no
+  Triton): one program per SM taking tile tasks by ticket, puts into peers' memory with
+  release signals (EP > 1: virtual ranks on one device, or peers on one node); the
+  ``taskflow`` dispatcher's path on CUDA (``kernels="auto"`` or ``"triton"``).
 
 Tested against the references under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU in
 tests/kernels. On a GPU (one H200, issue 27, benchmarks/gpu_layer.py) a Mixtral-like bf16 step

@@ -13,6 +13,11 @@ valid rows travelling. Autograd: one Function whose forward runs the forward pla
 backward runs the backward plan, returning the gradients of the tokens, of the routing weights
 (the router finishes its backward through autograd) and of this rank's experts.
 
+Where the plans run: on CUDA (``kernels`` "auto", the default, or "triton") in the persistent
+Triton kernel, one launch per direction (``taskflow.runtime.persistent.PersistentRuntime``:
+puts into the peers' symmetric memory at EP > 1); on CPU, for GELU experts or with
+``kernels="torch"`` on the host runtime's executor.
+
 Any placement (plans number experts by dispatch slot) and capacity drops (a dropped choice
 contributes nothing and gets no gradient) work; a rank with fewer tokens than the bucket pads
 with choices marked dropped, and a rank with none still takes part in every collective and put.
