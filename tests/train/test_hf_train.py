@@ -91,7 +91,7 @@ def test_stages_compose_to_the_forward(family):
     import moesaic
     from moesaic.interop.hf_families import apply_hf_shape, read_hf_config
     from moesaic.models.config import MoEGPTConfig
-    from moesaic.train.hf_model import HFCausalLM
+    from moesaic.models.hf_causal_lm import HFCausalLM
 
     path = EXAMPLES / f"{family}.json"
     cfg = MoEGPTConfig.from_dict(apply_hf_shape({"seq_len": 16}, path))

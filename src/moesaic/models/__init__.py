@@ -1,4 +1,6 @@
-"""Models built on moesaic's layers: the MoE GPT that ``moesaic train`` trains.
+"""Models built on moesaic's layers: the MoE GPT that ``moesaic train`` trains, a transformers
+causal LM made expert-parallel (``hf_causal_lm.py``), the block-model protocol both implement
+(``block_model.py``) and the MoEGPT's export as a Mixtral (``moegpt_mixtral.py``).
 
 ``MoEGPTConfig`` (torch-free, ``models/config.py``) and ``MoEGPT`` (``models/gpt.py``) are
 imported lazily (PEP 562), so that reading a config does not import torch.

@@ -23,12 +23,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from moesaic.layer import MoELayer
+from moesaic.models.block_model import SharedLMMethods
 from moesaic.models.config import MoEGPTConfig
 
 if TYPE_CHECKING:
     from moesaic.cluster.spec import ClusterSpec
 
-__all__ = ["Block", "MoEGPT", "MoEGPTConfig", "sample_next"]
+__all__ = ["Block", "MoEGPT", "MoEGPTConfig"]
 
 
 def make_norm(cfg: MoEGPTConfig) -> nn.Module:
@@ -177,7 +178,7 @@ class Block(nn.Module):
         return contextlib.nullcontext(), inner
 
 
-class MoEGPT(nn.Module):
+class MoEGPT(SharedLMMethods):
     """Byte-level decoder-only transformer with MoE feed-forward blocks.
 
     Args:
@@ -274,41 +275,3 @@ class MoEGPT(nn.Module):
             block.autocast_dtype = dtype
         for _, layer in self.moe_layers():
             layer.autocast_dtype = dtype
-
-    def moe_layers(self) -> list[tuple[str, MoELayer]]:
-        """``(module path, layer)`` of every MoE block, in depth order."""
-        return [(n, m) for n, m in self.named_modules() if isinstance(m, MoELayer)]
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx_BT: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled bytes to ``idx_BT`` (greedy when temperature == 0)."""
-        for _ in range(max_new_tokens):
-            ctx_BT = idx_BT[:, -self.config.seq_len :]
-            logits_BV = self(ctx_BT)[:, -1, :].float()
-            nxt_B1 = sample_next(logits_BV, temperature, top_k, generator)
-            idx_BT = torch.cat([idx_BT, nxt_B1], dim=1)
-        return idx_BT
-
-
-def sample_next(
-    logits_BV: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """The next token of each sequence [B, 1]: greedy at temperature 0, else sampled from the
-    softmax of ``logits / temperature`` restricted to the ``top_k`` largest (None: all)."""
-    if temperature == 0:
-        return logits_BV.argmax(dim=-1, keepdim=True)
-    logits_BV = logits_BV / temperature
-    if top_k is not None:
-        kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1])).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-    return torch.multinomial(torch.softmax(logits_BV, dim=-1), 1, generator=generator)

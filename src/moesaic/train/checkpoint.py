@@ -836,8 +836,8 @@ def load_model_for_inference(path: Path) -> tuple[MoEGPT, dict]:
 
 
 def _hf_model(hf_config: dict, cfg: MoEGPTConfig) -> MoEGPT:
-    """The model of a ``--hf-config`` run (typed as what it stands in for: it has the
-    ``forward``, ``moe_layers``, ``config`` and ``generate`` of an MoEGPT)."""
-    from moesaic.train.hf_model import HFCausalLM
+    """The model of a ``--hf-config`` run (typed as what it stands in for: both are block
+    models, ``moesaic.models.block_model.BlockModel``)."""
+    from moesaic.models.hf_causal_lm import HFCausalLM
 
     return cast(MoEGPT, HFCausalLM(hf_config, cfg))

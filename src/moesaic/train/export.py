@@ -10,7 +10,7 @@ run a byte-level one whose id b is byte b. ``AutoModelForCausalLM.from_pretraine
 
 Exportable: checkpoints of ``moesaic train --hf-config`` (every family of
 ``moesaic.interop.hf_families``), and an MoEGPT with its default block as a Mixtral
-(``moesaic.interop.moegpt_mixtral``, checked exact at export). Refused, with the reason: an
+(``moesaic.models.moegpt_mixtral``, checked exact at export). Refused, with the reason: an
 MoEGPT with options Mixtral lacks (named), and a byte run whose vocabulary is larger than 256
 (moesaic samples only the 256 byte ids, transformers would sample all).
 """
@@ -71,7 +71,7 @@ def _plain_transformers_model(model, meta: dict, path: Path):
     from transformers import AutoModelForCausalLM
 
     if "hf_config" not in meta:
-        from moesaic.interop.moegpt_mixtral import moegpt_to_mixtral
+        from moesaic.models.moegpt_mixtral import moegpt_to_mixtral
 
         try:
             return moegpt_to_mixtral(model)

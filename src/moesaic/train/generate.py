@@ -67,11 +67,7 @@ def generate_ids(
     path = resolve_checkpoint(checkpoint)
     model, meta = load_model_for_inference(path)
     codec = codec_of(meta, str(path))  # bytes, or the tokenizer the run trained with
-    if "hf_config" in meta:
-        from moesaic.train.hf_model import HFCausalLM
-
-        if isinstance(model, HFCausalLM):
-            model.sample_vocab = codec.vocab_size
+    model.sample_vocab = codec.vocab_size  # the ids the codec decodes (bytes: 256)
     idx_1T = torch.tensor([codec.prompt_ids(prompt)], dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
     out_1T = model.generate(idx_1T, max_new_tokens, temperature, top_k, generator=gen)

@@ -1,34 +1,21 @@
-"""``moesaic train --hf-config``: a transformers causal LM, expert-parallel, as the loop's model.
+"""``moesaic train --hf-config``: the run's model, a transformers causal LM
+(``moesaic.models.hf_causal_lm.HFCausalLM``) or an MoEGPT.
 
-The model is built from the transformers config file alone (random initialisation from the
-run's seed, alike on every rank; nothing is downloaded) and converted by
-``moesaic.interop.hf.expert_parallel``. Byte data (token ids 0-255) need the config's
-``vocab_size`` to be at least 256 (``TrainConfig`` checks it; a larger vocabulary leaves the
-rows above 255 unused); token shards replace it by the tokenizer's (``run_hf_config``).
-
-The pipelined schedules (``moesaic.schedule.pipeline``) run a block model: ``embed``, ``blocks``
-(each with ``attention_stage`` and an ``moe`` layer, or a dense block run whole) and ``head``.
-``HFCausalLM`` offers those stages over the transformers modules themselves (the decoder
-layers' norms, attention and MoE block), for the families whose layers are the plain
-pre-norm ``x + attn(norm(x))``, ``x + moe(norm(x))`` (all but Granite-MoE, whose multipliers
-``TrainConfig`` refuses to pipeline); a test checks that the stages compose to the forward.
+The transformers model is built from the config file alone. Byte data (token ids 0-255) need
+the config's ``vocab_size`` to be at least 256 (``TrainConfig`` checks it; a larger vocabulary
+leaves the rows above 255 unused); token shards replace it by the tokenizer's
+(``run_hf_config``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from typing import TYPE_CHECKING, Any, cast
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
-from moesaic.interop.hf import HFMoEBlock, expert_parallel, to_hf_state_dict
-from moesaic.interop.hf_families import FIXED_MOE_FIELDS, read_hf_config
-from moesaic.layer import MoELayer
-from moesaic.models.config import MoEGPTConfig
-from moesaic.models.gpt import MoEGPT, sample_next
+from moesaic.interop.hf_families import read_hf_config
+from moesaic.models.gpt import MoEGPT
+from moesaic.models.hf_causal_lm import HFCausalLM
 
 if TYPE_CHECKING:
     from moesaic.cluster.spec import ClusterSpec
@@ -57,174 +44,3 @@ def run_hf_config(cfg: TrainConfig) -> dict[str, Any]:
     vocabulary (the tokenizer's when the data are token shards)."""
     assert cfg.hf_config is not None  # callers check
     return {**read_hf_config(cfg.hf_config), "vocab_size": cfg.model.vocab_size}
-
-
-class HFCausalLM(nn.Module):
-    """A transformers causal LM shaped as the training loop uses a model.
-
-    ``forward(idx_BT)`` returns the logits [B, T, V]; ``moe_layers()`` lists the MoE layers;
-    ``config`` is the ``MoEGPTConfig`` the run records (its shape fields come from the
-    transformers config: ``moesaic.interop.hf_families.training_shape``). The transformers model
-    is ``hf``; ``moesaic.interop.hf.to_hf_state_dict(model.hf)`` gives its plain state dict.
-
-    Args:
-        hf_config: the transformers config as a dict (a ``config.json``'s contents).
-        config: the run's model record; its ``moe`` fields (strategy, loss weights, timeout,
-            ...) are every converted block's.
-        ep_group: the expert-parallel group (None: one process holding every expert).
-        topology: the cluster description, for the ``hybrid`` strategy.
-    """
-
-    def __init__(
-        self,
-        hf_config: dict[str, Any],
-        config: MoEGPTConfig,
-        ep_group: dist.ProcessGroup | None = None,
-        topology: ClusterSpec | None = None,
-    ) -> None:
-        super().__init__()
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from the config: never download
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        d = dict(hf_config)
-        hf_cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-        hf_cfg.use_cache = False
-        self.hf = AutoModelForCausalLM.from_config(hf_cfg)
-        # The run's options; the transformers blocks give the rest (checked equal below).
-        run = {
-            f.name: getattr(config.moe, f.name)
-            for f in dataclasses.fields(config.moe)
-            if f.name not in FIXED_MOE_FIELDS
-        }
-        expert_parallel(self.hf, ep_group, topology=topology, **run)
-        self.config = config
-        # ids a sample may take: the bytes 0-255 (byte data under any vocabulary); a token
-        # run's generate sets the tokenizer's
-        self.sample_vocab = 256
-        for name, layer in self.moe_layers():
-            for key in FIXED_MOE_FIELDS:
-                mine, recorded = getattr(layer.config, key), getattr(config.moe, key)
-                if mine != recorded:
-                    raise ValueError(
-                        f"{name}: the transformers block has {key} {mine!r}, the run's record "
-                        f"(read from the config file) {recorded!r}"
-                    )
-
-    @torch.no_grad()
-    def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
-        """Write the plain transformers model (every expert gathered: a collective; rank 0 of
-        the default group, or the only process, writes) that ``from_pretrained`` reads."""
-        from transformers import AutoModelForCausalLM
-
-        sd = to_hf_state_dict(self.hf)
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        plain = AutoModelForCausalLM.from_config(self.hf.config)
-        plain.load_state_dict(sd)
-        plain.save_pretrained(directory)
-
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=idx_BT, use_cache=False).logits
-
-    # ---- the stages of the pipelined schedules --------------------------------------------
-
-    @property
-    def base(self) -> Any:
-        """The transformers decoder (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``)."""
-        return self.hf.model
-
-    def embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        """The residual stream entering the first decoder layer."""
-        return self.base.embed_tokens(idx_BT)
-
-    @property
-    def blocks(self) -> list[HFBlockStages]:
-        """Each decoder layer's stages (made on access; the layers are the model's)."""
-        return [HFBlockStages(self, i) for i in range(len(self.base.layers))]
-
-    def head(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] from the last decoder layer's output."""
-        return self.hf.lm_head(self.base.norm(x_BTD))
-
-    def layer_context(self, x_BTD: torch.Tensor, i: int) -> dict[str, Any]:
-        """What decoder layer ``i`` takes besides its input, as the transformers forward makes
-        it: rotary position embeddings, position ids and the causal (or sliding) mask."""
-        from transformers.masking_utils import (
-            create_causal_mask,
-            create_sliding_window_causal_mask,
-        )
-
-        cfg = self.hf.config
-        pos_1T = torch.arange(x_BTD.shape[1], device=x_BTD.device).unsqueeze(0)
-        kinds = getattr(cfg, "layer_types", None)
-        if kinds is not None:
-            sliding = kinds[i] == "sliding_attention"
-        else:
-            sliding = getattr(cfg, "sliding_window", None) is not None
-        make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
-        mask = make_mask(
-            config=cfg,
-            inputs_embeds=x_BTD,
-            attention_mask=None,
-            cache=None,
-            position_ids=pos_1T,
-        )
-        return {
-            "position_embeddings": self.base.rotary_emb(x_BTD, pos_1T),
-            "position_ids": pos_1T,
-            "attention_mask": mask,
-        }
-
-    def moe_layers(self) -> list[tuple[str, MoELayer]]:
-        return [(n, m) for n, m in self.named_modules() if isinstance(m, MoELayer)]
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx_BT: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        *,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` ids below ``sample_vocab`` after ``idx_BT``
-        (``MoEGPT.generate``'s rule: temperature 0 is greedy); the whole context is run again
-        for every token."""
-        for _ in range(max_new_tokens):
-            logits_BV = self(idx_BT[:, -self.config.seq_len :])[:, -1, : self.sample_vocab]
-            logits_BV = logits_BV.float()
-            nxt_B1 = sample_next(logits_BV, temperature, top_k, generator)
-            idx_BT = torch.cat([idx_BT, nxt_B1], dim=1)
-            for _, layer in self.moe_layers():  # inference: no aux loss, no statistics kept
-                layer.take_aux_loss()
-                layer.take_stats()
-        return idx_BT
-
-
-class HFBlockStages:
-    """One transformers decoder layer as a block of the pipelined schedules.
-
-    ``attention_stage(x) -> (x + attn(norm1(x)) [+ shared experts], norm2(...))``; the schedule
-    routes the second, runs ``moe``'s experts and adds them to the first (the decoder layer's
-    ``x + mlp(norm2(x))``, its MoE block's shared experts moved into the attention stage as
-    ``MoEGPT``'s are). A layer with a dense MLP has no ``moe`` and runs whole (``__call__``).
-    Not a module: the layer stays registered where transformers put it.
-    """
-
-    def __init__(self, model: HFCausalLM, i: int) -> None:
-        self.model, self.i = model, i
-        self.layer = model.base.layers[i]
-        mlp = getattr(self.layer, "mlp", None)
-        self.moe: MoELayer | None = mlp.moe if isinstance(mlp, HFMoEBlock) else None
-
-    def attention_stage(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        layer, ctx = self.layer, self.model.layer_context(x_BTD, self.i)
-        attn_BTD, _ = layer.self_attn(hidden_states=layer.input_layernorm(x_BTD), **ctx)
-        x_BTD = x_BTD + attn_BTD
-        h_BTD = layer.post_attention_layernorm(x_BTD)
-        shared_BTD = self.moe.shared_output(h_BTD) if self.moe is not None else None
-        return (x_BTD if shared_BTD is None else x_BTD + shared_BTD), h_BTD
-
-    def __call__(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.layer(x_BTD, **self.model.layer_context(x_BTD, self.i))
