@@ -202,6 +202,12 @@ def test_broken_tables_are_refused():
         TableError, match=r"single-program order: position \d+ .* waits on event \d+ at 0/"
     ):
         check_tables(dataclasses.replace(tables, order=tables.order.flip(0)))
+    unwaited = tables.tasks.clone()
+    waits = unwaited[:, ops.WAIT].tolist()
+    lone = next(w for w in waits if w >= 0 and waits.count(w) == 1)
+    unwaited[waits.index(lone), ops.WAIT : ops.THRESH + 1] = torch.tensor([-1, 0])
+    with pytest.raises(TableError, match=rf"event {lone}: no row waits on it"):
+        check_tables(dataclasses.replace(tables, tasks=unwaited))
     peer = tables.tasks.clone()
     peer[0, ops.PEER] = 1  # a put to a rank the world does not have
     with pytest.raises(TableError, match=r"task row 0: PEER 1 must be in \[0, 1\)"):

@@ -35,7 +35,9 @@ weight) of every dispatch row, the returned row of every (token, choice).
 ``check_world_tables`` (run by ``lower_world``) refuses tables a kernel could not finish: an
 unknown opcode, an event id, trigger slice or peer out of range, a wait whose threshold differs
 from its event's, an event whose bumps over all ranks do not add up to its threshold
-(unreachable, or bumped past it), a topological order that waits before the producers.
+(unreachable, or bumped past it) or that no row waits on (a launch ends only after every bump
+into its counters landed, so a rank may reset them for the next step), a topological order
+that waits before the producers.
 """
 
 from __future__ import annotations
@@ -440,9 +442,15 @@ def check_world_tables(world: WorldTables) -> None:
             )
     for r in range(P):
         who = f"rank {r} " if P > 1 else ""
+        waited = {row[ops.WAIT] for row in tasks_of[r][0]}
         for ev, want in enumerate(thr[r]):
             if want < 1:
                 raise TableError(f"{who}event {ev}: threshold {want} must be >= 1")
+            if ev not in waited:
+                raise TableError(
+                    f"{who}event {ev}: no row waits on it (every event must be waited on, so "
+                    "that a launch ends only after every bump into its counters landed)"
+                )
             if bumps[r][ev] != want:
                 rule = "is unreachable" if bumps[r][ev] < want else "would be passed"
                 raise TableError(

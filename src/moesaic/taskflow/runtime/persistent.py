@@ -358,9 +358,10 @@ class PersistentRuntime(TaskflowRuntime):
 
         peers = self.peers(plan, ref)
         window = peers.window
+        peers.counters.zero_()
         if window is not None:
-            # this rank's last launch is done with its window and counters before the fence
-            # below lets any peer put the next step's tiles into them
+            # this rank's last launch is done with its window and its counters are zero before
+            # the fence below lets any peer put the next step's tiles and signals into them
             torch.cuda.synchronize(ref.device)
 
             def work(spec):  # the put targets in the symmetric window, the rest fresh
@@ -371,7 +372,6 @@ class PersistentRuntime(TaskflowRuntime):
             bufs = make_buffers(plan, inputs, ref, work)
         else:
             bufs = make_buffers(plan, inputs, ref)
-        peers.counters.zero_()
         route = step_routing(plan, routing, group)  # with peers, also the step fence
         tables = self.tables(plan, ref.device)
         launch = rank_launch(
