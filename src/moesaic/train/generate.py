@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import torch
 
@@ -26,25 +27,19 @@ def resolve_checkpoint(path: str) -> Path:
     raise ValueError(f"checkpoint {path} is neither a checkpoint nor a run directory with one")
 
 
-def generate_text(
-    checkpoint: str,
-    prompt: str,
-    *,
-    max_new_tokens: int = 200,
-    temperature: float = 0.8,
-    top_k: int | None = 40,
-    seed: int = 0,
-) -> str:
-    """The prompt followed by ``max_new_tokens`` sampled bytes, decoded as UTF-8 (lossy), or
-    tokens of the run's tokenizer (up to the first EOS)."""
-    ids, codec = generate_ids(
-        checkpoint,
-        prompt,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-    )
+class Sampling(TypedDict, total=False):
+    """The sampling options of :func:`generate_ids` (its keyword arguments and defaults)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    seed: int
+
+
+def generate_text(checkpoint: str, prompt: str, **sampling: Unpack[Sampling]) -> str:
+    """The prompt followed by sampled bytes (:func:`generate_ids`'s options), decoded as UTF-8
+    (lossy), or tokens of the run's tokenizer (up to the first EOS)."""
+    ids, codec = generate_ids(checkpoint, prompt, **sampling)
     return codec.decode(ids)
 
 
@@ -57,7 +52,8 @@ def generate_ids(
     top_k: int | None = 40,
     seed: int = 0,
 ) -> tuple[list[int], Codec]:
-    """The ids of :func:`generate_text` (prompt included) and the codec that decodes them."""
+    """The prompt's ids followed by ``max_new_tokens`` sampled ones (``temperature`` 0: greedy;
+    ``top_k`` None: all; ``seed`` for the sampler), and the codec that decodes them."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
     if top_k is not None and top_k < 1:
