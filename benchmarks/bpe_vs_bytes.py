@@ -28,6 +28,7 @@ from moesaic.bench.meta import run_metadata
 from moesaic.data.prepare import PrepareConfig, prepare
 from moesaic.train.config import TrainConfig
 from moesaic.train.data import _stdlib_files
+from prepare_tokens import versions, write_json  # beside this script
 
 
 def default_corpus_files(max_bytes: int) -> list[str]:
@@ -65,19 +66,6 @@ def run(args: list[str], run_dir: Path) -> dict:
 def at_time(curve: list[dict], t: float) -> dict:
     """The last validation at or before training time ``t``."""
     return [v for v in curve if v["train_s"] <= t + 1e-9][-1]
-
-
-def versions() -> dict[str, str]:
-    """The data stack's versions (run_metadata gives Python's and torch's)."""
-    import numpy
-    import tokenizers
-    import transformers
-
-    return {
-        "tokenizers": tokenizers.__version__,
-        "numpy": numpy.__version__,
-        "transformers": transformers.__version__,
-    }
 
 
 def main() -> int:
@@ -124,8 +112,7 @@ def main() -> int:
             "4 MB of these files joined by blank lines; the BPE run's the whole files."
         ),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(Path(args.out), result)
     print(json.dumps(result["at_equal_training_time"], indent=1))
     return 0
 

@@ -112,6 +112,11 @@ def rss_of_training(data: Path, steps: int, run_dir: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def versions() -> dict[str, str]:
     """The data stack's versions (run_metadata gives Python's and torch's)."""
     import numpy
@@ -211,8 +216,7 @@ def main() -> int:
             "shard pages (page cache, reclaimable), RssAnon the process' own memory."
         ),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(Path(args.out), result)
     print(json.dumps({k: result[k] for k in ("prepare", "plain_encode_batch")}, indent=1))
     print(json.dumps(result["training_rank_memory_kB"], indent=1))
     return 0
@@ -254,8 +258,7 @@ def rss_only(args: argparse.Namespace) -> int:
             "cores shared with other work."
         ),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(Path(args.out), result)
     print(json.dumps(runs, indent=1))
     return 0
 
