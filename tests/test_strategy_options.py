@@ -23,7 +23,8 @@ from moesaic.strategies.hybrid_options import HybridOptions
 from moesaic.strategies.taskflow_options import TaskflowOptions
 from moesaic.strategy_options import StrategyOptions
 from moesaic.train.checkpoint import saved_model_config
-from moesaic.train.config import TrainConfig, config_from_args
+from moesaic.train.config import TrainConfig
+from moesaic.train.flags import config_from_args
 
 SHAPE = {"hidden_size": 8, "ffn_hidden_size": 8, "num_experts": 4}
 # What MoEConfig held before the options, by field, with its defaults (what every checkpoint

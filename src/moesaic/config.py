@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from moesaic.checks import (
@@ -20,6 +20,7 @@ from moesaic.checks import (
     check_positive,
     check_positive_int,
 )
+from moesaic.field_flags import ALIASES, FLAG, METAVAR
 from moesaic.kernels import KERNELS, require_triton
 from moesaic.strategy_options import StrategyOptions
 from moesaic.strategy_table import options_class, strategy_names
@@ -31,6 +32,10 @@ ACTIVATIONS = ("swiglu", "gelu")
 BALANCE_CHOICES = ("all", "first")
 BALANCE_SCOPES = ("local", "global")
 OptionsT = TypeVar("OptionsT", bound=StrategyOptions)
+
+
+def _strategies() -> str:
+    return "|".join(strategy_names())
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,9 +106,9 @@ class MoEConfig:
             "triton" and "fused" need Triton, which is not a dependency of moesaic.
     """
 
-    hidden_size: int
-    ffn_hidden_size: int
-    num_experts: int
+    hidden_size: int = field(metadata={FLAG: None})  # a model's width sets it
+    ffn_hidden_size: int = field(metadata={FLAG: "--expert-hidden"})
+    num_experts: int = field(metadata={FLAG: "--experts"})
     top_k: int = 2
     score_func: str = "softmax"
     normalize_topk: bool = True
@@ -111,16 +116,20 @@ class MoEConfig:
     activation: str = "swiglu"
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
-    dispatcher: str = "dropless"
-    collective_timeout_s: float = 300.0
+    dispatcher: str = field(
+        default="dropless", metadata={ALIASES: ("--strategy",), METAVAR: _strategies}
+    )
+    collective_timeout_s: float = field(default=300.0, metadata={FLAG: None})  # a run's timeout_s
     init_std: float | None = None
     renormalize_after_drop: bool = False
     balance_loss_choices: str = "all"
-    num_shared_experts: int = 0
-    shared_expert_hidden_size: int | None = None
+    num_shared_experts: int = field(default=0, metadata={FLAG: "--shared-experts"})
+    shared_expert_hidden_size: int | None = field(
+        default=None, metadata={FLAG: "--shared-expert-hidden"}
+    )
     shared_expert_gate: bool = False
     score_bias_update_rate: float = 0.0
-    num_expert_groups: int = 1
+    num_expert_groups: int = field(default=1, metadata={FLAG: "--expert-groups"})
     topk_groups: int | None = None
     routed_scaling_factor: float = 1.0
     seq_aux_loss_coef: float = 0.0

@@ -13,7 +13,8 @@ import torch
 from _train_helpers import fails, tiny_args
 
 from moesaic.cli import main
-from moesaic.train.config import TrainConfig, add_train_arguments, config_from_args
+from moesaic.train.config import TrainConfig
+from moesaic.train.flags import add_train_arguments, config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ROOT / "examples" / "clusters" / "2dc_2node_small.toml"  # 2 x 2 ranks

@@ -22,7 +22,8 @@ from _train_helpers import (
 )
 
 from moesaic.cli import main
-from moesaic.train.config import TRACE_STEPS, add_train_arguments, config_from_args
+from moesaic.train.config import TRACE_STEPS
+from moesaic.train.flags import add_train_arguments, config_from_args
 
 # A pipelined schedule against vanilla (docs/training.md, "Schedules"): the same mathematics,
 # summed in another order (per-chunk losses and aux terms, gradients accumulated over R chunks,
@@ -82,7 +83,7 @@ def test_toml_keys_and_flags(tmp_path):
     assert notes == [
         f"ar_chunk in {toml} has no effect with --schedule vanilla: it applies only to "
         "--schedule moe-only or flowmoe (Sp, the chunk size of their gradient all-reduce pool; "
-        "vanilla all-reduces every gradient at once after the backward)"
+        "a schedule without the pool all-reduces every gradient at once after the backward)"
     ]
     assert (cfg.trace, cfg.trace_png, cfg.pipeline_degree) == ("t.json", "t.png", 1)
     # the TOML's schedule is vanilla (its ar_chunk only noted): --ar-chunk needs a pool

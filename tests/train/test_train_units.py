@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from moesaic.comm.world import run_world
 from moesaic.models import MoEGPT, MoEGPTConfig
-from moesaic.train.config import TrainConfig, add_train_arguments, config_from_args
+from moesaic.train.config import TrainConfig
 from moesaic.train.data import PackedData, load_corpus
+from moesaic.train.flags import add_train_arguments, config_from_args
 from moesaic.train.loop import lr_at
 
 SMALL = dict(d_model=32, n_layers=2, n_heads=2, seq_len=16)

@@ -2,10 +2,10 @@
 
 A TOML file holds the run's keys at top level, the model's under ``[model]`` and its MoE blocks'
 under ``[model.moe]``, with the names of the dataclass fields (``batch_size``, ``d_model``,
-``num_experts``); flags use the same names with dashes (a few are shorter: ``--experts``). The
-flags and the merge of defaults, file and flags are :mod:`moesaic.train.flags`
-(``add_train_arguments`` and ``config_from_args`` are still importable from here). Torch-free:
-``moesaic train --help`` never imports torch.
+``num_experts``); flags use the same names with dashes (a few are shorter: ``--experts``), generated from the
+fields and their docs below (a field's ``metadata``: ``moesaic.field_flags``). The flags and the
+merge of defaults, file and flags are :mod:`moesaic.train.flags`. Torch-free: ``moesaic train
+--help`` never imports torch.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from moesaic.checks import check_bool, check_int, check_number, check_one_of
 from moesaic.data.shards import token_vocab_size
+from moesaic.field_flags import FLAG, METAVAR
 from moesaic.interop.hf_families import apply_hf_shape, family_of, read_hf_config
 from moesaic.models.config import MoEGPTConfig, nest_legacy_keys
 from moesaic.schedule_table import DEFAULT_SCHEDULE, schedule_names, schedule_spec, schedules_where
@@ -28,6 +29,7 @@ from moesaic.train.option_rules import RULES
 from moesaic.train.schedule_options import (
     auto_pipeline_degree,
     parse_ar_chunk,
+    parse_pipeline_degree,
 )
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -40,6 +42,10 @@ DTYPES = ("fp32", "bf16")
 # --trace / --trace-png keep the spans of the run's last this many steps (one step is a few
 # hundred spans per rank at R = 4, so a trace stays small; earlier steps include warm-up).
 TRACE_STEPS = 3
+
+
+def _schedules() -> str:
+    return "|".join(schedule_names())
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,8 +85,8 @@ class TrainConfig:
             number of bytes (an int, or a string such as "4MiB" = 4 * 2**20 or "4MB" =
             4 * 10**6). ``vanilla`` has no pool: ``moesaic train`` refuses the flag there
             (``moesaic.train.option_rules``).
-        trace: write a Chrome trace (Perfetto, chrome://tracing) of the last ``TRACE_STEPS``
-            steps of every rank here (rank 0 writes it at the end); None = no trace.
+        trace: write a Chrome trace (Perfetto, chrome://tracing) of the last 3 steps
+            (``TRACE_STEPS``) of every rank here (rank 0 writes it at the end); None = no trace.
         trace_png: draw the same timeline as a PNG here (needs matplotlib); None = none.
         on_nonfinite: a step whose loss, aux loss or gradients are not finite on some rank is
             never applied; "stop" ends the run with an error naming the step, "skip" goes on.
@@ -172,12 +178,12 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    schedule: str = DEFAULT_SCHEDULE
-    pipeline_degree: int | str = "auto"
-    ar_chunk: str | int = "auto"
-    trace: str | None = None
-    trace_png: str | None = None
-    on_nonfinite: str = "stop"
+    schedule: str = field(default=DEFAULT_SCHEDULE, metadata={METAVAR: _schedules})
+    pipeline_degree: int | str = field(default="auto", metadata={METAVAR: "auto|R"})
+    ar_chunk: str | int = field(default="auto", metadata={METAVAR: "auto|BYTES"})
+    trace: str | None = field(default=None, metadata={METAVAR: "FILE.json"})
+    trace_png: str | None = field(default=None, metadata={METAVAR: "FILE.png"})
+    on_nonfinite: str = field(default="stop", metadata={METAVAR: "|".join(NONFINITE_POLICIES)})
     nonfinite_skip_limit: int = 10
     seed: int = 0
     data: str | None = None
@@ -192,19 +198,19 @@ class TrainConfig:
     run_dir: str = "runs/moe-gpt"
     resume: bool = False
     max_restarts: int = 0
-    backend: str = "auto"
+    backend: str = field(default="auto", metadata={METAVAR: "|".join(BACKENDS)})
     timeout_s: float = 300.0
     threads: int | None = None
     progress: bool = True
     fault_kill_rank: int | None = None
     fault_kill_step: int | None = None
-    cluster: str | None = None
-    auto_domains: bool = False
-    hf_config: str | None = None
-    dtype: str = "fp32"
+    cluster: str | None = field(default=None, metadata={METAVAR: "FILE.toml"})
+    auto_domains: bool = field(default=False, metadata={FLAG: None})  # --domains auto
+    hf_config: str | None = field(default=None, metadata={METAVAR: "FILE.json"})
+    dtype: str = field(default="fp32", metadata={METAVAR: "|".join(DTYPES)})
     activation_checkpointing: bool = False
-    emulate: str | None = None
-    plan: str | None = None
+    emulate: str | None = field(default=None, metadata={METAVAR: "CLUSTER.toml"})
+    plan: str | None = field(default=None, metadata={METAVAR: "FILE.json|auto"})
     force_plan: bool = False
     measure_peak: bool = False
 
@@ -268,6 +274,7 @@ class TrainConfig:
             self.model = dataclasses.replace(self.model, moe=moe)
 
     def _check_pipeline(self) -> None:
+        self.pipeline_degree = parse_pipeline_degree(self.pipeline_degree)
         if self.pipeline_degree == "auto":
             self.pipeline_degree = auto_pipeline_degree(self.schedule, self.batch_size)
         R = check_int("pipeline_degree", self.pipeline_degree, 1)
@@ -525,17 +532,3 @@ class TrainConfig:
                 "deadline of every collective, the MoE layers' included: set that instead"
             )
         return cls(model=MoEGPTConfig.from_dict(model), **d)
-
-
-# Moved to moesaic.train.flags (which imports this module, so not re-exported eagerly).
-_MOVED_TO_FLAGS = ("add_train_arguments", "config_from_args", "load_toml")
-
-
-def __getattr__(name: str) -> Any:
-    """``add_train_arguments``, ``config_from_args`` and ``load_toml`` from
-    :mod:`moesaic.train.flags`, where they live now."""
-    if name in _MOVED_TO_FLAGS:
-        from moesaic.train import flags
-
-        return getattr(flags, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,12 @@
 """Which ``moesaic train`` options have an effect under which strategy and schedule: one table.
 
-Every option (its argparse ``dest``: a ``TrainConfig`` field, or ``model.<field>`` /
-``model.moe.<field>``) has an entry in :data:`RULES`; an entry names the strategies
-(``moesaic.strategies.strategy_names()``) and schedules (by a trait of theirs,
-``moesaic.schedule_table``) it applies to, or none (every one). ``tests/train/test_option_rules.py`` walks every option of
-the parser against every strategy and schedule, so a new option without an entry fails it.
+An option (its argparse ``dest``: a ``TrainConfig`` field, or ``model.<field>`` /
+``model.moe.<field>``) that applies only to some strategies or schedules has an entry in
+:data:`RULES` naming the strategies (``moesaic.strategies.strategy_names()``) or the schedules
+(by a trait of theirs, ``moesaic.schedule_table``) it applies to; every other option applies
+everywhere. This table is the only data about an option beside its field and doc (the flags are
+generated from those: ``moesaic.train.flags``). ``tests/train/test_option_rules.py`` walks the
+options of the parser against the strategies and schedules.
 
 :func:`check_applicable` judges only the options the user set (flags and TOML keys, never
 defaults), after their values were validated and before anything is created:
@@ -77,60 +79,18 @@ class Applies:
 
 EVERYWHERE = Applies()
 
-# option -> where it applies. Only the strategy- or schedule-specific ones say more than
-# EVERYWHERE; every option is listed so that a new one has to be placed here.
+# option -> where it applies: only the options that apply to some strategies or schedules;
+# every other option (a new field included) applies everywhere.
 RULES: dict[str, Applies] = {
-    "config": EVERYWHERE,
-    # run
-    "nproc": EVERYWHERE,
-    "ep": EVERYWHERE,
-    # refused by a strategy's or schedule's own declaration (train/mesh.check_sharding)
-    "dp_shard": EVERYWHERE,
-    "dp_replicate": EVERYWHERE,
-    "steps": EVERYWHERE,
-    "batch_size": EVERYWHERE,
-    "lr": EVERYWHERE,
-    "min_lr_ratio": EVERYWHERE,
-    "warmup_steps": EVERYWHERE,
-    "weight_decay": EVERYWHERE,
-    "grad_clip": EVERYWHERE,
-    "schedule": EVERYWHERE,
-    # vanilla's R is 1: a larger R is a value error (TrainConfig._check_pipeline).
-    "pipeline_degree": EVERYWHERE,
     "ar_chunk": Applies(
         schedule_trait="pools_gradients",
         what="Sp, the chunk size of their gradient all-reduce pool; a schedule without the pool "
         "all-reduces every gradient at once after the backward",
     ),
-    "trace": EVERYWHERE,
-    "trace_png": EVERYWHERE,
-    "on_nonfinite": EVERYWHERE,
-    "nonfinite_skip_limit": EVERYWHERE,
-    "seed": EVERYWHERE,
-    "data": EVERYWHERE,
-    "data_max_bytes": EVERYWHERE,
-    "val_fraction": EVERYWHERE,
-    "eval_every": EVERYWHERE,
-    "eval_batches": EVERYWHERE,
-    "ckpt_every": EVERYWHERE,
-    "async_checkpoint": EVERYWHERE,
-    "save_final": EVERYWHERE,
-    "keep_checkpoints": EVERYWHERE,
-    "run_dir": EVERYWHERE,
-    "resume": EVERYWHERE,
-    "max_restarts": EVERYWHERE,
-    "backend": EVERYWHERE,
-    "timeout_s": EVERYWHERE,
-    "threads": EVERYWHERE,
-    "progress": EVERYWHERE,
-    "fault_kill_rank": EVERYWHERE,
-    "fault_kill_step": EVERYWHERE,
     "cluster": Applies(
         strategies=("hybrid",),
         what="the topology whose levels hold hybrid's expert domains; no other strategy reads it",
     ),
-    # ``--domains auto`` (a TOML file may also say ``auto_domains = true``)
-    "dtype": EVERYWHERE,
     "activation_checkpointing": Applies(
         schedule_trait="pipelined",
         schedule_value=False,
@@ -138,42 +98,11 @@ RULES: dict[str, Applies] = {
         "the blocks' stages chunk by chunk with their own stage-wise backward, never a whole "
         "block forward to recompute",
     ),
-    # Every strategy and schedule; a family whose layers do not split into the pipelined
-    # stages (Granite-MoE) is a value error of TrainConfig naming why.
-    "hf_config": EVERYWHERE,
-    # How the workers are started (moesaic.train.emulate), not what they compute.
-    "emulate": EVERYWHERE,
-    # What chooses the strategy and schedule (moesaic.train.plan): any of them.
-    "plan": EVERYWHERE,
-    "force_plan": EVERYWHERE,
+    # ``--domains auto`` (a TOML file may also say ``auto_domains = true``)
     "auto_domains": Applies(
         strategies=("hybrid",),
         what="hybrid's expert domains chosen by the cost model; no other strategy has domains",
     ),
-    # model
-    "model.seq_len": EVERYWHERE,
-    "model.d_model": EVERYWHERE,
-    "model.n_layers": EVERYWHERE,
-    "model.n_heads": EVERYWHERE,
-    "model.dense_layers": EVERYWHERE,
-    "model.dense_hidden": EVERYWHERE,
-    "model.norm": EVERYWHERE,
-    "model.positions": EVERYWHERE,
-    "model.moe_layer_freq": EVERYWHERE,
-    "model.moe.num_shared_experts": EVERYWHERE,
-    "model.moe.shared_expert_hidden_size": EVERYWHERE,
-    "model.moe.seq_aux_loss_coef": EVERYWHERE,
-    "model.moe.balance_loss_scope": EVERYWHERE,
-    "model.moe.score_bias_update_rate": EVERYWHERE,
-    "model.moe.num_expert_groups": EVERYWHERE,
-    "model.moe.topk_groups": EVERYWHERE,
-    "model.moe.routed_scaling_factor": EVERYWHERE,
-    "model.moe.num_experts": EVERYWHERE,
-    "model.moe.top_k": EVERYWHERE,
-    "model.moe.ffn_hidden_size": EVERYWHERE,
-    "model.moe.aux_loss_coef": EVERYWHERE,
-    "model.moe.z_loss_coef": EVERYWHERE,
-    "model.moe.dispatcher": EVERYWHERE,
     "model.moe.options.domain_sizes": Applies(
         strategies=("hybrid",),
         what="the sizes of hybrid's expert domains; no other strategy has domains",
