@@ -247,12 +247,7 @@ def module_graph(
 # Temporary: circles whose removal another change owns. The lead deletes an entry when that
 # change lands; a circle not listed here fails the test. Key: the cycle's modules; value: who
 # removes it and how.
-KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"moesaic.train.config", "moesaic.train.flags"}): (
-        "issue 52 part A (options declared once): the CLI generated from the config "
-        "dataclasses removes flags.py's legacy __getattr__ and config's lazy import of it"
-    ),
-}
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
 
 def unlisted_cycles(
