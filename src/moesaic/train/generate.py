@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from moesaic.train.checkpoint import latest_checkpoint, load_model_for_inference
 from moesaic.train.codec import Codec, codec_of
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11; torch requires the package
 
 
 def resolve_checkpoint(path: str) -> Path:
