@@ -55,6 +55,8 @@ def test_ranked_fastest_first_and_runnable(small_plan):
     # sorted; equal to 9 digits is a tie, which goes to the simpler (earlier) combination
     # those with a caveat last (taskflow without its CPU figures in PROFILE), each part sorted
     assert [c.caveat is not None for c in ranked] == sorted(c.caveat is not None for c in ranked)
+    # the leading tie (sim.uncertainty) in the tie rule's order, tests/sim/test_uncertainty.py
+    ranked = [c for c in ranked if not c.tie]
     pairs = [
         (a, b) for a, b in itertools.pairwise(ranked) if (a.caveat is None) == (b.caveat is None)
     ]

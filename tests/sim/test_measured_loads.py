@@ -33,11 +33,16 @@ def _metrics(path: Path, loads_per_step: list[list[list[int]]]) -> Path:
     return path
 
 
-def test_loads_are_per_layer_summed_after_the_warm_up(tmp_path):
+def test_loads_are_per_step_and_layer_after_the_warm_up(tmp_path):
     warm = [[100, 0, 0, 0], [0, 100, 0, 0]]  # the first two steps are left out
     hot = [[30, 5, 3, 2], [20, 10, 6, 4]]
-    path = _metrics(tmp_path / "m.jsonl", [warm, warm, hot, hot])
-    assert measured_loads(path) == ((60.0, 10.0, 6.0, 4.0), (40.0, 20.0, 12.0, 8.0))
+    other = [[2, 30, 5, 3], [4, 20, 10, 6]]  # another expert the busiest
+    path = _metrics(tmp_path / "m.jsonl", [warm, warm, hot, other])
+    rows = ((30.0, 5.0, 3.0, 2.0), (20.0, 10.0, 6.0, 4.0), (2.0, 30.0, 5.0, 3.0))
+    assert measured_loads(path) == (*rows, (4.0, 20.0, 10.0, 6.0))
+    # each step's busiest expert is priced (0.75 and 0.5 of a layer's rows), not the sum's
+    model = dataclasses.replace(MODEL, measured_loads=measured_loads(path))
+    assert max(expert_shares(model, 4)) == pytest.approx((0.75 + 0.5 + 0.75 + 0.5) / 4)
     short = measured_loads(_metrics(tmp_path / "short.jsonl", [hot]))
     assert short == ((30.0, 5.0, 3.0, 2.0), (20.0, 10.0, 6.0, 4.0))
     (tmp_path / "none.jsonl").write_text('{"kind": "eval"}\n')
@@ -94,7 +99,8 @@ def test_simulate_and_plan_take_a_runs_loads(tmp_path, capsys):
         result = json.loads(capsys.readouterr().out)
         return (result[0] if isinstance(result, list) else result)["iteration_ms"]
 
-    uniform = step_ms()
+    flat = _metrics(tmp_path / "flat.jsonl", [[[1, 1, 1, 1]] * 2] * 3)
+    uniform = step_ms("--loads", str(flat))
     skewed = step_ms("--loads", str(path))
     assert skewed > uniform * 1.2  # the busiest rank computes and receives more
     five = _metrics(tmp_path / "five.jsonl", [[[1, 1, 1, 1, 1]]])
@@ -132,9 +138,9 @@ def test_the_profiles_routing_is_priced_unless_loads_are_given(tmp_path, capsys)
     run = _metrics(tmp_path / "metrics.jsonl", [[[1, 1, 1, 1]] * 2] * 3)  # --loads wins
     assert step_ms("--profile", str(hot), "--loads", str(run))[0] == pytest.approx(uniform)
     five = _profile_with(tmp_path / "f", [[1, 1, 1, 1, 9]])
-    other, said = step_ms("--profile", str(five))
-    assert other == pytest.approx(uniform)
-    assert "has 5 experts, the model 4: not used, routing priced uniform" in said
+    other, said = step_ms("--profile", str(five))  # not used: the routing prior instead
+    assert other == pytest.approx(step_ms("--flops-per-s", "1e10")[0])
+    assert "has 5 experts, the model 4: not used" in said and "routing prior" in said
 
 
 def test_profile_routing_round_trips_and_is_checked(tmp_path):
@@ -157,17 +163,17 @@ def test_profile_routing_round_trips_and_is_checked(tmp_path):
 
 def test_calibrate_runs_the_jobs_router_on_its_data(tmp_path, capsys):
     """A real one-process run of the tiny config (seconds): the loads of its steps 3-4, one row
-    per MoE layer, in the profile; the run's own output is held back. A bad step count is
+    per step and MoE layer, in the profile; the run's own output is held back. A bad step count is
     refused before anything is measured."""
     out = tmp_path / "p.json"
     argv = ["calibrate", "--model", str(TINY), "--out", str(out), "--size", "64"]
     assert main([*argv, "--routing-steps", "4"]) == 0
     said = capsys.readouterr().out
     routing = Profile.load(out).routing
-    assert routing is not None and len(routing.loads) == 2 and len(routing.loads[0]) == 4
-    # no --cluster: one rank's batch, 8 sequences x 64 tokens; 2 steps x top-2 per layer
+    assert routing is not None and len(routing.loads) == 2 * 2 and len(routing.loads[0]) == 4
+    # no --cluster: one rank's batch, 8 sequences x 64 tokens; top-2 per step and layer
     tokens = 8 * 64
-    assert all(sum(row) == 2 * tokens * 2 for row in routing.loads)
+    assert all(sum(row) == tokens * 2 for row in routing.loads)
     assert f"steps 3-4 of a one-process run at {tokens} tokens per step" in said
     assert "summary" not in said and "tok/s" not in said
     assert main([*argv, "--routing-steps", "2"]) == 2

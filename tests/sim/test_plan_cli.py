@@ -6,6 +6,7 @@ one-line errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -272,12 +273,17 @@ def test_json_is_plan_runs_and_the_table_its_head(capsys):
     keys; the table shows the first ``--top`` of them, the pick and the same reason."""
     from moesaic.sim.model import load_model_spec
     from moesaic.sim.planner import plan_runs
+    from moesaic.sim.prior import RoutingPrior
     from moesaic.sim.profile import Profile
 
     rows = json.loads(_rank(capsys, *SMALL_TINY, "--flops-per-s", "2e10", "--json"))
     spec = ClusterSpec.from_toml(SMALL)
-    model = load_model_spec(TINY)
-    plan = plan_runs(spec, model, Profile(flops_per_s=2e10))
+    model = load_model_spec(TINY)  # no routing given: the prior's 50th percentile
+    prior = RoutingPrior.of(
+        model.experts, model.top_k, model.tokens * spec.world_size, model.hidden
+    )
+    model = dataclasses.replace(model, measured_loads=prior.rows(1))
+    plan = plan_runs(spec, model, Profile(flops_per_s=2e10), routing_prior=prior)
     assert [r["rank"] for r in rows] == list(range(1, len(plan.ranked) + 1))
     for row, c in zip(rows, plan.ranked, strict=True):
         assert {"strategy", "schedule", "options", "predicted_ms", "bound_ms"} <= set(row)
@@ -287,6 +293,8 @@ def test_json_is_plan_runs_and_the_table_its_head(capsys):
             c.options,
         )
         assert row["predicted_ms"] == pytest.approx(c.predicted_ms, rel=1e-12)
+        assert row["range_ms"] == pytest.approx(list(c.range_ms), rel=1e-12)
+        assert row["tie"] == c.tie
     assert rows[0]["reason"] == plan.reason and "reason" not in rows[1]
     text = _rank(capsys, *SMALL_TINY, "--flops-per-s", "2e10", "--top", "3")
     lines = text.splitlines()
@@ -348,7 +356,7 @@ def test_measure_routing_prices_the_jobs_own_loads(data_file, tmp_path, capsys):
         "ffn_hidden = 32\nexperts = 4\ntop_k = 2\n"
     )
     assert main([*base, "--model", str(spec), "--measure-routing"]) == 0
-    assert "is a model file (no data): routing priced uniform" in capsys.readouterr().err
+    assert "is a model file (no data): routing from the prior" in capsys.readouterr().err
     assert main([*base, "--model", str(job), "--measure-routing", "--domains-only"]) == 2
     assert "--measure-routing applies to the ranking" in capsys.readouterr().err
 

@@ -241,16 +241,17 @@ def _options(args: argparse.Namespace) -> Any:
     )
 
 
-def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
-    """The cluster, the model, the profile and the options the flags give."""
+def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
+    """The cluster, the model, the profile, the options the flags give and the routing prior
+    the model's loads come from (None: known loads)."""
     from moesaic.cluster.spec import ClusterSpec
     from moesaic.sim.model import load_model_spec
 
     spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
     model = load_option("model", args.model, load_model_spec)
     profile = _profile(args, spec)
-    model = apply_loads(args, model, note=_note, profile=profile)
-    return spec, model, profile, _options(args)
+    model, prior = apply_loads(args, model, note=_note, profile=profile, world=spec.world_size)
+    return spec, model, profile, _options(args), prior
 
 
 def _png_paths(path: str, names: list[str]) -> list[Path]:
@@ -298,22 +299,36 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.measured:
         return _run_measured(args)
     from moesaic.sim.simulate import simulate
+    from moesaic.sim.uncertainty import prediction_range
 
-    spec, model, profile, opts = _inputs(args)
+    spec, model, profile, opts, prior = _inputs(args)
     jobs = _runs(args, spec, model, opts)
     results = [simulate(spec, model, r.strategy, profile, o, schedule=r.schedule) for r, o in jobs]
+    spread = (
+        []
+        if prior is None
+        else [dataclasses.replace(model, measured_loads=prior.rows(i)) for i in (0, 2)]
+    )
     for line in dict.fromkeys(x for r in results for x in r.details.get("extrapolated", ())):
         _note(f"--profile: {line}")  # the profile's operations were measured on another model
     _write_outputs(args, results)
     rows = [r.summary() for r in results]
+    for row, (run, o) in zip(rows, jobs):  # the range: the error band (and the prior's spread)
+        ends = [simulate(spec, m, run.strategy, profile, o, schedule=run.schedule) for m in spread]
+        point = row["iteration_ms"]
+        ms = [e.iteration_s * 1e3 for e in ends]
+        row["range_ms"] = list(prediction_range(run.strategy, run.schedule, point, *ms))
     if args.json:
         print(json.dumps(rows[0] if len(rows) == 1 else rows))
         return 0
     head = " ".join(f"{c:>15s}" for c in COLUMNS)
-    print(f"{'strategy':9s} {'schedule':9s} {'ranks':>6s} {head}")
+    print(f"{'strategy':9s} {'schedule':9s} {'ranks':>6s} {head} range_ms")
     for row in rows:
         vals = " ".join(f"{row[c]:15.4g}" for c in COLUMNS)
-        print(f"{row['strategy']:9s} {row['schedule']:9s} {row['ranks']:6d} {vals}")
+        lo, hi = row["range_ms"]
+        print(
+            f"{row['strategy']:9s} {row['schedule']:9s} {row['ranks']:6d} {vals} {lo:.4g}-{hi:.4g}"
+        )
     return 0
 
 
@@ -329,7 +344,7 @@ def _run_measured(args: argparse.Namespace) -> int:
             f"--measured simulates each point of the file with its own strategy and schedule "
             f"and prints the comparison only: leave out {', '.join(given)}"
         )
-    spec, model, profile, opts = _inputs(args)
+    spec, model, profile, opts, _ = _inputs(args)
     points = load_option("measured", args.measured, lambda path: load_measured(path, spec))
     rows = compare(spec, model, profile, points, opts)
     if args.json:

@@ -63,12 +63,22 @@ def describe_loads(rows: Any) -> str:
 
 
 def apply_loads(
-    args: argparse.Namespace, model: Any, *, note: Callable[[str], None], profile: Any = None
-) -> Any:
-    """``model`` with measured expert loads, the first of: ``--loads`` (a run's), the model's
-    own ``measured_loads``, the ``profile``'s (``calibrate --model`` ran the job's router on
-    its data) when they have the model's experts. Says which it used; unchanged without any."""
+    args: argparse.Namespace,
+    model: Any,
+    *,
+    note: Callable[[str], None],
+    profile: Any = None,
+    world: int | None = None,
+) -> tuple[Any, Any]:
+    """``model`` with expert loads, the first of: ``--loads`` (a run's), the model's own
+    ``measured_loads`` or ``routing_skew``, the ``profile``'s (``calibrate --model`` ran the
+    job's router on its data) when they have the model's experts, else the routing prior
+    (:mod:`moesaic.sim.prior`, at its 50th percentile; ``world`` ranks' tokens per step;
+    uniform without ``world``). Says which it used. Returns the model and the prior (None
+    when the loads are known)."""
     import dataclasses
+
+    from moesaic.sim.prior import RoutingPrior
 
     if getattr(args, "loads", None) is not None:
         from moesaic.sim.model import measured_loads
@@ -80,21 +90,26 @@ def apply_loads(
                 f"{model.experts}: the loads must have one entry per expert of --model"
             )
         note(f"--loads: expert loads of {args.loads}: the busiest expert {describe_loads(loads)}")
-        return dataclasses.replace(model, measured_loads=loads)
+        return dataclasses.replace(model, measured_loads=loads), None
+    if model.measured_loads or model.routing_skew:
+        return model, None
     routing = getattr(profile, "routing", None)
-    if model.measured_loads or model.routing_skew or routing is None:
-        return model
-    if len(routing.loads[0]) != model.experts:
+    if routing is not None and len(routing.loads[0]) == model.experts:
+        note(
+            f"routing from the profile ({routing.source}): the busiest expert "
+            f"{describe_loads(routing.loads)}"
+        )
+        return dataclasses.replace(model, measured_loads=routing.loads), None
+    if routing is not None:
         note(
             f"the profile's routing ({routing.source}) has {len(routing.loads[0])} experts, "
-            f"the model {model.experts}: not used, routing priced uniform"
+            f"the model {model.experts}: not used"
         )
-        return model
-    note(
-        f"routing from the profile ({routing.source}): the busiest expert "
-        f"{describe_loads(routing.loads)}"
-    )
-    return dataclasses.replace(model, measured_loads=routing.loads)
+    if world is None:
+        return model, None
+    prior = RoutingPrior.of(model.experts, model.top_k, model.tokens * world, model.hidden)
+    note(prior.describe() + "; the range is priced at the 10th and 90th")
+    return dataclasses.replace(model, measured_loads=prior.rows(1)), prior
 
 
 def add_retime_option(p: argparse.ArgumentParser) -> None:

@@ -42,6 +42,7 @@ from moesaic.sim.cli_files import (
     load_option,
     retimed,
 )
+from moesaic.sim.plan_memory import add_memory_option, apply_memory, memory_lines
 
 PLAN_EPILOG = """\
 examples:
@@ -146,6 +147,7 @@ def add_subparser(subparsers) -> None:
         help="--domains-only: bytes per token element and weight (default: 4, moesaic train's "
         "fp32; a model file's act_bytes)",
     )
+    add_memory_option(p)  # --memory-per-rank (sim.plan_memory)
     p.set_defaults(func=run_plan)
 
 
@@ -413,7 +415,7 @@ def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
 def _with_routing(args: argparse.Namespace, spec: ClusterSpec, profile: Any) -> Any:
     """``--measure-routing``: ``profile`` with the loads of the job's router on its data at
     the cluster's world batch (``sim.routecal``); unchanged, with a note, for a model file or
-    when the measurement fails (the ranking then prices uniform routing, as without it)."""
+    when the measurement fails (the ranking then prices the routing prior, as without it)."""
     import dataclasses
 
     from moesaic.sim.routecal import measure_routing
@@ -423,10 +425,10 @@ def _with_routing(args: argparse.Namespace, spec: ClusterSpec, profile: Any) -> 
     try:
         routing = measure_routing(args.model, world=spec.world_size)
     except (RuntimeError, ValueError, OSError) as exc:
-        _note(f"--measure-routing failed ({str(exc).strip()[-300:]}): routing priced uniform")
+        _note(f"--measure-routing failed ({str(exc).strip()[-300:]}): routing from the prior")
         return profile
     if routing is None:
-        _note(f"--measure-routing: {args.model} is a model file (no data): routing priced uniform")
+        _note(f"--measure-routing: {args.model} is a model file (no data): routing from the prior")
         return profile
     return dataclasses.replace(profile, routing=routing)
 
@@ -448,9 +450,9 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any]]
     if getattr(args, "measure_routing", False):
         profile = _with_routing(args, spec, profile)
     model = load_option("model", args.model, load_model_spec)
-    model = apply_loads(args, model, note=_note, profile=profile)
     ratios = _ratios(args.compression_ratio) or (1.0,)
     capacities = _capacities(getattr(args, "capacity_factor", None))
+    model, prior = apply_loads(args, model, note=_note, profile=profile, world=spec.world_size)
     t0 = time.perf_counter()
     plan = plan_runs(
         spec,
@@ -459,6 +461,7 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any]]
         compression_ratios=ratios,
         all_reduce=args.all_reduce,
         capacity_factors=capacities,
+        routing_prior=prior,
     )
     wall_s = time.perf_counter() - t0
     job = made_for(
@@ -481,15 +484,16 @@ def ranking_json(plan: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
 
 def format_ranking(plan: Any, *, top: int, wall_s: float) -> str:
     """The table of the ``top`` fastest combinations, the pick, the reason, what cannot run."""
-    header = ["#", "strategy", "schedule", "knobs", "predicted ms", "bound ms", "compute ms"]
-    header.append("comm ms")
+    header = ["#", "strategy", "schedule", "knobs", "predicted ms", "range ms", "bound ms"]
+    header += ["compute ms", "comm ms"]
     rows = [
         [
             str(i + 1),
             c.strategy,
             c.schedule,
             c.knobs(),
-            f"{c.predicted_ms:.4g}" + (" !" if c.caveat else ""),
+            f"{c.predicted_ms:.4g}" + (" !" if c.caveat else "") + (" =" if c.tie else ""),
+            "-" if c.range_ms is None else f"{c.range_ms[0]:.4g}-{c.range_ms[1]:.4g}",
             f"{c.bound_ms:.4g}",
             f"{c.compute_ms:.4g}",
             f"{c.comm_ms:.4g}",
@@ -503,7 +507,9 @@ def format_ranking(plan: Any, *, top: int, wall_s: float) -> str:
         lines.append(f"... {len(plan.ranked) - top} more (--top N, or --json for every one)")
     best = plan.chosen
     lines += [
-        "(bound = max(compute, communication): the step with every transfer hidden)",
+        "(bound = max(compute, communication): the step with every transfer hidden; range: the "
+        "simulator's 10th-90th percentile error band for the combination, and the routing "
+        "prior's when it prices the prior; = : a tie with the fastest, in the tie rule's order)",
         "",
         f"pick     {best.name} {best.knobs()}",
         f"reason   {plan.reason}",
@@ -524,10 +530,19 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
         return 0
     ranking, wall_s, job = build_ranking(args)
+    fit = apply_memory(args, ranking, job["world_size"], _note)  # sim.plan_memory
+    ranking = ranking if fit is None else fit.plan
     if args.json:
         for name, why in ranking.skipped:
             _note(f"skipped {name}: {why}")
-        print(json.dumps(ranking_json(ranking, job), indent=1))
+        rows = ranking_json(ranking, job)
+        for row, peak in zip(rows, [] if fit is None else fit.peaks):
+            row["peak_bytes_per_rank"] = peak
+        for line in [] if fit is None else fit.dropped:
+            _note(f"dropped {line}")
+        print(json.dumps(rows, indent=1))
     else:
         print(format_ranking(ranking, top=args.top, wall_s=wall_s))
+        if fit is not None:
+            print("\n".join(memory_lines(fit, args.memory_per_rank)))
     return 0

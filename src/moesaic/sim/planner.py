@@ -50,16 +50,17 @@ from moesaic.planning.costmodel import domain_size_choices
 from moesaic.schedule_table import schedule_names
 from moesaic.sim.hybrid import hybrid_parts
 from moesaic.sim.model import ModelSpec
+from moesaic.sim.prior import RoutingPrior
 from moesaic.sim.profile import Profile
 from moesaic.sim.runs import STRATEGIES, Run, check_schedule, runs, unsupported_reason
 from moesaic.sim.simulate import SimOptions, SimResult, link_model, simulate
+from moesaic.sim.uncertainty import TIE_BAND, break_ties, prediction_range, tie_group
 
 __all__ = [
     "DOMAIN_CANDIDATES",
     "MIN_AR_CHUNK_BYTES",
     "PIPELINE_DEGREES",
     "SP_DIVISORS",
-    "TIE",
     "Candidate",
     "Plan",
     "plan_runs",
@@ -79,9 +80,6 @@ MIN_AR_CHUNK_BYTES = 4096
 # ranks every divisor tuple (64 at 1,000 DCs x 8) in milliseconds; the simulator decides among
 # its best few.
 DOMAIN_CANDIDATES = 3
-# Candidates predicted within this fraction of the pick are named with it: closer than the
-# simulator's validated error (7.2% geometric mean), so a measurement should decide among them.
-TIE = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +99,11 @@ class Candidate:
         caveat: why this prediction is not to be trusted with this profile (its cost model
             lacks a measured input, :func:`uncalibrated_reason`), None when it is: such a
             combination ranks after every other, whatever its prediction.
+        range_ms: the prediction's range (``sim.uncertainty.prediction_range``: the
+            combination's error band, around the routing prior's 10th-90th percentiles when
+            the routing is the prior's).
+        tie: predicted within the tie band of the fastest (``sim.uncertainty``): the leading
+            entries that the simulator cannot tell apart, ordered by the tie rule.
     """
 
     strategy: str
@@ -111,6 +114,8 @@ class Candidate:
     compute_ms: float
     comm_ms: float
     caveat: str | None = None
+    range_ms: tuple[float, float] | None = None
+    tie: bool = False
 
     @property
     def name(self) -> str:
@@ -143,6 +148,8 @@ class Candidate:
             "bound_ms": self.bound_ms,
             "compute_ms": self.compute_ms,
             "comm_ms": self.comm_ms,
+            **({"range_ms": list(self.range_ms)} if self.range_ms else {}),
+            "tie": self.tie,
             **({"caveat": self.caveat} if self.caveat else {}),
         }
 
@@ -170,8 +177,8 @@ class Plan:
 
     @property
     def reason(self) -> str:
-        """Why the pick: what bounds it, what ties with it (within ``TIE``) and by how much it
-        beats the best combination of another strategy and of another schedule."""
+        """Why the pick: what bounds it, what ties with it (``Candidate.tie``) and by how much
+        it beats the best combination of another strategy and of another schedule."""
         best = self.chosen
         bound = "compute" if best.compute_ms >= best.comm_ms else "communication"
         text = (
@@ -180,11 +187,16 @@ class Plan:
             f"{best.comm_ms:.4g} ms, {100 * _hidden_share(best):.0f}% of it hidden; bound "
             f"{best.bound_ms:.4g} ms)"
         )
-        ties = [c for c in self.ranked[1:] if c.predicted_ms <= best.predicted_ms * (1 + TIE)]
+        ties = [c for c in self.ranked[1:] if c.tie]
         if ties:
             names = ", ".join(f"{c.name} ({c.knobs()})" for c in ties[:3])
             more = f" and {len(ties) - 3} more" if len(ties) > 3 else ""
-            text += f"; within {100 * TIE:g}%: {names}{more}"
+            fastest = min(c.predicted_ms for c in self.ranked if c.tie)
+            text += (
+                f"; a tie with {names}{more} (predicted within {100 * math.expm1(TIE_BAND):.1f}% "
+                f"of the fastest, {fastest:.4g} ms: closer than the simulator tells apart; the "
+                "tie rule picks the simpler schedule, then the smaller R, then the faster)"
+            )
         for axis in ("strategy", "schedule"):
             mine = getattr(best, axis)
             other = next((c for c in self.ranked if getattr(c, axis) != mine), None)
@@ -243,19 +255,39 @@ def _check_choices(
 class _Pricer:
     """Runs the simulations of one plan and counts them."""
 
-    def __init__(self, spec: ClusterSpec, model: ModelSpec, profile: Profile, all_reduce: str):
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        model: ModelSpec,
+        profile: Profile,
+        all_reduce: str,
+        prior: RoutingPrior | None = None,
+    ):
         self.spec, self.model, self.profile, self.all_reduce = spec, model, profile, all_reduce
         self.simulations = 0
+        # the model at the routing prior's 10th and 90th percentiles (None: routing is known)
+        self.spread = (
+            None
+            if prior is None
+            else [dataclasses.replace(model, measured_loads=prior.rows(i)) for i in (0, 2)]
+        )
 
-    def run(self, run: Run, **opts: Any) -> SimResult:
+    def run(self, run: Run, model: ModelSpec | None = None, **opts: Any) -> SimResult:
         self.simulations += 1
         options = SimOptions(all_reduce=self.all_reduce, **opts)
         return simulate(
-            self.spec, self.model, run.strategy, self.profile, options, schedule=run.schedule
+            self.spec,
+            model or self.model,
+            run.strategy,
+            self.profile,
+            options,
+            schedule=run.schedule,
         )
 
     def candidate(self, run: Run, options: dict[str, Any], **opts: Any) -> Candidate:
         r = self.run(run, **opts)
+        ends = [self.run(run, m, **opts).iteration_s * 1e3 for m in self.spread or ()]
+        point = r.iteration_s * 1e3
         return Candidate(
             strategy=run.strategy,
             schedule=run.schedule,
@@ -265,6 +297,7 @@ class _Pricer:
             compute_ms=r.compute_s * 1e3,
             comm_ms=r.comm_s * 1e3,
             caveat=uncalibrated_reason(self.profile, run),
+            range_ms=prediction_range(run.strategy, run.schedule, point, *ends),
         )
 
 
@@ -399,6 +432,7 @@ def plan_runs(
     domain_candidates: int = DOMAIN_CANDIDATES,
     all_reduce: str = "best",
     capacity_factors: Sequence[float] = (),
+    routing_prior: RoutingPrior | None = None,
 ) -> Plan:
     """Every runnable combination of ``model`` on ``spec``, simulated and ranked.
 
@@ -417,6 +451,9 @@ def plan_runs(
         capacity_factors: capacity factors the caller allows the plan to set (each > 0):
             every pair is priced again on the model with each one that differs from its own
             (``model.capacity_factor``), as candidates with the option ``capacity_factor``.
+        routing_prior: the routing prior ``model``'s loads come from (its 50th percentile),
+            or None (the loads are known): each candidate is priced again at the prior's
+            10th and 90th percentiles for its range.
 
     Raises:
         ValueError: an unknown strategy or schedule, a bad knob, or no combination that can
@@ -443,7 +480,7 @@ def plan_runs(
     skipped: list[tuple[str, str]] = []
     simulations = 0
     for variant, extra in variants:
-        pricer = _Pricer(spec, variant, profile, all_reduce)
+        pricer = _Pricer(spec, variant, profile, all_reduce, routing_prior)
         for run in pairs:
             why = unsupported_reason(spec, variant, run)
             if why is None and run.traits.pipelined and not _degrees(run, variant, degrees):
@@ -469,7 +506,26 @@ def plan_runs(
     # earlier enumerated, simpler combination: vanilla before the pipelined, smaller R first.
     order = {id(c): i for i, c in enumerate(ranked)}
     ranked.sort(key=lambda c: (c.caveat is not None, float(f"{c.predicted_ms:.9g}"), order[id(c)]))
-    return Plan(ranked=ranked, skipped=skipped, simulations=simulations)
+    return Plan(ranked=_ties_first(ranked), skipped=skipped, simulations=simulations)
+
+
+def _simplicity(c: Candidate) -> tuple[int, int, float]:
+    """The tie rule's key: how many knobs the schedule sets beyond one chunk (a pipeline
+    degree above 1, an all-reduce chunk), the pipeline degree, the prediction."""
+    R = int(c.options.get("pipeline_degree", 1))
+    return ((R > 1) + ("ar_chunk" in c.options), R, c.predicted_ms)
+
+
+def _ties_first(ranked: list[Candidate]) -> list[Candidate]:
+    """The leading candidates without a caveat that tie with the fastest, marked ``tie`` and
+    in the tie rule's order, then the others as ranked. Memory is not a key: the planner
+    has no memory model."""
+    trusted = [c for c in ranked if c.caveat is None]
+    n = tie_group([c.predicted_ms for c in trusted])
+    if n < 2:
+        return ranked
+    tied = [dataclasses.replace(c, tie=True) for c in break_ties(trusted[:n], _simplicity)]
+    return tied + [c for c in ranked if all(c is not t for t in trusted[:n])]
 
 
 def _pairs(strategies: Sequence[str], schedules: Sequence[str] | None) -> list[Run]:

@@ -1,0 +1,83 @@
+"""Ties called ties (issue 55 item 3): each prediction's range is its combination's error band
+from the committed unseen rules, and ``plan`` marks the leading entries it cannot tell apart
+and orders them by the stated tie rule."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.sim.model import ModelSpec
+from moesaic.sim.planner import plan_runs
+from moesaic.sim.profile import Profile
+from moesaic.sim.uncertainty import (
+    BANDS,
+    DEFAULT_BAND,
+    RULES,
+    TIE_BAND,
+    band,
+    bands_from,
+    prediction_range,
+    tie_group,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+SMALL = ClusterSpec.from_toml(ROOT / "examples" / "clusters" / "2dc_2node_small.toml")
+# 2 ranks on a fast link: compute-bound, every schedule close to the others
+FAST = ClusterSpec(
+    name="fast", levels=(Level(name="rank", size=2, bandwidth_gbps=400.0, latency_ms=0.001),)
+)
+MODEL = ModelSpec(layers=2, batch=4, seq_len=32, hidden=64, ffn_hidden=128, experts=4, top_k=2)
+
+
+def test_the_bands_are_the_committed_rules_errors():
+    data = [json.loads((RESULTS / f"sim_unseen{r}.json").read_text()) for r in RULES]
+    got = bands_from(data)
+    assert got["bands"] == BANDS
+    assert got["default"] == DEFAULT_BAND
+    assert got["tie_band"] == TIE_BAND
+
+
+def test_range_is_the_band_around_the_point_or_the_priors_ends():
+    lo, hi = band("padded", "flowmoe")
+    assert prediction_range("padded", "flowmoe", 100.0) == pytest.approx((100 * lo, 100 * hi))
+    assert prediction_range("padded", "flowmoe", 100.0, 90.0, 130.0) == pytest.approx(
+        (90 * lo, 130 * hi)
+    )
+    assert band("someone-elses", "vanilla") == (DEFAULT_BAND[0], DEFAULT_BAND[2])
+
+
+def test_tie_group_is_the_band_from_the_first():
+    edge = 100.0 * math.exp(TIE_BAND)
+    assert tie_group([100.0, 101.0, edge * 0.999, edge * 1.001]) == 3
+    assert tie_group([100.0, 200.0]) == 1
+    assert tie_group([]) == 0
+
+
+def test_plan_marks_the_tie_and_orders_it_by_the_rule():
+    plan = plan_runs(FAST, MODEL, Profile(flops_per_s=2e10))
+    trusted = [c for c in plan.ranked if c.caveat is None]
+    tied = [c for c in trusted if c.tie]
+    assert tied == trusted[: len(tied)]  # the leading entries
+    fastest = min(c.predicted_ms for c in trusted)
+    assert len(tied) > 1  # compute-bound: the combinations are close, a tie to break
+    assert all(c.predicted_ms <= fastest * math.exp(TIE_BAND) for c in tied)
+    rest = trusted[len(tied) :]
+    assert all(c.predicted_ms > fastest * math.exp(TIE_BAND) for c in rest)
+    assert [c.predicted_ms for c in rest] == sorted(c.predicted_ms for c in rest)
+
+    def key(c):
+        R = c.options["pipeline_degree"]
+        return ((R > 1) + ("ar_chunk" in c.options), R, c.predicted_ms)
+
+    assert [key(c) for c in tied] == sorted(key(c) for c in tied)
+    assert "a tie with" in plan.reason and plan.chosen is tied[0]
+    for c in plan.ranked:
+        lo, hi = c.range_ms
+        assert lo <= c.predicted_ms <= hi
+        assert c.to_dict()["range_ms"] == [lo, hi] and c.to_dict()["tie"] == c.tie
