@@ -25,13 +25,36 @@ from moesaic.kernels import KERNELS, require_triton
 from moesaic.strategy_options import StrategyOptions
 from moesaic.strategy_table import options_class, strategy_names
 
-__all__ = ["ACTIVATIONS", "SCORE_FUNCS", "MoEConfig", "check_positive_int"]
+__all__ = [
+    "ACTIVATIONS",
+    "SCORE_FUNCS",
+    "MoEConfig",
+    "capacity_slots",
+    "check_positive_int",
+    "check_top_k",
+]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu", "gelu")
 BALANCE_CHOICES = ("all", "first")
 BALANCE_SCOPES = ("local", "global")
 OptionsT = TypeVar("OptionsT", bound=StrategyOptions)
+
+
+def capacity_slots(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    """The capacity rule, the one place it is written: ``ceil(cf * T * K / E)`` token slots per
+    expert for ``T`` tokens of one source rank routed ``K`` ways over ``E`` experts (the layer,
+    the taskflow layout and the simulator's padded exchange all call this)."""
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+def check_top_k(
+    top_k: int, experts: int, *, names: tuple[str, str] = ("top_k", "num_experts")
+) -> None:
+    """The one ``top_k <= experts`` rule (a token picks ``top_k`` distinct experts), the two
+    values named as their caller calls them."""
+    if top_k > experts:
+        raise ValueError(f"{names[0]} ({top_k}) must be <= {names[1]} ({experts})")
 
 
 def _strategies() -> str:
@@ -142,8 +165,7 @@ class MoEConfig:
         check_positive_int("ffn_hidden_size", self.ffn_hidden_size)
         check_positive_int("num_experts", self.num_experts)
         check_positive_int("top_k", self.top_k)
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        check_top_k(self.top_k, self.num_experts)
         check_one_of("score_func", self.score_func, SCORE_FUNCS)
         check_one_of("activation", self.activation, ACTIVATIONS)
         check_one_of("dispatcher", self.dispatcher, strategy_names())
@@ -241,7 +263,7 @@ class MoEConfig:
         """Token slots per expert for ``num_tokens`` local tokens; None when dropless."""
         if self.capacity_factor is None:
             return None
-        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+        return capacity_slots(self.capacity_factor, num_tokens, self.top_k, self.num_experts)
 
     def check_ep_size(self, ep_size: int) -> None:
         """Raise unless ``num_experts`` splits evenly over ``ep_size`` ranks."""

@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 from moesaic.checks import check_one_of, check_positive, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
+from moesaic.config import capacity_slots
 from moesaic.sim.collectives import (
     LinkModel,
     all_reduce_s,
@@ -310,7 +311,7 @@ def _padded(model: ModelSpec, link: LinkModel, tokens: int) -> _Exchange:
     """The padded all-to-all; the experts compute the whole buffer."""
     P, E = link.world_size, model.experts
     if model.capacity_factor > 0:
-        capacity = math.ceil(model.capacity_factor * tokens * model.top_k / E)
+        capacity = capacity_slots(model.capacity_factor, tokens, model.top_k, E)
         agree_s = 0.0
     else:  # the largest load, agreed by one all-reduce (MAX) of a scalar
         capacity = math.ceil(tokens * model.top_k * max(expert_shares(model, model.experts)))

@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from moesaic.checks import check_bool, check_int, check_positive_int
-from moesaic.config import ACTIVATIONS
+from moesaic.config import ACTIVATIONS, check_top_k
 
 DIRECTIONS = ("forward", "backward")
 
@@ -59,8 +59,7 @@ class ShapeBucket:
         check_positive_int("tile_m", self.tile_m)
         if self.gmm_tile_m is not None:
             check_positive_int("gmm_tile_m", self.gmm_tile_m)
-        if self.top_k > self.experts:
-            raise ValueError(f"top_k ({self.top_k}) must be <= experts ({self.experts})")
+        check_top_k(self.top_k, self.experts, names=("top_k", "experts"))
         if self.experts % self.ep_size:
             raise ValueError(
                 f"experts ({self.experts}) must be divisible by the expert-parallel size "

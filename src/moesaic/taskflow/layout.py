@@ -56,13 +56,13 @@ routing). ``plan_layout_writes`` maps a taskflow plan's communication buffers on
 from __future__ import annotations
 
 import itertools
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from moesaic.checks import check_int, check_number, check_positive_int
+from moesaic.config import capacity_slots
 
 if TYPE_CHECKING:
     from moesaic.taskflow.bucket import ShapeBucket
@@ -85,7 +85,7 @@ def expert_capacity(
     check_positive_int("num_experts", num_experts)
     check_positive_int("top_k", top_k)
     check_number("capacity_factor", capacity_factor, 0.0, lo_open=True)
-    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+    return max(1, capacity_slots(capacity_factor, tokens, top_k, num_experts))
 
 
 class ByteRange(NamedTuple):
