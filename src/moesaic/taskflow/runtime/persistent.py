@@ -16,12 +16,13 @@ rows, V ranks in one launch.
 * ``run_virtual``: the forward or backward plans of every rank of a world run in one launch on
   one device (CI runs it under Triton's interpreter at V = 2 and 4).
 * ``PersistentRuntime``: ``TaskflowRuntime`` whose steps run in the kernel
-  (``dispatcher="taskflow", kernels="triton"``). EP 1: one launch, no peer. EP > 1: real peers
-  through ``torch.distributed._symmetric_memory`` (the receive window and the counters
-  rendezvous-ed per bucket), refused before anything starts where it cannot run
-  (``check_peers``). Per step on a real peer: the device work of the step before finished
-  (a host sync), the counters zeroed, the routing offsets exchanged (``step_routing``'s
-  all-to-all, the step fence: no peer puts into this rank before it is ready), one launch.
+  (``dispatcher="taskflow"`` with ``kernels="triton"``, or ``"auto"`` on CUDA; other steps on
+  the host runtime). EP 1: one launch, no peer. EP > 1: real peers through
+  ``torch.distributed._symmetric_memory`` (the receive window and the counters rendezvous-ed
+  per bucket), refused before anything starts where it cannot run (``check_peers``). Per step
+  on a real peer: the counters zeroed and the device work of the step before finished (a host
+  sync), the routing offsets exchanged (``step_routing``'s all-to-all, the step fence: no peer
+  puts into this rank before it is ready), one launch.
 
 SwiGLU plans only.
 """
