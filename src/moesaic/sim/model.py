@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moesaic.checks import check_bool, check_number, check_one_of, check_positive_int, read_toml
+from moesaic.config import check_top_k
 
 if TYPE_CHECKING:
     from moesaic.train.config import TrainConfig
@@ -110,8 +111,7 @@ class ModelSpec:
             check_positive_int(f"model.{f}", getattr(self, f))
         for f in ("heads", "vocab", "act_bytes", "param_bytes"):
             check_positive_int(f"model.{f}", getattr(self, f))
-        if self.top_k > self.experts:
-            raise ValueError(f"model.top_k ({self.top_k}) must be <= model.experts")
+        check_top_k(self.top_k, self.experts, names=("model.top_k", "model.experts"))
         if self.hidden % self.heads:
             raise ValueError(f"model.hidden ({self.hidden}) must be divisible by model.heads")
         check_number("model.capacity_factor", self.capacity_factor, 0.0, 1e3)
