@@ -86,7 +86,8 @@ def _worker(
     matmul = float(per)
     out = {"matmul": matmul}
     for b in sizes:
-        send, recv = torch.zeros(max(world, b // 4)), torch.empty(max(world, b // 4))
+        n = max(world, b // 4 // world * world)  # all_to_all_single splits evenly
+        send, recv = torch.zeros(n), torch.empty(n)
         group.all_to_all_single(recv, send, what="calibrate sync wait warm-up")
         for seg in (0.0, *segments):
             k = round(seg / matmul)
