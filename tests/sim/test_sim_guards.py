@@ -26,7 +26,7 @@ HYBRID_MODEL = str(ROOT / "examples/models/hybridep_small.toml")
 
 
 def _simulate(capsys, *args: str) -> tuple[int, str, str]:
-    rc = main(["simulate", *args])
+    rc = main(["simulate", "--routing", "uniform", *args])  # the tests' rates are uniform's
     out = capsys.readouterr()
     return rc, out.out, out.err
 

@@ -31,6 +31,7 @@ TASKFLOW_RULE = "taskflow runs no pipelined schedule: its dispatch, GEMMs and co
 
 
 def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    args = ("--routing", "uniform", *args)  # compared with simulate() on the model as given
     rc = main(["simulate", "--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL, *args])
     out = capsys.readouterr()
     return rc, out.out, out.err

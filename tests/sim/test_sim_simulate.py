@@ -22,7 +22,8 @@ from moesaic.sim.simulate import SimOptions, simulate
 ROOT = Path(__file__).resolve().parents[2]
 FLOWMOE_CLUSTER = str(ROOT / "examples/clusters/flowmoe_2rank.toml")
 FLOWMOE_MODEL = str(ROOT / "examples/models/flowmoe_small.toml")
-BASE = ("--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL)
+# uniform routing: the committed tables were predicted with it
+BASE = ("--cluster", FLOWMOE_CLUSTER, "--model", FLOWMOE_MODEL, "--routing", "uniform")
 FIELDS = ("iteration_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "bound_ms", "ranks", "wall_s")
 
 

@@ -52,7 +52,16 @@ def add_loads_option(parser: argparse.ArgumentParser) -> None:
         metavar="METRICS",
         help="a moesaic train run's metrics.jsonl: price the expert loads it measured (each "
         "MoE layer's routing, summed over the steps after the first 2) instead of the "
-        "profile's routing (calibrate --model on a training config) or uniform routing",
+        "profile's routing (calibrate --model on a training config) or the routing prior",
+    )
+    parser.add_argument(
+        "--routing",
+        choices=("prior", "uniform"),
+        default="prior",
+        help="the expert loads when none are measured (no --loads, measured_loads, "
+        "routing_skew or profile routing): the routing prior of a fresh router on a "
+        "byte-level corpus (default; its 10th-90th percentile gives the range), or uniform "
+        "(a layer fed random activations, a router balanced by its loss)",
     )
 
 
@@ -73,9 +82,10 @@ def apply_loads(
     """``model`` with expert loads, the first of: ``--loads`` (a run's), the model's own
     ``measured_loads`` or ``routing_skew``, the ``profile``'s (``calibrate --model`` ran the
     job's router on its data) when they have the model's experts, else the routing prior
-    (:mod:`moesaic.sim.prior`, at its 50th percentile; ``world`` ranks' tokens per step;
-    uniform without ``world``). Says which it used. Returns the model and the prior (None
-    when the loads are known)."""
+    (:mod:`moesaic.sim.prior`, at its 50th percentile; ``world`` ranks' tokens per step),
+    unless ``--routing uniform``, ``world`` is None or the model is ``layer_only`` (a layer
+    timed alone on random activations: uniform). Says which it used. Returns the model and
+    the prior (None when it is not used)."""
     import dataclasses
 
     from moesaic.sim.prior import RoutingPrior
@@ -105,7 +115,7 @@ def apply_loads(
             f"the profile's routing ({routing.source}) has {len(routing.loads[0])} experts, "
             f"the model {model.experts}: not used"
         )
-    if world is None:
+    if world is None or model.layer_only or getattr(args, "routing", "prior") == "uniform":
         return model, None
     prior = RoutingPrior.of(model.experts, model.top_k, model.tokens * world, model.hidden)
     note(prior.describe() + "; the range is priced at the 10th and 90th")
