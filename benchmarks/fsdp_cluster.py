@@ -18,19 +18,12 @@ Usage (root, for the network namespaces)::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from fsdp_memory import MODEL  # the model with the large dense part
+from fsdp_common import MODEL, provenance, train_records, write_corpus
 
 CLUSTER = Path(__file__).resolve().parent.parent / "examples/clusters/compose_2x2.toml"
 STEPS, BATCH, SEQ, WARM = 12, 2, 64, 3
@@ -41,15 +34,10 @@ CASES = {
 }
 
 
-def run(data: Path, work: Path, flags: list[str]) -> dict:
-    run_dir = work / "run"
-    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    args = [sys.executable, "-m", "moesaic", "train", "--data", str(data)]
-    args += ["--run-dir", str(run_dir), "--emulate", str(CLUSTER), *MODEL]
-    args += ["--batch-size", str(BATCH), "--steps", str(STEPS), "--no-save-final"]
-    args += ["--no-progress", "--warmup-steps", "2", *flags]
-    subprocess.run(args, check=True, capture_output=True, timeout=900)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def run(data: Path, work: Path, case: list[str]) -> dict:
+    flags = ["--emulate", str(CLUSTER), "--batch-size", str(BATCH), "--steps", str(STEPS)]
+    flags += ["--warmup-steps", "2", *case]
+    records = train_records(data, work, flags, timeout_s=900)
     steps = [r for r in records if r["kind"] == "train"]
     (network,) = [r for r in records if r["kind"] == "network"]
     tokens = 4 * BATCH * SEQ
@@ -65,8 +53,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {name: [] for name in CASES}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        data = work / "corpus.txt"
-        data.write_bytes(Path(json.__file__).parent.parent.joinpath("argparse.py").read_bytes())
+        data = write_corpus(work)
         for _ in range(args.rounds):
             for name, flags in CASES.items():
                 results[name].append(run(data, work, flags))
@@ -83,16 +70,8 @@ def main() -> None:
             "runs": runs,
         }
     base, sharded = rows["unsharded EP 2 x DP 2"], rows["dp_shard 2 x EP 2"]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
     result = {
-        "what": __doc__.split("\n\n")[0],
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **provenance(__doc__),
         "config": {
             "cluster": str(CLUSTER.name),
             "flags": [*MODEL, "--batch-size", str(BATCH), "--steps", str(STEPS)],

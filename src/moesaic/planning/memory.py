@@ -37,9 +37,13 @@ routing is assumed: a rank receiving more than its share of the tokens holds mor
 (the measured peak is the largest rank's).
 
 ``U``, FSDP2's working set (sharded runs): the root unit (embedding, final norm) stays gathered
-from the forward through the backward, and the largest block unit (its dense part, router and
-this EP rank's experts, whole) is gathered twice at once with explicit prefetch (the current
-unit and the next), once without (``prefetch`` False: the pipelined schedules). Unsharded: 0.
+from the forward through the backward. Entering a block's backward, FSDP2 copies the block's
+dense part out of its all-gather's flat buffer (two copies at once) while, with explicit
+prefetch, the next block's all-gather (its dense part, router and this EP rank's experts) is
+in flight: ``U = root + 2 block + (block + experts)``, without prefetch (``prefetch`` False:
+the pipelined schedules) ``root + 2 block``. The backward peaks at its start (``A + 3 V`` per
+token ``+ root``) or at a block's (``A +`` the feed-forward's gradients ``+ U``), whichever is
+larger. Unsharded: ``U`` = 0.
 
 ``gathered``, HybridEP (``domain_size`` S, the product of its domain sizes): a rank caches the
 (S - 1) e experts of its domain peers per MoE layer across the step, and holds one layer's S e
@@ -192,9 +196,10 @@ def _moe_layers(cfg: MoEGPTConfig) -> int:
     return sum(cfg.is_moe_block(i) for i in range(cfg.n_layers))
 
 
-def _activation_elements(cfg: MoEGPTConfig, checkpointing: bool) -> tuple[float, float]:
-    """(``A`` per token, the backward's ``T`` per token) in elements, uniform routing (a
-    rank's expert rows are its tokens' k rows on average, whatever EP)."""
+def _activation_elements(cfg: MoEGPTConfig, checkpointing: bool) -> tuple[float, float, float]:
+    """(``A``, ``T`` at the head, ``T`` in the last block's feed-forward) per token in
+    elements, uniform routing (a rank's expert rows are its tokens' k rows on average,
+    whatever EP)."""
     D, moe = cfg.d_model, cfg.moe
     k, E, F = moe.top_k, moe.num_experts, moe.ffn_hidden_size
     blocks, ffn_largest, block_largest = 0.0, 0.0, 0.0
@@ -214,8 +219,7 @@ def _activation_elements(cfg: MoEGPTConfig, checkpointing: bool) -> tuple[float,
     head = 2 * D + cfg.vocab_size  # the final norm's input and output, the log-softmax
     # at the backward's start: the loss's and the log-softmax's gradients and the result (3 V);
     # in the last block's feed-forward, the head's tensors freed, gradients of its activations
-    transient = max(3 * cfg.vocab_size, ffn_largest - head)
-    return blocks + head, transient
+    return blocks + head, 3 * cfg.vocab_size, max(0.0, ffn_largest - head)
 
 
 def predict_memory(
@@ -256,13 +260,22 @@ def predict_memory(
     state = state_bytes(cfg, ep=ep, dp_shard=dp_shard)
     dense_ranks, expert_ranks = _shards(ep, dp_shard)
     tokens = batch_size * cfg.seq_len
-    per_token, transient = _activation_elements(cfg, activation_checkpointing)
+    per_token, at_head, in_block = _activation_elements(cfg, activation_checkpointing)
     activations = compute_bytes * tokens * per_token
-    transient_b = compute_bytes * tokens * transient
-    gathered = 0.0
+    root = blocks = 0.0
     if dp_shard is not None:
-        unit = n.block + n.block_experts / ep
-        gathered = compute_bytes * (n.root + (2 if prefetch else 1) * unit)
+        root = compute_bytes * n.root
+        blocks = 2 * compute_bytes * n.block  # copied out of the flat buffer: two copies
+        if prefetch:  # the next block's all-gather in flight: its dense part and its experts
+            blocks += compute_bytes * (n.block + n.block_experts / ep)
+    # the backward's start (the root unit gathered), or a block's (module docstring)
+    at_head_b, at_head_u = compute_bytes * tokens * at_head, root
+    in_block_b, in_block_u = compute_bytes * tokens * in_block, root + blocks
+    transient_b, gathered = (
+        (at_head_b, at_head_u)
+        if at_head_b + at_head_u >= in_block_b + in_block_u
+        else (in_block_b, in_block_u)
+    )
     local_experts_per_layer = n.block_experts / ep  # elements of one layer's local experts
     hybrid = 0.0
     if domain_size > 1:

@@ -250,9 +250,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
     spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
     model = load_option("model", args.model, load_model_spec)
     profile = _profile(args, spec)
-    # --measured re-simulates measured points as their files give them: no routing prior
-    world = None if args.measured else spec.world_size
-    model, prior = apply_loads(args, model, note=_note, profile=profile, world=world)
+    model, prior = apply_loads(args, model, note=_note, profile=profile, world=spec.world_size)
     return spec, model, profile, _options(args), prior
 
 
@@ -330,6 +328,14 @@ def run_simulate(args: argparse.Namespace) -> int:
         lo, hi = row["range_ms"]
         print(
             f"{row['strategy']:9s} {row['schedule']:9s} {row['ranks']:6d} {vals} {lo:.4g}-{hi:.4g}"
+        )
+    for row in rows:  # moesaic.planning.memory (sim.simulate.memory_details)
+        peak = row.get("peak_bytes_per_rank")
+        print(
+            f"memory   {row['name']}: predicted peak {peak / 2**20:.1f} MiB per rank "
+            f"(unsharded, EP = {row['ranks']})"
+            if peak is not None
+            else f"memory   {row['name']}: {row['memory_note']}"
         )
     return 0
 

@@ -42,6 +42,7 @@ from moesaic.sim.cli_files import (
     load_option,
     retimed,
 )
+from moesaic.sim.plan_memory import add_memory_option, apply_memory, memory_lines
 
 PLAN_EPILOG = """\
 examples:
@@ -146,6 +147,7 @@ def add_subparser(subparsers) -> None:
         help="--domains-only: bytes per token element and weight (default: 4, moesaic train's "
         "fp32; a model file's act_bytes)",
     )
+    add_memory_option(p)  # --memory-per-rank (sim.plan_memory)
     p.set_defaults(func=run_plan)
 
 
@@ -528,10 +530,19 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
         return 0
     ranking, wall_s, job = build_ranking(args)
+    fit = apply_memory(args, ranking, job["world_size"], _note)  # sim.plan_memory
+    ranking = ranking if fit is None else fit.plan
     if args.json:
         for name, why in ranking.skipped:
             _note(f"skipped {name}: {why}")
-        print(json.dumps(ranking_json(ranking, job), indent=1))
+        rows = ranking_json(ranking, job)
+        for row, peak in zip(rows, [] if fit is None else fit.peaks):
+            row["peak_bytes_per_rank"] = peak
+        for line in [] if fit is None else fit.dropped:
+            _note(f"dropped {line}")
+        print(json.dumps(rows, indent=1))
     else:
         print(format_ranking(ranking, top=args.top, wall_s=wall_s))
+        if fit is not None:
+            print("\n".join(memory_lines(fit, args.memory_per_rank)))
     return 0

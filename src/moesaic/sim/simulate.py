@@ -53,6 +53,7 @@ from moesaic.sim.hybrid import (
 )
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.pipelined import Costs, check_degree, run_pipelined
+from moesaic.sim.plan_memory import predict_run
 from moesaic.sim.profile import COLLECTIVE_REGIMES, Profile
 from moesaic.sim.runs import (
     LAYER_ONLY_UNSUPPORTED,
@@ -421,6 +422,7 @@ def simulate(
     if plans is not None:  # each layer task expanded into its plan's tiles
         spans = _expand(spans, plans)
     spans.sort(key=lambda s: (s.start, s.resource))
+    details.update(memory_details(model, run, spec.world_size, details.get("domain_sizes")))
     compute = busy_time(spans, COMPUTE_RESOURCES)
     comm = busy_time(spans, COMM_RESOURCES)
     both = busy_time(spans, (*COMPUTE_RESOURCES, *COMM_RESOURCES))
@@ -436,6 +438,19 @@ def simulate(
         spans=spans,
         details=details,
     )
+
+
+def memory_details(
+    model: ModelSpec, run: Run, ranks: int, domain_sizes: Sequence[int] | None
+) -> dict[str, Any]:
+    """``peak_bytes_per_rank``: the per-rank peak ``moesaic.planning.memory`` predicts for the
+    run trained unsharded at EP = ``ranks`` (``memory_per_rank``: its parts); or
+    ``memory_note``, why it is not predicted (a model a training config cannot express)."""
+    try:
+        pred = predict_run(model, run.strategy, run.schedule, ranks, domain_sizes=domain_sizes)
+    except ValueError as exc:
+        return {"memory_note": f"per-rank memory not predicted: {exc}"}
+    return {"peak_bytes_per_rank": pred.peak, "memory_per_rank": pred.to_dict()}
 
 
 def _span(t: SimTask, tl: Timeline) -> Span:

@@ -1,0 +1,65 @@
+"""What the FSDP2 x EP benchmarks share (``fsdp_memory.py``, ``fsdp_cluster.py``): the model
+with a large dense part, the corpus, one ``moesaic train`` run's records, and the result
+file's provenance."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from moesaic.models import MoEGPTConfig
+
+# A model whose dense part outweighs its experts (attention and the byte embedding: 1.5x).
+MODEL = ["--n-layers", "2", "--d-model", "256", "--n-heads", "4", "--experts", "4"]
+MODEL += ["--expert-hidden", "64", "--seq-len", "64"]
+MODEL_CONFIG = MoEGPTConfig.from_dict(
+    {
+        "n_layers": 2,
+        "d_model": 256,
+        "n_heads": 4,
+        "seq_len": 64,
+        "moe": {"num_experts": 4, "ffn_hidden_size": 64},
+    }
+)  # the same shape as MODEL's flags
+
+
+def write_corpus(work: Path) -> Path:
+    """The training text: the standard library's ``argparse.py``."""
+    data = work / "corpus.txt"
+    data.write_bytes(Path(json.__file__).parent.parent.joinpath("argparse.py").read_bytes())
+    return data
+
+
+def train_records(data: Path, work: Path, flags: list[str], timeout_s: float) -> list[dict]:
+    """``moesaic train`` on ``data`` with the model's and ``flags``, in a fresh run directory
+    under ``work``: its ``metrics.jsonl`` records."""
+    run_dir = work / "run"
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    args = [sys.executable, "-m", "moesaic", "train", "--data", str(data)]
+    args += ["--run-dir", str(run_dir), *MODEL, "--no-save-final", "--no-progress", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(args, check=True, capture_output=True, env=env, timeout=timeout_s)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def provenance(doc: str) -> dict:
+    """The result file's header: what (the script's first paragraph), machine, versions, the
+    commit and the date."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return {
+        "what": doc.split("\n\n")[0],
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,178 @@
+"""``moesaic plan``'s memory: each ranked combination's predicted per-rank peak
+(``moesaic.planning.memory``), ``--memory-per-rank BYTES`` to drop what does not fit, and the
+FSDP2 sharding (``--dp-shard``) that makes a combination fit.
+
+The plan's ranks are the expert-parallel group (``plan_cli``), so a combination runs at EP = the
+cluster's world size, unsharded or with ``dp_shard`` d, for every d with d x EP dividing the
+world (here d = 1: the dense part sharded over the EP ranks); only where its strategy and
+schedule run sharded (``train.mesh.check_sharding``: their ``Supports.unsharded_why`` and
+``ScheduleSpec.unsharded_why``, the declarations the trainer reads). Sharding never makes a step
+faster (it adds FSDP2's all-gathers and reduce-scatters: 2.6x the bytes per step in
+``benchmarks/results/fsdp_cluster.json``), and the simulator does not price that traffic yet,
+so each combination takes the least sharding that fits: unsharded, else the smallest d. A
+combination that fits no way is dropped, with its smallest predicted peak. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from moesaic.planning.memory import MemoryPrediction, predict_memory
+from moesaic.schedule_table import schedule_spec
+from moesaic.sim.model import ModelSpec, train_config_of
+from moesaic.train.mesh import check_sharding
+
+__all__ = [
+    "MemoryFit",
+    "add_memory_option",
+    "apply_memory",
+    "fit_memory",
+    "memory_lines",
+    "predict_run",
+    "sharding_choices",
+]
+
+MIB = 2**20
+MAX_DROPPED = 10  # dropped combinations listed one a line; beyond, a count
+
+
+def sharding_choices(world: int, ep: int) -> list[int | None]:
+    """Unsharded (None), then every ``dp_shard`` d, smallest first, with d x ep dividing
+    ``world`` (the rest of the world replicates: ``--dp-replicate``)."""
+    rest = world // ep
+    return [None, *(d for d in range(1, rest + 1) if rest % d == 0)]
+
+
+@dataclasses.dataclass(slots=True)
+class MemoryFit:
+    """The plan after ``--memory-per-rank``.
+
+    Attributes:
+        plan: the ranking with the combinations that fit (each with its ``dp_shard`` in its
+            options when sharded), in the same order.
+        peaks: predicted peak bytes per rank of each kept combination, in that order.
+        dropped: one line per dropped combination.
+    """
+
+    plan: Any
+    peaks: list[float]
+    dropped: list[str]
+
+
+def predict_run(
+    model: ModelSpec,
+    strategy: str,
+    schedule: str,
+    ep: int,
+    *,
+    domain_sizes: Sequence[int] | None = None,
+    dp_shard: int | None = None,
+) -> MemoryPrediction:
+    """The per-rank memory of ``model`` trained by ``strategy`` under ``schedule`` at ``ep``
+    (``moesaic.planning.memory.predict_memory``): HybridEP's domains, the schedule's prefetch
+    (none when pipelined), the model's ``act_bytes`` as the compute dtype.
+
+    Raises:
+        ValueError: a model a training config cannot express (``train_config_of``).
+    """
+    return predict_memory(
+        train_config_of(model).model,
+        batch_size=model.batch,
+        ep=ep,
+        dp_shard=dp_shard,
+        prefetch=not schedule_spec(schedule).pipelined,
+        domain_size=math.prod(domain_sizes) if strategy == "hybrid" and domain_sizes else 1,
+        compute_bytes=model.act_bytes if model.act_bytes in (2, 4) else 4,
+    )
+
+
+def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) -> MemoryFit:
+    """Each combination of ``plan`` (``sim.planner.Plan``) priced in memory at EP = ``world``:
+    the least sharding whose predicted peak fits ``budget`` bytes (None: unsharded, no
+    limit); the combinations that fit no way are dropped.
+
+    Raises:
+        ValueError: ``budget`` not positive, or no combination fits (naming the smallest
+            predicted peak and the budget).
+    """
+    if budget is not None and not budget > 0:
+        raise ValueError(f"memory_per_rank (--memory-per-rank) ({budget!r}) must be > 0 bytes")
+    kept, peaks, dropped = [], [], []
+    for cand in plan.ranked:
+        tried: list[str] = []
+        chosen: tuple[int | None, float] | None = None
+        for d in sharding_choices(world, world) if budget is not None else [None]:
+            if d is not None:
+                try:
+                    check_sharding(cand.strategy, cand.schedule)
+                except ValueError as exc:
+                    tried.append(f"not sharded: {str(exc).split(': ', 1)[0]}")
+                    break
+            domains = cand.options.get("domain_sizes")
+            peak = predict_run(
+                model, cand.strategy, cand.schedule, world, domain_sizes=domains, dp_shard=d
+            ).peak
+            if budget is None or peak <= budget:
+                chosen = (d, peak)
+                break
+            tried.append(f"{'unsharded' if d is None else f'dp_shard {d}'} {peak / MIB:.1f} MiB")
+        if chosen is None:
+            dropped.append(f"{cand.name} ({cand.knobs()}): {'; '.join(tried)}")
+            continue
+        d, peak = chosen
+        if d is not None:
+            cand = dataclasses.replace(cand, options={**cand.options, "dp_shard": d})
+        kept.append(cand)
+        peaks.append(peak)
+    if not kept:
+        raise ValueError(
+            f"no combination fits --memory-per-rank {budget:.0f} bytes ({budget / MIB:.1f} MiB) "
+            f"per rank: {dropped[0]}"
+        )
+    return MemoryFit(plan=dataclasses.replace(plan, ranked=kept), peaks=peaks, dropped=dropped)
+
+
+def add_memory_option(p: Any) -> None:
+    """``--memory-per-rank BYTES`` on ``moesaic plan``'s parser."""
+    p.add_argument(
+        "--memory-per-rank",
+        type=float,
+        metavar="BYTES",
+        help="drop the combinations whose predicted peak per rank exceeds BYTES, sharding "
+        "(--dp-shard) those that fit only so (moesaic.planning.memory)",
+    )
+
+
+def apply_memory(args: Any, plan: Any, world: int, note: Any) -> MemoryFit | None:
+    """``plan`` fitted to ``args.memory_per_rank`` (:func:`fit_memory`) on the model of
+    ``args.model``; without the option and for a model the memory model cannot express
+    (``train_config_of``'s refusals), a note and None."""
+    from moesaic.sim.model import load_model_spec
+
+    model = load_model_spec(args.model)
+    budget = getattr(args, "memory_per_rank", None)
+    try:
+        train_config_of(model)
+    except ValueError as exc:
+        if budget is not None:
+            raise ValueError(f"--memory-per-rank cannot predict this model: {exc}") from None
+        note(f"per-rank memory not predicted: {exc}")
+        return None
+    return fit_memory(plan, model, world, budget)
+
+
+def memory_lines(fit: MemoryFit, budget: float | None) -> list[str]:
+    """The text report's lines: the pick's predicted peak and sharding, what was dropped (one
+    line each, at most ``MAX_DROPPED`` lines, then a count)."""
+    best, peak = fit.plan.ranked[0], fit.peaks[0]
+    shard = best.options.get("dp_shard")
+    how = "unsharded" if shard is None else f"--dp-shard {shard}"
+    limit = "" if budget is None else f" (of --memory-per-rank {budget / MIB:.1f} MiB)"
+    lines = [f"memory   {best.name}: predicted peak {peak / MIB:.1f} MiB per rank, {how}{limit}"]
+    lines += [f"dropped  {line}" for line in fit.dropped[:MAX_DROPPED]]
+    if len(fit.dropped) > MAX_DROPPED:
+        lines.append(f"dropped  ... and {len(fit.dropped) - MAX_DROPPED} more that do not fit")
+    return lines
