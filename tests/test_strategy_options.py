@@ -22,7 +22,7 @@ from moesaic.strategies.base import MoEStrategy
 from moesaic.strategies.hybrid_options import HybridOptions
 from moesaic.strategies.taskflow_options import TaskflowOptions
 from moesaic.strategy_options import StrategyOptions
-from moesaic.train.checkpoint import saved_model_config
+from moesaic.train.ckpt_choice import saved_model_config
 from moesaic.train.config import TrainConfig
 from moesaic.train.flags import config_from_args
 

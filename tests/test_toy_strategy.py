@@ -152,7 +152,8 @@ def test_bench_layer_times_it_by_default(toy, tmp_path):
 
 
 def test_train_runs_it(toy, data_file, tmp_path):
-    from moesaic.train.checkpoint import latest_checkpoint, load_model_for_inference
+    from moesaic.train.checkpoint import load_model_for_inference
+    from moesaic.train.ckpt_choice import latest_checkpoint
 
     run_dir = tmp_path / "run"
     args = ["train", "--data", str(data_file), "--run-dir", str(run_dir), "--strategy", toy]

@@ -29,7 +29,8 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from moesaic.train.checkpoint import latest_checkpoint, load_model_for_inference
+    from moesaic.train.checkpoint import load_model_for_inference
+    from moesaic.train.ckpt_choice import latest_checkpoint
 
     model, _ = load_model_for_inference(latest_checkpoint(str(run_dir)))
     return model.state_dict()

@@ -26,17 +26,19 @@ from moesaic.config import MoEConfig
 from moesaic.models.gpt import MoEGPT, MoEGPTConfig
 from moesaic.testing import HostSyncCounter
 from moesaic.train import checkpoint as ckpt
-from moesaic.train import ckpt_manifest
+from moesaic.train import ckpt_choice, ckpt_manifest
 from moesaic.train.checkpoint import (
     MANIFEST,
     Checkpointer,
-    choose_resume_checkpoint,
     init_optimizer_state,
-    latest_checkpoint,
     load_checkpoint,
     load_model_for_inference,
-    read_checkpoint_meta,
     save_checkpoint,
+)
+from moesaic.train.ckpt_choice import (
+    choose_resume_checkpoint,
+    latest_checkpoint,
+    read_checkpoint_meta,
 )
 from moesaic.train.errors import CheckpointDamaged, CheckpointError
 from moesaic.train.parallel import build_layout
@@ -197,11 +199,11 @@ def test_resume_passes_over_a_damaged_newest_checkpoint(tmp_path):
     path, meta, damage = chosen
     assert path.name == "step_00000001" and meta["step"] == 1
     assert damage == [f"checkpoint {newest} is corrupt: data file __0_0.distcp is missing or short"]
-    assert ckpt.resume_note(path, damage) == (
+    assert ckpt_choice.resume_note(path, damage) == (
         f"{damage[0]}; resuming from step_00000001, the newest intact checkpoint"
     )
     # The single-process walk (the launcher) agrees.
-    single = ckpt.newest_intact_checkpoint(str(run), CFG)
+    single = ckpt_choice.newest_intact_checkpoint(str(run), CFG)
     assert single is not None and single[0] == path
     # Nothing intact: the newest's damage, and that none older is intact either.
     shard = path / "__0_0.distcp"

@@ -56,7 +56,8 @@ def test_loss_falls_and_checkpoints_are_written(hf_run):
 def test_trained_model_loads_in_plain_transformers(hf_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from moesaic.train.checkpoint import latest_checkpoint, load_model_for_inference
+    from moesaic.train.checkpoint import load_model_for_inference
+    from moesaic.train.ckpt_choice import latest_checkpoint
 
     model, _ = load_model_for_inference(latest_checkpoint(str(hf_run)))
     model.save_pretrained(tmp_path / "plain")

@@ -177,7 +177,8 @@ def test_hybrid_auto_run_and_its_checkpoint_loads_elsewhere(data_file, tmp_path,
     which loads into a model of another strategy and into ``generate`` (one process)."""
     pytest.importorskip("moesaic.strategies.hybrid")
     from moesaic.models.gpt import MoEGPT, MoEGPTConfig
-    from moesaic.train.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_meta
+    from moesaic.train.checkpoint import load_checkpoint
+    from moesaic.train.ckpt_choice import latest_checkpoint, read_checkpoint_meta
     from moesaic.train.generate import generate_text
 
     run_dir = tmp_path / "hybrid"

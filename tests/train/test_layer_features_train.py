@@ -13,11 +13,11 @@ from moesaic.cli import main
 from moesaic.models.gpt import MoEGPT
 from moesaic.train.checkpoint import (
     init_optimizer_state,
-    latest_checkpoint,
     load_checkpoint,
     load_model_for_inference,
     save_checkpoint,
 )
+from moesaic.train.ckpt_choice import latest_checkpoint
 from moesaic.train.parallel import build_layout
 
 GAMMA = 0.01

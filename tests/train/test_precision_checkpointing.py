@@ -21,7 +21,7 @@ from moesaic.models import MoEGPT, MoEGPTConfig
 from moesaic.models.gpt import apply_rope, rope_tables
 from moesaic.routing import Router
 from moesaic.strategies import strategy_names
-from moesaic.train.checkpoint import saved_model_config
+from moesaic.train.ckpt_choice import saved_model_config
 from moesaic.train.config import TrainConfig
 
 TINY = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16}

@@ -17,12 +17,11 @@ from moesaic.cli import main
 from moesaic.train.checkpoint import (
     MANIFEST,
     init_optimizer_state,
-    latest_checkpoint,
     load_checkpoint,
     load_model_for_inference,
-    read_checkpoint_meta,
     save_checkpoint,
 )
+from moesaic.train.ckpt_choice import latest_checkpoint, read_checkpoint_meta
 from moesaic.train.errors import CheckpointError
 from moesaic.train.parallel import build_layout
 

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from moesaic.train.checkpoint import latest_checkpoint, load_model_for_inference
+from moesaic.train.checkpoint import load_model_for_inference
+from moesaic.train.ckpt_choice import latest_checkpoint
 from moesaic.train.codec import Codec, codec_of
 
 if TYPE_CHECKING:

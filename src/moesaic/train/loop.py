@@ -39,13 +39,12 @@ from moesaic.trace import (
     step_figures,
     write_chrome_trace,
 )
-from moesaic.train.checkpoint import (
-    Checkpointer,
+from moesaic.train.checkpoint import Checkpointer, load_checkpoint
+from moesaic.train.ckpt_choice import (
     already_has_checkpoints,
     check_resume_step,
     choose_resume_checkpoint,
     latest_checkpoint,
-    load_checkpoint,
     resume_note,
 )
 from moesaic.train.config import TRACE_STEPS, TrainConfig
