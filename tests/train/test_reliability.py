@@ -18,6 +18,7 @@ import pytest
 from _train_helpers import interrupt_when, read_metrics, start_from, tiny_args
 
 from moesaic.cli import main
+from moesaic.train.config import TrainConfig
 from moesaic.train.errors import describe, pick_root_cause
 from moesaic.train.runlock import RunLock, check_run_dir
 from moesaic.train.worker import worker_main
@@ -108,7 +109,7 @@ def test_unexpected_error_is_one_line_with_its_type(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("RANK", "1")
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    cfg = {"run_dir": str(tmp_path / "run"), "steps": 2}
+    cfg = TrainConfig(run_dir=str(tmp_path / "run"), steps=2)
     with pytest.raises(SystemExit) as info:
         worker_main(cfg, launched=False)
     assert info.value.code == 1

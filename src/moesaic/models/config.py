@@ -174,7 +174,13 @@ class MoEGPTConfig:
         into it and its flat option keys into ``options`` (``nest_legacy_keys``). Unknown keys
         are an error naming them.
         """
-        d = nest_legacy_keys(d)
+        return cls.from_nested(nest_legacy_keys(d))
+
+    @classmethod
+    def from_nested(cls, d: dict[str, Any]) -> MoEGPTConfig:
+        """:meth:`from_dict` of a table whose legacy keys are already nested (a caller that
+        ran ``nest_legacy_keys`` itself: ``TrainConfig.from_dict``), so that it runs once."""
+        d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    worker_main(cfg.to_dict(), launched=False)
+    worker_main(cfg, launched=False)
     return 0
 
 

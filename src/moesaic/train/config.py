@@ -505,6 +505,19 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         """Build from a (possibly partial) dict like ``to_dict()``'s; unknown keys are errors.
 
+        The model's legacy keys are nested here (``nest_legacy_keys``), once; then
+        :meth:`from_nested`.
+        """
+        model = d.get("model", {})
+        if not isinstance(model, dict):
+            raise ValueError("model must be a table of MoEGPTConfig fields")
+        return cls.from_nested({**d, "model": nest_legacy_keys(model)})
+
+    @classmethod
+    def from_nested(cls, d: dict[str, Any]) -> TrainConfig:
+        """:meth:`from_dict` of a dict whose model table is already nested (``moesaic train``'s
+        flags nest it themselves, keeping other strategies' keys to note them).
+
         ``model.moe.collective_timeout_s`` may only repeat ``timeout_s`` (which sets it).
         """
         d = dict(d)
@@ -515,7 +528,7 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
-        model, auto = domains.split_auto_domains(nest_legacy_keys(model))
+        model, auto = domains.split_auto_domains(model)
         if d.get("hf_config") is not None:
             # a tokenizer's vocabulary replaces the config's (token shards as data)
             model = apply_hf_shape(
@@ -531,4 +544,4 @@ class TrainConfig:
                 f"timeout_s ({timeout_s}); in a training run timeout_s (--timeout-s) is the "
                 "deadline of every collective, the MoE layers' included: set that instead"
             )
-        return cls(model=MoEGPTConfig.from_dict(model), **d)
+        return cls(model=MoEGPTConfig.from_nested(model), **d)

@@ -42,6 +42,7 @@ from moesaic.cluster.system import run_cmd, support_problem
 from moesaic.cluster.topology import RANK_IFNAME
 from moesaic.train.config import TrainConfig
 from moesaic.train.errors import RECORD_KEY, failure_line
+from moesaic.train.worker import write_config
 
 __all__ = ["check_can_emulate", "network_counters", "run_emulated"]
 
@@ -97,7 +98,7 @@ def run_emulated(cfg: TrainConfig, job: str) -> dict:
         # dead (a killed launcher's directory in the temp dir used to stay behind).
         work = Path(tempfile.mkdtemp(prefix="emulate-", dir=fabric.tmpdir))
         config_file = work / "config.json"
-        config_file.write_text(json.dumps(cfg.to_dict()))
+        write_config(cfg, config_file)
         summary_file = work / "summary.json"
         for attempt in range(cfg.max_restarts + 1):
             failures = _run_attempt(fabric, cfg, job, attempt, work, config_file, summary_file)

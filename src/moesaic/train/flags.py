@@ -137,7 +137,7 @@ def config_from_args(
         # One worker per rank of the emulated cluster; a --nproc that disagrees is refused.
         d["nproc"] = load_cluster(emulate, option="emulate").world_size
     try:
-        return TrainConfig.from_dict(d)
+        return TrainConfig.from_nested(d)  # nested above, once
     except ValueError as exc:
         plan = d.get("plan")
         if isinstance(plan, str) and plan != AUTO:  # an option it set may be the cause

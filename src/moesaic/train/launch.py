@@ -43,6 +43,7 @@ from moesaic.train.data_source import check_resume_data, data_identity
 from moesaic.train.errors import RECORD_KEY, failure_line
 from moesaic.train.plan import AUTO, blame_plan, check_plan_fits, cluster_name
 from moesaic.train.runlock import RunLock, check_run_dir
+from moesaic.train.worker import write_config
 
 # Loggers of the elastic agent and of torch.multiprocessing: they log rendezvous, restarts,
 # child tracebacks and "Terminating process ... via signal SIGTERM"; the launcher reports the
@@ -244,7 +245,7 @@ def _run_agent(cfg: TrainConfig, job: str) -> dict:
         # Each worker in a session of its own, so a Ctrl-C reaches this launcher alone and
         # stops them without a traceback each (moesaic.train.launched).
         config_file = Path(log_dir) / "config.json"
-        config_file.write_text(json.dumps(cfg.to_dict()))
+        write_config(cfg, config_file)
         summary_file = Path(log_dir) / "summary.json"
         with _ctrl_c_stops_workers_with_sigterm():
             if forked:

@@ -12,8 +12,8 @@ no longer dies with its launcher by the terminal's signal: a command asks the ke
 when the launcher dies (``PR_SET_PDEATHSIG``; Linux), a forked worker (whose parent is the
 server) watches the launcher's pid and start time (``cluster.lifecycle.watch_launcher``).
 
-``CONFIG`` holds the run's ``TrainConfig.to_dict()`` as JSON; rank 0 writes its summary to
-``SUMMARY``.
+``CONFIG`` holds the run's config as ``worker.write_config`` wrote it; rank 0 writes its summary
+to ``SUMMARY``.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def die_with_launcher(launcher_pid: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     config, summary, launcher_pid = sys.argv[1:] if argv is None else argv
     die_with_launcher(int(launcher_pid))
-    from moesaic.train.worker import worker_main
+    from moesaic.train.worker import read_config, worker_main
 
-    result = worker_main(json.loads(Path(config).read_text()), launched=True)
+    result = worker_main(read_config(config), launched=True)
     if result:
         Path(summary).write_text(json.dumps(result, default=str))
     return 0
@@ -73,9 +73,9 @@ def run_forked(
     from_agent = {k: v for k, v in os.environ.items() if IMPORT_ENV.get(k) != v}
     os.environ.clear()
     os.environ.update({**env, **from_agent})
-    from moesaic.train.worker import worker_main
+    from moesaic.train.worker import read_config, worker_main
 
-    result = worker_main(json.loads(Path(config).read_text()), launched=True)
+    result = worker_main(read_config(config), launched=True)
     if result:
         Path(summary).write_text(json.dumps(result, default=str))
 

@@ -31,11 +31,14 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from moesaic.train.errors import RECORD_KEY, CheckpointDamaged, describe, is_peer_failure
 
-__all__ = ["fail", "worker_main", "write_traceback"]
+if TYPE_CHECKING:
+    from moesaic.train.config import TrainConfig
+
+__all__ = ["fail", "read_config", "worker_main", "write_config", "write_traceback"]
 
 
 def _open_run_dir_log(run_dir: str, rank: int) -> tuple[Path, TextIO] | None:
@@ -149,11 +152,25 @@ def _rank0_note(rank: int) -> Callable[[str], None]:
     return note
 
 
-def worker_main(cfg_dict: dict, *, launched: bool) -> dict:
+def write_config(cfg: TrainConfig, path: Path) -> None:
+    """The launcher hands its workers the run's config in this one format: ``cfg.to_dict()``
+    as JSON (``read_config`` reads it)."""
+    path.write_text(json.dumps(cfg.to_dict()))
+
+
+def read_config(path: str | Path) -> TrainConfig:
+    """A launched worker's config, from the file ``write_config`` wrote."""
+    from moesaic.train.config import TrainConfig
+
+    return TrainConfig.from_dict(json.loads(Path(path).read_text()))
+
+
+def worker_main(cfg: TrainConfig, *, launched: bool) -> dict:
     """Run this process's rank of a training job; every failure becomes one line (see above).
 
     Args:
-        cfg_dict: the run's ``TrainConfig.to_dict()``.
+        cfg: the run's config (under torchrun as its flags made it; under the moesaic launcher
+            from its file, ``read_config``).
         launched: True under the moesaic launcher (which holds the run lock and prints the root
             cause); False under torchrun, where rank 0 takes the lock and each rank prints.
 
@@ -161,19 +178,17 @@ def worker_main(cfg_dict: dict, *, launched: bool) -> dict:
         Rank 0's summary (an empty dict on other ranks).
     """
     from moesaic.train.ckpt_choice import check_resume_step, latest_checkpoint, read_checkpoint_meta
-    from moesaic.train.config import TrainConfig
     from moesaic.train.loop import train
     from moesaic.train.plan import check_plan_fits, cluster_name
     from moesaic.train.runlock import RunLock, check_run_dir
 
     rank = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    run_dir = str(cfg_dict.get("run_dir") or ".")
-    restarts_left = max(0, int(cfg_dict.get("max_restarts") or 0) - restart)
+    run_dir = cfg.run_dir
+    restarts_left = max(0, cfg.max_restarts - restart)
     lock = None
     fault_log = _fault_dumps_to_log(run_dir, rank) if launched else None
     try:
-        cfg = TrainConfig.from_dict(cfg_dict)
         if not launched:  # torchrun: the world is known here (the launcher checked its own)
             world = int(os.environ.get("WORLD_SIZE", "1"))
             note = _rank0_note(rank)
