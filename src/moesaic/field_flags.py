@@ -195,7 +195,7 @@ def add_flags(group: argparse._ActionsContainer, flags: list[FieldFlag]) -> None
             group.add_argument(
                 *f.flags,
                 dest=f.dest,
-                type=f.parse,
+                type=f.parse or str,
                 metavar=f.metavar,
                 default=argparse.SUPPRESS,
                 help=f.help,

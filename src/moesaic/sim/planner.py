@@ -88,7 +88,7 @@ class Candidate:
 
     Attributes:
         strategy: ``runs.STRATEGIES``.
-        schedule: ``runs.SCHEDULES``.
+        schedule: a schedule the simulator prices (``runs.check_schedule``).
         options: the knobs, named as ``moesaic train``'s options (``pipeline_degree``,
             ``ar_chunk``) and of the strategy's options class (``domain_sizes``,
             ``compression_ratio``; ``pipeline``).
