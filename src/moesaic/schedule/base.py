@@ -34,6 +34,7 @@ from torch import nn
 
 from moesaic.checks import check_int, check_non_negative, check_positive_int
 from moesaic.comm.collectives import EPGroup
+from moesaic.gradnorm import square_norm
 from moesaic.schedule_table import ScheduleSpec, schedule_spec
 from moesaic.trace import Recorder, maybe_span
 
@@ -159,30 +160,89 @@ class TrainStep(ABC):
     def run(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> StepResult:
         """Forward, backward, synchronise and (if all is finite) update on this rank's batch."""
 
-    def norm_and_flags(self, ce: torch.Tensor, aux: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """The global gradient norm and every rank's health flags ``[P, F]`` (``HEALTH_FLAGS``:
-        loss, aux loss, norm not finite); a schedule may compute them earlier (flowmoe)."""
-        norm = self.parts.grad_sync.global_norm(self.params)
-        local_F = torch.stack(
-            [
-                ~torch.isfinite(ce),
-                ~torch.isfinite(aux),
-                torch.tensor(not math.isfinite(norm), device=ce.device),
-            ]
-        ).to(torch.int64)
-        return norm, self.parts.grad_sync.all_ranks(local_F.view(1, -1))
+    def norm_and_flags(
+        self, ce: torch.Tensor, aux: torch.Tensor
+    ) -> tuple[float | torch.Tensor, torch.Tensor]:
+        """The global gradient norm (a float, or a 0-d tensor that ``finish`` reads with the
+        flags) and every rank's health flags ``[P, F]`` (``HEALTH_FLAGS``: loss, aux loss, norm
+        not finite; ``finish`` sets the last from the norm); a schedule may compute them
+        earlier (flowmoe).
+
+        One collective where every gradient is summed over one rank or over all of them (the
+        EP x DP layout at DP 1; ``group_of``): each rank's squared norm of its own gradients
+        travels with its flags in the flags' all-gather (``unreduced_and_flags``), and the
+        all-rank gradients, equal everywhere, are counted here (``norm_with``). Otherwise (DP
+        replicas, FSDP2 shards) the gradient rules' ``global_norm`` and a second collective."""
+        sets = self._reduction_sets()
+        if sets is None:
+            norm = self.parts.grad_sync.global_norm(self.params)
+            local_F = torch.stack(
+                [
+                    ~torch.isfinite(ce),
+                    ~torch.isfinite(aux),
+                    torch.tensor(not math.isfinite(norm), device=ce.device),
+                ]
+            ).to(torch.int64)
+            return norm, self.parts.grad_sync.all_ranks(local_F.view(1, -1))
+        own, shared = sets
+        return self.norm_with(self.unreduced_and_flags(own, ce, aux, divided=True), shared)
+
+    def _reduction_sets(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """This step's parameters whose gradient is summed over this rank alone and over every
+        rank; None when some are summed over other sets (or not per parameter)."""
+        sync = self.parts.grad_sync
+        try:
+            groups = [sync.group_of(p) for p in self.params]
+        except NotImplementedError:  # sharded: FSDP2 reduces them
+            return None
+        world = max((g.size for g in groups), default=1)
+        if any(1 < g.size < world for g in groups):
+            return None
+        own = [p for p, g in zip(self.params, groups) if g.size == 1 or world == 1]
+        shared = [p for p, g in zip(self.params, groups) if g.size > 1 and world > 1]
+        return own, shared
+
+    def unreduced_and_flags(
+        self, params: Sequence[torch.Tensor], ce: torch.Tensor, aux: torch.Tensor, *, divided: bool
+    ) -> torch.Tensor:
+        """Every rank's ``[squared norm of params' gradients, loss flag, aux flag]`` ``[P, 3]``
+        in one all-gather (``divided``: the gradients are final; else not yet divided by the
+        gradient rules' divisor, as the pool leaves them)."""
+        local = torch.zeros((), dtype=torch.float64, device=ce.device)
+        for p in params:
+            if p.grad is not None:
+                local += square_norm(p.grad)
+        if not divided:
+            local /= float(self.parts.grad_sync.divisor) ** 2
+        flags = torch.stack(
+            [local, (~torch.isfinite(ce)).double(), (~torch.isfinite(aux)).double()]
+        )
+        return self.parts.grad_sync.all_ranks(flags.view(1, -1))
+
+    def norm_with(
+        self, early_P3: torch.Tensor, shared: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global norm from ``unreduced_and_flags``' all-gather plus ``shared``'s
+        gradients (equal on every rank: counted once), left on the device for ``finish``'s
+        one read, and the flags ``[P, F]`` (the norm's column set by ``finish``)."""
+        sq = early_P3[:, 0].sum()
+        for p in shared:
+            if p.grad is not None:
+                sq = sq + square_norm(p.grad)
+        bad_P = torch.zeros_like(early_P3[:, :1])
+        return sq.sqrt(), torch.cat([early_P3[:, 1:], bad_P], dim=1).to(torch.int64)
 
     def finish(self, ce: torch.Tensor, aux: torch.Tensor) -> StepResult:
         """Steps 4 of the contract, after the gradients are synchronised: check, clip, update."""
         parts = self.parts
         ce, aux = ce.detach(), aux.detach()
         with maybe_span(parts.recorder, "allreduce", "norm"):  # norm + health flags
-            norm, flags_PF = self.norm_and_flags(ce, aux)
+            norm_or_tensor, flags_PF = self.norm_and_flags(ce, aux)
+        norm, flags = _read_norm_and_flags(norm_or_tensor, flags_PF)
         nonfinite = []
-        flags = flags_PF.tolist()  # one read of every rank's flags
         for i, what in enumerate(HEALTH_FLAGS):
             ranks = [r for r, row in enumerate(flags) if row[i]]
-            if what == "gradients" and ranks:
+            if what == "gradients" and not math.isfinite(norm):
                 nonfinite.append(f"gradients (global norm {norm})")
             elif ranks:
                 nonfinite.append(f"{what} on rank(s) {ranks}")
@@ -196,3 +256,16 @@ class TrainStep(ABC):
             parts.optimizer.step()
             parts.optimizer.zero_grad(set_to_none=True)
         return StepResult(ce=ce, aux=aux, grad_norm=norm)
+
+
+def _read_norm_and_flags(
+    norm: float | torch.Tensor, flags_PF: torch.Tensor
+) -> tuple[float, list[list[int]]]:
+    """One host read of every rank's flags and, when still on the device, the norm (brought
+    to the flags' device, the control plane's, first)."""
+    if isinstance(norm, float):
+        return norm, flags_PF.tolist()
+    norm_1 = norm.detach().double().view(1).to(flags_PF.device)
+    values = torch.cat([norm_1, flags_PF.flatten().double()]).tolist()
+    P, F = flags_PF.shape
+    return values[0], [[int(v) for v in values[1 + r * F : 1 + (r + 1) * F]] for r in range(P)]

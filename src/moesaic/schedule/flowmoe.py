@@ -14,7 +14,6 @@ chunks) and send their all-to-alls through a ``CommPool`` (``schedule/pool.py``)
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING
 
@@ -23,7 +22,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moesaic.checks import check_positive_int
-from moesaic.gradnorm import square_norm
 from moesaic.layer import is_expert_param
 from moesaic.schedule.base import StepParts, StepResult, TrainStep
 from moesaic.schedule.pipeline import BlockPipeline, check_degree
@@ -127,43 +125,20 @@ class _PipelinedStep(TrainStep):
             return
         if any(1 < len(ranks) < world for ranks, _ in sets):
             return
+        own = [p for ranks, params in sets if len(ranks) == 1 for p in params]
         with maybe_span(self.parts.recorder, "allreduce", "norm", part="unreduced"):
-            self._early = self._unreduced_and_flags(sets, ce, aux)
+            self._early = self.unreduced_and_flags(own, ce, aux, divided=False)
 
-    def _unreduced_and_flags(
-        self,
-        sets: list[tuple[tuple[int, ...], list[torch.nn.Parameter]]],
-        ce: torch.Tensor,
-        aux: torch.Tensor,
-    ) -> torch.Tensor:
-        local = torch.zeros((), dtype=torch.float64, device=ce.device)
-        for ranks, params in sets:
-            if len(ranks) == 1:
-                for p in params:
-                    if p.grad is not None:
-                        local += square_norm(p.grad)
-        local /= float(self.parts.grad_sync.divisor) ** 2
-        flags = torch.stack(
-            [local, (~torch.isfinite(ce)).double(), (~torch.isfinite(aux)).double()]
-        )
-        return self.parts.grad_sync.all_ranks(flags.view(1, -1))
-
-    def norm_and_flags(self, ce: torch.Tensor, aux: torch.Tensor) -> tuple[float, torch.Tensor]:
+    def norm_and_flags(
+        self, ce: torch.Tensor, aux: torch.Tensor
+    ) -> tuple[float | torch.Tensor, torch.Tensor]:
         """The global norm from the early all-gather (every rank's unreduced part) plus the
-        reduced gradients' part (equal on every rank: counted once); the same flags as
-        ``TrainStep.norm_and_flags``, with no collective left here."""
+        reduced gradients' part (``TrainStep.norm_with``), with no collective left here."""
         early_P3 = self._early
         if early_P3 is None:
             return super().norm_and_flags(ce, aux)
-        sq = early_P3[:, 0].sum()
-        for ranks, params in self.pool.reduction_sets():
-            if len(ranks) > 1:
-                for p in params:
-                    if p.grad is not None:
-                        sq = sq + square_norm(p.grad)
-        norm = math.sqrt(float(sq))
-        bad_P = torch.full_like(early_P3[:, :1], float(not math.isfinite(norm)))
-        return norm, torch.cat([early_P3[:, 1:], bad_P], dim=1).to(torch.int64)
+        shared = [p for ranks, ps in self.pool.reduction_sets() if len(ranks) > 1 for p in ps]
+        return self.norm_with(early_P3, shared)
 
     def _next_chunk_bytes(self) -> int:
         return self._chunk_bytes
