@@ -198,8 +198,8 @@ class TrainStep(ABC):
         world = max((g.size for g in groups), default=1)
         if any(1 < g.size < world for g in groups):
             return None
-        own = [p for p, g in zip(self.params, groups) if g.size == 1 or world == 1]
-        shared = [p for p, g in zip(self.params, groups) if g.size > 1 and world > 1]
+        own: list[torch.Tensor] = [p for p, g in zip(self.params, groups) if g.size == 1]
+        shared: list[torch.Tensor] = [p for p, g in zip(self.params, groups) if g.size > 1]
         return own, shared
 
     def unreduced_and_flags(

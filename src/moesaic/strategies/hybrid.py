@@ -131,8 +131,8 @@ class _GatheredExperts(torch.autograd.Function):
             for i, g in zip(index, summed):
                 reduced[i] = g.to(ctx.local_dtypes[i])
         out: list[torch.Tensor | None] = [None, None]
-        for g in reduced:
-            out += [g, None]
+        for r in reduced:
+            out += [r, None]
         return tuple(out)
 
 
