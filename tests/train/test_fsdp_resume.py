@@ -102,6 +102,23 @@ def test_pre_sharding_checkpoint_resumes_sharded(reference, data_file, tmp_path)
     _close(train_losses(run_dir), train_losses(reference), range(5, 9))
 
 
+PRE_FSDP = Path(__file__).resolve().parent / "fixtures/pre_fsdp_run"
+
+
+def test_checkpoint_of_the_tree_before_sharding_resumes_sharded(data_file, tmp_path):
+    """A checkpoint written by the tree before FSDP2 sharding (d4a5703, the parent of its first
+    commit; ``fixtures/make_pre_fsdp_run.sh`` wrote it: EP 2 on 2 ranks, step 4 of 8) resumes
+    as ``--dp-shard 2 --ep 1`` and continues that tree's own run: steps 5-8 within rtol 1e-5
+    of its recorded losses."""
+    run_dir = start_from(PRE_FSDP, 4, tmp_path / "run")
+    args = tiny_args(data_file, run_dir, "--resume", "--dp-shard", "2", "--ep", "1")
+    shape = {"--d-model": "16", "--expert-hidden": "16", "--seq-len": "16"}  # the fixture's
+    args = [shape.get(prev, a) for prev, a in zip(["", *args[:-1]], args, strict=True)]
+    assert main(args) == 0
+    want = {r["step"]: r["loss"] for r in read_metrics(PRE_FSDP) if r["kind"] == "train"}
+    _close(train_losses(run_dir), want, range(5, 9))
+
+
 @pytest.mark.parametrize(
     "flags,start",
     [
