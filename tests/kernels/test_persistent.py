@@ -233,6 +233,15 @@ def _launch(plan, tables, tasks, programs=None):
     return run_tables(dataclasses.replace(launch, tasks=tasks), programs=programs, trace=True)
 
 
+def test_launch_tables_off_the_buffers_device_are_refused():
+    """A table left on another device than the buffers (the kernel would read a host pointer
+    on a GPU) is refused by name before the launch."""
+    fwd, _ = _plans(_routing(None))
+    tables = lower(fwd)
+    with pytest.raises(ValueError, match="tasks is on meta; the buffers are on cpu"):
+        _launch(fwd, tables, tables.launch_rows().to("meta"))
+
+
 @pytest.mark.parametrize("programs", [1, 3])
 def test_kernel_runs_the_topological_order(programs):
     """Programs take rows by ticket: under the interpreter (programs in turn) the first takes

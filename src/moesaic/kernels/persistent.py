@@ -554,6 +554,18 @@ def _check(launch: Launch) -> list[torch.Tensor]:
         _check_ints(name, t, dim)
     _check_ints("psig", launch.psig, 1, torch.int64)
     _check_ints("pdata", launch.pdata, 1, torch.int64)
+    tables = {
+        "tasks": launch.tasks,
+        "triggers": launch.triggers,
+        "trigger_ranks": launch.trigger_ranks,
+        "counters": launch.counters,
+        "psig": launch.psig,
+        "pdata": launch.pdata,
+        **{f"step[{k!r}]": v for k, v in launch.step.items()},
+    }
+    for name, t in tables.items():
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device}; the buffers are on {first.device}")
     if launch.tasks.shape[1] != ops.NCOL:
         raise ValueError(f"tasks must have {ops.NCOL} columns, got {launch.tasks.shape[1]}")
     if launch.psig.numel() != launch.pdata.numel() or launch.psig.numel() % launch.ep_size:

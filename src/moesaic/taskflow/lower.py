@@ -144,6 +144,12 @@ class WorldTables:
     ranks: tuple[DeviceTables, ...]
     order: torch.Tensor
 
+    def to(self, device: torch.device | str) -> WorldTables:
+        """The tables on ``device``."""
+        return WorldTables(
+            ranks=tuple(t.to(device) for t in self.ranks), order=self.order.to(device)
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class StepTables:

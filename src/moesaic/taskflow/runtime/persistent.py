@@ -250,6 +250,7 @@ def run_virtual(
     per_rank = [make_buffers(p, i, ref) for p, i in zip(plans, inputs)]
     bufs = {name: torch.cat([b[name] for b in per_rank]) for name in per_rank[0]}
     routes = virtual_routes(plans, routings)
+    world = world.to(ref.device)
     steps = [step_tables(t, r, ref.device) for t, r in zip(world.ranks, routes)]
     launch = virtual_launch(world, steps, bufs, tokens=plans[0].bucket.tokens)
     done = run_tables(launch, programs=programs, spin=spin, trace=trace)
