@@ -56,6 +56,7 @@ above (FSDP2's ``MixedPrecisionPolicy``); measured only on CUDA, where it runs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from moesaic.checks import check_bool, check_positive_int
@@ -189,7 +190,7 @@ class MemoryPrediction:
     phase: str
 
     def to_dict(self) -> dict[str, float | str]:
-        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def _moe_layers(cfg: MoEGPTConfig) -> int:

@@ -127,7 +127,7 @@ def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) ->
             cand = dataclasses.replace(cand, options={**cand.options, "dp_shard": d})
         kept.append(cand)
         peaks.append(peak)
-    if not kept:
+    if not kept and budget is not None:  # (without a budget every combination is kept)
         raise ValueError(
             f"no combination fits --memory-per-rank {budget:.0f} bytes ({budget / MIB:.1f} MiB) "
             f"per rank: {dropped[0]}"
