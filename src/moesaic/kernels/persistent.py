@@ -75,10 +75,11 @@ __all__ = [
 
 # Re-reads of a wait before a program gives up. Under the interpreter a wait that is not met at
 # once never will be (the order is topological and programs run in turn): a few re-reads. On a
-# GPU a wait may outlast a slow peer's launch; not measured: at an L2 atomic's ~0.1-1 us a
-# re-read, 2**26 of them are 7-70 s.
+# GPU a wait may outlast a peer's late launch (its first launch compiles the kernel: tens of
+# seconds for this one); not measured: at an L2 atomic's ~0.1-1 us a re-read, 2**30 of them
+# are minutes.
 INTERPRETER_SPIN = 8
-GPU_SPIN = 1 << 26
+GPU_SPIN = 1 << 30
 
 # The buffers of each direction, by the plan's names; the kernel takes all of them (a direction
 # passes a placeholder for the other's).
