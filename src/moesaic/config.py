@@ -140,7 +140,8 @@ class MoEConfig:
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
     dispatcher: str = field(
-        default="dropless", metadata={ALIASES: ("--strategy",), METAVAR: _strategies}
+        default="dropless",
+        metadata={FLAG: "--strategy", ALIASES: ("--dispatcher",), METAVAR: _strategies},
     )
     collective_timeout_s: float = field(default=300.0, metadata={FLAG: None})  # a run's timeout_s
     init_std: float | None = None

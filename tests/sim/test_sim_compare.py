@@ -102,7 +102,7 @@ def test_points_carry_their_run_and_knobs(tmp_path):
         ('[{"schedule": "flowmoe"}]', "point '#0' has no time"),
         (
             '[{"strategy": "taskflow", "schedule": "flowmoe", "iteration_ms": 1}]',
-            "taskflow runs vanilla only",
+            "taskflow runs no pipelined schedule",
         ),
         ('{"results": {"x": {"step_time_s": -1}}}', "point 'x': step_time_s (-1) must be"),
         ("[]", "holds no measured point"),

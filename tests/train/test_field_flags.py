@@ -87,7 +87,7 @@ def test_switches_and_types_follow_the_field():
     assert "auto_domains" not in by_dest  # FLAG None: set by --domains auto
     moe = {f.dest: f for f in field_flags(MoEConfig, defaults=MoEGPTConfig().moe)}
     assert moe["num_experts"].flags == ("--experts",)
-    assert moe["dispatcher"].flags == ("--dispatcher", "--strategy")
+    assert moe["dispatcher"].flags == ("--strategy", "--dispatcher")  # messages say --strategy
     assert "hidden_size" not in moe and "collective_timeout_s" not in moe
 
 
