@@ -211,3 +211,11 @@ def test_the_routing_run_is_the_job_on_one_process(tmp_path):
     assert run.model.moe.dispatcher == "dropless" and run.model.moe.capacity_factor is None
     assert run.model.d_model == 32 and run.model.moe.num_experts == 8
     assert run.run_dir == str(tmp_path / "r")
+
+
+def test_many_rows_are_described_by_their_range():
+    from moesaic.sim.cli_files import describe_loads
+
+    assert describe_loads([[3, 1, 1, 1], [1, 2, 1, 1]]) == "2.00x, 1.60x the mean"
+    rows = [[3, 1, 1, 1]] * 3 + [[1, 2, 1, 1]] * 3
+    assert describe_loads(rows) == "1.60-2.00x the mean (median 2.00x over 6 rows: steps x layers)"

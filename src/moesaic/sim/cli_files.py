@@ -66,8 +66,15 @@ def add_loads_option(parser: argparse.ArgumentParser) -> None:
 
 
 def describe_loads(rows: Any) -> str:
-    """The busiest expert of each layer against the mean, e.g. ``3.40x, 2.10x the mean``."""
+    """The busiest expert of each row against the mean, e.g. ``3.40x, 2.10x the mean``; past
+    four rows (a run's steps x layers) their range and median."""
     ratios = [max(row) * len(row) / sum(row) for row in rows]
+    if len(ratios) > 4:
+        mid = sorted(ratios)[len(ratios) // 2]
+        return (
+            f"{min(ratios):.2f}-{max(ratios):.2f}x the mean (median {mid:.2f}x over "
+            f"{len(ratios)} rows: steps x layers)"
+        )
     return ", ".join(f"{r:.2f}x" for r in ratios) + " the mean"
 
 
