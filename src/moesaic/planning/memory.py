@@ -22,16 +22,18 @@ update) peaks in one of two phases above ``P + O``::
     optimizer step     G + P_matrices          foreach AdamW's sqrt(v) temporaries (one group)
 
 ``A``, the activations saved for the backward, per token of the rank's batch and per block
-(fp32 elements, counted from ``models/gpt.py``'s ops): attention 9 D (the block input, the
-norm's output, Q K V, the attention output and its contiguous copy, the residual, the second
-norm's output) plus one per head (the softmax's log-sum-exp); an MoE layer 2 E (router logits
-and probabilities) + 2 k (top-k weights, indices) + k (3 F + 3 D) (the dispatched rows, the
-gate, up and activated hidden rows, the expert output rows, the weighted rows) + D (the
-combine's sum); a dense block's MLP 3 Fd + D; the head 2 D + V (final norm in and out, the
-log-softmax; the schedule keeps no reference to the logits). ``T``, what the backward adds at
-its peak: at its start 3 V (the loss's gradient, the log-softmax's saved output's gradient
-and its result), or in the last block's feed-forward, the head's tensors freed, gradients of
-the size of that layer's activations, whichever is larger. With activation checkpointing only
+(fp32 elements; the storages ``torch.autograd.graph.saved_tensors_hooks`` sees, tallied on
+``models/gpt.py``'s blocks at two shapes and matched within 1.5%): attention 10 D (Q K V in one
+3 D storage, the block input, the norms' inputs and outputs, the attention output and its
+contiguous copy, the residual) plus one per head (the log-sum-exp) and 4 (the norms'
+statistics); an MoE layer 3 D (the router's input, the combine's sum and its weights' rows)
++ 2 k D (the dispatched rows, the expert output rows) + 4 k F (the gate, up, activated and
+gated hidden rows) + 2 E (router logits and probabilities) + 8 k (top-k weights, int64
+indices and their inverse) + 2; a dense block's MLP 3 Fd + D; the head 2 D + V (final norm in
+and out, the log-softmax; the schedule keeps no reference to the logits). ``T``, what the
+backward adds at its peak: at its start 2 V (the loss's gradient and the log-softmax's), or in
+the last block's feed-forward, the head's tensors freed, gradients of the size of that layer's
+activations, whichever is larger. With activation checkpointing only
 each block's input (D per token) is kept and one block is recomputed at a time. Uniform
 routing is assumed: a rank receiving more than its share of the tokens holds more expert rows
 (the measured peak is the largest rank's).
@@ -205,9 +207,9 @@ def _activation_elements(cfg: MoEGPTConfig, checkpointing: bool) -> tuple[float,
     k, E, F = moe.top_k, moe.num_experts, moe.ffn_hidden_size
     blocks, ffn_largest, block_largest = 0.0, 0.0, 0.0
     for i in range(cfg.n_layers):
-        attention = 9 * D + cfg.n_heads
+        attention = 10 * D + cfg.n_heads + 4  # (module docstring)
         if cfg.is_moe_block(i):
-            ffn = 2 * E + 2 * k + k * (3 * F + 3 * D) + D
+            ffn = 3 * D + 2 * k * D + 4 * k * F + 2 * E + 8 * k + 2
             if moe.num_shared_experts:
                 ffn += 3 * moe.shared_hidden + D
         else:
@@ -218,9 +220,9 @@ def _activation_elements(cfg: MoEGPTConfig, checkpointing: bool) -> tuple[float,
     if checkpointing:  # each block's input, and one block recomputed at a time
         blocks = cfg.n_layers * D + block_largest
     head = 2 * D + cfg.vocab_size  # the final norm's input and output, the log-softmax
-    # at the backward's start: the loss's and the log-softmax's gradients and the result (3 V);
+    # at the backward's start: the loss's gradient and the log-softmax's (2 V);
     # in the last block's feed-forward, the head's tensors freed, gradients of its activations
-    return blocks + head, 3 * cfg.vocab_size, max(0.0, ffn_largest - head)
+    return blocks + head, 2 * cfg.vocab_size, max(0.0, ffn_largest - head)
 
 
 def predict_memory(
