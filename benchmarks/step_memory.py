@@ -24,14 +24,14 @@ state) are measured. A case's peak is its largest rank's; repeats differ only wh
 timing decides what is alive at once (hybrid's gathers on gloo's prefetch thread). The script imports whichever
 ``moesaic`` is on ``PYTHONPATH``, so the same file measures another commit's tree::
 
+    git archive 89f6ff4 | tar -x -C /tmp/before     # and HEAD into /tmp/after
     PYTHONPATH=/tmp/before/src python benchmarks/step_memory.py --label before \\
-        --out benchmarks/results/step_memory_issue49.json
-    PYTHONPATH=src python benchmarks/step_memory.py --label after \\
-        --out benchmarks/results/step_memory_issue49.json
-
-    PYTHONPATH=src python benchmarks/step_memory.py --label after-standin --standin-streams \\
-        --out benchmarks/results/step_memory_issue49.json
-    python benchmarks/step_memory.py --table benchmarks/results/step_memory_issue49.json
+        --commit 89f6ff4 --out benchmarks/results/step_memory.json
+    PYTHONPATH=/tmp/after/src python benchmarks/step_memory.py --label after \\
+        --commit <HEAD> --out benchmarks/results/step_memory.json
+    PYTHONPATH=/tmp/after/src python benchmarks/step_memory.py --label after-standin \\
+        --standin-streams --commit <HEAD> --out benchmarks/results/step_memory.json
+    python benchmarks/step_memory.py --table benchmarks/results/step_memory.json
 
 (results of several labels share the file: each run replaces its label's entry; ``--table``
 prints them side by side.)
@@ -266,10 +266,10 @@ def _case(rank: int, world_size: int, args, strategy: str, schedule: str, dtype:
     model.set_autocast(torch.bfloat16 if dtype == "bf16" else None)  # as train/loop.py does
     optimizer = _make_optimizer(model, types.SimpleNamespace(lr=1e-3, weight_decay=0.1))
     # Under a dispatch mode (this counter) torch 2.13's foreach AdamW updates the parameters
-    # without bumping their version counters, by which hybrid knows its gathered copies are
-    # stale: without this hook it would neither prefetch nor gather again, and train on the
-    # first step's experts. Registered before the prefetcher's hook, as train/loop.py does
-    # for the fused kernel; a second bump where the kernel made one is harmless.
+    # without bumping their version counters, by which hybrid knew its gathered copies were
+    # stale until 7a6b8b1 (since then: a count of optimizer steps): on such trees it would
+    # neither prefetch nor gather again without this hook, and train on the first step's
+    # experts. Registered before the prefetcher's hook; harmless where the count decides.
     optimizer.register_step_post_hook(_bump_versions)
     hooks = ModelHooks(model).attach(optimizer)
     parts = StepParts(
@@ -391,6 +391,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="worlds per case")
     parser.add_argument("--only", default="", help="the cases whose name holds this text")
     parser.add_argument(
+        "--commit", help="the commit of the tree on PYTHONPATH (a git-archive tree has no .git)"
+    )
+    parser.add_argument(
         "--standin-streams",
         action="store_true",
         help="the workers take the device-stream branches (MOESAIC_STANDIN_STREAMS=1, trees "
@@ -438,8 +441,11 @@ def main() -> None:
             "python": platform.python_version(),
             "torch": torch.__version__,
             **_source_meta(),
+            **({"commit": args.commit} if args.commit else {}),
         },
-        "config": {k: v for k, v in vars(args).items() if k not in ("label", "out", "table")}
+        "config": {
+            k: v for k, v in vars(args).items() if k not in ("label", "out", "table", "commit")
+        }
         | {"cases": list(cases), "backend": "gloo", "ep": args.ranks},
         "cases": cases,
     }
