@@ -66,10 +66,11 @@ def test_state_bytes_shard_dense_and_experts():
     assert state_bytes(cfg, ep=2, dp_shard=None).params == 4 * (n.dense + n.expert / 2)
 
 
-def _measured_step(cfg: MoEGPTConfig, batch: int) -> tuple[int, int, int]:
+def _measured_step(cfg: MoEGPTConfig, batch: int, recompute: bool) -> tuple[int, int, int]:
     """(peak, bytes at the start, parameters + AdamW state) of a second training step."""
     torch.manual_seed(0)
     model = MoEGPT(cfg)
+    model.activation_checkpointing = recompute
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # the CPU run's kernel
     x_BT = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
     y_BT = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
@@ -88,18 +89,24 @@ def _measured_step(cfg: MoEGPTConfig, batch: int) -> tuple[int, int, int]:
     return counter.peak, counter.start_bytes, state.params + state.optimizer
 
 
-@pytest.mark.parametrize(("batch", "phase"), [(1, "optimizer"), (16, "backward")])
-def test_peak_within_ten_percent(batch, phase):
+@pytest.mark.parametrize(
+    ("batch", "recompute", "phase"),
+    [(1, False, "optimizer"), (16, False, "backward"), (16, True, "backward")],
+)
+def test_peak_within_ten_percent(batch, recompute, phase):
     """A model whose dense part outweighs its experts: at batch 1 the peak is the optimizer's
-    (gradients and AdamW's temporaries), at 16 the backward's start (activations)."""
+    (gradients and AdamW's temporaries), at 16 the backward's start (activations; measured
+    within 0.4%), and with activation checkpointing a block's recomputation (1.1%)."""
     cfg = MoEGPTConfig.from_dict(
         {"d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 32, "moe": MOE}
     )
-    peak, start, state = _measured_step(cfg, batch)
-    want = predict_memory(cfg, batch_size=batch, ep=1)
+    peak, start, state = _measured_step(cfg, batch, recompute)
+    want = predict_memory(cfg, batch_size=batch, ep=1, activation_checkpointing=recompute)
     assert want.phase == phase
     assert state == want.params + want.optimizer  # exact
-    assert start - state < 0.01 * peak  # what the model leaves out: the batch, buffers
+    # what the model leaves out: the batch, buffers (with checkpointing 0.6 MB more is alive at
+    # the step's start, 5% of the peak: not identified, and inside the measured peak below)
+    assert start - state < (0.06 if recompute else 0.01) * peak
     assert peak == pytest.approx(want.peak, rel=0.10), (peak, want.to_dict())
 
 

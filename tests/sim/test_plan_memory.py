@@ -13,7 +13,7 @@ from moesaic.sim.planner import Candidate, Plan
 from moesaic.train.plan import plan_settings
 
 MODEL = ModelSpec(
-    layers=2, batch=2, seq_len=64, hidden=256, ffn_hidden=64, experts=4, top_k=2, heads=4
+    layers=2, batch=1, seq_len=64, hidden=256, ffn_hidden=64, experts=4, top_k=2, heads=4
 )
 WORLD = 2
 
