@@ -16,7 +16,8 @@ Every schedule does, for this rank's batch:
    post-accumulate-grad hook per parameter feeding a chunked all-reduce pool: ``group_of(p)``
    says over which ranks ``p``'s gradient is summed, ``divisor`` by what it is then divided);
 4. ``finish``: the global gradient norm, a check that the loss, the aux loss and the gradients
-   are finite on every rank (one all-gather of flags, so that all ranks take the same branch),
+   are finite on every rank (one all-reduce of the flags, with the norm's parts and the
+   caller's statistics, so that all ranks take the same branch: ``step_sums``),
    then clipping and the optimizer step, or no update at all when something was non-finite.
    What to do about a non-finite step (stop, skip) is the caller's policy, not the schedule's.
 """
