@@ -435,10 +435,11 @@ STEP_END_READS = {"vanilla": 1, "flowmoe": 1}
 
 def test_training_step_host_sync_budget():
     """A whole training step (dropless, EP 2): each MoE layer's budget (1 per layer and chunk)
-    plus one read at the step's end, the global norm and every rank's flags together
-    (``STEP_END_READS``; 2 on 89f6ff4, the norm read apart: that fails here); the optimizer (fused AdamW, as on a GPU) and the
-    clipping (one multi-tensor multiply) read nothing (on 3bca125 AdamW(foreach=False) read
-    each parameter's step count and the flags were read once per flag: 32-37 per step with the loop.s statistics in
+    plus one read at the step's end, the global norm, every rank's flags and the loop's
+    statistics together (``STEP_END_READS``; 2 on 89f6ff4, the norm read apart: that fails
+    here); the optimizer (fused AdamW, as on a GPU) and the clipping (one multi-tensor
+    multiply) read nothing (on 3bca125 AdamW(foreach=False) read each parameter's step count
+    and the flags were read once per flag: 32-37 per step with the loop's statistics in
     ``benchmarks/results/step_budget.json``)."""
     for rank, result in enumerate(r["train"] for r in _world_of_2()):
         for schedule, got in result.items():
