@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             write_json(result, args.out)
         if "sim" not in skip:
-            from moesaic.sim.machine import measure
+            from moesaic.measure.machine import measure
             from moesaic.sim.profile import Profile
 
             if args.profile is not None:
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                 source = str(args.profile)
             else:
                 profile = Profile(**measure(device=args.device), source="gpu_check measure")
-                source = "moesaic.sim.machine.measure"
+                source = "moesaic.measure.machine.measure"
             result["simulator"] = {
                 "profile": {
                     "source": source,

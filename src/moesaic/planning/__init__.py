@@ -1,12 +1,12 @@
 """Planning: what a choice of expert domains costs and which to take (HybridEP), and what a
 plan holds in memory per rank.
 
-* :mod:`moesaic.planning.costmodel` — the paper's stream-based cost model (Eqs. 1-12),
+* :mod:`moesaic.sim.hybrid_costmodel` — the paper's stream-based cost model (Eqs. 1-12),
   ``optimal_p`` / ``search_p``, multilevel ``evaluate_domains`` / ``plan_domains`` (torch-free,
   except ``measure_gemm_flops``);
 * :mod:`moesaic.planning.stepmodel` — ``predict_step`` / ``plan_step``: a whole training step
   (forward, backward, gradient reduce, prefetched gathers) per candidate.
-* :mod:`moesaic.planning.memory` — ``predict_memory``: one rank's bytes of parameters,
+* :mod:`moesaic.sim.memory` — ``predict_memory``: one rank's bytes of parameters,
   gradients, AdamW state and a step's peak for a plan (EP, FSDP2's ``dp_shard``, HybridEP's
   domains, batch), used by ``moesaic simulate`` / ``plan`` (``--memory-per-rank``).
 
@@ -15,7 +15,7 @@ config, the cluster description, the placement's topology and compression size r
 at import).
 """
 
-from moesaic.planning.costmodel import (
+from moesaic.sim.hybrid_costmodel import (
     DomainPlan,
     StreamInputs,
     optimal_p,

@@ -141,13 +141,13 @@ def add_retime_option(p: argparse.ArgumentParser) -> None:
 
 
 def retimed(args: argparse.Namespace, profile: Any, *, note: Callable[[str], None]) -> Any:
-    """``profile`` re-timed when ``--retime`` was given (:mod:`moesaic.sim.retime`), with a
+    """``profile`` re-timed when ``--retime`` was given (:mod:`moesaic.measure.retime`), with a
     line (``note``) saying by how much; unchanged otherwise."""
     if not getattr(args, "retime", False):
         return profile
     if not args.profile:
         raise ValueError("--retime re-times a --profile; give one")
-    from moesaic.sim.retime import retime
+    from moesaic.measure.retime import retime
 
     out, factor = retime(profile)
     note(

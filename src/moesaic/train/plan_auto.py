@@ -2,11 +2,11 @@
 
 Rank 0 runs ``moesaic plan --json --measure-routing`` on the run's cluster (``--cluster``) and
 model (a training config written from the run's, with its data, seed and optimizer schedule;
-``moesaic.sim.model.load_model`` reads it) with no profile, so the planner measures rank 0's
+``moesaic.train.model_files.load_model`` reads it) with no profile, so the planner measures rank 0's
 machine first (a quick calibration: the matmul rates and the per-op overhead, about a second)
 and the job's routing (its router on its data for its first steps, in one process:
 ``sim.routecal``), and takes the ranking's first entry. The planner is the
-simulator's (``moesaic.sim.planner``), which reads training configs and so sits above this
+simulator's (``moesaic.planning.planner``), which reads training configs and so sits above this
 package: it runs as the ``moesaic plan`` command in a child process, its interface the
 documented JSON, rather than as an import that would close a circle between the two packages.
 

@@ -75,9 +75,10 @@ def measure_routing(
     (those after ``skip``; a job of fewer steps: all of them, after ``skip`` when it has more)
     at ``world`` ranks' global batch, as a ``RoutingLoads``; None when ``path`` is a model file
     (no data to route)."""
-    from moesaic.sim.model import ModelSpec, load_model, measured_loads
+    from moesaic.sim.model import ModelSpec, measured_loads
     from moesaic.sim.profile import RoutingLoads
     from moesaic.train.launch import launch
+    from moesaic.train.model_files import load_model
 
     check_positive_int("world", world)
     check_positive_int("steps", steps)
