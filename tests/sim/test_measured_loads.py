@@ -214,7 +214,7 @@ def test_the_routing_run_is_the_job_on_one_process(tmp_path):
 
 
 def test_many_rows_are_described_by_their_range():
-    from moesaic.simtools.cli_files import describe_loads
+    from moesaic.planning.loads import describe_loads
 
     assert describe_loads([[3, 1, 1, 1], [1, 2, 1, 1]]) == "2.00x, 1.60x the mean"
     rows = [[3, 1, 1, 1]] * 3 + [[1, 2, 1, 1]] * 3

@@ -10,9 +10,9 @@ import time
 from typing import Any
 
 from moesaic.checks import check_positive_int
-from moesaic.sim.profile import OPS_PER_TASK
+from moesaic.sim.profile import OPS_PER_TASK, Profile
 
-__all__ = ["default_matmul_size", "measure"]
+__all__ = ["default_matmul_size", "measure", "profile_here"]
 
 
 def default_matmul_size(device: str) -> int:
@@ -78,3 +78,17 @@ def measure(
         "mem_bytes_per_s": mem,
         "device": kind,
     }
+
+
+def profile_here(source: str) -> Profile:
+    """A profile of this machine's :func:`measure` (about a second): what ``moesaic plan``
+    prices without ``--profile``; ``source`` says who measured it."""
+    rates = measure()
+    return Profile(
+        flops_per_s=rates["flops_per_s"],
+        half_flops_per_s=rates["half_flops_per_s"],
+        task_overhead_s=rates["task_overhead_s"],
+        mem_bytes_per_s=rates["mem_bytes_per_s"],
+        device=rates["device"],
+        source=source,
+    )

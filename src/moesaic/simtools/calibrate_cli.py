@@ -27,7 +27,8 @@ from moesaic.checks import check_int, check_non_negative, check_output_file, che
 from moesaic.measure.calibrate import ROUNDS as CLUSTER_ROUNDS
 from moesaic.measure.cpuload import REPEATS as CPU_REPEATS
 from moesaic.measure.syncwait import REPS as SYNC_REPS
-from moesaic.simtools.cli_files import describe_loads, load_option
+from moesaic.planning.loads import describe_loads
+from moesaic.simtools.cli_files import load_option
 
 __all__ = ["add_calibrate", "run_calibrate"]
 

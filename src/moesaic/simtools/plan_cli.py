@@ -44,6 +44,7 @@ from moesaic.simtools.cli_files import (
     retimed,
 )
 from moesaic.train.model_files import load_model_spec
+from moesaic.train.plan import ranking_json
 
 PLAN_EPILOG = """\
 examples:
@@ -401,17 +402,9 @@ def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
     retimed(args, None, note=_note)  # refuses --retime without a profile
     if flops is not None:
         return Profile(flops_per_s=flops, source="--flops-per-s")
-    from moesaic.measure.machine import measure
+    from moesaic.measure.machine import profile_here
 
-    rates = measure()
-    return Profile(
-        flops_per_s=rates["flops_per_s"],
-        half_flops_per_s=rates["half_flops_per_s"],
-        task_overhead_s=rates["task_overhead_s"],
-        mem_bytes_per_s=rates["mem_bytes_per_s"],
-        device=rates["device"],
-        source="measured here by moesaic plan (matmul and op overhead)",
-    )
+    return profile_here("measured here by moesaic plan (matmul and op overhead)")
 
 
 def _with_routing(args: argparse.Namespace, spec: ClusterSpec, profile: Any) -> Any:
@@ -440,7 +433,6 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any]]
     job it was made for (``moesaic.train.plan.made_for``)."""
     from moesaic.checks import check_positive_int
     from moesaic.planning.planner import plan_runs
-    from moesaic.train.model_files import load_model_spec
     from moesaic.train.plan import PLAN_SHAPE_FIELDS, made_for
 
     check_positive_int("top (--top)", args.top)
@@ -473,15 +465,6 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any]]
         profile=args.profile or f"{profile.source} ({profile.flops_per_s:.3g} FLOP/s)",
     )
     return plan, wall_s, job
-
-
-def ranking_json(plan: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
-    """``--json``: every candidate, fastest first, with its rank and the job it was made for
-    (``made_for``: ``moesaic train --plan`` refuses it for another); the first with the
-    reason."""
-    rows = [{"rank": i + 1, **c.to_dict(), "made_for": job} for i, c in enumerate(plan.ranked)]
-    rows[0]["reason"] = plan.reason
-    return rows
 
 
 def format_ranking(plan: Any, *, top: int, wall_s: float) -> str:
@@ -539,9 +522,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         for name, why in ranking.skipped:
             _note(f"skipped {name}: {why}")
-        rows = ranking_json(ranking, job)
-        for row, peak in zip(rows, [] if fit is None else fit.peaks):
-            row["peak_bytes_per_rank"] = peak
+        rows = ranking_json(ranking, job, () if fit is None else fit.peaks)
         for line in [] if fit is None else fit.dropped:
             _note(f"dropped {line}")
         print(json.dumps(rows, indent=1))
