@@ -334,7 +334,7 @@ def test_ranking_errors_name_the_flag(extra, words, capsys):
 
 
 def test_measure_routing_prices_the_jobs_own_loads(data_file, tmp_path, capsys):
-    """``--measure-routing`` runs the job's router on its data first (``sim.routecal``) and
+    """``--measure-routing`` runs the job's router on its data first (``train.routing_run``) and
     the ranking prices those loads (the note says so); with --loads it is refused, and a model
     file (no data) keeps uniform routing with a note."""
     job = tmp_path / "job.toml"

@@ -172,7 +172,7 @@ def test_auto_trains_rank_0s_pick_on_every_rank(data_file, tmp_path, capfd):
     args = tiny_args(data_file, run_dir, "--plan", "auto", "--cluster", str(cluster))
     args[args.index("--steps") + 1] = "2"
     assert main(args) == 0
-    # the planner priced the job's own routing (its router on its data, sim.routecal)
+    # the planner priced the job's own routing (its router on its data, train.routing_run)
     assert "--plan auto: routing from the profile (model.toml's router on its data" in (
         capfd.readouterr().err
     )

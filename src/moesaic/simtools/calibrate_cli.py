@@ -243,7 +243,7 @@ def _held_output() -> Iterator[None]:
 
 
 def _routing_steps(args: argparse.Namespace) -> int:
-    """``--routing-steps`` checked before anything is measured: the steps ``sim.routecal``
+    """``--routing-steps`` checked before anything is measured: the steps ``train.routing_run``
     trains (8 when not given; 0: none, always without ``--model``)."""
     from moesaic.train.routing_run import ROUTING_SKIP, ROUTING_STEPS
 
@@ -262,7 +262,7 @@ def _routing_steps(args: argparse.Namespace) -> int:
 
 
 def _measure_routing(args: argparse.Namespace, world: int, steps: int) -> Any:
-    """``--model``'s routing on its data over ``steps`` steps (``sim.routecal``); None for a
+    """``--model``'s routing on its data over ``steps`` steps (``train.routing_run``); None for a
     model file, without ``--model`` or with 0 steps."""
     if steps == 0:
         return None

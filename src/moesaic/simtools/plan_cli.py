@@ -409,7 +409,7 @@ def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
 
 def _with_routing(args: argparse.Namespace, spec: ClusterSpec, profile: Any) -> Any:
     """``--measure-routing``: ``profile`` with the loads of the job's router on its data at
-    the cluster's world batch (``sim.routecal``); unchanged, with a note, for a model file or
+    the cluster's world batch (``train.routing_run``); unchanged, with a note, for a model file or
     when the measurement fails (the ranking then prices the routing prior, as without it)."""
     import dataclasses
 
