@@ -6,7 +6,7 @@ step's peak, measured by ``moesaic train --measure-peak`` runs at ``--dp-shard``
 Measured (the ``memory`` record of ``metrics.jsonl``, ``moesaic.train.memory``): the local
 shards' bytes right after the first optimizer step (gradients still held), and the most bytes
 alive at once during the second step (tensor storages counted on each rank's step thread),
-the largest rank's. Predicted: ``planning.memory.predict_memory`` (torch-free, from the config,
+the largest rank's. Predicted: ``sim.memory.predict_memory`` (torch-free, from the config,
 the batch and the mesh; uniform routing). The peak's error column is measured / predicted - 1;
 the measurement also holds what the model leaves out (the corpus, buffers: about 0.15 MB here).
 

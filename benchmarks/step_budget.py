@@ -10,13 +10,14 @@ Each case trains a small MoEGPT (2 MoE blocks) for ``STEPS`` steps on a gloo wor
 (EP 2) with the optimizer the training loop builds, and counts the last step:
 
 * host syncs: ``moesaic.testing.HostSyncCounter`` over the whole ``step.run`` (forward,
-  backward, gradient sync, norm, health flags, clipping, optimizer), with AdamW as a GPU run
+  backward, gradient sync, norm, health flags, clipping, optimizer) and the training loop's
+  statistics of the step (``train.loop._step_stats``: loss, aux loss, loads), with AdamW as a GPU run
   builds it (``fused``, whose step counts stay on the device) where the tree has
   ``train.loop.make_adamw``, else the loop's old ``foreach=False`` (whose per-parameter reads
   of the CPU-resident step counts the counter sees, a GPU would not sync on them);
 * collectives: ``record_collectives`` per lane, averaged over the last ``TUNE_STEPS`` steps
   (flowmoe's Sp tuner agrees its choice on some steps only), and those on the world group
-  (the control plane: health flags, the tuner's choice);
+  (the control plane: health flags, the tuner's choice, the loop's statistics);
 * communicators: process groups the world's registry created (``GroupRegistry.created``) once
   the model, step and prefetcher exist and have run;
 * peak memory: the largest sum of live CPU allocations during the last step (torch.profiler's
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -72,7 +74,7 @@ def _peak_bytes(prof: torch.profiler.profile) -> int:
 
 # The world's control plane: what the step agrees on across ranks once per step (the EP group
 # of EP = world has the same ranks, so they are told apart by what they carry).
-CONTROL = ("health flags", "gradient norm")
+CONTROL = ("health flags", "gradient norm", "step statistics")
 
 
 def _case(rank: int, schedule: str, dispatcher: str, prefetch: bool, tuned: bool) -> dict:
@@ -95,6 +97,11 @@ def _case(rank: int, schedule: str, dispatcher: str, prefetch: bool, tuned: bool
     model = MoEGPT(cfg, ep_group=layout.ep_group)
     optimizer, kernel = _optimizer(model)
     prefetcher = ExpertPrefetcher(model).attach(optimizer) if prefetch else None
+    loop = importlib.import_module("moesaic.train.loop")
+    # the loop's statistics of a step (loss, aux loss, loads): trees since efac67d hand them
+    # to the step, which sums them with its health flags; older ones all-reduce them after it
+    folded = hasattr(loop, "_step_statistics")
+    extra = {"statistics": loop._step_statistics(model, "cpu")} if folded else {}
     parts = StepParts(
         model=model,
         loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
@@ -103,8 +110,17 @@ def _case(rank: int, schedule: str, dispatcher: str, prefetch: bool, tuned: bool
         pipeline_degree=1 if schedule == "vanilla" else 2,
         ar_chunk_bytes=None if tuned else 1 << 16,
         grad_clip=1.0,
+        **extra,
     )
     step = make_step(schedule, parts)
+
+    def run(x_BT: torch.Tensor) -> None:  # a step and the loop's statistics of it
+        result = step.run(x_BT[:, :-1], x_BT[:, 1:])
+        if folded:
+            loop._step_stats(model, result.statistics, layout, "cpu")
+        else:
+            loop._step_stats(model, result.ce, result.aux, layout, "cpu")
+
     gen = torch.Generator().manual_seed(rank)
     lanes: Counter[str] = Counter()
     control = 0
@@ -122,10 +138,10 @@ def _case(rank: int, schedule: str, dispatcher: str, prefetch: bool, tuned: bool
                     ) as prof,
                     HostSyncCounter() as counter,
                 ):
-                    step.run(x_BT[:, :-1], x_BT[:, 1:])
+                    run(x_BT)
                 syncs, peak = counter.count, _peak_bytes(prof)
             else:
-                step.run(x_BT[:, :-1], x_BT[:, 1:])
+                run(x_BT)
             if prefetcher is not None:
                 prefetcher.wait()
         if s >= STEPS - TUNE_STEPS:

@@ -99,7 +99,10 @@ class LiveBytes:
         """A dispatch mode counting into this tally (enter it on the thread it counts)."""
         return _Counting(self)
 
-    def track(self, t: torch.Tensor) -> None:
+    def track(self, t: torch.Tensor, *, attribute: bool = True) -> None:
+        """Count ``t``'s storage; a new peak is attributed unless ``attribute`` is false
+        (:meth:`start`, which attributes once at the end: per tensor it was quadratic in the
+        tensors alive, 100 s in a test process that had run the rest of the suite)."""
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # no storage (sparse, meta)
@@ -111,7 +114,7 @@ class LiveBytes:
                 weakref.finalize(st, self._free, key)
             self.live[key] = n
             self.current += n - (old or 0)
-            if self.current > self.peak:
+            if attribute and self.current > self.peak:
                 self.peak = self.current
                 self.at_peak = self._attribute()
 
@@ -135,7 +138,7 @@ class LiveBytes:
             tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
         for t in tensors:
             if t.device.type == "cpu":
-                self.track(t)
+                self.track(t, attribute=False)
         with self._lock:
             self.before = set(self.live)
             self.peak = self.current

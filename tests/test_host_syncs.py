@@ -266,7 +266,7 @@ def train_step_worker(rank: int, world: int) -> dict[str, dict]:
     from moesaic.models import MoEGPT, MoEGPTConfig
     from moesaic.schedule import make_step
     from moesaic.schedule.base import StepParts
-    from moesaic.train.loop import make_adamw
+    from moesaic.train.loop import _step_statistics, make_adamw
     from moesaic.train.parallel import GradientSync, build_layout
 
     torch.set_num_threads(1)
@@ -287,6 +287,7 @@ def train_step_worker(rank: int, world: int) -> dict[str, dict]:
             pipeline_degree=R,
             ar_chunk_bytes=None if schedule == "flowmoe" else 1024,  # flowmoe: tuned online
             grad_clip=1e-3,  # always clips: the clipping's cost is counted too
+            statistics=_step_statistics(model, "cpu"),  # the loop's loss, aux and loads
         )
         step = make_step(schedule, parts)
         gen = torch.Generator().manual_seed(rank)
@@ -294,7 +295,8 @@ def train_step_worker(rank: int, world: int) -> dict[str, dict]:
         for s in range(TRAIN_STEPS):
             x_BT = torch.randint(0, 64, (4, 9), generator=gen)
             with record_collectives() as log, HostSyncCounter() as syncs:
-                assert step.run(x_BT[:, :-1], x_BT[:, 1:]).applied
+                result = step.run(x_BT[:, :-1], x_BT[:, 1:])
+            assert result.applied and len(result.statistics) == 2 + TRAIN_BLOCKS * 4
             if s >= TRAIN_STEPS - TRAIN_COUNTED:
                 control += sum(1 for *_, what in log if any(c in what for c in CONTROL))
         if hasattr(step, "close"):
@@ -433,10 +435,11 @@ STEP_END_READS = {"vanilla": 1, "flowmoe": 1}
 
 def test_training_step_host_sync_budget():
     """A whole training step (dropless, EP 2): each MoE layer's budget (1 per layer and chunk)
-    plus one read at the step's end, the global norm and every rank's flags together
-    (``STEP_END_READS``; 2 on 89f6ff4, the norm read apart: that fails here); the optimizer (fused AdamW, as on a GPU) and the
-    clipping (one multi-tensor multiply) read nothing (on 3bca125 AdamW(foreach=False) read
-    each parameter's step count and the flags were read once per flag: 29-34 per step in
+    plus one read at the step's end, the global norm, every rank's flags and the loop's
+    statistics together (``STEP_END_READS``; 2 on 89f6ff4, the norm read apart: that fails
+    here); the optimizer (fused AdamW, as on a GPU) and the clipping (one multi-tensor
+    multiply) read nothing (on 3bca125 AdamW(foreach=False) read each parameter's step count
+    and the flags were read once per flag: 32-37 per step with the loop's statistics in
     ``benchmarks/results/step_budget.json``)."""
     for rank, result in enumerate(r["train"] for r in _world_of_2()):
         for schedule, got in result.items():
@@ -447,10 +450,12 @@ def test_training_step_host_sync_budget():
 
 def test_control_plane_collectives_per_step():
     """The world's control plane per step: each rank's squared norm of its own (expert)
-    gradients travels with its health flags in one all-gather (1; 89f6ff4: vanilla
-    all-reduced the expert norm over the EP group, then gathered the flags, 2); flowmoe
-    also agrees the tuner's Sp only where it can have changed, once per ``iters_per_sample``
-    (5) steps (3bca125: every step, 2 in all)."""
+    gradients, its health flags and the training loop's statistics (loss, aux loss, expert
+    loads: ``train.loop._step_statistics``) in one all-reduce (1; 89f6ff4: vanilla
+    all-reduced the expert norm over the EP group and gathered the flags in the step, and the
+    loop all-reduced its statistics after it, 3); flowmoe also agrees the tuner's Sp only
+    where it can have changed, once per ``iters_per_sample`` (5) steps (3bca125: every
+    step)."""
     from moesaic.schedule.tuner import SpTuner
 
     per_sample = SpTuner.__init__.__kwdefaults__["iters_per_sample"]

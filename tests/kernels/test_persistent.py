@@ -298,13 +298,14 @@ import torch
 from moesaic.kernels import persistent as pk
 
 INTS = {"tasks", "ticket", "err", "trace", "trig", "trank", "cnt", "count", "tok", "ret"}
-CUDA = pk.device_tiles(torch.device("cuda"))
-# bf16 backward across devices at the CUDA tiles (the GPU's path), fp32 forward on one device
-# at the interpreter's (its IEEE tl.dot path; a third of the compile time): both directions,
-# both tl.dot paths and both scopes of the release atomics
+# bf16 backward across devices and fp32 forward on one device (its IEEE tl.dot path): both
+# directions, both tl.dot paths and both scopes of the release atomics. Both at the
+# interpreter's tiles: the CUDA tiles compile the same code at about three times the CPU time
+# (~50 s a direction), which the suite's budget cannot carry; tests/gpu compiles them.
+TILES = pk.device_tiles(torch.device("cpu"))
 for fdt, forward, scope, (BM, BN, BK) in (
-    ("bf16", False, "sys", CUDA),
-    ("fp32", True, "gpu", pk.device_tiles(torch.device("cpu"))),
+    ("bf16", False, "sys", TILES),
+    ("fp32", True, "gpu", TILES),
 ):
     sig = {}
     for name in pk._kernel.arg_names:
@@ -328,7 +329,7 @@ for fdt, forward, scope, (BM, BN, BK) in (
 
 def test_kernels_compile_for_a_gpu(tmp_path):
     """The kernel compiles for an H100 (sm_90, down to a cubin; bf16 backward across devices
-    at the CUDA tiles, fp32 forward on one device), with the counters read by acquire loads
+    and fp32 forward on one device, at the interpreter's tiles), with the counters read by acquire loads
     and bumped by release reductions at the launch's scope ("gpu": virtual ranks on one
     device; "sys": real peers, whose bumps cross NVLink)."""
     import subprocess

@@ -79,7 +79,7 @@ def _train(
     the same weights in float64 (the router still scores in fp32); ``bf16``: the blocks in
     bfloat16, by autocast unsharded, by FSDP2's ``MixedPrecisionPolicy`` sharded."""
     from moesaic.train.fsdp import ShardedGradientSync, shard_model
-    from moesaic.train.loop import _step_stats, _update_score_biases
+    from moesaic.train.loop import _step_statistics, _step_stats, _update_score_biases
     from moesaic.train.parallel import GradientSync, build_layout
 
     layout = build_layout(2, TIMEOUT_S)
@@ -117,6 +117,7 @@ def _train(
         optimizer=optimizer,
         grad_clip=0.5,
         pipeline_degree=R,
+        statistics=_step_statistics(model, "cpu"),
     )
     step = make_step(schedule, parts)
     out: dict = {"loss": [], "norm": [], "loads": [], "bias": []}
@@ -126,7 +127,7 @@ def _train(
         y_BT = torch.randint(0, 256, (2, 16), generator=gen)
         result = step.run(x_BT, y_BT)
         assert result.applied
-        loss, _, loads, routed = _step_stats(model, result.ce, result.aux, layout, "cpu")
+        loss, _, loads, routed = _step_stats(model, result.statistics, layout, "cpu")
         _update_score_biases(model, routed)
         out["loss"].append(loss)
         out["norm"].append(result.grad_norm)

@@ -29,15 +29,16 @@ def test_taskflow_run_matches_the_dropless_reference(executor, data_file, refere
 def test_ctrl_c_on_taskflow_stops_within_seconds(data_file, tmp_path):
     """Issue 25 item 2: Ctrl-C on ``--strategy taskflow`` took ~31 s in 6 of 24 tries: both
     workers' put channels waited up to the deadline for the Subscriber, blocked in ``irecv``
-    for puts of a peer that was interrupted too. Three interrupts at different points of a
-    step; each run must be gone within 15 s (the launcher's own grace is 30 s)."""
+    for puts of a peer that was interrupted too. Two interrupts at different points of a step
+    (at once, and well into one); each run must be gone within 15 s (the launcher's own grace
+    is 30 s)."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    for k, delay_s in enumerate((0.0, 0.35, 0.8)):
+    for k, delay_s in enumerate((0.0, 0.6)):
         run = tmp_path / f"run{k}"
         args = tiny_args(data_file, run, "--strategy", "taskflow", "--steps", "100000")
         proc = subprocess.Popen(

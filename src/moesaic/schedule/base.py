@@ -16,7 +16,8 @@ Every schedule does, for this rank's batch:
    post-accumulate-grad hook per parameter feeding a chunked all-reduce pool: ``group_of(p)``
    says over which ranks ``p``'s gradient is summed, ``divisor`` by what it is then divided);
 4. ``finish``: the global gradient norm, a check that the loss, the aux loss and the gradients
-   are finite on every rank (one all-gather of flags, so that all ranks take the same branch),
+   are finite on every rank (one all-reduce of the flags, with the norm's parts and the
+   caller's statistics, so that all ranks take the same branch: ``step_sums``),
    then clipping and the optimizer step, or no update at all when something was non-finite.
    What to do about a non-finite step (stop, skip) is the caller's policy, not the schedule's.
 """
@@ -75,6 +76,15 @@ class GradientSync(Protocol):
         """Every rank's ``flags_F``, stacked in rank order ``[P, F]`` (a collective)."""
         ...
 
+    def sum_ranks(self, values_N: torch.Tensor) -> torch.Tensor:
+        """``values_N`` summed over every rank, on the control plane (a collective)."""
+        ...
+
+
+# (ce, aux) -> a float64 vector of this rank's figures of the step (the training loop's loss,
+# aux loss and expert loads), summed over every rank with the health flags in one collective
+StatisticsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 @dataclass(kw_only=True, slots=True)
 class StepParts:
@@ -94,6 +104,9 @@ class StepParts:
             pool (``--ar-chunk``); None = tuned online.
         recorder: where the schedule records its tasks' spans (``moesaic.trace``); None = no
             timeline.
+        statistics: called once per step after its forwards (``StatisticsFn``); its vector
+            travels with the health flags and comes back summed over the ranks in
+            ``StepResult.statistics`` (None: nothing).
     """
 
     model: nn.Module
@@ -104,6 +117,7 @@ class StepParts:
     pipeline_degree: int = 1
     ar_chunk_bytes: int | None = None
     recorder: Recorder | None = None
+    statistics: StatisticsFn | None = None
 
     def __post_init__(self) -> None:
         check_non_negative("grad_clip", self.grad_clip)
@@ -123,6 +137,8 @@ class StepResult:
         nonfinite: what was not finite, on which ranks (e.g. ``"loss on rank(s) [1]"``); empty
             when the step was applied. The same on every rank.
         metrics: schedule-specific figures for the metrics file (e.g. overlap ratios).
+        statistics: ``StepParts.statistics``' vector summed over every rank, read on the host
+            (empty without it).
     """
 
     ce: torch.Tensor
@@ -130,6 +146,7 @@ class StepResult:
     grad_norm: float
     nonfinite: tuple[str, ...] = ()
     metrics: dict[str, float] = field(default_factory=dict)
+    statistics: list[float] = field(default_factory=list)
 
     @property
     def applied(self) -> bool:
@@ -160,32 +177,24 @@ class TrainStep(ABC):
     def run(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> StepResult:
         """Forward, backward, synchronise and (if all is finite) update on this rank's batch."""
 
-    def norm_and_flags(
+    def norm_and_sums(
         self, ce: torch.Tensor, aux: torch.Tensor
     ) -> tuple[float | torch.Tensor, torch.Tensor]:
         """The global gradient norm (a float, or a 0-d tensor that ``finish`` reads with the
-        flags) and every rank's health flags ``[P, F]`` (``HEALTH_FLAGS``: loss, aux loss, norm
-        not finite; ``finish`` sets the last from the norm); a schedule may compute them
-        earlier (flowmoe).
+        sums) and the step's sums over every rank ``[_SUMS + statistics]`` (``step_sums``); a
+        schedule may compute them earlier (flowmoe).
 
         One collective where every gradient is summed over one rank or over all of them (the
         EP x DP layout at DP 1; ``group_of``): each rank's squared norm of its own gradients
-        travels with its flags in the flags' all-gather (``unreduced_and_flags``), and the
-        all-rank gradients, equal everywhere, are counted here (``norm_with``). Otherwise (DP
-        replicas, FSDP2 shards) the gradient rules' ``global_norm`` and a second collective."""
+        is summed with the flags and the statistics, and the all-rank gradients, equal
+        everywhere, are counted here (``norm_with``). Otherwise (DP replicas, FSDP2 shards)
+        the gradient rules' ``global_norm`` first, a collective of its own."""
         sets = self._reduction_sets()
         if sets is None:
             norm = self.parts.grad_sync.global_norm(self.params)
-            local_F = torch.stack(
-                [
-                    ~torch.isfinite(ce),
-                    ~torch.isfinite(aux),
-                    torch.tensor(not math.isfinite(norm), device=ce.device),
-                ]
-            ).to(torch.int64)
-            return norm, self.parts.grad_sync.all_ranks(local_F.view(1, -1))
+            return norm, self.step_sums([], ce, aux, divided=True)
         own, shared = sets
-        return self.norm_with(self.unreduced_and_flags(own, ce, aux, divided=True), shared)
+        return self.norm_with(self.step_sums(own, ce, aux, divided=True), shared)
 
     def _reduction_sets(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """This step's parameters whose gradient is summed over this rank alone and over every
@@ -202,70 +211,84 @@ class TrainStep(ABC):
         shared: list[torch.Tensor] = [p for p, g in zip(self.params, groups) if g.size > 1]
         return own, shared
 
-    def unreduced_and_flags(
+    def step_sums(
         self, params: Sequence[torch.Tensor], ce: torch.Tensor, aux: torch.Tensor, *, divided: bool
     ) -> torch.Tensor:
-        """Every rank's ``[squared norm of params' gradients, loss flag, aux flag]`` ``[P, 3]``
-        in one all-gather (``divided``: the gradients are final; else not yet divided by the
-        gradient rules' divisor, as the pool leaves them)."""
+        """Summed over every rank in one all-reduce: the squared norm of ``params``' gradients
+        (each rank's own), the ranks whose loss and aux loss are not finite (``_SUMS``), then
+        ``StepParts.statistics`` (called here, once per step). ``divided``: the gradients are
+        final; else not yet divided by the gradient rules' divisor, as the pool leaves them."""
         local = torch.zeros((), dtype=torch.float64, device=ce.device)
         for p in params:
             if p.grad is not None:
                 local += square_norm(p.grad)
         if not divided:
             local /= float(self.parts.grad_sync.divisor) ** 2
-        flags = torch.stack(
-            [local, (~torch.isfinite(ce)).double(), (~torch.isfinite(aux)).double()]
-        )
-        return self.parts.grad_sync.all_ranks(flags.view(1, -1))
+        parts = [local.view(1), _bad(ce).view(1), _bad(aux).view(1)]
+        if self.parts.statistics is not None:
+            parts.append(self.parts.statistics(ce, aux).to(local.device, torch.float64))
+        return self.parts.grad_sync.sum_ranks(torch.cat(parts))
 
     def norm_with(
-        self, early_P3: torch.Tensor, shared: Sequence[torch.Tensor]
+        self, sums: torch.Tensor, shared: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global norm from ``unreduced_and_flags``' all-gather plus ``shared``'s
-        gradients (equal on every rank: counted once), left on the device for ``finish``'s
-        one read, and the flags ``[P, F]`` (the norm's column set by ``finish``)."""
-        sq = early_P3[:, 0].sum()
+        """The global norm from ``step_sums``' squared norm plus ``shared``'s gradients (equal
+        on every rank: counted once), left on the device for ``finish``'s one read; the sums."""
+        sq = sums[0]
         for p in shared:
             if p.grad is not None:
                 sq = sq + square_norm(p.grad)
-        bad_P = torch.zeros_like(early_P3[:, :1])
-        return sq.sqrt(), torch.cat([early_P3[:, 1:], bad_P], dim=1).to(torch.int64)
+        return sq.sqrt(), sums
+
+    def _nonfinite_ranks(self, ce: torch.Tensor, aux: torch.Tensor) -> list[list[int]]:
+        """Which ranks' loss and aux loss were not finite ``[P][2]`` (a collective, only on a
+        step every rank knows to be non-finite)."""
+        local = torch.stack([_bad(ce), _bad(aux)]).to(torch.int64).view(1, -1)
+        return self.parts.grad_sync.all_ranks(local).tolist()
 
     def finish(self, ce: torch.Tensor, aux: torch.Tensor) -> StepResult:
         """Steps 4 of the contract, after the gradients are synchronised: check, clip, update."""
         parts = self.parts
         ce, aux = ce.detach(), aux.detach()
         with maybe_span(parts.recorder, "allreduce", "norm"):  # norm + health flags
-            norm_or_tensor, flags_PF = self.norm_and_flags(ce, aux)
-        norm, flags = _read_norm_and_flags(norm_or_tensor, flags_PF)
+            norm_or_tensor, sums = self.norm_and_sums(ce, aux)
+        norm, values = _read_norm_and_sums(norm_or_tensor, sums)
+        statistics = values[_SUMS:]
         nonfinite = []
-        for i, what in enumerate(HEALTH_FLAGS):
-            ranks = [r for r, row in enumerate(flags) if row[i]]
-            if what == "gradients" and not math.isfinite(norm):
-                nonfinite.append(f"gradients (global norm {norm})")
-            elif ranks:
-                nonfinite.append(f"{what} on rank(s) {ranks}")
+        if values[1] or values[2]:  # some rank's loss or aux loss: which (every rank asks)
+            flags = self._nonfinite_ranks(ce, aux)
+            for i, what in enumerate(HEALTH_FLAGS[:2]):
+                ranks = [r for r, row in enumerate(flags) if row[i]]
+                if ranks:
+                    nonfinite.append(f"{what} on rank(s) {ranks}")
+        if not math.isfinite(norm):
+            nonfinite.append(f"gradients (global norm {norm})")
         if nonfinite:
             parts.optimizer.zero_grad(set_to_none=True)
-            return StepResult(ce=ce, aux=aux, grad_norm=norm, nonfinite=tuple(nonfinite))
+            return StepResult(
+                ce=ce, aux=aux, grad_norm=norm, nonfinite=tuple(nonfinite), statistics=statistics
+            )
         with maybe_span(parts.recorder, "optimizer", "optimizer"):  # clip + update
             if parts.grad_clip > 0 and norm > parts.grad_clip:
                 grads = [p.grad for p in self.params if p.grad is not None]
                 torch._foreach_mul_(grads, parts.grad_clip / (norm + 1e-6))  # one multi-tensor op
             parts.optimizer.step()
             parts.optimizer.zero_grad(set_to_none=True)
-        return StepResult(ce=ce, aux=aux, grad_norm=norm)
+        return StepResult(ce=ce, aux=aux, grad_norm=norm, statistics=statistics)
 
 
-def _read_norm_and_flags(
-    norm: float | torch.Tensor, flags_PF: torch.Tensor
-) -> tuple[float, list[list[int]]]:
-    """One host read of every rank's flags and, when still on the device, the norm (brought
-    to the flags' device, the control plane's, first)."""
+# step_sums' leading entries: squared norm, ranks with a non-finite loss, with a non-finite aux
+_SUMS = 3
+
+
+def _bad(t: torch.Tensor) -> torch.Tensor:
+    return (~torch.isfinite(t)).to(torch.float64)
+
+
+def _read_norm_and_sums(norm: float | torch.Tensor, sums: torch.Tensor) -> tuple[float, list]:
+    """One host read of the step's sums and, when still on the device, the norm (brought to
+    the sums' device, the control plane's, first)."""
     if isinstance(norm, float):
-        return norm, flags_PF.tolist()
-    norm_1 = norm.detach().double().view(1).to(flags_PF.device)
-    values = torch.cat([norm_1, flags_PF.flatten().double()]).tolist()
-    P, F = flags_PF.shape
-    return values[0], [[int(v) for v in values[1 + r * F : 1 + (r + 1) * F]] for r in range(P)]
+        return norm, sums.tolist()
+    values = torch.cat([norm.detach().double().view(1).to(sums.device), sums]).tolist()
+    return values[0], values[1:]

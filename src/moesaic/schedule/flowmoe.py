@@ -63,7 +63,7 @@ class _PipelinedStep(TrainStep):
             sp = self._default_chunk_bytes()
         self._pool: CommPool | None = None
         self._chunk_bytes = sp
-        self._early: torch.Tensor | None = None  # [P, 3] from _gather_early
+        self._early: torch.Tensor | None = None  # the step's sums, from _gather_early
 
     @property
     def pool(self) -> CommPool:
@@ -116,9 +116,10 @@ class _PipelinedStep(TrainStep):
     def _gather_early(self, ce: torch.Tensor, aux: torch.Tensor) -> None:
         """While the last all-reduce chunks travel: the squared norm of the gradients that are
         not reduced (expert shards without replicas: final but for the divisor) and the loss
-        flags, in one all-gather (``norm_and_flags`` adds the reduced gradients' part). Only
-        when every reduced gradient is reduced over all ranks (then equal on every rank);
-        otherwise nothing here and ``TrainStep.norm_and_flags`` runs after the reduction."""
+        flags and statistics, in one all-reduce (``TrainStep.step_sums``; ``norm_and_sums``
+        adds the reduced gradients' part). Only when every reduced gradient is reduced over
+        all ranks (then equal on every rank); otherwise nothing here and
+        ``TrainStep.norm_and_sums`` runs after the reduction."""
         sets = self.pool.reduction_sets()
         world = dist.get_world_size() if self.pool.active else 1
         if not sets:  # every gradient sharded (FSDP2): grad_sync.global_norm counts them
@@ -127,18 +128,18 @@ class _PipelinedStep(TrainStep):
             return
         own = [p for ranks, params in sets if len(ranks) == 1 for p in params]
         with maybe_span(self.parts.recorder, "allreduce", "norm", part="unreduced"):
-            self._early = self.unreduced_and_flags(own, ce, aux, divided=False)
+            self._early = self.step_sums(own, ce, aux, divided=False)
 
-    def norm_and_flags(
+    def norm_and_sums(
         self, ce: torch.Tensor, aux: torch.Tensor
     ) -> tuple[float | torch.Tensor, torch.Tensor]:
-        """The global norm from the early all-gather (every rank's unreduced part) plus the
+        """The global norm from the early all-reduce (every rank's unreduced part) plus the
         reduced gradients' part (``TrainStep.norm_with``), with no collective left here."""
-        early_P3 = self._early
-        if early_P3 is None:
-            return super().norm_and_flags(ce, aux)
+        early = self._early
+        if early is None:
+            return super().norm_and_sums(ce, aux)
         shared = [p for ranks, ps in self.pool.reduction_sets() if len(ranks) > 1 for p in ps]
-        return self.norm_with(early_P3, shared)
+        return self.norm_with(early, shared)
 
     def _next_chunk_bytes(self) -> int:
         return self._chunk_bytes

@@ -269,3 +269,8 @@ class ShardedGradientSync:
         return self.world.all_gather_dim0(
             flags_F.to(self.world.control_device), "all_gather of step health flags"
         )
+
+    def sum_ranks(self, values_N: torch.Tensor) -> torch.Tensor:
+        out = values_N.to(self.world.control_device, copy=True)
+        self.world.all_reduce(out, what="all_reduce of step health flags and statistics")
+        return out

@@ -28,7 +28,7 @@ from moesaic.layer import aux_loss
 from moesaic.models.gpt import MoEGPT
 from moesaic.schedule import make_step
 from moesaic.schedule.base import GradientSync as GradSync
-from moesaic.schedule.base import StepParts
+from moesaic.schedule.base import StatisticsFn, StepParts
 from moesaic.schedule_table import schedule_spec
 from moesaic.strategies import get_strategy
 from moesaic.trace import (
@@ -194,30 +194,45 @@ def _drain_layer_state(model: MoEGPT) -> None:
         layer.take_stats()
 
 
-def _step_stats(
-    model: MoEGPT, ce, aux, layout: Layout, device
-) -> tuple[float, float, list, list[torch.Tensor]]:
-    """Mean loss and aux loss over all ranks, and each MoE layer's global expert load (summed
-    over every forward of the step: ``take_stats`` adds up all chunks of a pipelined step).
-
-    Also, in the same all-reduce, the global assignments before drops (``routed_E``) of the
-    layers with a score bias, for ``update_score_bias`` (fourth value, in layer order)."""
+def _step_statistics(model: MoEGPT, device) -> StatisticsFn:
+    """The loop's figures of a step for ``StepParts.statistics``: ``[ce, aux]`` then each MoE
+    layer's expert load (summed over every forward of the step: ``take_stats`` adds up all
+    chunks of a pipelined step), then the assignments before drops (``routed_E``) of the
+    layers with a score bias, for ``update_score_bias`` (in layer order); the step sums them
+    over every rank with its health flags, in one collective (``TrainStep.step_sums``)."""
     E = model.config.moe.num_experts
-    counts, routed = [], []
-    for _, layer in model.moe_layers():
-        stats = layer.take_stats()
-        zeros_E = torch.zeros(E, dtype=torch.float64, device=device)
-        counts.append(zeros_E if stats.counts_E is None else stats.counts_E.to(device).double())
-        if layer.router.score_bias is not None:
-            routed_E = stats.routed_E
-            routed.append(zeros_E if routed_E is None else routed_E.to(device).double())
-    buf = torch.cat([torch.stack([ce.detach().double(), aux.detach().double()]), *counts, *routed])
-    layout.world.all_reduce(buf, what="all_reduce of step statistics")
-    L = len(counts)
-    loads = buf[2 : 2 + L * E].view(-1, E).long().tolist() if counts else []
-    routed_loads = list(buf[2 + L * E :].view(-1, E)) if routed else []
+
+    def pack(ce: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        counts, routed = [], []
+        for _, layer in model.moe_layers():
+            stats = layer.take_stats()
+            zeros_E = torch.zeros(E, dtype=torch.float64, device=device)
+            counts.append(zeros_E if stats.counts_E is None else stats.counts_E.to(device).double())
+            if layer.router.score_bias is not None:
+                routed_E = stats.routed_E
+                routed.append(zeros_E if routed_E is None else routed_E.to(device).double())
+        head = torch.stack([ce.detach().double(), aux.detach().double()]).to(device)
+        return torch.cat([head, *counts, *routed])
+
+    return pack
+
+
+def _step_stats(
+    model: MoEGPT, statistics: list[float], layout: Layout, device
+) -> tuple[float, float, list, list[torch.Tensor]]:
+    """Mean loss and aux loss over all ranks, each MoE layer's global expert load and the
+    score-biased layers' global assignments before drops, from the step's summed
+    ``_step_statistics`` (read on the host with its health flags: no collective here)."""
+    E = model.config.moe.num_experts
+    L = len(list(model.moe_layers()))
     W = layout.world_size
-    return float(buf[0]) / W, float(buf[1]) / W, loads, routed_loads
+    loads = [[int(v) for v in statistics[2 + i * E : 2 + (i + 1) * E]] for i in range(L)]
+    rest = statistics[2 + L * E :]
+    routed_loads = [
+        torch.tensor(rest[i : i + E], dtype=torch.float64, device=device)
+        for i in range(0, len(rest), E)
+    ]
+    return statistics[0] / W, statistics[1] / W, loads, routed_loads
 
 
 def _update_score_biases(model: MoEGPT, routed_loads: list[torch.Tensor]) -> None:
@@ -360,6 +375,7 @@ def train(cfg: TrainConfig) -> dict:
         pipeline_degree=int(cfg.pipeline_degree),  # "auto" is resolved by TrainConfig
         ar_chunk_bytes=cfg.ar_chunk_bytes,
         recorder=recorder,
+        statistics=_step_statistics(model, device),
     )
     train_step = make_step(cfg.schedule, parts)
     # The strategies' hooks (hybrid: the next step's expert gathers start right after each
@@ -405,9 +421,7 @@ def train(cfg: TrainConfig) -> dict:
         with maybe_span(recorder, "step", f"step{step}", step=step):
             result = train_step.run(x_BT.to(device), y_BT.to(device))
         consumed += world * cfg.batch_size
-        loss, aux_val, loads, routed_loads = _step_stats(
-            model, result.ce, result.aux, layout, device
-        )
+        loss, aux_val, loads, routed_loads = _step_stats(model, result.statistics, layout, device)
         if result.applied:
             _update_score_biases(model, routed_loads)
         dt = time.perf_counter() - t0

@@ -155,3 +155,10 @@ class GradientSync:
         return world.all_gather_dim0(
             flags_F.to(world.control_device), "all_gather of step health flags"
         )
+
+    def sum_ranks(self, values_N: torch.Tensor) -> torch.Tensor:
+        """``values_N`` summed over every rank (one all-reduce on the control plane)."""
+        world = self.layout.world
+        out = values_N.to(world.control_device, copy=True)
+        world.all_reduce(out, what="all_reduce of step health flags and statistics")
+        return out
