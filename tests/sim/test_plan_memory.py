@@ -1,4 +1,4 @@
-"""``moesaic plan``'s memory (``sim.plan_memory``): the predicted peak per combination,
+"""``moesaic plan``'s memory (``planning.plan_memory``): the predicted peak per combination,
 ``--memory-per-rank`` dropping what does not fit, the least sharding that fits, and the plan
 entry's ``dp_shard`` applied by ``moesaic train --plan``."""
 

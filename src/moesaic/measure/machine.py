@@ -1,6 +1,6 @@
 """This machine's compute, measured for a profile (``moesaic calibrate``, ``moesaic plan``
 without one): the fp32 and bf16 matmul rates, the per-op overhead and the memory bandwidth
-(``measure``). On a GPU, ``sim.gpucal`` measures the rest of what the simulator prices there.
+(``measure``). On a GPU, ``measure.gpucal`` measures the rest of what the simulator prices there.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def measure(
     tiny = torch.randn(1, 1, device=dev)
     if dev.startswith("cuda"):
         # An idle GPU sits at a low clock: a second of matmuls first, so that every figure
-        # (and ``sim.gpucal``'s after them) is taken at the clock a training step runs at.
+        # (and ``measure.gpucal``'s after them) is taken at the clock a training step runs at.
         # (Issue 27's H200 runs: the bf16 4096^3 rate 624-715 TFLOP/s across cold starts.)
         t_end = time.perf_counter() + 1.0
         while time.perf_counter() < t_end:

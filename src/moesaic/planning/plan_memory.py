@@ -59,7 +59,7 @@ class MemoryFit:
 
 
 def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) -> MemoryFit:
-    """Each combination of ``plan`` (``sim.planner.Plan``) priced in memory at EP = ``world``:
+    """Each combination of ``plan`` (``planning.planner.Plan``) priced in memory at EP = ``world``:
     the least sharding whose predicted peak fits ``budget`` bytes (None: unsharded, no
     limit); the combinations that fit no way are dropped.
 

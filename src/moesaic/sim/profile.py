@@ -315,12 +315,12 @@ class Profile:
         gemm_efficiency: ``(rows_per_group, efficiency)`` points, by rows: the experts' grouped
             GEMMs (forward and backward) as a fraction of the dense matmul rate at that many
             rows per expert (``moesaic.measure.gpucal``, on a GPU); empty: 1 (the dense rate).
-        launch_s: A GPU's seconds per small kernel queued ahead of it (``sim.gpucal``); 0:
+        launch_s: A GPU's seconds per small kernel queued ahead of it (``measure.gpucal``); 0:
             not measured, launches not priced.
-        layer_kernels: Kernels of one MoE layer's forward + backward (``sim.gpucal``), each
+        layer_kernels: Kernels of one MoE layer's forward + backward (``measure.gpucal``), each
             priced at ``launch_s`` on a GPU (``layer_launch_s``); 0: not measured.
         layer_host_s: The host's seconds to issue one MoE layer's forward + backward on a
-            GPU (``sim.gpucal``): a layer's simulated forward and backward take at least
+            GPU (``measure.gpucal``): a layer's simulated forward and backward take at least
             their share of it (a third, two thirds); 0: not measured, no floor.
         a2a_call_s: One isolated all-to-all of a few bytes per rank on the measured cluster
             (``calibrate --cluster``): the least an all-to-all's latency term is; 0: not

@@ -179,7 +179,7 @@ def _comm_cpu_busy(args: argparse.Namespace, spec: Any, cpu: dict[str, Any]) -> 
 
 def _measure_model(args: argparse.Namespace, world: int) -> tuple[Any, dict[str, float]]:
     """``--model``'s operations timed (an ``OpCal``) and the taskflow runtime's CPU figures at
-    its MoE layer (``sim.cpucal.tile_cpu_figures``); None and none without ``--model``."""
+    its MoE layer (``measure.cpucal.tile_cpu_figures``); None and none without ``--model``."""
     if args.threads is not None:
         check_positive_int("--threads", args.threads)
     if args.model is None:

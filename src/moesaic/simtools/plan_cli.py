@@ -149,7 +149,7 @@ def add_subparser(subparsers) -> None:
         help="--domains-only: bytes per token element and weight (default: 4, moesaic train's "
         "fp32; a model file's act_bytes)",
     )
-    add_memory_option(p)  # --memory-per-rank (sim.plan_memory)
+    add_memory_option(p)  # --memory-per-rank (planning.plan_memory)
     p.set_defaults(func=run_plan)
 
 
