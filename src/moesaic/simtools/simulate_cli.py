@@ -250,7 +250,9 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
     spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
     model = load_option("model", args.model, load_model_spec)
     profile = _profile(args, spec)
-    model, prior = apply_loads(args, model, note=_note, profile=profile, world=spec.world_size)
+    # --measured re-simulates measured points as their files give them: no routing prior
+    world = None if args.measured else spec.world_size
+    model, prior = apply_loads(args, model, note=_note, profile=profile, world=world)
     return spec, model, profile, _options(args), prior
 
 
