@@ -37,7 +37,7 @@ def worker(rank: int, world: int, sizes: list[int], reps: int, stream: int, time
     import torch
 
     from moesaic.comm.collectives import EPGroup
-    from moesaic.sim.calibrate import matmul_load
+    from moesaic.measure.calibrate import matmul_load
 
     group = EPGroup(None, timeout_s)
 

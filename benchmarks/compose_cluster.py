@@ -98,7 +98,7 @@ def _plan_domains(spec: Any, layout: Any) -> tuple[tuple[int, ...], str]:
     """What ``--domains auto`` picks here (rank 0's GEMM rate on every rank)."""
     import torch
 
-    from moesaic.planning.costmodel import measure_gemm_flops
+    from moesaic.sim.hybrid_costmodel import measure_gemm_flops
     from moesaic.train.domains import plan_training_domains
 
     mine = measure_gemm_flops() if layout.rank == 0 else 0.0

@@ -1,12 +1,12 @@
 """Per-rank memory with FSDP2 x EP (issue 50 item 6): parameters, gradients, AdamW state and a
 step's peak, measured by ``moesaic train --measure-peak`` runs at ``--dp-shard`` 1, 2 and 4 (EP
 2: 2, 4 and 8 gloo ranks) and the unsharded EP 2 run, at 1 and 8 sequences per rank, beside
-``moesaic.planning.memory``'s prediction.
+``moesaic.sim.memory``'s prediction.
 
 Measured (the ``memory`` record of ``metrics.jsonl``, ``moesaic.train.memory``): the local
 shards' bytes right after the first optimizer step (gradients still held), and the most bytes
 alive at once during the second step (tensor storages counted on each rank's step thread),
-the largest rank's. Predicted: ``planning.memory.predict_memory`` (torch-free, from the config,
+the largest rank's. Predicted: ``sim.memory.predict_memory`` (torch-free, from the config,
 the batch and the mesh; uniform routing). The peak's error column is measured / predicted - 1;
 the measurement also holds what the model leaves out (the corpus, buffers: about 0.15 MB here).
 
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from fsdp_common import MODEL, MODEL_CONFIG, provenance, train_records, write_corpus
-from moesaic.planning.memory import model_elements, predict_memory
+from moesaic.sim.memory import model_elements, predict_memory
 
 EP = 2
 # (label, dp_shard or None, world size)

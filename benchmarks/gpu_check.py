@@ -21,7 +21,7 @@ the simulator's prediction from a GPU profile, and a short NCCL training run.
    GEMM FLOPs at the rate of one dense ``rows x H x F`` GEMM (rows = the mean expert load) of
    the same dtype measured in the same run, and the fraction of that bound reached.
 3. ``simulator``: the vanilla schedule of the same layer alone (``layer_only``) on a one-rank
-   cluster under the given profile (``moesaic calibrate``'s, else ``sim.machine.measure``),
+   cluster under the given profile (``moesaic calibrate``'s, else ``measure.machine.measure``),
    predicted step vs measured ``dropless`` step. Nothing is tuned to the measurement.
 4. ``train``: ``torchrun --standalone --nproc_per_node 1 -m moesaic.train`` (backend auto), loss
    first / last and step time from its metrics.jsonl; a failure is recorded, not raised.
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             write_json(result, args.out)
         if "sim" not in skip:
-            from moesaic.sim.machine import measure
+            from moesaic.measure.machine import measure
             from moesaic.sim.profile import Profile
 
             if args.profile is not None:
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                 source = str(args.profile)
             else:
                 profile = Profile(**measure(device=args.device), source="gpu_check measure")
-                source = "moesaic.sim.machine.measure"
+                source = "moesaic.measure.machine.measure"
             result["simulator"] = {
                 "profile": {
                     "source": source,

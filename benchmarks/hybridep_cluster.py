@@ -133,9 +133,9 @@ def worker(rank: int, world: int, spec_dict: dict, points: list, steps: int) -> 
 
     from moesaic.cluster.spec import ClusterSpec
     from moesaic.layer import aux_loss
-    from moesaic.planning.costmodel import measure_gemm_flops
-    from moesaic.trace import Recorder
+    from moesaic.sim.hybrid_costmodel import measure_gemm_flops
     from moesaic.strategies.prefetch import ExpertPrefetcher
+    from moesaic.trace import Recorder
 
     torch.set_num_threads(1)
     spec = ClusterSpec.from_dict(spec_dict)

@@ -3,7 +3,7 @@ priced again with them: a what-if on configurations already measured (an explana
 results, not a validation; the validation is a rule chosen before it is measured).
 
 For each configuration of a result file of ``benchmarks/sim_unseen.py``: its cluster is brought up
-again and ``calibrate``'s call floors measured on it (:func:`moesaic.sim.calibrate.collective_calls`,
+again and ``calibrate``'s call floors measured on it (:func:`moesaic.measure.calibrate.collective_calls`,
 on the otherwise idle machine, as ``calibrate --cluster`` now does); its stored profile gets the
 floors, and its collective shares are derived again from their measured times relative to the
 floored closed forms (what ``calibrate --cluster`` computes from the same times); every point is
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_unseen as su
 from moesaic.cluster.netns import EmulatedCluster
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.sim.calibrate import collective_calls, collective_share, share_probe
+from moesaic.measure.calibrate import collective_calls, collective_share, share_probe
 from moesaic.sim.profile import Profile
 
 

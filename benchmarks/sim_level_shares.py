@@ -3,7 +3,7 @@ to their stored profiles: a what-if on configurations already measured (an expla
 results, not a validation; the validation is a rule chosen before it is measured).
 
 For each configuration of a result file of ``benchmarks/sim_unseen.py`` whose cluster has more
-than one level: the cluster is brought up again and :func:`moesaic.sim.calibrate.level_shares`
+than one level: the cluster is brought up again and :func:`moesaic.measure.calibrate.level_shares`
 measured on it (what ``calibrate --cluster`` now measures, at the sizes of the stored world
 collectives, relative to the stored profile's links); the profile gets them as its
 ``level_shares``. Nothing is predicted here: ``sim_unseen.py --repredict --out FILE`` prices the
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_unseen as su
 from moesaic.cluster.netns import EmulatedCluster
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.sim.calibrate import level_shares, share_probe
+from moesaic.measure.calibrate import level_shares, share_probe
 from moesaic.sim.profile import Profile
 
 

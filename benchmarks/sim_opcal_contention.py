@@ -1,5 +1,5 @@
 """How much a rank's compute slows down while its collectives stream, on an emulated cluster
-and on unshaped loopback (``moesaic.sim.cpuload``'s measurement, both places side by side).
+and on unshaped loopback (``moesaic.measure.cpuload``'s measurement, both places side by side).
 
 Usage (root)::
 
@@ -41,7 +41,7 @@ def main() -> int:
     from moesaic.cluster import EmulatedCluster
     from moesaic.cluster.spec import ClusterSpec
     from moesaic.comm.world import run_world
-    from moesaic.sim.cpuload import comm_cores, slowdown_worker
+    from moesaic.measure.cpuload import comm_cores, slowdown_worker
     from sim_opcal_check import CLUSTER
 
     spec = ClusterSpec.from_dict(tomllib.loads(CLUSTER))

@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import sim_validate as sv  # noqa: E402
 from moesaic.bench.meta import run_metadata  # noqa: E402
+from moesaic.measure.opmeasure import measure_ops  # noqa: E402
 from moesaic.sim.model import ModelSpec  # noqa: E402
 from moesaic.sim.opcal import OpCal  # noqa: E402
-from moesaic.sim.opmeasure import measure_ops  # noqa: E402
 from moesaic.sim.profile import Profile  # noqa: E402
 from moesaic.sim.simulate import simulate  # noqa: E402
 

@@ -47,7 +47,6 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from moesaic.bench.meta import run_metadata  # noqa: E402
 from moesaic.cluster.spec import ClusterSpec, Level  # noqa: E402
-from moesaic.planning.costmodel import stream_inputs  # noqa: E402
 from moesaic.sim.collectives import LinkModel  # noqa: E402
 from moesaic.sim.hybrid import (  # noqa: E402
     build_hybrid,
@@ -55,6 +54,7 @@ from moesaic.sim.hybrid import (  # noqa: E402
     moe_config,
     plan_domains_fast,
 )
+from moesaic.sim.hybrid_costmodel import stream_inputs  # noqa: E402
 from moesaic.sim.model import ModelSpec  # noqa: E402
 from moesaic.sim.pipelined import Costs, run_pipelined  # noqa: E402
 from moesaic.sim.profile import Profile  # noqa: E402

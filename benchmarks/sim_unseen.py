@@ -239,7 +239,7 @@ predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth 
 
 **The eleventh rule** (``--rule 11``; fixed on 2026-11-27 at 03:16 UTC, committed before any
 of its configurations was measured or simulated, after ``calibrate --cluster`` came to keep the
-median of 7 communication-CPU measurements (``moesaic.sim.cpuload.REPEATS``); nothing in it may
+median of 7 communication-CPU measurements (``moesaic.measure.cpuload.REPEATS``); nothing in it may
 change after its first measurement): other levels again, with 4 ranks as 2 nodes x 2 (the ranks
 of a node share a 4.8 Gbit/s, 0.05 ms level), generators ``D = -A x B x C`` and ``E = -B x C``;
 names start with ``t``:
@@ -343,7 +343,7 @@ predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth 
 
 **The sixteenth rule** (``--rule 16``; fixed on 2026-11-27 at 11:28 UTC, committed before any
 of its configurations was measured or simulated, after ``calibrate`` came to measure the loaded
-all-reduce in blocks under a fresh load each (``moesaic.sim.calibrate.LOADED_CALL_BLOCKS``);
+all-reduce in blocks under a fresh load each (``moesaic.measure.calibrate.LOADED_CALL_BLOCKS``);
 nothing in it may change after its first measurement): other levels again, with 4 ranks as 2
 nodes x 2 (the ranks of a node share a 4.8 Gbit/s, 0.05 ms level), generators ``D = -A x B x C``
 and ``E = A x C``; names start with ``k``:
@@ -365,7 +365,7 @@ predicted Sp) and what the planner may choose (capacity 1.25): as for the fifth 
 **The seventeenth rule** (``--rule 17``; fixed on 2026-11-27 at 13:40 UTC, committed before
 any of its configurations was measured or simulated, after ``calibrate --model`` came to price
 the operations at their median call (not the fastest) and to time a speed reference beside them
-(``OpCal.reference_s``, :mod:`moesaic.sim.retime`); nothing in it may change after its first
+(``OpCal.reference_s``, :mod:`moesaic.measure.retime`); nothing in it may change after its first
 measurement): other levels again, with 4 ranks as 2 nodes x 2 (the ranks of a node share a 4
 Gbit/s, 0.06 ms level), generators ``D = -A x C`` and ``E = B x C``; names start with ``j``:
 
@@ -1216,7 +1216,7 @@ def repredict(path: Path) -> None:
 
 def speed_reference(work: Path) -> float:
     """The profile's speed reference timed here now (its model, its threads), seconds."""
-    from moesaic.sim.opmeasure import reference_s
+    from moesaic.measure.opmeasure import reference_s
     from moesaic.sim.profile import Profile
 
     ops = Profile.load(work / "p.json").ops

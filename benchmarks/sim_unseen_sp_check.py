@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import sim_unseen as su
-from moesaic.sim.model import load_model_spec
+from moesaic.train.model_files import load_model_spec
 
 
 def main() -> None:

@@ -317,7 +317,7 @@ def predict(
 
 
 def speed_reference(work: Path) -> float:
-    from moesaic.sim.opmeasure import reference_s
+    from moesaic.measure.opmeasure import reference_s
     from moesaic.sim.profile import Profile
 
     ops = Profile.load(work / "p.json").ops

@@ -32,7 +32,7 @@ Profiles (what each prediction is allowed to know):
   CPU of a one-sided put (per put and per byte) and the cores per rank; the per-tile CPU of the
   taskflow runtime is the static executor's measured overhead (``taskflow_sched.json``) and
   its handlers' CPU per element of a non-GMM tile, measured on one rank with no network
-  (``taskflow_handler_cpu.json``, ``python -m moesaic.sim.cpucal``).
+  (``taskflow_handler_cpu.json``, ``python -m moesaic.measure.cpucal``).
   Nothing is fitted to the iteration times predicted. ``rows_measured_without_taskflow_cpu_model``
   drops the CPU figures (before/after of the taskflow CPU model);
 * links, fitted (secondary, ``rows_fitted``): the bandwidth share fitted leave one run out: for
@@ -115,7 +115,7 @@ def static_task_overhead_s() -> float:
 def handler_elem_cpu_s(tile_m: int) -> float:
     """The taskflow handlers' CPU seconds per element of their non-GMM tiles at ``tile_m``,
     measured on one rank with no network (``taskflow_handler_cpu.json``,
-    ``python -m moesaic.sim.cpucal``): the profile's ``tile_elem_cpu_s``."""
+    ``python -m moesaic.measure.cpucal``): the profile's ``tile_elem_cpu_s``."""
     data = json.loads((RESULTS / "taskflow_handler_cpu.json").read_text())
     row = next((r for r in data["points"] if r["tile_m"] == tile_m), None)
     if row is None:

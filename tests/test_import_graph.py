@@ -284,6 +284,28 @@ def test_no_cycle_between_rooms():
     assert not cycles, "import cycles between rooms of moesaic:\n" + describe(cycles, lines)
 
 
+# The simulator's rooms, bottom to top: pricing (``sim``, torch-free), measuring a machine into
+# a profile (``measure``) and planning (``planning``: ranking, memory fit) on it, training
+# (``train``: ``--plan auto`` calls the planner), the command-line tools over all of them
+# (``simtools``). Each room imports none of the rooms listed against it, through any import.
+ROOMS_BELOW: dict[str, tuple[str, ...]] = {
+    "moesaic.sim": ("moesaic.measure", "moesaic.planning", "moesaic.train", "moesaic.simtools"),
+    "moesaic.measure": ("moesaic.planning", "moesaic.train", "moesaic.simtools"),
+    "moesaic.planning": ("moesaic.measure", "moesaic.train", "moesaic.simtools"),
+    "moesaic.train": ("moesaic.simtools",),
+}
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS_BELOW))
+def test_simulator_rooms_import_downwards_only(room):
+    _, edges = collect_edges()
+    graph, lines = room_graph(edges)
+    wrong = sorted(graph.get(room, set()) & set(ROOMS_BELOW[room]))
+    assert not wrong, f"{room} imports {wrong}, above it:\n  " + "\n  ".join(
+        line for dst in wrong for line in lines[(room, dst)]
+    )
+
+
 def test_no_eager_cycle_between_modules():
     _, edges = collect_edges()
     graph, lines = eager_graph(edges)
@@ -352,13 +374,15 @@ def test_a_circle_closed_inside_functions_fails(tmp_path):
 
 # What ``import moesaic.<module>`` may load. The layer stack needs torch, but none of these: the
 # network emulator (``moesaic.cluster``: namespaces, tc, a delay line), training and its schedules,
-# the simulator, the taskflow compiler, the bench, HybridEP's planning, the GPT model, plotting and
+# the simulator, its measuring and command-line tools, the taskflow compiler, the bench, planning, the GPT model, plotting and
 # the transformers interop.
 _HEAVY = (
     "moesaic.cluster",
     "moesaic.train",
     "moesaic.schedule",
     "moesaic.sim",
+    "moesaic.measure",
+    "moesaic.simtools",
     "moesaic.taskflow",
     "moesaic.bench",
     "moesaic.planning",

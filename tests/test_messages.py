@@ -13,8 +13,8 @@ import json
 import pytest
 
 from moesaic.checks import read_toml
-from moesaic.sim.cli_files import load_option
 from moesaic.sim.profile import links_from_cluster_check
+from moesaic.simtools.cli_files import load_option
 
 
 def test_binary_config_names_the_file(tmp_path):

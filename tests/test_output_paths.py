@@ -54,7 +54,7 @@ def test_unwritable_place_is_refused(tmp_path, monkeypatch):
 
 
 def test_calibrate_refuses_a_bad_out_before_measuring(tmp_path, capsys, monkeypatch):
-    import moesaic.sim.machine as machine
+    import moesaic.measure.machine as machine
 
     def measured(*_args, **_kwargs):
         raise AssertionError("the measurement ran before --out was checked")

@@ -33,11 +33,11 @@ _MODULES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("moesaic.cluster.cli", (("cluster", "emulated multi-level cluster in network namespaces"),)),
     ("moesaic.taskflow.cli", (("taskflow", "compile, inspect and check static MoE taskflows"),)),
     (
-        "moesaic.sim.plan_cli",
+        "moesaic.simtools.plan_cli",
         (("plan", "rank strategy x schedule x knobs for a model on a cluster (simulator)"),),
     ),
     (
-        "moesaic.sim.cli",
+        "moesaic.simtools.simulate_cli",
         (
             ("simulate", "simulate a training iteration on a cluster (per strategy)"),
             ("calibrate", "measure this machine into a simulator profile"),

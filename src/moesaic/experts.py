@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moesaic.config import MoEConfig
+from moesaic.kernels import KernelChoice
 from moesaic.kernels import load as load_kernels
-from moesaic.kernels import resolve as resolve_kernels
 
 
 class GroupCounts(list[int]):
@@ -287,6 +287,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, H, Fh))
         self.w3 = nn.Parameter(torch.empty(e, H, Fh)) if config.activation == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(e, Fh, H))
+        self.kernel_choice = KernelChoice(config.kernels, self.w1.device)
         for p in self.parameters():
             # Data-parallel code keeps these out of the all-reduce over the EP group (see docs).
             setattr(p, "_moesaic_expert", True)  # noqa: B010 (a new attribute on a Parameter)
@@ -313,7 +314,8 @@ class GroupedExperts(nn.Module):
                 w[i].copy_(block)
 
     def forward(self, x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
-        return expert_ffn(x_MH, counts_e, self.w1, self.w3, self.w2, kernels=self.config.kernels)
+        kernels = self.kernel_choice.for_device(x_MH.device)
+        return expert_ffn(x_MH, counts_e, self.w1, self.w3, self.w2, kernels=kernels)
 
 
 def expert_ffn(
@@ -333,9 +335,13 @@ def expert_ffn(
     ``kernels="triton"``: the Triton grouped GEMMs (``moesaic.kernels``, SwiGLU fused into the
     first) on the same device offsets; "fused": these grouped GEMMs with SwiGLU's elementwise
     part from ``moesaic.kernels.swiglu_act`` (one kernel each way instead of two and three);
-    "auto" is resolved for the rows' device here (``moesaic.kernels.resolve``).
+    ``kernels`` is a resolved choice ("auto" is refused): ``GroupedExperts.kernel_choice``.
     """
-    kernels = resolve_kernels(kernels, x_MH.device)
+    if kernels == "auto":
+        raise ValueError(
+            'expert_ffn: kernels must be resolved for the rows\' device ("torch", "triton" or '
+            '"fused"; GroupedExperts.kernel_choice), got "auto"'
+        )
     dtype = x_MH.dtype
     compute = expert_compute_dtype(x_MH.device, dtype)
     x_MH = x_MH.to(compute)  # a no-op unless a half type is emulated on this CPU

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moesaic.config import MoEConfig
+from moesaic.kernels import KernelChoice
 from moesaic.kernels import load as load_kernels
-from moesaic.kernels import resolve as resolve_kernels
 from moesaic.placement import ExpertPlacement
 from moesaic.router_gate import HALF_DTYPES, gate_logits
 from moesaic.router_losses import AuxTerms, sequence_balance_sum, z_loss
@@ -355,6 +355,7 @@ class Router(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.kernel_choice = KernelChoice(config.kernels, self.weight.device)
         bias = torch.zeros(config.num_experts) if config.score_bias_update_rate > 0 else None
         self.register_buffer("score_bias", bias)
 
@@ -506,7 +507,7 @@ class Router(nn.Module):
         values: tests/kernels/test_kernel_router.py).
         """
         cfg = self.config
-        kernels = resolve_kernels(cfg.kernels, x_TH.device)
+        kernels = self.kernel_choice.for_device(x_TH.device)
         if kernels != "torch" and self.routes_in_one_kernel(x_TH.shape[0]):
             topk_ids_TK, weights_TK, all_counts_E, aux = self._route_fused(x_TH)
         else:

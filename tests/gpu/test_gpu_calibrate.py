@@ -1,4 +1,4 @@
-"""``moesaic calibrate``'s GPU figures (``moesaic.sim.gpucal``) are measurements in a physical
+"""``moesaic calibrate``'s GPU figures (``moesaic.measure.gpucal``) are measurements in a physical
 range: grouped GEMMs below about the dense rate and faster per FLOP with more rows per expert,
 a small kernel in microseconds, a layer step of tens to hundreds of kernels, issued in
 milliseconds by the host.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from _gpu_helpers import NEEDS_CUDA
 
-from moesaic.sim import gpucal
-from moesaic.sim.machine import measure
+from moesaic.measure import gpucal
+from moesaic.measure.machine import measure
 
 pytestmark = NEEDS_CUDA
 

@@ -6,7 +6,7 @@ sums; rtol 1e-5, the schedules' rule). ``--dtype bf16`` sharded goes through FSD
 (blocks and experts gathered and computed in bf16, routers and the root in fp32, every
 gradient reduced in fp32), the experts compute on bf16 weights, the master weights and their
 gradients stay fp32, and the losses stay finite. On CUDA the step's peak, measured by the
-allocator (``train.memory``), is reported beside the prediction (``planning.memory``), not
+allocator (``train.memory``), is reported beside the prediction (``sim.memory``), not
 asserted: the caching allocator and the GPU kernels' workspaces are not in the model.
 """
 

@@ -1,4 +1,4 @@
-"""moesaic.planning.costmodel: Eqs. 1-12, closed form vs exhaustive search, multilevel plan."""
+"""moesaic.sim.hybrid_costmodel: Eqs. 1-12, closed form vs exhaustive search, multilevel plan."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.config import MoEConfig
 from moesaic.placement.compress import compressed_nbytes
-from moesaic.planning.costmodel import (
+from moesaic.sim.hybrid_costmodel import (
     StreamInputs,
     evaluate_domains,
     gemm_latency_s,

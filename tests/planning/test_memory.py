@@ -1,4 +1,4 @@
-"""The per-rank memory model (``moesaic.planning.memory``) against built models and measured
+"""The per-rank memory model (``moesaic.sim.memory``) against built models and measured
 steps.
 
 Element counts are exact (deterministic). The peak is compared with ``LiveBytes``'s count of a
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from moesaic.layer import is_expert_param
 from moesaic.models import MoEGPT, MoEGPTConfig
-from moesaic.planning.memory import model_elements, predict_memory, state_bytes
+from moesaic.sim.memory import model_elements, predict_memory, state_bytes
 from moesaic.train.memory import LiveBytes, memory_bytes
 
 TINY = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16}

@@ -13,20 +13,21 @@ from pathlib import Path
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.planning.costmodel import domain_size_choices
-from moesaic.sim.hybrid import plan_domains_fast
-from moesaic.sim.model import ModelSpec, load_model_spec
-from moesaic.sim.planner import (
+from moesaic.planning.planner import (
     DOMAIN_CANDIDATES,
     MIN_AR_CHUNK_BYTES,
     PIPELINE_DEGREES,
     SP_DIVISORS,
     plan_runs,
 )
+from moesaic.sim.hybrid import plan_domains_fast
+from moesaic.sim.hybrid_costmodel import domain_size_choices
+from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
 from moesaic.sim.simulate import SimOptions, link_model, simulate
 from moesaic.sim.steptail import flags_s, norm_s
 from moesaic.strategies.registry import check_supported
+from moesaic.train.model_files import load_model_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS = ROOT / "examples" / "clusters"

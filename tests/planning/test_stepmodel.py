@@ -6,8 +6,8 @@ import pytest
 
 import moesaic
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.planning.costmodel import evaluate_domains, stream_inputs
 from moesaic.planning.stepmodel import predict_step
+from moesaic.sim.hybrid_costmodel import evaluate_domains, stream_inputs
 
 SPEC = ClusterSpec(
     levels=(

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.sim.calibrate import closed_form_s, collective_calls, collective_share
+from moesaic.measure.calibrate import closed_form_s, collective_calls, collective_share
 from moesaic.sim.collectives import (
     LinkModel,
     all_to_all_s,

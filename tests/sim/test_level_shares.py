@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.sim.calibrate import _worker_collectives, level_groups, level_shares
+from moesaic.measure.calibrate import _worker_collectives, level_groups, level_shares
 from moesaic.sim.collectives import LinkModel, all_to_all_shares_s, level_exchange_s
 from moesaic.sim.profile import CollectiveShare, LevelShare, Profile
 from moesaic.sim.simulate import link_model

@@ -185,8 +185,8 @@ def test_calibrate_runs_the_jobs_router_on_its_data(tmp_path, capsys):
 def test_the_routing_run_is_the_job_on_one_process(tmp_path):
     """The job's model, seed and data, the world's global batch on one rank, dropless under
     vanilla, nothing of the job's own run options (emulation, plan, checkpoints, trace)."""
-    from moesaic.sim.routecal import routing_config
     from moesaic.train.config import TrainConfig
+    from moesaic.train.routing_run import routing_config
 
     job = TrainConfig.from_dict(
         {
@@ -214,7 +214,7 @@ def test_the_routing_run_is_the_job_on_one_process(tmp_path):
 
 
 def test_many_rows_are_described_by_their_range():
-    from moesaic.sim.cli_files import describe_loads
+    from moesaic.planning.loads import describe_loads
 
     assert describe_loads([[3, 1, 1, 1], [1, 2, 1, 1]]) == "2.00x, 1.60x the mean"
     rows = [[3, 1, 1, 1]] * 3 + [[1, 2, 1, 1]] * 3

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from moesaic.cli import main
-from moesaic.sim.model import ModelSpec, load_model, load_model_spec, train_config_of
+from moesaic.sim.model import ModelSpec
 from moesaic.train.config import TrainConfig
+from moesaic.train.model_files import load_model, load_model_spec, train_config_of
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "train_tiny.toml"  # H 64, F 128, E 4, K 2, 2 blocks, batch 8 x 64

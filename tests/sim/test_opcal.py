@@ -11,10 +11,10 @@ import pytest
 
 from moesaic.cli import main
 from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.measure.opmeasure import measure_ops
 from moesaic.sim.collectives import LinkModel
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.opcal import OPS, OpCal, OpFit, OpPrices, fit_line
-from moesaic.sim.opmeasure import measure_ops
 from moesaic.sim.pipelined import Costs
 from moesaic.sim.profile import Profile
 from moesaic.sim.simulate import SimOptions, simulate

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.measure.cpuload import comm_cores
 from moesaic.sim.contention import LOCKSTEP_RESOURCES, CpuModel, _Load, contend
-from moesaic.sim.cpuload import comm_cores
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.opcal import OPS, OpCal, OpFit

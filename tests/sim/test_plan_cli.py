@@ -17,7 +17,7 @@ import pytest
 from moesaic.cli import main
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.config import MoEConfig
-from moesaic.planning.costmodel import plan_domains, stream_inputs
+from moesaic.sim.hybrid_costmodel import plan_domains, stream_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS = ROOT / "examples" / "clusters"
@@ -271,10 +271,10 @@ def _rank(capsys, *argv: str) -> str:
 def test_json_is_plan_runs_and_the_table_its_head(capsys):
     """``--json`` lists every combination of ``plan_runs`` in its order with the documented
     keys; the table shows the first ``--top`` of them, the pick and the same reason."""
-    from moesaic.sim.model import load_model_spec
-    from moesaic.sim.planner import plan_runs
+    from moesaic.planning.planner import plan_runs
     from moesaic.sim.prior import RoutingPrior
     from moesaic.sim.profile import Profile
+    from moesaic.train.model_files import load_model_spec
 
     rows = json.loads(_rank(capsys, *SMALL_TINY, "--flops-per-s", "2e10", "--json"))
     spec = ClusterSpec.from_toml(SMALL)
@@ -334,7 +334,7 @@ def test_ranking_errors_name_the_flag(extra, words, capsys):
 
 
 def test_measure_routing_prices_the_jobs_own_loads(data_file, tmp_path, capsys):
-    """``--measure-routing`` runs the job's router on its data first (``sim.routecal``) and
+    """``--measure-routing`` runs the job's router on its data first (``train.routing_run``) and
     the ranking prices those loads (the note says so); with --loads it is refused, and a model
     file (no data) keeps uniform routing with a note."""
     job = tmp_path / "job.toml"

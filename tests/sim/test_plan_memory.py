@@ -1,4 +1,4 @@
-"""``moesaic plan``'s memory (``sim.plan_memory``): the predicted peak per combination,
+"""``moesaic plan``'s memory (``planning.plan_memory``): the predicted peak per combination,
 ``--memory-per-rank`` dropping what does not fit, the least sharding that fits, and the plan
 entry's ``dp_shard`` applied by ``moesaic train --plan``."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from moesaic.planning.memory import predict_memory
-from moesaic.sim.model import ModelSpec, train_config_of
-from moesaic.sim.plan_memory import fit_memory, memory_lines, sharding_choices
-from moesaic.sim.planner import Candidate, Plan
+from moesaic.planning.plan_memory import fit_memory, memory_lines, sharding_choices
+from moesaic.planning.planner import Candidate, Plan
+from moesaic.sim.memory import predict_memory
+from moesaic.sim.model import ModelSpec, model_config_of
 from moesaic.train.plan import plan_settings
 
 MODEL = ModelSpec(
@@ -41,7 +41,7 @@ PLAN = Plan(
 
 
 def _peak(strategy, schedule, dp_shard, domain_size=1):
-    cfg = train_config_of(MODEL).model
+    cfg = model_config_of(MODEL)
     return predict_memory(
         cfg,
         batch_size=MODEL.batch,

@@ -1,4 +1,4 @@
-"""Re-timing a profile's compute to the machine's speed now (``moesaic.sim.retime``,
+"""Re-timing a profile's compute to the machine's speed now (``moesaic.measure.retime``,
 ``Profile.slowed``, ``simulate/plan --retime``)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-import moesaic.sim.opmeasure as opmeasure
+import moesaic.measure.opmeasure as opmeasure
 from moesaic.cli import main
 from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.measure.retime import retime, speed_factor
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.opcal import OPS, OpCal, OpFit
 from moesaic.sim.profile import CollectiveShare, Profile
-from moesaic.sim.retime import retime, speed_factor
 from moesaic.sim.simulate import SimOptions, simulate
 
 MODEL = ModelSpec(

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.sim.cli_files import apply_loads
+from moesaic.planning.planner import plan_runs
 from moesaic.sim.model import ModelSpec
-from moesaic.sim.planner import plan_runs
 from moesaic.sim.prior import FIT, QUANTILES, RoutingPrior, fit, imbalance, shares
 from moesaic.sim.profile import Profile, RoutingLoads
+from moesaic.simtools.cli_files import apply_loads
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "sim_routing_prior.json"

@@ -12,16 +12,16 @@ import pytest
 from moesaic.cli import main
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.cluster.system import support_problem
-from moesaic.sim.calibrate import (
+from moesaic.measure.calibrate import (
     CallFloors,
     collective_shares,
     measure_links,
     median_calls,
     median_links,
 )
-from moesaic.sim.cpuload import REPEATS, measure_comm_cpu
+from moesaic.measure.cpuload import REPEATS, measure_comm_cpu
+from moesaic.measure.syncwait import SEGMENTS_S
 from moesaic.sim.profile import LinkLevel, Profile
-from moesaic.sim.syncwait import SEGMENTS_S
 
 PAIR_TOML = """
 [[levels]]
@@ -298,7 +298,7 @@ def test_a_16_bit_model_computes_at_the_measured_bf16_rate():
 
 
 def test_measure_times_fp32_and_bf16_matmuls():
-    from moesaic.sim.machine import default_matmul_size, measure
+    from moesaic.measure.machine import default_matmul_size, measure
 
     got = measure(64, repeats=2, device="cpu")
     rates = {"flops_per_s", "half_flops_per_s", "task_overhead_s", "mem_bytes_per_s"}

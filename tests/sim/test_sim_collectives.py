@@ -10,7 +10,6 @@ import pytest
 
 from moesaic.cluster import cost
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.planning.costmodel import evaluate_domains, stream_inputs
 from moesaic.sim.collectives import (
     LinkModel,
     all_gather_s,
@@ -24,6 +23,7 @@ from moesaic.sim.collectives import (
     ring_all_reduce_s,
 )
 from moesaic.sim.hybrid import hybrid_parts, moe_config
+from moesaic.sim.hybrid_costmodel import evaluate_domains, stream_inputs
 from moesaic.sim.model import ModelSpec
 
 
@@ -85,7 +85,7 @@ def test_skewed_all_to_all_v_equals_its_traffic_matrix(spec):
 def test_hybrid_phases_equal_evaluate_domains(spec):
     """Gathers and token hops by level_exchange_s equal evaluate_domains (P x P matrices) for
     every divisor tuple of domain sizes."""
-    from moesaic.planning.costmodel import domain_size_choices
+    from moesaic.sim.hybrid_costmodel import domain_size_choices
 
     P = spec.world_size
     model = ModelSpec(

@@ -11,11 +11,11 @@ import pytest
 
 from moesaic.cli import main
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.sim.compare import compare, geomean_abs_error, load_measured
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
 from moesaic.sim.runs import Run
 from moesaic.sim.simulate import SimOptions, simulate
+from moesaic.simtools.compare import compare, geomean_abs_error, load_measured
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks/results"

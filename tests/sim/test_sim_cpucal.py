@@ -1,4 +1,4 @@
-"""The taskflow handlers' measured CPU per element (``moesaic.sim.cpucal``) and how the simulator
+"""The taskflow handlers' measured CPU per element (``moesaic.measure.cpucal``) and how the simulator
 charges it (``Profile.tile_elem_cpu_s``, ``moesaic.sim.taskflow.tile_elements``)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.measure.cpucal import elem_cpu_s, measure, non_gmm_elements
 from moesaic.sim.collectives import LinkModel
-from moesaic.sim.cpucal import elem_cpu_s, measure, non_gmm_elements
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
 from moesaic.sim.taskflow import layer_plan, model_bucket, tile_elements

@@ -54,7 +54,7 @@ def test_profile_round_trips_its_cluster(tmp_path):
 def test_calibrate_cluster_records_the_cluster(capsys, tmp_path, monkeypatch):
     """``calibrate --cluster`` writes the cluster it measured (links faked: no root here; the
     emulated run is ``test_sim_calibrate.py``'s netns test)."""
-    import moesaic.sim.calibrate as cal
+    import moesaic.measure.calibrate as cal
 
     link = LinkLevel(
         level_name="datacenter",

@@ -11,9 +11,9 @@ import random
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.planning.costmodel import latency, stream_inputs
 from moesaic.sim.collectives import LinkModel
 from moesaic.sim.hybrid import hybrid_parts, moe_config
+from moesaic.sim.hybrid_costmodel import latency, stream_inputs
 from moesaic.sim.model import ModelSpec
 
 

@@ -13,7 +13,6 @@ import math
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.planning.costmodel import domain_size_choices
 from moesaic.sim.collectives import (
     LinkModel,
     all_reduce_s,
@@ -22,6 +21,7 @@ from moesaic.sim.collectives import (
     offset_group_sizes,
 )
 from moesaic.sim.hybrid import hybrid_parts
+from moesaic.sim.hybrid_costmodel import domain_size_choices
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.pipelined import Costs, domain_shares
 from moesaic.sim.profile import Profile

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.sim.calibrate import collective_share, put_cpu
+from moesaic.measure.calibrate import collective_share, put_cpu
 from moesaic.sim.collectives import (
     LinkModel,
     all_gather_s,
@@ -277,7 +277,7 @@ def test_loaded_shares_price_the_collectives_and_old_profiles_stay_idle(tmp_path
 def test_warmup_calls_last_the_sustain_time():
     """A loaded stream's warm-up lasts ``sustain_s`` at the closed form's share-1 time, within
     its bounds; 0 s still warms up with the fewest calls."""
-    from moesaic.sim import calibrate as cal
+    from moesaic.measure import calibrate as cal
 
     probe = Profile(flops_per_s=1.0)
     full, _ = cal.closed_form_s(PAIR, probe, "all_to_all", 1e6)

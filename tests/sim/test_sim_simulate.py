@@ -77,9 +77,9 @@ def test_hybrid_domains_are_plan_steps(levels, T, F, flops):
 def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
     """+Migration (SR compression, shared experts' all-reduce, prefetched gathers): every
     domain tuple's step equals predict_step's, and the chosen domains are plan_step's."""
-    from moesaic.planning.costmodel import domain_size_choices
     from moesaic.planning.stepmodel import predict_step
     from moesaic.sim.hybrid import hybrid_parts
+    from moesaic.sim.hybrid_costmodel import domain_size_choices
 
     spec = ClusterSpec(
         levels=(

@@ -10,11 +10,12 @@ import pytest
 from test_opcal_contention import MODEL, OPS_CAL  # the same small model and ops
 
 from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.measure.syncwait import measure, waits_from
 from moesaic.sim.contention import CpuModel, contend
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.profile import Profile, SyncWait
 from moesaic.sim.simulate import SimOptions, simulate
-from moesaic.sim.syncwait import measure, wait_s, waits_from
+from moesaic.sim.syncwait import wait_s
 
 # Two sizes, two segments: 1 ms and 3 ms after 10 ms and 30 ms of compute for a few bytes,
 # twice that for 1 MB.

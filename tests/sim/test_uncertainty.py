@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.planning.planner import plan_runs
 from moesaic.sim.model import ModelSpec
-from moesaic.sim.planner import plan_runs
 from moesaic.sim.profile import Profile
 from moesaic.sim.uncertainty import (
     BANDS,

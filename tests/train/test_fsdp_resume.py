@@ -20,7 +20,7 @@ from _train_helpers import fails, final_weights, read_metrics, start_from, tiny_
 
 from moesaic.cli import main
 from moesaic.models import MoEGPTConfig
-from moesaic.planning.memory import predict_memory, state_bytes
+from moesaic.sim.memory import predict_memory, state_bytes
 from moesaic.train.ckpt_choice import latest_checkpoint, read_checkpoint_meta
 
 RTOL = 1e-5

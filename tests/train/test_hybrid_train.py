@@ -145,7 +145,7 @@ def test_auto_domains_are_rank_0s_plan_on_every_rank(rank, rate0, sizes, tmp_pat
     all-to-alls ([2]); at 1 TFLOP/s gather plus reduce of these experts (F = 48) cost more ([1]).
     Only rank 0 measures; every rank plans with rank 0's rate (gathered), so a rank that would
     have measured 1000x more gets the same sizes."""
-    import moesaic.planning.costmodel as costmodel
+    import moesaic.sim.hybrid_costmodel as costmodel
     from moesaic.train.domains import load_cluster
     from moesaic.train.loop import resolve_auto_domains
 

@@ -172,7 +172,7 @@ def test_auto_trains_rank_0s_pick_on_every_rank(data_file, tmp_path, capfd):
     args = tiny_args(data_file, run_dir, "--plan", "auto", "--cluster", str(cluster))
     args[args.index("--steps") + 1] = "2"
     assert main(args) == 0
-    # the planner priced the job's own routing (its router on its data, sim.routecal)
+    # the planner priced the job's own routing (its router on its data, train.routing_run)
     assert "--plan auto: routing from the profile (model.toml's router on its data" in (
         capfd.readouterr().err
     )
@@ -234,27 +234,55 @@ def test_run_group_kills_what_the_command_started():
     assert (done.returncode, done.stdout, done.stderr) == (0, "out\n", "err\n")
 
 
-def test_auto_plans_with_uniform_routing_when_measuring_it_runs_out(monkeypatch, tmp_path, capsys):
-    """The routing measurement gets half of the plan's budget; past it the plan runs again
-    without it (uniform routing), with a note."""
+def _fixed_machine(monkeypatch) -> None:
+    """``measure.machine.measure`` as a profile of ``--flops-per-s 2e10`` alone would be."""
+    import dataclasses
+
+    from moesaic.sim.profile import Profile
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Profile)}
+    rates = {
+        "flops_per_s": 2e10,
+        **{k: defaults[k] for k in ("half_flops_per_s", "task_overhead_s", "mem_bytes_per_s")},
+        "device": defaults["device"],
+    }
+    monkeypatch.setattr("moesaic.measure.machine.measure", lambda: dict(rates))
+
+
+def test_auto_ranks_in_process_as_moesaic_plan_does(monkeypatch, tmp_path, capsys):
+    """Rank 0's ranking is ``moesaic plan --json``'s for the same model and profile, computed
+    by a call (no ``moesaic plan`` process); the routing measurement gets a quarter of the
+    run's timeout and, when it runs out, the plan prices the routing prior, with a note."""
+    import contextlib
+    import dataclasses
+    import io
     import subprocess
 
     from moesaic.train import plan_auto
+    from moesaic.train.model_files import load_model
 
     calls = []
 
     def fake(cmd, *, env, timeout_s):
-        calls.append(("--measure-routing" in cmd, timeout_s))
-        if "--measure-routing" in cmd:
-            raise subprocess.TimeoutExpired(cmd, timeout_s)
-        return subprocess.CompletedProcess(cmd, 0, '[{"rank": 1}]', "")
+        calls.append((cmd, timeout_s))
+        raise subprocess.TimeoutExpired(cmd, timeout_s)
 
     monkeypatch.setattr(plan_auto, "run_group", fake)
-    cfg = plan_auto.TrainConfig(cluster=str(tmp_path / "c.toml"), timeout_s=100.0)
-    assert plan_auto._plan_here(cfg, "ring") == [{"rank": 1}]
-    assert [c[0] for c in calls] == [True, False] and calls[0][1] == 25.0
-    assert calls[1][1] <= 50.0
-    assert "planning with uniform routing" in capsys.readouterr().err
+    _fixed_machine(monkeypatch)
+    cfg = dataclasses.replace(load_model(TINY), cluster=str(SMALL), timeout_s=100.0)
+    rows = plan_auto._plan_here(cfg, "ring")
+    assert [(c[0][1:3], c[1]) for c in calls] == [(["-m", "moesaic.train.routing_run"], 25.0)]
+    assert "planning with the routing prior" in capsys.readouterr().err
+    model = tmp_path / "model.toml"
+    model.write_text(plan_auto.model_toml(cfg))
+    out = io.StringIO()
+    argv = ["plan", "--cluster", str(SMALL), "--model", str(model), "--flops-per-s", "2e10"]
+    with contextlib.redirect_stdout(out):
+        assert main([*argv, "--json", "--all-reduce", "ring"]) == 0
+    cli = json.loads(out.getvalue())
+    for row in (*rows, *cli):  # who measured the profile: the only difference
+        row["made_for"] = {k: v for k, v in row["made_for"].items() if k != "profile"}
+    assert rows == cli
 
 
 def test_a_plans_capacity_factor_sets_the_models(tmp_path, capsys):

@@ -83,6 +83,31 @@ def resolve(kernels: str, device: torch.device) -> str:
     return "fused" if device.type == "cuda" and triton_available() else "torch"
 
 
+class KernelChoice:
+    """``MoEConfig.kernels`` resolved (:func:`resolve`) once per device type, not per forward.
+
+    ``Router`` and ``GroupedExperts`` build one from their config and resolve it for their
+    parameters' device then; each forward asks for the rows' device, which costs a comparison
+    and resolves again only on another device type (a layer built on the CPU and moved to a GPU:
+    its first forward there). The choice is what the forward passes down (``RoutingPlan.kernels``,
+    ``expert_ffn(kernels=...)``).
+    """
+
+    __slots__ = ("_choice", "_device_type", "option")
+
+    def __init__(self, option: str, device: torch.device) -> None:
+        self.option = option
+        self._device_type = device.type
+        self._choice = resolve(option, device)
+
+    def for_device(self, device: torch.device) -> str:
+        """ "torch", "triton" or "fused" for tensors on ``device``."""
+        if device.type != self._device_type:
+            self._choice = resolve(self.option, device)
+            self._device_type = device.type
+        return self._choice
+
+
 def load() -> ModuleType:
     """The Triton expert path (``moesaic.kernels.ffn``), importing Triton on first use."""
     require_triton()

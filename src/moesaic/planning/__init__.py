@@ -1,27 +1,17 @@
-"""Planning: what a choice of expert domains costs and which to take (HybridEP), and what a
-plan holds in memory per rank.
+"""Planning: which strategy x schedule x knobs to train, and whether it fits (torch-free).
 
-* :mod:`moesaic.planning.costmodel` — the paper's stream-based cost model (Eqs. 1-12),
-  ``optimal_p`` / ``search_p``, multilevel ``evaluate_domains`` / ``plan_domains`` (torch-free,
-  except ``measure_gemm_flops``);
-* :mod:`moesaic.planning.stepmodel` — ``predict_step`` / ``plan_step``: a whole training step
-  (forward, backward, gradient reduce, prefetched gathers) per candidate.
-* :mod:`moesaic.planning.memory` — ``predict_memory``: one rank's bytes of parameters,
-  gradients, AdamW state and a step's peak for a plan (EP, FSDP2's ``dp_shard``, HybridEP's
-  domains, batch), used by ``moesaic simulate`` / ``plan`` (``--memory-per-rank``).
+* :mod:`moesaic.planning.planner` — ``plan_runs``: every runnable combination simulated
+  (:mod:`moesaic.sim`) and ranked, with the reason for the pick;
+* :mod:`moesaic.planning.plan_memory` — each ranked combination's predicted per-rank peak
+  (:mod:`moesaic.sim.memory`), ``--memory-per-rank`` and the FSDP2 sharding that makes it fit;
+* :mod:`moesaic.planning.sharding` — ``check_sharding``: what runs sharded (the trainer's
+  config reads it too);
+* :mod:`moesaic.planning.loads` — which expert loads a plan prices;
+* :mod:`moesaic.planning.stepmodel` — ``predict_step`` / ``plan_step``: HybridEP's whole
+  training step per choice of domains, over the stream cost model
+  (:mod:`moesaic.sim.hybrid_costmodel`).
 
-Used by ``moesaic train --domains auto``, ``moesaic plan`` and the simulator; imports only the
-config, the cluster description, the placement's topology and compression size rules (torch-free
-at import).
+Used by ``moesaic plan`` (:mod:`moesaic.simtools.plan_cli`), ``moesaic train --plan auto`` (a call
+on rank 0, :mod:`moesaic.train.plan_auto`) and ``--domains auto``. Imports :mod:`moesaic.sim`,
+never ``measure``, ``train`` or ``simtools`` (``tests/test_import_graph.py``).
 """
-
-from moesaic.planning.costmodel import (
-    DomainPlan,
-    StreamInputs,
-    optimal_p,
-    plan_domains,
-    search_p,
-    stream_inputs,
-)
-
-__all__ = ["DomainPlan", "StreamInputs", "optimal_p", "plan_domains", "search_p", "stream_inputs"]

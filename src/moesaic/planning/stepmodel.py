@@ -13,7 +13,7 @@ per MoE block::
     AG      += shared-expert all-reduce          (compressed gathers only)
 
 with PE, EXP from FLOPs at a given throughput (``stream_inputs``) and AG, A2A, RS from
-:func:`moesaic.planning.costmodel.evaluate_domains` on the cluster description. The
+:func:`moesaic.sim.hybrid_costmodel.evaluate_domains` on the cluster description. The
 data-parallel all-reduce of replicated weights is the same for every strategy and left out.
 
 Torch-free.
@@ -30,7 +30,7 @@ from moesaic.checks import check_bool, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.config import MoEConfig
 from moesaic.placement.compress import kept_entries
-from moesaic.planning.costmodel import (
+from moesaic.sim.hybrid_costmodel import (
     domain_size_choices,
     evaluate_domains,
     fastest_smallest,
@@ -161,7 +161,7 @@ class StepPlan:
 def plan_step(spec: ClusterSpec, config: MoEConfig, **kwargs: Any) -> StepPlan:
     """Domain sizes for training: every divisor tuple priced by :func:`predict_step`.
 
-    :func:`moesaic.planning.costmodel.plan_domains` ranks candidates by the paper's forward
+    :func:`moesaic.sim.hybrid_costmodel.plan_domains` ranks candidates by the paper's forward
     latency; a training step also reduces the gathered experts' gradients (dense, whatever the
     compression) and runs the two all-to-alls again, which favours smaller domains when experts
     are large. Ties go to the smaller domains. ``kwargs`` are :func:`predict_step`'s.

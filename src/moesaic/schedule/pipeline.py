@@ -107,7 +107,8 @@ def _cast_once(experts: GroupedExperts) -> ExpertFn:
             casts[dtype] = tuple(None if w is None else w.to(dtype) for w in weights)
         w1, w3, w2 = casts[dtype]
         assert w1 is not None and w2 is not None  # internal: w3 alone is optional
-        return expert_ffn(x_MH, counts_e, w1, w3, w2, kernels=experts.config.kernels)
+        kernels = experts.kernel_choice.for_device(x_MH.device)
+        return expert_ffn(x_MH, counts_e, w1, w3, w2, kernels=kernels)
 
     return run
 

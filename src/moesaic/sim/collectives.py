@@ -38,7 +38,7 @@ this machine's emulated links a 256-byte gloo all-reduce took 0.9-1.3 ms on 2 ra
 (gloo's handshakes), the stack's cost on each, and a collective thread waiting for a core.
 FlowMoE's gradient chunks pay it once each (a chunk measured 0.7-0.8 ms on 2 ranks, 3.7 ms on
 4: ``sim_sp_chunks.json``).
-``calibrate --cluster`` measures both (:func:`moesaic.sim.calibrate.collective_calls`):
+``calibrate --cluster`` measures both (:func:`moesaic.measure.calibrate.collective_calls`):
 ``allreduce_call_s``, the time per call in a stream of tiny all-reduces issued back to back
 (as the pool issues its chunks), floors the sum of an all-reduce's step latencies;
 ``a2a_call_s``, one isolated tiny all-to-all (as a schedule issues and waits one), floors an

@@ -10,7 +10,7 @@ torch threads (``OpCal.threads``; 1 without per-operation measurements). The mod
 * a communication task of ``b`` bytes that lasts ``d`` seconds keeps ``L = min(1, comm_cpu_busy
   + (comm_cpu_s + b x comm_cpu_per_byte_s) / d)`` cores busy while it runs (its per-call and
   per-byte CPU spread evenly over it, and what a collective costs for as long as it is in
-  flight, :mod:`moesaic.sim.cpuload`; at most one thread's worth);
+  flight, :mod:`moesaic.measure.cpuload`; at most one thread's worth);
 * at a moment when the rank's communication keeps ``L`` cores busy (the sum over the tasks in
   flight), its ``n`` compute threads get a fair share of the machine's ``C = c m`` cores
   (``m`` ranks per machine) with what the other ranks want then, ``O``, and take ``s(L) =

@@ -1,7 +1,7 @@
 """HybridEP's step as a task graph, with the domain sizes its cost model chooses.
 
 The costs are those of :mod:`moesaic.planning.stepmodel` (``stream_inputs`` for the compute,
-the gathers' and token hops' traffic of :func:`moesaic.planning.costmodel.evaluate_domains`),
+the gathers' and token hops' traffic of :func:`moesaic.sim.hybrid_costmodel.evaluate_domains`),
 but the network phases are priced by the closed forms of :mod:`moesaic.sim.collectives`
 (:func:`level_exchange_s`): equal to ``evaluate_domains`` on any cluster (tested), without its
 ``P x P`` matrices, so 8,000 ranks plan in milliseconds. :func:`plan_domains_fast` ranks every
@@ -32,14 +32,14 @@ from typing import Any
 from moesaic.checks import check_positive_int
 from moesaic.config import MoEConfig
 from moesaic.placement.compress import kept_entries
-from moesaic.planning.costmodel import (
+from moesaic.sim.collectives import LinkModel, level_exchange_s
+from moesaic.sim.graph import SimGraph, SimTask
+from moesaic.sim.hybrid_costmodel import (
     StreamInputs,
     domain_size_choices,
     fastest_smallest,
     stream_inputs,
 )
-from moesaic.sim.collectives import LinkModel, level_exchange_s
-from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.pipelined import Costs, ExpertGathers
 from moesaic.sim.profile import Profile

@@ -1,5 +1,5 @@
 """Per-operation compute measurements of one model, and the rule that prices a simulated task
-from them (``moesaic calibrate --model``; :mod:`moesaic.sim.opmeasure` measures).
+from them (``moesaic calibrate --model``; :mod:`moesaic.measure.opmeasure` measures).
 
 One rate for every FLOP (a hot ``512^3`` GEMM) prices the small, overhead-bound operations of a
 CPU training step 3-4x too fast (issue 24: 87 ms simulated against ~355 ms measured for H 160,
@@ -121,9 +121,9 @@ class OpCal:
         op_overhead_s: One tiny torch op (a 1 x 1 matmul), for the record.
         reference_s: The speed reference timed with the pieces: one forward and backward of
             block 0's attention stage, expert stage and the head at the model's batch
-            (:func:`moesaic.sim.opmeasure.reference_s`). Timed again later, it says how much
+            (:func:`moesaic.measure.opmeasure.reference_s`). Timed again later, it says how much
             faster or slower the machine runs than when the pieces were measured
-            (:mod:`moesaic.sim.retime`); 0: not measured (older profiles).
+            (:mod:`moesaic.measure.retime`); 0: not measured (older profiles).
         device: Where the pieces ran (``measure_ops`` runs them on the CPU): the ``padded``
             strategy skips its padding rows there (``strategies.padded``), so the simulator
             prices its experts on the kept rows only.

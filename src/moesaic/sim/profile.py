@@ -11,7 +11,7 @@ measured and what is taken from elsewhere:
   (``OPS_PER_TASK``): framework cost a FLOP count does not see;
 * ``floor_s``: the latency floor of one collective step: the one-way latency of an unshaped
   pair of emulated ranks (100 Gbit/s, 0 ms), measured by ``calibrate --cluster`` (see
-  :mod:`moesaic.sim.calibrate`) or read from a cluster check result (``--links``), else 0;
+  :mod:`moesaic.measure.calibrate`) or read from a cluster check result (``--links``), else 0;
 * ``bandwidth_scale``: the links' measured share of their configured rate (the median over the
   levels of measured / configured bandwidth), or 1.0: the spec's figures;
 * ``collectives``: with ``--cluster``, the emulated cluster's all-to-all and all-reduce timed at
@@ -21,7 +21,7 @@ measured and what is taken from elsewhere:
   (isolated calls after a barrier on an otherwise idle machine) and ``"loaded"`` (an unbroken
   stream of calls after a warm-up while every rank computes in a thread, as a training step
   does: CPU-starved ranks push TCP on a shaped link into a mode about half as fast; see
-  :mod:`moesaic.sim.calibrate`). The simulation prices all-to-all(-v)s and all-reduces /
+  :mod:`moesaic.measure.calibrate`). The simulation prices all-to-all(-v)s and all-reduces /
   all-gathers with the loaded shares when the profile has them, else the idle ones (profiles
   written before the regime existed), interpolated in log size; point-to-point messages with
   the link share only;
@@ -31,7 +31,7 @@ measured and what is taken from elsewhere:
   byte (gloo's header and payload messages, the kernel's stack, the receiver's subscriber
   thread; ``calibrate --cluster`` measures them on the emulated link), charged to the rank's
   queues (:mod:`moesaic.sim.taskflow`); ``tile_elem_cpu_s``: the handlers' CPU per element of
-  an elementwise, reduction or put tile (:mod:`moesaic.sim.cpucal`, one rank, no network);
+  an elementwise, reduction or put tile (:mod:`moesaic.measure.cpucal`, one rank, no network);
 * ``cores``, ``ranks_per_machine``: when both are > 0, a taskflow step takes at least its
   rank's CPU time / (cores / ranks_per_machine) (its queues' threads share those cores); with
   ``comm_cpu_per_byte_s`` or ``ops`` too, the other strategies' compute slows down where the
@@ -50,7 +50,7 @@ measured and what is taken from elsewhere:
   :mod:`moesaic.sim.syncwait`); empty: not measured;
 * ``comm_cpu_busy``: cores a rank's communication keeps busy for as long as a collective is in
   flight beyond those two, measured by ``calibrate --cluster`` as its compute's slowdown while
-  an all-to-all stream runs (:mod:`moesaic.sim.cpuload`); 0: not modelled;
+  an all-to-all stream runs (:mod:`moesaic.measure.cpuload`); 0: not modelled;
 * ``ops``: with ``calibrate --model``, the model's own operations timed on this machine
   (:class:`moesaic.sim.opcal.OpCal`): the pipelined strategies price their tasks from them
   instead of ``flops_per_s`` (:class:`moesaic.sim.opcal.OpPrices`); None in older profiles;
@@ -64,11 +64,11 @@ measured and what is taken from elsewhere:
   and link rates were measured on other levels and another world. None in profiles written
   before it was recorded, and in those measured without a cluster;
 * ``routing``: with ``calibrate --model`` on a training config, the expert loads of the job's
-  first steps on its own data (:class:`RoutingLoads`, :mod:`moesaic.sim.routecal`), which
+  first steps on its own data (:class:`RoutingLoads`, :mod:`moesaic.train.routing_run`), which
   ``simulate`` and ``plan`` price instead of uniform routing when the model has as many
   experts; None otherwise.
 
-Torch-free (the measuring is :mod:`moesaic.sim.machine`'s).
+Torch-free (the measuring is :mod:`moesaic.measure.machine`'s).
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ class LinkLevel:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RoutingLoads:
-    """Expert loads a job's router produced on its data (:mod:`moesaic.sim.routecal`).
+    """Expert loads a job's router produced on its data (:mod:`moesaic.train.routing_run`).
 
     Attributes:
         loads: Rows each expert received, one row per MoE layer, experts in placement order
@@ -284,11 +284,11 @@ class Profile:
         cores: CPU cores of one machine (0: not modelled).
         ranks_per_machine: Ranks sharing those cores (0: not modelled).
         tile_elem_cpu_s: CPU seconds per element of a taskflow elementwise, reduction or put
-            tile's handler (memory-bound torch calls on a tile; ``moesaic.sim.cpucal``); 0: not
+            tile's handler (memory-bound torch calls on a tile; ``moesaic.measure.cpucal``); 0: not
             measured, such tiles cost 10 FLOPs per element at ``flops_per_s``.
         copy_elem_cpu_s: CPU seconds per element of a large copy into fresh memory (the
             taskflow forward's copies of its receive windows for the backward;
-            ``moesaic.sim.cpucal``); 0: not measured, not priced.
+            ``moesaic.measure.cpucal``); 0: not measured, not priced.
         cluster: The cluster ``links``, ``collectives`` and ``ranks_per_machine`` were measured
             on (``calibrate --cluster``); None: not recorded (older profiles) or no cluster.
         comm_cpu_s: CPU seconds of one rank per collective call (0: not modelled).
@@ -314,13 +314,13 @@ class Profile:
             ``flops_per_s``.
         gemm_efficiency: ``(rows_per_group, efficiency)`` points, by rows: the experts' grouped
             GEMMs (forward and backward) as a fraction of the dense matmul rate at that many
-            rows per expert (``moesaic.sim.gpucal``, on a GPU); empty: 1 (the dense rate).
-        launch_s: A GPU's seconds per small kernel queued ahead of it (``sim.gpucal``); 0:
+            rows per expert (``moesaic.measure.gpucal``, on a GPU); empty: 1 (the dense rate).
+        launch_s: A GPU's seconds per small kernel queued ahead of it (``measure.gpucal``); 0:
             not measured, launches not priced.
-        layer_kernels: Kernels of one MoE layer's forward + backward (``sim.gpucal``), each
+        layer_kernels: Kernels of one MoE layer's forward + backward (``measure.gpucal``), each
             priced at ``launch_s`` on a GPU (``layer_launch_s``); 0: not measured.
         layer_host_s: The host's seconds to issue one MoE layer's forward + backward on a
-            GPU (``sim.gpucal``): a layer's simulated forward and backward take at least
+            GPU (``measure.gpucal``): a layer's simulated forward and backward take at least
             their share of it (a third, two thirds); 0: not measured, no floor.
         a2a_call_s: One isolated all-to-all of a few bytes per rank on the measured cluster
             (``calibrate --cluster``): the least an all-to-all's latency term is; 0: not
@@ -532,7 +532,7 @@ class Profile:
 
     def slowed(self, factor: float, *, why: str = "") -> Profile:
         """This profile on the same machine running ``factor`` times slower (< 1: faster), as
-        a speed reference timed again says (:mod:`moesaic.sim.retime`): every rate of its
+        a speed reference timed again says (:mod:`moesaic.measure.retime`): every rate of its
         compute divided by ``factor`` and every CPU time (the operations, the task overhead,
         the taskflow runtime's and the communication's CPU) multiplied by it. The network's
         figures (links, collective shares, call floors, sync waits) stay as measured: they

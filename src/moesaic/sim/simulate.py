@@ -51,9 +51,9 @@ from moesaic.sim.hybrid import (
     hybrid_parts,
     plan_domains_fast,
 )
+from moesaic.sim.memory import predict_run
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.pipelined import Costs, check_degree, run_pipelined
-from moesaic.sim.plan_memory import predict_run
 from moesaic.sim.profile import COLLECTIVE_REGIMES, Profile
 from moesaic.sim.runs import (
     LAYER_ONLY_UNSUPPORTED,
@@ -443,7 +443,7 @@ def simulate(
 def memory_details(
     model: ModelSpec, run: Run, ranks: int, domain_sizes: Sequence[int] | None
 ) -> dict[str, Any]:
-    """``peak_bytes_per_rank``: the per-rank peak ``moesaic.planning.memory`` predicts for the
+    """``peak_bytes_per_rank``: the per-rank peak ``moesaic.sim.memory`` predicts for the
     run trained unsharded at EP = ``ranks`` (``memory_per_rank``: its parts); or
     ``memory_note``, why it is not predicted (a model a training config cannot express)."""
     try:

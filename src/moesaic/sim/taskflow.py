@@ -18,7 +18,7 @@ the nominal ones the plan drawing uses:
   sim_unseen.py``) the hottest expert takes 17-47% of a layer's rows, so slots of 256-2048
   rows where uniform routing gives 128-1024;
 * the forward's copies of its receive-window buffers (:data:`SAVED_WINDOW`, whole buckets,
-  :func:`saved_window_elements`) at the profile's ``copy_elem_cpu_s`` (``sim.cpucal``, measured
+  :func:`saved_window_elements`) at the profile's ``copy_elem_cpu_s`` (``measure.cpucal``, measured
   by ``calibrate --model``; 0, not priced, in profiles without it);
 * GMM tiles: ``2 x rows x H x F`` FLOPs (twice that for SwiGLU's gate-and-up GMMs and their
   gradients) at the experts' measured FLOP rate in that direction when the profile has the

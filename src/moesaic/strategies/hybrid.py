@@ -52,6 +52,7 @@ import torch
 
 from moesaic.comm.collectives import CollectiveError, EPGroup, shortcuts_allowed
 from moesaic.experts import GroupedExperts, expert_compute_dtype, expert_ffn
+from moesaic.kernels import KernelChoice
 from moesaic.placement import ExpertPlacement
 from moesaic.placement.topology import Topology, default_domain_sizes
 from moesaic.routing import RoutingPlan, build_plan
@@ -428,10 +429,12 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         """
         weights = self._local_weights(experts)
         if not self.levels:
-            return ExpertRun(self._ffn(weights), CommStats(peer_bytes_P=(0,) * self.group.size))
+            return ExpertRun(
+                self._ffn(weights, experts), CommStats(peer_bytes_P=(0,) * self.group.size)
+            )
         if not pipelined:
             gathered, stats = self._gathered(weights)
-            return ExpertRun(self._ffn(self._in_graph(weights, gathered)), stats)
+            return ExpertRun(self._ffn(self._in_graph(weights, gathered), experts), stats)
         finish, stats = self._begin_gathered(weights)
         used: list[torch.Tensor | None] = []  # the copies in the graph, once waited for
         # the chunks' summed gradients per copy (fp32 for half copies, as autocast's casts of
@@ -451,7 +454,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
                 if alias is not None:
                     alias.register_post_accumulate_grad_hook(functools.partial(_add_to, sums, i))
                 aliases.append(alias)
-            return self._ffn(tuple(aliases))(x_MH, counts_e)
+            return self._ffn(tuple(aliases), experts)(x_MH, counts_e)
 
         def finish_backward() -> None:
             # Every rank reduces every weight (zeros where its chunks left no gradient), so the
@@ -470,10 +473,11 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
 
         return ExpertRun(run, stats, finish_backward, wait)
 
-    def _ffn(self, weights: tuple[torch.Tensor | None, ...]) -> ExpertFn:
-        """``_domain_ffn`` on the config's kernels, noting the rows' compute dtype (what the
-        next gathers move, ``_gather_dtype``)."""
-        ffn = _domain_ffn(weights, self.ctx.config.kernels)
+    def _ffn(self, weights: tuple[torch.Tensor | None, ...], experts: ExpertFn) -> ExpertFn:
+        """``_domain_ffn`` on the layer's experts' kernel choice, noting the rows' compute
+        dtype (what the next gathers move, ``_gather_dtype``)."""
+        assert isinstance(experts, GroupedExperts)  # internal: _local_weights checked it
+        ffn = _domain_ffn(weights, experts.kernel_choice)
 
         def run(x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
             self._compute_dtype = expert_compute_dtype(x_MH.device, x_MH.dtype)
@@ -558,13 +562,13 @@ def _add_to(sums: list[torch.Tensor | None], i: int, alias: torch.Tensor) -> Non
         sums[i].add_(g)  # type: ignore[union-attr]
 
 
-def _domain_ffn(weights: tuple[torch.Tensor | None, ...], kernels: str = "torch") -> ExpertFn:
+def _domain_ffn(weights: tuple[torch.Tensor | None, ...], kernels: KernelChoice) -> ExpertFn:
     """The expert FFN over the rows of the domain's experts, with ``weights`` (w1, w3, w2) on
-    the ``kernels`` implementation (``MoEConfig.kernels``)."""
+    the implementation ``kernels`` chose for the rows' device."""
     w1, w3, w2 = weights
     assert w1 is not None and w2 is not None  # internal: w3 alone is optional
 
     def run(x_MH: torch.Tensor, counts_e: Sequence[int]) -> torch.Tensor:
-        return expert_ffn(x_MH, counts_e, w1, w3, w2, kernels=kernels)
+        return expert_ffn(x_MH, counts_e, w1, w3, w2, kernels=kernels.for_device(x_MH.device))
 
     return run

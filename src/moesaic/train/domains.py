@@ -30,8 +30,8 @@ from moesaic.checks import check_positive_int, is_int
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.config import MoEConfig
 from moesaic.models.config import MoEGPTConfig
-from moesaic.planning.costmodel import StreamInputs, stream_inputs
 from moesaic.planning.stepmodel import StepPlan, plan_step
+from moesaic.sim.hybrid_costmodel import StreamInputs, stream_inputs
 from moesaic.strategies.hybrid_options import HybridOptions
 
 __all__ = [

@@ -266,7 +266,7 @@ def resolve_auto_domains(cfg: TrainConfig, spec, layout: Layout, device) -> Trai
     if not cfg.auto_domains or "domain_sizes" not in options.names():
         return cfg
     if layout.rank == 0:
-        from moesaic.planning.costmodel import measure_gemm_flops
+        from moesaic.sim.hybrid_costmodel import measure_gemm_flops
 
         flops = measure_gemm_flops()
     else:

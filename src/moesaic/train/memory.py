@@ -16,7 +16,7 @@
   dispatcher: several times slower steps). Not seen by it: allocations outside tensors (gloo's
   own buffers) and on other threads (hybrid's prefetch thread).
 
-The planner's prediction of the same figures: ``moesaic.planning.memory``.
+The planner's prediction of the same figures: ``moesaic.sim.memory``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The training mesh's degrees and what may run sharded (torch-free: ``TrainConfig`` checks
 them before any worker starts; ``train/fsdp.py`` builds the mesh and shards; what a mesh
-holds per rank: ``moesaic.planning.memory``).
+holds per rank: ``moesaic.sim.memory``).
 
 ``world = dp_replicate x dp_shard x ep``: see ``train/fsdp.py`` for the layout.
 """
@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moesaic.checks import check_positive_int
-from moesaic.schedule_table import schedule_names, schedule_spec
-from moesaic.strategies.registry import check_supported
+from moesaic.planning.sharding import check_sharding
 
 __all__ = ["DIMS", "MeshShape", "check_sharding"]
 
@@ -54,20 +53,3 @@ class MeshShape:
                 f"the world size ({world_size}) must be dp_replicate ({self.dp_replicate}) x "
                 f"dp_shard ({self.dp_shard}) x ep ({self.ep}) = {self.world_size}"
             )
-
-
-def check_sharding(strategy: str, schedule: str) -> None:
-    """Refuse a strategy or a schedule that does not run with FSDP2 sharding, through their
-    declarations (``Supports.unsharded_why``, ``ScheduleSpec.unsharded_why``), naming why.
-
-    Raises:
-        ValueError: one line naming the strategy or schedule, the options and the reason.
-    """
-    check_supported(strategy, sharded=True)
-    why = schedule_spec(schedule).unsharded_why
-    if why:
-        runs = [n for n in schedule_names() if not schedule_spec(n).unsharded_why]
-        raise ValueError(
-            f"schedule {schedule!r} does not run with FSDP sharding (--dp-shard, "
-            f"--dp-replicate): {why}; choose --schedule {' or '.join(runs)}"
-        )

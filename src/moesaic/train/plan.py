@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ __all__ = [
     "made_for",
     "plan_record",
     "plan_settings",
+    "ranking_json",
     "read_plan",
     "set_plan",
     "strategy_option_dest",
@@ -315,6 +316,20 @@ def plan_record(cfg: Any) -> dict[str, Any] | None:
         "capacity_factor": moe.capacity_factor,
         "options": moe.options.to_dict(),
     }
+
+
+def ranking_json(
+    plan: Any, job: dict[str, Any], peaks: Sequence[float] = ()
+) -> list[dict[str, Any]]:
+    """A ranking (``moesaic.planning.planner.Plan``) as the plan file's entries: every
+    candidate, fastest first, with its rank and the job it was made for (``made_for``:
+    ``moesaic train --plan`` refuses it for another), the first with the reason, and each its
+    predicted per-rank peak when ``peaks`` are given (``planning.plan_memory``)."""
+    rows = [{"rank": i + 1, **c.to_dict(), "made_for": job} for i, c in enumerate(plan.ranked)]
+    rows[0]["reason"] = plan.reason
+    for row, peak in zip(rows, peaks):
+        row["peak_bytes_per_rank"] = peak
+    return rows
 
 
 def made_for(

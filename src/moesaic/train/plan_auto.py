@@ -1,14 +1,12 @@
 """``moesaic train --plan auto``: rank 0 plans at the start of the run, every rank trains its pick.
 
-Rank 0 runs ``moesaic plan --json --measure-routing`` on the run's cluster (``--cluster``) and
-model (a training config written from the run's, with its data, seed and optimizer schedule;
-``moesaic.sim.model.load_model`` reads it) with no profile, so the planner measures rank 0's
-machine first (a quick calibration: the matmul rates and the per-op overhead, about a second)
-and the job's routing (its router on its data for its first steps, in one process:
-``sim.routecal``), and takes the ranking's first entry. The planner is the
-simulator's (``moesaic.sim.planner``), which reads training configs and so sits above this
-package: it runs as the ``moesaic plan`` command in a child process, its interface the
-documented JSON, rather than as an import that would close a circle between the two packages.
+Rank 0 calls the planner (:func:`moesaic.planning.planner.plan_runs`) on the run's cluster
+(``--cluster``) and model (the run's config as the simulator's ``ModelSpec``) with a profile of
+rank 0's machine measured first (a quick calibration: the matmul rates and the per-op overhead,
+about a second, ``measure.machine.profile_here``) and the job's routing (its router on its data
+for its first steps, in one process: ``python -m moesaic.train.routing_run`` on a training config
+written from the run's, with its data, seed and optimizer schedule), and takes the ranking's
+first entry, as ``moesaic plan --json --measure-routing`` would rank them.
 
 Every rank receives rank 0's entry (two all-gathers: its length, then its bytes; an error on
 rank 0 reaches every rank the same way) and applies it (:func:`apply_entry`) before anything is
@@ -29,7 +27,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +57,7 @@ def _toml_value(value: Any) -> str | None:
     return None
 
 
-# The run's keys that make its first steps' routing (``sim.routecal`` trains them): the data,
+# The run's keys that make its first steps' routing (``train.routing_run`` trains them): the data,
 # the seed and the optimizer's schedule.
 _ROUTING_KEYS = (
     "seed",
@@ -74,8 +71,6 @@ _ROUTING_KEYS = (
     "weight_decay",
     "grad_clip",
 )
-# How ``moesaic plan`` starts its notes on stderr (logged again by rank 0).
-_PLAN_NOTE = "moesaic plan: "
 # What a nested launch must not inherit from this worker (torchrun's own variables).
 _WORKER_ENV = (
     "RANK",
@@ -115,48 +110,79 @@ def model_toml(cfg: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plan_here(cfg: TrainConfig, all_reduce: str) -> list[dict[str, Any]]:
-    """``moesaic plan --json`` of ``cfg`` on this machine (rank 0): the ranking.
+def _note(line: str) -> None:
+    print(f"moesaic train: --plan auto: {line}", file=sys.stderr, flush=True)
 
-    Within ``timeout_s / 2`` in all (the other ranks wait in a collective meanwhile): first with
-    ``--measure-routing`` for up to half of it (the job's model at EP 1 in one process: a
-    large model may take long or not fit, and then the planner prices uniform routing with a
-    note); if that runs out, the process group it started is killed and the plan runs again
-    without it."""
-    assert cfg.cluster is not None  # internal: TrainConfig requires it with plan "auto"
-    budget = cfg.timeout_s / 2
-    with tempfile.TemporaryDirectory(prefix="moesaic-plan-") as tmp:
-        model = Path(tmp) / "model.toml"
-        model.write_text(model_toml(cfg))
-        cmd = [sys.executable, "-m", "moesaic", "plan", "--cluster", cfg.cluster]
-        cmd += ["--model", str(model), "--json", "--all-reduce", all_reduce]
-        # this moesaic, wherever the worker found it (installed or on a path of its own)
-        here = str(Path(__file__).resolve().parents[2])  # the directory holding moesaic/
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in _WORKER_ENV and not k.startswith("TORCHELASTIC_")
-        }
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-        t0 = time.monotonic()
-        try:
-            proc = run_group([*cmd, "--measure-routing"], env=env, timeout_s=budget / 2)
-        except subprocess.TimeoutExpired:
-            print(
-                f"moesaic train: --plan auto: measuring the job's routing took over "
-                f"{budget / 2:.0f} s; planning with uniform routing",
-                file=sys.stderr,
-                flush=True,
-            )
-            proc = run_group(cmd, env=env, timeout_s=budget - (time.monotonic() - t0))
+
+def _measured_routing(model: Path, world: int, timeout_s: float) -> Any:
+    """The job's routing (``train.routing_run``, a training run of its own: launched from this
+    worker without the worker's torchrun variables, in a process group killed past
+    ``timeout_s``), or None with a note when it runs out or fails (the plan then prices the
+    routing prior)."""
+    from moesaic.sim.profile import RoutingLoads
+
+    cmd = [sys.executable, "-m", "moesaic.train.routing_run", str(model), "--world", str(world)]
+    # this moesaic, wherever the worker found it (installed or on a path of its own)
+    here = str(Path(__file__).resolve().parents[2])  # the directory holding moesaic/
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _WORKER_ENV and not k.startswith("TORCHELASTIC_")
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    try:
+        proc = run_group(cmd, env=env, timeout_s=timeout_s)
+    except subprocess.TimeoutExpired:
+        _note(
+            f"measuring the job's routing took over {timeout_s:.0f} s; planning with the "
+            "routing prior"
+        )
+        return None
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
-        raise ValueError(f"--plan auto: moesaic plan failed: {lines[-1]}")
-    for line in proc.stderr.splitlines():  # its notes: the routing it priced, extrapolations
-        if line.startswith(_PLAN_NOTE):
-            note = line.removeprefix(_PLAN_NOTE)
-            print(f"moesaic train: --plan auto: {note}", file=sys.stderr, flush=True)
-    return json.loads(proc.stdout)
+        _note(f"--measure-routing failed ({lines[-1].strip()[-300:]}): routing from the prior")
+        return None
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return None if data is None else RoutingLoads(**data)
+
+
+def _plan_here(cfg: TrainConfig, all_reduce: str) -> list[dict[str, Any]]:
+    """The ranking of ``cfg`` on this machine (rank 0), as the plan file's entries.
+
+    The routing measurement gets ``timeout_s / 4`` (the other ranks wait in a collective
+    meanwhile: a large model may take long or not fit, and then the planner prices the routing
+    prior with a note); the planning itself runs here, in seconds."""
+    from moesaic.cluster.spec import ClusterSpec
+    from moesaic.measure.machine import profile_here
+    from moesaic.planning.loads import model_loads
+    from moesaic.planning.plan_memory import apply_memory
+    from moesaic.planning.planner import plan_runs
+    from moesaic.train.model_files import load_model_spec
+    from moesaic.train.plan import PLAN_SHAPE_FIELDS, made_for, ranking_json
+
+    assert cfg.cluster is not None  # internal: TrainConfig requires it with plan "auto"
+    spec = ClusterSpec.from_toml(cfg.cluster)
+    profile = profile_here("measured here by moesaic train --plan auto (matmul and op overhead)")
+    with tempfile.TemporaryDirectory(prefix="moesaic-plan-") as tmp:
+        path = Path(tmp) / "model.toml"
+        path.write_text(model_toml(cfg))
+        planned = load_model_spec(path)
+        routing = _measured_routing(path, spec.world_size, cfg.timeout_s / 4)
+    if routing is not None:
+        profile = dataclasses.replace(profile, routing=routing)
+    model, prior = model_loads(planned, note=_note, profile=profile, world=spec.world_size)
+    ranking = plan_runs(spec, model, profile, all_reduce=all_reduce, routing_prior=prior)
+    job = made_for(
+        world_size=spec.world_size,
+        cluster=spec.name,
+        shape={name: getattr(model, name) for name in PLAN_SHAPE_FIELDS},
+        profile=f"{profile.source} ({profile.flops_per_s:.3g} FLOP/s)",
+    )
+    fit = apply_memory(planned, None, ranking, spec.world_size, _note)
+    ranking = ranking if fit is None else fit.plan
+    for name, why in ranking.skipped:
+        _note(f"skipped {name}: {why}")
+    return ranking_json(ranking, job, () if fit is None else fit.peaks)
 
 
 def run_group(
@@ -215,8 +241,8 @@ def _choose(cfg: TrainConfig, all_reduce: str) -> str:
             flush=True,
         )
         return json.dumps({"entry": entry})
-    except (OSError, ValueError, subprocess.TimeoutExpired, KeyError, IndexError) as exc:
-        return json.dumps({"error": str(exc)})
+    except Exception as exc:
+        return json.dumps({"error": f"--plan auto: {type(exc).__name__}: {exc}"})
 
 
 def _share(text: str, layout, device) -> str:

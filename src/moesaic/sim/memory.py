@@ -59,10 +59,14 @@ above (FSDP2's ``MixedPrecisionPolicy``); measured only on CUDA, where it runs.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moesaic.checks import check_bool, check_positive_int
 from moesaic.models.config import MoEGPTConfig
+from moesaic.schedule_table import schedule_spec
+from moesaic.sim.model import ModelSpec, model_config_of
 
 __all__ = [
     "MemoryPrediction",
@@ -70,6 +74,7 @@ __all__ = [
     "StateBytes",
     "model_elements",
     "predict_memory",
+    "predict_run",
     "state_bytes",
 ]
 
@@ -301,4 +306,31 @@ def predict_memory(
         optimizer_temp=opt_temp,
         peak=peak,
         phase=phase,
+    )
+
+
+def predict_run(
+    model: ModelSpec,
+    strategy: str,
+    schedule: str,
+    ep: int,
+    *,
+    domain_sizes: Sequence[int] | None = None,
+    dp_shard: int | None = None,
+) -> MemoryPrediction:
+    """The per-rank memory of ``model`` trained by ``strategy`` under ``schedule`` at ``ep``
+    (:func:`predict_memory`): HybridEP's domains, the schedule's prefetch
+    (none when pipelined), the model's ``act_bytes`` as the compute dtype.
+
+    Raises:
+        ValueError: a model a training config cannot express (``model_config_of``).
+    """
+    return predict_memory(
+        model_config_of(model),
+        batch_size=model.batch,
+        ep=ep,
+        dp_shard=dp_shard,
+        prefetch=not schedule_spec(schedule).pipelined,
+        domain_size=math.prod(domain_sizes) if strategy == "hybrid" and domain_sizes else 1,
+        compute_bytes=model.act_bytes if model.act_bytes in (2, 4) else 4,
     )

@@ -1,9 +1,9 @@
 """``moesaic plan``: every runnable strategy x schedule x knobs for a model on a cluster, ranked.
 
 Reads the cluster TOML of ``moesaic cluster`` (``--cluster``), the model (``--model``: the
-simulator's model file or a training config, :func:`moesaic.sim.model.load_model_spec`) and the
+simulator's model file or a training config, :func:`moesaic.train.model_files.load_model_spec`) and the
 machine's rates (``--profile`` of ``moesaic calibrate``, or ``--flops-per-s``, or measured here
-in about a second), and prints :func:`moesaic.sim.planner.plan_runs`'s ranking: a table of the
+in about a second), and prints :func:`moesaic.planning.planner.plan_runs`'s ranking: a table of the
 fastest ``--top`` combinations (strategy, schedule, R, Sp, domains, compression) with their
 predicted step and perfect-overlap bound, the pick and the reason, and the pairs that cannot run
 here with why. ``--json`` prints the ranking as a list of objects (``strategy``, ``schedule``,
@@ -32,8 +32,9 @@ from typing import Any
 
 from moesaic.checks import check_number
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.planning.costmodel import DomainCandidate, DomainPlan, StreamInputs, plan_domains
-from moesaic.sim.cli_files import (
+from moesaic.planning.plan_memory import add_memory_option, apply_memory, memory_lines
+from moesaic.sim.hybrid_costmodel import DomainCandidate, DomainPlan, StreamInputs, plan_domains
+from moesaic.simtools.cli_files import (
     add_all_reduce_option,
     add_loads_option,
     add_retime_option,
@@ -42,7 +43,8 @@ from moesaic.sim.cli_files import (
     load_option,
     retimed,
 )
-from moesaic.sim.plan_memory import add_memory_option, apply_memory, memory_lines
+from moesaic.train.model_files import load_model_spec
+from moesaic.train.plan import ranking_json
 
 PLAN_EPILOG = """\
 examples:
@@ -147,7 +149,7 @@ def add_subparser(subparsers) -> None:
         help="--domains-only: bytes per token element and weight (default: 4, moesaic train's "
         "fp32; a model file's act_bytes)",
     )
-    add_memory_option(p)  # --memory-per-rank (sim.plan_memory)
+    add_memory_option(p)  # --memory-per-rank (planning.plan_memory)
     p.set_defaults(func=run_plan)
 
 
@@ -182,7 +184,8 @@ def _capacities(text: str | None) -> tuple[float, ...]:
 def _train_config(path: str) -> tuple[Any, int]:
     """``--model``'s training config (a model file's converted) and its default bytes per
     element."""
-    from moesaic.sim.model import ModelSpec, load_model, train_config_of
+    from moesaic.sim.model import ModelSpec
+    from moesaic.train.model_files import load_model, train_config_of
 
     model = load_model(path)
     if not isinstance(model, ModelSpec):
@@ -223,7 +226,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     check_positive_int("dtype_bytes (--dtype-bytes)", dtype_bytes)
     measured = args.flops_per_s is None
     if measured:
-        from moesaic.planning.costmodel import measure_gemm_flops
+        from moesaic.sim.hybrid_costmodel import measure_gemm_flops
 
         flops = measure_gemm_flops()
     else:
@@ -399,26 +402,18 @@ def _profile(args: argparse.Namespace, spec: ClusterSpec) -> Any:
     retimed(args, None, note=_note)  # refuses --retime without a profile
     if flops is not None:
         return Profile(flops_per_s=flops, source="--flops-per-s")
-    from moesaic.sim.machine import measure
+    from moesaic.measure.machine import profile_here
 
-    rates = measure()
-    return Profile(
-        flops_per_s=rates["flops_per_s"],
-        half_flops_per_s=rates["half_flops_per_s"],
-        task_overhead_s=rates["task_overhead_s"],
-        mem_bytes_per_s=rates["mem_bytes_per_s"],
-        device=rates["device"],
-        source="measured here by moesaic plan (matmul and op overhead)",
-    )
+    return profile_here("measured here by moesaic plan (matmul and op overhead)")
 
 
 def _with_routing(args: argparse.Namespace, spec: ClusterSpec, profile: Any) -> Any:
     """``--measure-routing``: ``profile`` with the loads of the job's router on its data at
-    the cluster's world batch (``sim.routecal``); unchanged, with a note, for a model file or
+    the cluster's world batch (``train.routing_run``); unchanged, with a note, for a model file or
     when the measurement fails (the ranking then prices the routing prior, as without it)."""
     import dataclasses
 
-    from moesaic.sim.routecal import measure_routing
+    from moesaic.train.routing_run import measure_routing
 
     if getattr(args, "loads", None) is not None:
         raise ValueError("--measure-routing and --loads both give the expert loads: pass one")
@@ -434,11 +429,10 @@ def _with_routing(args: argparse.Namespace, spec: ClusterSpec, profile: Any) -> 
 
 
 def build_ranking(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any]]:
-    """The ranking of ``args`` (:class:`moesaic.sim.planner.Plan`), its wall seconds and the
+    """The ranking of ``args`` (:class:`moesaic.planning.planner.Plan`), its wall seconds and the
     job it was made for (``moesaic.train.plan.made_for``)."""
     from moesaic.checks import check_positive_int
-    from moesaic.sim.model import load_model_spec
-    from moesaic.sim.planner import plan_runs
+    from moesaic.planning.planner import plan_runs
     from moesaic.train.plan import PLAN_SHAPE_FIELDS, made_for
 
     check_positive_int("top (--top)", args.top)
@@ -471,15 +465,6 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any]]
         profile=args.profile or f"{profile.source} ({profile.flops_per_s:.3g} FLOP/s)",
     )
     return plan, wall_s, job
-
-
-def ranking_json(plan: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
-    """``--json``: every candidate, fastest first, with its rank and the job it was made for
-    (``made_for``: ``moesaic train --plan`` refuses it for another); the first with the
-    reason."""
-    rows = [{"rank": i + 1, **c.to_dict(), "made_for": job} for i, c in enumerate(plan.ranked)]
-    rows[0]["reason"] = plan.reason
-    return rows
 
 
 def format_ranking(plan: Any, *, top: int, wall_s: float) -> str:
@@ -530,14 +515,14 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
         return 0
     ranking, wall_s, job = build_ranking(args)
-    fit = apply_memory(args, ranking, job["world_size"], _note)  # sim.plan_memory
+    model = load_model_spec(args.model)
+    budget = getattr(args, "memory_per_rank", None)
+    fit = apply_memory(model, budget, ranking, job["world_size"], _note)  # planning.plan_memory
     ranking = ranking if fit is None else fit.plan
     if args.json:
         for name, why in ranking.skipped:
             _note(f"skipped {name}: {why}")
-        rows = ranking_json(ranking, job)
-        for row, peak in zip(rows, [] if fit is None else fit.peaks):
-            row["peak_bytes_per_rank"] = peak
+        rows = ranking_json(ranking, job, () if fit is None else fit.peaks)
         for line in [] if fit is None else fit.dropped:
             _note(f"dropped {line}")
         print(json.dumps(rows, indent=1))

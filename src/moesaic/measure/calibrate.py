@@ -64,7 +64,7 @@ from typing import Any, NamedTuple
 
 from moesaic.checks import check_non_negative, check_positive, check_positive_int
 from moesaic.cluster.spec import ClusterSpec, Level
-from moesaic.sim import syncwait
+from moesaic.measure import syncwait
 from moesaic.sim.profile import CollectiveShare, LevelShare, LinkLevel, Profile, SyncWait
 
 __all__ = [
@@ -144,7 +144,7 @@ class LinkCalibration:
         allreduce_call_s: A tiny all-reduce per call in a stream (:func:`collective_calls`).
         allreduce_loaded_call_s: One tiny all-reduce alone while every rank computes.
         sync_waits: What a blocking all-to-all waits for the ranks' desynchronisation after a
-            stretch of compute (:func:`moesaic.sim.syncwait.measure`).
+            stretch of compute (:func:`moesaic.measure.syncwait.measure`).
     """
 
     links: tuple[LinkLevel, ...]

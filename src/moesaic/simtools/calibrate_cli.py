@@ -3,12 +3,12 @@ simulator profile (:class:`moesaic.sim.profile.Profile`).
 
 It measures this machine's matmul rate and op overhead (torch, under a second) and writes a
 profile; ``--cluster`` brings the emulated cluster up and measures its links
-(:mod:`moesaic.sim.calibrate`, needs root), ``--links`` takes the link figures from a committed
+(:mod:`moesaic.measure.calibrate`, needs root), ``--links`` takes the link figures from a committed
 cluster check result instead (no network is built). ``--model`` times the model's own operations
-on this machine (:mod:`moesaic.sim.opmeasure`, seconds) into the profile's ``ops``, from which
+on this machine (:mod:`moesaic.measure.opmeasure`, seconds) into the profile's ``ops``, from which
 the simulator prices its compute (:mod:`moesaic.sim.opcal`); with ``--cluster`` too, its experts
 are spread over the cluster's ranks and timed with the threads each rank trains with. A
-training config's router is also run on its data for its first steps (:mod:`moesaic.sim.routecal`,
+training config's router is also run on its data for its first steps (:mod:`moesaic.train.routing_run`,
 seconds): the profile's ``routing``, which the simulator prices instead of uniform routing.
 """
 
@@ -24,10 +24,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from moesaic.checks import check_int, check_non_negative, check_output_file, check_positive_int
-from moesaic.sim.calibrate import ROUNDS as CLUSTER_ROUNDS
-from moesaic.sim.cli_files import describe_loads, load_option
-from moesaic.sim.cpuload import REPEATS as CPU_REPEATS
-from moesaic.sim.syncwait import REPS as SYNC_REPS
+from moesaic.measure.calibrate import ROUNDS as CLUSTER_ROUNDS
+from moesaic.measure.cpuload import REPEATS as CPU_REPEATS
+from moesaic.measure.syncwait import REPS as SYNC_REPS
+from moesaic.planning.loads import describe_loads
+from moesaic.simtools.cli_files import load_option
 
 __all__ = ["add_calibrate", "run_calibrate"]
 
@@ -153,11 +154,11 @@ def _print_calibration(cal: Any, shares: tuple[Any, ...]) -> None:
 
 def _comm_cpu_busy(args: argparse.Namespace, spec: Any, cpu: dict[str, Any]) -> float:
     """``--cluster``: the cores a rank's communication keeps busy beyond its measured CPU per
-    call and byte (:mod:`moesaic.sim.cpuload`); 0 with ``--contention-s 0``."""
+    call and byte (:mod:`moesaic.measure.cpuload`); 0 with ``--contention-s 0``."""
     if args.contention_s == 0:
         return 0.0
     from moesaic.cluster.netns import EmulatedCluster
-    from moesaic.sim.cpuload import measure_comm_cpu
+    from moesaic.measure.cpuload import measure_comm_cpu
 
     with EmulatedCluster(spec) as cluster:
         found = measure_comm_cpu(
@@ -178,16 +179,16 @@ def _comm_cpu_busy(args: argparse.Namespace, spec: Any, cpu: dict[str, Any]) -> 
 
 def _measure_model(args: argparse.Namespace, world: int) -> tuple[Any, dict[str, float]]:
     """``--model``'s operations timed (an ``OpCal``) and the taskflow runtime's CPU figures at
-    its MoE layer (``sim.cpucal.tile_cpu_figures``); None and none without ``--model``."""
+    its MoE layer (``measure.cpucal.tile_cpu_figures``); None and none without ``--model``."""
     if args.threads is not None:
         check_positive_int("--threads", args.threads)
     if args.model is None:
         if args.threads is not None:
             raise ValueError("--threads applies to --model only")
         return None, {}
-    from moesaic.sim.cpucal import tile_cpu_figures
-    from moesaic.sim.model import load_model_spec
-    from moesaic.sim.opmeasure import measure_ops
+    from moesaic.measure.cpucal import tile_cpu_figures
+    from moesaic.measure.opmeasure import measure_ops
+    from moesaic.train.model_files import load_model_spec
 
     model = load_option("model", args.model, load_model_spec)
     if model.experts % world:
@@ -242,9 +243,9 @@ def _held_output() -> Iterator[None]:
 
 
 def _routing_steps(args: argparse.Namespace) -> int:
-    """``--routing-steps`` checked before anything is measured: the steps ``sim.routecal``
+    """``--routing-steps`` checked before anything is measured: the steps ``train.routing_run``
     trains (8 when not given; 0: none, always without ``--model``)."""
-    from moesaic.sim.routecal import ROUTING_SKIP, ROUTING_STEPS
+    from moesaic.train.routing_run import ROUTING_SKIP, ROUTING_STEPS
 
     steps = args.routing_steps
     if args.model is None:
@@ -261,11 +262,11 @@ def _routing_steps(args: argparse.Namespace) -> int:
 
 
 def _measure_routing(args: argparse.Namespace, world: int, steps: int) -> Any:
-    """``--model``'s routing on its data over ``steps`` steps (``sim.routecal``); None for a
+    """``--model``'s routing on its data over ``steps`` steps (``train.routing_run``); None for a
     model file, without ``--model`` or with 0 steps."""
     if steps == 0:
         return None
-    from moesaic.sim.routecal import measure_routing
+    from moesaic.train.routing_run import measure_routing
 
     with _held_output():  # the run's own lines and summary: shown only if it fails
         routing = load_option(
@@ -282,7 +283,7 @@ def _measure_routing(args: argparse.Namespace, world: int, steps: int) -> Any:
 def run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from moesaic.sim.machine import default_matmul_size, measure
+    from moesaic.measure.machine import default_matmul_size, measure
     from moesaic.sim.profile import Profile, links_from_cluster_check
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -310,7 +311,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         floor_s, scale = load_option("links", args.links, links_from_cluster_check)
         source = f"measured matmul {size}^3 here; links from {args.links}"
     elif spec is not None:
-        from moesaic.sim.calibrate import measure_links
+        from moesaic.measure.calibrate import measure_links
 
         cal = measure_links(
             spec,
@@ -348,7 +349,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         source += f"; operations of model {ops.model.name!r} timed here ({ops.threads} threads)"
     gpu: dict[str, Any] = {}
     if measured["device"] == "cuda":
-        from moesaic.sim.gpucal import measure_gpu
+        from moesaic.measure.gpucal import measure_gpu
 
         gpu = measure_gpu(measured["half_flops_per_s"])
         effs = ", ".join(f"{int(r)}: {e:.2f}" for r, e in gpu["gemm_efficiency"])

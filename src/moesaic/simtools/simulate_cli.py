@@ -1,13 +1,13 @@
-"""``moesaic simulate`` (and ``moesaic calibrate``, :mod:`moesaic.sim.calibrate_cli`).
+"""``moesaic simulate`` (and ``moesaic calibrate``, :mod:`moesaic.simtools.calibrate_cli`).
 
 ``simulate`` reads a cluster TOML (``moesaic cluster``'s format), a model TOML
 (:class:`moesaic.sim.model.ModelSpec`, or a ``moesaic train --config`` training config:
-:func:`moesaic.sim.model.load_model_spec`) and optionally a profile (``calibrate``'s JSON), and
+:func:`moesaic.train.model_files.load_model_spec`) and optionally a profile (``calibrate``'s JSON), and
 prints one iteration's summary per run, a strategy (``--strategy``) under a schedule
 (``--schedule``), either of them ``all`` for every valid pair (:mod:`moesaic.sim.runs`);
 ``--json`` prints one JSON object (a list for several runs). ``--measured F.json`` simulates
 every point of a measured result instead and prints simulated against measured
-(:mod:`moesaic.sim.compare`). Torch-free but for ``--png`` (matplotlib).
+(:mod:`moesaic.simtools.compare`). Torch-free but for ``--png`` (matplotlib).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 from moesaic.checks import check_number
 from moesaic.schedule_table import DEFAULT_SCHEDULE
-from moesaic.sim.calibrate_cli import add_calibrate
-from moesaic.sim.cli_files import (
+from moesaic.simtools.calibrate_cli import add_calibrate
+from moesaic.simtools.cli_files import (
     add_all_reduce_option,
     add_loads_option,
     add_retime_option,
@@ -245,7 +245,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
     """The cluster, the model, the profile, the options the flags give and the routing prior
     the model's loads come from (None: known loads)."""
     from moesaic.cluster.spec import ClusterSpec
-    from moesaic.sim.model import load_model_spec
+    from moesaic.train.model_files import load_model_spec
 
     spec = load_option("cluster", args.cluster, ClusterSpec.from_toml)
     model = load_option("model", args.model, load_model_spec)
@@ -331,7 +331,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(
             f"{row['strategy']:9s} {row['schedule']:9s} {row['ranks']:6d} {vals} {lo:.4g}-{hi:.4g}"
         )
-    for row in rows:  # moesaic.planning.memory (sim.simulate.memory_details)
+    for row in rows:  # moesaic.sim.memory (sim.simulate.memory_details)
         peak = row.get("peak_bytes_per_rank")
         print(
             f"memory   {row['name']}: predicted peak {peak / 2**20:.1f} MiB per rank "
@@ -344,8 +344,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _run_measured(args: argparse.Namespace) -> int:
     """``--measured F.json``: every point simulated with its own run and knobs, against its
-    measured time (:mod:`moesaic.sim.compare`)."""
-    from moesaic.sim.compare import compare, geomean_abs_error, load_measured
+    measured time (:mod:`moesaic.simtools.compare`)."""
+    from moesaic.simtools.compare import compare, geomean_abs_error, load_measured
 
     given = [f"--{k}" for k in ("strategy", "schedule") if getattr(args, k) is not None]
     given += [f"--{k}" for k in ("trace", "png", "csv") if getattr(args, k)]

@@ -46,9 +46,9 @@ from typing import Any
 
 from moesaic.checks import check_number, check_one_of, check_positive_int
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.planning.costmodel import domain_size_choices
 from moesaic.schedule_table import schedule_names
 from moesaic.sim.hybrid import hybrid_parts
+from moesaic.sim.hybrid_costmodel import domain_size_choices
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.prior import RoutingPrior
 from moesaic.sim.profile import Profile
@@ -314,7 +314,7 @@ def uncalibrated_reason(profile: Profile, run: Run) -> str | None:
     if run.strategy == "taskflow" and profile.tile_cpu_s == 0 and profile.tile_elem_cpu_s == 0:
         return (
             "the profile has no taskflow CPU figures (tile_cpu_s, tile_elem_cpu_s; "
-            "`python -m moesaic.sim.cpucal` measures the latter), so its tiles' host CPU is "
+            "`python -m moesaic.measure.cpucal` measures the latter), so its tiles' host CPU is "
             "priced at zero: ranked last"
         )
     return None

@@ -19,7 +19,7 @@ receive window, whole buckets (:func:`moesaic.sim.taskflow.saved_window_elements
 :func:`tile_cpu_figures` takes out of the per-task residual. Nothing here reads an
 emulated-cluster iteration time.
 
-Usage: ``python -m moesaic.sim.cpucal [--tile 512 128] [--steps 9] [--out F.json]``.
+Usage: ``python -m moesaic.measure.cpucal [--tile 512 128] [--steps 9] [--out F.json]``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ virtualised machine does not keep one speed: this project's 2-core VM ran the sa
 at 145 to 300 GFLOPS within a day, and its model's operations at up to 1.8x their calibrated
 times an hour later (``benchmarks/results/sim_unseen17_setup.json``). ``calibrate --model``
 therefore also times a speed reference beside the operations (``OpCal.reference_s``: one
-forward and backward of the model's block and head, :func:`moesaic.sim.opmeasure.reference_s`).
+forward and backward of the model's block and head, :func:`moesaic.measure.opmeasure.reference_s`).
 :func:`retime` times the same reference now and returns the profile slowed (or sped up) by
 the ratio (:meth:`Profile.slowed`): its compute and CPU figures, not its network's.
 
@@ -53,7 +53,7 @@ def retime(profile: Any, *, repeats: int | None = None) -> tuple[Any, float]:
     """``(profile at the machine's speed now, factor)``: the reference of the profile's model
     timed here with its threads (``repeats`` calls, by default
     ``opmeasure.REFERENCE_REPEATS``, the median), ``factor`` = now / then."""
-    from moesaic.sim.opmeasure import REFERENCE_REPEATS, reference_s
+    from moesaic.measure.opmeasure import REFERENCE_REPEATS, reference_s
 
     repeats = REFERENCE_REPEATS if repeats is None else repeats
     check_positive_int("repeats", repeats)

@@ -23,7 +23,7 @@ the slowdown of the run's own CPU sharing, :mod:`moesaic.sim.contention`):
   its expert stage and the head at the model's batch, the median of ``repeats``: the speed
   reference. A machine whose speed drifts (a shared VM's ran the same GEMM at 145-300 GFLOPS
   within a day) can time it again later and rescale the profile's compute
-  (:mod:`moesaic.sim.retime`).
+  (:mod:`moesaic.measure.retime`).
 
 A tiny model takes about a second; the issue's H 160, F 1536, 8 x 64 tokens about five.
 """
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from moesaic.checks import check_positive_int
-from moesaic.sim.model import ModelSpec, train_config_of
+from moesaic.sim.model import ModelSpec, model_config_of
 from moesaic.sim.opcal import OpCal, OpFit, fit_line
 
 __all__ = ["DRAWS", "REFERENCE_REPEATS", "measure_ops", "reference_s"]
@@ -118,7 +118,7 @@ def _measure(model: ModelSpec, shape: ModelSpec, world: int, threads: int, repea
     from moesaic.experts import GroupedExperts
     from moesaic.models import MoEGPT
 
-    cfg = train_config_of(shape).model
+    cfg = model_config_of(shape)
     net = MoEGPT(cfg)
     block: Any = net.blocks[0]
     e_rank = shape.experts // world
@@ -170,7 +170,7 @@ def reference_s(
     check_positive_int("repeats", repeats)
     shape = dataclasses.replace(model, layer_only=False, routing_skew=0.0)
     with _threads_and_seed(threads, seed):
-        return _reference(MoEGPT(train_config_of(shape).model), shape, repeats)
+        return _reference(MoEGPT(model_config_of(shape)), shape, repeats)
 
 
 def _reference(net: Any, shape: ModelSpec, repeats: int) -> float:

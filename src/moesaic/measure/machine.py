@@ -1,6 +1,6 @@
 """This machine's compute, measured for a profile (``moesaic calibrate``, ``moesaic plan``
 without one): the fp32 and bf16 matmul rates, the per-op overhead and the memory bandwidth
-(``measure``). On a GPU, ``sim.gpucal`` measures the rest of what the simulator prices there.
+(``measure``). On a GPU, ``measure.gpucal`` measures the rest of what the simulator prices there.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 from typing import Any
 
 from moesaic.checks import check_positive_int
-from moesaic.sim.profile import OPS_PER_TASK
+from moesaic.sim.profile import OPS_PER_TASK, Profile
 
-__all__ = ["default_matmul_size", "measure"]
+__all__ = ["default_matmul_size", "measure", "profile_here"]
 
 
 def default_matmul_size(device: str) -> int:
@@ -56,7 +56,7 @@ def measure(
     tiny = torch.randn(1, 1, device=dev)
     if dev.startswith("cuda"):
         # An idle GPU sits at a low clock: a second of matmuls first, so that every figure
-        # (and ``sim.gpucal``'s after them) is taken at the clock a training step runs at.
+        # (and ``measure.gpucal``'s after them) is taken at the clock a training step runs at.
         # (Issue 27's H200 runs: the bf16 4096^3 rate 624-715 TFLOP/s across cold starts.)
         t_end = time.perf_counter() + 1.0
         while time.perf_counter() < t_end:
@@ -78,3 +78,17 @@ def measure(
         "mem_bytes_per_s": mem,
         "device": kind,
     }
+
+
+def profile_here(source: str) -> Profile:
+    """A profile of this machine's :func:`measure` (about a second): what ``moesaic plan``
+    prices without ``--profile``; ``source`` says who measured it."""
+    rates = measure()
+    return Profile(
+        flops_per_s=rates["flops_per_s"],
+        half_flops_per_s=rates["half_flops_per_s"],
+        task_overhead_s=rates["task_overhead_s"],
+        mem_bytes_per_s=rates["mem_bytes_per_s"],
+        device=rates["device"],
+        source=source,
+    )

@@ -1,11 +1,11 @@
 """``moesaic plan``'s memory: each ranked combination's predicted per-rank peak
-(``moesaic.planning.memory``), ``--memory-per-rank BYTES`` to drop what does not fit, and the
+(``moesaic.sim.memory``), ``--memory-per-rank BYTES`` to drop what does not fit, and the
 FSDP2 sharding (``--dp-shard``) that makes a combination fit.
 
 The plan's ranks are the expert-parallel group (``plan_cli``), so a combination runs at EP = the
 cluster's world size, unsharded or with ``dp_shard`` d, for every d with d x EP dividing the
 world (here d = 1: the dense part sharded over the EP ranks); only where its strategy and
-schedule run sharded (``train.mesh.check_sharding``: their ``Supports.unsharded_why`` and
+schedule run sharded (``planning.sharding.check_sharding``: their ``Supports.unsharded_why`` and
 ``ScheduleSpec.unsharded_why``, the declarations the trainer reads). Sharding never makes a step
 faster (it adds FSDP2's all-gathers and reduce-scatters: 2.6x the bytes per step in
 ``benchmarks/results/fsdp_cluster.json``), and the simulator does not price that traffic yet,
@@ -16,14 +16,11 @@ combination that fits no way is dropped, with its smallest predicted peak. Torch
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Sequence
 from typing import Any
 
-from moesaic.planning.memory import MemoryPrediction, predict_memory
-from moesaic.schedule_table import schedule_spec
-from moesaic.sim.model import ModelSpec, train_config_of
-from moesaic.train.mesh import check_sharding
+from moesaic.planning.sharding import check_sharding
+from moesaic.sim.memory import predict_run
+from moesaic.sim.model import ModelSpec, model_config_of
 
 __all__ = [
     "MemoryFit",
@@ -31,7 +28,6 @@ __all__ = [
     "apply_memory",
     "fit_memory",
     "memory_lines",
-    "predict_run",
     "sharding_choices",
 ]
 
@@ -62,35 +58,8 @@ class MemoryFit:
     dropped: list[str]
 
 
-def predict_run(
-    model: ModelSpec,
-    strategy: str,
-    schedule: str,
-    ep: int,
-    *,
-    domain_sizes: Sequence[int] | None = None,
-    dp_shard: int | None = None,
-) -> MemoryPrediction:
-    """The per-rank memory of ``model`` trained by ``strategy`` under ``schedule`` at ``ep``
-    (``moesaic.planning.memory.predict_memory``): HybridEP's domains, the schedule's prefetch
-    (none when pipelined), the model's ``act_bytes`` as the compute dtype.
-
-    Raises:
-        ValueError: a model a training config cannot express (``train_config_of``).
-    """
-    return predict_memory(
-        train_config_of(model).model,
-        batch_size=model.batch,
-        ep=ep,
-        dp_shard=dp_shard,
-        prefetch=not schedule_spec(schedule).pipelined,
-        domain_size=math.prod(domain_sizes) if strategy == "hybrid" and domain_sizes else 1,
-        compute_bytes=model.act_bytes if model.act_bytes in (2, 4) else 4,
-    )
-
-
 def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) -> MemoryFit:
-    """Each combination of ``plan`` (``sim.planner.Plan``) priced in memory at EP = ``world``:
+    """Each combination of ``plan`` (``planning.planner.Plan``) priced in memory at EP = ``world``:
     the least sharding whose predicted peak fits ``budget`` bytes (None: unsharded, no
     limit); the combinations that fit no way are dropped.
 
@@ -142,20 +111,18 @@ def add_memory_option(p: Any) -> None:
         type=float,
         metavar="BYTES",
         help="drop the combinations whose predicted peak per rank exceeds BYTES, sharding "
-        "(--dp-shard) those that fit only so (moesaic.planning.memory)",
+        "(--dp-shard) those that fit only so (moesaic.sim.memory)",
     )
 
 
-def apply_memory(args: Any, plan: Any, world: int, note: Any) -> MemoryFit | None:
-    """``plan`` fitted to ``args.memory_per_rank`` (:func:`fit_memory`) on the model of
-    ``args.model``; without the option and for a model the memory model cannot express
-    (``train_config_of``'s refusals), a note and None."""
-    from moesaic.sim.model import load_model_spec
-
-    model = load_model_spec(args.model)
-    budget = getattr(args, "memory_per_rank", None)
+def apply_memory(
+    model: ModelSpec, budget: float | None, plan: Any, world: int, note: Any
+) -> MemoryFit | None:
+    """``plan`` fitted to ``budget`` bytes per rank (``--memory-per-rank``, :func:`fit_memory`)
+    on ``model``; without a budget and for a model the memory model cannot express
+    (``model_config_of``'s refusals), a note and None."""
     try:
-        train_config_of(model)
+        model_config_of(model)
     except ValueError as exc:
         if budget is not None:
             raise ValueError(f"--memory-per-rank cannot predict this model: {exc}") from None

@@ -9,13 +9,14 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from moesaic.planning.loads import describe_loads, model_loads
+
 __all__ = [
     "add_all_reduce_option",
     "add_loads_option",
     "add_retime_option",
     "apply_loads",
     "check_profile",
-    "describe_loads",
     "load_option",
     "retimed",
 ]
@@ -65,19 +66,6 @@ def add_loads_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def describe_loads(rows: Any) -> str:
-    """The busiest expert of each row against the mean, e.g. ``3.40x, 2.10x the mean``; past
-    four rows (a run's steps x layers) their range and median."""
-    ratios = [max(row) * len(row) / sum(row) for row in rows]
-    if len(ratios) > 4:
-        mid = sorted(ratios)[len(ratios) // 2]
-        return (
-            f"{min(ratios):.2f}-{max(ratios):.2f}x the mean (median {mid:.2f}x over "
-            f"{len(ratios)} rows: steps x layers)"
-        )
-    return ", ".join(f"{r:.2f}x" for r in ratios) + " the mean"
-
-
 def apply_loads(
     args: argparse.Namespace,
     model: Any,
@@ -95,8 +83,6 @@ def apply_loads(
     the prior (None when it is not used)."""
     import dataclasses
 
-    from moesaic.sim.prior import RoutingPrior
-
     if getattr(args, "loads", None) is not None:
         from moesaic.sim.model import measured_loads
 
@@ -108,25 +94,8 @@ def apply_loads(
             )
         note(f"--loads: expert loads of {args.loads}: the busiest expert {describe_loads(loads)}")
         return dataclasses.replace(model, measured_loads=loads), None
-    if model.measured_loads or model.routing_skew:
-        return model, None
-    routing = getattr(profile, "routing", None)
-    if routing is not None and len(routing.loads[0]) == model.experts:
-        note(
-            f"routing from the profile ({routing.source}): the busiest expert "
-            f"{describe_loads(routing.loads)}"
-        )
-        return dataclasses.replace(model, measured_loads=routing.loads), None
-    if routing is not None:
-        note(
-            f"the profile's routing ({routing.source}) has {len(routing.loads[0])} experts, "
-            f"the model {model.experts}: not used"
-        )
-    if world is None or model.layer_only or getattr(args, "routing", "prior") == "uniform":
-        return model, None
-    prior = RoutingPrior.of(model.experts, model.top_k, model.tokens * world, model.hidden)
-    note(prior.describe() + "; the range is priced at the 10th and 90th")
-    return dataclasses.replace(model, measured_loads=prior.rows(1)), prior
+    uniform = getattr(args, "routing", "prior") == "uniform"
+    return model_loads(model, note=note, profile=profile, world=world, uniform=uniform)
 
 
 def add_retime_option(p: argparse.ArgumentParser) -> None:
@@ -141,13 +110,13 @@ def add_retime_option(p: argparse.ArgumentParser) -> None:
 
 
 def retimed(args: argparse.Namespace, profile: Any, *, note: Callable[[str], None]) -> Any:
-    """``profile`` re-timed when ``--retime`` was given (:mod:`moesaic.sim.retime`), with a
+    """``profile`` re-timed when ``--retime`` was given (:mod:`moesaic.measure.retime`), with a
     line (``note``) saying by how much; unchanged otherwise."""
     if not getattr(args, "retime", False):
         return profile
     if not args.profile:
         raise ValueError("--retime re-times a --profile; give one")
-    from moesaic.sim.retime import retime
+    from moesaic.measure.retime import retime
 
     out, factor = retime(profile)
     note(

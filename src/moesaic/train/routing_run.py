@@ -75,9 +75,10 @@ def measure_routing(
     (those after ``skip``; a job of fewer steps: all of them, after ``skip`` when it has more)
     at ``world`` ranks' global batch, as a ``RoutingLoads``; None when ``path`` is a model file
     (no data to route)."""
-    from moesaic.sim.model import ModelSpec, load_model, measured_loads
+    from moesaic.sim.model import ModelSpec, measured_loads
     from moesaic.sim.profile import RoutingLoads
     from moesaic.train.launch import launch
+    from moesaic.train.model_files import load_model
 
     check_positive_int("world", world)
     check_positive_int("steps", steps)
@@ -98,3 +99,25 @@ def measure_routing(
         f"run at {tokens} tokens per step ({world} ranks' batch)"
     )
     return RoutingLoads(loads=loads, source=source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moesaic.train.routing_run CONFIG --world N``: :func:`measure_routing` of the
+    training config ``CONFIG``, printed as JSON (``{"loads": ..., "source": ...}``, or null for
+    a model file). ``moesaic train --plan auto`` runs it in a process group of its own, so
+    that its time budget can stop the training run it launches."""
+    import argparse
+    import dataclasses
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m moesaic.train.routing_run")
+    p.add_argument("config", help="a training config (TOML)")
+    p.add_argument("--world", type=int, required=True, help="ranks whose batch one step trains")
+    args = p.parse_args(argv)
+    routing = measure_routing(args.config, world=args.world)
+    print(json.dumps(None if routing is None else dataclasses.asdict(routing)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
