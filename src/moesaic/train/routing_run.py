@@ -18,11 +18,13 @@ learning rate), which a few steps cannot tell.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from moesaic.checks import check_positive_int
+from moesaic.config import MoEConfig
 from moesaic.schedule_table import DEFAULT_SCHEDULE
 
 __all__ = ["ROUTING_SKIP", "ROUTING_STEPS", "measure_routing"]
@@ -34,12 +36,14 @@ ROUTING_SKIP = 2
 def routing_config(cfg: Any, *, world: int, steps: int, run_dir: Path) -> Any:
     """``cfg`` (a ``TrainConfig``) as the one-process run that measures its routing: the same
     model, seed, data and optimizer, ``world`` ranks' sequences per step on one rank,
-    ``dropless`` under ``vanilla``, nothing but metrics written."""
+    the default strategy under the default schedule, nothing but metrics written."""
     from moesaic.train.config import TrainConfig
 
     d = cfg.to_dict()
     moe = d["model"]["moe"]
-    moe.update(dispatcher="dropless", capacity_factor=None, options={})
+    # the default strategy (it drops no token: the loads the router gives) with its defaults
+    default = {f.name: f.default for f in dataclasses.fields(MoEConfig)}["dispatcher"]
+    moe.update(dispatcher=default, capacity_factor=None, options={})
     d.update(
         nproc=1,
         ep=1,
