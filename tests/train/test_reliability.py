@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -241,11 +242,20 @@ def test_resume_past_steps(reference, data_file, tmp_path, capfd):
     assert not (run / "metrics.jsonl").exists()
 
 
-def _endless_run(data_file, tmp_path, stderr):
+@pytest.fixture
+def short_tmp():
+    """A temp directory with a short path (see :func:`_endless_run`), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="msr-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _endless_run(data_file, tmp_path, stderr, tmp):
     """``moesaic train`` of 100,000 steps in a session of its own (as a terminal's job), with
-    its own temp directory; returns the process, that directory and the run directory."""
-    run, tmp = tmp_path / "run", tmp_path / "tmp"
-    tmp.mkdir()
+    its own temp directory ``tmp``; returns the process, that directory and the run directory.
+    ``tmp`` is a short path (:func:`short_tmp`): the workers' forkserver puts its socket there,
+    and an AF_UNIX path is at most 107 bytes (pytest-xdist's tmp_path is longer)."""
+    run = tmp_path / "run"
     cmd = [sys.executable, "-m", "moesaic", *tiny_args(data_file, run, "--steps", "100000")]
     proc = subprocess.Popen(
         cmd,
@@ -281,11 +291,11 @@ def _gone(tmp: Path, launcher: int, within_s: float = 10.0) -> bool:
     return True
 
 
-def test_ctrl_c_while_the_workers_start_is_one_line(data_file, tmp_path):
+def test_ctrl_c_while_the_workers_start_is_one_line(data_file, tmp_path, short_tmp):
     # Issue 25 item 9: a Ctrl-C in a run's first seconds interrupted every worker inside
     # `import torch` (they shared the terminal's process group): 72 lines of tracebacks. The
     # workers now run in sessions of their own; the launcher stops them.
-    proc, tmp, _ = _endless_run(data_file, tmp_path, subprocess.PIPE)
+    proc, tmp, _ = _endless_run(data_file, tmp_path, subprocess.PIPE, short_tmp)
     # settle: the workers are inside their imports
     started = lambda: list(tmp.glob("moesaic-elastic-*/config.json"))  # noqa: E731
     err = interrupt_when(proc, started, wait_s=60, settle_s=0.5)
@@ -294,9 +304,9 @@ def test_ctrl_c_while_the_workers_start_is_one_line(data_file, tmp_path):
     assert _gone(tmp, proc.pid), "workers outlived the launcher"
 
 
-def test_workers_die_with_the_launcher(data_file, tmp_path):
+def test_workers_die_with_the_launcher(data_file, tmp_path, short_tmp):
     # Out of the terminal's process group, a worker must still die when its launcher does.
-    proc, tmp, run = _endless_run(data_file, tmp_path, subprocess.DEVNULL)
+    proc, tmp, run = _endless_run(data_file, tmp_path, subprocess.DEVNULL, short_tmp)
     try:
         deadline = time.monotonic() + 60
         while not all((run / "logs" / f"rank_{r}.log").is_file() for r in (0, 1)):
