@@ -35,7 +35,7 @@ every rank computes took 30-60 ms on 4 ranks sharing 2 cores against 3-5 ms idle
 ``benchmarks/allreduce_under_load.py``); the tail's chunks pay the idle stream's call floor.
 Not modelled: a chunk's bytes sharing the link with the all-to-alls in flight, and an in-flight
 chunk slowing them (on a traced 4-rank run the backward's all-to-alls ended 55 ms later under
-flowmoe than moe-only; docs/simulator.md, "Gradient chunks beside the backward").
+flowmoe than moe-only; benchmarks/sim_validation.md, "Gradient chunks beside the backward").
 """
 
 from __future__ import annotations
