@@ -1,10 +1,9 @@
 """Peak memory per rank of one training step on CPU, by category (issue 49 item 4).
 
-A ``TorchDispatchMode`` counts live tensor storage bytes: every storage an op returns is
-counted once (``UntypedStorage``'s address) until it is freed (a ``weakref.finalize`` on the
-storage object, which torch keeps alive as long as the storage lives), and every tensor alive
-when the step starts (a ``gc`` scan: parameters, gradients, optimizer state, hybrid's cached
-gathered experts) is counted from the start. The mode is entered on the step's thread and on
+The training job's counter, ``moesaic.train.memory.LiveBytes``, counts live tensor storage
+bytes: every storage an op returns is counted once (``UntypedStorage``'s address) until it is
+freed, and every tensor alive when the step starts (a ``gc`` scan: parameters, gradients,
+optimizer state, hybrid's cached gathered experts) is counted from the start. Its mode is entered on the step's thread and on
 the hybrid prefetcher's worker thread (gloo runs its gathers there), so the step's allocations
 are seen wherever they run; autograd runs a CPU backward on the calling thread.
 
@@ -22,7 +21,9 @@ training job's AdamW (``train.loop._make_optimizer``) and its autocast (``--dtyp
 ``MoEGPT.set_autocast``); the first step (AdamW creates its state) and the third (steady
 state) are measured. A case's peak is its largest rank's; repeats differ only where a thread's
 timing decides what is alive at once (hybrid's gathers on gloo's prefetch thread). The script imports whichever
-``moesaic`` is on ``PYTHONPATH``, so the same file measures another commit's tree::
+``moesaic`` is on ``PYTHONPATH``, so the same file measures another commit's tree (one that has
+``train.memory.LiveBytes`` with ``classify``: from the commit that made this script use it; the
+committed ``before`` entry, 89f6ff4, was measured with the script's own earlier copy)::
 
     git archive 89f6ff4 | tar -x -C /tmp/before     # and HEAD into /tmp/after
     PYTHONPATH=/tmp/before/src python benchmarks/step_memory.py --label before \\
@@ -46,25 +47,22 @@ import json
 import os
 import platform
 import subprocess
-import threading
 import types
-import warnings
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from moesaic.train.memory import ALIVE_AT_START, MADE_SINCE, LiveBytes, storage_key
 
 CATEGORIES = (
     "parameters",
     "gradients",
     "optimizer state",
     "strategy state",
-    "other, alive at the step's start",
-    "other, made in the step",
+    ALIVE_AT_START,
+    MADE_SINCE,
 )
 # (strategy, schedule, blocks' compute dtype): hybrid and flowmoe, dropless under vanilla as the
 # reference; fp32 (the CPU default) and bf16 autocast (``--dtype bf16``: what a GPU trains in,
@@ -80,94 +78,6 @@ CASES = [
     )
 ]
 MEASURED = (0, 2)  # the first step (AdamW's state created) and the third (steady state)
-
-
-class LiveBytes:
-    """Live storage bytes over time and their attribution at the peak (see the module
-    docstring), counted by :meth:`mode` (one per thread). ``classify()`` returns
-    ``{storage key: category}`` for the known tensors."""
-
-    def __init__(self, classify: Any) -> None:
-        self._classify = classify
-        self._lock = threading.RLock()
-        self.live: dict[int, int] = {}
-        self.before: set[int] = set()  # alive when the step started
-        self.current = self.peak = 0
-        self.at_peak: dict[str, int] = {}
-
-    def mode(self) -> _Counting:
-        """A dispatch mode counting into this tally (enter it on the thread it counts)."""
-        return _Counting(self)
-
-    def track(self, t: torch.Tensor, *, attribute: bool = True) -> None:
-        """Count ``t``'s storage; a new peak is attributed unless ``attribute`` is false
-        (:meth:`start`, which attributes once at the end: per tensor it was quadratic in the
-        tensors alive, 100 s in a test process that had run the rest of the suite)."""
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # no storage (sparse, meta)
-            return
-        key, n = st._cdata, st.nbytes()
-        with self._lock:
-            old = self.live.get(key)
-            if old is None:
-                weakref.finalize(st, self._free, key)
-            self.live[key] = n
-            self.current += n - (old or 0)
-            if attribute and self.current > self.peak:
-                self.peak = self.current
-                self.at_peak = self._attribute()
-
-    def _free(self, key: int) -> None:
-        with self._lock:
-            self.current -= self.live.pop(key, 0)
-            self.before.discard(key)  # (a storage made later may take its address)
-
-    def _attribute(self) -> dict[str, int]:
-        known = self._classify()
-        out = dict.fromkeys(CATEGORIES, 0)
-        for key, n in self.live.items():
-            other = CATEGORIES[4] if key in self.before else CATEGORIES[5]
-            out[known.get(key, other)] += n
-        return out
-
-    def start(self) -> None:
-        """Count every tensor alive now, and take the peak from here."""
-        with warnings.catch_warnings():  # (isinstance on deprecated torch aliases warns)
-            warnings.simplefilter("ignore")
-            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-        for t in tensors:
-            if t.device.type == "cpu":
-                self.track(t, attribute=False)
-        with self._lock:
-            self.before = set(self.live)
-            self.peak = self.current
-            self.at_peak = self._attribute()
-
-
-class _Counting(TorchDispatchMode):
-    """Every tensor an op returns goes to the tally."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # Never runs under torch.compile; torch's default (True) wraps __torch_dispatch__ in
-        # dynamo's disable, whose first call imports torch._dynamo: 3.5 s per process here.
-        return False
-
-    def __init__(self, tally: LiveBytes) -> None:
-        super().__init__()
-        self.tally = tally
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.tally.track(t)
-        return out
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 def _tensors_in(obj: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
@@ -222,7 +132,7 @@ def _classifier(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
             ("parameters", params),
         ):
             for t in tensors:
-                out[_key(t)] = category
+                out[storage_key(t)] = category
         return out
 
     return classify
@@ -373,7 +283,7 @@ def table(path: Path, step: str = "step3") -> str:
                 peaks[-1] += f" (-{spread / mib:.2f})"
             starts.append(f"{max(r['at_start_bytes'] for r in res['per_rank']) / mib:.2f}")
             parts = max(res["per_rank"], key=lambda r: r["peak_bytes"])["at_peak_bytes"]
-        cells = [f"{parts[c] / mib:.2f}" for c in CATEGORIES]
+        cells = [f"{parts.get(c, 0) / mib:.2f}" for c in CATEGORIES]
         lines.append(f"| {case} | " + " | ".join([*peaks, *starts, *cells]) + " |")
     return "\n".join(lines)
 

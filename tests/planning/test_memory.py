@@ -91,7 +91,7 @@ def _measured_step(cfg: MoEGPTConfig, batch: int, recompute: bool) -> tuple[int,
     state = memory_bytes(model, opt)
     counter = LiveBytes()
     counter.start()
-    with counter:
+    with counter.mode():
         step()
     held = before.start_bytes
     return counter.peak - held, counter.start_bytes - held, state.params + state.optimizer

@@ -22,8 +22,10 @@ The planner's prediction of the same figures: ``moesaic.sim.memory``.
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +37,16 @@ from torch.utils._pytree import tree_flatten
 from moesaic.comm.collectives import EPGroup
 from moesaic.layer import is_expert_param
 
-__all__ = ["FIELDS", "LiveBytes", "MemoryBytes", "MemoryProbe", "memory_bytes"]
+__all__ = [
+    "ALIVE_AT_START",
+    "FIELDS",
+    "MADE_SINCE",
+    "LiveBytes",
+    "MemoryBytes",
+    "MemoryProbe",
+    "memory_bytes",
+    "storage_key",
+]
 
 # The per-rank record's fields (metrics.jsonl ``memory``), in this order.
 FIELDS = (
@@ -90,24 +101,38 @@ def memory_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> M
     )
 
 
-class LiveBytes(TorchDispatchMode):
-    """Live CPU tensor storage bytes and their peak, counted as a dispatch mode (enter it on
-    the thread it counts). :meth:`start` counts every tensor alive (a ``gc`` scan); then every
-    storage an op returns is added until it is freed (``weakref.finalize``). After each op
-    the sizes of all counted storages are read again: FSDP2 gathers into and frees its
-    unsharded parameters' storages with ``UntypedStorage.resize_``, which no op reports."""
+# The two shares of what a classifier does not name (see :class:`LiveBytes`; the window counted
+# is a step's wherever the project counts one).
+ALIVE_AT_START = "other, alive at the step's start"
+MADE_SINCE = "other, made in the step"
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # (torch's default imports dynamo on the first op: seconds)
 
-    def __init__(self) -> None:
-        super().__init__()
+class LiveBytes:
+    """Live CPU tensor storage bytes, their peak and (with ``classify``) what was alive at the
+    peak, counted by dispatch modes (:meth:`mode`, one per thread, all counting into this
+    tally). :meth:`start` counts every tensor alive (a ``gc`` scan); then every storage an op
+    returns is added until it is freed (``weakref.finalize``). After each op the sizes of all
+    counted storages are read again: FSDP2 gathers into and frees its unsharded parameters'
+    storages with ``UntypedStorage.resize_``, which no op reports.
+
+    ``classify() -> {storage key: category}`` names the known storages (``storage_key``); at
+    each new peak the live bytes are attributed to those categories, and the rest to
+    :data:`ALIVE_AT_START` or :data:`MADE_SINCE` (``at_peak``)."""
+
+    def __init__(self, classify: Callable[[], dict[int, str]] | None = None) -> None:
+        self._classify = classify
+        self._lock = threading.RLock()
         self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        self.start_bytes = 0
-        self.peak = 0
+        self.before: set[int] = set()  # storages alive at start()
+        self.start_bytes = self.current = self.peak = 0
+        self.at_peak: dict[str, int] = {}
 
-    def _track(self, t: torch.Tensor) -> None:
+    def mode(self) -> TorchDispatchMode:
+        """A dispatch mode counting into this tally (enter it on the thread it counts)."""
+        return _Counting(self)
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage (once, until it is freed); the peak is not updated here."""
         t = _local(t)
         if t.device.type != "cpu" or t.is_sparse or t.is_meta:
             return
@@ -116,17 +141,39 @@ class LiveBytes(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # no storage
             return
         key = st._cdata
-        if key not in self._live:
-            self._live[key] = weakref.ref(st)
-            weakref.finalize(st, self._live.pop, key, None)
+        with self._lock:
+            if key not in self._live:
+                self._live[key] = weakref.ref(st)
+                weakref.finalize(st, self._free, key)
 
-    def _now(self) -> int:
-        total = 0
-        for ref in list(self._live.values()):
-            st = ref()
-            if st is not None:
-                total += st.nbytes()
-        return total
+    def _free(self, key: int) -> None:
+        with self._lock:
+            self._live.pop(key, None)
+            self.before.discard(key)  # (a storage made later may take its address)
+
+    def update(self) -> None:
+        """Read every counted storage's size again; a new peak is recorded (and attributed)."""
+        with self._lock:
+            sizes = {}
+            for key, ref in list(self._live.items()):
+                st = ref()
+                if st is not None:
+                    sizes[key] = st.nbytes()
+            self.current = sum(sizes.values())
+            if self.current > self.peak:
+                self.peak = self.current
+                if self._classify is not None:
+                    self.at_peak = self._attribute(sizes)
+
+    def _attribute(self, sizes: dict[int, int]) -> dict[str, int]:
+        assert self._classify is not None
+        known = self._classify()
+        out: dict[str, int] = {ALIVE_AT_START: 0, MADE_SINCE: 0}
+        for key, n in sizes.items():
+            other = ALIVE_AT_START if key in self.before else MADE_SINCE
+            category = known.get(key, other)
+            out[category] = out.get(category, 0) + n
+        return out
 
     def start(self) -> None:
         """Count every tensor alive now; the peak starts from their bytes."""
@@ -134,15 +181,36 @@ class LiveBytes(TorchDispatchMode):
             warnings.simplefilter("ignore")
             tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
         for t in tensors:
-            self._track(t)
-        self.start_bytes = self.peak = self._now()
+            self.track(t)
+        with self._lock:
+            self.before = set(self._live)
+            self.peak = -1  # the next update() records (and attributes) the start
+            self.update()
+            self.start_bytes = self.current
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The key :class:`LiveBytes` counts ``t``'s storage under (for ``classify``)."""
+    return _local(t).untyped_storage()._cdata
+
+
+class _Counting(TorchDispatchMode):
+    """Every tensor an op returns goes to the tally; then the tally's sizes are read again."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # (torch's default imports dynamo on the first op: seconds)
+
+    def __init__(self, tally: LiveBytes) -> None:
+        super().__init__()
+        self.tally = tally
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._track(t)
-        self.peak = max(self.peak, self._now())
+                self.tally.track(t)
+        self.tally.update()
         return out
 
 
@@ -154,6 +222,7 @@ class _StepPeak:
         self.cuda = device.type == "cuda"
         self.device = device
         self.counter = LiveBytes() if (count_cpu and not self.cuda) else None
+        self._mode: TorchDispatchMode | None = None
         self.start_bytes = self.peak = self._dropped = 0
 
     @property
@@ -170,14 +239,21 @@ class _StepPeak:
             self.start_bytes = torch.cuda.memory_allocated(self.device) - dropped
         elif self.counter is not None:
             self.counter.start()
-            self.counter.__enter__()
+            self._mode = self.counter.mode()
+            self._mode.__enter__()
+
+    def leave(self) -> None:
+        """Stop counting (idempotent)."""
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
 
     def close(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device)
         elif self.counter is not None:
-            self.counter.__exit__(None, None, None)
+            self.leave()
             self.start_bytes = self.counter.start_bytes - self._dropped
             self.peak = self.counter.peak
 
@@ -215,8 +291,8 @@ class MemoryProbe:
         """Every rank's record in rank order (a collective; zeros where nothing was taken: a
         rank without a step, a peak not measured or a run of one step)."""
         self._handle.remove()
-        if self._steps == 1 and self._peak.counter is not None:
-            self._peak.counter.__exit__(None, None, None)  # a run of one step: no peak
+        if self._steps == 1:
+            self._peak.leave()  # a run of one step: no peak
         row = dict.fromkeys(FIELDS, 0)
         if self.taken is not None:
             row.update(
