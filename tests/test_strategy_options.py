@@ -86,7 +86,8 @@ def test_from_dict_to_dict_round_trip_and_unknown_keys():
     with pytest.raises(
         ValueError,
         match=r"unknown option\(s\) \['tile_m'\] of strategy 'hybrid' \(HybridOptions\): its "
-        r"options are \['domain_sizes', 'compression_ratio', 'shared_expert_every'\]",
+        r"options are \['domain_sizes', 'compression_ratio', 'shared_expert_every', "
+        r"'shared_expert'\]",
     ):
         HybridOptions.from_dict({"tile_m": 64}, strategy="hybrid")
     with pytest.raises(ValueError, match=r"\['x'\] of strategy 'padded' .*it has none"):

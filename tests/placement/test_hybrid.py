@@ -192,11 +192,33 @@ def _compressed(rank: int) -> dict:
             every2.experts.w1.mul_(1.01)
     return {
         "every2": sent,
+        "scopes": {scope: _shared_scope(rank, cr, scope) for scope in ("all", "none")},
         "expert_bytes": stats.expert_bytes,
         "want_bytes": payload + shared,
         "rel_err": float((y - y_exact).norm() / y_exact.norm()),
         "grad_finite": bool(torch.isfinite(layer.experts.w1.grad).all()),
     }
+
+
+def _shared_scope(rank: int, cr: float, scope: str) -> dict:
+    """``shared_expert`` "all" (the mean of all E experts, also all-reduced over the offset
+    group) and "none" (zeros, no all-reduce): the peer's copies decode to ``sr_encode``/
+    ``sr_decode`` of its weights against that shared expert; the bytes say what went where."""
+    _, layer, sd = _layer((2,), False, compression_ratio=cr, shared_expert=scope)
+    strategy = layer.strategy
+    weights = (layer.experts.w1, layer.experts.w3, layer.experts.w2)
+    gathered, stats = strategy._gathered(weights)
+    e = E // WORLD
+    for name, copies in zip(("w1", "w3", "w2"), gathered):
+        full = sd[f"experts.{name}"]
+        shared = full.mean(dim=0) if scope == "all" else torch.zeros_like(full[0])
+        for pos, owner in enumerate(strategy.bundle):
+            for j in range(e):
+                w = full[owner * e + j]
+                want = w if owner == rank else sr_decode(sr_encode(w, shared, cr), shared)
+                # the all-reduced sum adds in another order than mean(): ulps of the shared expert
+                torch.testing.assert_close(copies[pos * e + j], want, rtol=0, atol=1e-6)
+    return {"peer_bytes": list(stats.peer_bytes_P), "collectives": stats.collectives}
 
 
 def _world(rank: int, world: int) -> dict:
@@ -284,3 +306,18 @@ def test_packed_rows_travel_as_one_message_and_unpack_bit_exact():
     got = unpack_rows(torch.cat([mine, theirs]), [a, b, c])
     for t, want in zip(got, [torch.cat([a, a + 1]), torch.cat([b, b]), torch.cat([c, c - 1])]):
         assert t.dtype == want.dtype and torch.equal(t, want)
+
+
+def test_shared_expert_scopes_encode_against_their_mean_and_send_what_they_say(world_results):
+    e = E // WORLD
+    payload = 3 * e * compressed_nbytes(H * F, 4.0, 4)
+    shared = 3 * H * F * 4
+    for rank, res in enumerate(world_results):
+        scopes = res["compressed"]["scopes"]
+        peer = rank ^ 1  # the domain (2,): ranks {0, 1} and {2, 3}
+        offset = rank ^ 2  # the offset group: one rank per domain
+        want_all, want_none = [0] * WORLD, [0] * WORLD
+        want_all[peer], want_all[offset] = payload + shared, shared
+        want_none[peer] = payload
+        assert scopes["all"] == {"peer_bytes": want_all, "collectives": 3}  # 2 all-reduces
+        assert scopes["none"] == {"peer_bytes": want_none, "collectives": 1}

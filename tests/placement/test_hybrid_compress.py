@@ -15,6 +15,7 @@ from moesaic.placement.compress import (
     sr_encode,
     sr_roundtrip,
 )
+from moesaic.strategies.hybrid_options import HybridOptions
 
 
 def _experts(E: int = 4, shape: tuple[int, ...] = (16, 24), dtype=torch.float64) -> torch.Tensor:
@@ -130,3 +131,21 @@ def test_compressed_nbytes(numel: int, cr: float, value_bytes: int, expected: in
 def test_invalid_arguments_name_the_field(call, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field} "):
         call()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"shared_expert": "global"}, r"^shared_expert \('global'\) must be one of"),
+        ({"shared_expert": "all"}, r"^shared_expert \('all'\) applies to compressed gathers"),
+        (
+            {"shared_expert": "none", "compression_ratio": 10.0, "shared_expert_every": 4},
+            r"^shared_expert_every \(4\) must be 1 with shared_expert 'none'",
+        ),
+    ],
+)
+def test_shared_expert_option_is_refused_where_it_does_not_apply(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        HybridOptions(**options)
+    ok = HybridOptions(compression_ratio=10.0, shared_expert="all", shared_expert_every=4)
+    assert ok.shared_expert == "all"

@@ -237,6 +237,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         # the same sets in the prefetch lane, made by the first prefetch (``reserve_prefetch``):
         # a model trained without the prefetcher (or evaluated) holds no such communicators
         self._prefetch_levels: list[EPGroup] | None = None
+        self._prefetch_shared_scope: list[EPGroup] = []
         (a2a,) = self.group.subgroups([self.offset_ranks], "main")
         self._routing = ExpertPlacement(
             ctx.config.num_experts,
@@ -246,6 +247,8 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
             ),
         )
         self._exchange = DroplessStrategy(StrategyContext(ctx.config, a2a, self._routing))
+        # the groups a computed shared expert averages over, per lane (options.shared_expert)
+        self._shared_scope = self._shared_groups(self.levels, a2a)
         self._cache: tuple[tuple, Weights] | None = None
         self._shared: list[torch.Tensor | None] | None = None  # of compressed gathers
         self._gathers = 0
@@ -319,6 +322,8 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
             return None
         if self._prefetch_levels is None:  # every rank reserves at the same point
             self._prefetch_levels = self.group.subgroups(self.level_ranks, "prefetch")
+            (a2a,) = self.group.subgroups([self.offset_ranks], "prefetch")
+            self._prefetch_shared_scope = self._shared_groups(self._prefetch_levels, a2a)
         self._prefetch_dtype = dtype = self._gather_dtype(weights)
         key = self._key(weights, dtype)
         if (self._cache is not None and self._cache[0] == key) or self._pending is not None:
@@ -337,7 +342,9 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         """For :class:`ExpertPrefetcher`'s thread: encode and issue on the prefetch group."""
         weights = self._local_weights(experts)
         assert self._prefetch_dtype is not None  # internal: reserve_prefetch came first
-        return self._start(weights, self.prefetch_levels(), self._prefetch_dtype)
+        return self._start(
+            weights, self.prefetch_levels(), self._prefetch_dtype, self._prefetch_shared_scope
+        )
 
     def _gathered(self, weights: Weights) -> tuple[Weights, CommStats]:
         """The domain's experts (detached, decoded) for the current weights, and what the
@@ -372,7 +379,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
             cached = self._cache[1]
             return (lambda: cached), stats
         self._cache = None  # stale: let it go before the new copies arrive
-        pending = self._start(weights, self.levels, dtype)
+        pending = self._start(weights, self.levels, dtype, self._shared_scope)
 
         def finish() -> Weights:
             return self._store(key, weights, pending.result())
@@ -391,12 +398,38 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         self._cache = (key, gathered)
         return gathered
 
-    def _start(self, weights: Weights, groups: list[EPGroup], dtype: torch.dtype) -> PendingGather:
+    def _shared_groups(self, levels: list[EPGroup], offset: EPGroup) -> list[EPGroup]:
+        """The groups a computed shared expert is all-reduced over (``options.shared_expert``):
+        the domain's level groups, and the offset group after them for "all" (the domain sums
+        then summed over one rank per domain: every rank's experts once); none for "none"."""
+        scope = self.options.shared_expert
+        if scope == "none":
+            return []
+        if scope == "all" and offset.size > 1:
+            return [*levels, offset]
+        return levels
+
+    def _start(
+        self,
+        weights: Weights,
+        groups: list[EPGroup],
+        dtype: torch.dtype,
+        shared_groups: list[EPGroup],
+    ) -> PendingGather:
         """One gather in ``dtype``; the shared experts are recomputed every
-        ``shared_expert_every``-th."""
+        ``shared_expert_every``-th (zeros, never all-reduced, for ``shared_expert = "none"``)."""
         every = self.options.shared_expert_every
         shared = None if self._gathers % every == 0 else self._shared
-        pending = start_gather(weights, groups, self.compression_ratio, shared=shared, dtype=dtype)
+        if self.options.shared_expert == "none":
+            shared = [None if w is None else w.new_zeros(w.shape[1:], dtype=dtype) for w in weights]
+        pending = start_gather(
+            weights,
+            groups,
+            self.compression_ratio,
+            shared=shared,
+            dtype=dtype,
+            shared_groups=shared_groups,
+        )
         self._shared, self._gathers = pending.shared, self._gathers + 1
         return pending
 
@@ -406,6 +439,10 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
             for r in ranks:
                 if r != self.group.rank:
                     peers[r] += nbytes
+        if pending.shared_bytes and len(self._shared_scope) > len(self.levels):
+            for r in self.offset_ranks:  # "all": the offset group's all-reduce
+                if r != self.group.rank:
+                    peers[r] += pending.shared_bytes
         return CommStats(
             expert_bytes=sum(peers), collectives=pending.collectives, peer_bytes_P=tuple(peers)
         )

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moesaic.checks import check_number, check_positive_int
+from moesaic.checks import check_number, check_one_of, check_positive_int
 from moesaic.field_flags import FLAG, METAVAR
 from moesaic.strategy_options import StrategyOptions
 
-__all__ = ["HybridOptions"]
+__all__ = ["SHARED_EXPERTS", "HybridOptions"]
+
+# What a compressed gather encodes against (``HybridOptions.shared_expert``).
+SHARED_EXPERTS = ("domain", "all", "none")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +37,14 @@ class HybridOptions(StrategyOptions):
             expert: an all-reduce of one expert's size) every this many gathers and reuse it in
             between (1: every gather, as the paper). Encoder and decoder always use the same
             one; a stale one only leaves larger residuals for the top-k to keep.
+        shared_expert: what the shared expert of a compressed gather is the mean of:
+            "domain" (the experts of this rank's expert domain: an all-reduce over the domain's
+            level groups), "all" (every expert of the expert-parallel group, the paper's
+            §IV-B: one more all-reduce over the offset group, one rank per domain; the same as
+            "domain" when one domain is the whole group) or "none" (no shared expert: the
+            top-k of the weights themselves, the paper's "w/o S" ablation of Fig. 14; no
+            all-reduce). Only compressed gathers (``compression_ratio > 1``) have one;
+            "none" has nothing to recompute, so it takes ``shared_expert_every = 1``.
     """
 
     domain_sizes: tuple[int, ...] | None = field(
@@ -43,6 +54,7 @@ class HybridOptions(StrategyOptions):
         default=1.0, metadata={FLAG: "--expert-compression-ratio", METAVAR: "CR"}
     )
     shared_expert_every: int = 1
+    shared_expert: str = "domain"
 
     def __post_init__(self) -> None:
         if self.domain_sizes is not None:
@@ -61,3 +73,14 @@ class HybridOptions(StrategyOptions):
         # one rule for every bad value (nan said ">= 0" while 0.5 said ">= 1"); 1: exact
         check_number("compression_ratio", self.compression_ratio, 1.0)
         check_positive_int("shared_expert_every", self.shared_expert_every)
+        check_one_of("shared_expert", self.shared_expert, SHARED_EXPERTS)
+        if self.shared_expert != "domain" and self.compression_ratio == 1.0:
+            raise ValueError(
+                f"shared_expert ({self.shared_expert!r}) applies to compressed gathers only: "
+                "set compression_ratio above 1, or leave shared_expert 'domain'"
+            )
+        if self.shared_expert == "none" and self.shared_expert_every != 1:
+            raise ValueError(
+                f"shared_expert_every ({self.shared_expert_every}) must be 1 with "
+                "shared_expert 'none' (there is no shared expert to recompute)"
+            )

@@ -13,11 +13,10 @@ Wire format of one weight matrix's ``e`` local experts (what the domain all-gath
   :mod:`moesaic.placement.compress`, batched over the experts (same kept count, index dtype and
   top-k rule, tested equal to ``sr_encode``/``sr_decode`` per expert).
 
-The shared expert is the mean of the domain's experts (an all-reduce over the domain, issued just
-before the gather, on the same group): encoder and decoder must use the same one, and a domain's
-mean is closer to its experts than the mean over all ranks. The paper keeps one shared expert for
-all ranks, synchronised every iteration; per domain costs the same all-reduce and needs no
-other group.
+The shared expert is a mean of experts, all-reduced just before the gather over the groups it is
+given (the domain's level groups by default; ``HybridOptions.shared_expert`` chooses): encoder and
+decoder must use the same one. The paper keeps one shared expert for all ranks, synchronised every
+iteration; a domain's mean is closer to its experts and needs no other group.
 """
 
 from __future__ import annotations
@@ -111,15 +110,19 @@ class PendingGather:
 
     Attributes:
         level_bytes: per level group, the bytes this rank sent to each other member (the
-            encoded bundle so far, plus the shared experts' all-reduce message when compressed).
+            encoded bundle so far, plus the shared experts' all-reduce message when computed).
         collectives: collectives issued (the shared-expert all-reduces and the gathers).
         shared: the shared experts the bundle was encoded against (None entries: dense).
+        shared_bytes: the shared experts' all-reduce message (0: reused, given or dense), sent
+            to each other member of every group of ``shared_groups`` (in ``level_bytes`` for
+            the level groups).
     """
 
     finish: Callable[[], Weights] | None
     level_bytes: list[int]
     collectives: int
     shared: list[torch.Tensor | None]
+    shared_bytes: int = 0
 
     def result(self) -> Weights:
         """Wait, decode and return the experts (once): the call then lets go of what it
@@ -138,6 +141,7 @@ def start_gather(
     name: str = "experts",
     shared: list[torch.Tensor | None] | None = None,
     dtype: torch.dtype | None = None,
+    shared_groups: Sequence[EPGroup] | None = None,
 ) -> PendingGather:
     """Encode the local experts and gather them over the domain, level by level.
 
@@ -157,6 +161,9 @@ def start_gather(
             computes them (an all-reduce per level). Unused when not compressed.
         dtype: gather (and decode to) this dtype, the one the experts compute in (every member
             must pass the same); None: the weights' own.
+        shared_groups: the groups whose members' experts the computed shared experts average
+            (all-reduced over each in turn; together they must cover the ranks averaged over
+            once each); None: ``groups``, the domain.
     """
     with torch.no_grad():
         if dtype is not None:
@@ -167,7 +174,8 @@ def start_gather(
         if not sparse:
             shared = [None] * len(weights)
         elif shared is None:
-            shared, shared_bytes = _shared_experts(weights, groups)
+            shared_groups = groups if shared_groups is None else shared_groups
+            shared, shared_bytes = _shared_experts(weights, shared_groups)
         payloads = [
             None if w is None else encode_experts(w, sh, compression_ratio)
             for w, sh in zip(weights, shared)
@@ -196,8 +204,8 @@ def start_gather(
                 out.append(decode_experts(rows, sh, tuple(w.shape[1:]), w.dtype, compression_ratio))
         return tuple(out)
 
-    per_level = 1 + (1 if shared_bytes else 0)
-    return PendingGather(finish, level_bytes, per_level * len(groups), shared)
+    all_reduces = len(shared_groups) if shared_bytes and shared_groups is not None else 0
+    return PendingGather(finish, level_bytes, len(groups) + all_reduces, shared, shared_bytes)
 
 
 def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
