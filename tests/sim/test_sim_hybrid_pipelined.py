@@ -231,3 +231,30 @@ def test_padded_pays_for_its_padding():
     capacity = math.ceil(2.0 * (MODEL.tokens // 2) * MODEL.top_k / MODEL.experts)
     assert p.a2a_bytes == MODEL.experts * capacity * MODEL.hidden * MODEL.act_bytes
     assert p.counts_s == 0.0  # a fixed capacity needs no agreement
+
+
+def test_padded_without_capacity_pads_to_the_largest_load_of_any_rank():
+    """With recorded (or prior) loads, the world's sums over a step, padded's buffer is the
+    largest (source rank, expert) load of a chunk: the busiest share raised by the prior's
+    largest-of-P-ranks factor (more than 1 on 4 ranks), capped at the chunk's tokens; a stated
+    Zipf skew keeps every rank alike."""
+    from moesaic.sim.pipelined import padded_capacity
+    from moesaic.sim.prior import largest_source_factor
+
+    link = LinkModel(spec=ONE_LEVEL)
+    loads = tuple(float(x) for x in (40, 10, 10, 10, 10, 10, 5, 5))
+    model = dataclasses.replace(MODEL, experts=8, measured_loads=(loads,))
+    tokens = model.tokens // 2
+    busiest = tokens * model.top_k * 40 / 90
+    f = largest_source_factor(8, model.top_k, tokens, model.tokens * 4, model.hidden, 4)
+    assert f > 1.05
+    assert padded_capacity(model, tokens, 4) == min(tokens, math.ceil(busiest * f))
+    p = Costs(model, link, PROFILE, 2, strategy="padded")
+    C = padded_capacity(model, tokens, 4)
+    assert p.a2a_bytes == pytest.approx(8 * C * model.hidden * model.act_bytes)
+    assert padded_capacity(model, tokens, 4) > math.ceil(busiest)
+    zipf = dataclasses.replace(MODEL, experts=8, routing_skew=1.0)
+    shares = [(e + 1) ** -1.0 for e in range(8)]
+    assert padded_capacity(zipf, tokens, 4) == math.ceil(
+        tokens * zipf.top_k * shares[0] / math.fsum(shares) - 1e-9
+    )

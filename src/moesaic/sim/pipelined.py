@@ -60,6 +60,7 @@ from moesaic.sim.contention import CpuModel, skewed_compute_factor
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, expert_shares
 from moesaic.sim.opcal import OpPrices
+from moesaic.sim.prior import largest_source_factor
 from moesaic.sim.profile import Profile
 from moesaic.sim.steptail import add_tail
 from moesaic.taskflow.engine import Timeline
@@ -71,6 +72,7 @@ __all__ = [
     "build_pipelined",
     "check_degree",
     "domain_shares",
+    "padded_capacity",
     "rank_shares",
     "run_pipelined",
 ]
@@ -307,15 +309,32 @@ def _kept_rows(model: ModelSpec, tokens: int, shares: Sequence[float]) -> float:
     return tokens * model.top_k * kept * len(shares) * max(shares)
 
 
-def _padded(model: ModelSpec, link: LinkModel, tokens: int) -> _Exchange:
-    """The padded all-to-all; the experts compute the whole buffer."""
-    P, E = link.world_size, model.experts
+def padded_capacity(model: ModelSpec, tokens: int, world: int) -> int:
+    """``C``, the rows every rank sends every expert in one chunk of ``tokens`` per rank: the
+    capacity ``ceil(cf T K / E)``, else the largest load one rank sends one expert (the
+    runtime all-reduces it, MAX). The loads a run records (and the prior) are the world's sums
+    over a step, so with them the busiest expert's share of the step is raised by
+    :func:`~moesaic.sim.prior.largest_source_factor` (each rank's chunk routes its own draw;
+    the largest of the world's); with a stated skew (``routing_skew``) or uniform routing every
+    rank sends alike. At most ``tokens`` (a token picks an expert once)."""
+    E = model.experts
     if model.capacity_factor > 0:
-        capacity = capacity_slots(model.capacity_factor, tokens, model.top_k, E)
-        agree_s = 0.0
-    else:  # the largest load, agreed by one all-reduce (MAX) of a scalar
-        capacity = math.ceil(tokens * model.top_k * max(expert_shares(model, model.experts)))
-        agree_s = all_reduce_s(link, 8.0) if P > 1 else 0.0
+        return capacity_slots(model.capacity_factor, tokens, model.top_k, E)
+    rows = tokens * model.top_k * max(expert_shares(model, E))
+    if model.measured_loads and world > 1:
+        rows *= largest_source_factor(
+            E, model.top_k, tokens, model.tokens * world, model.hidden, world
+        )
+    return min(tokens, math.ceil(rows - 1e-9))
+
+
+def _padded(model: ModelSpec, link: LinkModel, tokens: int) -> _Exchange:
+    """The padded all-to-all of :func:`padded_capacity` rows per (rank, expert); the experts
+    compute the whole buffer."""
+    P, E = link.world_size, model.experts
+    capacity = padded_capacity(model, tokens, P)
+    # without a capacity the largest load is agreed by one all-reduce (MAX) of a scalar
+    agree_s = all_reduce_s(link, 8.0) if P > 1 and model.capacity_factor <= 0 else 0.0
     pair_bytes = E // P * capacity * model.hidden * model.act_bytes
     seconds = all_to_all_s(link, pair_bytes) if P > 1 else 0.0
     return _Exchange(P * (E // P) * capacity, P * pair_bytes, seconds, agree_s)

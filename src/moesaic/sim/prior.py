@@ -37,7 +37,16 @@ from typing import Any
 
 from moesaic.checks import check_positive_int
 
-__all__ = ["FIT", "QUANTILES", "RoutingPrior", "fit", "imbalance", "profile_error", "shares"]
+__all__ = [
+    "FIT",
+    "QUANTILES",
+    "RoutingPrior",
+    "fit",
+    "imbalance",
+    "largest_source_factor",
+    "profile_error",
+    "shares",
+]
 
 QUANTILES = (0.1, 0.5, 0.9)
 # quantile -> (c0, cE, cK, cT, cH) of ln(I - 1); fitted by fit() on
@@ -100,6 +109,42 @@ def imbalance(
     x = _features(experts, top_k, tokens, hidden)
     value = 1.0 + math.exp(math.fsum(c * f for c, f in zip(coefficients[q], x)))
     return min(max(value, 1.0), experts / top_k)
+
+
+def _imbalance_at(experts: int, top_k: int, tokens: int, hidden: int, q: float) -> float:
+    """The rule's imbalance at any percentile ``q`` in (0, 1): ``ln(I - 1)`` linear in the
+    normal quantile of ``q`` between the fitted 10th, 50th and 90th (beyond them, the nearer
+    segment's line), kept in ``[1, E / K]``."""
+    z = statistics.NormalDist().inv_cdf(q)
+    pts = [
+        (statistics.NormalDist().inv_cdf(p), imbalance(experts, top_k, tokens, hidden, p))
+        for p in QUANTILES
+    ]
+    (z0, i0), (z1, i1) = (pts[0], pts[1]) if z <= pts[1][0] else (pts[1], pts[2])
+    y0, y1 = (math.log(max(i - 1.0, 1e-9)) for i in (i0, i1))
+    value = 1.0 + math.exp(y0 + (y1 - y0) * (z - z0) / (z1 - z0))
+    return min(max(value, 1.0), experts / top_k)
+
+
+def largest_source_factor(
+    experts: int, top_k: int, source_tokens: int, step_tokens: int, hidden: int, sources: int
+) -> float:
+    """How much the largest load one source rank sends one expert exceeds the busiest expert's
+    share of the world's step, both per token: what a padded exchange without a capacity pads
+    to (``strategies.padded``: every rank pads every expert to the largest (source, expert)
+    count of the group, one all-reduce MAX), while the loads a run records, and the prior,
+    are the world's sums over a step.
+
+    The rule, from the prior's measurements: each of the ``sources`` ranks routes its own
+    ``source_tokens`` (one chunk of its batch) as an independent draw of the imbalance at
+    those tokens; the largest of ``P`` draws is taken at its median, the prior's percentile
+    ``0.5 ** (1 / P)``; over the world's median at ``step_tokens``. At least 1 (one source:
+    the world's own busiest, less the tokens' averaging)."""
+    check_positive_int("sources", sources)
+    q = 0.5 ** (1.0 / sources)
+    largest = _imbalance_at(experts, top_k, source_tokens, hidden, q)
+    world = imbalance(experts, top_k, step_tokens, hidden, 0.5)
+    return max(1.0, largest / world)
 
 
 def _profile(E: int, s: float) -> list[float]:

@@ -1,0 +1,143 @@
+"""Predict the already-measured points of the unseen rules 2-26 again with the simulator as it is
+now, in one process, for chosen strategies and schedules (a pricing change checked on seen data).
+
+Each configuration's stored profile is used as the rule judged it (from the seventeenth rule:
+slowed by the runs' speed factor), with the configuration's cluster and training config rebuilt
+from the rule (``sim_unseen.py``), hybrid at the domains its runs trained at where the rule
+recorded them. Prints, per rule and overall, the geometric-mean error of the stored predictions
+and of the new ones over the chosen points, and writes every point to ``--out``.
+
+Usage::
+
+    python benchmarks/sim_seen_repredict.py --strategy padded [--schedule flowmoe] \
+        [--rules 5-26] [--out /tmp/padded.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import sim_unseen
+from moesaic.cli import main as moesaic_main
+from moesaic.sim.profile import Profile
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def geomean_error(pairs: list[tuple[float, float]]) -> float:
+    """Geometric mean of ``1 + |p / m - 1|`` minus 1, in percent."""
+    if not pairs:
+        return math.nan
+    logs = [math.log1p(abs(p / m - 1.0)) for p, m in pairs]
+    return 100.0 * math.expm1(math.fsum(logs) / len(logs))
+
+
+def simulate_json(args: list[str]) -> dict[str, Any] | None:
+    """``moesaic simulate ... --json`` in this process; None when it refuses."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = moesaic_main(["simulate", *args, "--json"])
+        except SystemExit as exc:
+            rc = exc.code
+    if rc:
+        return None
+    res = json.loads(out.getvalue())
+    return res[0] if isinstance(res, list) else res
+
+
+def repredict_rule(rule: int, strategies: set[str], schedules: set[str] | None) -> list[dict]:
+    data = json.loads((RESULTS / f"sim_unseen{rule}.json").read_text())
+    by_name = {c["name"]: c for c in data["configurations"]}
+    points = []
+    for name, entry in by_name.items():
+        if "profile" not in entry:
+            continue
+        cfg = sim_unseen.find_configuration(name)
+        work = Path(tempfile.mkdtemp(prefix=f"seen_{rule}_"))
+        (work / "cluster.toml").write_text(sim_unseen.cluster_toml(cfg))
+        (work / "p.json").write_text(json.dumps(entry["profile"]))
+        if "speed" in entry:
+            profile = Profile.load(work / "p.json")
+            profile.slowed(entry["speed"]["speed_factor"]).save(work / "p.json")
+        for point in data["points"]:
+            if point["configuration"] != name or point["strategy"] not in strategies:
+                continue
+            if schedules is not None and point["schedule"] not in schedules:
+                continue
+            if not point.get("measured_s") or not point.get("predicted_s"):
+                continue
+            strategy, schedule = point["strategy"], point["schedule"]
+            toml = work / f"train_{strategy}.toml"
+            toml.write_text(sim_unseen.train_toml(cfg, work / "r", strategy))
+            args = ["--cluster", str(work / "cluster.toml"), "--model", str(toml)]
+            args += ["--profile", str(work / "p.json"), "--strategy", strategy]
+            args += ["--schedule", schedule]
+            domains = sim_unseen.ran_at(point, rule)
+            if domains is not None:
+                args += ["--domains", ",".join(map(str, domains))]
+            if schedule != "vanilla":
+                args += ["--degree", str(sim_unseen.PIPELINE_DEGREE)]
+            res = simulate_json(args)
+            if res is None:
+                continue
+            points.append(
+                {
+                    "rule": rule,
+                    "configuration": name,
+                    "strategy": strategy,
+                    "schedule": schedule,
+                    "measured_s": point["measured_s"],
+                    "stored_s": point["predicted_s"],
+                    "now_s": res["iteration_ms"] / 1e3,
+                }
+            )
+    return points
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategy", default="padded", help="comma-separated strategies")
+    p.add_argument("--schedule", default=None, help="comma-separated schedules (default: all)")
+    p.add_argument("--rules", default="5-26", help="first-last")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    lo, hi = (int(x) for x in args.rules.split("-"))
+    strategies = set(args.strategy.split(","))
+    schedules = set(args.schedule.split(",")) if args.schedule else None
+    every: list[dict] = []
+    for rule in range(lo, hi + 1):
+        pts = repredict_rule(rule, strategies, schedules)
+        every += pts
+        stored = geomean_error([(q["stored_s"], q["measured_s"]) for q in pts])
+        now = geomean_error([(q["now_s"], q["measured_s"]) for q in pts])
+        bias = [math.log(q["now_s"] / q["measured_s"]) for q in pts]
+        mean_bias = 100 * math.expm1(math.fsum(bias) / max(1, len(bias)))
+        print(
+            f"rule {rule}: {len(pts)} points, stored {stored:.1f}%, now {now:.1f}% "
+            f"(bias {mean_bias:+.1f}%)",
+            flush=True,
+        )
+    stored = geomean_error([(q["stored_s"], q["measured_s"]) for q in every])
+    now = geomean_error([(q["now_s"], q["measured_s"]) for q in every])
+    bias = [math.log(q["now_s"] / q["measured_s"]) for q in every]
+    print(
+        f"all: {len(every)} points, stored {stored:.1f}%, now {now:.1f}% "
+        f"(bias {100 * math.expm1(math.fsum(bias) / max(1, len(bias))):+.1f}%)"
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(every, indent=1))
+
+
+if __name__ == "__main__":
+    main()
