@@ -54,6 +54,17 @@ def _within_noise(best: dict[str, Any], other: dict[str, Any]) -> bool | None:
     return gap <= max(_spread(best), _spread(other))
 
 
+def geomean_error(errors: list[float]) -> float | None:
+    """The geometric mean of ``1 + error`` minus 1 (None without errors)."""
+    return math.exp(sum(math.log1p(e) for e in errors) / len(errors)) - 1 if errors else None
+
+
+def within_5pct(best_predicted: float, first_predicted: float) -> bool:
+    """The ranking's looser clause: the measured-fastest combination predicted within 5% of
+    the predicted-first."""
+    return best_predicted <= 1.05 * first_predicted
+
+
 def _meets(
     points: list[dict[str, Any]], predicted: dict[int, float], measured: dict[int, float]
 ) -> tuple[bool, bool]:
@@ -62,7 +73,7 @@ def _meets(
     best = min(range(len(points)), key=measured.__getitem__)
     first = min(range(len(points)), key=predicted.__getitem__)
     return (
-        predicted[best] <= 1.05 * predicted[first],
+        within_5pct(predicted[best], predicted[first]),
         measured[first] <= 1.10 * measured[best],
     )
 
@@ -89,7 +100,7 @@ def _repeat_ceiling(points: list[dict[str, Any]]) -> tuple[float, float] | None:
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
     points = [p for p in data["points"] if "measured_s" in p and "predicted_s" in p]
     errors = [abs(p["predicted_s"] - p["measured_s"]) / p["measured_s"] for p in points]
-    geo = math.exp(sum(math.log1p(e) for e in errors) / len(errors)) - 1 if errors else None
+    geo = geomean_error(errors)
     configs = []
     for c in data["configurations"]:
         mine = [p for p in points if p["configuration"] == c["name"]]

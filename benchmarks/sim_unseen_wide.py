@@ -86,23 +86,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-HEADS, BLOCKS, SEQ = 4, 2, 128
-WARMUP, STEPS = 2, 6
-PIPELINE_DEGREE = 2
-PADDED_CAPACITY = 1.25
-PASSES = 2
-COMBINATIONS = (
-    ("dropless", "vanilla"),
-    ("dropless", "moe-only"),
-    ("dropless", "flowmoe"),
-    ("padded", "vanilla"),
-    ("padded", "moe-only"),
-    ("padded", "flowmoe"),
-    ("hybrid", "vanilla"),
-    ("hybrid", "moe-only"),
-    ("hybrid", "flowmoe"),
-    ("taskflow", "vanilla"),
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# the unseen rules' grid, steps, sequences, heads, blocks, R and padded's capacity
+from sim_unseen import (
+    BLOCKS,
+    COMBINATIONS,
+    HEADS,
+    PADDED_CAPACITY,
+    PIPELINE_DEGREE,
+    SEQ,
+    STEPS,
+    WARMUP,
 )
+
+PASSES = 2
 SOURCES = ("train", "file")  # the training config's prediction, the model file's
 
 # The docstring's table: levels outermost first as (name, size, Gbit/s, ms one way).

@@ -22,9 +22,14 @@ import argparse
 import json
 import math
 import statistics
+import sys
+from pathlib import Path
 from typing import Any
 
-SOURCES = ("train", "file")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sim_unseen_report import geomean_error, within_5pct
+from sim_unseen_wide import SOURCES
 
 
 def _combo(p: dict[str, Any]) -> str:
@@ -74,8 +79,9 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                     "ranked_first": _combo(first),
                     "ranked_first_over_best": round(first["measured_s"] / best["measured_s"], 3),
                     "strict": first is best,
-                    "within_5pct": best[source]["predicted_s"]
-                    <= 1.05 * first[source]["predicted_s"],
+                    "within_5pct": within_5pct(
+                        best[source]["predicted_s"], first[source]["predicted_s"]
+                    ),
                     "tie": _in_tie(plan, best),
                     "plan_pick": (
                         f"{plan[0]['strategy']}+{plan[0]['schedule']} "
@@ -90,7 +96,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                     ),
                 }
             )
-        geo = math.exp(statistics.fmean(math.log1p(e) for e in errors)) - 1 if errors else None
+        geo = geomean_error(errors)
         out[source] = {
             "points": len(points),
             "geomean_error": geo,
