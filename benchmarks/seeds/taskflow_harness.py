@@ -161,9 +161,10 @@ def measure_point(
         assert strat is not None
         return sum(strat.ctx.group.traffic.peer_bytes_P)
 
-    def step(v: str) -> tuple[float, float, int]:
+    def step(v: str) -> tuple[float, float, int, float]:
         dist.barrier()
         sent0 = traffic(v)
+        c0 = time.process_time()
         xi = x.clone().requires_grad_(p.backward)
         w = weights.clone().requires_grad_(p.backward)
         plan = build_plan(ids, w, placements[v])  # weights in this step's graph
@@ -182,7 +183,7 @@ def measure_point(
             t0 = time.perf_counter()
             y.backward(g)
             bwd = time.perf_counter() - t0
-        return fwd, bwd, traffic(v) - sent0
+        return fwd, bwd, traffic(v) - sent0, time.process_time() - c0
 
     # tx read right after each step's opening barrier: the step's bytes are the next reading's
     # difference, minus the barriers in between (one per phase)
@@ -192,20 +193,25 @@ def measure_point(
     bwd_s: dict[str, list[float]] = {v: [] for v in variants}
     payload: dict[str, list[int]] = {v: [] for v in variants}
     wire: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     prev_tx = _tx_bytes()
     for i, v in enumerate(order):
-        f, b, sent = step(v)
+        f, b, sent, c = step(v)
         dist.barrier()
         tx = _tx_bytes()
         if i >= warmup * len(variants):
             fwd_s[v].append(f)
             bwd_s[v].append(b)
             payload[v].append(sent)
+            cpu[v].append(c)
             wire[v].append(tx - prev_tx - barriers * barrier_bytes - barrier_bytes)
         prev_tx = tx
     times = torch.tensor([[fwd_s[v][r], bwd_s[v][r]] for r in range(rounds) for v in variants])
+    fastest = times.clone()
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(fastest, op=dist.ReduceOp.MIN)
     t = times.view(rounds, len(variants), 2)
+    skew = (times - fastest).view(rounds, len(variants), 2)
     info: dict[str, Any] = {}
     for v in TIMED_TASKFLOW:
         if v in layers:
@@ -220,6 +226,12 @@ def measure_point(
         "variants": list(variants),
         "fwd_s": {v: t[:, i, 0].tolist() for i, v in enumerate(variants)},
         "bwd_s": {v: t[:, i, 1].tolist() for i, v in enumerate(variants)},
+        # slowest minus fastest rank of a phase (each rank's clock starts at the same barrier)
+        "rank_skew_s": {
+            v: {"forward": skew[:, i, 0].tolist(), "backward": skew[:, i, 1].tolist()}
+            for i, v in enumerate(variants)
+        },
+        "cpu_s": {v: statistics.median(cpu[v]) for v in variants},
         "payload_bytes": {v: statistics.median(payload[v]) for v in variants},
         "wire_bytes": {v: statistics.median(wire[v]) for v in variants},
         "expert_load_max_over_mean": float(loads.max()) / float(loads.float().mean()),
@@ -248,13 +260,11 @@ def worker(
     for p in points:
         res = measure_point(p, variants, rounds, warmup, barrier_bytes)
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(
-            gathered, {"payload": res["payload_bytes"], "wire": res["wire_bytes"]}
-        )
-        res["payload_bytes_per_rank"] = [g["payload"] for g in gathered]
-        res["wire_bytes_per_rank"] = [g["wire"] for g in gathered]
+        mine = {k: res.pop(k) for k in ("payload_bytes", "wire_bytes", "cpu_s")}
+        dist.all_gather_object(gathered, mine)
+        for k in mine:  # per rank, e.g. "cpu_s_per_rank": the process CPU seconds of a step
+            res[f"{k}_per_rank"] = [g[k] for g in gathered]
         res["barrier_wire_bytes"] = barrier_bytes
-        del res["payload_bytes"], res["wire_bytes"]
         out.append(res)
     return out
 
@@ -294,6 +304,10 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     }
     out["wire_bytes_mean_rank"] = {
         n: statistics.mean(r[n] for r in res["wire_bytes_per_rank"]) for n in v
+    }
+    out["cpu_s_mean_rank"] = {n: statistics.mean(r[n] for r in res["cpu_s_per_rank"]) for n in v}
+    out["rank_skew_median_s"] = {
+        n: {ph: statistics.median(x) for ph, x in d.items()} for n, d in res["rank_skew_s"].items()
     }
     return out
 
