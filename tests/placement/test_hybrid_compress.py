@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from moesaic.placement import compress
 from moesaic.placement.compress import (
     compressed_nbytes,
     kept_entries,
@@ -14,6 +15,7 @@ from moesaic.placement.compress import (
     sr_decode,
     sr_encode,
     sr_roundtrip,
+    top_k_positions,
 )
 from moesaic.strategies.hybrid_options import HybridOptions
 
@@ -149,3 +151,41 @@ def test_shared_expert_option_is_refused_where_it_does_not_apply(options, messag
         HybridOptions(**options)
     ok = HybridOptions(compression_ratio=10.0, shared_expert="all", shared_expert_every=4)
     assert ok.shared_expert == "all"
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [
+        (2, 200_000, 20_000),  # CR 10 on a sample-sized row: the candidate path
+        (3, 100_003, 2_001),  # CR 50, a length the stride does not divide
+        (1, 50_000, 40_000),  # the threshold would keep everything: the full top-k
+        (2, 1_000, 7),  # a row shorter than the sample: the full top-k
+    ],
+)
+def test_top_k_positions_is_the_exact_top_k(rows: int, n: int, k: int) -> None:
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(n)).abs()
+    got = top_k_positions(x, k)
+    want = torch.sort(torch.topk(x, k, dim=1).indices, dim=1).values
+    assert torch.equal(got, want)  # continuous values: no ties, one top-k
+
+
+def test_top_k_positions_falls_back_when_the_sample_misleads() -> None:
+    # the strided sample sees only large entries: its threshold is above the row's k-th value,
+    # too few entries reach it, and the row's full top-k runs
+    n, k = 200_000, 5_000
+    x = torch.rand(1, n, generator=torch.Generator().manual_seed(1))
+    stride = n // compress.SAMPLE_ENTRIES
+    x[0, ::stride] += 10.0
+    sample = x[0, ::stride]
+    want_c = int(compress.CANDIDATE_MARGIN * k * sample.numel() / n) + 8
+    thr = torch.topk(sample, want_c).values[-1]
+    assert int((x >= thr).sum()) < k  # the case this test is about
+    got = top_k_positions(x, k)
+    want = torch.sort(torch.topk(x, k, dim=1).indices, dim=1).values
+    assert torch.equal(got, want)
+    # ties at the k-th value: any k of them, the larger entries all kept, ascending
+    t = torch.ones(1, n)
+    t[0, :100] = 2.0
+    got = top_k_positions(t, k)[0]
+    assert got.numel() == k and bool((got[:-1] < got[1:]).all())
+    assert set(range(100)) <= set(got.tolist())

@@ -18,6 +18,15 @@ Error bound: top-k by magnitude drops the ``N - k`` smallest entries of the resi
 ``||r - topk(r)||^2 <= (N - k) / N * ||r||^2``; the reported relative error is
 ``||w - decode|| / ||w||`` and its bound ``sqrt((N - k) / N) * ||r|| / ||w||``.
 
+Selection (:func:`top_k_positions`, the one top-k rule of the encoders here and in
+``moesaic.strategies.migration``): an exact top-k by magnitude, computed on a candidate subset.
+A strided sample of ``|r|`` gives a per-row threshold whose count of entries at or above it is
+about ``CANDIDATE_MARGIN * k``; when at least ``k`` entries reach it, every entry of the true
+top-k does (the k-th largest value is at least the threshold), so the top-k of the candidates
+is the top-k of the row. When fewer reach it (a sample unlike its row) the row's full top-k
+runs instead. A full ``torch.topk`` over ``N`` entries with ``k = N / CR`` dominated the encode
+on a CPU (benchmarks/results/seeds_hybridep_codec.json).
+
 ``compressed_nbytes`` is torch-free (the cost model imports it); torch is imported lazily.
 """
 
@@ -42,9 +51,14 @@ __all__ = [
     "sr_decode",
     "sr_encode",
     "sr_roundtrip",
+    "top_k_positions",
 ]
 
 INT32_LIMIT = 2**31 - 1
+# top_k_positions: the threshold aims at this many candidates per kept entry, from a strided
+# sample of about SAMPLE_ENTRIES entries per row
+CANDIDATE_MARGIN = 1.25
+SAMPLE_ENTRIES = 1 << 15
 
 
 def kept_entries(numel: int, compression_ratio: float) -> int:
@@ -131,6 +145,35 @@ def shared_expert(w_EX: torch.Tensor) -> torch.Tensor:
     return w_EX.mean(dim=0)
 
 
+def top_k_positions(abs_rN: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions of the ``k`` largest entries of each row of ``abs_rN`` (``[rows, N]``,
+    non-negative), ascending per row (``[rows, k]``, int64): see the module docstring. Ties at
+    the k-th value are broken by torch's order, deterministic on one device."""
+    import torch
+
+    n = abs_rN.shape[1]
+    check_int("k", k, 1)
+    if k > n:
+        raise ValueError(f"k ({k}) must be at most the row length {n}")
+    stride = max(1, n // SAMPLE_ENTRIES)
+    sample_rm = abs_rN[:, ::stride]
+    m = sample_rm.shape[1]
+    want = int(CANDIDATE_MARGIN * k * m / n) + 8
+    if want >= m or stride == 1:  # no smaller candidate set to gain
+        idx_rk = torch.topk(abs_rN, k, dim=1, sorted=False).indices
+        return torch.sort(idx_rk, dim=1).values
+    thr_r1 = torch.topk(sample_rm, want, dim=1, sorted=True).values[:, -1:]
+    out = []
+    for row_N, thr in zip(abs_rN, thr_r1):
+        cand_c = torch.nonzero(row_N >= thr).squeeze(1)
+        if cand_c.numel() >= k:
+            idx_k = cand_c[torch.topk(row_N[cand_c], k, sorted=False).indices]
+        else:
+            idx_k = torch.topk(row_N, k, sorted=False).indices
+        out.append(torch.sort(idx_k).values)
+    return torch.stack(out)
+
+
 def sr_encode(
     w_X: torch.Tensor, shared_X: torch.Tensor, compression_ratio: float
 ) -> CompressedExpert:
@@ -152,9 +195,8 @@ def sr_encode(
             compression_ratio=float(compression_ratio),
         )
     residual_N = (w_X - shared_X).reshape(-1)
-    # topk on |r|: ties broken by torch's order, deterministic on one device
-    idx_k = torch.topk(residual_N.abs(), k, sorted=False).indices
-    idx_k, _ = torch.sort(idx_k)  # ascending positions: deterministic bytes, cache-friendly scatter
+    # ascending positions: deterministic bytes, cache-friendly scatter
+    idx_k = top_k_positions(residual_N.abs().reshape(1, -1), k)[0]
     idx_dtype = torch.int32 if index_nbytes(numel) == 4 else torch.int64
     return CompressedExpert(
         values_k=residual_N[idx_k].clone(),

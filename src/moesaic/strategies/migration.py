@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from moesaic.comm.collectives import EPGroup
-from moesaic.placement.compress import kept_entries
+from moesaic.placement.compress import kept_entries, top_k_positions
 
 __all__ = [
     "PendingGather",
@@ -51,8 +51,7 @@ def encode_experts(
     if k >= N or shared_X is None:
         return w_eX.detach().contiguous()
     residual_eN = (w_eX.detach() - shared_X).reshape(e, N)
-    idx_ek = torch.topk(residual_eN.abs(), k, dim=1, sorted=False).indices
-    idx_ek, _ = torch.sort(idx_ek, dim=1)
+    idx_ek = top_k_positions(residual_eN.abs(), k)
     values_ek = residual_eN.gather(1, idx_ek)
     value_bytes = values_ek.contiguous().view(torch.uint8).reshape(e, -1)
     index_bytes = idx_ek.to(torch.int32).contiguous().view(torch.uint8).reshape(e, -1)
