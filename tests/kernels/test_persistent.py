@@ -132,9 +132,9 @@ def test_layer_matches_dropless_and_static_executor(extra, skew, monkeypatch):
     from moesaic.kernels import persistent
 
     launches = []
-    real = persistent.run_tables
+    real = persistent.start_tables
     monkeypatch.setattr(
-        persistent, "run_tables", lambda x, **k: launches.append(x.direction) or real(x, **k)
+        persistent, "start_tables", lambda x, **k: launches.append(x.direction) or real(x, **k)
     )
     cfg, sd, x, g = odd_layer_case(extra, skew)
     fast = run_layer(dataclasses.replace(cfg, dispatcher="taskflow", kernels="triton"), sd, x, g)
@@ -145,6 +145,28 @@ def test_layer_matches_dropless_and_static_executor(extra, skew, monkeypatch):
     ref = reference_run(cfg, sd, x, g)
     for other in (static, dropless):
         assert_runs_close(fast, other, ref)
+
+
+def test_runtime_steps_count_on_without_zeroing():
+    """Three forward steps of the runtime on one plan: the second launch runs on the other
+    counter set, the third on the first set at epoch 2, none zeroed; each step gives the same
+    numbers (the same inputs) and the sets hold their uses times the thresholds. (Backward
+    launches count on the same way: test_persistent_world.py.)"""
+    routing = _routing(None)
+    fwd, _ = _plans(routing)
+    g = torch.Generator().manual_seed(4)
+    x, w1, w2, w3 = (
+        torch.randn(*s, generator=g) for s in ((T, H), (E, H, F), (E, F, H), (E, H, F))
+    )
+    rt = _runtime()
+    ys = [rt.forward(fwd, x, routing, w1, w2, w3, save=False).y_TH for _ in range(3)]
+    assert ys[0].abs().sum() > 0
+    for y in ys[1:]:
+        assert torch.equal(y, ys[0])
+    signals = rt.peers(fwd, x).signals
+    assert signals.launches == 3
+    thr = lower(fwd).thresholds
+    assert torch.equal(signals.counters[:, : thr.numel()], torch.stack([2 * thr, thr]))
 
 
 def _simulate(tables, rows):

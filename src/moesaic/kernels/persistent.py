@@ -8,9 +8,10 @@ ranks, E = e * P experts, S slot rows, n device tasks, V ranks in one launch.
 in the world's topological order: a row's producers come before it. A program takes the next
 row by an atomic ticket (``ticket[0]``, FlashDMoE's scheduler reduced to one counter) and:
 
-1. **waits**: spins on an acquire read of the row's event counter until it reaches the row's
-   threshold (at most ``spin`` re-reads; then the row and the count it saw go to ``err`` and
-   every program stops taking rows: a wrong table is an error naming the row, never a hang);
+1. **waits**: spins on an acquire read of the row's event counter until it reaches the
+   launch's ``epoch`` times the row's threshold (at most ``spin`` re-reads; then the row and
+   the count it saw go to ``err`` and every program stops taking rows: a wrong table or a
+   stale count is an error naming the row, never a hang);
 2. **runs the tile** by opcode (``kernels.persistent_tiles``): GEMM tiles with ``tl.dot``,
    the dispatch gather, SwiGLU and its gradient, the combine copy, the top-k reductions and the
    weight gradients, each on the slot's valid rows only (an empty tile skips its body);
@@ -35,6 +36,14 @@ that differs between **virtual ranks** (V ranks' buffers in one allocation, offs
 itemsize``): the same kernel code stores the tile into the peer, then (barrier, release atomic
 at ``SCOPE``: "gpu" for one device, "sys" across devices) signals it; the peer's expert tile
 starts after its acquire read saw the threshold. No host step per tile.
+
+**Epochs.** Counters are never zeroed between launches. Every event is bumped exactly its
+threshold times per launch and waited on (``taskflow.lower.check_world_tables``), so after a
+launch that used a counter set for the e-th time each of its counters holds ``e * threshold``,
+and the next launch on that set (``epoch = e + 1``) waits for ``(e + 1) * threshold``: no
+zeroing, no host sync. The comparison is on the wrapping int32 difference, so a counter that
+passes 2**31 keeps working. Which set a launch uses, and why two sets alternate between ranks
+that may be one launch apart, is ``taskflow.runtime.epochs``.
 
 Math as the sequential executor's handlers (``taskflow.runtime.handlers``), in fp32 with one
 rounding to the buffers' dtype (fp32, bf16, fp16).
@@ -67,10 +76,12 @@ __all__ = [
     "GPU_SPIN",
     "INTERPRETER_SPIN",
     "Launch",
+    "Started",
     "TaskError",
     "device_programs",
     "device_tiles",
     "run_tables",
+    "start_tables",
 ]
 
 # Re-reads of a wait before a program gives up. Under the interpreter a wait that is not met at
@@ -127,22 +138,24 @@ class TaskError(RuntimeError):
 
 # -- the task loop's parts ----------------------------------------------------------------------
 @triton.jit
-def _wait(cnt_ptr, err_ptr, row_ptr, spin, SCOPE: tl.constexpr):
-    """Spin until the row's event reaches its threshold, or ``spin`` re-reads, or another
-    program's error; returns (whether it did, the count last seen)."""
+def _wait(cnt_ptr, err_ptr, row_ptr, spin, epoch, SCOPE: tl.constexpr):
+    """Spin until the row's event reaches ``epoch * THRESH``, or ``spin`` re-reads, or
+    another program's error; returns (whether it did, the count last seen). The comparison
+    is of the int32 difference (wrapping arithmetic), so counters that wrapped past 2**31
+    compare right: a counter is never more than one epoch's threshold from its target."""
     ev = tl.load(row_ptr + C_WAIT)
-    thr = tl.load(row_ptr + C_THRESH)
-    seen = thr
+    target = epoch * tl.load(row_ptr + C_THRESH)
+    seen = target
     if ev >= 0:
         seen = tl.atomic_add(cnt_ptr + ev, 0, sem="acquire", scope=SCOPE)
         spins = ev * 0
-        while (seen < thr) & (spins < spin):
+        while ((seen - target) < 0) & (spins < spin):
             seen = tl.atomic_add(cnt_ptr + ev, 0, sem="acquire", scope=SCOPE)
             spins += 1
             if tl.atomic_add(err_ptr, 0) != 0:
                 spins = spin
     tl.debug_barrier()  # every thread's loads of the tile after the acquiring read
-    return seen >= thr, seen
+    return (seen - target) >= 0, seen
 
 
 @triton.jit
@@ -214,6 +227,7 @@ def _kernel(
     P,
     S,
     spin,
+    epoch,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -228,7 +242,7 @@ def _kernel(
         row_ptr = tasks_ptr + t.to(tl.int64) * NCOL
         me = tl.load(row_ptr + C_HOME)
         cnt = cnt_ptr + me.to(tl.int64) * n_ev
-        ready, seen = _wait(cnt, err_ptr, row_ptr, spin, SCOPE)
+        ready, seen = _wait(cnt, err_ptr, row_ptr, spin, epoch, SCOPE)
         if ready:
             # this rank's share of every buffer (0 when the launch holds one rank)
             tb = me.to(tl.int64) * T  # token rows
@@ -484,7 +498,8 @@ class Launch:
         direction: "forward" or "backward".
         tasks: int32 ``[n, NCOL]`` in topological order (``HOME`` numbers the launch's ranks).
         triggers, trigger_ranks: int32 ``[m]``: the rows' trigger events and their ranks.
-        counters: int32 ``[V * n_ev]``: zeroed event counters, ``n_ev`` per rank.
+        counters: int32 ``[V * n_ev]``: event counters, ``n_ev`` per rank, each holding
+            ``(epoch - 1) * threshold`` (zeros at epoch 1; never reset between launches).
         psig, pdata: int64 ``[V * P]``: element offsets from a rank's own counters / put
             targets to rank r's (entry ``HOME * P + r``).
         step: the step's routing tables (``count``, ``tok``, ``wt``, ``ret``, ``wtk``), each
@@ -492,6 +507,8 @@ class Launch:
         bufs: the plan's buffers by name (``DIRECTION_BUFFERS``), each ``[V * rows, cols]``.
         tokens, hidden, ffn, top_k, local_experts, ep_size, slot_rows: the bucket's shape.
         scope: the release atomics' scope: "gpu" (one device) or "sys" (peers on others).
+        epoch: how many launches, this one included, have used ``counters`` (>= 1): a wait
+            is met at ``epoch * threshold``.
     """
 
     direction: str
@@ -511,6 +528,7 @@ class Launch:
     ep_size: int
     slot_rows: int
     scope: str = "gpu"
+    epoch: int = 1
 
     @property
     def ranks(self) -> int:
@@ -530,6 +548,8 @@ def _check(launch: Launch) -> list[torch.Tensor]:
     bad argument."""
     if launch.direction not in DIRECTION_BUFFERS:
         raise ValueError(f"direction ({launch.direction!r}) must be 'forward' or 'backward'")
+    if not isinstance(launch.epoch, int) or launch.epoch < 1:
+        raise ValueError(f"epoch ({launch.epoch!r}) must be an int >= 1")
     if launch.scope not in ("gpu", "sys"):
         raise ValueError(f"scope ({launch.scope!r}) must be 'gpu' or 'sys'")
     names = DIRECTION_BUFFERS[launch.direction]
@@ -579,24 +599,78 @@ def _check(launch: Launch) -> list[torch.Tensor]:
     return [launch.bufs.get(name, first) for name in BUFFERS]
 
 
+def _int32(v: int) -> int:
+    """``v`` modulo 2**32 as a signed int32 (the kernel's wrapping counter arithmetic)."""
+    return (v + 2**31) % 2**32 - 2**31
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A launch on its way: ``result()`` waits for it and raises its ``TaskError``, if any.
+
+    On CUDA the error word is copied to pinned host memory behind the kernel (no host sync at
+    the launch): ``result()`` waits for that copy only, so a caller may check a launch one
+    launch later (``taskflow.runtime.persistent`` does) and the host never waits for the
+    launch it just queued."""
+
+    launch: Launch
+    err: torch.Tensor  # int32 [3] on the device: failed row + 1, the count seen, the program
+    done: torch.Tensor  # int32 [1 + n]: the trace (rows in completion order), if recorded
+    host: torch.Tensor | None  # pinned copy of err (CUDA), else None
+    event: torch.cuda.Event | None
+    spin: int
+    trace: bool
+
+    def result(self) -> list[int] | None:
+        """The rows in the order they completed (with ``trace``), else None.
+
+        Raises:
+            TaskError: a program gave up on a wait (names the row, its rank, plan uid, opcode
+                and event, the count it saw against ``epoch * threshold``).
+        """
+        if self.event is not None and self.host is not None:
+            self.event.synchronize()
+            failed, seen, pid = self.host.tolist()
+        else:
+            failed, seen, pid = self.err.tolist()
+        launch = self.launch
+        if failed:
+            i = failed - 1
+            row = launch.tasks[i].tolist()
+            ev, thr = row[ops.WAIT], row[ops.THRESH]
+            raise TaskError(
+                f"persistent {launch.direction} kernel: program {pid} gave up at task row {i} "
+                f"(rank slot {row[ops.HOME]}, plan uid {row[ops.UID]}, opcode {row[ops.OP]}) "
+                f"waiting on event {ev} at {seen}/{_int32(launch.epoch * thr)} (epoch "
+                f"{launch.epoch} x threshold {thr}) after {self.spin} re-reads",
+                i,
+            )
+        return self.done[1 : 1 + int(self.done[0])].tolist() if self.trace else None
+
+
 def run_tables(
     launch: Launch, *, programs: int | None = None, spin: int | None = None, trace: bool = False
 ) -> list[int] | None:
-    """Run ``launch``: ``programs`` programs (default ``device_programs``) take its rows by
-    ticket.
+    """Run ``launch`` and wait for it: ``start_tables(...).result()``."""
+    return start_tables(launch, programs=programs, spin=spin, trace=trace).result()
+
+
+def start_tables(
+    launch: Launch, *, programs: int | None = None, spin: int | None = None, trace: bool = False
+) -> Started:
+    """Launch ``launch``: ``programs`` programs (default ``device_programs``) take its rows by
+    ticket; nothing waits for it (``Started.result()`` does).
 
     Args:
         launch: the tables, routing and buffers (see ``Launch``).
         programs: the grid (any number: the queue is topological).
         spin: re-reads of a counter before a wait gives up (default ``INTERPRETER_SPIN`` under
             Triton's interpreter, ``GPU_SPIN`` on a GPU).
-        trace: record the rows in the order they completed (one atomic per task) and return
-            them (row indices of ``launch.tasks``); None without it.
+        trace: record the rows in the order they completed (one atomic per task); ``result()``
+            returns them (row indices of ``launch.tasks``).
 
     Raises:
         ValueError: bad arguments (one line naming the argument and the rule).
-        TaskError: a program gave up on a wait (names the row, its rank, plan uid, opcode and
-            event, and the count it saw against the threshold).
     """
     bufs = _check(launch)
     tasks = launch.tasks
@@ -609,10 +683,10 @@ def run_tables(
         spin = INTERPRETER_SPIN if interpreting() else GPU_SPIN
     n = tasks.shape[0]
     done = torch.zeros(1 + n if trace else 1, dtype=torch.int32, device=device)
-    if n == 0:
-        return [] if trace else None
-    ticket = torch.zeros(1, dtype=torch.int32, device=device)
     err = torch.zeros(3, dtype=torch.int32, device=device)
+    if n == 0:
+        return Started(launch, err, done, None, None, spin, trace)
+    ticket = torch.zeros(1, dtype=torch.int32, device=device)
     st = launch.step
     BM, BN, BK = device_tiles(device)
     _kernel[(programs,)](
@@ -641,6 +715,7 @@ def run_tables(
         launch.ep_size,
         launch.slot_rows,
         spin,
+        _int32(launch.epoch),
         BM=BM,
         BN=BN,
         BK=BK,
@@ -649,15 +724,10 @@ def run_tables(
         SCOPE=launch.scope,
         FORWARD=launch.direction == "forward",
     )
-    failed, seen, pid = err.tolist()
-    if failed:
-        i = failed - 1
-        row = tasks[i].tolist()
-        ev = row[ops.WAIT]
-        raise TaskError(
-            f"persistent {launch.direction} kernel: program {pid} gave up at task row {i} "
-            f"(rank slot {row[ops.HOME]}, plan uid {row[ops.UID]}, opcode {row[ops.OP]}) "
-            f"waiting on event {ev} at {seen}/{row[ops.THRESH]} after {spin} re-reads",
-            i,
-        )
-    return done[1 : 1 + int(done[0])].tolist() if trace else None
+    if device.type != "cuda":
+        return Started(launch, err, done, None, None, spin, trace)
+    host = torch.empty(3, dtype=torch.int32, pin_memory=True)
+    host.copy_(err, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return Started(launch, err, done, host, event, spin, trace)

@@ -15,8 +15,8 @@ into ``WorldTables``: per rank ``DeviceTables``, int32 tensors that a persistent
   rows span several slots, or a weight-gradient task spanning several experts, becomes several
   rows: the first carries the wait, the last the triggers.
 * ``triggers`` ``[m]`` (event ids) with ``trigger_ranks`` ``[m]`` (the rank owning each event:
-  a put bumps its target's arrival event) and ``thresholds`` ``[V]``; ``counters()`` gives the
-  zeroed int32 counters of one step.
+  a put bumps its target's arrival event) and ``thresholds`` ``[V]``; ``counters()`` gives
+  fresh (zeroed) int32 counters, for a launch at epoch 1.
 * ``order`` ``[n]``: the rank's rows in the world's **topological order**: one simulated
   execution of every rank's queues together (the event engine with the drawing's nominal
   costs, events keyed by (rank, event); with ``CompileOptions(pipeline=True)`` the queues are
@@ -36,8 +36,10 @@ weight) of every dispatch row, the returned row of every (token, choice).
 unknown opcode, an event id, trigger slice or peer out of range, a wait whose threshold differs
 from its event's, an event whose bumps over all ranks do not add up to its threshold
 (unreachable, or bumped past it) or that no row waits on (a launch ends only after every bump
-into its counters landed, so a rank may reset them for the next step), a topological order
-that waits before the producers.
+into its counters landed, so the next launch counts on from ``epoch * threshold``), a rank
+whose events no row of some other rank bumps (ranks must stay within one launch of each other
+for the two counter sets of ``taskflow.runtime.epochs``), a topological order that waits
+before the producers.
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ class DeviceTables:
         return self.tasks[self.order.to(self.tasks.device)].contiguous()
 
     def counters(self) -> torch.Tensor:
-        """Zeroed int32 event counters of one step (at least one, for an event-free plan)."""
+        """Fresh (zeroed) int32 event counters, for a launch at epoch 1 (at least one, for an
+        event-free plan)."""
         return torch.zeros(
             max(1, self.thresholds.numel()), dtype=torch.int32, device=self.tasks.device
         )
@@ -390,6 +393,7 @@ def check_world_tables(world: WorldTables) -> None:
     allowed = ops.FORWARD_OPS if world.ranks[0].direction == "forward" else ops.BACKWARD_OPS
     thr = [t.thresholds.tolist() for t in world.ranks]
     bumps = [[0] * len(x) for x in thr]
+    heard = [[r == s for s in range(P)] for r in range(P)]  # heard[r][s]: s bumps r's events
     tasks_of = []
     for r, tables in enumerate(world.ranks):
         who = f"rank {r} " if P > 1 else ""
@@ -433,6 +437,7 @@ def check_world_tables(world: WorldTables) -> None:
                         f"of a rank in [0, {P})"
                     )
                 bumps[er][ev] += 1
+                heard[er][r] = True
             if row[ops.ROWS] < 0:
                 raise TableError(f"{who}task row {i}: ROWS {row[ops.ROWS]} must be >= 0")
         starts = tables.queue_starts.tolist()
@@ -448,6 +453,13 @@ def check_world_tables(world: WorldTables) -> None:
             )
     for r in range(P):
         who = f"rank {r} " if P > 1 else ""
+        deaf = [s for s in range(P) if not heard[r][s]]
+        if deaf:
+            raise TableError(
+                f"rank {r}: no row of rank {deaf[0]} bumps its events (every rank's launch must "
+                "wait on every other rank's, so that ranks stay within one launch of each "
+                "other and two counter sets used in turn suffice: taskflow.runtime.epochs)"
+            )
         waited = {row[ops.WAIT] for row in tasks_of[r][0]}
         for ev, want in enumerate(thr[r]):
             if want < 1:

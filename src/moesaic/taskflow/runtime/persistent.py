@@ -19,10 +19,12 @@ rows, V ranks in one launch.
   (``dispatcher="taskflow"`` with ``kernels="triton"``, or ``"auto"`` on CUDA; other steps on
   the host runtime). EP 1: one launch, no peer. EP > 1: real peers through
   ``torch.distributed._symmetric_memory`` (the receive window and the counters rendezvous-ed
-  per bucket), refused before anything starts where it cannot run (``check_peers``). Per step
-  on a real peer: the counters zeroed and the device work of the step before finished (a host
-  sync), the routing offsets exchanged (``step_routing``'s all-to-all, the step fence: no peer
-  puts into this rank before it is ready), one launch.
+  per bucket), refused before anything starts where it cannot run (``check_peers``). Per step:
+  the routing offsets exchanged (``step_routing``'s all-to-all), one launch on the bucket's
+  next counter set and window at its next epoch (``taskflow.runtime.epochs``: never zeroed, no
+  host sync before the launch). On CUDA a launch's error word is read at the next launch of
+  its bucket and direction (``Started``), so the host waits for the launch of a step ago, not
+  for the one it queues: a ``TaskError`` surfaces one step late.
 
 SwiGLU plans only.
 """
@@ -33,7 +35,7 @@ import socket
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -46,7 +48,11 @@ from moesaic.routing import RoutingPlan
 from moesaic.taskflow.lower import DeviceTables, StepTables, WorldTables, lower, step_tables
 from moesaic.taskflow.plan import Plan
 from moesaic.taskflow.runtime.concurrent import RECEIVE_BUFFERS, TaskflowRuntime, _Window, _window
+from moesaic.taskflow.runtime.epochs import SETS, EpochSignals
 from moesaic.taskflow.runtime.sequential import StepRouting, make_buffers, step_routing
+
+if TYPE_CHECKING:
+    from moesaic.kernels.persistent import Started  # imports Triton
 
 __all__ = [
     "PersistentRuntime",
@@ -55,6 +61,8 @@ __all__ = [
     "rank_launch",
     "run_virtual",
     "virtual_launch",
+    "virtual_signals",
+    "world_events",
 ]
 
 
@@ -113,8 +121,10 @@ def rank_launch(
     psig: list[int],
     pdata: list[int],
     scope: str = "gpu",
+    epoch: int = 1,
 ):
-    """The ``Launch`` of one rank (EP 1, or a real peer with the peers' offsets)."""
+    """The ``Launch`` of one rank (EP 1, or a real peer with the peers' offsets), waits met at
+    ``epoch`` times the thresholds (``counters`` used by ``epoch - 1`` launches before)."""
     from moesaic.kernels.persistent import Launch  # imports Triton
 
     dev = tables.tasks.device
@@ -136,6 +146,7 @@ def rank_launch(
         ep_size=tables.ep_size,
         slot_rows=tables.slot_rows,
         scope=scope,
+        epoch=epoch,
     )
 
 
@@ -145,10 +156,14 @@ def virtual_launch(
     bufs: dict[str, torch.Tensor],
     *,
     tokens: int,
+    counters: torch.Tensor | None = None,
+    epoch: int = 1,
 ):
     """The ``Launch`` of every rank of ``world`` at once: ``bufs`` are ``[V * rows, cols]``
     (rank r's share is block r), the steps' tables are stacked, the rows interleaved in the
-    world's topological order with ``HOME`` = rank and their trigger slices shifted."""
+    world's topological order with ``HOME`` = rank and their trigger slices shifted;
+    ``counters`` (``V * world_events(world)``, default zeros) used by ``epoch - 1`` launches
+    before."""
     from moesaic.kernels.persistent import PUT_TARGETS, Launch  # imports Triton
 
     V = len(world.ranks)
@@ -166,8 +181,11 @@ def virtual_launch(
     order = world.order.to(dev)
     base = torch.tensor([0] + [t.tasks.shape[0] for t in world.ranks], device=dev).cumsum(0)
     tasks = torch.cat(rows)[base[order[:, 0]] + order[:, 1]].contiguous()
-    n_ev = max(t.thresholds.numel() for t in world.ranks) or 1
-    counters = torch.zeros(V * n_ev, dtype=torch.int32, device=dev)
+    n_ev = world_events(world)
+    if counters is None:
+        counters = torch.zeros(V * n_ev, dtype=torch.int32, device=dev)
+    if counters.numel() != V * n_ev:
+        raise ValueError(f"counters ({counters.numel()}) must hold V * events = {V * n_ev}")
 
     def blocks(t: torch.Tensor) -> list[torch.Tensor]:
         return list(t.view(V, -1).unbind(0))
@@ -198,7 +216,18 @@ def virtual_launch(
         local_experts=t0.local_experts,
         ep_size=t0.ep_size,
         slot_rows=t0.slot_rows,
+        epoch=epoch,
     )
+
+
+def world_events(world: WorldTables) -> int:
+    """Counters one rank of ``world`` needs in a virtual-rank launch (its most events)."""
+    return max(t.thresholds.numel() for t in world.ranks) or 1
+
+
+def virtual_signals(world: WorldTables, device: torch.device | str = "cpu") -> EpochSignals:
+    """Fresh signals for the virtual-rank launches of ``world`` (``run_virtual``)."""
+    return EpochSignals.zeros(len(world.ranks) * world_events(world), device)
 
 
 class _SlotCounts:
@@ -239,10 +268,13 @@ def run_virtual(
     programs: int | None = None,
     spin: int | None = None,
     trace: bool = False,
+    signals: EpochSignals | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[int] | None]:
     """Run one direction of a world's plans (rank r's at index r, ``world`` their lowered
     tables) in one launch on the inputs' device: every rank's buffers (by the plan's names)
-    and the order of the rows run (with ``trace``)."""
+    and the order of the rows run (with ``trace``). ``signals`` (``virtual_signals``): the
+    counters of earlier launches of this world and direction, taken up at their next set and
+    epoch (default: fresh counters, epoch 1)."""
     require_triton()
     from moesaic.kernels.persistent import run_tables  # imports Triton
 
@@ -252,7 +284,13 @@ def run_virtual(
     routes = virtual_routes(plans, routings)
     world = world.to(ref.device)
     steps = [step_tables(t, r, ref.device) for t, r in zip(world.ranks, routes)]
-    launch = virtual_launch(world, steps, bufs, tokens=plans[0].bucket.tokens)
+    counters, epoch = None, 1
+    if signals is not None:
+        s, epoch = signals.advance()
+        counters = signals.counters[s]
+    launch = virtual_launch(
+        world, steps, bufs, tokens=plans[0].bucket.tokens, counters=counters, epoch=epoch
+    )
     done = run_tables(launch, programs=programs, spin=spin, trace=trace)
     V = len(plans)
     out = [{name: b.view(V, -1, b.shape[1])[r] for name, b in bufs.items()} for r in range(V)]
@@ -261,11 +299,13 @@ def run_virtual(
 
 @dataclass(frozen=True, slots=True)
 class _Peers:
-    """One bucket and direction's device state on a rank: the event counters, the receive
-    window (None at EP 1: the put targets are fresh buffers) and the offset tables."""
+    """One bucket and direction's device state on a rank: the epoch signals, the receive
+    windows, one a counter set (empty at EP 1: the put targets are fresh buffers) and the
+    offset tables (the same for either set: each is at one offset in every rank's
+    allocation)."""
 
-    counters: torch.Tensor
-    window: _Window | None
+    signals: EpochSignals
+    windows: tuple[_Window, ...]
     psig: list[int]
     pdata: list[int]
 
@@ -304,6 +344,7 @@ class PersistentRuntime(TaskflowRuntime):
         self.programs = programs
         self._tables: dict[tuple, DeviceTables] = {}
         self._peers: dict[tuple, _Peers] = {}
+        self._pending: dict[tuple, Started] = {}
         self._memory: CudaSymmetricMemory | None = None
 
     def uses_kernel(self, device: torch.device) -> bool:
@@ -319,18 +360,17 @@ class PersistentRuntime(TaskflowRuntime):
         return self._tables[key]
 
     def peers(self, plan: Plan, ref: torch.Tensor) -> _Peers:
-        """The counters, receive window and offset tables of ``plan``'s bucket on ``ref``'s
+        """The signals, receive windows and offset tables of ``plan``'s bucket on ``ref``'s
         device, made once: at EP 1 plain counters and offsets 0; at EP > 1 the counters and
-        the window in symmetric memory and the offsets of every peer's (a collective every
-        rank reaches at the bucket's first step), refused first where peers cannot be
-        reached (``check_peers``)."""
-        key = (plan.bucket, plan.direction, ref.dtype, str(ref.device))
+        the windows in symmetric memory (``epochs.SETS`` of each, in one allocation each) and
+        the offsets of every peer's (a collective every rank reaches at the bucket's first
+        step), refused first where peers cannot be reached (``check_peers``)."""
+        key = self._key(plan, ref)
         if key in self._peers:
             return self._peers[key]
         n_ev = max(1, len(plan.graph.events))
         if self.group.size == 1:
-            counters = torch.zeros(n_ev, dtype=torch.int32, device=ref.device)
-            self._peers[key] = _Peers(counters, None, [0], [0])
+            self._peers[key] = _Peers(EpochSignals.zeros(n_ev, ref.device), (), [0], [0])
             return self._peers[key]
         why = check_peers(self.group, ref.device)
         if why is not None:
@@ -340,15 +380,30 @@ class PersistentRuntime(TaskflowRuntime):
         if self._memory is None:
             self._memory = CudaSymmetricMemory(self.group)
         mem, me = self._memory, self.group.rank
-        window = _window(plan, lambda numel: mem.allocate(numel, ref.dtype, ref.device))
-        counters = mem.allocate(n_ev, torch.int32, ref.device)
+        whole: list[torch.Tensor] = []
+
+        def allocate(numel: int) -> torch.Tensor:  # SETS windows in one allocation
+            whole.append(mem.allocate(SETS * numel, ref.dtype, ref.device))
+            return whole[0][:numel]
+
+        first = _window(plan, allocate)
+        size = first.data.numel()
+        windows = tuple(
+            _Window(data=whole[0][s * size : (s + 1) * size], offsets=first.offsets)
+            for s in range(SETS)
+        )
+        counters = mem.allocate(SETS * n_ev, torch.int32, ref.device)
         self._peers[key] = _Peers(
-            counters,
-            window,
+            EpochSignals(counters.view(SETS, n_ev)),
+            windows,
             peer_offsets(mem.peers(counters), me),
-            peer_offsets(mem.peers(window.data), me),
+            peer_offsets(mem.peers(whole[0]), me),
         )
         return self._peers[key]
+
+    @staticmethod
+    def _key(plan: Plan, ref: torch.Tensor) -> tuple:
+        return (plan.bucket, plan.direction, ref.dtype, str(ref.device))
 
     def _run(self, plan, inputs, routing, direction):
         ref = inputs["dy_TH" if direction == "backward" else "x_TH"]
@@ -356,15 +411,16 @@ class PersistentRuntime(TaskflowRuntime):
             return super()._run(plan, inputs, routing, direction)
         group = self._check_step(plan, direction)
         require_triton()
-        from moesaic.kernels.persistent import run_tables  # imports Triton
+        from moesaic.kernels.persistent import start_tables  # imports Triton
 
         peers = self.peers(plan, ref)
-        window = peers.window
-        peers.counters.zero_()
-        if window is not None:
-            # this rank's last launch is done with its window and its counters are zero before
-            # the fence below lets any peer put the next step's tiles and signals into them
-            torch.cuda.synchronize(ref.device)
+        key = self._key(plan, ref)
+        last = self._pending.pop(key, None)
+        if last is not None:  # the previous launch of this bucket and direction: its error
+            last.result()  # waits for that launch only (queued a step ago), not this one
+        s, epoch = peers.signals.advance()  # no zeroing, no sync: see taskflow.runtime.epochs
+        if peers.windows:
+            window = peers.windows[s]
 
             def work(spec):  # the put targets in the symmetric window, the rest fresh
                 if spec.name in RECEIVE_BUFFERS:
@@ -381,10 +437,15 @@ class PersistentRuntime(TaskflowRuntime):
             step_tables(tables, route, ref.device),
             bufs,
             tokens=plan.bucket.tokens,
-            counters=peers.counters,
+            counters=peers.signals.counters[s],
             psig=peers.psig,
             pdata=peers.pdata,
             scope="sys" if group.size > 1 else "gpu",
+            epoch=epoch,
         )
-        run_tables(launch, programs=self.programs)
+        started = start_tables(launch, programs=self.programs)
+        if ref.device.type == "cuda":
+            self._pending[key] = started  # checked at this key's next launch
+        else:  # the interpreter ran it already: checking costs no wait
+            started.result()
         return bufs, route
