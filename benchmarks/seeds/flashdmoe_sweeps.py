@@ -92,6 +92,7 @@ PAPER = {
     },
 }
 SHOWN = ("dropless", "padded", "taskflow dynamic", "taskflow static")
+COLORS = {"dropless": "C0", "padded": "C1", "taskflow dynamic": "C2", "taskflow static": "C3"}
 
 
 def _line(ep: int, s: dict[str, Any], p: dict[str, Any], imb: float) -> str:
@@ -130,7 +131,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             xs = [r["point"][key] for r in rows]
             for n in SHOWN:
                 ax.plot(xs, [r["summary"]["median_s"]["forward"][n] * 1e3 for r in rows],
-                        style, marker="o", label=f"{n} EP{ep}")  # fmt: skip
+                        style, marker="o", color=COLORS[n], label=f"{n} EP{ep}")  # fmt: skip
             ax.plot(xs, [r["summary"]["bound_s"]["forward"] * 1e3 for r in rows], style,
                     color="k", label=f"bound EP{ep}")  # fmt: skip
         ax.set_xscale("log", base=2)
@@ -139,12 +140,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("forward ms")
         ax.set_title(f"{key} sweep (center T 4096, E 32)")
     ax = axes[2]
-    rows = [r for ep in (2, 4) for r in pick(ep, "ep", CENTER) if r["ep"] == ep]
-    rows = [r for r in rows if r["point"]["tokens"] == 4096 and r["point"]["experts"] == 32]
+    rows = sorted(
+        (r for r in pts if all(r["point"][k] == v for k, v in CENTER.items())),
+        key=lambda r: r["ep"],
+    )
     xs = [r["ep"] for r in rows]
     for n in SHOWN:
         ax.plot(xs, [r["summary"]["median_s"]["forward"][n] * 1e3 for r in rows], marker="o",
-                label=n)  # fmt: skip
+                color=COLORS[n], label=n)  # fmt: skip
     ax.plot(xs, [r["summary"]["bound_s"]["forward"] * 1e3 for r in rows], "k--", label="bound")
     ax.set_xlabel("EP ranks")
     ax.set_ylabel("forward ms")
@@ -154,12 +157,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         s = r["summary"]
         for n, mk in (("dropless", "o"), ("padded", "s"), ("taskflow dynamic", "^")):
             ax.scatter(s["median_s"]["forward"][n] * 1e3, s["wire_bytes_mean_rank"][n] * 8,
-                       marker=mk, label=n if r is pts[0] else None)  # fmt: skip
+                       marker=mk, color=COLORS[n], label=n if r is pts[0] else None)  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("forward ms")
     ax.set_ylabel("bits on the wire per rank")
-    ax.set_title("payload efficiency (Fig. 6.3b analogue)")
+    ax.set_title("payload efficiency (Fig. 6.3b analogue; every point)")
     for ax in axes:
         ax.legend(fontsize=6)
     fig.tight_layout()
