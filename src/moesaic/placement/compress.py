@@ -3,10 +3,11 @@
 Shape legend: E experts, X... the shape of one expert weight (e.g. H x F), N = numel of it,
 k kept residual entries.
 
-The shared expert is the mean of the experts (one per weight matrix); every rank holds it, kept
-in sync by an all-reduce each iteration (the next session's job). An expert is sent as its
-residual ``w - shared`` reduced to its ``k = ceil(N / CR)`` largest-magnitude entries, in
-value-index form; the receiver adds the decoded residual back to its shared expert.
+The shared expert is a mean of experts (one per weight matrix); encoder and decoder hold the same
+one (``hybrid`` all-reduces it before a gather; ``HybridOptions.shared_expert`` says over which
+experts, or none: zeros, the top-k of the weight itself). An expert is sent as its residual
+``w - shared`` reduced to its ``k = ceil(N / CR)`` largest-magnitude entries, in value-index
+form; the receiver adds the decoded residual back to its shared expert.
 
 ``CR`` (compression ratio) is the element ratio ``N / k``, as in the paper (CR = 50 keeps 2%).
 When every entry is kept (``CR = 1``) the weight itself goes dense, without indices or the
