@@ -12,7 +12,8 @@ time is the slowest rank's (all-reduce MAX). Variants:
   load (no capacity factor, so nothing is dropped and the work equals dropless');
 * ``taskflow static`` (HyperParallel-MoE: compiled order, RATR on), ``taskflow static, no RATR``
   (the same plans compiled with ``CompileOptions(ratr=False)``), ``taskflow dynamic`` (FlashDMoE:
-  scheduler and processor pool): tile plans with one-sided puts, ``TaskflowOptions`` defaults;
+  scheduler and processor pool), ``taskflow static, tile 512`` (``tile_m`` 512 instead of 128):
+  tile plans with one-sided puts, ``TaskflowOptions`` defaults otherwise;
 * ``compute only``: ``dropless`` with every expert on this rank (a solo group): no byte moves;
 * ``comm only``: ``dropless``' exact exchanges with the experts replaced by the identity.
 
@@ -47,10 +48,18 @@ VARIANTS = (
     "taskflow static",
     "taskflow static, no RATR",
     "taskflow dynamic",
+    "taskflow static, tile 512",
     "compute only",
     "comm only",
 )
-TIMED_TASKFLOW = ("taskflow static", "taskflow static, no RATR", "taskflow dynamic")
+# the taskflow variants' options (``TaskflowOptions``; defaults otherwise)
+TASKFLOW_OPTIONS = {
+    "taskflow static": {"executor": "static"},
+    "taskflow static, no RATR": {"executor": "static"},  # + CompileOptions(ratr=False)
+    "taskflow dynamic": {"executor": "dynamic"},
+    "taskflow static, tile 512": {"executor": "static", "tile_m": 512},
+}
+TIMED_TASKFLOW = tuple(TASKFLOW_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -84,10 +93,9 @@ def _layer(p: Point, variant: str, group: Any = None) -> Any:
     from moesaic.taskflow.bucket import CompileOptions
 
     dispatcher = {"padded": "padded"}.get(variant, "dropless")
-    options = None
-    if variant.startswith("taskflow"):
+    options = TASKFLOW_OPTIONS.get(variant)
+    if options is not None:
         dispatcher = "taskflow"
-        options = {"executor": "dynamic" if variant == "taskflow dynamic" else "static"}
     cfg = MoEConfig(
         hidden_size=p.hidden,
         ffn_hidden_size=p.ffn,
