@@ -6,18 +6,21 @@ The plan's ranks are the expert-parallel group (``plan_cli``), so a combination 
 cluster's world size, unsharded or with ``dp_shard`` d, for every d with d x EP dividing the
 world (here d = 1: the dense part sharded over the EP ranks); only where its strategy and
 schedule run sharded (``planning.sharding.check_sharding``: their ``Supports.unsharded_why`` and
-``ScheduleSpec.unsharded_why``, the declarations the trainer reads). Sharding never makes a step
-faster (it adds FSDP2's all-gathers and reduce-scatters: 2.6x the bytes per step in
-``benchmarks/results/fsdp_cluster.json``), and the simulator does not price that traffic yet,
-so each combination takes the least sharding that fits: unsharded, else the smallest d. A
-combination that fits no way is dropped, with its smallest predicted peak. Torch-free.
+``ScheduleSpec.unsharded_why``, the declarations the trainer reads). Each combination takes the
+sharding that fits with the shortest predicted step: the simulator prices FSDP2's all-gathers
+and reduce-scatters (``sim.fsdp``, through the plan's ``reprice``), so where unsharded fits it
+wins unless sharding is priced faster, and the plan is ranked again on the chosen steps (a plan
+without a pricer takes the least sharding that fits). A combination that fits no way is
+dropped, with its smallest predicted peak. Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
+from moesaic.planning.planner import rank
 from moesaic.planning.sharding import check_sharding
 from moesaic.sim.memory import predict_run
 from moesaic.sim.model import ModelSpec, model_config_of
@@ -72,7 +75,7 @@ def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) ->
     kept, peaks, dropped = [], [], []
     for cand in plan.ranked:
         tried: list[str] = []
-        chosen: tuple[int | None, float] | None = None
+        fitting: list[tuple[int | None, float]] = []
         for d in sharding_choices(world, world) if budget is not None else [None]:
             if d is not None:
                 try:
@@ -85,15 +88,17 @@ def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) ->
                 model, cand.strategy, cand.schedule, world, domain_sizes=domains, dp_shard=d
             ).peak
             if budget is None or peak <= budget:
-                chosen = (d, peak)
-                break
+                fitting.append((d, peak))
+                if plan.reprice is None:  # no price for sharding: the least that fits
+                    break
+                continue
             tried.append(f"{'unsharded' if d is None else f'dp_shard {d}'} {peak / MIB:.1f} MiB")
-        if chosen is None:
+        if not fitting:
             dropped.append(f"{cand.name} ({cand.knobs()}): {'; '.join(tried)}")
             continue
-        d, peak = chosen
-        if d is not None:
-            cand = dataclasses.replace(cand, options={**cand.options, "dp_shard": d})
+        priced = [(_sharded(plan, cand, d), peak) for d, peak in fitting]
+        # the shortest predicted step; equal ones to the less sharded (listed first)
+        cand, peak = min(priced, key=lambda t: t[0].predicted_ms)
         kept.append(cand)
         peaks.append(peak)
     if not kept and budget is not None:  # (without a budget every combination is kept)
@@ -101,7 +106,25 @@ def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) ->
             f"no combination fits --memory-per-rank {budget:.0f} bytes ({budget / MIB:.1f} MiB) "
             f"per rank: {dropped[0]}"
         )
+    if plan.reprice is not None:  # ranked again on the chosen steps, peaks in that order
+        peak_of = {_key(c): p for c, p in zip(kept, peaks)}
+        kept = rank(kept)
+        peaks = [peak_of[_key(c)] for c in kept]
     return MemoryFit(plan=dataclasses.replace(plan, ranked=kept), peaks=peaks, dropped=dropped)
+
+
+def _sharded(plan: Any, cand: Any, d: int | None) -> Any:
+    """``cand`` with ``dp_shard`` d: priced again by the plan's ``reprice`` where it has one."""
+    if d is None:
+        return cand
+    if plan.reprice is None:
+        return dataclasses.replace(cand, options={**cand.options, "dp_shard": d})
+    return plan.reprice(cand, d)
+
+
+def _key(c: Any) -> tuple[str, str, str]:
+    """A candidate's identity: its pair and its options (one candidate per setting)."""
+    return (c.strategy, c.schedule, json.dumps(c.options, sort_keys=True))
 
 
 def add_memory_option(p: Any) -> None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +169,11 @@ class Plan:
     ranked: list[Candidate]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     simulations: int = 0
+    # prices a ranked candidate again with FSDP2 sharding of degree d (``plan_memory``), set by
+    # :func:`plan_runs`; None: the plan cannot price sharding (the least sharding that fits)
+    reprice: Callable[[Candidate, int], Candidate] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def chosen(self) -> Candidate:
@@ -479,8 +484,10 @@ def plan_runs(
     ranked: list[Candidate] = []
     skipped: list[tuple[str, str]] = []
     simulations = 0
+    pricers: dict[float | None, _Pricer] = {}
     for variant, extra in variants:
         pricer = _Pricer(spec, variant, profile, all_reduce, routing_prior)
+        pricers[extra.get("capacity_factor")] = pricer
         for run in pairs:
             why = unsupported_reason(spec, variant, run)
             if why is None and run.traits.pipelined and not _degrees(run, variant, degrees):
@@ -502,11 +509,48 @@ def plan_runs(
     if not ranked:
         left = "; ".join(f"{name}: {why}" for name, why in skipped) or "none asked for"
         raise ValueError(f"no combination can run this model on this cluster ({left})")
-    # Equal to 9 digits (float noise between equivalent graphs) is a tie, which goes to the
-    # earlier enumerated, simpler combination: vanilla before the pipelined, smaller R first.
+    return Plan(
+        ranked=rank(ranked),
+        skipped=skipped,
+        simulations=simulations,
+        reprice=lambda c, d: _reprice(pricers, c, d),
+    )
+
+
+def rank(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates by predicted step time, those with a caveat last, the leading ties
+    marked and in the tie rule's order (:func:`_ties_first`). Equal to 9 digits (float noise
+    between equivalent graphs) is a tie, which goes to the earlier given, simpler combination:
+    vanilla before the pipelined, smaller R first."""
+    ranked = [dataclasses.replace(c, tie=False) for c in candidates]
     order = {id(c): i for i, c in enumerate(ranked)}
     ranked.sort(key=lambda c: (c.caveat is not None, float(f"{c.predicted_ms:.9g}"), order[id(c)]))
-    return Plan(ranked=_ties_first(ranked), skipped=skipped, simulations=simulations)
+    return _ties_first(ranked)
+
+
+def _sim_options(c: Candidate) -> dict[str, Any]:
+    """The ``SimOptions`` a candidate was priced with, read back from its options (the names
+    of ``moesaic train``'s options, :class:`Candidate`)."""
+    o = c.options
+    opts: dict[str, Any] = {"degree": int(o.get("pipeline_degree", 1))}
+    if "ar_chunk" in o:
+        opts["sp_bytes"] = o["ar_chunk"]
+    if "domain_sizes" in o:
+        opts["domain_sizes"] = tuple(o["domain_sizes"])
+        opts["compression_ratio"] = o.get("compression_ratio", 1.0)
+        opts["prefetch"] = True
+    if "pipeline" in o:
+        opts["taskflow_pipeline"] = bool(o["pipeline"])
+    return opts
+
+
+def _reprice(pricers: dict[float | None, _Pricer], c: Candidate, dp_shard: int) -> Candidate:
+    """``c`` priced again with FSDP2 sharding of degree ``dp_shard`` (its gathers and
+    reduce-scatters, ``sim.fsdp``), ``dp_shard`` in its options."""
+    pricer = pricers[c.options.get("capacity_factor")]
+    options = {**c.options, "dp_shard": dp_shard}
+    run = Run(c.strategy, c.schedule)
+    return pricer.candidate(run, options, dp_shard=dp_shard, **_sim_options(c))
 
 
 def _simplicity(c: Candidate) -> tuple[int, int, float]:
@@ -518,8 +562,8 @@ def _simplicity(c: Candidate) -> tuple[int, int, float]:
 
 def _ties_first(ranked: list[Candidate]) -> list[Candidate]:
     """The leading candidates without a caveat that tie with the fastest, marked ``tie`` and
-    in the tie rule's order, then the others as ranked. Memory is not a key: the planner
-    has no memory model."""
+    in the tie rule's order, then the others as ranked. Memory is not a key (the memory fit,
+    ``plan_memory``, drops what does not fit before the ranking is final)."""
     trusted = [c for c in ranked if c.caveat is None]
     n = tie_group([c.predicted_ms for c in trusted])
     if n < 2:

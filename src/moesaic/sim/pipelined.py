@@ -23,6 +23,11 @@ order from data without a rewrite of that module; the order test keeps the two i
   each all-to-all the schedule waits for (a gap, until it issues the next all-to-all) at most
   one chunk whose gradients are ready by then, and after the last such wait every chunk left,
   as its gradients complete.
+* FSDP2 sharding (``Costs.shard``, :mod:`moesaic.sim.fsdp`): each block's all-gathers before
+  each pass of its forward and backward (``FS{r}.{block}``) and its reduce-scatters after
+  each backward pass (``FR{r}.{block}``), the root's once, on the ``FSDP`` lane in issue order;
+  prefetched (vanilla) they run as the lane frees, else when the pass starts; no all-reduce of
+  replicated gradients, the tail after the last reduce-scatter.
 * the step's tail (:mod:`moesaic.sim.steptail`): the health check's tiny collectives (vanilla's
   after the gradients, the pipelined schedules' gather beside them), then the optimizer.
 
@@ -57,6 +62,7 @@ from moesaic.sim.collectives import (
     offset_group_sizes,
 )
 from moesaic.sim.contention import CpuModel, skewed_compute_factor
+from moesaic.sim.fsdp import FSDP, FsdpTraffic, sharded_fraction
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, expert_shares
 from moesaic.sim.opcal import OpPrices
@@ -184,6 +190,7 @@ class Costs:
         P = link.world_size
         self.model, self.link, self.profile = model, link, profile
         self.gathers = gathers
+        self.fsdp: FsdpTraffic | None = None
         tokens = model.tokens // degree
         if strategy == "padded":
             ex = _padded(model, link, tokens)
@@ -204,6 +211,16 @@ class Costs:
         else:
             self._price_ops(OpPrices(profile.ops, model), tokens, ex.rows, params)
         self._share_cores(ex.rank_shares)
+
+    def shard(self, fsdp: FsdpTraffic) -> None:
+        """The step under FSDP2 sharding (:mod:`moesaic.sim.fsdp`): its gathers and
+        reduce-scatters on their lane, no all-reduce of replicated gradients, the optimizer
+        stepping the rank's shards."""
+        if self.fsdp is not None:
+            raise ValueError("these costs are already sharded")
+        P = self.link.world_size
+        self.fsdp = fsdp
+        self.optimizer_s *= sharded_fraction(self.model, P, fsdp.dense_ranks // P)
 
     def _share_cores(self, shares: Sequence[float] | None) -> None:
         """The busiest rank's expert compute under skewed routing where the machine's ranks
@@ -253,6 +270,10 @@ class Costs:
         self.notes = list(prices.notes)
 
     def grad_bytes(self) -> float:
+        """The replicated gradients' bytes to all-reduce (none when FSDP2 reduce-scatters
+        them)."""
+        if self.fsdp is not None:
+            return 0.0
         return self.model.layers * self.block_grad_bytes + self.outer_grad_bytes
 
     def all_reduce_s(self, nbytes: float, loaded: bool = False) -> float:
@@ -379,12 +400,17 @@ def _forward(
     chunks = range(1, R + 1)
     last_c: dict[int, SimTask] = {}
     dispatch_s = c_.a2a_s + c_.counts_s
+    fs = c_.fsdp
+    if fs is not None and fs.root_gather_s > 0:
+        root = g.add(FSDP, SimTask("FS.root", "gather", fs.root_gather_s, "fwd", 0, 0))
+        first = root if first is None else (first, root)
     for blk in range(1, c_.model.layers + 1):
         ats = {}
         for r in chunks:
             wait = first if r == 1 else None
             if blk > 1:
                 wait = last_c[r] if overlap else last_c[R]
+            wait = _fsdp_gather(g, c_, "fwd", blk, r, wait)
             ats[r] = g.add("compute", _comp(f"AT{r}.{blk}", c_.at_s, "fwd", blk, r), wait)
             if overlap:
                 g.add(NET, _a2a(c_, f"D{r}.{blk}", dispatch_s, "fwd", blk, r), ats[r])
@@ -418,7 +444,8 @@ def _backward(
             cb[r] = g.add(NET, _a2a(c_, f"C{r}.{blk}", c_.a2a_s, "bwd", blk, r), wait)
         db: dict[int, SimTask] = {}
         for r in rev:
-            e = g.add("compute", _comp(f"E{r}.{blk}", c_.e_bwd_s, "bwd", blk, r), cb[r])
+            wait = _fsdp_gather(g, c_, "bwd", blk, r, cb[r])
+            e = g.add("compute", _comp(f"E{r}.{blk}", c_.e_bwd_s, "bwd", blk, r), wait)
             db[r] = g.add(NET, _a2a(c_, f"D{r}.{blk}", c_.a2a_s, "bwd", blk, r), e)
         if c_.gathers is not None and c_.gathers.reduce_s > 0:
             # after the last chunk's expert backward (e); on the network after the D's, so
@@ -428,8 +455,38 @@ def _backward(
         for r in rev:
             wait = db[r] if overlap else db[1]
             prev[r] = g.add("compute", _comp(f"AT{r}.{blk}", c_.at_bwd_s, "bwd", blk, r), wait)
+            if c_.fsdp is not None and c_.fsdp.reduce_s > 0:  # the pass's gradients
+                rs = SimTask(f"FR{r}.{blk}", "gather", c_.fsdp.reduce_s, "bwd", blk, r)
+                g.add(FSDP, rs, prev[r])
         done[blk - 1] = prev[1]
+    fs = c_.fsdp
+    if fs is not None and fs.root_reduce_s > 0:
+        g.add(FSDP, SimTask("FR.root", "gather", fs.root_reduce_s, "bwd", 0, 0), prev[1])
     return done
+
+
+def _fsdp_gather(
+    g: SimGraph,
+    c_: Costs,
+    phase: str,
+    blk: int,
+    r: int,
+    wait: SimTask | tuple[SimTask, ...] | None,
+) -> SimTask | tuple[SimTask, ...] | None:
+    """FSDP2's all-gather of block ``blk``'s units before chunk ``r``'s pass (``phase``), on
+    the ``FSDP`` lane; returns what the pass waits for (``wait`` and the gather). Prefetched:
+    issued as the lane frees (the previous block's pass started); else when the pass would
+    start (after ``wait``)."""
+    fs = c_.fsdp
+    if fs is None or fs.gather_s == 0:
+        return wait
+    name = f"FS{r}.{blk}"
+    task = SimTask(name, "gather", fs.gather_s, phase, blk, r, fs.gather_bytes)
+    ag = g.add(FSDP, task, None if fs.prefetch else wait)
+    if wait is None:
+        return ag
+    several = isinstance(wait, tuple) and not isinstance(wait, SimTask)  # (a task is a tuple)
+    return (*(wait if several else (wait,)), ag)
 
 
 def _ar_chunks(costs: Costs, done: list[SimTask], chunk_bytes: float) -> list[tuple[float, str]]:
@@ -543,6 +600,18 @@ def run_pipelined(
         }
     last = g.lanes["compute"][-1][0]  # the backward's end
     backward_end = last if early else None  # the pipelined schedules' early gather waits it
+    if costs.fsdp is not None:
+        if chunk_bytes is not None:
+            raise ValueError(
+                "FSDP2 sharding (dp_shard) runs with one gradient reduction per unit: a "
+                "schedule that all-reduces gradient chunks in the backward cannot be priced "
+                "with it"
+            )
+        # the last reduce-scatter (the root's, after the backward's last compute) on its lane
+        fsdp_lane = g.lanes.get(FSDP, [])
+        reduced, lane = (fsdp_lane[-1][0], FSDP) if fsdp_lane else (last, NET)
+        add_tail(g, costs.link, lane, reduced, costs.optimizer_s, backward_end=backward_end)
+        return g, g.run()
     if chunk_bytes is None:
         total = costs.grad_bytes()
         if total == 0:  # layer_only: no replicated gradient, no optimizer step

@@ -43,6 +43,7 @@ from moesaic.cluster.spec import ClusterSpec
 from moesaic.schedule_table import DEFAULT_SCHEDULE
 from moesaic.sim.collectives import ALL_REDUCE_ALGORITHMS, LinkModel, rate_bounded_shares
 from moesaic.sim.contention import CpuModel, contend
+from moesaic.sim.fsdp import fsdp_traffic, inner_link
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.hybrid import (
     HybridParts,
@@ -104,6 +105,11 @@ class SimOptions:
         all_reduce: the gradient all-reduce's algorithm (``collectives.ALL_REDUCE_ALGORITHMS``):
             ``"best"`` (default) the faster of ring and hierarchical at each size, as NCCL's
             tuner picks; ``"ring"`` what gloo runs. The same on a one-level cluster.
+        dp_shard: FSDP2's degree beside EP (``--dp-shard``): EP over the world's innermost
+            ranks, ``world / dp_shard`` of them (whole levels), the experts sharded over the
+            ``dp_shard`` ranks beside each, the dense part over every rank (1: EP is the
+            world); its all-gathers and reduce-scatters priced (:mod:`moesaic.sim.fsdp`).
+            None: unsharded, EP the world.
         hybrid_step: what ``hybrid`` under ``vanilla`` is: ``"training"`` (default) a training
             step, the block pipeline at R = 1 (with the all-reduce of the replicated
             gradients); ``"benchmark"`` HybridEP's benchmark step (``sim.hybrid.build_hybrid``,
@@ -121,6 +127,7 @@ class SimOptions:
     taskflow_pipeline: bool = False
     all_reduce: str = "best"
     hybrid_step: str = "training"
+    dp_shard: int | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("degree", self.degree)
@@ -135,6 +142,8 @@ class SimOptions:
         check_bool("taskflow_pipeline", self.taskflow_pipeline)
         check_one_of("all_reduce", self.all_reduce, ALL_REDUCE_ALGORITHMS)
         check_one_of("hybrid_step", self.hybrid_step, HYBRID_STEPS)
+        if self.dp_shard is not None:
+            check_positive_int("dp_shard", self.dp_shard)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -189,15 +198,26 @@ def _graph(
     run: Run, model: ModelSpec, link: LinkModel, profile: Profile, opts: SimOptions
 ) -> tuple[SimGraph, Timeline, dict[str, Any]]:
     if run.strategy == "taskflow":
+        if opts.dp_shard is not None:
+            raise ValueError("dp_shard: the taskflow pricing has no FSDP2 sharding")
         return _taskflow(model, link, profile, opts)
     traits = run.traits  # check_run: a schedule priced by "block-pipeline"
     R = check_degree(model, opts.degree) if traits.pipelined else 1
+    world = link
+    if opts.dp_shard is not None:  # EP over the innermost levels, dp_shard beside it
+        if link.world_size % opts.dp_shard:
+            raise ValueError(
+                f"dp_shard ({opts.dp_shard}) must divide the world size ({link.world_size})"
+            )
+        link = inner_link(link, link.world_size // opts.dp_shard)
     parts = None
     if run.strategy == "hybrid":
         # planned on the tokens of one chunk, as training plans --domains auto
         chunk = dataclasses.replace(model, batch=model.batch // R)
         parts = _hybrid_parts(chunk, link, profile, opts)
     if parts is not None and not traits.pipelined and opts.hybrid_step == "benchmark":
+        if opts.dp_shard is not None:
+            raise ValueError("dp_shard: HybridEP's benchmark step runs no FSDP2 sharding")
         g = build_hybrid(parts, model, profile)
         return g, g.run(), {"domain_sizes": list(parts.domain_sizes)}
     if parts is not None:
@@ -207,6 +227,16 @@ def _graph(
     sp = None
     if traits.reduce_in_backward and costs.grad_bytes() > 0:  # layer_only: nothing to reduce
         sp = opts.sp_bytes if opts.sp_bytes is not None else costs.grad_bytes() / 16
+    if opts.dp_shard is not None:  # FSDP2 over the whole world, EP over the inner link
+        if sp is not None:
+            raise ValueError(
+                f"dp_shard ({opts.dp_shard}) with schedule {run.schedule!r}: FSDP2 reduce-"
+                "scatters each unit's gradients, a schedule that all-reduces gradient chunks "
+                "in the backward does not run sharded"
+            )
+        prefetch = not traits.pipelined  # train/fsdp.py: off for the chunked schedules
+        ep, d = link.world_size, opts.dp_shard
+        costs.shard(fsdp_traffic(world, model, ep=ep, dp_shard=d, prefetch=prefetch))
     overlap = traits.overlaps_attention
     early = traits.pipelined  # the pipelined steps gather their flags early
     g, tl = run_pipelined(costs, degree=R, overlap=overlap, chunk_bytes=sp, early=early)

@@ -1,0 +1,98 @@
+"""FSDP2's traffic as the simulator prices it (``sim.fsdp``) against the measured sharded run of
+``benchmarks/results/fsdp_cluster.json`` (``--dp-shard 2 --ep 2`` on ``compose_2x2``, 4 ranks):
+``moesaic calibrate --cluster --model`` on that cluster and model (a profile of its own), then
+``simulate`` of dropless + vanilla with ``dp_shard`` 2 (EP over the node's 2 ranks, the experts
+sharded over the 2 nodes, the dense part over all 4) and with ``dp_shard`` 1 on the 4 ranks (the
+planner's layout: EP = world), beside the measured step and bytes. The unsharded EP 2 x DP 2 run
+(replicas) is not priced by the simulator.
+
+Usage (root: the emulated network needs network namespaces)::
+
+    python benchmarks/sim_fsdp_check.py [--profile P.json] [--out benchmarks/results/sim_fsdp_check.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER = ROOT / "examples/clusters/compose_2x2.toml"
+MEASURED = ROOT / "benchmarks/results/fsdp_cluster.json"
+TRAIN = """nproc = 4
+ep = 4
+steps = 8
+batch_size = 2
+eval_every = 0
+ckpt_every = 0
+save_final = false
+run_dir = "{run}"
+
+[model]
+seq_len = 64
+d_model = 256
+n_layers = 2
+n_heads = 4
+
+[model.moe]
+num_experts = 4
+ffn_hidden_size = 64
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default=None, help="a calibrated profile to reuse")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from moesaic.cluster.spec import ClusterSpec
+    from moesaic.sim.profile import Profile
+    from moesaic.sim.simulate import SimOptions, simulate
+    from moesaic.train.model_files import load_model_spec
+
+    work = Path(tempfile.mkdtemp(prefix="fsdp_check_"))
+    train = work / "train.toml"
+    train.write_text(TRAIN.format(run=work / "r"))
+    profile_path = Path(args.profile) if args.profile else work / "p.json"
+    if args.profile is None:
+        cmd = [sys.executable, "-m", "moesaic", "calibrate", "--cluster", str(CLUSTER)]
+        cmd += ["--model", str(train), "--out", str(profile_path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        if proc.returncode:
+            raise SystemExit(proc.stderr[-800:])
+    spec = ClusterSpec.from_toml(CLUSTER)
+    profile = Profile.load(profile_path)
+    model = load_model_spec(train)
+    measured = json.loads(MEASURED.read_text())["rows"]
+    out: dict = {"cluster": CLUSTER.name, "profile": json.loads(profile_path.read_text())}
+    rows = {}
+    for name, d in (("dp_shard 2 x EP 2", 2), ("dp_shard 1 x EP 4 (not measured)", 1)):
+        r = simulate(spec, model, "dropless", profile, SimOptions(dp_shard=d), schedule="vanilla")
+        fsdp = [s for s in r.spans if s.name.startswith(("FS", "FR"))]
+        rows[name] = {
+            "predicted_s": r.iteration_s,
+            "compute_s": r.compute_s,
+            "comm_s": r.comm_s,
+            "fsdp_busy_s": sum(s.end - s.start for s in fsdp),
+            "fsdp_gather_bytes_per_step": sum(s.args.get("bytes", 0) for s in fsdp),
+        }
+    plain = simulate(spec, model, "dropless", profile, SimOptions(), schedule="vanilla")
+    rows["unsharded EP 4 (not measured)"] = {"predicted_s": plain.iteration_s}
+    m = measured["dp_shard 2 x EP 2"]
+    rows["dp_shard 2 x EP 2"]["measured_s"] = m["step_s_median"]
+    rows["dp_shard 2 x EP 2"]["measured_tx_bytes_per_step"] = m["tx_bytes_per_step_max_rank"]
+    rows["dp_shard 2 x EP 2"]["error"] = (
+        rows["dp_shard 2 x EP 2"]["predicted_s"] / m["step_s_median"] - 1
+    )
+    out["rows"] = rows
+    print(json.dumps(rows, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""FSDP2's traffic priced (``sim.fsdp``): the gathers and reduce-scatters of ``dp_shard`` on the
+mesh's levels, on a lane of their own, overlapped as FSDP2 prefetches; and ``plan
+--memory-per-rank`` choosing the sharding by step time among those that fit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.planning.plan_memory import fit_memory
+from moesaic.planning.planner import plan_runs
+from moesaic.sim.collectives import LinkModel, all_gather_s, level_exchange_s
+from moesaic.sim.fsdp import fsdp_traffic, mesh_levels
+from moesaic.sim.memory import predict_run
+from moesaic.sim.model import ModelSpec
+from moesaic.sim.profile import Profile
+from moesaic.sim.simulate import SimOptions, simulate
+
+MODEL = ModelSpec(
+    layers=2, batch=4, seq_len=64, hidden=128, ffn_hidden=256, experts=8, top_k=2, heads=4
+)
+PROFILE = Profile(flops_per_s=1e10, task_overhead_s=1e-4)
+
+
+def _spec(outer_gbps: float = 0.4) -> ClusterSpec:
+    return ClusterSpec(
+        levels=(
+            Level(name="node", size=2, bandwidth_gbps=outer_gbps, latency_ms=0.5),
+            Level(name="rank", size=2, bandwidth_gbps=2.0, latency_ms=0.1),
+        )
+    )
+
+
+def test_traffic_on_the_mesh_levels():
+    """The dense units gather over the dense mesh (the world at ep 4, or the inner level at
+    ep 2 x dp_shard 1 on 2 ranks); the experts over the one level beside EP."""
+    link = LinkModel(spec=_spec())
+    block = MODEL.replicated_params_per_block() * MODEL.param_bytes
+    t = fsdp_traffic(link, MODEL, ep=4, dp_shard=1, prefetch=True)
+    assert t.gather_s == pytest.approx(all_gather_s(link, block / 4))
+    assert t.reduce_s == t.gather_s and t.dense_ranks == 4
+    t2 = fsdp_traffic(link, MODEL, ep=2, dp_shard=2, prefetch=True)
+    experts = 4 * MODEL.mats * MODEL.hidden * MODEL.ffn_hidden * MODEL.param_bytes
+    assert t2.gather_s == pytest.approx(
+        all_gather_s(link, block / 4) + level_exchange_s(link, 0, 1, experts / 2, gather=True)
+    )
+    assert mesh_levels(link.spec, 2, inner=2) == (0,)
+    with pytest.raises(ValueError, match=r"^ep \(3\) must be a product of the innermost"):
+        mesh_levels(link.spec, 1, inner=3)
+    with pytest.raises(ValueError, match=r"^dp_shard \(2\) x ep \(1\) must be the world size"):
+        fsdp_traffic(link, MODEL, ep=1, dp_shard=2, prefetch=True)
+
+
+def test_sharded_step_pays_its_gathers_where_compute_cannot_hide_them():
+    """On a slow link the sharded step is slower than the unsharded one (1.5x the gradient
+    bytes: gathered forward and backward, reduce-scattered, no all-reduce); with prefetch
+    (vanilla) the gathers after the first overlap the compute, so the step grows by less than
+    their sum; a schedule that all-reduces chunks in the backward is refused."""
+    spec = _spec(0.1)
+    for schedule in ("vanilla", "moe-only"):
+        plain = simulate(spec, MODEL, "dropless", PROFILE, SimOptions(), schedule=schedule)
+        opts = SimOptions(dp_shard=1)
+        sharded = simulate(spec, MODEL, "dropless", PROFILE, opts, schedule=schedule)
+        names = {s.name for s in sharded.spans}
+        assert {"FS.root", "FS1.1", "FR1.2", "FR.root"} <= names
+        assert "AR1" in {s.name for s in plain.spans} and "AR1" not in names
+        assert sharded.iteration_s > plain.iteration_s
+    slow_compute = Profile(flops_per_s=2e8, task_overhead_s=1e-4)
+    fast = _spec(4.0)
+    t = fsdp_traffic(LinkModel(spec=fast), MODEL, ep=4, dp_shard=1, prefetch=True)
+    total = 2 * MODEL.layers * (t.gather_s) + MODEL.layers * t.reduce_s
+    plain = simulate(fast, MODEL, "dropless", slow_compute, SimOptions(), schedule="vanilla")
+    sharded = simulate(
+        fast, MODEL, "dropless", slow_compute, SimOptions(dp_shard=1), schedule="vanilla"
+    )
+    assert sharded.iteration_s - plain.iteration_s < 0.5 * total
+    with pytest.raises(ValueError, match=r"^dp_shard \(1\) with schedule 'flowmoe'"):
+        simulate(spec, MODEL, "dropless", PROFILE, SimOptions(dp_shard=1), schedule="flowmoe")
+
+
+def test_plan_shards_by_step_time_among_what_fits():
+    """With a budget only the sharded run fits: the plan prices each kept combination sharded
+    (its step grows by FSDP2's traffic) and ranks again; without a pricer it would have kept
+    the unsharded prediction."""
+    spec = _spec(0.1)
+    model = dataclasses.replace(MODEL, hidden=256, ffn_hidden=64, batch=1, experts=4)
+    plan = plan_runs(spec, model, PROFILE, strategies=("dropless",), schedules=("vanilla",))
+    cand = plan.ranked[0]
+    unsharded = predict_run(model, "dropless", "vanilla", 4).peak
+    sharded = predict_run(model, "dropless", "vanilla", 4, dp_shard=1).peak
+    assert sharded < unsharded
+    budget = (sharded + unsharded) / 2
+    fit = fit_memory(plan, model, 4, budget)
+    best = fit.plan.ranked[0]
+    assert best.options["dp_shard"] == 1
+    expected = simulate(spec, model, "dropless", PROFILE, SimOptions(dp_shard=1, degree=1))
+    assert best.predicted_ms == pytest.approx(expected.iteration_s * 1e3)
+    assert best.predicted_ms > cand.predicted_ms
+    blind = fit_memory(dataclasses.replace(plan, reprice=None), model, 4, budget)
+    assert blind.plan.ranked[0].predicted_ms == cand.predicted_ms
+    # with room for both, unsharded is faster and kept
+    roomy = fit_memory(plan, model, 4, 2 * unsharded)
+    assert "dp_shard" not in roomy.plan.ranked[0].options
