@@ -157,6 +157,7 @@ def _world(rank, world_size, dispatcher):
 def _shared_world(rank, world_size):
     out = {dispatcher: _world(rank, world_size, dispatcher) for dispatcher in PHASED}
     out["tuning"] = _tuning_world(rank, world_size, 4)
+    out["tuning_late"] = _tuning_world(rank, world_size, 6, before=3, iters=2)
     out["nan"] = _nan_world(rank, world_size)
     return out
 
@@ -478,7 +479,7 @@ def test_strategy_without_phases_is_named():
 # ---- online tuning of Sp ------------------------------------------------------------------
 
 
-def _tuning_world(rank, world_size, steps):
+def _tuning_world(rank, world_size, steps, before=0, iters=1):
     from moesaic.schedule.tuner import SpTuner
     from moesaic.train.parallel import GradientSync, build_layout
 
@@ -495,9 +496,12 @@ def _tuning_world(rank, world_size, steps):
     )
     step = FlowMoEStep(parts)
     assert step.tuner is not None
-    # One iteration per sample, so that the samples change every step.
-    step.tuner = SpTuner(low=step.tuner.low, high=step.tuner.high, iters_per_sample=1)
     gen = torch.Generator().manual_seed(rank)
+    for _ in range(before):  # steps before the tuner below is set (a benchmark's warm-up)
+        x_BT = torch.randint(0, 256, (B, T + 1), generator=gen)
+        step.run(x_BT[:, :-1], x_BT[:, 1:])
+    # By default one iteration per sample, so that the samples change every step.
+    step.tuner = SpTuner(low=step.tuner.low, high=step.tuner.high, iters_per_sample=iters)
     used = []
     for _ in range(steps):
         x_BT = torch.randint(0, 256, (B, T + 1), generator=gen)
@@ -515,6 +519,15 @@ def test_rank_zero_tunes_sp_and_every_rank_follows():
     assert used0 == hist0  # step k ran at rank 0's k-th sample
     assert hist1 == []
     assert len(set(used0)) >= 2
+
+
+def test_a_tuner_set_after_steps_times_each_sample_at_its_own_sp():
+    """A tuner set after 3 steps (as benchmarks/flowmoe_cluster.py sets one after its warm-up)
+    with 2 iterations per sample: both steps of each window ran at that window's sample (the
+    windows were counted from the first step of the run: a window straddled two samples)."""
+    (used0, hist0), (used1, _) = _results("tuning_late")
+    assert used0 == used1
+    assert used0 == [sp for sp in hist0 for _ in range(2)]
 
 
 # ---- health flags gathered early -----------------------------------------------------------

@@ -57,13 +57,28 @@ class _PipelinedStep(TrainStep):
             recorder=parts.recorder,
             schedule=self.name,
         )
-        self.tuner: SpTuner | None = None
+        self.tuner = None
         sp = parts.ar_chunk_bytes
         if sp is None:
             sp = self._default_chunk_bytes()
         self._pool: CommPool | None = None
         self._chunk_bytes = sp
         self._early: torch.Tensor | None = None  # the step's sums, from _gather_early
+
+    @property
+    def tuner(self) -> SpTuner | None:
+        """The online Sp tuner (flowmoe without a given Sp), or None.
+
+        Setting one (also after steps were run) starts its windows at the next step: every
+        rank takes its ``current()`` then and after every ``iters_per_sample`` observed steps,
+        so each of its samples is timed at its own Sp (counted from the last step before, a
+        window would straddle two samples)."""
+        return self._tuner
+
+    @tuner.setter
+    def tuner(self, tuner: SpTuner | None) -> None:
+        self._tuner = tuner
+        self._observed = 0  # steps observed since the tuner was set (the same on every rank)
 
     @property
     def pool(self) -> CommPool:
@@ -175,7 +190,6 @@ class FlowMoEStep(_PipelinedStep):
             low = max(TUNE_MIN_BYTES, high // TUNE_CHUNKS)
             self.tuner = SpTuner(low=low, high=high)
             self._chunk_bytes = self.tuner.current()
-        self._observed = 0  # steps observed (on every rank: the same count)
 
     def _next_chunk_bytes(self) -> int:
         """Rank 0's tuner decides; every rank takes its choice (one tiny all-gather), only

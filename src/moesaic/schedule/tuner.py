@@ -30,9 +30,11 @@ from moesaic.checks import check_int, check_non_negative, check_positive, check_
 
 __all__ = ["SpTuner"]
 
-# Where the first samples go, as fractions of the log2 range: the GP needs a spread before EI
-# is informative (3 of the 8 default samples; App. D starts from a few random points).
+# Where the first samples go (``initial``), as fractions of the log2 range: "spread" (ours),
+# three fixed points, a spread the GP needs before EI is informative (3 of the 8 default
+# samples); "random" (the paper's App. D.1), one point drawn uniformly.
 _INIT_FRACTIONS = (0.15, 0.5, 0.85)
+INITIAL = ("spread", "random")
 
 
 @contextlib.contextmanager
@@ -55,7 +57,11 @@ class SpTuner:
         samples: Sp values evaluated per search (>= 2).
         iters_per_sample: iterations averaged per sample (>= 1).
         drift: relative change of the iteration time that starts a new search (> 0).
-        seed: seeds the acquisition's random restarts.
+        seed: seeds the acquisition's random restarts (and the "random" initial point).
+        xi: the improvement expected improvement asks for, as a fraction of the first
+            sample's time (>= 0; the paper's App. D.1 uses 0.1 on its own scale).
+        initial: the first samples: "spread" (3 fixed points of the log range) or "random"
+            (one uniform point, App. D.1).
     """
 
     def __init__(
@@ -67,6 +73,8 @@ class SpTuner:
         iters_per_sample: int = 5,
         drift: float = 0.2,
         seed: int = 0,
+        xi: float = 0.01,
+        initial: str = "spread",
     ) -> None:
         self.low = check_positive_int("low", low)
         self.high = check_positive_int("high", high)
@@ -76,6 +84,10 @@ class SpTuner:
         self.iters_per_sample = check_positive_int("iters_per_sample", iters_per_sample)
         self.drift = check_positive("drift", drift)
         self.seed = check_int("seed", seed)
+        self.xi = check_non_negative("xi", xi)
+        if initial not in INITIAL:
+            raise ValueError(f"initial must be one of {', '.join(INITIAL)}, got {initial!r}")
+        self.initial = initial
         self.searches = 0  # searches started (the first one included)
         self.history: list[tuple[int, float]] = []  # (Sp, mean time) of every sample
         self._times: list[float] = []
@@ -147,15 +159,17 @@ class SpTuner:
             kernel=kernel, normalize_y=True, n_restarts_optimizer=1, random_state=seed
         )
         # xi: the improvement EI asks for, in units of the first sample's time (targets are
-        # -time / first time), i.e. 1%
-        self._acq: Any = acquisition.ExpectedImprovement(xi=0.01)
+        # -time / first time): 0.01 = 1%
+        self._acq: Any = acquisition.ExpectedImprovement(xi=self.xi)
         self._rng: Any = np.random.RandomState(seed)
         self._next_point()
 
     def _next_point(self) -> None:
         lo, hi = self._bounds()
         k = len(self._x)
-        if k < min(len(_INIT_FRACTIONS), self.samples):
+        if self.initial == "random" and k == 0:
+            x = float(lo + self._rng.uniform() * (hi - lo))
+        elif self.initial == "spread" and k < min(len(_INIT_FRACTIONS), self.samples):
             x = lo + _INIT_FRACTIONS[k] * (hi - lo)
         else:  # the EI maximum of the GP posterior (1-D: 2000 random points + 3 L-BFGS-B)
             x = float(
