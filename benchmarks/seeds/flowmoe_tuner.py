@@ -1,7 +1,7 @@
 """The Sp tuner against grid and random search (issue 54 item 3; FlowMoE App. D, Tables A.3,
 A.5, A.6), on two emulated clusters.
 
-**The rule that chooses what runs** (fixed on 2026-12-04 at 04:45 UTC and committed before
+**The rule that chooses what runs** (fixed on 2026-12-04 at 04:40 UTC and committed before
 any of it was measured; nothing in it may change after the first measurement):
 
 Clusters (2 ranks each: 4 ranks oversubscribe the 2 cores, ``flowmoe_pays.py``), flowmoe at
