@@ -14,6 +14,9 @@ tiles cut it. The rule, fixed before measuring:
   0.4 Gbit/s; slots of 256 rows: 2 tiles of 128 or 1 of 512) and FlashDMoE's center (H 128,
   F 512, K 2, E 32, T 4096, natural routing, forward only, 0.5 Gbit/s; slots of 512 rows: 4
   tiles or 1). One world per link speed, as in those runs; 0.1 ms latency.
+* Added after the first pass (04:42 UTC, committed before the second): the FlashDMoE center at
+  EP 4 (two ranks per core, where the CPU binds most), and ``--passes`` (the whole set again,
+  each pass a fresh world; 2 for the committed result).
 * Variants: dropless, taskflow static (tile 128, the default), taskflow static tile 512,
   compute only, comm only; 9 rounds after 2 warm-up, round-robin.
 * Read: the time, the CPU per step and the bytes of each tile size beside dropless and the
@@ -36,10 +39,11 @@ from taskflow_harness import Point, run_ep, summarize
 OUT = Path(__file__).resolve().parents[1] / "results" / "seeds_taskflow_tiles.json"
 VARIANTS = ("dropless", "taskflow static", "taskflow static, tile 512", "compute only",
             "comm only")  # fmt: skip
-# (Gbit/s, point)
+# (EP, Gbit/s, point)
 WORLDS = (
-    (0.4, Point("table3_ep2", 512, 256, 512, 16, 8, "balanced", True)),
-    (0.5, Point("flashdmoe_center_ep2", 4096, 128, 512, 32, 2, "router", False)),
+    (2, 0.4, Point("table3_ep2", 512, 256, 512, 16, 8, "balanced", True)),
+    (2, 0.5, Point("flashdmoe_center_ep2", 4096, 128, 512, 32, 2, "router", False)),
+    (4, 0.5, Point("flashdmoe_center_ep4", 4096, 128, 512, 32, 2, "router", False)),
 )
 ROUNDS, WARMUP, LATENCY_MS = 9, 2, 0.1
 
@@ -48,6 +52,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke: tiny shapes, loopback, 1 round")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--passes", type=int, default=2, help="the whole set, this many times")
     args = ap.parse_args()
 
     from moesaic.bench.meta import run_metadata
@@ -55,16 +60,16 @@ def main() -> int:
     load_before = os.getloadavg()
     start = time.perf_counter()
     rows = []
-    for gbps, p in WORLDS:
+    for i, (ep, gbps, p) in ((i, w) for i in range(args.passes) for w in WORLDS):
         if args.quick:
             p = Point(p.name, 64, 32, 64, 8, p.top_k, p.routing, p.backward)
-            res = run_ep(2, gbps, LATENCY_MS, [p], VARIANTS, 1, 1, loopback=True)[0]
+            res = run_ep(ep, gbps, LATENCY_MS, [p], VARIANTS, 1, 1, loopback=True)[0]
         else:
-            res = run_ep(2, gbps, LATENCY_MS, [p], VARIANTS, ROUNDS, WARMUP)[0]
+            res = run_ep(ep, gbps, LATENCY_MS, [p], VARIANTS, ROUNDS, WARMUP)[0]
         s = summarize(res)
         ph = "total" if p.backward else "forward"
         print(
-            f"{p.name} {gbps:g}G {ph}: "
+            f"pass {i} {p.name} {gbps:g}G {ph}: "
             + " | ".join(
                 f"{n} {s['median_s'][ph][n] * 1e3:.1f} ms cpu {s['cpu_s_mean_rank'][n] * 1e3:.0f}"
                 for n in VARIANTS
@@ -72,7 +77,8 @@ def main() -> int:
             + f" | bound {s['bound_s'][ph] * 1e3:.1f} | x vs dropless {s['speedup_vs_dropless'][ph]}",
             flush=True,
         )
-        rows.append({"gbps": gbps, "ep": 2, "point": res["point"], "summary": s, "raw": res})
+        rows.append({"pass": i, "gbps": gbps, "ep": ep, "point": res["point"], "summary": s,
+                     "raw": res})  # fmt: skip
     result = {
         "meta": run_metadata(),
         "wall_s": time.perf_counter() - start,
