@@ -11,6 +11,10 @@ Usage::
 
     python benchmarks/sim_seen_repredict.py --strategy padded [--schedule flowmoe] \
         [--rules 5-26] [--out /tmp/padded.json]
+    python benchmarks/sim_seen_repredict.py --wide benchmarks/results/sim_unseen27.json
+
+``--wide``: a ``sim_unseen_wide.py`` result's points predicted again in place, from both
+sources at the runs' speed (the first judged predictions kept as ``predicted_s_first``).
 """
 
 from __future__ import annotations
@@ -105,13 +109,66 @@ def repredict_rule(rule: int, strategies: set[str], schedules: set[str] | None) 
     return points
 
 
+def repredict_wide(path: Path) -> None:
+    """The twenty-seventh rule's points (``sim_unseen_wide.py``) predicted again from both
+    sources at the runs' speed (each configuration's stored profile slowed by its speed
+    factor; the model file's without the measured routing), as the rule judges them; each
+    point's first judged prediction kept as ``predicted_s_first``."""
+    import sim_unseen_wide as wide
+
+    data = json.loads(path.read_text())
+    for entry in data["configurations"]:
+        cfg = next(c for c in wide.CONFIGURATIONS if c["name"] == entry["name"])
+        work = Path(tempfile.mkdtemp(prefix=f"wide_re_{cfg['name']}_"))
+        wide.write_files(work, cfg)
+        profile = dict(entry["profile"])
+        (work / "p.json").write_text(json.dumps(profile))
+        profile.pop("routing", None)
+        (work / "p_file.json").write_text(json.dumps(profile))
+        factor = entry["speed"]["speed_factor"]
+        for source in wide.SOURCES:
+            p = Profile.load(work / wide.profile_name(source))
+            p.slowed(factor, why="the runs' speed reference").save(
+                work / wide.profile_name(source, True)
+            )
+        for point in data["points"]:
+            if point["configuration"] != cfg["name"]:
+                continue
+            domains = point["train"].get("domain_sizes")
+            for source in wide.SOURCES:
+                pred = point[source]
+                pred.setdefault("predicted_s_first", pred.get("predicted_s"))
+                pred.setdefault("range_s_first", pred.get("range_s"))
+                args = ["--cluster", str(work / "cluster.toml"), "--model"]
+                args += [str(wide.model_path(work, source, point["strategy"]))]
+                args += ["--profile", str(work / wide.profile_name(source, True))]
+                args += ["--strategy", point["strategy"], "--schedule", point["schedule"]]
+                if domains is not None:
+                    args += ["--domains", ",".join(map(str, domains))]
+                if point["schedule"] != "vanilla":
+                    args += ["--degree", str(wide.PIPELINE_DEGREE)]
+                res = simulate_json(args)
+                if res is None:
+                    continue
+                pred["predicted_s"] = res["iteration_ms"] / 1e3
+                if res.get("range_ms") is not None:
+                    pred["range_s"] = [x / 1e3 for x in res["range_ms"]]
+    path.write_text(json.dumps(data, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", default="padded", help="comma-separated strategies")
     p.add_argument("--schedule", default=None, help="comma-separated schedules (default: all)")
     p.add_argument("--rules", default="5-26", help="first-last")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--wide", default=None, help="a sim_unseen_wide result to predict again in place"
+    )
     args = p.parse_args()
+    if args.wide:
+        repredict_wide(Path(args.wide))
+        return
     lo, hi = (int(x) for x in args.rules.split("-"))
     strategies = set(args.strategy.split(","))
     schedules = set(args.schedule.split(",")) if args.schedule else None
