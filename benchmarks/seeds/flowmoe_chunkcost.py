@@ -6,6 +6,9 @@ Usage (root)::
 
     python benchmarks/seeds/flowmoe_chunkcost.py L1_F4_T512_N4 [--rounds 6] [--out FILE.json]
 
+(``--out``: the point's part of FILE.json, other points' parts kept;
+``benchmarks/results/seeds_flowmoe_chunkcost.json``.)
+
 The point is one of ``flowmoe_pays.py``'s (its cluster, model and batch); the configurations
 run in one world, round-robin, through ``flowmoe_cluster.py``'s harness (``_build``), and every
 measured step's spans of every rank are reduced to: the step time, the busy (union) time of
@@ -149,8 +152,11 @@ def main() -> int:
             f"{ln} {v:.0f}" for ln, v in r["busy_ms"].items()))  # fmt: skip
         for key, v in sorted(r["sum_ms"].items(), key=lambda kv: -kv[1]):
             print(f"   {key:28} {v:7.1f} ms  x{r['count'][key]}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.out:  # one file, a part per point
+        out = Path(args.out)
+        parts = json.loads(out.read_text()) if out.exists() else {}
+        parts[p["name"]] = doc
+        out.write_text(json.dumps(parts, indent=1) + "\n")
     return 0
 
 
