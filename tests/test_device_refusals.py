@@ -1,9 +1,10 @@
 """Device and transport combinations a run cannot make are refused before anything starts
 (issue 49 items 3 and 9), checked on CPU with the device, backend and hosts passed as data.
 
-* taskflow on CUDA at EP > 1 with the default gloo puts (which take CPU tensors only: the run
-  used to fail at its first forward), and its symmetric-memory transport with an EP group that
-  spans hosts (torch's symmetric memory maps the peers of one host);
+* taskflow on CUDA at EP > 1 on its host runtime with the default gloo puts (which take CPU
+  tensors only: the run used to fail at its first forward), and its symmetric-memory transport
+  or its persistent kernel with an EP group that spans hosts (torch's symmetric memory maps the
+  peers of one host); the persistent kernel (the CUDA default) uses no transport: accepted;
 * the sequential taskflow runtime on a backend that ignores message tags (NCCL);
 * the device of a process chosen among the GPUs it can see.
 """
@@ -18,8 +19,13 @@ from moesaic.taskflow.runtime.sequential import check_tagged_messages
 from moesaic.train.config import TrainConfig
 
 
-def _taskflow(transport: str | None = None, ep: int | None = None) -> TrainConfig:
-    moe: dict = {"dispatcher": "taskflow"}
+def _taskflow(
+    transport: str | None = None,
+    ep: int | None = None,
+    kernels: str = "torch",
+    activation: str = "swiglu",
+) -> TrainConfig:
+    moe: dict = {"dispatcher": "taskflow", "kernels": kernels, "activation": activation}
     if transport is not None:
         moe["options"] = {"transport": transport}
     cfg: dict = {"model": {"moe": moe}}
@@ -32,6 +38,30 @@ def _taskflow(transport: str | None = None, ep: int | None = None) -> TrainConfi
 def test_taskflow_gloo_puts_on_cuda_at_ep_above_one_are_refused(transport):
     with pytest.raises(ValueError, match=r"^options.transport \('gloo'\) puts CPU tensors only"):
         _taskflow(transport).check_world(4, device="cuda")
+
+
+@pytest.mark.parametrize("kernels", ["auto", "triton"])
+def test_taskflow_persistent_kernel_ignores_the_transport(kernels):
+    """On CUDA the kernel stores tiles into the peers itself: the default gloo transport (a
+    host runtime's) is no reason to refuse; across hosts it is refused as symmetric memory
+    is. With Triton missing, "auto" falls back to the host runtime, and gloo is refused."""
+    cfg = _taskflow(None, kernels=kernels)
+    assert cfg.check_world(4, device="cuda") == 4
+    with pytest.raises(ValueError, match=rf"^kernels \('{kernels}'\): .* spans 2 hosts"):
+        cfg.check_world(8, device="cuda", ranks_per_host=4)
+
+
+def test_taskflow_auto_kernels_without_the_kernel_use_the_transport(monkeypatch):
+    """``kernels="auto"`` runs on the host runtime for GELU experts or without Triton: there
+    the gloo transport is refused on CUDA at EP > 1."""
+    from moesaic.kernels import persistent_steps
+
+    gelu = _taskflow(None, kernels="auto", activation="gelu")
+    with pytest.raises(ValueError, match=r"^options.transport \('gloo'\) .* kernels 'auto'"):
+        gelu.check_world(4, device="cuda")
+    monkeypatch.setattr(persistent_steps, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^options.transport \('gloo'\) puts CPU tensors"):
+        _taskflow(None, kernels="auto").check_world(4, device="cuda")
 
 
 @pytest.mark.parametrize("transport", ["symmetric", "auto"])
@@ -109,6 +139,7 @@ def test_the_launcher_refuses_before_it_starts_a_worker(monkeypatch):
     from moesaic.train.launch import validate_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cfg = TrainConfig.from_dict({"nproc": 2, "model": {"moe": {"dispatcher": "taskflow"}}})
+    moe = {"dispatcher": "taskflow", "kernels": "torch"}  # the host runtime: gloo puts
+    cfg = TrainConfig.from_dict({"nproc": 2, "model": {"moe": moe}})
     with pytest.raises(ValueError, match=r"^options.transport \('gloo'\) puts CPU tensors only"):
         validate_config(cfg, 2)

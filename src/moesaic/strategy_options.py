@@ -60,7 +60,9 @@ class StrategyOptions:
         """The option names, in declaration order."""
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    def check_run(self, *, ep: int, device: str, ep_hosts: int) -> None:
+    def check_run(
+        self, *, ep: int, device: str, ep_hosts: int, kernels: str, activation: str
+    ) -> None:
         """Refuse a run these options cannot make, before anything starts (ValueError naming
         the option and the reason); every run is fine unless a strategy's options say
         otherwise.
@@ -69,4 +71,6 @@ class StrategyOptions:
             ep: the expert-parallel group's size.
             device: the device type the run computes on ("cpu", "cuda").
             ep_hosts: the most hosts one expert-parallel group spans.
+            kernels, activation: the layer's ``MoEConfig`` fields of those names (which
+                implementation runs the experts).
         """

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from moesaic.experts import GroupedExperts
-from moesaic.kernels import triton_available
+from moesaic.kernels.persistent_steps import persistent_steps
 from moesaic.routing import RoutingPlan
 from moesaic.strategies.base import (
     CommStats,
@@ -79,9 +79,7 @@ def _runtime_for(cfg) -> tuple[type[TaskflowRuntime], dict]:
     it refuses GELU experts when built) and for ``"auto"``, the default, on CUDA tensors of a
     SwiGLU layer with Triton installed (CPU steps then run on the host runtime); the host
     runtime (``TaskflowRuntime``) for anything else."""
-    if cfg.kernels == "triton" or (
-        cfg.kernels == "auto" and cfg.activation == "swiglu" and triton_available()
-    ):
+    if persistent_steps(cfg.kernels, cfg.activation, "cuda"):
         return PersistentRuntime, {"activation": cfg.activation, "kernels": cfg.kernels}
     return TaskflowRuntime, {}
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from moesaic.checks import check_bool, check_one_of, check_positive_int
 from moesaic.comm.signals import TRANSPORTS
+from moesaic.kernels.persistent_steps import persistent_steps
 from moesaic.strategy_options import StrategyOptions
 
 __all__ = ["EXECUTORS", "TaskflowOptions"]
@@ -49,17 +50,32 @@ class TaskflowOptions(StrategyOptions):
         check_bool("pipeline", self.pipeline)
         check_one_of("transport", self.transport, TRANSPORTS)
 
-    def check_run(self, *, ep: int, device: str, ep_hosts: int) -> None:
-        """Device tiles between ranks: the gloo channel carries CPU tensors only (a CUDA run at
-        EP > 1 would fail at its first forward), and symmetric memory maps the peers of one
-        host only (torch's symmetric memory is intra-node)."""
+    def check_run(
+        self, *, ep: int, device: str, ep_hosts: int, kernels: str, activation: str
+    ) -> None:
+        """Device tiles between ranks. In the persistent kernel (``persistent_steps``) they
+        are stores into the peers' memory, which torch's symmetric memory maps on one host
+        only; ``transport`` is not used there. On a host runtime ``transport`` carries them:
+        the gloo channel takes CPU tensors only (a CUDA run at EP > 1 would fail at its first
+        forward), and symmetric memory maps the peers of one host only."""
         if ep == 1 or device == "cpu":
+            return
+        if persistent_steps(kernels, activation, device):
+            if ep_hosts > 1:
+                raise ValueError(
+                    f"kernels ({kernels!r}): taskflow's persistent kernel stores tiles into peer "
+                    f"GPUs of one host, but an expert-parallel group of {ep} ranks spans "
+                    f"{ep_hosts} hosts: make ep at most the ranks per host, or use dispatcher "
+                    "'dropless'"
+                )
             return
         if self.transport == "gloo":
             raise ValueError(
                 f"options.transport ('gloo') puts CPU tensors only: taskflow on {device} at "
-                f"ep {ep} needs transport 'symmetric' or 'auto' (torch's symmetric memory, one "
-                "host), or dispatcher 'dropless'"
+                f"ep {ep} on the host runtime (kernels {kernels!r}, activation {activation!r}) "
+                "needs transport 'symmetric' or 'auto' (torch's symmetric memory, one host), "
+                "kernels 'auto' or 'triton' (the persistent kernel, SwiGLU), or dispatcher "
+                "'dropless'"
             )
         if ep_hosts > 1:
             raise ValueError(

@@ -467,7 +467,9 @@ class TrainConfig:
         ep_hosts = max(
             len({r // per_host for r in range(g, g + ep)}) for g in range(0, world_size, ep)
         )
-        moe.options_as(StrategyOptions).check_run(ep=ep, device=device, ep_hosts=ep_hosts)
+        moe.options_as(StrategyOptions).check_run(
+            ep=ep, device=device, ep_hosts=ep_hosts, kernels=moe.kernels, activation=moe.activation
+        )
         if self.sharded:
             self.mesh_shape(world_size).check_world(world_size)
             check_sharding(moe.dispatcher, self.schedule)

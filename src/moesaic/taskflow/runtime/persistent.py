@@ -44,6 +44,7 @@ from moesaic.comm.collectives import EPGroup
 from moesaic.comm.symmetric import CudaSymmetricMemory, symmetric_available
 from moesaic.kernels import require_triton
 from moesaic.kernels import task_ops as ops
+from moesaic.kernels.persistent_steps import persistent_steps
 from moesaic.routing import RoutingPlan
 from moesaic.taskflow.lower import DeviceTables, StepTables, WorldTables, lower, step_tables
 from moesaic.taskflow.plan import Plan
@@ -349,7 +350,7 @@ class PersistentRuntime(TaskflowRuntime):
 
     def uses_kernel(self, device: torch.device) -> bool:
         """Whether a step on ``device`` runs in the kernel (else on the host runtime)."""
-        return self.kernels == "triton" or device.type == "cuda"
+        return persistent_steps(self.kernels, "swiglu", device.type)
 
     def tables(self, plan: Plan, device: torch.device) -> DeviceTables:
         """``plan``'s device tables on ``device``, lowered and moved once."""
