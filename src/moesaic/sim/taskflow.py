@@ -56,6 +56,9 @@ strategy's iteration is at least the step's CPU time over them (``simulate``).
 
 The layer's forward (backward) plan runs between the attention forward (backward) stages; its
 tiles appear in the timeline ("compute" for matrix and elementwise tiles, "a2a" for puts).
+On a GPU profile a SwiGLU layer's plans are priced as the persistent kernel runs them (one
+launch, tiles at the GPU's rates: :mod:`moesaic.sim.persistent_price`); all of the above is
+the host runtimes' pricing (CPU profiles, GELU experts).
 Whole-world compilation is O(P) plans: this strategy is for worlds of up to ``MAX_RANKS``.
 """
 
@@ -67,6 +70,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from moesaic.sim.collectives import LinkModel, all_reduce_s, p2p_s
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, layer_shares
+from moesaic.sim.persistent_price import kernel_price, kernel_priced
 from moesaic.sim.profile import OPS_PER_TASK, Profile
 from moesaic.sim.steptail import add_tail
 from moesaic.taskflow.tasks import Region, TaskDescriptor
@@ -328,6 +332,9 @@ def layer_plan(
     tile_m, slot = default_tiles(model, tile_m, slot_rows, load)
     bucket = model_bucket(model, ep_size=P, slot_rows=slot, tile_m=tile_m)
     plans = compile_world(bucket, direction, CompileOptions(pipeline=pipeline))
+    if kernel_priced(model, profile):  # on CUDA the persistent kernel runs the plans
+        k = kernel_price(plans, model, link, profile, load.rows_E, saved_window_elements(plans[0]))
+        return LayerPlan(k.makespan, k.spans, k.cpu_s)
     launch_s = profile.task_overhead_s / OPS_PER_TASK
     swiglu = model.activation == "swiglu"
 

@@ -46,18 +46,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from moesaic.kernels import task_ops as ops
 from moesaic.taskflow.compile import compile_world
-from moesaic.taskflow.draw import nominal_cost
-from moesaic.taskflow.engine import EventEngine, Job, Lane
+from moesaic.taskflow.lower_rows import TableError, device_rows, world_order
 from moesaic.taskflow.plan import Plan
 from moesaic.taskflow.runtime.sequential import StepRouting
-from moesaic.taskflow.tasks import Region, TaskDescriptor
 from moesaic.taskflow.validate import ensure_validated
 
 __all__ = [
@@ -72,10 +70,6 @@ __all__ = [
     "step_tables",
     "world_order",
 ]
-
-
-class TableError(ValueError):
-    """Device tables that a persistent kernel could not run to the end."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,90 +184,6 @@ def _check_lowerable(plan: Plan) -> None:
             )
 
 
-def _slot_pieces(r: Region, S: int) -> list[tuple[int, int, int]]:
-    """``(slot, first row, rows)`` of each slot that region ``r`` touches."""
-    out = []
-    for slot in range(r.start // S, (r.stop - 1) // S + 1):
-        a, z = max(r.start, slot * S), min(r.stop, (slot + 1) * S)
-        out.append((slot, a, z - a))
-    return out
-
-
-def _rows_of(plan: Plan, t: TaskDescriptor) -> list[list[int]]:
-    """The device rows of plan task ``t`` (wait and triggers not yet filled in)."""
-    b = plan.bucket
-    P, S, e = b.ep_size, b.slot_rows, b.local_experts
-    op = ops.OPCODES[t.task_type]
-    rows: list[list[int]] = []
-
-    def row(expert=-1, slot=-1, voff=0, row0=0, dst0=0, n=0, peer=plan.rank) -> None:
-        r = [0] * ops.NCOL
-        r[ops.OP], r[ops.UID], r[ops.WAIT] = op, t.uid, -1
-        r[ops.EXPERT], r[ops.SLOT], r[ops.VOFF] = expert, slot, voff
-        r[ops.ROW0], r[ops.DST0], r[ops.ROWS] = row0, dst0, n
-        r[ops.PEER], r[ops.HOME] = peer, 0
-        rows.append(r)
-
-    if op in ops.WEIGHT_GRAD_OPS:
-        js = [t.expert - plan.rank * e] if t.expert >= 0 else list(range(e))
-        for j in js:
-            row(expert=j, row0=j * P * S, n=P * S)
-    elif op in ops.TOKEN_OPS:
-        out = t.outputs[0]
-        row(row0=out.start, dst0=out.start, n=out.rows)
-    elif op in (ops.OPCODES["put_dispatch"], ops.OPCODES["put_dispatch_grad"]):
-        for out in t.outputs:  # rows of the target's receive slots (j, this rank)
-            for slot, a, n in _slot_pieces(out, S):
-                j, _ = divmod(slot, P)
-                g = out.rank * e + j  # the global expert (dispatch slot) of these rows
-                voff = a - slot * S
-                sent = e * P + g  # count entry: rows this rank sends to expert g
-                row(expert=j, slot=sent, voff=voff, row0=g * S + voff, dst0=a, n=n, peer=out.rank)
-    elif op == ops.OPCODES["put_combine"]:
-        for src, dst in zip(t.inputs, t.outputs):
-            for slot, a, n in _slot_pieces(src, S):
-                row(
-                    expert=slot // P,
-                    slot=slot,
-                    voff=a - slot * S,
-                    row0=a,
-                    dst0=dst.start + a - src.start,
-                    n=n,
-                    peer=dst.rank,
-                )
-    else:  # row-tiled compute: inputs[0] and outputs[0] are the same receive rows
-        src, dst = t.inputs[0], t.outputs[0]
-        if (src.start, src.stop) != (dst.start, dst.stop):
-            raise TableError(f"lower: row task {t.label} writes rows other than it reads")
-        for slot, a, n in _slot_pieces(src, S):
-            row(expert=slot // P, slot=slot, voff=a - slot * S, row0=a, dst0=a, n=n)
-    return rows
-
-
-def world_order(plans: Sequence[Plan]) -> list[tuple[int, int]]:
-    """``(rank, plan uid)`` in the order one simulated execution of every rank's queues
-    launches them (the event engine with ``draw.nominal_cost``, events keyed by (rank, event)):
-    a job starts only after its event is complete, so no task in this order waits on a task
-    after it."""
-    lanes: list[Lane[TaskDescriptor]] = []
-    thresholds: dict[Hashable, int] = {}
-    for p in plans:
-        thresholds.update({(p.rank, ev.id): ev.threshold for ev in p.events})
-        for name, uids in p.schedule.queues:
-            jobs = []
-            for uid in uids:
-                t = p.tasks[uid]
-                wait = (p.rank, t.dependent_event) if t.dependent_event >= 0 else None
-                trig = tuple((r.rank, r.event) for r in t.trigger_events)
-                jobs.append(Job(key=(p.rank, uid), task=t, wait=wait, triggers=trig))
-            lanes.append(Lane(name=(p.rank, name), jobs=jobs))
-    tile_m = plans[0].bucket.tile_m
-    engine: EventEngine[TaskDescriptor] = EventEngine(
-        lanes, thresholds, cost=lambda t: nominal_cost(t, tile_m)
-    )
-    return [k for k in engine.run().order]  # type: ignore[misc]
-
-
 def lower(plan: Plan) -> DeviceTables:
     """The device tables of ``plan``; at EP > 1 the other ranks' plans (the same bucket and
     options) are compiled to order and check the world's tables together.
@@ -320,7 +230,7 @@ def lower_world(plans: Sequence[Plan]) -> WorldTables:
         for _, uids in plan.schedule.queues:
             for uid in uids:
                 t = plan.tasks[uid]
-                mine = _rows_of(plan, t)
+                mine = device_rows(plan, t)
                 first, last = mine[0], mine[-1]
                 if t.dependent_event >= 0:
                     first[ops.WAIT] = t.dependent_event
