@@ -5,7 +5,8 @@ under Triton's interpreter, on a GPU, where its programs really run at once.
   taken by ticket, puts and signals between the ranks' shares of one allocation) against
   ``moesaic.reference``: outputs, input, routing-weight and expert-weight gradients.
 * The ``taskflow`` layer at EP 1 with the default ``kernels="auto"`` (the kernel on CUDA)
-  against ``dropless``: output and gradients, over two steps.
+  against ``dropless``: output and gradients, over three steps (the epoch-numbered counters
+  reused without zeroing).
 * Real peers: the layer at EP 2 on two GPUs of one node (counters and receive window in
   symmetric memory, puts by peer offsets, "sys"-scope release atomics) against ``dropless``;
   skipped with fewer than two GPUs.
@@ -74,7 +75,9 @@ def _layer_vs_dropless(device: torch.device) -> dict:
     g = torch.randn(40, H, generator=torch.Generator().manual_seed(3 + rank)).to(device)
     for name, layer in layers.items():
         xi = x.clone().requires_grad_()
-        for _ in range(2):  # the second step reuses the bucket's tables and window
+        # the second step reuses the bucket's tables on the other counter set (and window),
+        # the third counts on from the first step's counters at epoch 2 (nothing zeroed)
+        for _ in range(3):
             layer.zero_grad()
             xi.grad = None
             y = layer(xi)
