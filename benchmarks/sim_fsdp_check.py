@@ -78,7 +78,7 @@ def main() -> None:
             "compute_s": r.compute_s,
             "comm_s": r.comm_s,
             "fsdp_busy_s": sum(s.end - s.start for s in fsdp),
-            "fsdp_gather_bytes_per_step": sum(s.args.get("bytes", 0) for s in fsdp),
+            "fsdp_bytes_per_step": sum(s.args.get("bytes", 0) for s in fsdp),
         }
     plain = simulate(spec, model, "dropless", profile, SimOptions(), schedule="vanilla")
     rows["unsharded EP 4 (not measured)"] = {"predicted_s": plain.iteration_s}

@@ -402,7 +402,8 @@ def _forward(
     dispatch_s = c_.a2a_s + c_.counts_s
     fs = c_.fsdp
     if fs is not None and fs.root_gather_s > 0:
-        root = g.add(FSDP, SimTask("FS.root", "gather", fs.root_gather_s, "fwd", 0, 0))
+        root_task = SimTask("FS.root", "gather", fs.root_gather_s, "fwd", 0, 0, fs.root_bytes)
+        root = g.add(FSDP, root_task)
         first = root if first is None else (first, root)
     for blk in range(1, c_.model.layers + 1):
         ats = {}
@@ -456,12 +457,14 @@ def _backward(
             wait = db[r] if overlap else db[1]
             prev[r] = g.add("compute", _comp(f"AT{r}.{blk}", c_.at_bwd_s, "bwd", blk, r), wait)
             if c_.fsdp is not None and c_.fsdp.reduce_s > 0:  # the pass's gradients
-                rs = SimTask(f"FR{r}.{blk}", "gather", c_.fsdp.reduce_s, "bwd", blk, r)
+                fs = c_.fsdp
+                rs = SimTask(f"FR{r}.{blk}", "gather", fs.reduce_s, "bwd", blk, r, fs.gather_bytes)
                 g.add(FSDP, rs, prev[r])
         done[blk - 1] = prev[1]
     fs = c_.fsdp
     if fs is not None and fs.root_reduce_s > 0:
-        g.add(FSDP, SimTask("FR.root", "gather", fs.root_reduce_s, "bwd", 0, 0), prev[1])
+        root = SimTask("FR.root", "gather", fs.root_reduce_s, "bwd", 0, 0, fs.root_bytes)
+        g.add(FSDP, root, prev[1])
     return done
 
 
