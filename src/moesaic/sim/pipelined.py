@@ -86,6 +86,7 @@ __all__ = [
 NET = "net"  # the engine lane of the rank's network: all-to-alls, gathers, one all-reduce
 GRAD = "grad"  # FlowMoE's gradient chunks: their own process group, in issue order
 EXCHANGES = ("dropless", "padded", "hybrid")  # the row exchanges the stage model prices
+Wait = SimTask | tuple[SimTask, ...] | None  # what a task waits for (``SimGraph.add``)
 
 
 def rank_shares(model: ModelSpec, world: int) -> list[float]:
@@ -400,15 +401,16 @@ def _forward(
     chunks = range(1, R + 1)
     last_c: dict[int, SimTask] = {}
     dispatch_s = c_.a2a_s + c_.counts_s
+    start: Wait = first
     fs = c_.fsdp
     if fs is not None and fs.root_gather_s > 0:
         root_task = SimTask("FS.root", "gather", fs.root_gather_s, "fwd", 0, 0, fs.root_bytes)
         root = g.add(FSDP, root_task)
-        first = root if first is None else (first, root)
+        start = root if first is None else (first, root)
     for blk in range(1, c_.model.layers + 1):
         ats = {}
         for r in chunks:
-            wait = first if r == 1 else None
+            wait: Wait = start if r == 1 else None
             if blk > 1:
                 wait = last_c[r] if overlap else last_c[R]
             wait = _fsdp_gather(g, c_, "fwd", blk, r, wait)
@@ -445,8 +447,8 @@ def _backward(
             cb[r] = g.add(NET, _a2a(c_, f"C{r}.{blk}", c_.a2a_s, "bwd", blk, r), wait)
         db: dict[int, SimTask] = {}
         for r in rev:
-            wait = _fsdp_gather(g, c_, "bwd", blk, r, cb[r])
-            e = g.add("compute", _comp(f"E{r}.{blk}", c_.e_bwd_s, "bwd", blk, r), wait)
+            e_wait = _fsdp_gather(g, c_, "bwd", blk, r, cb[r])
+            e = g.add("compute", _comp(f"E{r}.{blk}", c_.e_bwd_s, "bwd", blk, r), e_wait)
             db[r] = g.add(NET, _a2a(c_, f"D{r}.{blk}", c_.a2a_s, "bwd", blk, r), e)
         if c_.gathers is not None and c_.gathers.reduce_s > 0:
             # after the last chunk's expert backward (e); on the network after the D's, so
@@ -456,10 +458,11 @@ def _backward(
         for r in rev:
             wait = db[r] if overlap else db[1]
             prev[r] = g.add("compute", _comp(f"AT{r}.{blk}", c_.at_bwd_s, "bwd", blk, r), wait)
-            if c_.fsdp is not None and c_.fsdp.reduce_s > 0:  # the pass's gradients
-                fs = c_.fsdp
-                rs = SimTask(f"FR{r}.{blk}", "gather", fs.reduce_s, "bwd", blk, r, fs.gather_bytes)
-                g.add(FSDP, rs, prev[r])
+            sharded = c_.fsdp
+            if sharded is not None and sharded.reduce_s > 0:  # the pass's gradients
+                nbytes = sharded.gather_bytes
+                red = SimTask(f"FR{r}.{blk}", "gather", sharded.reduce_s, "bwd", blk, r, nbytes)
+                g.add(FSDP, red, prev[r])
         done[blk - 1] = prev[1]
     fs = c_.fsdp
     if fs is not None and fs.root_reduce_s > 0:
@@ -474,8 +477,8 @@ def _fsdp_gather(
     phase: str,
     blk: int,
     r: int,
-    wait: SimTask | tuple[SimTask, ...] | None,
-) -> SimTask | tuple[SimTask, ...] | None:
+    wait: Wait,
+) -> Wait:
     """FSDP2's all-gather of block ``blk``'s units before chunk ``r``'s pass (``phase``), on
     the ``FSDP`` lane; returns what the pass waits for (``wait`` and the gather). Prefetched:
     issued as the lane frees (the previous block's pass started); else when the pass would
