@@ -202,6 +202,13 @@ def test_topological_order_never_blocks(options):
             assert list(dict.fromkeys(uids)) == list(plan.queue(name))
         # what a launch takes is that order
         assert torch.equal(tables.launch_rows(), tables.tasks[tables.order])
+        # every row of a task waits and bumps (on a GPU its rows may run at once): an event's
+        # threshold counts its producers' rows
+        for uid in set(tables.tasks[:, ops.UID].tolist()):
+            mine = tables.tasks[tables.tasks[:, ops.UID] == uid]
+            cols = [ops.WAIT, ops.THRESH, ops.TRIG0, ops.NTRIG]
+            assert (mine[:, cols] == mine[0, cols]).all(), uid
+            assert int(mine[0, ops.NTRIG]) == len(plan.tasks[uid].trigger_events)
 
 
 def test_broken_tables_are_refused():

@@ -8,7 +8,7 @@ A task table is ``int32 [n, NCOL]``, one row per device task, columns:
 
 * ``OP``: the opcode (``OPCODES``, by the plan's task type).
 * ``UID``: the plan task it comes from (several rows when the task spans several slots or
-  experts: the first waits, the last bumps).
+  experts: each waits and bumps; an event's threshold counts its producers' rows).
 * ``WAIT``, ``THRESH``: the local event it waits on (-1: none) and that event's threshold.
 * ``TRIG0``, ``NTRIG``: its triggers, ``triggers[TRIG0 : TRIG0 + NTRIG]`` (event ids), each on
   rank ``trigger_ranks[k]`` (a put's arrival signal lands on the put's target).

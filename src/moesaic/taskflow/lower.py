@@ -13,7 +13,8 @@ into ``WorldTables``: per rank ``DeviceTables``, int32 tensors that a persistent
   first row read, first row written, rows) and the rank a put writes to. The queues' rows are
   concatenated, each queue in its compiled order (``queue_starts`` cuts them). A plan task whose
   rows span several slots, or a weight-gradient task spanning several experts, becomes several
-  rows: the first carries the wait, the last the triggers.
+  rows, each carrying the task's wait and its triggers (a GPU may run them at once), so an
+  event's device threshold counts its producers' rows (the plan's when every task is one row).
 * ``triggers`` ``[m]`` (event ids) with ``trigger_ranks`` ``[m]`` (the rank owning each event:
   a put bumps its target's arrival event) and ``thresholds`` ``[V]``; ``counters()`` gives
   fresh (zeroed) int32 counters, for a launch at epoch 1.
@@ -221,7 +222,17 @@ def lower_world(plans: Sequence[Plan]) -> WorldTables:
     for plan in plans:
         ensure_validated(plan)
         _check_lowerable(plan)
-        thresholds = {ev.id: ev.threshold for ev in plan.events}
+    # every row of a task waits and bumps (rows may run at once on a GPU): an event's device
+    # threshold is the rows of its producers, the plan's threshold when a task is one row
+    pieces = [{t.uid: device_rows(p, t) for t in p.tasks} for p in plans]
+    bumps: dict[tuple[int, int], int] = {}
+    for p, mine_of in zip(plans, pieces):
+        for t in p.tasks:
+            for ref in t.trigger_events:
+                key = (ref.rank, ref.event)
+                bumps[key] = bumps.get(key, 0) + len(mine_of[t.uid])
+    for plan, mine_of in zip(plans, pieces):
+        thresholds = {ev.id: bumps.get((plan.rank, ev.id), 0) for ev in plan.events}
         rows: list[list[int]] = []
         triggers: list[int] = []
         trigger_ranks: list[int] = []
@@ -230,12 +241,12 @@ def lower_world(plans: Sequence[Plan]) -> WorldTables:
         for _, uids in plan.schedule.queues:
             for uid in uids:
                 t = plan.tasks[uid]
-                mine = device_rows(plan, t)
-                first, last = mine[0], mine[-1]
-                if t.dependent_event >= 0:
-                    first[ops.WAIT] = t.dependent_event
-                    first[ops.THRESH] = thresholds[t.dependent_event]
-                last[ops.TRIG0], last[ops.NTRIG] = len(triggers), len(t.trigger_events)
+                mine = mine_of[uid]
+                for row in mine:
+                    if t.dependent_event >= 0:
+                        row[ops.WAIT] = t.dependent_event
+                        row[ops.THRESH] = thresholds[t.dependent_event]
+                    row[ops.TRIG0], row[ops.NTRIG] = len(triggers), len(t.trigger_events)
                 triggers.extend(ref.event for ref in t.trigger_events)
                 trigger_ranks.extend(ref.rank for ref in t.trigger_events)
                 mine_of_uid[uid] = list(range(len(rows), len(rows) + len(mine)))

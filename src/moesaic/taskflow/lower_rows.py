@@ -4,8 +4,8 @@ kernel pricing, ``sim.persistent_price``, walks the same rows). Imports neither 
 Triton.
 
 A row is a list of ``kernels.task_ops.NCOL`` ints (columns there); ``device_rows`` leaves
-``WAIT``/``THRESH`` and ``TRIG0``/``NTRIG`` unset (the lowering fills them: the first row of a
-task carries its wait, the last its triggers).
+``WAIT``/``THRESH`` and ``TRIG0``/``NTRIG`` unset (the lowering fills them: every row of a task
+carries its wait and its triggers).
 """
 
 from __future__ import annotations
