@@ -248,7 +248,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         )
         self._exchange = DroplessStrategy(StrategyContext(ctx.config, a2a, self._routing))
         # the groups a computed shared expert averages over, per lane (options.shared_expert)
-        self._shared_scope = self._shared_groups(self.levels, a2a)
+        self._shared_scope = self._shared_groups(self.levels, "main")
         self._cache: tuple[tuple, Weights] | None = None
         self._shared: list[torch.Tensor | None] | None = None  # of compressed gathers
         self._gathers = 0
@@ -322,8 +322,7 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
             return None
         if self._prefetch_levels is None:  # every rank reserves at the same point
             self._prefetch_levels = self.group.subgroups(self.level_ranks, "prefetch")
-            (a2a,) = self.group.subgroups([self.offset_ranks], "prefetch")
-            self._prefetch_shared_scope = self._shared_groups(self._prefetch_levels, a2a)
+            self._prefetch_shared_scope = self._shared_groups(self._prefetch_levels, "prefetch")
         self._prefetch_dtype = dtype = self._gather_dtype(weights)
         key = self._key(weights, dtype)
         if (self._cache is not None and self._cache[0] == key) or self._pending is not None:
@@ -398,14 +397,17 @@ class HybridStrategy(DispatchCombineStrategy[DroplessHandle]):
         self._cache = (key, gathered)
         return gathered
 
-    def _shared_groups(self, levels: list[EPGroup], offset: EPGroup) -> list[EPGroup]:
+    def _shared_groups(self, levels: list[EPGroup], lane: str) -> list[EPGroup]:
         """The groups a computed shared expert is all-reduced over (``options.shared_expert``):
-        the domain's level groups, and the offset group after them for "all" (the domain sums
-        then summed over one rank per domain: every rank's experts once); none for "none"."""
+        the domain's level groups, and ``lane``'s offset group after them for "all" (the domain
+        sums then summed over one rank per domain: every rank's experts once); none for "none".
+        The offset group is asked of the registry only for "all", so no other scope makes a
+        communicator in a lane that would not otherwise use it."""
         scope = self.options.shared_expert
         if scope == "none":
             return []
-        if scope == "all" and offset.size > 1:
+        if scope == "all" and len(self.offset_ranks) > 1:
+            (offset,) = self.group.subgroups([self.offset_ranks], lane)
             return [*levels, offset]
         return levels
 
