@@ -39,15 +39,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from taskflow_harness import Point, run_ep, summarize
+from taskflow_harness import Point, RunRecord, run_ep, summarize
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 OUT = RESULTS / "seeds_flashdmoe_sweeps.json"
@@ -180,10 +178,7 @@ def main() -> int:
         plot(json.loads(out.read_text()), out.with_suffix(".png"))
         return 0
 
-    from moesaic.bench.meta import run_metadata
-
-    load_before = os.getloadavg()
-    start = time.perf_counter()
+    record = RunRecord(args.quick)
     rows = []
     for ep, design in DESIGN.items():
         if args.quick:
@@ -196,11 +191,8 @@ def main() -> int:
             s = summarize(r)
             print(_line(ep, s, r["point"], r["expert_load_max_over_mean"]), flush=True)
             rows.append({"ep": ep, "point": r["point"], "summary": s, "raw": r})
-    result = {
-        "meta": run_metadata(),
-        "wall_s": time.perf_counter() - start,
-        "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
-        "config": {
+    result = record.result(
+        {
             "hidden": H,
             "ffn": F,
             "top_k": K,
@@ -208,14 +200,11 @@ def main() -> int:
             "latency_ms": LATENCY_MS,
             "rounds": ROUNDS,
             "warmup": WARMUP,
-            "dtype": "float32",
-            "torch_threads_per_rank": 1,
             "phase": "forward",
-            "quick": args.quick,
         },
-        "paper_ms": PAPER,
-        "points": rows,
-    }
+        paper_ms=PAPER,
+        points=rows,
+    )
     if not args.quick or args.out:
         out.write_text(json.dumps(result, indent=1) + "\n")
         plot(result, out.with_suffix(".png"))

@@ -37,6 +37,7 @@ Bytes, counted two ways per step (fwd + bwd when the backward runs), both per ra
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -350,3 +351,31 @@ def run_ep(
     })  # fmt: skip
     with EmulatedCluster(spec) as cluster:
         return cluster.run(*call, timeout_s=3600.0)[0]
+
+
+class RunRecord:
+    """What every result of these scripts records around its measurements: the run's metadata,
+    its wall time, the load average before and after, and the settings each fixes (fp32, one
+    torch thread per rank, ``--quick`` or not). Opened before the first measurement."""
+
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.load_before = os.getloadavg()
+        self.start = time.perf_counter()
+
+    def result(self, config: dict[str, Any], **body: Any) -> dict[str, Any]:
+        """The result: this record, the script's ``config`` and its ``body`` fields."""
+        from moesaic.bench.meta import run_metadata
+
+        return {
+            "meta": run_metadata(),
+            "wall_s": time.perf_counter() - self.start,
+            "load_average_1_5_15": {"before": self.load_before, "after": os.getloadavg()},
+            "config": {
+                **config,
+                "dtype": "float32",
+                "torch_threads_per_rank": 1,
+                "quick": self.quick,
+            },
+            **body,
+        }

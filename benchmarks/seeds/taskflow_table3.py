@@ -40,15 +40,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from taskflow_harness import Point, run_ep, summarize
+from taskflow_harness import Point, RunRecord, run_ep, summarize
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "seeds_taskflow_table3.json"
 H, F, K, LOCAL, T = 256, 512, 8, 8, 512
@@ -89,10 +87,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from moesaic.bench.meta import run_metadata
-
-    load_before = os.getloadavg()
-    start = time.perf_counter()
+    record = RunRecord(args.quick)
     worlds = []
     for name, ep, gbps, variants, rounds in WORLDS:
         if args.quick:
@@ -104,24 +99,18 @@ def main() -> int:
         s = summarize(res[0])
         print(_row(name, ep, gbps, s), flush=True)
         worlds.append({"name": name, "ep": ep, "gbps": gbps, "summary": s, "raw": res[0]})
-    result = {
-        "meta": run_metadata(),
-        "wall_s": time.perf_counter() - start,
-        "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
-        "config": {
+    result = record.result(
+        {
             "hidden": H,
             "ffn": F,
             "top_k": K,
             "local_experts": LOCAL,
             "tokens_per_rank": T,
             "latency_ms": LATENCY_MS,
-            "dtype": "float32",
-            "torch_threads_per_rank": 1,
-            "quick": args.quick,
         },
-        "paper_table3_ms": PAPER,
-        "worlds": worlds,
-    }
+        paper_table3_ms=PAPER,
+        worlds=worlds,
+    )
     out = Path(args.out) if args.out else (None if args.quick else OUT)
     if out is not None:
         out.write_text(json.dumps(result, indent=1) + "\n")

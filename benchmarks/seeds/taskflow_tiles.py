@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from taskflow_harness import Point, run_ep, summarize
+from taskflow_harness import Point, RunRecord, run_ep, summarize
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "seeds_taskflow_tiles.json"
 VARIANTS = ("dropless", "taskflow static", "taskflow static, tile 512", "compute only",
@@ -55,10 +53,7 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=2, help="the whole set, this many times")
     args = ap.parse_args()
 
-    from moesaic.bench.meta import run_metadata
-
-    load_before = os.getloadavg()
-    start = time.perf_counter()
+    record = RunRecord(args.quick)
     rows = []
     for i, (ep, gbps, p) in ((i, w) for i in range(args.passes) for w in WORLDS):
         if args.quick:
@@ -79,20 +74,14 @@ def main() -> int:
         )
         rows.append({"pass": i, "gbps": gbps, "ep": ep, "point": res["point"], "summary": s,
                      "raw": res})  # fmt: skip
-    result = {
-        "meta": run_metadata(),
-        "wall_s": time.perf_counter() - start,
-        "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
-        "config": {
+    result = record.result(
+        {
             "rounds": ROUNDS,
             "warmup": WARMUP,
             "latency_ms": LATENCY_MS,
-            "dtype": "float32",
-            "torch_threads_per_rank": 1,
-            "quick": args.quick,
         },
-        "points": rows,
-    }
+        points=rows,
+    )
     out = Path(args.out) if args.out else (None if args.quick else OUT)
     if out is not None:
         out.write_text(json.dumps(result, indent=1) + "\n")

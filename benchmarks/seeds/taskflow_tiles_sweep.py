@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flashdmoe_sweeps import GBPS, LATENCY_MS, ROUNDS, WARMUP, F, H, K
-from taskflow_harness import Point, run_ep, summarize
+from taskflow_harness import Point, RunRecord, run_ep, summarize
 from taskflow_tiles import VARIANTS
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "seeds_taskflow_tiles_sweep.json"
@@ -38,10 +36,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from moesaic.bench.meta import run_metadata
-
-    load_before = os.getloadavg()
-    start = time.perf_counter()
+    record = RunRecord(args.quick)
     if args.quick:
         points = [Point("quick", 64, 32, 64, 8, K, "router", False)]
         res = run_ep(2, GBPS, LATENCY_MS, points, VARIANTS, 1, 1, loopback=True)
@@ -59,21 +54,15 @@ def main() -> int:
             flush=True,
         )
         rows.append({"ep": 2, "point": r["point"], "summary": s, "raw": r})
-    result = {
-        "meta": run_metadata(),
-        "wall_s": time.perf_counter() - start,
-        "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
-        "config": {
+    result = record.result(
+        {
             "gbps": GBPS,
             "latency_ms": LATENCY_MS,
             "rounds": ROUNDS,
             "warmup": WARMUP,
-            "dtype": "float32",
-            "torch_threads_per_rank": 1,
-            "quick": args.quick,
         },
-        "points": rows,
-    }
+        points=rows,
+    )
     out = Path(args.out) if args.out else (None if args.quick else OUT)
     if out is not None:
         out.write_text(json.dumps(result, indent=1) + "\n")
