@@ -2,7 +2,7 @@
 priority rule (read from the recorded spans and the recorded issue order), and deadlines.
 
 Each world runs several checks in one spawn (a spawn costs ~2 s on this machine): the
-equivalence, priority, tail and clone workers share one world; the workers return plain data
+equivalence, priority, tail, late-tail and clone workers share one world; the workers return plain data
 and the assertions run here.
 """
 
@@ -220,6 +220,49 @@ def test_pool_tail_chunks_go_at_once_after_the_last_all_to_all():
     assert max(s[2] for s in tail) < min(s[3] for s in tail)
 
 
+def _late_tail_worker(rank: int, world: int) -> dict:
+    """The last all-to-all waited before the backward: every gradient completes in the tail."""
+    sync, model, x_BH, ref = _reference(rank, world)
+    rec = Recorder(rank)
+    pool = CommPool(
+        grad_sync=sync, params=list(model.parameters()), chunk_bytes=128, recorder=rec,
+        timeout_s=TIMEOUT_S,
+    )  # fmt: skip
+    rows = torch.full((64, 8), float(rank))
+    out: dict = {"equal": [], "calls": []}
+    for _ in range(3):  # the first step learns the hook counts and where the tail opened
+        rec.clear()
+        pool.begin_step()
+        pool.all_to_all(
+            torch.empty_like(rows), rows, None, None, group=sync.layout.ep, name="D1.1",
+            phase="bwd", block=1, chunk=1,
+        ).wait()  # fmt: skip
+        pool.end_all_to_alls()
+        _backward_in_chunks(model, x_BH)
+        pool.finish()
+        out["equal"].append(all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters())))
+        ars = [s for s in rec.events if s.resource == "allreduce"]
+        out["calls"].append([(s.args["phase"], s.args["bytes"]) for s in ars])
+        model.zero_grad(set_to_none=True)
+    pool.close()
+    replicated = [p for p in model.parameters() if not getattr(p, "_moesaic_expert", False)]
+    out["replicated_bytes"] = sum(p.numel() * 4 for p in replicated)
+    return out
+
+
+def test_pool_gradients_completing_in_the_tail_go_as_one_call():
+    """Gradients that completed after the step's last all-to-all (in rank 0's first step) are
+    one chunk, not one per Sp: they go as one call (in the tail from the second step; 128-byte
+    Sp: 13 chunks otherwise), summed exactly as before."""
+    for r in _shared_world("late_tail"):
+        assert r["equal"] == [True] * 3
+        assert r["replicated_bytes"] > 8 * 128  # more than 8 chunks of Sp
+        # the first step: built at finish, after the agreement: the tail already one chunk
+        assert r["calls"][0] == [("finish", r["replicated_bytes"])]
+        for calls in r["calls"][1:]:
+            assert calls == [("tail", r["replicated_bytes"])]
+
+
 def _clone_worker(rank: int, world: int) -> dict:
     layout = build_layout(ep_size=world, timeout_s=TIMEOUT_S)
     rec = Recorder(rank)
@@ -270,6 +313,7 @@ def _shared_worker(rank: int, world: int) -> dict:
         "equivalence": _equivalence_worker,
         "priority": _priority_worker,
         "tail": _tail_worker,
+        "late_tail": _late_tail_worker,
         "clone": _clone_worker,
     }
     return {name: worker(rank, world) for name, worker in workers.items()}

@@ -1,8 +1,8 @@
 """The gradient layout of the communication pool (``schedule/pool.py``): where each gradient is
 staged for its all-reduce, in which chunk, and when that chunk is complete.
 
-Shape legend: N parameters, P ranks, X = 2N (a rank's hook counts, then the sequence numbers of
-its last hook calls).
+Shape legend: N parameters, P ranks, X = 2N + 1 (a rank's hook counts, the sequence numbers of
+its last hook calls, the sequence number at which its tail opened).
 
 * **Buckets.** Parameters are grouped by (reduction rank set, dtype) and laid out, in the ready
   order, in one flat staging buffer per group. A rank set of one rank (expert shards without
@@ -11,9 +11,17 @@ its last hook calls).
 * **Chunks.** Each buffer is cut into chunks of ``chunk_bytes`` (Sp); the chunks of all buckets
   form one sequence, sorted by the place of their last parameter in the ready order, which every
   rank issues in the same order. A chunk is complete when every parameter it covers is.
+  **The tail** is the exception: the parameters whose gradients completed, in rank 0's first
+  step, after the step's last all-to-all had been waited (``open_tail``: nothing is left for
+  the chunks to hide behind; the pool issues them at once) form one chunk per bucket, not one
+  per Sp: each call costs a collective's latency and its ranks' handshake, and cut into Sp
+  chunks they went as that many calls (``seeds_flowmoe_chunkcost.json``: 12 of 16 chunks at
+  1 Gbit/s, +11% on the step). Decided here, when the chunks are cut, from the agreement's
+  row, so that every rank issues the same calls whatever its own threads' timing.
 * **The ready order**, learned in the first step (which reduces everything at ``finish``): every
   rank gathers every rank's hook counts and the sequence number of each parameter's last hook
-  call (:meth:`GradLayout.hook_row`), and :meth:`GradLayout.learn` keeps rank 0's order and, for
+  call, and the sequence number at which its tail opened (:meth:`GradLayout.hook_row`), and
+  :meth:`GradLayout.learn` keeps rank 0's order and tail and, for
   each parameter whose count is the same on every rank, that count: from the next step on such a
   gradient is complete, and its chunks can go, once its hook count reaches it.
 * **Per step**, :meth:`GradLayout.record` counts a parameter's hook calls and
@@ -91,6 +99,8 @@ class GradLayout:
         self.counts_N = [0] * N
         self.last_N = [-1] * N  # hook sequence number of the latest call
         self.seq = 0
+        self.tail_seq = -1  # this step's seq when its tail opened (-1: not yet)
+        self.tail_from = N  # the ready order's first tail parameter (learned; N: no tail)
         self.late: list[int] = []
 
     # -- layout -----------------------------------------------------------------------------
@@ -105,6 +115,9 @@ class GradLayout:
         self.buckets, chunks = [], []
         self.chunks_of_N = [[] for _ in self.params]
         for (ranks, dtype), members in keyed.items():
+            tail = next(
+                (k for k, i in enumerate(members) if position[i] >= self.tail_from), len(members)
+            )
             offsets = [0]
             for i in members:
                 offsets.append(offsets[-1] + self.params[i].numel())
@@ -120,8 +133,10 @@ class GradLayout:
             b.staging = staging
             esize = staging.element_size()
             step = max(1, chunk_bytes // esize)
-            for lo in range(0, b.numel, step):
-                hi = min(lo + step, b.numel)
+            tail_lo = offsets[tail]  # the bucket's tail: one chunk
+            cuts = [(lo, min(lo + step, tail_lo)) for lo in range(0, tail_lo, step)]
+            cuts += [(tail_lo, b.numel)] if tail_lo < b.numel else []
+            for lo, hi in cuts:
                 segs = []
                 for i, off in zip(members, b.offsets):
                     n = self.params[i].numel()
@@ -141,27 +156,37 @@ class GradLayout:
         self.chunk_bytes = chunk_bytes
 
     def hook_row(self) -> list[int]:
-        """This rank's row of the first step's agreement (X = 2N values): the hook counts,
-        then the sequence number of each parameter's last hook call (-1: none)."""
-        return self.counts_N + self.last_N
+        """This rank's row of the first step's agreement (X = 2N + 1 values): the hook counts,
+        the sequence number of each parameter's last hook call (-1: none), and the sequence
+        number at which the step's tail opened (-1: it did not)."""
+        return self.counts_N + self.last_N + [self.tail_seq]
+
+    def open_tail(self) -> None:
+        """The step's last all-to-all has been waited: hook calls from here on are its tail
+        (the first call this step counts)."""
+        if self.tail_seq < 0:
+            self.tail_seq = self.seq
 
     def learn(self, all_PX: torch.Tensor) -> None:
         """Keep rank 0's ready order and the hook counts every rank agrees on, from every
         rank's :meth:`hook_row` (rows in rank order); :meth:`build` applies them."""
         N = len(self.params)
-        counts_PN, last_N = all_PX[:, :N].cpu(), all_PX[0, N:].tolist()
+        counts_PN, last_N = all_PX[:, :N].cpu(), all_PX[0, N : 2 * N].tolist()
+        tail_seq = int(all_PX[0, 2 * N])
         same_N = (counts_PN == counts_PN[:1]).all(dim=0).tolist()
         self.expected_N = [int(counts_PN[0, i]) if same_N[i] else 0 for i in range(N)]
         seen = sorted((last, i) for i, last in enumerate(last_N) if last >= 0)
         rest = [i for i in reversed(range(N)) if last_N[i] < 0]
         self.order = [i for _, i in seen] + rest
+        # (parameters no hook reached go last, with the tail when there is one)
+        self.tail_from = N if tail_seq < 0 else sum(last < tail_seq for last, _ in seen)
 
     # -- one step ---------------------------------------------------------------------------
     def begin_step(self) -> None:
         """Forget the last step's hook calls; every chunk misses all its parameters again."""
         self.counts_N = [0] * len(self.params)
         self.last_N = [-1] * len(self.params)
-        self.seq, self.late = 0, []
+        self.seq, self.tail_seq, self.late = 0, -1, []
         for c in self.chunks:
             c.missing = len({s[0] for s in c.segments})
             c.issued = False

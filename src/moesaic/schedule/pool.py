@@ -29,7 +29,7 @@ chunk is issued, at its start or at the hook that completes it. On a device the 
 enqueued after the stream waited for the all-to-all, so it also starts after it on the GPU.
 Once the schedule says its last all-to-all of the step has been issued (``end_all_to_alls``)
 and has waited for all of them, nothing is left to protect: every ready chunk goes at once (the
-step's tail). ``finish`` issues the rest, waits each under the deadline, and writes
+step's tail; what completes there is one chunk per bucket, ``grad_layout.py``). ``finish`` issues the rest, waits each under the deadline, and writes
 ``sum / divisor`` back to ``p.grad``. A parameter whose gradient never arrived on this rank
 reduces zeros, so every rank issues the same chunks. Reduction rank sets of one rank (expert
 shards without replicas) are not reduced, only divided (unless the single-rank shortcuts are off,
@@ -321,6 +321,7 @@ class CommPool:
         if not self._armed or self._finishing:
             return
         if self._a2a_closed and self._a2a_unwaited == 0:
+            self._layout.open_tail()
             while self._ready():
                 self._issue(self._layout.chunks[self._next], phase="tail")
         elif self._gap and self._ready():
