@@ -22,6 +22,8 @@ error beyond the fp32 run's own. ``python tests/train/test_fsdp.py`` prints the 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 
 import pytest
@@ -120,12 +122,14 @@ def _train(
         statistics=_step_statistics(model, "cpu"),
     )
     step = make_step(schedule, parts)
-    out: dict = {"loss": [], "norm": [], "loads": [], "bias": []}
+    out: dict = {"loss": [], "norm": [], "loads": [], "bias": [], "gathers": []}
     for s in range(STEPS):
         gen = torch.Generator().manual_seed(100 * s + rank)
         x_BT = torch.randint(0, 256, (2, 16), generator=gen)
         y_BT = torch.randint(0, 256, (2, 16), generator=gen)
-        result = step.run(x_BT, y_BT)
+        with _gathers_logged() as gathers:
+            result = step.run(x_BT, y_BT)
+        out["gathers"].append(collections.Counter(gathers))
         assert result.applied
         loss, _, loads, routed = _step_stats(model, result.statistics, layout, "cpu")
         _update_score_biases(model, routed)
@@ -137,6 +141,28 @@ def _train(
     out["weights"] = {n: _full(p) for n, p in model.named_parameters()}
     out["expert_compute_dtypes"] = seen
     return out
+
+
+@contextlib.contextmanager
+def _gathers_logged():
+    """(unit, pass) of every all-gather FSDP2 issues inside the block: FSDP2's own
+    ``FSDPParamGroup.unshard`` (private, the pinned torch's), wrapped where it does issue one
+    (not when the unit is already gathered or its gather is in flight)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    log: list[tuple[str, str]] = []
+    unshard = FSDPParamGroup.unshard
+
+    def logged(self, *args, **kwargs):
+        if self._all_gather_result is None and not self.is_unsharded:
+            log.append((self._module_fqn or "root", self._training_state.name))
+        return unshard(self, *args, **kwargs)
+
+    FSDPParamGroup.unshard = logged
+    try:
+        yield log
+    finally:
+        FSDPParamGroup.unshard = unshard
 
 
 # (schedule, mesh degrees beside EP 2) compared with (schedule, None), the unsharded run
@@ -330,3 +356,31 @@ def test_mesh_shape_names_the_rule():
         match=r"^the world size \(4\) must be dp_replicate \(1\) x dp_shard \(4\) x ep \(2\) = 8$",
     ):
         MeshShape(dp_shard=4, ep=2).check_world(4)
+
+
+def test_each_unit_is_gathered_once_per_pass():
+    """Every FSDP2 unit is all-gathered once before each pass over it and no more (the price,
+    ``sim/fsdp.py``): vanilla, one forward and one backward per block unit (the block, its
+    router, its experts) and the root once (it stays gathered through the backward); moe-only
+    (R = 2 chunks, each calling the stages and embed/head on its own), R of each per block
+    unit, and the root once in the forward and before each of its 2R - 1 later backward calls
+    (FSDP2 reshards it after each call's backward). Before the stages' bodies were split from
+    the FSDP2 forward methods, a vanilla block's forward went through both registered stages
+    and gathered the block twice a pass: 23 gathers a step, not 13."""
+    R = 2
+    block_units = [f"blocks.{b}{u}" for b in range(2) for u in ("", ".moe.router", ".moe.experts")]
+    want = {
+        "vanilla": {
+            **{(u, p): 1 for u in block_units for p in ("FORWARD", "PRE_BACKWARD")},
+            ("root", "FORWARD"): 1,
+        },
+        "moe-only": {
+            **{(u, p): R for u in block_units for p in ("FORWARD", "PRE_BACKWARD")},
+            ("root", "FORWARD"): 1,
+            ("root", "PRE_BACKWARD"): 2 * R - 1,
+        },
+    }
+    for rank, runs in enumerate(_runs()):
+        for schedule, counts in want.items():
+            for step, got in enumerate(runs["dropless", schedule, "{'dp_shard': 2}"]["gathers"]):
+                assert dict(got) == counts, (rank, schedule, step, sorted(got.items()))

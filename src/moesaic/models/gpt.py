@@ -141,14 +141,27 @@ class Block(nn.Module):
         else:
             self.moe = MoELayer(cfg.moe, group=ep_group, topology=topology)
 
-    @_under_autocast
     def attention_stage(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention half: returns the residual stream and the normed input of the FFN stage.
 
         An MoE layer's shared experts (``num_shared_experts``) run here and join the returned
         residual stream: they need no communication, so a pipelined schedule computes them
         with the gate, while other chunks' routed rows travel (FlowMoE's ``AT`` stage).
+
+        The stages are entry points for the schedules that call them apart (FSDP2 registers
+        them as forward methods, ``train/fsdp.py``: each call gathers the block and reshards
+        it after); ``forward`` runs the same bodies without them, so a whole-block call is
+        one gather, not one per stage.
         """
+        return self._attention(x_BTD)
+
+    def expert_stage(self, x_BTD: torch.Tensor, h_BTD: torch.Tensor) -> torch.Tensor:
+        """FFN half: the residual stream plus the dense MLP's or the MoE layer's routed
+        experts' output on ``h`` (its shared experts ran in ``attention_stage``)."""
+        return self._ffn(x_BTD, h_BTD)
+
+    @_under_autocast
+    def _attention(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
         h_BTD = self.ln2(x_BTD)
         moe = getattr(self, "moe", None)
@@ -158,15 +171,13 @@ class Block(nn.Module):
         return x_BTD, h_BTD
 
     @_under_autocast
-    def expert_stage(self, x_BTD: torch.Tensor, h_BTD: torch.Tensor) -> torch.Tensor:
-        """FFN half: the residual stream plus the dense MLP's or the MoE layer's routed
-        experts' output on ``h`` (its shared experts ran in ``attention_stage``)."""
+    def _ffn(self, x_BTD: torch.Tensor, h_BTD: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "mlp"):
             return x_BTD + self.mlp(h_BTD)
         return x_BTD + self.moe.run_experts(self.moe.route(h_BTD))
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.expert_stage(*self.attention_stage(x_BTD))
+        return self._ffn(*self._attention(x_BTD))
 
     def recompute_contexts(
         self,
@@ -234,7 +245,18 @@ class MoEGPT(SharedLMMethods):
 
     def embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """The residual stream entering the first block: byte embeddings (plus learned position
-        embeddings with ``positions = "learned"``; rotary positions act inside attention)."""
+        embeddings with ``positions = "learned"``; rotary positions act inside attention).
+
+        ``embed`` and ``head`` are entry points for the schedules that pipeline blocks (FSDP2
+        registers them as forward methods); ``forward`` runs their bodies without them, so
+        the root is gathered once for the whole call (as ``Block.forward``)."""
+        return self._embed(idx_BT)
+
+    def head(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, V]`` from the last block's output (tied byte embedding)."""
+        return self._head(x_BTD)
+
+    def _embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
         T = idx_BT.shape[-1]
         if self.config.seq_len < T:
             raise ValueError(f"sequence length ({T}) must be <= seq_len ({self.config.seq_len})")
@@ -243,8 +265,10 @@ class MoEGPT(SharedLMMethods):
             x_BTD = x_BTD + self.pos_emb(torch.arange(T, device=idx_BT.device))
         return x_BTD
 
-    def head(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, V]`` from the last block's output (tied byte embedding)."""
+    def _head(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        # in the root's dtype (fp32), whatever the blocks computed in (FSDP2's bf16 policy
+        # hands back bf16 blocks' outputs)
+        x_BTD = x_BTD.to(self.tok_emb.weight.dtype)
         return F.linear(self.ln_f(x_BTD), self.tok_emb.weight)
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
@@ -252,10 +276,10 @@ class MoEGPT(SharedLMMethods):
 
         ``head(blocks(embed(idx)))``; schedules that pipeline blocks call the stages directly.
         """
-        x_BTD = self.embed(idx_BT)
+        x_BTD = self._embed(idx_BT)
         for block in self.blocks:
             x_BTD = self._run_block(block, x_BTD)
-        return self.head(x_BTD)
+        return self._head(x_BTD)
 
     def _run_block(self, block: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
         if not (self.activation_checkpointing and self.training and torch.is_grad_enabled()):

@@ -152,6 +152,11 @@ def shard_model(
     ``forward``: those are registered as FSDP forward methods (all-gather before, reshard and
     the backward hooks after), and the router is a unit of its own because they call the gate
     (``MoELayer.route``) between two stages, when the block's parameters are sharded again.
+    ``forward`` runs the same bodies without the registered methods (``models/gpt.py``), so
+    a whole-model call gathers each unit once a pass: on the tests' 2-block model, vanilla
+    gathers 13 times a step (7 units forward, the 6 block units again backward; the root stays
+    gathered), against 23 when ``forward`` went through the registered stages
+    (``tests/train/test_fsdp.py`` counts them per unit).
 
     ``compute_dtype`` (bf16): mixed precision through FSDP2's ``MixedPrecisionPolicy`` instead
     of autocast: the blocks and experts are all-gathered in it and compute in it, their
@@ -162,8 +167,7 @@ def shard_model(
     ``prefetch``: explicit forward/backward prefetch (``_prefetch``); off for a schedule that
     runs the stages chunk by chunk (``ScheduleSpec.pipelined``), where a prefetched unit is
     resharded after the current chunk's stage and gathered again: measured on the tests' 2-block
-    model, a moe-only step at R = 2 issued 35 all-gathers with it, 29 without (vanilla: 22
-    with, 23 without).
+    model, a moe-only step at R = 2 issued 35 all-gathers with it, 29 without.
     """
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):  # e.g. --hf-config's stage views
