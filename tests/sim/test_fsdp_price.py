@@ -64,14 +64,7 @@ def test_sharded_step_pays_its_gathers_where_compute_cannot_hide_them():
         opts = SimOptions(dp_shard=1)
         sharded = simulate(spec, MODEL, "dropless", PROFILE, opts, schedule=schedule)
         names = {s.name for s in sharded.spans}
-        assert {"FS.root", "FS1.1", "FR1.2"} <= names
-        # the root: reduce-scattered once (vanilla: one forward call) or after each of the 2R
-        # embed/head calls' backward, gathered again before each later one (train/fsdp.py)
-        R = sharded.details["degree"]
-        calls = 1 if schedule == "vanilla" else 2 * R
-        root = [s.name for s in sharded.spans if ".root" in s.name]
-        assert sum(n.startswith("FR.root") for n in root) == calls, root
-        assert sum(n.startswith("FS.root") for n in root) == calls, root
+        assert {"FS.root", "FS1.1", "FR1.2", "FR.root"} <= names
         assert "AR1" in {s.name for s in plain.spans} and "AR1" not in names
         assert sharded.iteration_s > plain.iteration_s
     slow_compute = Profile(flops_per_s=2e8, task_overhead_s=1e-4)

@@ -145,24 +145,40 @@ def _train(
 
 @contextlib.contextmanager
 def _gathers_logged():
-    """(unit, pass) of every all-gather FSDP2 issues inside the block: FSDP2's own
-    ``FSDPParamGroup.unshard`` (private, the pinned torch's), wrapped where it does issue one
-    (not when the unit is already gathered or its gather is in flight)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    """(unit, pass) of every all-gather FSDP2 issues inside the block, and (unit, "REDUCE")
+    of every reduce-scatter: FSDP2's own ``FSDPParamGroup.unshard`` (private, the pinned
+    torch's), wrapped where it does issue a gather (not when the unit is already gathered or
+    its gather is in flight), and the ``foreach_reduce`` its ``post_backward`` calls."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
 
+    Group = group_module.FSDPParamGroup
     log: list[tuple[str, str]] = []
-    unshard = FSDPParamGroup.unshard
+    unshard, post_backward, reduce = Group.unshard, Group.post_backward, group_module.foreach_reduce
+    current: list[str] = []
 
-    def logged(self, *args, **kwargs):
+    def logged_unshard(self, *args, **kwargs):
         if self._all_gather_result is None and not self.is_unsharded:
             log.append((self._module_fqn or "root", self._training_state.name))
         return unshard(self, *args, **kwargs)
 
-    FSDPParamGroup.unshard = logged
+    def logged_post_backward(self, *args):
+        current.append(self._module_fqn or "root")
+        try:
+            return post_backward(self, *args)
+        finally:
+            current.pop()
+
+    def logged_reduce(*args, **kwargs):
+        log.append((current[-1], "REDUCE"))
+        return reduce(*args, **kwargs)
+
+    Group.unshard, Group.post_backward = logged_unshard, logged_post_backward
+    group_module.foreach_reduce = logged_reduce
     try:
         yield log
     finally:
-        FSDPParamGroup.unshard = unshard
+        Group.unshard, Group.post_backward = unshard, post_backward
+        group_module.foreach_reduce = reduce
 
 
 # (schedule, mesh degrees beside EP 2) compared with (schedule, None), the unsharded run
@@ -363,21 +379,25 @@ def test_each_unit_is_gathered_once_per_pass():
     ``sim/fsdp.py``): vanilla, one forward and one backward per block unit (the block, its
     router, its experts) and the root once (it stays gathered through the backward); moe-only
     (R = 2 chunks, each calling the stages and embed/head on its own), R of each per block
-    unit, and the root once in the forward and before each of its 2R - 1 later backward calls
-    (FSDP2 reshards it after each call's backward). Before the stages' bodies were split from
-    the FSDP2 forward methods, a vanilla block's forward went through both registered stages
-    and gathered the block twice a pass: 23 gathers a step, not 13."""
+    unit, and the root once (held gathered across its 2R calls, ``schedule/pipeline.py``'s
+    ``_hold_root``; before, FSDP2 resharded it after each call's backward and gathered it
+    again: 2R - 1 more). Before the stages' bodies were split from the FSDP2 forward methods,
+    a vanilla block's forward went through both registered stages and gathered the block
+    twice a pass: 23 gathers a step, not 13. The reduce-scatters: one per unit and backward
+    pass, the root's once."""
     R = 2
     block_units = [f"blocks.{b}{u}" for b in range(2) for u in ("", ".moe.router", ".moe.experts")]
+    passes = ("FORWARD", "PRE_BACKWARD", "REDUCE")
     want = {
         "vanilla": {
-            **{(u, p): 1 for u in block_units for p in ("FORWARD", "PRE_BACKWARD")},
+            **{(u, p): 1 for u in block_units for p in passes},
             ("root", "FORWARD"): 1,
+            ("root", "REDUCE"): 1,
         },
         "moe-only": {
-            **{(u, p): R for u in block_units for p in ("FORWARD", "PRE_BACKWARD")},
+            **{(u, p): R for u in block_units for p in passes},
             ("root", "FORWARD"): 1,
-            ("root", "PRE_BACKWARD"): 2 * R - 1,
+            ("root", "REDUCE"): 1,
         },
     }
     for rank, runs in enumerate(_runs()):

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from moesaic.experts import GroupedExperts, expert_compute_dtype, expert_ffn
 from moesaic.layer import MoELayer
@@ -111,6 +112,19 @@ def _cast_once(experts: GroupedExperts) -> ExpertFn:
         return expert_ffn(x_MH, counts_e, w1, w3, w2, kernels=kernels)
 
     return run
+
+
+def _hold_root(model: nn.Module, hold: bool) -> None:
+    """Under FSDP2 (``train/fsdp.py``) the root's own parameters (embedding, final norm, head)
+    are one unit, and each chunk's ``embed`` and ``head`` is an FSDP2 call of its own: left
+    alone, each call's backward reduce-scatters the root's gradients and reshards it, and the
+    next call gathers it again (2R reduce-scatters and 2R - 1 gathers a step). Held, the root
+    stays gathered and its gradients accumulate unreduced (FSDP2's gradient-accumulation
+    path); released before the last root call's backward, which reduce-scatters their sum
+    once. A model not sharded by FSDP2 is left as it is."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(not hold, recurse=False)
+        model.set_reshard_after_backward(not hold, recurse=False)
 
 
 def check_degree(degree: int, batch: int) -> None:
@@ -431,10 +445,21 @@ class BlockPipeline:
         if not J:
             assert self.pool is not None  # internal: only run() calls
             self.pool.end_all_to_alls()
+        _hold_root(self.model, True)
+        try:
+            self._backward_stages(rev, J)
+        finally:
+            _hold_root(self.model, False)
+
+    def _backward_stages(self, rev: list[_Chunk], J: int) -> None:
         # The head stages, then for each MoE block from the last: experts, then attention.
+        # The last root call's backward (the last chunk's embed in block 0's attention stage,
+        # or its head without MoE blocks) reduces the root's gradients: _hold_root.
         for c in rev:
             with self._span(f"head{c.r}", phase="bwd", chunk=c.r):
                 assert c.head is not None
+                if not J and c is rev[-1]:
+                    _hold_root(self.model, False)
                 grads = c.head.backward()
                 c.head = None
             if J:
@@ -466,6 +491,8 @@ class BlockPipeline:
                     self._wait(c)
                 at = c.at.pop()
                 at.stage.set_grad(at.i_rows, c.received)  # type: ignore[arg-type]
+                if j == 0 and c is rev[-1]:
+                    _hold_root(self.model, False)
                 with self._span(f"AT{c.r}.{blk}", phase="bwd", block=blk, chunk=c.r):
                     grads = at.stage.backward()
                 if j > 0:

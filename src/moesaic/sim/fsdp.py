@@ -10,13 +10,8 @@ outside EP's); the root (embedding, final norm, tied head) over the dense mesh.
 **What a step moves** (FSDP2 with ``reshard_after_forward``, its default): every block unit is
 all-gathered before each pass over the block (vanilla: one pass; a pipelined schedule calls
 each chunk's stages, so R passes) and again before each pass of its backward, and its
-gradients are reduce-scattered after each backward pass. The root is gathered once and stays
-gathered through the forward; under ``vanilla`` (one call of the model's ``forward``) also
-through the backward, its gradients reduce-scattered once at the end; under a pipelined
-schedule each chunk's ``embed`` and ``head`` is an FSDP2 call of its own (``root_calls`` =
-2R), whose backward reduce-scatters the root's gradients and reshards it, so the root is
-reduce-scattered 2R times and gathered again before each of the 2R - 1 later calls'
-backward passes. An all-gather
+gradients are reduce-scattered after each backward pass; the root is gathered once and stays
+gathered through the backward, its gradients reduce-scattered once at the end. An all-gather
 of a shard ``s`` over ``g`` ranks and the reduce-scatter of the full gradients ``g s`` move the
 same ``(g - 1) s`` per rank, so both are priced as the all-gather: :func:`all_gather_s` on the
 dense mesh's levels, :func:`level_exchange_s` (a gather) on the expert mesh's one level.
@@ -67,8 +62,6 @@ class FsdpTraffic:
         root_bytes: bytes a rank receives in the root's gather.
         prefetch: FSDP2's explicit prefetch (the next block's gathers beside this one's compute).
         dense_ranks: ranks the dense units are sharded over (``dp_shard x ep``).
-        root_calls: the FSDP2 calls over the root in a step (1: the model's ``forward``; 2R:
-            each chunk's ``embed`` and ``head``), each a backward pass that reduce-scatters it.
     """
 
     gather_s: float
@@ -79,7 +72,6 @@ class FsdpTraffic:
     root_bytes: float
     prefetch: bool
     dense_ranks: int
-    root_calls: int = 1
 
 
 def mesh_levels(spec: ClusterSpec, ranks: int, *, inner: int = 1) -> tuple[int, ...]:
@@ -141,20 +133,13 @@ def _dense_gather_s(link: LinkModel, ranks: int, shard_bytes: float) -> float:
 
 
 def fsdp_traffic(
-    link: LinkModel,
-    model: ModelSpec,
-    *,
-    ep: int,
-    dp_shard: int,
-    prefetch: bool,
-    root_calls: int = 1,
+    link: LinkModel, model: ModelSpec, *, ep: int, dp_shard: int, prefetch: bool
 ) -> FsdpTraffic:
     """The FSDP2 collectives of ``model`` with ``dp_shard`` beside ``ep`` on ``link``'s
     cluster (its world: ``dp_shard x ep`` ranks, no replicas), fp32 parameters
-    (``model.param_bytes``); ``root_calls``: :attr:`FsdpTraffic.root_calls`."""
+    (``model.param_bytes``)."""
     check_positive_int("ep", ep)
     check_positive_int("dp_shard", dp_shard)
-    check_positive_int("root_calls", root_calls)
     if dp_shard * ep != link.world_size:
         raise ValueError(
             f"dp_shard ({dp_shard}) x ep ({ep}) must be the world size ({link.world_size}): "
@@ -184,7 +169,6 @@ def fsdp_traffic(
         root_bytes=root * share,
         prefetch=prefetch,
         dense_ranks=dense_ranks,
-        root_calls=root_calls,
     )
 
 

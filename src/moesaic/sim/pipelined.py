@@ -438,14 +438,8 @@ def _backward(
     L = c_.model.layers
     done: list[SimTask] = [heads[1]] * L
     prev: dict[int, SimTask] = {}
-    fs = c_.fsdp
-    per_call = fs is not None and fs.root_reduce_s > 0 and fs.root_calls > 1
-    for i, r in enumerate(rev):
-        # per root call: gathered again (after the first) and reduce-scattered after it
-        wait = _root_regather(g, c_, f"h{r}", prev[rev[i - 1]]) if per_call and i else None
-        prev[r] = g.add("compute", _comp(f"head{r}", c_.head_bwd_s, "bwd", 0, r), wait)
-        if per_call:
-            _root_reduce(g, c_, f"h{r}", prev[r])
+    for r in rev:
+        prev[r] = g.add("compute", _comp(f"head{r}", c_.head_bwd_s, "bwd", 0, r))
     for blk in range(L, 0, -1):
         cb = {}
         for r in rev:
@@ -470,29 +464,11 @@ def _backward(
                 red = SimTask(f"FR{r}.{blk}", "gather", sharded.reduce_s, "bwd", blk, r, nbytes)
                 g.add(FSDP, red, prev[r])
         done[blk - 1] = prev[1]
-    if per_call:  # each chunk's embed call, after block 1's backward of the chunk
-        for r in rev:
-            _root_reduce(g, c_, f"e{r}", _root_regather(g, c_, f"e{r}", prev[r]))
-    elif fs is not None and fs.root_reduce_s > 0:
-        _root_reduce(g, c_, "", prev[1])
+    fs = c_.fsdp
+    if fs is not None and fs.root_reduce_s > 0:
+        root = SimTask("FR.root", "gather", fs.root_reduce_s, "bwd", 0, 0, fs.root_bytes)
+        g.add(FSDP, root, prev[1])
     return done
-
-
-def _root_regather(g: SimGraph, c_: Costs, call: str, after: SimTask) -> SimTask:
-    """The root's all-gather before a later root call's backward (``call``), on the FSDP lane
-    once ``after`` (the previous call's backward) is done."""
-    fs = c_.fsdp
-    assert fs is not None  # internal: only under FSDP
-    task = SimTask(f"FS.root.{call}", "gather", fs.root_gather_s, "bwd", 0, 0, fs.root_bytes)
-    return g.add(FSDP, task, after)
-
-
-def _root_reduce(g: SimGraph, c_: Costs, call: str, after: Wait) -> SimTask:
-    """The reduce-scatter of the root's gradients after a root call's backward (``call``)."""
-    fs = c_.fsdp
-    assert fs is not None  # internal: only under FSDP
-    task = SimTask(f"FR.root{'.' if call else ''}{call}", "gather", fs.root_reduce_s, "bwd", 0, 0, fs.root_bytes)
-    return g.add(FSDP, task, after)
 
 
 def _fsdp_gather(

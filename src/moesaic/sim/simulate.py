@@ -235,13 +235,8 @@ def _graph(
                 "in the backward does not run sharded"
             )
         prefetch = not traits.pipelined  # train/fsdp.py: off for the chunked schedules
-        # the chunked schedules call embed and head per chunk (schedule/pipeline.py)
-        root_calls = 2 * R if traits.pipelined else 1
         ep, d = link.world_size, opts.dp_shard
-        traffic = fsdp_traffic(
-            world, model, ep=ep, dp_shard=d, prefetch=prefetch, root_calls=root_calls
-        )
-        costs.shard(traffic)
+        costs.shard(fsdp_traffic(world, model, ep=ep, dp_shard=d, prefetch=prefetch))
     overlap = traits.overlaps_attention
     early = traits.pipelined  # the pipelined steps gather their flags early
     g, tl = run_pipelined(costs, degree=R, overlap=overlap, chunk_bytes=sp, early=early)
