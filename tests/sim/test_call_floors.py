@@ -18,6 +18,7 @@ from moesaic.sim.collectives import (
     ring_all_reduce_s,
 )
 from moesaic.sim.model import ModelSpec
+from moesaic.sim.pipelined import _one_tail_chunk
 from moesaic.sim.profile import Profile
 from moesaic.sim.simulate import SimOptions, simulate
 
@@ -91,21 +92,37 @@ def test_calibrated_shares_are_relative_to_the_floored_closed_form(kind):
 
 
 def test_every_gradient_chunk_pays_the_all_reduce_floor(tmp_path):
-    """FlowMoE at Sp = G/64 against G/4: without floors the 60 more chunks cost latencies of
-    0.1 ms each; with a 2 ms floor a chunk costs at least that, and the chunks that cannot hide
-    behind the all-to-alls lengthen the step by it. The profile round-trips its floors."""
+    """FlowMoE at Sp = G/64 against G/4: without floors the more chunks cost latencies of
+    0.1 ms each; with a 2 ms floor every call costs at least that, and the calls that cannot
+    hide behind the all-to-alls lengthen the step by it. The chunks completing after the last
+    gap (the tail) go as one call whatever Sp is (``_one_tail_chunk``, as the pool cuts them).
+    The profile round-trips its floors."""
     model = ModelSpec(layers=2, batch=4, seq_len=64, hidden=128, ffn_hidden=256, experts=4, top_k=2)
     G = 2 * (4 * 128 * 8 + 4 * 128 * 128) * 4  # order of the gradients' bytes; Sp from it
 
-    def step(profile: Profile, divisor: int) -> float:
+    def step(profile: Profile, divisor: int):
         opts = SimOptions(degree=2, sp_bytes=G / divisor)
-        return simulate(PAIR, model, "dropless", profile, opts, schedule="flowmoe").iteration_s
+        return simulate(PAIR, model, "dropless", profile, opts, schedule="flowmoe")
+
+    def calls(result) -> list:
+        return [s for s in result.spans if s.resource == "allreduce" and s.kind == "AR"]
 
     bare = Profile(flops_per_s=1e10)
     floored = Profile(flops_per_s=1e10, allreduce_call_s=2e-3)
-    extra_bare = step(bare, 64) - step(bare, 4)
-    extra_floored = step(floored, 64) - step(floored, 4)
-    assert extra_floored > extra_bare + 30 * 1.9e-3, (extra_bare, extra_floored)
+    fine, coarse = step(floored, 64), step(floored, 4)
+    assert all(s.duration >= 2e-3 - 1e-12 for s in calls(fine) + calls(coarse))
+    assert len(calls(fine)) > len(calls(coarse))  # the gaps' chunks: one call each
+    # what the floor adds to the step: the busy time of the calls, a floor per call at least
+    busy = sum(s.duration for s in calls(fine)) - sum(s.duration for s in calls(step(bare, 64)))
+    assert busy > (len(calls(fine)) - 1) * 1.9e-3, busy
+    # the tail: the chunks placed after the last gap go as one call of their bytes, ready
+    # with the last of them
+    chunks = [(10.0, "a"), (20.0, "b"), (30.0, "c"), (40.0, "d")]
+    gap, tail = object(), object()
+    placed = [(gap, True), (tail, False), (tail, False), (tail, False)]
+    merged, where = _one_tail_chunk(chunks, placed)  # type: ignore[arg-type]
+    assert merged == [(10.0, "a"), (90.0, "d")] and where == [(gap, True), (tail, False)]
+    assert _one_tail_chunk(chunks[:2], placed[:2]) == (chunks[:2], placed[:2])
     assert Profile.load(floored.save(tmp_path / "p.json")) == floored
     with pytest.raises(ValueError, match=r"profile\.allreduce_call_s"):
         Profile(flops_per_s=1.0, allreduce_call_s=-1e-3)

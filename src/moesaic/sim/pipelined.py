@@ -574,6 +574,19 @@ def _place_chunks(
     return out
 
 
+def _one_tail_chunk(
+    chunks: list[tuple[float, str]], placed: list[tuple[_WaitPoint | None, bool]]
+) -> tuple[list[tuple[float, str]], list[tuple[_WaitPoint | None, bool]]]:
+    """The chunks placed in the tail (after the last gap) as one call of their bytes, ready
+    with the last of them, as the pool cuts the gradients that complete in the tail
+    (``schedule/grad_layout.py``: one chunk per bucket, not one per Sp)."""
+    k = next((i for i, (_, in_gap) in enumerate(placed) if not in_gap), len(chunks))
+    if len(chunks) - k < 2:
+        return chunks, placed
+    merged = (sum(nbytes for nbytes, _ in chunks[k:]), chunks[-1][1])
+    return [*chunks[:k], merged], [*placed[:k], placed[-1]]
+
+
 def run_pipelined(
     costs: Costs,
     *,
@@ -583,6 +596,7 @@ def run_pipelined(
     in_gaps: bool = True,
     early: bool = True,
     durations: Callable[[SimTask], float] | None = None,
+    tail_as_one: bool = True,
 ) -> tuple[SimGraph, Timeline]:
     """Builds and simulates a step.
 
@@ -598,6 +612,9 @@ def run_pipelined(
             pipelined schedules) rather than after them, with the norm's all-reduce (vanilla;
             :mod:`moesaic.sim.steptail`).
         durations: overrides each compute and all-to-all task's seconds (tests: random times).
+        tail_as_one: the chunks placed after the last gap go as one call (the pool's rule,
+            ``schedule/grad_layout.py``); False: one call per Sp chunk, the paper's model (its
+            Theorem 2: without a startup cost a smaller Sp is never slower).
     """
     g, done = build_pipelined(costs, degree=degree, overlap=overlap)
     if durations is not None:
@@ -631,6 +648,8 @@ def run_pipelined(
     chunks = _ar_chunks(costs, done, chunk_bytes)
     tl = g.run()  # the step without chunks: they delay none of its tasks
     placed = _place_chunks(chunks, _wait_points(g, tl), tl, in_gaps)
+    if in_gaps and tail_as_one:
+        chunks, placed = _one_tail_chunk(chunks, placed)
     task = None
     lane_end = 0.0
     for k, ((nbytes, wait), (point, in_gap)) in enumerate(zip(chunks, placed), start=1):
