@@ -37,10 +37,12 @@ Bytes, counted two ways per step (fwd + bwd when the backward runs), both per ra
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 VARIANTS = (
@@ -362,6 +364,13 @@ class RunRecord:
         self.quick = quick
         self.load_before = os.getloadavg()
         self.start = time.perf_counter()
+
+    def save(self, result: dict[str, Any], out: str | None, default: Path) -> None:
+        """Write ``result`` to ``out``, or to ``default`` unless the run is ``--quick`` (a
+        quick run's numbers are a smoke test, never the committed result)."""
+        path = Path(out) if out else (None if self.quick else default)
+        if path is not None:
+            path.write_text(json.dumps(result, indent=1) + "\n")
 
     def result(self, config: dict[str, Any], **body: Any) -> dict[str, Any]:
         """The result: this record, the script's ``config`` and its ``body`` fields."""

@@ -39,7 +39,6 @@ The rule, fixed before measuring (commit of this docstring precedes the result):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,9 +110,7 @@ def main() -> int:
         paper_table3_ms=PAPER,
         worlds=worlds,
     )
-    out = Path(args.out) if args.out else (None if args.quick else OUT)
-    if out is not None:
-        out.write_text(json.dumps(result, indent=1) + "\n")
+    record.save(result, args.out, OUT)
     return 0
 
 

@@ -26,7 +26,6 @@ tiles cut it. The rule, fixed before measuring:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -82,9 +81,7 @@ def main() -> int:
         },
         points=rows,
     )
-    out = Path(args.out) if args.out else (None if args.quick else OUT)
-    if out is not None:
-        out.write_text(json.dumps(result, indent=1) + "\n")
+    record.save(result, args.out, OUT)
     return 0
 
 
