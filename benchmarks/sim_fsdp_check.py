@@ -2,9 +2,11 @@
 ``benchmarks/results/fsdp_cluster.json`` (``--dp-shard 2 --ep 2`` on ``compose_2x2``, 4 ranks):
 ``moesaic calibrate --cluster --model`` on that cluster and model (a profile of its own), then
 ``simulate`` of dropless + vanilla with ``dp_shard`` 2 (EP over the node's 2 ranks, the experts
-sharded over the 2 nodes, the dense part over all 4) and with ``dp_shard`` 1 on the 4 ranks (the
-planner's layout: EP = world), beside the measured step and bytes. The unsharded EP 2 x DP 2 run
-(replicas) is not priced by the simulator.
+sharded over the 2 nodes, the dense part over all 4), with ``dp_replicate`` 2 (HSDP: the dense
+part sharded over a node's 2 ranks, each shard all-reduced over the 2 nodes) and with
+``dp_shard`` 1 on the 4 ranks (the planner's layout: EP = world), beside the measured step and
+bytes. The unsharded EP 2 x DP 2 run (replicas without sharding) is not priced by the
+simulator.
 
 Usage (root: the emulated network needs network namespaces)::
 
@@ -70,8 +72,13 @@ def main() -> None:
     measured = json.loads(MEASURED.read_text())["rows"]
     out: dict = {"cluster": CLUSTER.name, "profile": json.loads(profile_path.read_text())}
     rows = {}
-    for name, d in (("dp_shard 2 x EP 2", 2), ("dp_shard 1 x EP 4 (not measured)", 1)):
-        r = simulate(spec, model, "dropless", profile, SimOptions(dp_shard=d), schedule="vanilla")
+    meshes = (
+        ("dp_shard 2 x EP 2", SimOptions(dp_shard=2)),
+        ("dp_replicate 2 x EP 2", SimOptions(dp_shard=1, dp_replicate=2)),
+        ("dp_shard 1 x EP 4 (not measured)", SimOptions(dp_shard=1)),
+    )
+    for name, opts in meshes:
+        r = simulate(spec, model, "dropless", profile, opts, schedule="vanilla")
         fsdp = [s for s in r.spans if s.name.startswith(("FS", "FR"))]
         rows[name] = {
             "predicted_s": r.iteration_s,
@@ -82,12 +89,11 @@ def main() -> None:
         }
     plain = simulate(spec, model, "dropless", profile, SimOptions(), schedule="vanilla")
     rows["unsharded EP 4 (not measured)"] = {"predicted_s": plain.iteration_s}
-    m = measured["dp_shard 2 x EP 2"]
-    rows["dp_shard 2 x EP 2"]["measured_s"] = m["step_s_median"]
-    rows["dp_shard 2 x EP 2"]["measured_tx_bytes_per_step"] = m["tx_bytes_per_step_max_rank"]
-    rows["dp_shard 2 x EP 2"]["error"] = (
-        rows["dp_shard 2 x EP 2"]["predicted_s"] / m["step_s_median"] - 1
-    )
+    for name in ("dp_shard 2 x EP 2", "dp_replicate 2 x EP 2"):
+        m = measured[name]
+        rows[name]["measured_s"] = m["step_s_median"]
+        rows[name]["measured_tx_bytes_per_step"] = m["tx_bytes_per_step_max_rank"]
+        rows[name]["error"] = rows[name]["predicted_s"] / m["step_s_median"] - 1
     out["rows"] = rows
     print(json.dumps(rows, indent=1))
     if args.out:

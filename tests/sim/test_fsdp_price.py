@@ -49,7 +49,7 @@ def test_traffic_on_the_mesh_levels():
     assert mesh_levels(link.spec, 2, inner=2) == (0,)
     with pytest.raises(ValueError, match=r"^ep \(3\) must be a product of the innermost"):
         mesh_levels(link.spec, 1, inner=3)
-    with pytest.raises(ValueError, match=r"^dp_shard \(2\) x ep \(1\) must be the world size"):
+    with pytest.raises(ValueError, match=r"^dp_replicate \(1\) x dp_shard \(2\) x ep \(1\) must be the world"):
         fsdp_traffic(link, MODEL, ep=1, dp_shard=2, prefetch=True)
 
 
@@ -103,3 +103,37 @@ def test_plan_shards_by_step_time_among_what_fits():
     # with room for both, unsharded is faster and kept
     roomy = fit_memory(plan, model, 4, 2 * unsharded)
     assert "dp_shard" not in roomy.plan.ranked[0].options
+
+
+def test_replicas_all_reduce_each_shard_over_the_outer_level():
+    """HSDP (dp_replicate 2 x dp_shard 1 x EP 2 on 2 nodes of 2): the gathers stay inside a
+    node (the dense part sharded over its 2 ranks), and each unit's reduce adds a ring
+    all-reduce of its shard over the 2 nodes: a reduce-scatter and an all-gather of half the
+    shard on the node level. Without dp_shard, replicas are refused; so is a mesh that does
+    not fill the world."""
+    spec = ClusterSpec(
+        levels=(
+            Level(name="node", size=2, bandwidth_gbps=0.4, latency_ms=1.0),
+            Level(name="rank", size=2, bandwidth_gbps=2.0, latency_ms=0.1),
+        )
+    )
+    link = LinkModel(spec=spec)
+    block = MODEL.replicated_params_per_block() * MODEL.param_bytes
+    experts = MODEL.experts // 2 * MODEL.mats * MODEL.hidden * MODEL.ffn_hidden
+    experts *= MODEL.param_bytes
+    hsdp = fsdp_traffic(link, MODEL, ep=2, dp_shard=1, prefetch=True, dp_replicate=2)
+    inside = fsdp_traffic(LinkModel(spec=ClusterSpec(levels=spec.levels[1:])), MODEL, ep=2,
+                          dp_shard=1, prefetch=True)  # fmt: skip
+    assert hsdp.gather_s == pytest.approx(inside.gather_s) and hsdp.dense_ranks == 2
+    shard = block / 2 + experts
+    ring = 2 * level_exchange_s(link, 0, 1, shard / 2, gather=True)
+    assert hsdp.reduce_s == pytest.approx(inside.reduce_s + ring)
+    assert ring > 0 and hsdp.root_reduce_s > hsdp.root_gather_s
+    opts = SimOptions(dp_shard=1, dp_replicate=2)
+    step = simulate(spec, MODEL, "dropless", PROFILE, opts, schedule="vanilla")
+    alone = simulate(spec, MODEL, "dropless", PROFILE, SimOptions(dp_shard=2), schedule="vanilla")
+    assert step.iteration_s > 0 and alone.iteration_s > 0
+    with pytest.raises(ValueError, match=r"^dp_replicate \(2\) needs dp_shard"):
+        SimOptions(dp_replicate=2)
+    with pytest.raises(ValueError, match=r"^dp_replicate \(3\) x dp_shard \(1\) x ep \(2\)"):
+        fsdp_traffic(link, MODEL, ep=2, dp_shard=1, prefetch=True, dp_replicate=3)

@@ -16,6 +16,13 @@ of a shard ``s`` over ``g`` ranks and the reduce-scatter of the full gradients `
 same ``(g - 1) s`` per rank, so both are priced as the all-gather: :func:`all_gather_s` on the
 dense mesh's levels, :func:`level_exchange_s` (a gather) on the expert mesh's one level.
 
+**Replicas** (HSDP, ``dp_replicate`` > 1: ``world = dp_replicate x dp_shard x ep``, the
+replicas outermost): gathers stay inside a replica; after each reduce-scatter FSDP2
+all-reduces the unit's gradient shard over the ``dp_replicate`` ranks that hold the same shard
+(one per replica, on the level outside the replica's), priced as a ring all-reduce on that
+level (a reduce-scatter and an all-gather of the shard, :func:`level_exchange_s` each) and
+added to the unit's reduce; the root's likewise.
+
 **Overlap** (:mod:`moesaic.sim.pipelined` puts these on a lane of their own, ``FSDP``, in
 issue order): with FSDP2's explicit prefetch (on under ``vanilla``; off under the pipelined
 schedules, ``train/fsdp.py``), block ``l + 1``'s gathers are issued when block ``l``'s
@@ -23,8 +30,7 @@ forward starts and block ``l - 1``'s when block ``l``'s backward starts, so they
 the compute; without it each gather is issued when its pass starts and the pass waits for it.
 The sharded gradients need no all-reduce (``dp_replicate`` 1): the optimizer step waits for
 the last reduce-scatter. Not modelled: the FSDP lane's bytes sharing a link with the
-all-to-alls in flight (as FlowMoE's gradient chunks, ``sim.pipelined``), and ``dp_replicate``
-> 1 (HSDP's all-reduce of the shards).
+all-to-alls in flight (as FlowMoE's gradient chunks, ``sim.pipelined``).
 """
 
 from __future__ import annotations
@@ -133,17 +139,24 @@ def _dense_gather_s(link: LinkModel, ranks: int, shard_bytes: float) -> float:
 
 
 def fsdp_traffic(
-    link: LinkModel, model: ModelSpec, *, ep: int, dp_shard: int, prefetch: bool
+    link: LinkModel,
+    model: ModelSpec,
+    *,
+    ep: int,
+    dp_shard: int,
+    prefetch: bool,
+    dp_replicate: int = 1,
 ) -> FsdpTraffic:
     """The FSDP2 collectives of ``model`` with ``dp_shard`` beside ``ep`` on ``link``'s
-    cluster (its world: ``dp_shard x ep`` ranks, no replicas), fp32 parameters
-    (``model.param_bytes``)."""
+    cluster (its world: ``dp_replicate x dp_shard x ep`` ranks, the replicas outermost), fp32
+    parameters (``model.param_bytes``)."""
     check_positive_int("ep", ep)
     check_positive_int("dp_shard", dp_shard)
-    if dp_shard * ep != link.world_size:
+    check_positive_int("dp_replicate", dp_replicate)
+    if dp_replicate * dp_shard * ep != link.world_size:
         raise ValueError(
-            f"dp_shard ({dp_shard}) x ep ({ep}) must be the world size ({link.world_size}): "
-            "replicas (dp_replicate > 1) are not priced"
+            f"dp_replicate ({dp_replicate}) x dp_shard ({dp_shard}) x ep ({ep}) must be the "
+            f"world size ({link.world_size})"
         )
     if model.experts % ep:
         raise ValueError(f"model.experts ({model.experts}) must be a multiple of ep ({ep})")
@@ -156,15 +169,22 @@ def fsdp_traffic(
     root_s = _dense_gather_s(link, dense_ranks, root / dense_ranks)
     expert_s = 0.0
     if dp_shard > 1:
-        (level,) = _one_level(mesh_levels(link.spec, dp_shard, inner=ep), dp_shard)
+        (level,) = _one_level(mesh_levels(link.spec, dp_shard, inner=ep), "dp_shard", dp_shard)
         expert_s = level_exchange_s(link, level, dp_shard - 1, experts / dp_shard, gather=True)
+    replica_s = root_replica_s = 0.0
+    if dp_replicate > 1:
+        levels = mesh_levels(link.spec, dp_replicate, inner=dense_ranks)
+        (outer,) = _one_level(levels, "dp_replicate", dp_replicate)
+        unit_shard = block / dense_ranks + experts / dp_shard
+        replica_s = _level_all_reduce_s(link, outer, dp_replicate, unit_shard)
+        root_replica_s = _level_all_reduce_s(link, outer, dp_replicate, root / dense_ranks)
     share = (dense_ranks - 1) / dense_ranks
     gather_bytes = block * share + (experts * (dp_shard - 1) / dp_shard if dp_shard > 1 else 0)
     return FsdpTraffic(
         gather_s=dense_s + expert_s,
-        reduce_s=dense_s + expert_s,
+        reduce_s=dense_s + expert_s + replica_s,
         root_gather_s=root_s,
-        root_reduce_s=root_s,
+        root_reduce_s=root_s + root_replica_s,
         gather_bytes=gather_bytes,
         root_bytes=root * share,
         prefetch=prefetch,
@@ -172,13 +192,19 @@ def fsdp_traffic(
     )
 
 
-def _one_level(levels: tuple[int, ...], dp_shard: int) -> tuple[int]:
+def _one_level(levels: tuple[int, ...], name: str, degree: int) -> tuple[int]:
     if len(levels) != 1:
         raise ValueError(
-            f"dp_shard ({dp_shard}) must span one level of the cluster beside ep (the expert "
-            f"mesh is priced as one level's exchange); it spans levels {list(levels)}"
+            f"{name} ({degree}) must span one level of the cluster beside the ranks inside it "
+            f"(its mesh is priced as one level's exchange); it spans levels {list(levels)}"
         )
     return (levels[0],)
+
+
+def _level_all_reduce_s(link: LinkModel, level: int, ranks: int, nbytes: float) -> float:
+    """A ring all-reduce of ``nbytes`` per rank over ``ranks`` ranks that differ only in
+    ``level``'s coordinate: a reduce-scatter and an all-gather of ``nbytes / ranks`` each."""
+    return 2 * level_exchange_s(link, level, ranks - 1, nbytes / ranks, gather=True)
 
 
 def sharded_fraction(model: ModelSpec, ep: int, dp_shard: int) -> float:

@@ -106,10 +106,13 @@ class SimOptions:
             ``"best"`` (default) the faster of ring and hierarchical at each size, as NCCL's
             tuner picks; ``"ring"`` what gloo runs. The same on a one-level cluster.
         dp_shard: FSDP2's degree beside EP (``--dp-shard``): EP over the world's innermost
-            ranks, ``world / dp_shard`` of them (whole levels), the experts sharded over the
-            ``dp_shard`` ranks beside each, the dense part over every rank (1: EP is the
-            world); its all-gathers and reduce-scatters priced (:mod:`moesaic.sim.fsdp`).
-            None: unsharded, EP the world.
+            ranks, ``world / (dp_replicate x dp_shard)`` of them (whole levels), the experts
+            sharded over the ``dp_shard`` ranks beside each, the dense part over every rank of
+            a replica (1: EP is the replica); its all-gathers and reduce-scatters priced
+            (:mod:`moesaic.sim.fsdp`). None: unsharded, EP the world.
+        dp_replicate: HSDP's replicas (``--dp-replicate``) outside ``dp_shard x EP``, which
+            needs ``dp_shard``: each unit's gradient shard all-reduced over the replicas
+            after its reduce-scatter (:mod:`moesaic.sim.fsdp`).
         hybrid_step: what ``hybrid`` under ``vanilla`` is: ``"training"`` (default) a training
             step, the block pipeline at R = 1 (with the all-reduce of the replicated
             gradients); ``"benchmark"`` HybridEP's benchmark step (``sim.hybrid.build_hybrid``,
@@ -128,6 +131,7 @@ class SimOptions:
     all_reduce: str = "best"
     hybrid_step: str = "training"
     dp_shard: int | None = None
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
         check_positive_int("degree", self.degree)
@@ -144,6 +148,12 @@ class SimOptions:
         check_one_of("hybrid_step", self.hybrid_step, HYBRID_STEPS)
         if self.dp_shard is not None:
             check_positive_int("dp_shard", self.dp_shard)
+        check_positive_int("dp_replicate", self.dp_replicate)
+        if self.dp_replicate > 1 and self.dp_shard is None:
+            raise ValueError(
+                f"dp_replicate ({self.dp_replicate}) needs dp_shard: replicas of an unsharded "
+                "model (EP smaller than the world, gradients all-reduced) are not priced"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -205,11 +215,13 @@ def _graph(
     R = check_degree(model, opts.degree) if traits.pipelined else 1
     world = link
     if opts.dp_shard is not None:  # EP over the innermost levels, dp_shard beside it
-        if link.world_size % opts.dp_shard:
+        outside = opts.dp_shard * opts.dp_replicate
+        if link.world_size % outside:
             raise ValueError(
-                f"dp_shard ({opts.dp_shard}) must divide the world size ({link.world_size})"
+                f"dp_replicate ({opts.dp_replicate}) x dp_shard ({opts.dp_shard}) must divide "
+                f"the world size ({link.world_size})"
             )
-        link = inner_link(link, link.world_size // opts.dp_shard)
+        link = inner_link(link, link.world_size // outside)
     parts = None
     if run.strategy == "hybrid":
         # planned on the tokens of one chunk, as training plans --domains auto
@@ -235,8 +247,9 @@ def _graph(
                 "in the backward does not run sharded"
             )
         prefetch = not traits.pipelined  # train/fsdp.py: off for the chunked schedules
-        ep, d = link.world_size, opts.dp_shard
-        costs.shard(fsdp_traffic(world, model, ep=ep, dp_shard=d, prefetch=prefetch))
+        ep, d, r = link.world_size, opts.dp_shard, opts.dp_replicate
+        traffic = fsdp_traffic(world, model, ep=ep, dp_shard=d, prefetch=prefetch, dp_replicate=r)
+        costs.shard(traffic)
     overlap = traits.overlaps_attention
     early = traits.pipelined  # the pipelined steps gather their flags early
     g, tl = run_pipelined(costs, degree=R, overlap=overlap, chunk_bytes=sp, early=early)
