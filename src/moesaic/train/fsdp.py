@@ -62,6 +62,7 @@ __all__ = [
     "TrainingMesh",
     "build_mesh",
     "check_sharding",
+    "reshard",
     "shard_model",
 ]
 
@@ -209,6 +210,17 @@ def shard_model(
     if prefetch:
         _prefetch(units)
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Every FSDP2 unit of ``model`` back to its shards. FSDP2 keeps the root gathered after
+    its forward (the backward would gather it again at once), and the backward reshards it;
+    a forward that no backward follows (validation) leaves it gathered, which neither the
+    next step's hooks nor a checkpoint's state dict expect (a save read freed storage:
+    SIGSEGV). A model not sharded is left as it is."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _prefetch(units: list[list[FSDPModule]]) -> None:

@@ -51,7 +51,7 @@ from moesaic.train.config import TRACE_STEPS, TrainConfig
 from moesaic.train.data import PackedData
 from moesaic.train.data_source import TrainingData, check_resume_data, open_training_data
 from moesaic.train.domains import check_cluster_and_domains, plan_training_domains
-from moesaic.train.fsdp import ShardedGradientSync, build_mesh, shard_model
+from moesaic.train.fsdp import ShardedGradientSync, build_mesh, reshard, shard_model
 from moesaic.train.health import NonFiniteError, nonfinite_message
 from moesaic.train.hf_model import build_model, run_hf_config
 from moesaic.train.hooks import ModelHooks
@@ -181,6 +181,7 @@ def evaluate(
         ce = lm_loss(model(x_BT.to(device)), y_BT.to(device))
         _drain_layer_state(model)
         total += torch.stack([ce.double(), torch.ones((), dtype=torch.float64, device=device)])
+    reshard(model)  # FSDP2's root stays gathered after a forward no backward follows
     model.train()
     layout.world.all_reduce(total, what="all_reduce of the validation loss")
     return float(total[0] / total[1])
