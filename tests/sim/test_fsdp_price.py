@@ -49,7 +49,9 @@ def test_traffic_on_the_mesh_levels():
     assert mesh_levels(link.spec, 2, inner=2) == (0,)
     with pytest.raises(ValueError, match=r"^ep \(3\) must be a product of the innermost"):
         mesh_levels(link.spec, 1, inner=3)
-    with pytest.raises(ValueError, match=r"^dp_replicate \(1\) x dp_shard \(2\) x ep \(1\) must be the world"):
+    with pytest.raises(
+        ValueError, match=r"^dp_replicate \(1\) x dp_shard \(2\) x ep \(1\) must be the world"
+    ):
         fsdp_traffic(link, MODEL, ep=1, dp_shard=2, prefetch=True)
 
 
