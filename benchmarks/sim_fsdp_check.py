@@ -5,8 +5,8 @@
 sharded over the 2 nodes, the dense part over all 4), with ``dp_replicate`` 2 (HSDP: the dense
 part sharded over a node's 2 ranks, each shard all-reduced over the 2 nodes) and with
 ``dp_shard`` 1 on the 4 ranks (the planner's layout: EP = world), beside the measured step and
-bytes. The unsharded EP 2 x DP 2 run (replicas without sharding) is not priced by the
-simulator.
+bytes, and the unsharded EP 2 x DP 2 run (``dp_replicate`` 2 without ``dp_shard``: EP on a
+node, the dense gradients all-reduced over the 4 ranks and the experts' over the 2 nodes).
 
 Usage (root: the emulated network needs network namespaces)::
 
@@ -76,6 +76,7 @@ def main() -> None:
         ("dp_shard 2 x EP 2", SimOptions(dp_shard=2)),
         ("dp_replicate 2 x EP 2", SimOptions(dp_shard=1, dp_replicate=2)),
         ("dp_shard 1 x EP 4 (not measured)", SimOptions(dp_shard=1)),
+        ("unsharded EP 2 x DP 2", SimOptions(dp_replicate=2)),
     )
     for name, opts in meshes:
         r = simulate(spec, model, "dropless", profile, opts, schedule="vanilla")
@@ -89,7 +90,7 @@ def main() -> None:
         }
     plain = simulate(spec, model, "dropless", profile, SimOptions(), schedule="vanilla")
     rows["unsharded EP 4 (not measured)"] = {"predicted_s": plain.iteration_s}
-    for name in ("dp_shard 2 x EP 2", "dp_replicate 2 x EP 2"):
+    for name in ("dp_shard 2 x EP 2", "dp_replicate 2 x EP 2", "unsharded EP 2 x DP 2"):
         m = measured[name]
         rows[name]["measured_s"] = m["step_s_median"]
         rows[name]["measured_tx_bytes_per_step"] = m["tx_bytes_per_step_max_rank"]

@@ -11,12 +11,12 @@ import pytest
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.planning.plan_memory import fit_memory
 from moesaic.planning.planner import plan_runs
-from moesaic.sim.collectives import LinkModel, all_gather_s, level_exchange_s
-from moesaic.sim.fsdp import fsdp_traffic, mesh_levels
+from moesaic.sim.collectives import LinkModel, all_gather_s, all_reduce_s, level_exchange_s
+from moesaic.sim.fsdp import fsdp_traffic, mesh_levels, replica_reduce_s
 from moesaic.sim.memory import predict_run
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
-from moesaic.sim.simulate import SimOptions, simulate
+from moesaic.sim.simulate import SimOptions, link_model, simulate
 
 MODEL = ModelSpec(
     layers=2, batch=4, seq_len=64, hidden=128, ffn_hidden=256, experts=8, top_k=2, heads=4
@@ -111,8 +111,7 @@ def test_replicas_all_reduce_each_shard_over_the_outer_level():
     """HSDP (dp_replicate 2 x dp_shard 1 x EP 2 on 2 nodes of 2): the gathers stay inside a
     node (the dense part sharded over its 2 ranks), and each unit's reduce adds a ring
     all-reduce of its shard over the 2 nodes: a reduce-scatter and an all-gather of half the
-    shard on the node level. Without dp_shard, replicas are refused; so is a mesh that does
-    not fill the world."""
+    shard on the node level. A mesh that does not fill the world is refused."""
     spec = ClusterSpec(
         levels=(
             Level(name="node", size=2, bandwidth_gbps=0.4, latency_ms=1.0),
@@ -135,7 +134,40 @@ def test_replicas_all_reduce_each_shard_over_the_outer_level():
     step = simulate(spec, MODEL, "dropless", PROFILE, opts, schedule="vanilla")
     alone = simulate(spec, MODEL, "dropless", PROFILE, SimOptions(dp_shard=2), schedule="vanilla")
     assert step.iteration_s > 0 and alone.iteration_s > 0
-    with pytest.raises(ValueError, match=r"^dp_replicate \(2\) needs dp_shard"):
-        SimOptions(dp_replicate=2)
     with pytest.raises(ValueError, match=r"^dp_replicate \(3\) x dp_shard \(1\) x ep \(2\)"):
         fsdp_traffic(link, MODEL, ep=2, dp_shard=1, prefetch=True, dp_replicate=3)
+
+
+def test_replicas_of_the_unsharded_model_reduce_dense_over_the_world_experts_over_replicas():
+    """dp_replicate 2 without dp_shard on 2 nodes of 2: EP on a node's 2 ranks, and after the
+    backward the dense gradients all-reduced over the 4 ranks, then each rank's experts over
+    the 2 nodes (a ring on the node level), as GradientSync runs them; the step is the EP 2
+    step with that reduction in place of the dense all-reduce on the node. Refused under a
+    schedule that reduces in the backward and for hybrid."""
+    spec = ClusterSpec(
+        levels=(
+            Level(name="node", size=2, bandwidth_gbps=0.4, latency_ms=1.0),
+            Level(name="rank", size=2, bandwidth_gbps=2.0, latency_ms=0.1),
+        )
+    )
+    link = LinkModel(spec=spec)
+    dense = MODEL.layers * MODEL.replicated_params_per_block() + MODEL.outer_params()
+    experts = MODEL.layers * MODEL.experts // 2 * MODEL.mats * MODEL.hidden * MODEL.ffn_hidden
+    want = all_reduce_s(link, dense * MODEL.param_bytes) + 2 * level_exchange_s(
+        link, 0, 1, experts * MODEL.param_bytes / 2, gather=True
+    )
+    assert replica_reduce_s(link, MODEL, ep=2, dp_replicate=2) == pytest.approx(want)
+    opts = SimOptions(dp_replicate=2)
+    step = simulate(spec, MODEL, "dropless", PROFILE, opts, schedule="vanilla")
+    (ar,) = [s for s in step.spans if s.name == "AR1"]
+    # simulate's link: the profile's, the all-reduce the faster of ring and hierarchical
+    world = link_model(spec, PROFILE, opts.all_reduce)
+    assert ar.duration == pytest.approx(replica_reduce_s(world, MODEL, ep=2, dp_replicate=2))
+    assert replica_reduce_s(world, MODEL, ep=2, dp_replicate=2) <= want
+    node = ClusterSpec(levels=spec.levels[1:])
+    ep2 = simulate(node, MODEL, "dropless", PROFILE, SimOptions(), schedule="vanilla")
+    (ar2,) = [s for s in ep2.spans if s.name == "AR1"]
+    assert step.iteration_s == pytest.approx(ep2.iteration_s - ar2.duration + ar.duration)
+    for strategy, schedule in (("dropless", "flowmoe"), ("hybrid", "vanilla")):
+        with pytest.raises(ValueError, match=r"^dp_replicate \(2\) without dp_shard with"):
+            simulate(spec, MODEL, strategy, PROFILE, opts, schedule=schedule)

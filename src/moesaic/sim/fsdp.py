@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from moesaic.checks import check_positive_int
 from moesaic.cluster.spec import ClusterSpec
-from moesaic.sim.collectives import LinkModel, all_gather_s, level_exchange_s
+from moesaic.sim.collectives import LinkModel, all_gather_s, all_reduce_s, level_exchange_s
 from moesaic.sim.model import ModelSpec
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "fsdp_traffic",
     "inner_link",
     "mesh_levels",
+    "replica_reduce_s",
     "sharded_fraction",
 ]
 
@@ -190,6 +191,27 @@ def fsdp_traffic(
         prefetch=prefetch,
         dense_ranks=dense_ranks,
     )
+
+
+def replica_reduce_s(link: LinkModel, model: ModelSpec, *, ep: int, dp_replicate: int) -> float:
+    """The gradient reduction of ``dp_replicate`` replicas of the unsharded model with EP on
+    the innermost ``ep`` ranks of ``link``'s world (``train/parallel.py``'s ``GradientSync``,
+    one call after the other): the replicated (dense) gradients all-reduced over the world,
+    then each rank's experts' over the ``dp_replicate`` ranks holding the same experts (one
+    per replica, on the level outside EP's: a ring all-reduce there)."""
+    check_positive_int("ep", ep)
+    check_positive_int("dp_replicate", dp_replicate)
+    if dp_replicate * ep != link.world_size:
+        raise ValueError(
+            f"dp_replicate ({dp_replicate}) x ep ({ep}) must be the world size ({link.world_size})"
+        )
+    dense = model.layers * model.replicated_params_per_block() + model.outer_params()
+    experts = model.layers * model.experts // ep * model.mats * model.hidden * model.ffn_hidden
+    dense_s = all_reduce_s(link, dense * model.param_bytes) if dense else 0.0
+    (outer,) = _one_level(
+        mesh_levels(link.spec, dp_replicate, inner=ep), "dp_replicate", dp_replicate
+    )
+    return dense_s + _level_all_reduce_s(link, outer, dp_replicate, experts * model.param_bytes)
 
 
 def _one_level(levels: tuple[int, ...], name: str, degree: int) -> tuple[int]:

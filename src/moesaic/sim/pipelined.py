@@ -192,6 +192,7 @@ class Costs:
         self.model, self.link, self.profile = model, link, profile
         self.gathers = gathers
         self.fsdp: FsdpTraffic | None = None
+        self.replica_reduce_s: float | None = None  # replicas of the unsharded model
         tokens = model.tokens // degree
         if strategy == "padded":
             ex = _padded(model, link, tokens)
@@ -269,6 +270,13 @@ class Costs:
             0.0 if layer_only else prices.optimizer_s(params * self.model.param_bytes)
         )
         self.notes = list(prices.notes)
+
+    def replicate(self, reduce_s: float) -> None:
+        """The step as one of several replicas of the unsharded model (EP on this link, the
+        world outside it): its gradient reduction after the backward takes ``reduce_s``
+        (:func:`moesaic.sim.fsdp.replica_reduce_s`: the dense gradients over the world, the
+        experts' over the replicas) instead of the dense all-reduce on this link."""
+        self.replica_reduce_s = reduce_s
 
     def grad_bytes(self) -> float:
         """The replicated gradients' bytes to all-reduce (none when FSDP2 reduce-scatters
@@ -639,9 +647,10 @@ def run_pipelined(
         total = costs.grad_bytes()
         if total == 0:  # layer_only: no replicated gradient, no optimizer step
             return g, g.run()
-        ar = g.add(
-            NET, SimTask("AR1", "allreduce", costs.all_reduce_s(total), "bwd", 0, 0, total), last
-        )
+        seconds = costs.all_reduce_s(total)
+        if costs.replica_reduce_s is not None:
+            seconds = costs.replica_reduce_s
+        ar = g.add(NET, SimTask("AR1", "allreduce", seconds, "bwd", 0, 0, total), last)
         add_tail(g, costs.link, NET, ar, costs.optimizer_s, backward_end=backward_end)
         return g, g.run()
     check_positive("chunk_bytes", chunk_bytes)

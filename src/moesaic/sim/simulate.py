@@ -43,7 +43,7 @@ from moesaic.cluster.spec import ClusterSpec
 from moesaic.schedule_table import DEFAULT_SCHEDULE
 from moesaic.sim.collectives import ALL_REDUCE_ALGORITHMS, LinkModel, rate_bounded_shares
 from moesaic.sim.contention import CpuModel, contend
-from moesaic.sim.fsdp import fsdp_traffic, inner_link
+from moesaic.sim.fsdp import fsdp_traffic, inner_link, replica_reduce_s
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.hybrid import (
     HybridParts,
@@ -110,9 +110,13 @@ class SimOptions:
             sharded over the ``dp_shard`` ranks beside each, the dense part over every rank of
             a replica (1: EP is the replica); its all-gathers and reduce-scatters priced
             (:mod:`moesaic.sim.fsdp`). None: unsharded, EP the world.
-        dp_replicate: HSDP's replicas (``--dp-replicate``) outside ``dp_shard x EP``, which
-            needs ``dp_shard``: each unit's gradient shard all-reduced over the replicas
-            after its reduce-scatter (:mod:`moesaic.sim.fsdp`).
+        dp_replicate: replicas outside ``dp_shard x EP`` (``--dp-replicate``): with
+            ``dp_shard`` HSDP, each unit's gradient shard all-reduced over the replicas after
+            its reduce-scatter; without it replicas of the unsharded model (``--ep`` below the
+            world: EP on the innermost ``world / dp_replicate`` ranks, the dense gradients
+            all-reduced over the world and the experts' over the replicas after the backward;
+            not with a schedule that reduces in the backward, nor hybrid)
+            (:mod:`moesaic.sim.fsdp`).
         hybrid_step: what ``hybrid`` under ``vanilla`` is: ``"training"`` (default) a training
             step, the block pipeline at R = 1 (with the all-reduce of the replicated
             gradients); ``"benchmark"`` HybridEP's benchmark step (``sim.hybrid.build_hybrid``,
@@ -149,11 +153,6 @@ class SimOptions:
         if self.dp_shard is not None:
             check_positive_int("dp_shard", self.dp_shard)
         check_positive_int("dp_replicate", self.dp_replicate)
-        if self.dp_replicate > 1 and self.dp_shard is None:
-            raise ValueError(
-                f"dp_replicate ({self.dp_replicate}) needs dp_shard: replicas of an unsharded "
-                "model (EP smaller than the world, gradients all-reduced) are not priced"
-            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -208,14 +207,21 @@ def _graph(
     run: Run, model: ModelSpec, link: LinkModel, profile: Profile, opts: SimOptions
 ) -> tuple[SimGraph, Timeline, dict[str, Any]]:
     if run.strategy == "taskflow":
-        if opts.dp_shard is not None:
-            raise ValueError("dp_shard: the taskflow pricing has no FSDP2 sharding")
+        if opts.dp_shard is not None or opts.dp_replicate > 1:
+            raise ValueError("dp_shard, dp_replicate: the taskflow pricing runs EP = world")
         return _taskflow(model, link, profile, opts)
     traits = run.traits  # check_run: a schedule priced by "block-pipeline"
     R = check_degree(model, opts.degree) if traits.pipelined else 1
     world = link
-    if opts.dp_shard is not None:  # EP over the innermost levels, dp_shard beside it
-        outside = opts.dp_shard * opts.dp_replicate
+    replicas = opts.dp_shard is None and opts.dp_replicate > 1  # of the unsharded model
+    if replicas and (run.strategy == "hybrid" or traits.reduce_in_backward):
+        raise ValueError(
+            f"dp_replicate ({opts.dp_replicate}) without dp_shard with {run.name}: replicas of "
+            "the unsharded model are priced for the exchanges other than hybrid under a "
+            "schedule that reduces the gradients after the backward"
+        )
+    if opts.dp_shard is not None or replicas:  # EP over the innermost levels
+        outside = (opts.dp_shard or 1) * opts.dp_replicate
         if link.world_size % outside:
             raise ValueError(
                 f"dp_replicate ({opts.dp_replicate}) x dp_shard ({opts.dp_shard}) must divide "
@@ -250,6 +256,9 @@ def _graph(
         ep, d, r = link.world_size, opts.dp_shard, opts.dp_replicate
         traffic = fsdp_traffic(world, model, ep=ep, dp_shard=d, prefetch=prefetch, dp_replicate=r)
         costs.shard(traffic)
+    if replicas:
+        ep, r = link.world_size, opts.dp_replicate
+        costs.replicate(replica_reduce_s(world, model, ep=ep, dp_replicate=r))
     overlap = traits.overlaps_attention
     early = traits.pipelined  # the pipelined steps gather their flags early
     g, tl = run_pipelined(costs, degree=R, overlap=overlap, chunk_bytes=sp, early=early)
