@@ -29,6 +29,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from moesaic.comm.collectives import EPGroup
 from moesaic.comm.world import run_world
@@ -208,7 +209,49 @@ def _all(rank: int, world_size: int) -> dict:
         _train(rank, "dropless", "vanilla", None, bf16=True),
         _train(rank, "dropless", "vanilla", {"dp_shard": 2}, bf16=True),
     )
+    runs["no_grad_forward"] = _entries_after_a_no_grad_forward()
     return runs
+
+
+def _entries_after_a_no_grad_forward() -> dict:
+    """A sharded model after a step, then a forward no backward follows (validation): which
+    units FSDP2 leaves gathered, which parameters it registers unsharded, and the checkpoint's
+    entries (``tensor_entries``, what a save writes) after ``reshard`` against those right
+    after the step."""
+    from moesaic.train.checkpoint import tensor_entries
+    from moesaic.train.fsdp import ShardedGradientSync, reshard, shard_model
+    from moesaic.train.parallel import build_layout
+
+    layout = build_layout(2, TIMEOUT_S)
+    torch.manual_seed(0)
+    model = MoEGPT(_config("dropless"), layout.ep_group)
+    shard_model(model, _mesh(dp_shard=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    parts = StepParts(model=model, loss_fn=_loss, optimizer=optimizer,
+                      grad_sync=ShardedGradientSync(_mesh(dp_shard=2), EPGroup(None, TIMEOUT_S)))  # fmt: skip
+    x_BT = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(layout.rank))
+    assert make_step("vanilla", parts).run(x_BT[:, :-1], x_BT[:, 1:]).applied
+
+    def entries() -> dict[str, tuple[tuple[int, ...], float]]:
+        return {k: (tuple(v.shape), float(v.double().sum())) for k, v in
+                tensor_entries(model, optimizer).items()}  # fmt: skip
+
+    after_step = entries()
+    with torch.no_grad():
+        model(x_BT[:, :-1])
+    gathered = sorted(
+        m._get_fsdp_state()._fsdp_param_group._module_fqn or "root"
+        for m in model.modules()
+        if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group.is_unsharded
+    )
+    # (not read: the registered unsharded parameters' storage can be freed under them)
+    from torch.distributed.tensor import DTensor
+
+    unsharded = sorted(n for n, p in model.named_parameters() if not isinstance(p, DTensor))
+    reshard(model)
+    still = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    return {"gathered": gathered, "unsharded": unsharded, "still": still, "step": after_step,
+            "after": entries()}  # fmt: skip
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -275,6 +318,20 @@ if __name__ == "__main__":
                 f"gradients {max(e[1] for e in errs):.2e} (max |error| / max |g|), "
                 f"worst err(sharded, fp64) / err(unsharded, fp64) {ratio:.2f}"
             )
+
+
+def test_a_forward_without_backward_leaves_the_root_gathered_and_reshard_puts_it_back():
+    """FSDP2 keeps the root gathered after a forward (for the backward that follows); after a
+    no-grad forward it stays so, its parameters registered unsharded: plain tensors that are
+    not the optimizer's keys, whose storage reading crashed a checkpoint's finite check
+    (SIGSEGV; ``Checkpointer.save`` and ``evaluate`` reshard first). ``reshard`` registers
+    the shards again: the entries a save writes are exactly those of right after the step."""
+    for rank, runs in enumerate(_runs()):
+        r = runs["no_grad_forward"]
+        assert r["gathered"] == ["root"], (rank, r["gathered"])
+        assert r["unsharded"] and all(not n.startswith("blocks.") for n in r["unsharded"])
+        assert r["still"] == [], rank
+        assert r["after"] == r["step"], rank
 
 
 def test_bf16_mixed_precision_policy():

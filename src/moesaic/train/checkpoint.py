@@ -77,6 +77,7 @@ from moesaic.train.errors import (
     first_failure,
     is_checkpoint_exception,
 )
+from moesaic.train.fsdp import reshard
 
 __all__ = [
     "MANIFEST",
@@ -407,6 +408,9 @@ class Checkpointer:
             except OSError as exc:
                 raise CheckpointError(f"cannot create {self.root}: {describe(exc)}") from None
             clean_stale(self.root)
+        # a unit FSDP2 still holds gathered (a forward no backward followed) registers its
+        # unsharded parameters, which are neither the optimizer's keys nor this rank's shard
+        reshard(model)
         state = tensor_entries(model, optimizer)
         if check_finite:
             _agree_finite(layout, state, step, self.root, device)
