@@ -1,6 +1,6 @@
 """FlowMoE's gradient tail as one chunk (``schedule/grad_layout.py``), checked on seen
 configurations: the runtime before and after, measured side by side, and the simulator's
-price of the tail before and after (``sim/pipelined.py``'s ``_one_tail_chunk``) beside them.
+price of the tail before and after (``sim/pipelined.py``'s ``sim/grad_chunks.py`'s `one_tail_chunk``) beside them.
 
 **The rule** (fixed on 2026-12-04 at 08:20 UTC, before any of its runs): the eight
 configurations of the last seen unseen rule (26, ``sim_unseen.py``), ``dropless`` under

@@ -174,13 +174,19 @@ def test_pool_priority_all_to_all_first_and_one_chunk_per_gap():
     assert last[0] == "all_to_all D1.1" and last[1].startswith("all_reduce chunk AR0")
 
 
-def _tail_worker(rank: int, world: int) -> dict:
+def _recorded_pool(rank: int, world: int):
+    """The reference model and its gradients, and a pool of 128-byte chunks recording spans."""
     sync, model, x_BH, ref = _reference(rank, world)
     rec = Recorder(rank)
     pool = CommPool(
         grad_sync=sync, params=list(model.parameters()), chunk_bytes=128, recorder=rec,
         timeout_s=TIMEOUT_S,
     )  # fmt: skip
+    return sync, model, x_BH, ref, rec, pool
+
+
+def _tail_worker(rank: int, world: int) -> dict:
+    sync, model, x_BH, ref, rec, pool = _recorded_pool(rank, world)
     rows = torch.full((4096, 64), float(rank))
     for _ in range(2):  # the first step learns the hook counts
         rec.clear()
@@ -222,12 +228,7 @@ def test_pool_tail_chunks_go_at_once_after_the_last_all_to_all():
 
 def _late_tail_worker(rank: int, world: int) -> dict:
     """The last all-to-all waited before the backward: every gradient completes in the tail."""
-    sync, model, x_BH, ref = _reference(rank, world)
-    rec = Recorder(rank)
-    pool = CommPool(
-        grad_sync=sync, params=list(model.parameters()), chunk_bytes=128, recorder=rec,
-        timeout_s=TIMEOUT_S,
-    )  # fmt: skip
+    sync, model, x_BH, ref, rec, pool = _recorded_pool(rank, world)
     rows = torch.full((64, 8), float(rank))
     out: dict = {"equal": [], "calls": []}
     for _ in range(3):  # the first step learns the hook counts and where the tail opened

@@ -17,8 +17,8 @@ from moesaic.sim.collectives import (
     hierarchical_all_reduce_s,
     ring_all_reduce_s,
 )
+from moesaic.sim.grad_chunks import one_tail_chunk
 from moesaic.sim.model import ModelSpec
-from moesaic.sim.pipelined import _one_tail_chunk
 from moesaic.sim.profile import Profile
 from moesaic.sim.simulate import SimOptions, simulate
 
@@ -95,7 +95,7 @@ def test_every_gradient_chunk_pays_the_all_reduce_floor(tmp_path):
     """FlowMoE at Sp = G/64 against G/4: without floors the more chunks cost latencies of
     0.1 ms each; with a 2 ms floor every call costs at least that, and the calls that cannot
     hide behind the all-to-alls lengthen the step by it. The chunks completing after the last
-    gap (the tail) go as one call whatever Sp is (``_one_tail_chunk``, as the pool cuts them).
+    gap (the tail) go as one call whatever Sp is (``one_tail_chunk``, as the pool cuts them).
     The profile round-trips its floors."""
     model = ModelSpec(layers=2, batch=4, seq_len=64, hidden=128, ffn_hidden=256, experts=4, top_k=2)
     G = 2 * (4 * 128 * 8 + 4 * 128 * 128) * 4  # order of the gradients' bytes; Sp from it
@@ -120,9 +120,9 @@ def test_every_gradient_chunk_pays_the_all_reduce_floor(tmp_path):
     chunks = [(10.0, "a"), (20.0, "b"), (30.0, "c"), (40.0, "d")]
     gap, tail = object(), object()
     placed = [(gap, True), (tail, False), (tail, False), (tail, False)]
-    merged, where = _one_tail_chunk(chunks, placed)  # type: ignore[arg-type]
+    merged, where = one_tail_chunk(chunks, placed)  # type: ignore[arg-type]
     assert merged == [(10.0, "a"), (90.0, "d")] and where == [(gap, True), (tail, False)]
-    assert _one_tail_chunk(chunks[:2], placed[:2]) == (chunks[:2], placed[:2])
+    assert one_tail_chunk(chunks[:2], placed[:2]) == (chunks[:2], placed[:2])
     assert Profile.load(floored.save(tmp_path / "p.json")) == floored
     with pytest.raises(ValueError, match=r"profile\.allreduce_call_s"):
         Profile(flops_per_s=1.0, allreduce_call_s=-1e-3)

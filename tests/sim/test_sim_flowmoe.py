@@ -21,16 +21,13 @@ from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.models import MoEGPT, MoEGPTConfig
 from moesaic.schedule.pipeline import BlockPipeline
 from moesaic.sim.collectives import LinkModel
+from moesaic.sim.grad_chunks import cut_chunks, one_tail_chunk, place_chunks, wait_points
 from moesaic.sim.graph import SimTask
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.pipelined import (
     GRAD,
     NET,
     Costs,
-    _ar_chunks,
-    _one_tail_chunk,
-    _place_chunks,
-    _wait_points,
     build_pipelined,
     run_pipelined,
 )
@@ -203,11 +200,11 @@ def test_the_pool_issues_one_chunk_per_gap_at_its_opening_or_hook(R, parts):
     g, tl = run_pipelined(c, degree=R, overlap=True, chunk_bytes=G / parts)
     base, done = build_pipelined(c, degree=R, overlap=True)
     tl0 = base.run()
-    points = _wait_points(base, tl0)
-    chunks = _ar_chunks(c, done, G / parts)
-    placed = _place_chunks(chunks, points, tl0, in_gaps=True)
+    points = wait_points(base, tl0, NET)
+    chunks = cut_chunks(c.block_grad_bytes, c.outer_grad_bytes, done, G / parts)
+    placed = place_chunks(chunks, points, tl0, in_gaps=True)
     tail = sum(not in_gap for _, in_gap in placed)
-    chunks, placed = _one_tail_chunk(chunks, placed)  # the tail: one call
+    chunks, placed = one_tail_chunk(chunks, placed)  # the tail: one call
     assert sum(not in_gap for _, in_gap in placed) == min(tail, 1)
     gaps = [p for p, in_gap in placed if in_gap]
     assert len({p.task.key for p in gaps}) == len(gaps), "two chunks in one gap"
@@ -243,9 +240,9 @@ def test_gap_chunks_share_the_loaded_call_floor():
         g, tl = run_pipelined(c, degree=2, overlap=True, chunk_bytes=sp)
         base, done = build_pipelined(c, degree=2, overlap=True)
         tl0 = base.run()
-        chunks = _ar_chunks(c, done, sp)
-        placed = _place_chunks(chunks, _wait_points(base, tl0), tl0, True)
-        chunks, placed = _one_tail_chunk(chunks, placed)
+        chunks = cut_chunks(c.block_grad_bytes, c.outer_grad_bytes, done, sp)
+        placed = place_chunks(chunks, wait_points(base, tl0, NET), tl0, True)
+        chunks, placed = one_tail_chunk(chunks, placed)
         prev_end = 0.0
         for (task, _), (nbytes, wait), (point, in_gap) in zip(g.lanes[GRAD], chunks, placed):
             keys = [*(point.keys() if point is not None else ()), wait]

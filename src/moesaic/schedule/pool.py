@@ -29,8 +29,9 @@ chunk is issued, at its start or at the hook that completes it. On a device the 
 enqueued after the stream waited for the all-to-all, so it also starts after it on the GPU.
 Once the schedule says its last all-to-all of the step has been issued (``end_all_to_alls``)
 and has waited for all of them, nothing is left to protect: every ready chunk goes at once (the
-step's tail; what completes there is one chunk per bucket, ``grad_layout.py``). ``finish`` issues the rest, waits each under the deadline, and writes
-``sum / divisor`` back to ``p.grad``. A parameter whose gradient never arrived on this rank
+step's tail; what completes there is one chunk per bucket, ``grad_layout.py``). ``finish``
+issues the rest, waits each under the deadline, and writes ``sum / divisor`` back to
+``p.grad``. A parameter whose gradient never arrived on this rank
 reduces zeros, so every rank issues the same chunks. Reduction rank sets of one rank (expert
 shards without replicas) are not reduced, only divided (unless the single-rank shortcuts are off,
 ``MOESAIC_NO_SHORTCUTS=1``: then they are all-reduced over their one-rank group).

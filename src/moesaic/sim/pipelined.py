@@ -22,7 +22,7 @@ order from data without a rewrite of that module; the order test keeps the two i
   that the pool (``schedule/pool.py``) issues on a process group of their own, in order: after
   each all-to-all the schedule waits for (a gap, until it issues the next all-to-all) at most
   one chunk whose gradients are ready by then, and after the last such wait every chunk left,
-  as its gradients complete.
+  as one call once its gradients complete (the cutting and placing: :mod:`moesaic.sim.grad_chunks`).
 * FSDP2 sharding (``Costs.shard``, :mod:`moesaic.sim.fsdp`): each block's all-gathers before
   each pass of its forward and backward (``FS{r}.{block}``) and its reduce-scatters after
   each backward pass (``FR{r}.{block}``), the root's once, on the ``FSDP`` lane in issue order;
@@ -45,7 +45,6 @@ flowmoe than moe-only; benchmarks/sim_validation.md, "Gradient chunks beside the
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +62,7 @@ from moesaic.sim.collectives import (
 )
 from moesaic.sim.contention import CpuModel, skewed_compute_factor
 from moesaic.sim.fsdp import FSDP, FsdpTraffic, sharded_fraction
+from moesaic.sim.grad_chunks import cut_chunks, one_tail_chunk, place_chunks, wait_points
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, expert_shares
 from moesaic.sim.opcal import OpPrices
@@ -503,98 +503,6 @@ def _fsdp_gather(
     return (*(wait if several else (wait,)), ag)
 
 
-def _ar_chunks(costs: Costs, done: list[SimTask], chunk_bytes: float) -> list[tuple[float, str]]:
-    """The gradient buffer cut into chunks: each one's bytes and the task its last byte waits
-    for."""
-    L = costs.model.layers
-    # Flat layout in completion order: block L, ..., block 1 (with the embeddings).
-    ends, acc = [], 0.0
-    for blk in range(L, 0, -1):
-        acc += costs.block_grad_bytes + (costs.outer_grad_bytes if blk == 1 else 0.0)
-        ends.append((acc, done[blk - 1].key))
-    total = acc
-    out, start = [], 0.0
-    while start < total:
-        stop = min(start + chunk_bytes, total)
-        wait = next(key for end, key in ends if end >= stop - 1e-9)
-        out.append((stop - start, wait))
-        start = stop
-    return out
-
-
-class _WaitPoint(NamedTuple):
-    """A point where the schedule waits for an all-to-all: the compute task after it (its
-    start is when the wait returns: the gap opens), the all-to-all and the compute task
-    before it on the lane (None: the first); ``close``: when the next all-to-all in program
-    order is issued (the gap closes), inf when none follows."""
-
-    task: SimTask
-    a2a_key: str
-    before_key: str | None
-    close: float
-
-    def keys(self) -> tuple[str, ...]:
-        """What the gap's opening waits for."""
-        return (self.a2a_key,) if self.before_key is None else (self.before_key, self.a2a_key)
-
-
-def _wait_points(g: SimGraph, tl: Timeline) -> list[_WaitPoint]:
-    """The schedule's all-to-all waits in program order (the compute lane's), from a
-    timeline of the graph without chunks."""
-    a2a_keys = {t.key for t, _ in g.lanes[NET] if t.resource == "a2a"}
-    compute = g.lanes["compute"]
-    index = {t.key: i for i, (t, _) in enumerate(compute)}
-    # an all-to-all is issued right after the compute task it waits for (program order);
-    # the lane's tasks end in its order, so the first issued at or after a wait closes its gap
-    issued = sorted(index[w] for t, w in g.lanes[NET] if t.resource == "a2a" and w in index)
-    points = []
-    for i, (task, wait) in enumerate(compute):
-        if wait not in a2a_keys:
-            continue
-        j = bisect.bisect_left(issued, i)
-        close = tl.end[compute[issued[j]][0].key] if j < len(issued) else math.inf
-        points.append(_WaitPoint(task, wait, compute[i - 1][0].key if i else None, close))
-    return points
-
-
-def _place_chunks(
-    chunks: list[tuple[float, str]], points: list[_WaitPoint], tl: Timeline, in_gaps: bool
-) -> list[tuple[_WaitPoint | None, bool]]:
-    """The runtime pool's rule (``schedule/pool.py``): after each all-to-all wait but the
-    last (a gap, until the next all-to-all is issued) at most one chunk, if its gradients are
-    ready by the gap's end (issued at the gap's opening or at its hook); after the last wait
-    (the tail) every chunk left, as its gradients are ready. Returns per chunk the wait point
-    whose gap (or tail) issues it (None: no all-to-all at all, as its gradients are ready)
-    and whether it is a gap's."""
-    tail = points[-1] if points else None
-    gaps = points[:-1] if in_gaps else []
-    out: list[tuple[_WaitPoint | None, bool]] = []
-    g = 0
-    for _nbytes, wait in chunks:
-        ready = tl.end[wait]
-        while g < len(gaps) and ready > gaps[g].close:
-            g += 1
-        if g < len(gaps):
-            out.append((gaps[g], True))
-            g += 1
-        else:
-            out.append((tail, False))
-    return out
-
-
-def _one_tail_chunk(
-    chunks: list[tuple[float, str]], placed: list[tuple[_WaitPoint | None, bool]]
-) -> tuple[list[tuple[float, str]], list[tuple[_WaitPoint | None, bool]]]:
-    """The chunks placed in the tail (after the last gap) as one call of their bytes, ready
-    with the last of them, as the pool cuts the gradients that complete in the tail
-    (``schedule/grad_layout.py``: one chunk per bucket, not one per Sp)."""
-    k = next((i for i, (_, in_gap) in enumerate(placed) if not in_gap), len(chunks))
-    if len(chunks) - k < 2:
-        return chunks, placed
-    merged = (sum(nbytes for nbytes, _ in chunks[k:]), chunks[-1][1])
-    return [*chunks[:k], merged], [*placed[:k], placed[-1]]
-
-
 def run_pipelined(
     costs: Costs,
     *,
@@ -647,18 +555,18 @@ def run_pipelined(
         total = costs.grad_bytes()
         if total == 0:  # layer_only: no replicated gradient, no optimizer step
             return g, g.run()
-        seconds = costs.all_reduce_s(total)
-        if costs.replica_reduce_s is not None:
-            seconds = costs.replica_reduce_s
+        seconds = costs.replica_reduce_s
+        if seconds is None:
+            seconds = costs.all_reduce_s(total)
         ar = g.add(NET, SimTask("AR1", "allreduce", seconds, "bwd", 0, 0, total), last)
         add_tail(g, costs.link, NET, ar, costs.optimizer_s, backward_end=backward_end)
         return g, g.run()
     check_positive("chunk_bytes", chunk_bytes)
-    chunks = _ar_chunks(costs, done, chunk_bytes)
+    chunks = cut_chunks(costs.block_grad_bytes, costs.outer_grad_bytes, done, chunk_bytes)
     tl = g.run()  # the step without chunks: they delay none of its tasks
-    placed = _place_chunks(chunks, _wait_points(g, tl), tl, in_gaps)
+    placed = place_chunks(chunks, wait_points(g, tl, NET), tl, in_gaps)
     if in_gaps and tail_as_one:
-        chunks, placed = _one_tail_chunk(chunks, placed)
+        chunks, placed = one_tail_chunk(chunks, placed)
     task = None
     lane_end = 0.0
     for k, ((nbytes, wait), (point, in_gap)) in enumerate(zip(chunks, placed), start=1):

@@ -214,12 +214,6 @@ def _graph(
     R = check_degree(model, opts.degree) if traits.pipelined else 1
     world = link
     replicas = opts.dp_shard is None and opts.dp_replicate > 1  # of the unsharded model
-    if replicas and (run.strategy == "hybrid" or traits.reduce_in_backward):
-        raise ValueError(
-            f"dp_replicate ({opts.dp_replicate}) without dp_shard with {run.name}: replicas of "
-            "the unsharded model are priced for the exchanges other than hybrid under a "
-            "schedule that reduces the gradients after the backward"
-        )
     if opts.dp_shard is not None or replicas:  # EP over the innermost levels
         outside = (opts.dp_shard or 1) * opts.dp_replicate
         if link.world_size % outside:
@@ -238,6 +232,14 @@ def _graph(
             raise ValueError("dp_shard: HybridEP's benchmark step runs no FSDP2 sharding")
         g = build_hybrid(parts, model, profile)
         return g, g.run(), {"domain_sizes": list(parts.domain_sizes)}
+    if replicas and (parts is not None or traits.reduce_in_backward):
+        # hybrid's gradients are reduced inside its domains (parts.grad_reduce), a chunked
+        # schedule's in the backward: neither is GradientSync's two calls after it
+        raise ValueError(
+            f"dp_replicate ({opts.dp_replicate}) without dp_shard with {run.name}: replicas of "
+            "the unsharded model are priced where the gradients are all-reduced after the "
+            "backward outside hybrid's domains"
+        )
     if parts is not None:
         costs = hybrid_costs(link, model, profile, R, parts)
     else:
