@@ -224,6 +224,13 @@ def build_modules(c: dict, device, dtype, wanted: Callable[[str], bool]) -> tupl
                 ).max_rel_dw
         else:
             checks["torchtitan"] = {"error": "not installed"}
+    if device.type == "cuda" and wanted("dropless+compile"):
+        add("dropless+compile", lambda: compiled(layer(dispatcher="dropless"), fullgraph=False))
+    if device.type == "cuda" and wanted("torchtitan+compile") and peer_installed("torchtitan"):
+        add(
+            "torchtitan+compile",
+            lambda: compiled(build_peer("torchtitan", ours).to(device, dtype), fullgraph=True),
+        )
     if wanted("transformers-mixtral"):
         from moesaic.interop.hf import mixtral_block_from_layer
 
@@ -232,6 +239,18 @@ def build_modules(c: dict, device, dtype, wanted: Callable[[str], bool]) -> tupl
             lambda: _Flat(mixtral_block_from_layer(ours).to(device, dtype).train()),
         )
     return modules, checks
+
+
+def compiled(module: torch.nn.Module, fullgraph: bool) -> torch.nn.Module:
+    """``module`` compiled in place the way torchtitan's trainer compiles its blocks
+    (``torchtitan.distributed.compile.apply_compile``: scalar outputs captured for the MoE's
+    data-dependent shapes, ``module.compile(fullgraph=True)``). Ours compiles with graph
+    breaks allowed (``fullgraph=False``): its Triton kernels and the host's split sizes break
+    the graph; torchtitan's MoE compiles whole. A peer compiles its library's module
+    (``PeerModule.inner``), not our calling-convention wrapper around it."""
+    torch._dynamo.config.capture_scalar_outputs = True
+    getattr(module, "inner", module).compile(fullgraph=fullgraph)
+    return module
 
 
 class _Flat(torch.nn.Module):
@@ -396,13 +415,12 @@ def run_config(c: dict, device, dtype, args) -> dict:
         )
         row["simulated_ms"] = pred["iteration_ms"]
     row["modules"] = {}
+    passes = timed_passes(c, modules, device, args)
     for name, (_module, step) in modules.items():
-        if name == "transformers-mixtral" and c["E"] > 16 and not args.quick:
-            iters, stream = 3, 3  # a Python loop over 64 experts: slow, a few steps say enough
-        else:
-            iters, stream = args.iters, args.stream
         try:
-            r = step_times(step, device, iters, args.warmup, stream)
+            r = passes[name]
+            if "error" in r:
+                raise RuntimeError(r["error"])
             where = host_syncs(step, device)
             r["host_syncs"] = None if where is None else len(where)
             r["host_sync_sites"] = where
@@ -432,10 +450,68 @@ def run_config(c: dict, device, dtype, args) -> dict:
                 f"({row['simulated_error']:+.1%} of dropless stream_ms)",
                 flush=True,
             )
+    row["race"] = race(row["modules"])
+    if row["race"]:
+        print(f"{c['name']:16s} race {row['race']}", flush=True)
     del modules
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def timed_passes(c: dict, modules: dict, device, args) -> dict[str, dict]:
+    """``args.passes`` rounds over the modules, one ``step_times`` of each per round
+    (interleaved: a clock or thermal drift falls on every module alike); per module the
+    median of each figure over the rounds, every round's ``stream_ms`` and its spread, or the
+    first error."""
+    rounds: dict[str, list[dict]] = {name: [] for name in modules}
+    errors: dict[str, dict] = {}
+    for i in range(args.passes):
+        for name, (_module, step) in modules.items():
+            if name in errors:
+                continue
+            if name == "transformers-mixtral" and c["E"] > 16 and not args.quick:
+                iters, stream = 3, 3  # a Python loop over 64 experts: a few steps say enough
+            else:
+                iters, stream = args.iters, args.stream
+            try:
+                warmup = args.warmup if i == 0 else 1
+                rounds[name].append(step_times(step, device, iters, warmup, stream))
+            except Exception as exc:
+                errors[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    out: dict[str, dict] = {}
+    for name, runs in rounds.items():
+        if name in errors:
+            out[name] = errors[name]
+            continue
+        r = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+        r["step_ms_min"] = min(run["step_ms_min"] for run in runs)
+        r["passes"] = len(runs)
+        r["passes_stream_ms"] = [run["stream_ms"] for run in runs]
+        r["stream_ms_spread"] = [min(r["passes_stream_ms"]), max(r["passes_stream_ms"])]
+        out[name] = r
+    return out
+
+
+def race(modules: dict[str, dict]) -> dict:
+    """Ours against the better torchtitan (eager or compiled): each one's better median
+    ``stream_ms`` and the ratio (torchtitan / ours: above 1, ours is faster)."""
+
+    def best(names: tuple[str, ...]) -> tuple[str, float] | None:
+        ok = [(modules[n]["stream_ms"], n) for n in names if "stream_ms" in modules.get(n, {})]
+        return None if not ok else (min(ok)[1], min(ok)[0])
+
+    ours = best(("dropless", "dropless+compile"))
+    theirs = best(("torchtitan", "torchtitan+compile"))
+    if ours is None or theirs is None:
+        return {}
+    return {
+        "ours": ours[0],
+        "ours_ms": ours[1],
+        "torchtitan": theirs[0],
+        "torchtitan_ms": theirs[1],
+        "speedup": theirs[1] / ours[1],
+    }
 
 
 def _line(c: dict, name: str, r: dict, bound_ms) -> str:
@@ -448,6 +524,7 @@ def _line(c: dict, name: str, r: dict, bound_ms) -> str:
         f"  kernels {r.get('kernel_ms', float('nan')):7.3f}  gaps {r.get('gap_ms', float('nan')):6.3f}"
         f"  syncs {r.get('host_syncs')}  bound {bound_ms or float('nan'):.3f}"
         f"  frac {frac if frac is not None else float('nan'):.2f}"
+        f"  spread {r.get('stream_ms_spread')}"
     )
 
 
@@ -489,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--stream", type=int, default=20)
+    p.add_argument("--passes", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--profile", type=Path, help="moesaic calibrate's profile: simulate too")
     p.add_argument("--only", default="", help="comma list of config names")
     p.add_argument("--modules", default="", help="comma list of modules to time (default all)")

@@ -153,14 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     grid = QUICK if args.quick else {"T": TOKENS, "E": EXPERTS, **SHAPE}
     shape = {k: grid[k] for k in ("H", "F", "K")}
     tile_m = 16 if args.quick else 128
-    rows = [
-        run_point({"T": T, "E": E, **shape, "tile_m": tile_m}, device, dtype, args)
-        for T in grid["T"]
-        for E in grid["E"]
-    ]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
-    doc = {"meta": {**run_metadata(), "device": name, "time": time.time()}, "rows": rows}
-    write_json(doc, args.out)
+    doc: dict = {"meta": {**run_metadata(), "device": name, "time": time.time()}, "rows": []}
+    for T in grid["T"]:
+        for E in grid["E"]:  # written after each point: a run cut short keeps what it measured
+            doc["rows"].append(
+                run_point({"T": T, "E": E, **shape, "tile_m": tile_m}, device, dtype, args)
+            )
+            write_json(doc, args.out)
     return 0
 
 

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Everything issue 27 measures on one GPU, in one call of the device machine (a fresh image with
-# torch, no registry): the peers' wheels travel in .whl (bayesian-optimization too: the image
-# lacks it, and tests/gpu's nccl-flowmoe training tunes Sp with it), the baseline library
-# (optional) in .base/src (docs/performance.md, "On a GPU").
-#   bash benchmarks/gpu_run.sh OUT_DIR COMMIT [gpu_layer args...]
-# Writes OUT_DIR/{run.log,sim_profile.json,gpu_layer.json,gpu_layer_base.json,traces.tar.gz,
-# gpu_check.json,tests_gpu.log,train.log} (8 files: what one device call brings back).
-# SKIP_CHECK=1: the measurements alone (no tests/gpu, correctness check or training run).
+# This round's GPU checks (issue 56; issue 53's device runs) in one call of the device machine (a
+# fresh image with torch, Triton and transformers, no registry): the peers' wheels travel in .whl
+# (torchtitan 0.3.0; bayesian-optimization: flowmoe's Sp tuner).
+#   bash benchmarks/gpu_run.sh OUT_DIR COMMIT
+# Writes OUT_DIR/{run.log,tests_gpu.log,train_nccl.log,gpu_layer.json,gpu_persistent.json,
+# gpu_train_step.json} (what one device call brings back). First the parts that time nothing, side
+# by side (tests/gpu in 8 workers; the 50-step hybrid and flowmoe runs on NCCL), then the timed
+# benchmarks one at a time, each bounded (its JSON is written as it goes: a bound cut keeps what
+# it measured). PART=layer,persistent,... runs some (tests, train, layer, persistent, step).
 set -u
-OUT=${1:?out dir}; COMMIT=${2:-unknown}; shift 2 || true
+OUT=${1:?out dir}; COMMIT=${2:-unknown}
+PART=${PART:-tests,train,layer,persistent,step}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -18,22 +20,56 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && SITE=/tmp/site
 fi
 export PYTHONPATH=src${SITE:+:$SITE}
+want() { [[ ",$PART," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 t0=$SECONDS
-timeout 60 python3 -m moesaic calibrate --out "$OUT/sim_profile.json" || echo "calibrate rc $?"
-echo "calibrate ${SECONDS}s"
-timeout 200 python3 benchmarks/gpu_layer.py --out "$OUT/gpu_layer.json" --traces /tmp/traces \
-  --profile "$OUT/sim_profile.json" --commit "$COMMIT" "$@" || echo "gpu_layer rc $?"
-echo "gpu_layer ${SECONDS}s"
-tar czf "$OUT/traces.tar.gz" -C /tmp traces 2>/dev/null
-if [ -d .base/src ]; then  # the library before this change, same script, same machine
-  PYTHONPATH=.base/src${SITE:+:$SITE} timeout 60 python3 benchmarks/gpu_layer.py \
-    --out "$OUT/gpu_layer_base.json" --modules dropless --commit "base" || echo "base rc $?"
-  echo "baseline ${SECONDS}s"
+
+train_nccl() {  # 50 steps of examples/train_tiny.toml at EP 1 on NCCL, every collective run
+  for run in "hybrid:--strategy hybrid" "flowmoe:--schedule flowmoe"; do
+    name=${run%%:*}
+    echo "== $name"
+    # shellcheck disable=SC2086
+    MOESAIC_NO_SHORTCUTS=1 timeout 150 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node 1 -m moesaic.train --config examples/train_tiny.toml --ep 1 --steps 50 \
+      --backend nccl ${run#*:} --run-dir "/tmp/train_$name" --no-progress --eval-every 25 \
+      --ckpt-every 25 --warmup-steps 5 2>&1 | tail -12
+    python3 - "/tmp/train_$name/metrics.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(s) for s in open(sys.argv[1])]
+loss = [r["loss"] for r in rows if r["kind"] == "train"]
+val = [r["val_loss"] for r in rows if r["kind"] == "val"]
+print(f"steps {len(loss)}: loss {loss[0]:.4f} -> {loss[-1]:.4f}, val {val}, falls {loss[-1] < loss[0] - 0.5}")
+EOF
+  done
+}
+
+if want tests; then
+  (timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu >"$OUT/tests_gpu.log" 2>&1
+   echo "tests/gpu rc $?" >>"$OUT/tests_gpu.log") &
 fi
-[ -n "${SKIP_CHECK:-}" ] && { echo "done in $((SECONDS - t0)) s (SKIP_CHECK: no tests)"; exit 0; }
-timeout 200 python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" \
-  --skip speed,sim --train-steps 40 --train-log "$OUT/train.log" --tests-timeout-s 120 \
-  --tests-workers 8 --tests-log "$OUT/tests_gpu.log" --commit "$COMMIT" || echo "gpu_check rc $?"
+if want train; then
+  train_nccl >"$OUT/train_nccl.log" 2>&1 &
+fi
+wait
+want tests && tail -3 "$OUT/tests_gpu.log"
+want train && grep -E "^==|^steps" "$OUT/train_nccl.log"
+echo "untimed parts ${SECONDS}s"
+if want layer; then
+  timeout 170 python3 benchmarks/gpu_layer.py --out "$OUT/gpu_layer.json" \
+    --profile benchmarks/results/sim_profile_h200.json --passes 5 --iters 10 --stream 10 \
+    --modules dropless,dropless+compile,torchtitan,torchtitan+compile --commit "$COMMIT" \
+    || echo "gpu_layer rc $?"
+  echo "gpu_layer ${SECONDS}s"
+fi
+if want persistent; then
+  timeout 90 python3 benchmarks/gpu_persistent.py --out "$OUT/gpu_persistent.json" \
+    || echo "gpu_persistent rc $?"
+  echo "gpu_persistent ${SECONDS}s"
+fi
+if want step; then
+  timeout 160 python3 benchmarks/gpu_train_step.py --out "$OUT/gpu_train_step.json" \
+    --steps 8 --warmup 2 --commit "$COMMIT" || echo "gpu_train_step rc $?"
+  echo "gpu_train_step ${SECONDS}s"
+fi
 echo "done in $((SECONDS - t0)) s"

@@ -14,6 +14,7 @@ pre-norm ``x + attn(norm(x))``, ``x + moe(norm(x))`` (all but Granite-MoE, whose
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
@@ -95,8 +96,27 @@ class HFCausalLM(SharedLMMethods):
         plain.load_state_dict(sd)
         plain.save_pretrained(directory)
 
+    # None: fp32; else the dtype the model runs in under ``torch.autocast`` (``set_autocast``).
+    autocast_dtype: torch.dtype | None = None
+
+    def set_autocast(self, dtype: torch.dtype | None) -> None:
+        """Run the model under ``torch.autocast`` to ``dtype`` (None: off); weights stay as
+        they are (fp32 master weights), the MoE routers compute in fp32 (``Router.scores``).
+        Unlike ``MoEGPT``'s the whole transformers forward runs under it, the head's matmul
+        too (as transformers' own mixed-precision training runs it): the families' heads
+        differ (a logit scale, tied weights), and their forward is what applies them."""
+        self.autocast_dtype = dtype
+        for _, layer in self.moe_layers():
+            layer.autocast_dtype = dtype
+
+    def _autocast(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(x.device.type, dtype=self.autocast_dtype)
+
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=idx_BT, use_cache=False).logits
+        with self._autocast(idx_BT):
+            return self.hf(input_ids=idx_BT, use_cache=False).logits
 
     # ---- the stages of the pipelined schedules --------------------------------------------
 
@@ -107,7 +127,8 @@ class HFCausalLM(SharedLMMethods):
 
     def embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """The residual stream entering the first decoder layer."""
-        return self.base.embed_tokens(idx_BT)
+        with self._autocast(idx_BT):
+            return self.base.embed_tokens(idx_BT)
 
     @property
     def blocks(self) -> list[HFBlockStages]:
@@ -116,7 +137,8 @@ class HFCausalLM(SharedLMMethods):
 
     def head(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] from the last decoder layer's output."""
-        return self.hf.lm_head(self.base.norm(x_BTD))
+        with self._autocast(x_BTD):
+            return self.hf.lm_head(self.base.norm(x_BTD))
 
     def layer_context(self, x_BTD: torch.Tensor, i: int) -> dict[str, Any]:
         """What decoder layer ``i`` takes besides its input, as the transformers forward makes
@@ -165,6 +187,10 @@ class HFBlockStages:
         self.moe: MoELayer | None = mlp.moe if isinstance(mlp, HFMoEBlock) else None
 
     def attention_stage(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.model._autocast(x_BTD):
+            return self._attention_stage(x_BTD)
+
+    def _attention_stage(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         layer, ctx = self.layer, self.model.layer_context(x_BTD, self.i)
         attn_BTD, _ = layer.self_attn(hidden_states=layer.input_layernorm(x_BTD), **ctx)
         x_BTD = x_BTD + attn_BTD
@@ -173,4 +199,5 @@ class HFBlockStages:
         return (x_BTD if shared_BTD is None else x_BTD + shared_BTD), h_BTD
 
     def __call__(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.layer(x_BTD, **self.model.layer_context(x_BTD, self.i))
+        with self.model._autocast(x_BTD):
+            return self.layer(x_BTD, **self.model.layer_context(x_BTD, self.i))

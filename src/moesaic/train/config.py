@@ -140,8 +140,10 @@ class TrainConfig:
             MoEGPT.
         dtype: "fp32", or "bf16": the blocks run under ``torch.autocast`` to bfloat16 with
             fp32 master weights (the optimizer updates fp32 weights; the embedding, head,
-            loss and MoE routers compute in fp32). On a CPU without native bf16 matmuls
-            (AVX512-BF16 or AMX) bf16 is slower than fp32.
+            loss and MoE routers compute in fp32; a transformers model, ``--hf-config``, runs
+            its whole forward under it, the head's matmul too: ``HFCausalLM.set_autocast``).
+            On a CPU without native bf16 matmuls (AVX512-BF16 or AMX) bf16 is slower than
+            fp32.
         activation_checkpointing: keep only each block's input in the forward and recompute
             the block in the backward (``MoEGPT.activation_checkpointing``): less activation
             memory for one more forward (all-to-alls included) per block. The recomputation
@@ -298,15 +300,10 @@ class TrainConfig:
         check_one_of("dtype", self.dtype, DTYPES)
         check_bool("activation_checkpointing", self.activation_checkpointing)
         check_bool("measure_peak", self.measure_peak)
-        used = ["--dtype bf16"] if self.dtype == "bf16" else []
-        if self.activation_checkpointing:
-            used.append("--activation-checkpointing")
-        if used and self.hf_config is not None:
-            verb = "applies" if len(used) == 1 else "apply"
-            fp32 = ", which trains in fp32" if self.dtype == "bf16" else ""
+        if self.activation_checkpointing and self.hf_config is not None:
             raise ValueError(
-                f"{' and '.join(used)} {verb} only to moesaic's MoEGPT, not to a transformers "
-                f"model (--hf-config {self.hf_config}){fp32}"
+                "--activation-checkpointing applies only to moesaic's MoEGPT, not to a "
+                f"transformers model (--hf-config {self.hf_config})"
             )
 
     def _check_hf_config(self) -> None:

@@ -359,8 +359,8 @@ def train(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)  # alike on every rank: replicated weights agree
     # cfg.model.moe.collective_timeout_s is cfg.timeout_s (TrainConfig sets it).
     model = build_model(cfg, layout.ep_group, spec).to(device)  # MoEGPT, or --hf-config's
-    if isinstance(model, MoEGPT):  # TrainConfig refuses both for a transformers model
-        model.set_autocast(torch.bfloat16 if cfg.dtype == "bf16" else None)
+    model.set_autocast(torch.bfloat16 if cfg.dtype == "bf16" else None)
+    if isinstance(model, MoEGPT):  # TrainConfig refuses it for a transformers model
         model.activation_checkpointing = cfg.activation_checkpointing
     grad_sync = _shard(cfg, model, layout, device)  # --dp-shard / --dp-replicate: FSDP2
     optimizer = _make_optimizer(model, cfg)
