@@ -45,7 +45,7 @@ EOF
 }
 
 if want tests; then
-  (timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu >"$OUT/tests_gpu.log" 2>&1
+  (timeout 130 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu >"$OUT/tests_gpu.log" 2>&1
    echo "tests/gpu rc $?" >>"$OUT/tests_gpu.log") &
 fi
 if want train; then
@@ -56,7 +56,7 @@ want tests && tail -3 "$OUT/tests_gpu.log"
 want train && grep -E "^==|^steps" "$OUT/train_nccl.log"
 echo "untimed parts ${SECONDS}s"
 if want layer; then
-  timeout 170 python3 benchmarks/gpu_layer.py --out "$OUT/gpu_layer.json" \
+  timeout 160 python3 benchmarks/gpu_layer.py --out "$OUT/gpu_layer.json" \
     --profile benchmarks/results/sim_profile_h200.json --passes 5 --iters 10 --stream 10 \
     --modules dropless,dropless+compile,torchtitan,torchtitan+compile --commit "$COMMIT" \
     || echo "gpu_layer rc $?"
@@ -68,7 +68,7 @@ if want persistent; then
   echo "gpu_persistent ${SECONDS}s"
 fi
 if want step; then
-  timeout 160 python3 benchmarks/gpu_train_step.py --out "$OUT/gpu_train_step.json" \
+  timeout 190 python3 benchmarks/gpu_train_step.py --out "$OUT/gpu_train_step.json" \
     --steps 8 --warmup 2 --commit "$COMMIT" || echo "gpu_train_step rc $?"
   echo "gpu_train_step ${SECONDS}s"
 fi
