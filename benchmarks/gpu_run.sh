@@ -44,14 +44,22 @@ EOF
   done
 }
 
+# Each test named as it ends (-v: a run cut short still says which passed and failed), a test
+# that hangs failed with its stack after 60 s (pytest-timeout), the failures' tracebacks short.
+pids=()
 if want tests; then
-  (timeout 130 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu >"$OUT/tests_gpu.log" 2>&1
+  (timeout 130 python3 -m pytest -v -rfE --tb=short --timeout 60 -n 8 -p no:cacheprovider \
+     tests/gpu >"$OUT/tests_gpu.log" 2>&1
    echo "tests/gpu rc $?" >>"$OUT/tests_gpu.log") &
+  pids+=($!)
 fi
 if want train; then
   train_nccl >"$OUT/train_nccl.log" 2>&1 &
+  pids+=($!)
 fi
-wait
+# Never a bare `wait`: bash (5.1+) waits for the `tee` process substitution above too, which
+# ends only with this script (the first run of this script hung there until its bound).
+[ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
 want tests && tail -3 "$OUT/tests_gpu.log"
 want train && grep -E "^==|^steps" "$OUT/train_nccl.log"
 echo "untimed parts ${SECONDS}s"
