@@ -281,3 +281,29 @@ def test_capacity_factors_price_every_pair_again_at_each_capacity(small_plan):
         assert f"best at the model's own capacity, {own[0].name}" in plan.reason
     with pytest.raises(ValueError, match=r"capacity_factors\[1\]"):
         plan_runs(SMALL, MODEL, PROFILE, capacity_factors=(1.0, 0.0))
+
+
+def test_ep_below_the_world_is_priced_as_replicas():
+    """``ep_sizes``: each combination the simulator prices with replicas of the unsharded model
+    (the gradients all-reduced after the backward) priced again at EP 2 of the 4 ranks, its
+    entry what ``simulate`` gives with ``dp_replicate`` 2; the others are left out."""
+    plan = plan_runs(SMALL, MODEL, PROFILE, ep_sizes=(2,))
+    replicas = [c for c in plan.ranked if "ep" in c.options]
+    names = {c.name for c in replicas}
+    assert names == {f"{s}+{t}" for s in ("dropless", "padded") for t in ("vanilla", "moe-only")}
+    for c in replicas:
+        assert c.options["ep"] == 2 and "EP=2" in c.knobs()
+        opts = SimOptions(degree=c.options["pipeline_degree"], dp_replicate=2)
+        r = simulate(SMALL, MODEL, c.strategy, PROFILE, opts, schedule=c.schedule)
+        assert c.predicted_ms == pytest.approx(r.iteration_s * 1e3)
+    # two replicas across the slow datacenter link: the all-to-alls stay inside one DC
+    at_world = {(c.name, c.knobs()): c for c in plan.ranked if "ep" not in c.options}
+    for c in replicas:
+        twin = at_world[(c.name, c.knobs().replace(" EP=2", ""))]
+        assert c.predicted_ms != pytest.approx(twin.predicted_ms)
+
+
+@pytest.mark.parametrize("ep", [4, 3, 0])
+def test_ep_sizes_must_divide_the_world_below_it(ep):
+    with pytest.raises(ValueError, match=r"ep_sizes\[0\]"):
+        plan_runs(SMALL, MODEL, PROFILE, ep_sizes=(ep,))

@@ -373,3 +373,20 @@ def test_capacity_factor_adds_entries_that_train_accepts(capsys, tmp_path):
         assert main(["plan", *SMALL_TINY, "--flops-per-s", "2e10", "--capacity-factor", bad]) == 2
         err = capsys.readouterr().err
         assert "--capacity-factor" in err and words in err, err
+
+
+def test_ep_adds_replica_entries_and_bad_values_are_refused(capsys):
+    """``--ep auto`` ranks EP groups below the world too (replicas of the unsharded model): on
+    2 DCs x 2 ranks and 4 experts it tries EP 1 and 2; EP 2 (replicas across the DCs) is
+    priced, EP 1 is not (its 4 replicas span two levels, which the replicas' all-reduce price
+    does not model) and is left out; a size that does not divide the world, and
+    ``--domains-only``, are refused naming the flag."""
+    rows = json.loads(_rank(capsys, *SMALL_TINY, "--flops-per-s", "2e10", "--json", "--ep", "auto"))
+    assert {r["options"]["ep"] for r in rows if "ep" in r["options"]} == {2}
+    assert any("ep" not in r["options"] for r in rows)  # EP = the world stays
+    assert main(["plan", *SMALL_TINY, "--flops-per-s", "2e10", "--ep", "3"]) == 2
+    assert "ep_sizes[0] (3) must be below the world size (4)" in capsys.readouterr().err
+    assert main(["plan", *SMALL_TINY, "--flops-per-s", "2e10", "--ep", "two"]) == 2
+    assert "ep (--ep) must be 'auto' or a comma list" in capsys.readouterr().err
+    assert main(["plan", *SMALL_TINY, "--domains-only", "--ep", "2"]) == 2
+    assert "--ep applies to the ranking" in capsys.readouterr().err

@@ -93,3 +93,8 @@ def test_nothing_fits_is_one_line():
         fit_memory(PLAN, MODEL, WORLD, 1000.0)
     with pytest.raises(ValueError, match=r"^memory_per_rank \(--memory-per-rank\) \(0\.0\)"):
         fit_memory(PLAN, MODEL, WORLD, 0.0)
+
+
+def test_an_ep_entry_sets_the_runs_ep():
+    entry = {"strategy": "dropless", "schedule": "vanilla", "options": {"ep": 2}}
+    assert plan_settings(entry)["ep"] == 2

@@ -297,3 +297,15 @@ def test_a_plans_capacity_factor_sets_the_models(tmp_path, capsys):
     path.write_text(json.dumps(entry))
     err = fails(["train", *RUN, "--plan", str(path)], capsys)
     assert "option capacity_factor (0) must be a finite number > 0" in err
+
+
+def test_a_plans_ep_sets_the_runs(tmp_path, capsys):
+    """An entry of ``moesaic plan --ep`` sets the run's ``ep`` (EP groups below the world, the
+    rest replicas); a flag giving another EP is refused naming both."""
+    entry = {"strategy": "dropless", "schedule": "vanilla", "options": {"ep": 2}}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps([entry]))
+    run = ["--config", str(TINY), "--nproc", "4"]
+    assert _config(*run, "--plan", str(path)).ep == 2
+    err = fails(["train", *run, "--ep", "4", "--plan", str(path)], capsys)
+    assert "--ep 4 (the plan: 2)" in err

@@ -62,7 +62,8 @@ class MemoryFit:
 
 
 def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) -> MemoryFit:
-    """Each combination of ``plan`` (``planning.planner.Plan``) priced in memory at EP = ``world``:
+    """Each combination of ``plan`` (``planning.planner.Plan``) priced in memory at its EP
+    (``world``, or its option ``ep``: replicas of the unsharded model, never sharded here):
     the least sharding whose predicted peak fits ``budget`` bytes (None: unsharded, no
     limit); the combinations that fit no way are dropped.
 
@@ -76,7 +77,9 @@ def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) ->
     for cand in plan.ranked:
         tried: list[str] = []
         fitting: list[tuple[int | None, float]] = []
-        for d in sharding_choices(world, world) if budget is not None else [None]:
+        ep = int(cand.options.get("ep", world))  # below the world: replicas, not sharded
+        choices = sharding_choices(world, world) if budget is not None and ep == world else [None]
+        for d in choices:
             if d is not None:
                 try:
                     check_sharding(cand.strategy, cand.schedule)
@@ -85,7 +88,7 @@ def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) ->
                     break
             domains = cand.options.get("domain_sizes")
             peak = predict_run(
-                model, cand.strategy, cand.schedule, world, domain_sizes=domains, dp_shard=d
+                model, cand.strategy, cand.schedule, ep, domain_sizes=domains, dp_shard=d
             ).peak
             if budget is None or peak <= budget:
                 fitting.append((d, peak))

@@ -136,6 +136,8 @@ class Candidate:
             parts.append("pipelined plan")
         if "capacity_factor" in o:
             parts.append(f"capacity={o['capacity_factor']:g}")
+        if "ep" in o:
+            parts.append(f"EP={o['ep']}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -438,6 +440,7 @@ def plan_runs(
     all_reduce: str = "best",
     capacity_factors: Sequence[float] = (),
     routing_prior: RoutingPrior | None = None,
+    ep_sizes: Sequence[int] = (),
 ) -> Plan:
     """Every runnable combination of ``model`` on ``spec``, simulated and ranked.
 
@@ -459,6 +462,13 @@ def plan_runs(
         routing_prior: the routing prior ``model``'s loads come from (its 50th percentile),
             or None (the loads are known): each candidate is priced again at the prior's
             10th and 90th percentiles for its range.
+        ep_sizes: expert-parallel sizes below the world to price too (each dividing the
+            world size and ``model.experts``): replicas of the unsharded model, EP on the
+            innermost ``ep`` ranks (``SimOptions.dp_replicate`` = world / ep), as candidates
+            with the option ``ep``; a combination the simulator does not price so (hybrid,
+            the schedules that reduce gradients in the backward, taskflow) or a size whose EP
+            group or replicas do not fall on whole levels of the cluster (the replicas'
+            all-reduce is priced on one level) is left out. Empty: EP = the world only.
 
     Raises:
         ValueError: an unknown strategy or schedule, a bad knob, or no combination that can
@@ -468,6 +478,14 @@ def plan_runs(
     for i, cf in enumerate(capacity_factors):
         check_number(f"capacity_factors[{i}]", cf, 0.0, 1e3, lo_open=True)
     check_positive_int("domain_candidates", domain_candidates)
+    world = spec.world_size
+    for i, ep in enumerate(ep_sizes):
+        check_positive_int(f"ep_sizes[{i}]", ep)
+        if ep >= world or world % ep or model.experts % ep:
+            raise ValueError(
+                f"ep_sizes[{i}] ({ep}) must be below the world size ({world}) and divide it and "
+                f"model.experts ({model.experts})"
+            )
     if model.experts % spec.world_size:
         raise ValueError(
             f"model.experts ({model.experts}) must be a multiple of the cluster's world_size "
@@ -505,6 +523,7 @@ def plan_runs(
                 domain_candidates=domain_candidates,
             )
             ranked += [dataclasses.replace(c, options={**c.options, **extra}) for c in found]
+            ranked += _replica_candidates(pricer, run, found, ep_sizes, extra)
         simulations += pricer.simulations
     if not ranked:
         left = "; ".join(f"{name}: {why}" for name, why in skipped) or "none asked for"
@@ -515,6 +534,29 @@ def plan_runs(
         simulations=simulations,
         reprice=lambda c, d: _reprice(pricers, c, d),
     )
+
+
+def _replica_candidates(
+    pricer: _Pricer,
+    run: Run,
+    found: Sequence[Candidate],
+    ep_sizes: Sequence[int],
+    extra: dict[str, Any],
+) -> list[Candidate]:
+    """``found`` priced again at each EP size of ``ep_sizes`` (replicas of the unsharded model
+    outside it), those the simulator prices so."""
+    out = []
+    world = pricer.spec.world_size
+    for ep in ep_sizes:
+        for c in found:
+            options = {**c.options, **extra, "ep": ep}
+            try:
+                out.append(
+                    pricer.candidate(run, options, dp_replicate=world // ep, **_sim_options(c))
+                )
+            except ValueError:  # not priced with replicas, or EP does not cut at a level
+                continue
+    return out
 
 
 def rank(candidates: Sequence[Candidate]) -> list[Candidate]:

@@ -121,6 +121,15 @@ def add_subparser(subparsers) -> None:
         "the option capacity_factor, which `moesaic train --plan` sets (default: the model's "
         "own capacity only)",
     )
+    p.add_argument(
+        "--ep",
+        metavar="auto|EP[,EP..]",
+        help="also rank EP groups smaller than the world, the rest of it replicating the "
+        "unsharded model (world / EP replicas; the gradients all-reduced after the backward): "
+        "'auto' every size below the world dividing it and the experts, or a list; such "
+        "entries carry the option ep, which `moesaic train --plan` sets (default: EP = the "
+        "world only)",
+    )
     add_all_reduce_option(p)
     add_loads_option(p)
     p.add_argument(
@@ -428,6 +437,21 @@ def _with_routing(args: argparse.Namespace, spec: ClusterSpec, profile: Any) -> 
     return dataclasses.replace(profile, routing=routing)
 
 
+def _ep_sizes(value: str | None, world: int, experts: int) -> list[int]:
+    """``--ep``: None -> none below the world; "auto" -> every size below the world dividing
+    it and ``experts``; else the comma list (checked by the planner)."""
+    if value is None:
+        return []
+    if value.strip() == "auto":
+        return [e for e in range(1, world) if world % e == 0 and experts % e == 0]
+    try:
+        return [int(v) for v in value.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"ep (--ep) must be 'auto' or a comma list of integers, got {value!r}"
+        ) from None
+
+
 def build_ranking(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any]]:
     """The ranking of ``args`` (:class:`moesaic.planning.planner.Plan`), its wall seconds and the
     job it was made for (``moesaic.train.plan.made_for``)."""
@@ -456,6 +480,7 @@ def build_ranking(args: argparse.Namespace) -> tuple[Any, float, dict[str, Any]]
         all_reduce=args.all_reduce,
         capacity_factors=capacities,
         routing_prior=prior,
+        ep_sizes=_ep_sizes(getattr(args, "ep", None), spec.world_size, model.experts),
     )
     wall_s = time.perf_counter() - t0
     job = made_for(
@@ -511,6 +536,8 @@ def format_ranking(plan: Any, *, top: int, wall_s: float) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     if args.domains_only:
+        if getattr(args, "ep", None) is not None:
+            raise ValueError("--ep applies to the ranking, not to --domains-only")
         plan = build_plan(args)
         print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
         return 0

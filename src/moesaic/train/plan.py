@@ -4,8 +4,9 @@ A plan entry is one object of ``moesaic plan --json``'s list: ``strategy``, ``sc
 ``options`` (and its prediction, which training does not need). ``--plan FILE.json`` reads that
 list and takes its first entry (or a file holding one such object). ``strategy`` sets
 ``model.moe.dispatcher`` (``--strategy``), ``schedule`` the schedule; among the options,
-``pipeline_degree``, ``ar_chunk`` and ``dp_shard`` (``RUN_OPTIONS``; ``dp_shard`` only where
-``moesaic plan --memory-per-rank`` sharded the pick to fit) set the run options of those names, and
+``pipeline_degree``, ``ar_chunk``, ``dp_shard`` and ``ep`` (``RUN_OPTIONS``; ``dp_shard`` only
+where ``moesaic plan --memory-per-rank`` sharded the pick to fit, ``ep`` only where ``moesaic plan
+--ep`` priced EP groups below the world) set the run options of those names, and
 ``capacity_factor`` (``MODEL_OPTIONS``: in an entry only when ``moesaic plan
 --capacity-factor`` allowed the planner to change the model's capacity) sets
 ``model.moe.capacity_factor``, and every other one is an option of the strategy's options class
@@ -67,7 +68,7 @@ __all__ = [
 
 AUTO = "auto"
 # The plan options that are run options of the same name; the others are strategy options.
-RUN_OPTIONS = ("pipeline_degree", "ar_chunk", "dp_shard")
+RUN_OPTIONS = ("pipeline_degree", "ar_chunk", "dp_shard", "ep")
 # The plan options that change the model, by their dest: a plan has them only when the planner
 # was allowed to (``moesaic plan --capacity-factor``).
 MODEL_OPTIONS = {"capacity_factor": "model.moe.capacity_factor"}
@@ -164,6 +165,8 @@ def plan_settings(entry: Mapping[str, Any]) -> dict[str, Any]:
         out["ar_chunk"] = options["ar_chunk"]
     if "dp_shard" in options:  # (moesaic plan --memory-per-rank: the sharding that fits)
         out["dp_shard"] = options["dp_shard"]
+    if "ep" in options:  # (moesaic plan --ep: replicas of an EP group below the world)
+        out["ep"] = options["ep"]
     for name, value in options.items():
         if name in MODEL_OPTIONS:
             out[MODEL_OPTIONS[name]] = value
