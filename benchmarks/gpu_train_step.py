@@ -175,11 +175,19 @@ def moesaic_run(c: dict[str, Any], args: argparse.Namespace, device: torch.devic
         argv += ["--data", args.data]
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with _SyncCounter(after=args.warmup) as syncs:
-        rc = worker(argv)
+    try:
+        with _SyncCounter(after=args.warmup) as syncs:
+            rc = worker(argv)
+    finally:  # this process is rank 0 of a world of one for the run only
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     out: dict[str, Any] = {"rc": rc, "argv": argv}
     if rc != 0:
         logs = sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []
