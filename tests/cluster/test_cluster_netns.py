@@ -384,3 +384,18 @@ def test_down_keeps_a_live_cluster_until_forced(
         if up.poll() is None:
             up.kill()
             up.wait(timeout=10)
+
+
+def test_probes_at_once_do_not_collide():
+    """Processes probing together (pytest-xdist workers collecting the emulated tests) each get
+    a namespace of their own: every probe succeeds and none is left behind. With one shared
+    name a probe deleted another's namespace midway (CI skipped the emulated tests so)."""
+    code = "from moesaic.cluster.system import support_problem; print(support_problem(probe=True))"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert outs == ["None"] * 4
+    names = run_cmd(["ip", "netns", "list"])
+    assert all(f"msc-000000-r{p.pid}" not in names for p in procs)

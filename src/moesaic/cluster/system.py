@@ -44,7 +44,7 @@ def support_problem(*, probe: bool = False) -> str | None:
     simple), for ``ip`` and ``tc`` from iproute2 and for ``/dev/net/tun`` (the delay line's taps).
 
     Args:
-        probe: Also try it: create a throw-away namespace ``msc-000000-fab`` holding a bridge and
+        probe: Also try it: create a throw-away namespace ``msc-000000-r<pid>`` holding a bridge and
             a veth pair shaped by tbf, then delete it (~50 ms). Catches containers that are root
             but may not create namespaces, and kernels without bridges, veth or tbf.
     """
@@ -60,11 +60,33 @@ def support_problem(*, probe: bool = False) -> str | None:
     return None
 
 
-def _probe() -> str | None:
-    name = f"{NAME_PREFIX}000000-fab"
+# The probe's namespaces: run id 000000 (never a run's: ``cluster down`` leaves it), one per
+# process (``<prefix><pid>``), so that probes at once (pytest-xdist workers collecting the
+# emulated tests together) do not delete each other's namespace midway.
+PROBE_PREFIX = f"{NAME_PREFIX}000000-r"
+
+
+def _alive(pid: int) -> bool:
     try:
-        if name in list_namespaces():
-            delete_namespaces([name])
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True
+
+
+def _probe() -> str | None:
+    name = f"{PROBE_PREFIX}{os.getpid()}"
+    try:
+        pids = {n: n.removeprefix(PROBE_PREFIX) for n in list_namespaces()}
+        stale = [  # this process's earlier probe, or one whose process died midway
+            n
+            for n, pid in pids.items()
+            if n.startswith(PROBE_PREFIX) and pid.isdigit() and (n == name or not _alive(int(pid)))
+        ]
+        if stale:
+            delete_namespaces(stale)
         run_cmd(["ip", "netns", "add", name], timeout_s=10.0)
         try:
             batch(
