@@ -66,16 +66,6 @@ def support_problem(*, probe: bool = False) -> str | None:
 PROBE_PREFIX = f"{NAME_PREFIX}000000-r"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's: alive
-        return True
-    return True
-
-
 def _probe() -> str | None:
     name = f"{PROBE_PREFIX}{os.getpid()}"
     try:
