@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # This round's GPU checks (issue 56; issue 53's device runs) in one call of the device machine (a
 # fresh image with torch, Triton and transformers, no registry): the peers' wheels travel in .whl
-# (torchtitan 0.3.0; bayesian-optimization: flowmoe's Sp tuner).
+# (torchtitan 0.3.0 and what it imports; bayesian-optimization: flowmoe's Sp tuner), fetched here
+# by benchmarks/gpu_wheels.sh.
 #   bash benchmarks/gpu_run.sh OUT_DIR COMMIT
 # Writes OUT_DIR/{run.log,tests_gpu.log,train_nccl.log,gpu_layer.json,gpu_persistent.json,
 # gpu_train_step.json} (what one device call brings back). First the parts that time nothing, side
