@@ -9,12 +9,12 @@ Sweep (FlashDMoE's Tables 6.3-6.5 as far as one device goes): tokens 1k, 4k, 16k
 
 * ``dropless`` (``kernels="auto"``: the fused multi-kernel layer) and ``taskflow`` (its default
   on CUDA: the persistent kernel at EP 1): one training step each (``gpu_layer.make_step``),
-  ``step_ms`` / ``stream_ms`` / ``host_ms`` (``gpu_layer.step_times``), kernel time and
-  launches per step (``gpu_layer.kernel_profile``), and ``dropless stream_ms / taskflow
+  ``step_ms`` / ``stream_ms`` / ``host_ms`` (``gpu_timing.step_times``), kernel time and
+  launches per step (``gpu_timing.kernel_profile``), and ``dropless stream_ms / taskflow
   stream_ms`` (the goal: >= 1.5 where dropless is host-bound, >= 0.9 elsewhere);
 * ``virtual-V``: the T tokens split over V virtual ranks (T / V each), the world's forward and
   backward plans in one launch each (``run_virtual``, no autograd), host included;
-* the dense-GEMM bound (``gpu_layer.dense_gemm_tflops``: the step's 9 expert GEMMs at one dense
+* the dense-GEMM bound (``gpu_timing.dense_gemm_tflops``: the step's 9 expert GEMMs at one dense
   GEMM's rate) beside each.
 """
 
@@ -29,13 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_layer import (
-    dense_gemm_tflops,
-    expert_flops,
-    kernel_profile,
-    make_step,
-    step_times,
-)
+from gpu_layer import expert_flops, make_step
+from gpu_timing import dense_gemm_tflops, kernel_profile, step_times
 from moesaic import MoEConfig, MoELayer
 from moesaic.bench.meta import run_metadata
 from moesaic.bench.options import write_json

@@ -147,19 +147,23 @@ CONFIGURATIONS: tuple[dict[str, Any], ...] = (
     },
 )
 
-# The twenty-eighth rule, fixed on 2026-12-04 at 13:50 UTC and committed before any of its
-# configurations was measured, calibrated or simulated (nothing in it may change after its
-# first measurement): the same procedure and judgement as the twenty-seventh's, on three more
-# configurations of the wider family, chosen by hand after the simulator's error bands became
-# the 5th-95th percentiles over rules 17-27 (``moesaic.sim.uncertainty``); names start with
-# ``w28``.
-#
-#   w28a  2 DCs x 3 ranks (6; odd inside): DC 0.4 Gbit/s 1.5 ms, rank 3 Gbit/s 0.1 ms;
-#         H 80, F/H 2, E 12, top-2, 512 tokens per rank
-#   w28b  7 nodes x 1 (7, odd): 1.2 Gbit/s 0.3 ms; H 64, F/H 2, E 14, top-1, 512 tokens
-#   w28c  2 nodes x 2 (4): 0.5 Gbit/s 1.0 ms, inside a node 6 Gbit/s 0.05 ms;
-#         H 96, F/H 1, E 24, top-6 (fine-grained, many experts: skewed), 768 tokens
-RULE_28 = "The twenty-eighth rule (see the comment above RULE_28 in sim_unseen_wide.py)."
+RULE_28 = """The twenty-eighth rule, fixed on 2026-12-04 at 13:50 UTC and committed before any of
+its configurations was measured, calibrated or simulated (nothing in it may change after its
+first measurement): the same procedure and judgement as the twenty-seventh's (this module's
+docstring), on three more configurations of the wider family, chosen by hand after the
+simulator's error bands became the 5th-95th percentiles over rules 17-27
+(``moesaic.sim.uncertainty``); names start with ``w28``:
+
+=======  ==========================================  =====================================
+name     cluster (ranks)                             model (H, F/H, E, top-k), tokens/rank
+=======  ==========================================  =====================================
+w28a     2 DCs x 3 ranks (6; odd inside): DC 0.4     H 80, F/H 2, E 12, top-2, 512
+         Gbit/s 1.5 ms, rank 3 Gbit/s 0.1 ms
+w28b     7 nodes x 1 (7, odd): 1.2 Gbit/s 0.3 ms     H 64, F/H 2, E 14, top-1, 512
+w28c     2 nodes x 2 (4): 0.5 Gbit/s 1.0 ms, inside  H 96, F/H 1, E 24, top-6 (fine-grained,
+         a node 6 Gbit/s 0.05 ms                     many experts: skewed), 768
+=======  ==========================================  =====================================
+"""
 CONFIGURATIONS_28: tuple[dict[str, Any], ...] = (
     {
         "name": "w28a",

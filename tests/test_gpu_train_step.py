@@ -5,6 +5,7 @@ was. The torchtitan side needs torchtitan (not a test dependency): refused with 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -30,4 +31,7 @@ def test_quick_run_trains_and_reports(tmp_path):
     active, per_token = bench.flops_per_token(result["model"], result["seq_len"])
     assert result["active_params"] == active and result["flops_per_token"] == per_token
     titan = result["torchtitan"]
-    assert "tokens_per_s" in titan or "error" in titan
+    if importlib.util.find_spec("torchtitan") is None:  # not a test dependency: the reason
+        assert titan["error"] == "ModuleNotFoundError: No module named 'torchtitan'"
+    else:
+        assert titan["tokens_per_s"] > 0 and titan["losses_finite"]

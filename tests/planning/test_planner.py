@@ -291,6 +291,9 @@ def test_ep_below_the_world_is_priced_as_replicas():
     replicas = [c for c in plan.ranked if "ep" in c.options]
     names = {c.name for c in replicas}
     assert names == {f"{s}+{t}" for s in ("dropless", "padded") for t in ("vanilla", "moe-only")}
+    skipped = dict(plan.skipped)  # the others, with the simulator's reason
+    assert {"hybrid+vanilla at EP 2", "dropless+flowmoe at EP 2"} <= set(skipped)
+    assert "taskflow pricing runs EP = world" in skipped["taskflow+vanilla at EP 2"]
     for c in replicas:
         assert c.options["ep"] == 2 and "EP=2" in c.knobs()
         opts = SimOptions(degree=c.options["pipeline_degree"], dp_replicate=2)

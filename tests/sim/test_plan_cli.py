@@ -381,8 +381,11 @@ def test_ep_adds_replica_entries_and_bad_values_are_refused(capsys):
     priced, EP 1 is not (its 4 replicas span two levels, which the replicas' all-reduce price
     does not model) and is left out; a size that does not divide the world, and
     ``--domains-only``, are refused naming the flag."""
-    rows = json.loads(_rank(capsys, *SMALL_TINY, "--flops-per-s", "2e10", "--json", "--ep", "auto"))
+    assert main(["plan", *SMALL_TINY, "--flops-per-s", "2e10", "--json", "--ep", "auto"]) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
     assert {r["options"]["ep"] for r in rows if "ep" in r["options"]} == {2}
+    assert "skipped dropless+vanilla at EP 1: dp_replicate (4) must span one level" in captured.err
     assert any("ep" not in r["options"] for r in rows)  # EP = the world stays
     assert main(["plan", *SMALL_TINY, "--flops-per-s", "2e10", "--ep", "3"]) == 2
     assert "ep_sizes[0] (3) must be below the world size (4)" in capsys.readouterr().err

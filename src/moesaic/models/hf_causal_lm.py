@@ -109,13 +109,14 @@ class HFCausalLM(SharedLMMethods):
         for _, layer in self.moe_layers():
             layer.autocast_dtype = dtype
 
-    def _autocast(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
+    def autocast(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
+        """The ``set_autocast`` region on ``x``'s device (a null context when it is off)."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(x.device.type, dtype=self.autocast_dtype)
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        with self._autocast(idx_BT):
+        with self.autocast(idx_BT):
             return self.hf(input_ids=idx_BT, use_cache=False).logits
 
     # ---- the stages of the pipelined schedules --------------------------------------------
@@ -127,7 +128,7 @@ class HFCausalLM(SharedLMMethods):
 
     def embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """The residual stream entering the first decoder layer."""
-        with self._autocast(idx_BT):
+        with self.autocast(idx_BT):
             return self.base.embed_tokens(idx_BT)
 
     @property
@@ -137,7 +138,7 @@ class HFCausalLM(SharedLMMethods):
 
     def head(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] from the last decoder layer's output."""
-        with self._autocast(x_BTD):
+        with self.autocast(x_BTD):
             return self.hf.lm_head(self.base.norm(x_BTD))
 
     def layer_context(self, x_BTD: torch.Tensor, i: int) -> dict[str, Any]:
@@ -187,7 +188,7 @@ class HFBlockStages:
         self.moe: MoELayer | None = mlp.moe if isinstance(mlp, HFMoEBlock) else None
 
     def attention_stage(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with self.model._autocast(x_BTD):
+        with self.model.autocast(x_BTD):
             return self._attention_stage(x_BTD)
 
     def _attention_stage(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,5 +200,5 @@ class HFBlockStages:
         return (x_BTD if shared_BTD is None else x_BTD + shared_BTD), h_BTD
 
     def __call__(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        with self.model._autocast(x_BTD):
+        with self.model.autocast(x_BTD):
             return self.layer(x_BTD, **self.model.layer_context(x_BTD, self.i))

@@ -468,7 +468,8 @@ def plan_runs(
             with the option ``ep``; a combination the simulator does not price so (hybrid,
             the schedules that reduce gradients in the backward, taskflow) or a size whose EP
             group or replicas do not fall on whole levels of the cluster (the replicas'
-            all-reduce is priced on one level) is left out. Empty: EP = the world only.
+            all-reduce is priced on one level) is left out, in ``skipped`` with the reason.
+            Empty: EP = the world only.
 
     Raises:
         ValueError: an unknown strategy or schedule, a bad knob, or no combination that can
@@ -523,7 +524,11 @@ def plan_runs(
                 domain_candidates=domain_candidates,
             )
             ranked += [dataclasses.replace(c, options={**c.options, **extra}) for c in found]
-            ranked += _replica_candidates(pricer, run, found, ep_sizes, extra)
+            replicas, why_not = _replica_candidates(pricer, run, found, ep_sizes, extra)
+            ranked += replicas
+            for ep, why in why_not.items():
+                if not extra:  # said once, for the model as given
+                    skipped.append((f"{run.name} at EP {ep}", why))
         simulations += pricer.simulations
     if not ranked:
         left = "; ".join(f"{name}: {why}" for name, why in skipped) or "none asked for"
@@ -542,21 +547,26 @@ def _replica_candidates(
     found: Sequence[Candidate],
     ep_sizes: Sequence[int],
     extra: dict[str, Any],
-) -> list[Candidate]:
+) -> tuple[list[Candidate], dict[int, str]]:
     """``found`` priced again at each EP size of ``ep_sizes`` (replicas of the unsharded model
-    outside it), those the simulator prices so."""
-    out = []
+    outside it), and for each size at which none could be, the simulator's reason."""
+    out: list[Candidate] = []
+    why_not: dict[int, str] = {}
     world = pricer.spec.world_size
     for ep in ep_sizes:
+        priced = 0
         for c in found:
             options = {**c.options, **extra, "ep": ep}
             try:
                 out.append(
                     pricer.candidate(run, options, dp_replicate=world // ep, **_sim_options(c))
                 )
-            except ValueError:  # not priced with replicas, or EP does not cut at a level
-                continue
-    return out
+                priced += 1
+            except ValueError as exc:  # not priced with replicas, or not on whole levels
+                why_not.setdefault(ep, str(exc))
+        if priced:
+            why_not.pop(ep, None)
+    return out, why_not
 
 
 def rank(candidates: Sequence[Candidate]) -> list[Candidate]:
