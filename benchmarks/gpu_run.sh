@@ -49,7 +49,7 @@ EOF
 # that hangs failed with its stack after 60 s (pytest-timeout), the failures' tracebacks short.
 pids=()
 if want tests; then
-  (timeout 130 python3 -m pytest -v -rfE --tb=short --timeout 60 -n 8 -p no:cacheprovider \
+  (timeout 120 python3 -m pytest -v -rfE --tb=short --timeout 60 -n 8 -p no:cacheprovider \
      tests/gpu >"$OUT/tests_gpu.log" 2>&1
    echo "tests/gpu rc $?" >>"$OUT/tests_gpu.log") &
   pids+=($!)
@@ -65,19 +65,19 @@ want tests && tail -3 "$OUT/tests_gpu.log"
 want train && grep -E "^==|^steps" "$OUT/train_nccl.log"
 echo "untimed parts ${SECONDS}s"
 if want layer; then
-  timeout 160 python3 benchmarks/gpu_layer.py --out "$OUT/gpu_layer.json" \
+  timeout 150 python3 benchmarks/gpu_layer.py --out "$OUT/gpu_layer.json" \
     --profile benchmarks/results/sim_profile_h200.json --passes 5 --iters 10 --stream 10 \
     --modules dropless,dropless+compile,torchtitan,torchtitan+compile --commit "$COMMIT" \
     || echo "gpu_layer rc $?"
   echo "gpu_layer ${SECONDS}s"
 fi
 if want persistent; then
-  timeout 90 python3 benchmarks/gpu_persistent.py --out "$OUT/gpu_persistent.json" \
+  timeout 75 python3 benchmarks/gpu_persistent.py --out "$OUT/gpu_persistent.json" \
     || echo "gpu_persistent rc $?"
   echo "gpu_persistent ${SECONDS}s"
 fi
 if want step; then
-  timeout 190 python3 benchmarks/gpu_train_step.py --out "$OUT/gpu_train_step.json" \
+  timeout 180 python3 benchmarks/gpu_train_step.py --out "$OUT/gpu_train_step.json" \
     --steps 8 --warmup 2 --commit "$COMMIT" || echo "gpu_train_step rc $?"
   echo "gpu_train_step ${SECONDS}s"
 fi
