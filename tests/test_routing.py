@@ -174,3 +174,26 @@ def test_build_plan_with_the_routers_counts_equals_counting_again(capacity):
     got = build_plan(ids, w, 6, capacity=capacity, all_counts_E=count_ids(ids.reshape(-1), 6))
     for f in ("counts_E", "order_TK", "kept_TK", "counts_Pe"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
+def test_plan_and_aux_terms_are_pytree_nodes():
+    """``tree_flatten`` (what FSDP2 before torch 2.13 uses to find a unit's output tensors)
+    reaches the plan's and the aux terms' tensors, and unflattening gives equal objects (the
+    plan's slot cache anew)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from moesaic import MoEConfig
+    from moesaic.routing import Router
+
+    torch.manual_seed(0)
+    router = Router(MoEConfig(hidden_size=8, ffn_hidden_size=16, num_experts=4, top_k=2))
+    plan, aux = router(torch.randn(6, 8))
+    leaves, spec = tree_flatten((plan, aux))
+    grads = [t for t in leaves if torch.is_tensor(t) and t.requires_grad]
+    assert any(t is plan.topk_weights_TK for t in grads)
+    assert any(t is aux.probs_mean_E for t in grads) and any(t is aux.z for t in grads)
+    plan2, aux2 = tree_unflatten(leaves, spec)
+    assert type(plan2) is type(plan) and plan2.placement == plan.placement
+    assert plan2.topk_weights_TK is plan.topk_weights_TK and plan2.num_kept == plan.num_kept
+    assert plan2._slots == {} and plan2._slots is not plan._slots
+    assert aux2 == aux

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from moesaic.pytree import register_dataclass_node
+
 __all__ = ["AuxTerms", "combine_aux", "fold_aux", "sequence_balance_sum", "z_loss"]
 
 
+@register_dataclass_node
 @dataclass(frozen=True, slots=True)
 class AuxTerms:
     """One forward's parts of the load-balancing and z losses, before weighting.

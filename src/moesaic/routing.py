@@ -42,10 +42,12 @@ from moesaic.config import MoEConfig
 from moesaic.kernels import KernelChoice
 from moesaic.kernels import load as load_kernels
 from moesaic.placement import ExpertPlacement
+from moesaic.pytree import register_dataclass_node
 from moesaic.router_gate import HALF_DTYPES, gate_logits
 from moesaic.router_losses import AuxTerms, sequence_balance_sum, z_loss
 
 
+@register_dataclass_node
 @dataclass(frozen=True, slots=True, init=False)
 class RoutingPlan:
     """Where each token goes. Pure data: building or reading it never communicates.
@@ -85,7 +87,9 @@ class RoutingPlan:
     num_kept: int | None
     kernels: str
     # slot maps made by ``slot_TK``, by R: the permute and the combine of one plan share one
-    _slots: dict[int, torch.Tensor] = field(init=False, repr=False, compare=False)
+    _slots: dict[int, torch.Tensor] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __init__(
         self,

@@ -351,3 +351,13 @@ def test_two_ranks_tiles_runtime_and_a_late_peer(tmp_path):
         assert all(r["same"]), (rank, r["same"])
         assert r["symmetric_puts"] > 0 and r["gloo_puts"] == r["symmetric_puts"]
     assert "waited 0.3s at the step fence for rank(s) [1]" in r0["fence"]
+
+
+def test_ranks_sharing_a_gpu_are_refused_by_name():
+    """Symmetric memory maps one peer per device: two ranks on one GPU (the shared-gloo GPU
+    tests) are refused before torch's rendezvous fails without naming them."""
+    from moesaic.comm.symmetric import check_one_rank_per_device
+
+    check_one_rank_per_device([("a", 0), ("a", 1), ("b", 0), ("b", 1)])
+    with pytest.raises(ValueError, match=r"ranks 1 and 2 share cuda:1 on a"):
+        check_one_rank_per_device([("a", 0), ("a", 1), ("a", 1)])

@@ -44,6 +44,7 @@ run every line of :class:`SymmetricMemoryChannel` with host primitives;
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +65,7 @@ __all__ = [
     "CudaSymmetricMemory",
     "SymmetricMemoryChannel",
     "SymmetricPrimitives",
+    "check_one_rank_per_device",
     "pick_transport",
     "symmetric_available",
 ]
@@ -117,6 +119,23 @@ def pick_transport(mode: str, device_type: str, ranks: int, symmetric_ready: boo
     return "gloo"
 
 
+def check_one_rank_per_device(places: Sequence[tuple[str, int | None]]) -> None:
+    """Refuse a group whose ranks share a GPU. ``places``: each rank's (host, device index).
+    Symmetric memory maps each peer's allocation into this process, one peer per device: two
+    ranks on one GPU (several ranks over gloo on a one-GPU machine) make torch's rendezvous
+    fail with "allocations from overlapping devices"; this names the ranks and the way out."""
+    seen: dict[tuple[str, int | None], int] = {}
+    for rank, place in enumerate(places):
+        if place in seen:
+            host, index = place
+            raise ValueError(
+                f"symmetric memory needs one GPU per rank: ranks {seen[place]} and {rank} share "
+                f"cuda:{index} on {host}; give each rank its own GPU (LOCAL_RANK), or use "
+                "dispatcher 'dropless'"
+            )
+        seen[place] = rank
+
+
 class SymmetricPrimitives(Protocol):
     """The device operations :class:`SymmetricMemoryChannel` needs, in issue order on one
     put stream (a CPU stand-in does each at once)."""
@@ -167,6 +186,7 @@ class CudaSymmetricMemory:
         self._pg = pg
         self._streams: dict[torch.device, tuple[Any, Any]] = {}  # device -> (put, poll)
         self._handles: list[Any] = []  # the rendezvous handles keep the mappings alive
+        self._checked: set[torch.device] = set()  # devices whose group placement was checked
 
     def _pair(self, device: torch.device) -> tuple[Any, Any]:
         if device not in self._streams:
@@ -174,6 +194,11 @@ class CudaSymmetricMemory:
         return self._streams[device]
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device not in self._checked:  # one collective per device, before the first buffer
+            places: list[Any] = [None] * dist.get_world_size(self._pg)
+            dist.all_gather_object(places, (socket.gethostname(), device.index), group=self._pg)
+            check_one_rank_per_device(places)
+            self._checked.add(device)
         tensor = self._symm.empty(numel, dtype=dtype, device=device)
         tensor.zero_()
         torch.cuda.synchronize(device)  # zero before the rendezvous lets any peer write
