@@ -8,7 +8,8 @@
 # gpu_train_step.json} (what one device call brings back). First the parts that time nothing, side
 # by side (tests/gpu in 8 workers; the 50-step hybrid and flowmoe runs on NCCL), then the timed
 # benchmarks one at a time, each bounded (its JSON is written as it goes: a bound cut keeps what
-# it measured). PART=layer,persistent,... runs some (tests, train, layer, persistent, step).
+# it measured). PART=layer,persistent,... runs some (tests, train, layer, persistent, step);
+# STEP_ONLY=moesaic|torchtitan one side of the step race; MODULES the layer race's modules.
 set -u
 OUT=${1:?out dir}; COMMIT=${2:-unknown}
 PART=${PART:-tests,train,layer,persistent,step}
@@ -21,6 +22,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && SITE=/tmp/site
 fi
 export PYTHONPATH=src${SITE:+:$SITE}
+STEP_PATH=$PYTHONPATH  # gpu_train_step: torchtitan 0.2.2 first (.whl/step, gpu_wheels.sh)
+if ls .whl/step/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site_step .whl/step/*.whl && STEP_PATH=src:/tmp/site_step${SITE:+:$SITE}
+fi
 want() { [[ ",$PART," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -49,7 +55,7 @@ EOF
 # that hangs failed with its stack after 60 s (pytest-timeout), the failures' tracebacks short.
 pids=()
 if want tests; then
-  (timeout 120 python3 -m pytest -v -rfE --tb=short --timeout 60 -n 8 -p no:cacheprovider \
+  (timeout 170 python3 -m pytest -v -rfE --tb=short --timeout 60 -n 8 -p no:cacheprovider \
      tests/gpu >"$OUT/tests_gpu.log" 2>&1
    echo "tests/gpu rc $?" >>"$OUT/tests_gpu.log") &
   pids+=($!)
@@ -67,7 +73,8 @@ echo "untimed parts ${SECONDS}s"
 if want layer; then
   timeout 150 python3 benchmarks/gpu_layer.py --out "$OUT/gpu_layer.json" \
     --profile benchmarks/results/sim_profile_h200.json --passes 5 --iters 10 --stream 10 \
-    --modules dropless,dropless+compile,torchtitan,torchtitan+compile --commit "$COMMIT" \
+    --modules "${MODULES:-dropless,dropless+compile,torchtitan,torchtitan+compile}" \
+    --commit "$COMMIT" \
     || echo "gpu_layer rc $?"
   echo "gpu_layer ${SECONDS}s"
 fi
@@ -77,8 +84,8 @@ if want persistent; then
   echo "gpu_persistent ${SECONDS}s"
 fi
 if want step; then
-  timeout 180 python3 benchmarks/gpu_train_step.py --out "$OUT/gpu_train_step.json" \
-    --steps 8 --warmup 2 --commit "$COMMIT" || echo "gpu_train_step rc $?"
+  PYTHONPATH=$STEP_PATH timeout 180 python3 benchmarks/gpu_train_step.py --out "$OUT/gpu_train_step.json" \
+    --steps 8 --warmup 2 --commit "$COMMIT" --only "${STEP_ONLY:-}" || echo "gpu_train_step rc $?"
   echo "gpu_train_step ${SECONDS}s"
 fi
 echo "done in $((SECONDS - t0)) s"

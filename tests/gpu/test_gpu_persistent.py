@@ -29,7 +29,7 @@ from moesaic.comm.world import run_world
 # Each spawned world compiles the persistent kernel (one Triton compile per bucket shape and
 # direction): over a minute when eight test workers compile at once (H200: the 60 s bound
 # gpu_run.sh gives every other test cut both of these).
-pytestmark = [NEEDS_CUDA, pytest.mark.timeout(300)]
+pytestmark = [*NEEDS_CUDA, pytest.mark.timeout(300)]
 sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))  # the shared world case
 H, F, E = 32, 48, 8
 

@@ -44,11 +44,15 @@ def _close(got: dict[int, float], want: dict[int, float], steps) -> None:
 
 def test_sharded_run_equals_unsharded(sharded, reference):
     _close(train_losses(sharded), train_losses(reference), range(1, 9))
-    # the sharded checkpoint loads whole into one process (generate's path): the same weights
+    # the sharded checkpoint loads whole into one process (generate's path): the same weights,
+    # each tensor within 1e-6 of its norm. Not element by element: AdamW's update of a gradient
+    # element near zero is about lr * sign(g), so the runs' fp32 rounding differences move a
+    # lone weight by ~lr (one element of 4096 at 4e-6 of the tensor's largest after 8 steps,
+    # on a 2-core AMD EPYC); a checkpoint loaded wrong moves whole tensors.
     got, want = final_weights(sharded), final_weights(reference)
     assert got.keys() == want.keys()
     for name, w in want.items():
-        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-7, msg=name)
+        assert float((got[name] - w).norm()) <= 1e-6 * float(w.norm()), name
     # the bytes measured per rank after step 1 are those predicted (every tensor's first
     # dimension divides by 2 here: no rank holds an extra row); step 2's peak, measured in the
     # sharded run only (a CPU run counts it with --measure-peak), within the model's 10%

@@ -39,6 +39,13 @@ an ``*_reference`` in plain torch):
   release signals (EP > 1: virtual ranks on one device, or peers on one node); the
   ``taskflow`` dispatcher's path on CUDA (``kernels="auto"`` or ``"triton"``).
 
+Under ``torch.compile`` each kernel's entry point (``route``, ``permute``, ``grouped_gemm``,
+``grouped_swiglu``, ``swiglu_act``, ``combine``) runs eagerly (``torch.compiler.disable``: a
+graph break around it): Inductor cannot fuse a hand-written Triton kernel anyway, and tracing
+their ``autograd.Function``s failed on an H200 (torch 2.11: AOTAutograd's joint graph refused
+the router's non-differentiable counts, "element 3 of tensors does not require grad"). The
+glue between them is compiled.
+
 Tested against the references under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU in
 tests/kernels. On a GPU (one H200, issue 27, benchmarks/gpu_layer.py) a Mixtral-like bf16 step
 with the Triton GEMMs took 36 ms against 5.4 ms with torch's: hence "fused". Two interpreter

@@ -103,6 +103,7 @@ class _Combine(torch.autograd.Function):
         return drows_RH, None, dw_TK, None
 
 
+@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
 def combine(
     rows_RH: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor, *, zero_fill: bool = True
 ) -> torch.Tensor:

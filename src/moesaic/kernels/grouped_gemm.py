@@ -240,6 +240,7 @@ def check_gemm_args(x_MK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tenso
         )
 
 
+@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
 def grouped_gemm(x_MK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
     """Rows of group i times ``w_eKN[i]``; returns [M, N] in x's dtype.
 

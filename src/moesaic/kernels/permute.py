@@ -94,6 +94,7 @@ class _Permute(torch.autograd.Function):
         return _launch_bwd(dout_RH.contiguous(), slot_TK), None, None, None
 
 
+@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
 def permute(
     x_TH: torch.Tensor, slot_TK: torch.Tensor, num_rows: int, *, zero_fill: bool = True
 ) -> torch.Tensor:

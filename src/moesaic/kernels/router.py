@@ -260,6 +260,7 @@ class _Route(torch.autograd.Function):
         return dlogits_TE, None, None, None
 
 
+@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
 def route(
     logits_TE: torch.Tensor, top_k: int, normalize: bool = True, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

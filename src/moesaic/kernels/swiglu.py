@@ -175,6 +175,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return dx, dw1, dw3, None
 
 
+@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
 def grouped_swiglu(
     x_MH: torch.Tensor, w1_eHF: torch.Tensor, w3_eHF: torch.Tensor, offs_e: torch.Tensor
 ) -> torch.Tensor:

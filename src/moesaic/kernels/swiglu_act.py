@@ -59,6 +59,7 @@ class _SwiGLUAct(torch.autograd.Function):
         return da, db
 
 
+@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
 def swiglu_act(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` (same shape and dtype; fp32 math), differentiable in both.
 
