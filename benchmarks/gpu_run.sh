@@ -55,7 +55,7 @@ EOF
 # that hangs failed with its stack after 60 s (pytest-timeout), the failures' tracebacks short.
 pids=()
 if want tests; then
-  (timeout 170 python3 -m pytest -v -rfE --tb=short --timeout 60 -n 8 -p no:cacheprovider \
+  (timeout 150 python3 -m pytest -v -rfE --tb=short --timeout 60 -n 8 -p no:cacheprovider \
      tests/gpu >"$OUT/tests_gpu.log" 2>&1
    echo "tests/gpu rc $?" >>"$OUT/tests_gpu.log") &
   pids+=($!)
