@@ -139,6 +139,7 @@ def _grouped_mm_op(x_MH, w_eHF, offs_e, native: bool) -> torch.Tensor:
     return _GroupedMM.apply(x_MH, w_eHF, offs_e)
 
 
+@torch.compiler.disable  # the probe runs real tensors, once, also under torch.compile
 @functools.cache
 def _fast_path_ok(device: torch.device, dtype: torch.dtype, native: bool = False) -> bool:
     """Does torch._grouped_mm exist, run (forward, and torch's own backward if ``native`` else
@@ -190,6 +191,9 @@ def _fast_mode(x_MH: torch.Tensor, w_eHF: torch.Tensor, use_fast: bool = True) -
     aligned = all((n * x_MH.element_size()) % 16 == 0 for n in w_eHF.shape[1:])
     if not (use_fast and aligned and x_MH.shape[0] > 0):
         return None
+    if torch.compiler.is_compiling() and x_MH.dtype != torch.bfloat16:
+        return None  # torch._grouped_mm's fake kernel takes bf16 only (torch 2.13): the loop
+
     if _fast_path_ok(x_MH.device, x_MH.dtype, native=True):
         return True
     return False if _fast_path_ok(x_MH.device, x_MH.dtype) else None

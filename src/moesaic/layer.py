@@ -383,8 +383,11 @@ class MoELayer(nn.Module):
         backward through the same graph recomputes again)."""
         return _Recomputing(self)
 
+    @torch.compiler.disable  # host bookkeeping: traced, its int counters recompiled each step
     def _record(self, tokens: int, routed: Routed, comm: CommStats) -> None:
-        """Add one forward to ``stats`` (not a recomputed one, see ``recomputation``)."""
+        """Add one forward to ``stats`` (not a recomputed one, see ``recomputation``). Eager
+        under ``torch.compile``: ``stats.tokens`` and ``forwards`` are ints that change every
+        forward, which Dynamo guards on (a recompile a step until its limit, seen on an H200)."""
         if self._recomputing:
             return
         # The detached terms: no graph (a recomputation, which skips this, must save the same
