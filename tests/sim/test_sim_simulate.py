@@ -72,11 +72,19 @@ def test_hybrid_domains_are_plan_steps(levels, T, F, flops):
 
 
 @pytest.mark.parametrize(
-    ("cr", "every", "prefetch"), [(1.0, 1, True), (16.0, 4, True), (50.0, 1, False)]
+    ("cr", "every", "prefetch", "shared"),
+    [
+        (1.0, 1, True, "domain"),
+        (16.0, 4, True, "domain"),
+        (50.0, 1, False, "domain"),
+        (16.0, 2, True, "all"),
+        (16.0, 1, False, "none"),
+    ],
 )
-def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
-    """+Migration (SR compression, shared experts' all-reduce, prefetched gathers): every
-    domain tuple's step equals predict_step's, and the chosen domains are plan_step's."""
+def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch, shared):
+    """+Migration (SR compression, shared experts' all-reduce over the groups ``shared`` names,
+    prefetched gathers): every domain tuple's step equals predict_step's, and the chosen
+    domains are plan_step's."""
     from moesaic.planning.stepmodel import predict_step
     from moesaic.sim.hybrid import hybrid_parts
     from moesaic.sim.hybrid_costmodel import domain_size_choices
@@ -90,7 +98,9 @@ def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
     model = ModelSpec(
         layers=2, batch=4, seq_len=256, hidden=256, ffn_hidden=512, experts=8, top_k=2
     )
-    kw = dict(compression_ratio=cr, shared_expert_every=every, prefetch=prefetch)
+    kw = dict(
+        compression_ratio=cr, shared_expert_every=every, prefetch=prefetch, shared_expert=shared
+    )
     common = dict(tokens_per_rank=model.tokens, flops_per_s=3e10, blocks=2, seq_len=256)
     for ds in domain_size_choices(spec):
         ref = predict_step(spec, moe_config(model), ds, **common, **kw)
@@ -99,6 +109,39 @@ def test_hybrid_parts_equal_predict_step_with_migration(cr, every, prefetch):
     chosen, _ = plan_domains_fast(LinkModel(spec=spec), model, 3e10, **kw)
     ref_plan = plan_step(spec, moe_config(model), **common, **kw)
     assert chosen.domain_sizes == ref_plan.chosen.domain_sizes
+
+
+def test_shared_expert_scope_prices_the_groups_the_runtime_all_reduces_over():
+    """``shared_expert`` "all" adds the offset group's all-reduce (one rank per domain) to
+    "domain"'s, a reduce-scatter and an all-gather of 1/n of a dense expert on each of its
+    levels; "none" has no all-reduce; a domain of the whole group has no offset group, so "all"
+    equals "domain" there."""
+    from moesaic.sim.collectives import level_exchange_s
+    from moesaic.sim.hybrid import hybrid_parts
+
+    spec = ClusterSpec(
+        levels=(
+            Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=2.0),
+            Level(name="r", size=4, bandwidth_gbps=1.0, latency_ms=0.1),
+        )
+    )
+    link = LinkModel(spec=spec)
+    model = ModelSpec(
+        layers=2, batch=4, seq_len=256, hidden=256, ffn_hidden=512, experts=8, top_k=2
+    )
+
+    def gather(ds, shared):
+        return hybrid_parts(link, model, ds, 3e10, compression_ratio=16.0, shared_expert=shared)
+
+    one_expert = 256 * 512 * 3 * 4  # w1, w3, w2 in fp32
+    for ds, offset in (((1, 4), 2), ((1, 2), 4)):  # offset group: 2 ranks over dc; 2 x 2
+        none, domain, every = (gather(ds, s).gather for s in ("none", "domain", "all"))
+        assert none < domain < every
+        if offset == 2:  # one level: the dc link, 1 peer, 2 * expert / 2 bytes
+            want = level_exchange_s(link, 0, 1, 2 * one_expert / 2, gather=True)
+            assert every - domain == pytest.approx(want)
+    whole = (2, 4)
+    assert gather(whole, "all").gather == gather(whole, "domain").gather
 
 
 def _new_spelling(row: dict, levels: int) -> tuple[str, str, dict]:

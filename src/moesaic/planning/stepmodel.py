@@ -21,8 +21,6 @@ Torch-free.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +32,7 @@ from moesaic.sim.hybrid_costmodel import (
     domain_size_choices,
     evaluate_domains,
     fastest_smallest,
+    shared_expert_gathers,
     stream_inputs,
 )
 
@@ -73,6 +72,7 @@ def predict_step(
     param_bytes: int = 4,
     compression_ratio: float = 1.0,
     shared_expert_every: int = 1,
+    shared_expert: str = "domain",
     prefetch: bool = False,
     dense_blocks_before: int = 0,
     dense_ffn_hidden_size: int | None = None,
@@ -93,6 +93,8 @@ def predict_step(
         shared_expert_every: The shared experts' all-reduce runs every this many gathers
             (``hybrid``'s option ``HybridOptions.shared_expert_every``): its time is spread over
             them.
+        shared_expert: What the shared expert is the mean of (``HybridOptions.shared_expert``):
+            its all-reduce's groups (``shared_expert_gathers``).
         prefetch: Gathers prefetched under the pre-expert computation (Fig. 10).
         dense_blocks_before: Dense blocks before each MoE block (``stream_inputs``).
         dense_ffn_hidden_size: Their FFN width (``stream_inputs``).
@@ -115,15 +117,15 @@ def predict_step(
     moved = evaluate_domains(spec, sent, domain_sizes)
     grads = evaluate_domains(spec, dense, domain_sizes)
     gather_s = sum(moved.ag_s)
-    shared_s = 0.0
-    S = math.prod(moved.domain_sizes)
     numel = config.hidden_size * config.ffn_hidden_size
-    if S > 1 and kept_entries(numel, compression_ratio) < numel:
-        # The shared experts' all-reduce (one dense expert's bytes) priced as two gathers of
-        # 1/S of it each (reduce-scatter + all-gather).
-        one = dense.expert_bytes / dense.experts_per_rank
-        shared = dataclasses.replace(dense, expert_bytes=2 * one / S)
-        shared_s = sum(evaluate_domains(spec, shared, domain_sizes).ag_s) / shared_expert_every
+    compressed = kept_entries(numel, compression_ratio) < numel
+    sizes = [lv.size for lv in spec.levels]
+    shared_s = sum(
+        sum(evaluate_domains(spec, shared, group).ag_s) / shared_expert_every
+        for shared, group in shared_expert_gathers(
+            dense, moved.domain_sizes, sizes, compressed=compressed, scope=shared_expert
+        )
+    )
     gather_s += shared_s
     a2a_s = sum(moved.a2a_s)
     pe_s = sent.pre_expert_s

@@ -24,7 +24,6 @@ around dropless's exchange over the offset group, as the runtime pipelines it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from moesaic.sim.hybrid_costmodel import (
     StreamInputs,
     domain_size_choices,
     fastest_smallest,
+    shared_expert_gathers,
     stream_inputs,
 )
 from moesaic.sim.model import ModelSpec
@@ -137,13 +137,14 @@ def hybrid_parts(
     prefetch: bool = False,
     compression_ratio: float = 1.0,
     shared_expert_every: int = 1,
+    shared_expert: str = "domain",
 ) -> HybridParts:
     """One block's parts on ``link`` with ``domain_sizes`` (each a divisor of its level's size).
 
     ``compression_ratio`` > 1 is +Migration's SR compression: gathers move compressed experts
-    and, when the domain holds more than one rank, the shared experts' all-reduce (one dense
-    expert, a reduce-scatter and an all-gather of ``1/S`` each, every ``shared_expert_every``
-    gathers); the gradient reduce stays dense (``predict_step``).
+    and the shared expert's all-reduce (``shared_expert_gathers``: over the domain, and the
+    offset group for ``shared_expert`` "all", every ``shared_expert_every`` gathers); the
+    gradient reduce stays dense (``predict_step``).
     """
     ds = tuple(domain_sizes)
     if len(ds) != link.spec.num_levels or any(
@@ -155,12 +156,13 @@ def hybrid_parts(
     dense = _inputs(model, link.world_size, flops_per_s)
     gather, a2a = _phases(link, sent, ds)
     reduce, _ = _phases(link, dense, ds, reduce=True)  # dense gradients: the gathers' bytes back
-    S = math.prod(ds)
     numel = model.hidden * model.ffn_hidden
-    if S > 1 and kept_entries(numel, compression_ratio) < numel:
-        one = dense.expert_bytes / dense.experts_per_rank
-        shared = dataclasses.replace(dense, expert_bytes=2 * one / S)
-        gather += _phases(link, shared, ds)[0] / shared_expert_every
+    compressed = kept_entries(numel, compression_ratio) < numel
+    sizes = [lv.size for lv in link.spec.levels]
+    for shared, group in shared_expert_gathers(
+        dense, ds, sizes, compressed=compressed, scope=shared_expert
+    ):
+        gather += _phases(link, shared, group)[0] / shared_expert_every
     return HybridParts(
         domain_sizes=ds,
         pre_expert=sent.pre_expert_s,

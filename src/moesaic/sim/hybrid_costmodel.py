@@ -37,18 +37,26 @@ Torch-free, except :func:`measure_gemm_flops`, which imports torch when called.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from moesaic.checks import check_int, check_non_negative, check_positive, check_positive_int
+from moesaic.checks import (
+    check_int,
+    check_non_negative,
+    check_one_of,
+    check_positive,
+    check_positive_int,
+)
 from moesaic.cluster.cost import network_time
 from moesaic.cluster.spec import ClusterSpec
 from moesaic.config import MoEConfig
 from moesaic.placement.compress import compressed_nbytes
 from moesaic.placement.topology import Topology
+from moesaic.strategies.hybrid_options import SHARED_EXPERTS
 
 __all__ = [
     "DomainCandidate",
@@ -63,6 +71,7 @@ __all__ = [
     "optimal_p",
     "plan_domains",
     "search_p",
+    "shared_expert_gathers",
     "stream_inputs",
 ]
 
@@ -204,6 +213,40 @@ def optimal_p(inputs: StreamInputs, *, num_ranks: int, bandwidth_gbps: float) ->
 
 
 # ---------------------------------------------------------------------------------- inputs
+def shared_expert_gathers(
+    dense: StreamInputs,
+    domain_sizes: Sequence[int],
+    level_sizes: Sequence[int],
+    *,
+    compressed: bool,
+    scope: str = "domain",
+) -> list[tuple[StreamInputs, tuple[int, ...]]]:
+    """The shared expert's all-reduce of a compressed gather, as gathers to price: pairs of
+    (inputs whose ``expert_bytes`` is what each peer sends, the group's size per level), each
+    priced as the gathers of ``domain_sizes`` are (the simulator's ``sim.hybrid._phases``, the
+    planner's ``evaluate_domains``), to be divided by ``shared_expert_every``.
+
+    An all-reduce of one dense expert over n ranks is a reduce-scatter and an all-gather of
+    ``1/n`` of it each: a gather of ``2 * expert / n`` per peer. ``scope`` is
+    ``HybridOptions.shared_expert``: "domain" all-reduces over the domain (``domain_sizes``,
+    S ranks); "all" adds the offset group (one rank per domain: ``level_size / S^l`` ranks per
+    level, W / S in all), as the runtime issues it (``HybridStrategy._shared_groups``);
+    "none" has no shared expert. Nothing when the gather is exact (``compressed`` False) or
+    a group has one rank.
+    """
+    check_one_of("scope", scope, SHARED_EXPERTS)
+    if not compressed or scope == "none":
+        return []
+    one = dense.expert_bytes / dense.experts_per_rank
+    offset = tuple(n // s for s, n in zip(domain_sizes, level_sizes, strict=True))
+    groups = [tuple(domain_sizes)] + ([offset] if scope == "all" else [])
+    return [
+        (dataclasses.replace(dense, expert_bytes=2 * one / math.prod(sizes)), sizes)
+        for sizes in groups
+        if math.prod(sizes) > 1
+    ]
+
+
 def stream_inputs(
     config: MoEConfig,
     *,

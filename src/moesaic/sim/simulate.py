@@ -64,6 +64,7 @@ from moesaic.sim.runs import (
     legacy_run,
     unsupported_reason,
 )
+from moesaic.strategies.hybrid_options import SHARED_EXPERTS
 from moesaic.taskflow.engine import Timeline
 from moesaic.trace import COMM_RESOURCES, COMPUTE_RESOURCES, Span, busy_time
 
@@ -96,6 +97,8 @@ class SimOptions:
             the first block's attention (pipelined schedules).
         compression_ratio: ``hybrid``'s SR compression of gathered experts (+Migration: > 1).
         shared_expert_every: the shared experts' all-reduce every this many gathers.
+        shared_expert: ``hybrid``'s ``HybridOptions.shared_expert``: the groups of that
+            all-reduce ("domain", "all": the offset group too, "none": none).
         taskflow_tile_m: ``taskflow``'s tile rows (``TaskflowOptions.tile_m``); None: the
             simulator's size-based default (``sim.taskflow.default_tiles``).
         taskflow_slot_rows: ``taskflow``'s bucket slot rows (rows per source rank and expert,
@@ -129,6 +132,7 @@ class SimOptions:
     prefetch: bool = False
     compression_ratio: float = 1.0
     shared_expert_every: int = 1
+    shared_expert: str = "domain"
     taskflow_tile_m: int | None = None
     taskflow_slot_rows: int | None = None
     taskflow_pipeline: bool = False
@@ -141,6 +145,7 @@ class SimOptions:
         check_positive_int("degree", self.degree)
         check_number("compression_ratio", self.compression_ratio, 1.0, 1e6)
         check_positive_int("shared_expert_every", self.shared_expert_every)
+        check_one_of("shared_expert", self.shared_expert, SHARED_EXPERTS)
         if self.sp_bytes is not None and not self.sp_bytes > 0:
             raise ValueError(f"sp_bytes ({self.sp_bytes}) must be > 0")
         if self.taskflow_tile_m is not None:
@@ -292,6 +297,7 @@ def _hybrid_parts(
         prefetch=opts.prefetch,
         compression_ratio=opts.compression_ratio,
         shared_expert_every=opts.shared_expert_every,
+        shared_expert=opts.shared_expert,
     )
     if opts.domain_sizes is not None:
         return hybrid_parts(link, model, opts.domain_sizes, profile.flops_per_s, **kw)

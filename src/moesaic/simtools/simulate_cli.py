@@ -31,6 +31,7 @@ from moesaic.simtools.cli_files import (
     load_option,
     retimed,
 )
+from moesaic.strategies.hybrid_options import SHARED_EXPERTS
 
 __all__ = ["add_subparser"]
 
@@ -118,6 +119,12 @@ def add_subparser(subparsers) -> None:
         default=1,
         metavar="N",
         help="hybrid: shared experts' all-reduce every N gathers",
+    )
+    p.add_argument(
+        "--shared-expert",
+        choices=SHARED_EXPERTS,
+        default="domain",
+        help="hybrid: what the shared expert of a compressed gather is the mean of",
     )
     add_all_reduce_option(p)
     add_loads_option(p)
@@ -237,6 +244,7 @@ def _options(args: argparse.Namespace) -> Any:
         prefetch=args.prefetch,
         compression_ratio=args.compression_ratio,
         shared_expert_every=args.shared_every,
+        shared_expert=args.shared_expert,
         all_reduce=args.all_reduce,
     )
 

@@ -218,6 +218,7 @@ def plan_training_domains(
         param_bytes=TRAIN_DTYPE_BYTES,
         compression_ratio=hybrid_options(moe).compression_ratio,
         shared_expert_every=hybrid_options(moe).shared_expert_every,
+        shared_expert=hybrid_options(moe).shared_expert,
         prefetch=True,
         dense_blocks_before=dense_blocks_before(model),
         dense_ffn_hidden_size=model.dense_hidden or 4 * model.d_model,
