@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from moesaic import MoEConfig, MoELayer
 
 
 @pytest.mark.parametrize("dispatcher", ["dropless", "padded"])
 def test_compiled_layer_equals_eager_and_compiles_once(dispatcher):
+    # imported here, not at collection: Dynamo imports Triton, and tests/kernels must set
+    # TRITON_INTERPRET=1 before anything in its worker does (else it skips every kernel test)
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
     cfg = MoEConfig(
@@ -47,3 +50,18 @@ def test_compiled_layer_equals_eager_and_compiles_once(dispatcher):
         graphs.append(counters["stats"]["unique_graphs"])
     assert compiled.stats.tokens == eager.stats.tokens == 4 * 64
     assert graphs[1] > 0 and graphs[3] == graphs[1], graphs  # steps 3 and 4: nothing new
+
+
+def test_importing_the_library_imports_neither_dynamo_nor_triton():
+    """``eager_under_compile`` waits for Dynamo instead of importing it: an ``import moesaic``
+    that pulled in Dynamo (and Triton with it) cost about a second and, in this suite, made
+    every kernel test skip (Triton imported before tests/kernels set ``TRITON_INTERPRET``)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, moesaic, moesaic.layer, moesaic.experts, moesaic.train.loop; "
+        "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

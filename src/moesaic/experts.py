@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moesaic.config import MoEConfig
+from moesaic.eager import eager_under_compile
 from moesaic.kernels import KernelChoice
 from moesaic.kernels import load as load_kernels
 
@@ -139,7 +140,6 @@ def _grouped_mm_op(x_MH, w_eHF, offs_e, native: bool) -> torch.Tensor:
     return _GroupedMM.apply(x_MH, w_eHF, offs_e)
 
 
-@torch.compiler.disable  # the probe runs real tensors, once, also under torch.compile
 @functools.cache
 def _fast_path_ok(device: torch.device, dtype: torch.dtype, native: bool = False) -> bool:
     """Does torch._grouped_mm exist, run (forward, and torch's own backward if ``native`` else
@@ -194,9 +194,13 @@ def _fast_mode(x_MH: torch.Tensor, w_eHF: torch.Tensor, use_fast: bool = True) -
     if torch.compiler.is_compiling() and x_MH.dtype != torch.bfloat16:
         return None  # torch._grouped_mm's fake kernel takes bf16 only (torch 2.13): the loop
 
-    if _fast_path_ok(x_MH.device, x_MH.dtype, native=True):
+    if _probed(x_MH.device, x_MH.dtype, native=True):
         return True
-    return False if _fast_path_ok(x_MH.device, x_MH.dtype) else None
+    return False if _probed(x_MH.device, x_MH.dtype) else None
+
+
+# the probe runs on real tensors, once, also inside a torch.compile'd region
+_probed = eager_under_compile(_fast_path_ok)
 
 
 def grouped_mm(

@@ -27,6 +27,7 @@ from torch import nn
 from moesaic.comm.agree import check_ranks_agree
 from moesaic.comm.collectives import EPGroup
 from moesaic.config import MoEConfig
+from moesaic.eager import eager_under_compile
 from moesaic.experts import GroupedExperts, SharedExperts
 from moesaic.placement import ExpertPlacement
 from moesaic.router_losses import AuxTerms, combine_aux, fold_aux
@@ -383,7 +384,7 @@ class MoELayer(nn.Module):
         backward through the same graph recomputes again)."""
         return _Recomputing(self)
 
-    @torch.compiler.disable  # host bookkeeping: traced, its int counters recompiled each step
+    @eager_under_compile  # host bookkeeping: traced, its int counters recompiled each step
     def _record(self, tokens: int, routed: Routed, comm: CommStats) -> None:
         """Add one forward to ``stats`` (not a recomputed one, see ``recomputation``). Eager
         under ``torch.compile``: ``stats.tokens`` and ``forwards`` are ints that change every

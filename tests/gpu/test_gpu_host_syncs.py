@@ -59,3 +59,21 @@ def test_layer_step_does_not_sync_the_host(overrides):
     assert not syncs, f"{len(syncs)} host syncs in one step, at: {syncs}"
     assert bool(torch.isfinite(y).all())
     assert all(p.grad is not None for p in layer.parameters())
+
+
+def test_the_training_loops_batch_copy_does_not_sync_the_host():
+    """The loop's batch goes to the GPU through pinned memory, asynchronously
+    (``train.loop.to_device``): the H200's training step counted the pageable copies of the
+    inputs and the targets as two syncs a step. Same values as a plain copy."""
+    from moesaic.train.loop import to_device
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x_BT = torch.randint(0, 50_000, (8, 2048))
+    to_device(x_BT, device)  # first pinned allocation outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = to_device(x_BT, device)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got.cpu(), x_BT)

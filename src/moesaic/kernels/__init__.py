@@ -40,8 +40,8 @@ an ``*_reference`` in plain torch):
   ``taskflow`` dispatcher's path on CUDA (``kernels="auto"`` or ``"triton"``).
 
 Under ``torch.compile`` each kernel's entry point (``route``, ``permute``, ``grouped_gemm``,
-``grouped_swiglu``, ``swiglu_act``, ``combine``) runs eagerly (``torch.compiler.disable``: a
-graph break around it): Inductor cannot fuse a hand-written Triton kernel anyway, and tracing
+``grouped_swiglu``, ``swiglu_act``, ``combine``) runs eagerly (``eager.eager_under_compile``:
+a graph break around it): Inductor cannot fuse a hand-written Triton kernel anyway, and tracing
 their ``autograd.Function``s failed on an H200 (torch 2.11: AOTAutograd's joint graph refused
 the router's non-differentiable counts, "element 3 of tensors does not require grad"). The
 glue between them is compiled.

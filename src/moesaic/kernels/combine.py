@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moesaic.eager import eager_under_compile
 from moesaic.kernels._jit import cast_out
 from moesaic.kernels._launch import block_h, check_device, check_float, check_slots
 
@@ -103,7 +104,7 @@ class _Combine(torch.autograd.Function):
         return drows_RH, None, dw_TK, None
 
 
-@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
+@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
 def combine(
     rows_RH: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor, *, zero_fill: bool = True
 ) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moesaic.eager import eager_under_compile
 from moesaic.kernels._jit import cast_out, mma
 from moesaic.kernels._launch import check_device, check_float, upcast_dot
 
@@ -240,7 +241,7 @@ def check_gemm_args(x_MK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tenso
         )
 
 
-@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
+@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
 def grouped_gemm(x_MK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
     """Rows of group i times ``w_eKN[i]``; returns [M, N] in x's dtype.
 

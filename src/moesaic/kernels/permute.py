@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moesaic.eager import eager_under_compile
 from moesaic.kernels._jit import cast_out
 from moesaic.kernels._launch import block_h, check_device, check_float, check_slots
 
@@ -94,7 +95,7 @@ class _Permute(torch.autograd.Function):
         return _launch_bwd(dout_RH.contiguous(), slot_TK), None, None, None
 
 
-@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
+@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
 def permute(
     x_TH: torch.Tensor, slot_TK: torch.Tensor, num_rows: int, *, zero_fill: bool = True
 ) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moesaic.eager import eager_under_compile
 from moesaic.kernels._launch import check_device
 
 # Logits per program: about 4096 fp32 values (16 per thread of 8 warps). Not tuned on a GPU.
@@ -260,7 +261,7 @@ class _Route(torch.autograd.Function):
         return dlogits_TE, None, None, None
 
 
-@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
+@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
 def route(
     logits_TE: torch.Tensor, top_k: int, normalize: bool = True, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moesaic.eager import eager_under_compile
 from moesaic.kernels._jit import cast_out, mma
 from moesaic.kernels._launch import upcast_dot
 from moesaic.kernels.grouped_gemm import (
@@ -175,7 +176,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return dx, dw1, dw3, None
 
 
-@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
+@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
 def grouped_swiglu(
     x_MH: torch.Tensor, w1_eHF: torch.Tensor, w3_eHF: torch.Tensor, offs_e: torch.Tensor
 ) -> torch.Tensor:

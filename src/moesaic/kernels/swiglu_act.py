@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moesaic.eager import eager_under_compile
 from moesaic.kernels._jit import cast_out
 from moesaic.kernels._launch import check_device, check_float
 from moesaic.kernels.swiglu import _swiglu_bwd_kernel
@@ -59,7 +60,7 @@ class _SwiGLUAct(torch.autograd.Function):
         return da, db
 
 
-@torch.compiler.disable  # eager under torch.compile (kernels/__init__.py)
+@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
 def swiglu_act(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` (same shape and dtype; fp32 math), differentiable in both.
 

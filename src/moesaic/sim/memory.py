@@ -53,7 +53,11 @@ gathered gradients in the backward. Not measured yet (hybrid does not run sharde
 unsharded peak is measured by ``benchmarks/step_memory.py``).
 
 ``compute_bytes`` 2 (bf16): activations and FSDP2's gathered units in bf16, the fp32 state as
-above (FSDP2's ``MixedPrecisionPolicy``); measured only on CUDA, where it runs.
+above (FSDP2's ``MixedPrecisionPolicy``); measured only on CUDA, where it runs. The head's
+vocabulary-wide tensors stay fp32 whatever the compute dtype: the loss upcasts the logits
+(``train.loop.lm_loss``), so the log-softmax it saves (V) and the backward's first gradients
+(2 V) are fp32. Priced in bf16 they were the bulk of a 31% under-prediction of a bf16 Qwen3-MoE
+step on an H200 (55.6 GiB predicted, 80.6 measured, ``gpu_train_step_h200.json``; V 151936).
 """
 
 from __future__ import annotations
@@ -204,10 +208,14 @@ def _moe_layers(cfg: MoEGPTConfig) -> int:
     return sum(cfg.is_moe_block(i) for i in range(cfg.n_layers))
 
 
-def _activation_elements(cfg: MoEGPTConfig, checkpointing: bool) -> tuple[float, float, float]:
-    """(``A``, ``T`` at the head, ``T`` in the last block's feed-forward) per token in
-    elements, uniform routing (a rank's expert rows are its tokens' k rows on average,
-    whatever EP)."""
+def _activation_elements(
+    cfg: MoEGPTConfig, checkpointing: bool
+) -> tuple[float, float, float, float]:
+    """Per token, in elements: ``A`` in the compute dtype, ``A``'s fp32 part (the
+    log-softmax), ``T`` at the head (fp32), and the last block's feed-forward activations less
+    the head's compute-dtype part (``T`` there is those gradients less the freed head, fp32
+    part included: ``predict_memory``). Uniform routing (a rank's expert rows are its
+    tokens' k rows on average, whatever EP)."""
     D, moe = cfg.d_model, cfg.moe
     k, E, F = moe.top_k, moe.num_experts, moe.ffn_hidden_size
     blocks, ffn_largest, block_largest = 0.0, 0.0, 0.0
@@ -224,10 +232,11 @@ def _activation_elements(cfg: MoEGPTConfig, checkpointing: bool) -> tuple[float,
         block_largest = max(block_largest, attention + ffn)
     if checkpointing:  # each block's input, and one block recomputed at a time
         blocks = cfg.n_layers * D + block_largest
-    head = 2 * D + cfg.vocab_size  # the final norm's input and output, the log-softmax
-    # at the backward's start: the loss's gradient and the log-softmax's (2 V);
+    head = 2 * D  # the final norm's input and output; the log-softmax (V) is fp32
+    # at the backward's start: the loss's gradient and the log-softmax's (2 V, fp32);
     # in the last block's feed-forward, the head's tensors freed, gradients of its activations
-    return blocks + head, 2 * cfg.vocab_size, max(0.0, ffn_largest - head)
+    V = cfg.vocab_size
+    return blocks + head, V, 2 * V, ffn_largest - head
 
 
 def predict_memory(
@@ -268,8 +277,10 @@ def predict_memory(
     state = state_bytes(cfg, ep=ep, dp_shard=dp_shard)
     dense_ranks, expert_ranks = _shards(ep, dp_shard)
     tokens = batch_size * cfg.seq_len
-    per_token, at_head, in_block = _activation_elements(cfg, activation_checkpointing)
-    activations = compute_bytes * tokens * per_token
+    per_token, per_token_fp32, at_head, in_block = _activation_elements(
+        cfg, activation_checkpointing
+    )
+    activations = tokens * (compute_bytes * per_token + FP32 * per_token_fp32)
     root = blocks = 0.0
     if dp_shard is not None:
         root = compute_bytes * n.root
@@ -277,8 +288,9 @@ def predict_memory(
         if prefetch:  # the next block's all-gather in flight: its dense part and its experts
             blocks += compute_bytes * (n.block + n.block_experts / ep)
     # the backward's start (the root unit gathered), or a block's (module docstring)
-    at_head_b, at_head_u = compute_bytes * tokens * at_head, root
-    in_block_b, in_block_u = compute_bytes * tokens * in_block, root + blocks
+    at_head_b, at_head_u = FP32 * tokens * at_head, root
+    in_block_b = tokens * max(0.0, compute_bytes * in_block - FP32 * per_token_fp32)
+    in_block_u = root + blocks
     transient_b, gathered = (
         (at_head_b, at_head_u)
         if at_head_b + at_head_u >= in_block_b + in_block_u

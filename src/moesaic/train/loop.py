@@ -178,7 +178,7 @@ def evaluate(
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(cfg.eval_batches):
         x_BT, y_BT = val.val_batch(i, layout.rank, layout.world_size, cfg.batch_size)
-        ce = lm_loss(model(x_BT.to(device)), y_BT.to(device))
+        ce = lm_loss(model(to_device(x_BT, device)), to_device(y_BT, device))
         _drain_layer_state(model)
         total += torch.stack([ce.double(), torch.ones((), dtype=torch.float64, device=device)])
     reshard(model)  # FSDP2's root stays gathered after a forward no backward follows
@@ -216,6 +216,17 @@ def _step_statistics(model: MoEGPT, device) -> StatisticsFn:
         return torch.cat([head, *counts, *routed])
 
     return pack
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host batch on ``device`` without a host sync: to a GPU through pinned memory, copied
+    asynchronously (a pageable copy waits for the device: two syncs a training step, the
+    inputs and the targets, on an H200, ``benchmarks/results/gpu_train_step_h200.json``). The
+    pinned buffer's reuse waits for the copy (torch's caching host allocator records it)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _step_stats(
@@ -420,7 +431,7 @@ def train(cfg: TrainConfig) -> dict:
         if recorder is not None and step <= cfg.steps - TRACE_STEPS + 1:
             recorder.clear()  # keep the last TRACE_STEPS steps only
         with maybe_span(recorder, "step", f"step{step}", step=step):
-            result = train_step.run(x_BT.to(device), y_BT.to(device))
+            result = train_step.run(to_device(x_BT, device), to_device(y_BT, device))
         consumed += world * cfg.batch_size
         loss, aux_val, loads, routed_loads = _step_stats(model, result.statistics, layout, device)
         if result.applied:
