@@ -16,6 +16,7 @@ Skipped without CUDA.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import sys
 from pathlib import Path
@@ -97,6 +98,9 @@ def _layer_vs_dropless(device: torch.device) -> dict:
 
 
 def persistent_world(rank: int, world: int) -> dict:
+    # On the H200 these tests stalled past 150 s (the sweep ran the same kernel paths in
+    # seconds): a stall prints every thread's stack into the test's captured output.
+    faulthandler.dump_traceback_later(240, exit=False)
     device = device_of("cuda")
     out = {"layer": attempt(_layer_vs_dropless, device)}
     if world == 1:
