@@ -53,12 +53,16 @@ EOF
 
 # Each test named as it ends (-v: a run cut short still says which passed and failed), a test
 # that hangs failed with its stack after 60 s (pytest-timeout), the failures' tracebacks short.
+# The tests run in a process group of their own (setsid), killed whole after they end or time
+# out: `timeout` stops pytest only, and at 14d9e4f its xdist workers and their spawned worlds
+# ran on into the timed layer race (its host times doubled).
 pids=()
 if want tests; then
-  (timeout 150 python3 -m pytest -v -rfE --tb=short --timeout 60 -n 8 -p no:cacheprovider \
-     tests/gpu >"$OUT/tests_gpu.log" 2>&1
-   echo "tests/gpu rc $?" >>"$OUT/tests_gpu.log") &
-  pids+=($!)
+  setsid bash -c 'timeout 150 python3 -m pytest -v -rfE --tb=short --timeout 60 -n 8 \
+     -p no:cacheprovider tests/gpu >"$1/tests_gpu.log" 2>&1
+   echo "tests/gpu rc $?" >>"$1/tests_gpu.log"' _ "$OUT" &
+  tests_pid=$!
+  pids+=($tests_pid)
 fi
 if want train; then
   train_nccl >"$OUT/train_nccl.log" 2>&1 &
@@ -67,7 +71,10 @@ fi
 # Never a bare `wait`: bash (5.1+) waits for the `tee` process substitution above too, which
 # ends only with this script (the first run of this script hung there until its bound).
 [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
-want tests && tail -3 "$OUT/tests_gpu.log"
+if want tests; then
+  kill -9 -- "-$tests_pid" 2>/dev/null  # whatever of the tests' group is left
+  tail -3 "$OUT/tests_gpu.log"
+fi
 want train && grep -E "^==|^steps" "$OUT/train_nccl.log"
 echo "untimed parts ${SECONDS}s"
 if want layer; then
