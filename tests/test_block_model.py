@@ -91,3 +91,32 @@ def test_generate_is_greedy_decoding_over_the_context_below_sample_vocab(models,
         for _ in range(2)
     ]
     assert torch.equal(sampled[0], sampled[1])  # the generator alone decides the samples
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_hf_layer_context_reads_nothing_on_the_host(family):
+    """The pipelined schedules' per-layer context of a transformers model (its causal mask,
+    rotary embeddings): no host sync. With position ids and no attention mask transformers
+    looks for packed sequences in them, a read on the host each layer and chunk (one a step
+    in ``gpu_train_step_h200.json``'s vanilla run, from its own forward); ours are one
+    arange, so the mask is made without them, and equals the one made with them."""
+    from transformers.masking_utils import create_causal_mask
+
+    from moesaic.interop.hf_families import apply_hf_shape, read_hf_config
+    from moesaic.models.hf_causal_lm import HFCausalLM
+    from moesaic.testing import HostSyncCounter
+
+    path = EXAMPLES / f"{family}.json"
+    cfg = MoEGPTConfig.from_dict(apply_hf_shape({"seq_len": 8}, path))
+    model = HFCausalLM(read_hf_config(path), cfg)
+    x_BTD = model.embed(torch.randint(0, 256, (2, 8)))
+    with HostSyncCounter() as syncs:
+        ctx = model.layer_context(x_BTD, 0)
+    syncs.check(at_most=0, what=f"{family} layer_context")
+    pos_1T = torch.arange(8).unsqueeze(0)
+    want = create_causal_mask(
+        config=model.hf.config, inputs_embeds=x_BTD, attention_mask=None, cache=None,
+        position_ids=pos_1T,
+    )  # fmt: skip
+    got = ctx["attention_mask"]
+    assert (got is None and want is None) or torch.equal(got, want)

@@ -157,12 +157,15 @@ class HFCausalLM(SharedLMMethods):
         else:
             sliding = getattr(cfg, "sliding_window", None) is not None
         make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+        # No position ids to the mask: with them and no attention mask, transformers looks for
+        # packed sequences in them (a host sync per call, one per layer and chunk here); ours
+        # are one arange, never packed, so the mask is the same without the look.
         mask = make_mask(
             config=cfg,
             inputs_embeds=x_BTD,
             attention_mask=None,
             cache=None,
-            position_ids=pos_1T,
+            position_ids=None,
         )
         return {
             "position_embeddings": self.base.rotary_emb(x_BTD, pos_1T),
