@@ -30,10 +30,9 @@ statistics); an MoE layer 3 D (the router's input, the combine's sum and its wei
 + 2 k D (the dispatched rows, the expert output rows) + 4 k F (the gate, up, activated and
 gated hidden rows) + 2 E (router logits and probabilities) + 8 k (top-k weights, int64
 indices and their inverse) + 2; a dense block's MLP 3 Fd + D; the head 2 D + V (final norm in
-and out, the log-softmax; the schedule keeps no reference to the logits). ``T``, what the
-backward adds at its peak: at its start 2 V (the loss's gradient and the log-softmax's), or in
-the last block's feed-forward, the head's tensors freed, gradients of the size of that layer's
-activations, whichever is larger. With activation checkpointing only
+and out, the logits the loss keeps; below). ``T``, what the backward adds at its peak: at its
+start V (the logits' gradient) and the loss's chunk, or in the last block's feed-forward, the
+head's tensors freed, gradients of the size of that layer's activations, whichever is larger. With activation checkpointing only
 each block's input (D per token) is kept and one block is recomputed at a time. Uniform
 routing is assumed: a rank receiving more than its share of the tokens holds more expert rows
 (the measured peak is the largest rank's).
@@ -53,11 +52,15 @@ gathered gradients in the backward. Not measured yet (hybrid does not run sharde
 unsharded peak is measured by ``benchmarks/step_memory.py``).
 
 ``compute_bytes`` 2 (bf16): activations and FSDP2's gathered units in bf16, the fp32 state as
-above (FSDP2's ``MixedPrecisionPolicy``); measured only on CUDA, where it runs. The head's
-vocabulary-wide tensors stay fp32 whatever the compute dtype: the loss upcasts the logits
-(``train.loop.lm_loss``), so the log-softmax it saves (V) and the backward's first gradients
-(2 V) are fp32. Priced in bf16 they were the bulk of a 31% under-prediction of a bf16 Qwen3-MoE
-step on an H200 (55.6 GiB predicted, 80.6 measured, ``gpu_train_step_h200.json``; V 151936).
+above (FSDP2's ``MixedPrecisionPolicy``); measured only on CUDA, where it runs.
+
+The loss (``train.lm_loss``) keeps the logits in the compute dtype (V a token, with 3 fp32
+elements: its log-sum-exp and int64 target) and makes their gradient in it (V), upcasting one
+chunk at a time (``loss_chunk.LOSS_CHUNK_ELEMENTS``, three fp32 temporaries of it at the
+backward's start). ``F.cross_entropy(logits.float())``, before it, saved an fp32 log-softmax and
+made two fp32 gradients (12 V bytes a token, against 4 V in bf16 now): on an H200 a bf16
+Qwen3-MoE step (V 151936) measured 80.6 GiB where this model, pricing those in bf16, said 55.6
+(``gpu_train_step_h200.json``).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moesaic.checks import check_bool, check_positive_int
+from moesaic.loss_chunk import LOSS_CHUNK_ELEMENTS
 from moesaic.models.config import MoEGPTConfig
 from moesaic.schedule_table import schedule_spec
 from moesaic.sim.model import ModelSpec, model_config_of
@@ -204,6 +208,10 @@ class MemoryPrediction:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+LOSS_SAVED_FP32 = 3  # per token, fp32 elements the loss saves: the log-sum-exp, the int64 target
+LOSS_CHUNK_TEMPORARIES = 3  # fp32 chunks alive at once in the loss's backward (upcast, exp, scaled)
+
+
 def _moe_layers(cfg: MoEGPTConfig) -> int:
     return sum(cfg.is_moe_block(i) for i in range(cfg.n_layers))
 
@@ -211,11 +219,11 @@ def _moe_layers(cfg: MoEGPTConfig) -> int:
 def _activation_elements(
     cfg: MoEGPTConfig, checkpointing: bool
 ) -> tuple[float, float, float, float]:
-    """Per token, in elements: ``A`` in the compute dtype, ``A``'s fp32 part (the
-    log-softmax), ``T`` at the head (fp32), and the last block's feed-forward activations less
-    the head's compute-dtype part (``T`` there is those gradients less the freed head, fp32
-    part included: ``predict_memory``). Uniform routing (a rank's expert rows are its
-    tokens' k rows on average, whatever EP)."""
+    """Per token, in elements: ``A`` in the compute dtype, ``A``'s fp32 part (the loss's),
+    ``T`` at the head (compute dtype; the loss's chunk besides: ``predict_memory``), and the
+    last block's feed-forward activations less the head's (``T`` there: those gradients less
+    the freed head). Uniform routing (a rank's expert rows are its tokens' k rows on average,
+    whatever EP)."""
     D, moe = cfg.d_model, cfg.moe
     k, E, F = moe.top_k, moe.num_experts, moe.ffn_hidden_size
     blocks, ffn_largest, block_largest = 0.0, 0.0, 0.0
@@ -232,11 +240,11 @@ def _activation_elements(
         block_largest = max(block_largest, attention + ffn)
     if checkpointing:  # each block's input, and one block recomputed at a time
         blocks = cfg.n_layers * D + block_largest
-    head = 2 * D  # the final norm's input and output; the log-softmax (V) is fp32
-    # at the backward's start: the loss's gradient and the log-softmax's (2 V, fp32);
-    # in the last block's feed-forward, the head's tensors freed, gradients of its activations
     V = cfg.vocab_size
-    return blocks + head, V, 2 * V, ffn_largest - head
+    head = 2 * D + V  # the final norm's input and output, the logits the loss keeps
+    # at the backward's start: the logits' gradient (V); in the last block's feed-forward, the
+    # head's tensors freed, gradients of the size of its activations
+    return blocks + head, LOSS_SAVED_FP32, V, ffn_largest - head
 
 
 def predict_memory(
@@ -288,7 +296,10 @@ def predict_memory(
         if prefetch:  # the next block's all-gather in flight: its dense part and its experts
             blocks += compute_bytes * (n.block + n.block_experts / ep)
     # the backward's start (the root unit gathered), or a block's (module docstring)
-    at_head_b, at_head_u = FP32 * tokens * at_head, root
+    at_head_b = compute_bytes * tokens * at_head + LOSS_CHUNK_TEMPORARIES * FP32 * min(
+        LOSS_CHUNK_ELEMENTS, tokens * cfg.vocab_size
+    )
+    at_head_u = root
     in_block_b = tokens * max(0.0, compute_bytes * in_block - FP32 * per_token_fp32)
     in_block_u = root + blocks
     transient_b, gathered = (

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moesaic.comm.agree import check_ranks_agree
 from moesaic.comm.spans import gather_spans
@@ -55,6 +54,7 @@ from moesaic.train.fsdp import ShardedGradientSync, build_mesh, reshard, shard_m
 from moesaic.train.health import NonFiniteError, nonfinite_message
 from moesaic.train.hf_model import build_model, run_hf_config
 from moesaic.train.hooks import ModelHooks
+from moesaic.train.lm_loss import lm_loss
 from moesaic.train.memory import MemoryProbe
 from moesaic.train.parallel import GradientSync, Layout, build_layout
 from moesaic.train.plan_auto import resolve_auto_plan
@@ -141,11 +141,6 @@ def _bump_versions(optimizer: torch.optim.Optimizer, _args: object, _kwargs: obj
     from torch.autograd.graph import increment_version
 
     increment_version([p for group in optimizer.param_groups for p in group["params"]])
-
-
-def lm_loss(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy over the batch's tokens (in fp32)."""
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
 
 
 def check_config_agrees(

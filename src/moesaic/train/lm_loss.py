@@ -1,0 +1,73 @@
+"""The training loss: mean next-token cross-entropy, computed in fp32 a chunk of rows at a time.
+
+Shape legend: N rows (tokens), V vocabulary.
+
+``F.cross_entropy(logits.float(), y)`` materialises the vocabulary-wide tensors of the whole
+batch in fp32: the upcast logits, the log-softmax it saves (4 V bytes a token), and in the
+backward the log-softmax's and the logits' gradients (8 V more). With a large vocabulary they
+dominate a step's memory: 16k tokens of Qwen3's 151936-word vocabulary are 10 GB each, most of
+the 80.6 GiB peak of a bf16 step on an H200 (``benchmarks/results/gpu_train_step_h200.json``).
+
+``lm_loss`` keeps the logits as they come (the head's output, in the compute dtype) and one fp32
+log-sum-exp a row; the forward and the backward upcast ``loss_chunk.LOSS_CHUNK_ELEMENTS``
+logits at a time, and the backward writes the logits' gradient, ``(softmax - onehot) / n`` in
+the logits' dtype, chunk by chunk: 2 V bytes a token saved and 2 V of gradient in bf16 (4 and 4 in fp32),
+one chunk's fp32 temporaries besides. The arithmetic is ``F.cross_entropy``'s on the upcast
+logits (tests/train/test_lm_loss.py compares values and gradients), no host sync, rows with
+``IGNORE_INDEX`` targets left out of the mean as ``F.cross_entropy`` leaves them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moesaic import loss_chunk
+
+__all__ = ["IGNORE_INDEX", "lm_loss"]
+
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
+
+
+def _rows_per_chunk(V: int) -> int:
+    return max(1, loss_chunk.LOSS_CHUNK_ELEMENTS // max(1, V))
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NV: torch.Tensor, y_N: torch.Tensor) -> torch.Tensor:
+        N, V = logits_NV.shape
+        rows = _rows_per_chunk(V)
+        lse_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
+        picked_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
+        valid_N = y_N != IGNORE_INDEX
+        safe_N = torch.where(valid_N, y_N, torch.zeros_like(y_N))
+        for s in range(0, N, rows):
+            z = logits_NV[s : s + rows].float()
+            lse_N[s : s + rows] = torch.logsumexp(z, dim=-1)
+            picked_N[s : s + rows] = z.gather(1, safe_N[s : s + rows, None]).squeeze(1)
+        n = valid_N.sum().to(torch.float32)
+        loss = torch.where(valid_N, lse_N - picked_N, torch.zeros_like(lse_N)).sum() / n
+        ctx.save_for_backward(logits_NV, safe_N, valid_N, lse_N, n)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        logits_NV, safe_N, valid_N, lse_N, n = ctx.saved_tensors
+        N, V = logits_NV.shape
+        rows = _rows_per_chunk(V)
+        grad_NV = torch.empty_like(logits_NV)
+        scale_N = torch.where(valid_N, g.float() / n, torch.zeros_like(lse_N))
+        for s in range(0, N, rows):
+            scale = scale_N[s : s + rows, None]
+            # softmax makes a new tensor (``float()`` of fp32 logits is the saved one itself)
+            p = torch.softmax(logits_NV[s : s + rows].float(), dim=-1).mul_(scale)
+            p.scatter_add_(1, safe_N[s : s + rows, None], -scale)  # (softmax - onehot) * scale
+            grad_NV[s : s + rows].copy_(p)
+        return grad_NV, None
+
+
+def lm_loss(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the batch's tokens (in fp32), chunked (module
+    docstring); ``F.cross_entropy(logits.float(), y)`` up to fp32 summation order."""
+    V = logits_BTV.shape[-1]
+    return _ChunkedCrossEntropy.apply(logits_BTV.reshape(-1, V), y_BT.reshape(-1))
