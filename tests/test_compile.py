@@ -2,34 +2,34 @@
 do to a model holding ours): forward and gradients equal the eager layer's, and later steps
 compile nothing new. On an H200 the compiled dropless layer first failed in AOTAutograd (the
 router kernel's Function), then recompiled every step on the layer's int statistics (its
-recompile limit hit); both are run eagerly now (``kernels/__init__.py``, ``MoELayer._record``).
+recompile limit hit); both are run eagerly now (``moesaic.eager``).
 
 CPU, fp32, kernels "torch" (the Triton kernels need a GPU; ``benchmarks/gpu_layer.py`` compiles
 the fused layer there). Tolerance: 1e-5 relative (and of each tensor's largest element), the
 schedules' rule: Inductor fuses the glue (softmax, top-k weights, the combine), which sums in
 another order than eager.
+
+Each check runs in a fresh interpreter: Dynamo and Inductor leave threads and caches in the
+process that compiles (the live-bytes tests of the same pytest worker counted their
+allocations), and import Triton (tests/kernels must set ``TRITON_INTERPRET`` first).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
-import torch
 
-from moesaic import MoEConfig, MoELayer
-
-
-@pytest.mark.parametrize("dispatcher", ["dropless", "padded"])
-def test_compiled_layer_equals_eager_and_compiles_once(dispatcher):
-    # imported here, not at collection: Dynamo imports Triton, and tests/kernels must set
-    # TRITON_INTERPRET=1 before anything in its worker does (else it skips every kernel test)
+_COMPILED_EQUALS_EAGER = textwrap.dedent(
+    """
+    import sys, torch
     from torch._dynamo.utils import counters
+    from moesaic import MoEConfig, MoELayer
 
-    torch._dynamo.reset()
-    counters.clear()
-    cfg = MoEConfig(
-        hidden_size=32, ffn_hidden_size=64, num_experts=4, top_k=2, kernels="torch",
-        dispatcher=dispatcher,
-    )  # fmt: skip
+    cfg = MoEConfig(hidden_size=32, ffn_hidden_size=64, num_experts=4, top_k=2,
+                    kernels="torch", dispatcher=sys.argv[1])
     torch.manual_seed(0)
     eager, compiled = MoELayer(cfg), MoELayer(cfg)
     compiled.load_state_dict(eager.state_dict())
@@ -50,18 +50,30 @@ def test_compiled_layer_equals_eager_and_compiles_once(dispatcher):
         graphs.append(counters["stats"]["unique_graphs"])
     assert compiled.stats.tokens == eager.stats.tokens == 4 * 64
     assert graphs[1] > 0 and graphs[3] == graphs[1], graphs  # steps 3 and 4: nothing new
+    print("ok", graphs)
+    """
+)
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.parametrize("dispatcher", ["dropless", "padded"])
+def test_compiled_layer_equals_eager_and_compiles_once(dispatcher):
+    out = _python(_COMPILED_EQUALS_EAGER, dispatcher)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout + out.stderr[-3000:]
 
 
 def test_importing_the_library_imports_neither_dynamo_nor_triton():
     """``eager_under_compile`` waits for Dynamo instead of importing it: an ``import moesaic``
     that pulled in Dynamo (and Triton with it) cost about a second and, in this suite, made
     every kernel test skip (Triton imported before tests/kernels set ``TRITON_INTERPRET``)."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, moesaic, moesaic.layer, moesaic.experts, moesaic.train.loop; "
         "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    out = _python(code)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

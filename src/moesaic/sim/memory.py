@@ -56,8 +56,8 @@ above (FSDP2's ``MixedPrecisionPolicy``); measured only on CUDA, where it runs.
 
 The loss (``train.lm_loss``) keeps the logits in the compute dtype (V a token, with 3 fp32
 elements: its log-sum-exp and int64 target) and makes their gradient in it (V), upcasting one
-chunk at a time (``loss_chunk.LOSS_CHUNK_ELEMENTS``, three fp32 temporaries of it at the
-backward's start). ``F.cross_entropy(logits.float())``, before it, saved an fp32 log-softmax and
+chunk at a time (``loss_chunk.LOSS_CHUNK_ELEMENTS``: at the backward's start one fp32 chunk,
+its softmax, and with half-precision logits their upcast copy too). ``F.cross_entropy(logits.float())``, before it, saved an fp32 log-softmax and
 made two fp32 gradients (12 V bytes a token, against 4 V in bf16 now): on an H200 a bf16
 Qwen3-MoE step (V 151936) measured 80.6 GiB where this model, pricing those in bf16, said 55.6
 (``gpu_train_step_h200.json``).
@@ -209,7 +209,6 @@ class MemoryPrediction:
 
 
 LOSS_SAVED_FP32 = 3  # per token, fp32 elements the loss saves: the log-sum-exp, the int64 target
-LOSS_CHUNK_TEMPORARIES = 3  # fp32 chunks alive at once in the loss's backward (upcast, exp, scaled)
 
 
 def _moe_layers(cfg: MoEGPTConfig) -> int:
@@ -296,7 +295,9 @@ def predict_memory(
         if prefetch:  # the next block's all-gather in flight: its dense part and its experts
             blocks += compute_bytes * (n.block + n.block_experts / ep)
     # the backward's start (the root unit gathered), or a block's (module docstring)
-    at_head_b = compute_bytes * tokens * at_head + LOSS_CHUNK_TEMPORARIES * FP32 * min(
+    # the loss's backward: one fp32 chunk (the softmax), two from half logits (their upcast too)
+    chunks = 1 if compute_bytes == FP32 else 2
+    at_head_b = compute_bytes * tokens * at_head + chunks * FP32 * min(
         LOSS_CHUNK_ELEMENTS, tokens * cfg.vocab_size
     )
     at_head_u = root
