@@ -183,6 +183,10 @@ def _probe(device: torch.device, dtype: torch.dtype, native: bool) -> bool:
     )
 
 
+# the probe runs on real tensors, once, also inside a torch.compile'd region
+_probed = eager_under_compile(_fast_path_ok)
+
+
 def _fast_mode(x_MH: torch.Tensor, w_eHF: torch.Tensor, use_fast: bool = True) -> bool | None:
     """How ``grouped_mm`` runs: None the loop, True ``torch._grouped_mm`` with torch's own
     backward, False with ours (``_GroupedMM``)."""
@@ -197,10 +201,6 @@ def _fast_mode(x_MH: torch.Tensor, w_eHF: torch.Tensor, use_fast: bool = True) -
     if _probed(x_MH.device, x_MH.dtype, native=True):
         return True
     return False if _probed(x_MH.device, x_MH.dtype) else None
-
-
-# the probe runs on real tensors, once, also inside a torch.compile'd region
-_probed = eager_under_compile(_fast_path_ok)
 
 
 def grouped_mm(

@@ -101,11 +101,14 @@ def persistent_world(rank: int, world: int) -> dict:
     # On the H200 these tests stalled past 150 s (the sweep ran the same kernel paths in
     # seconds): a stall prints every thread's stack into the test's captured output.
     faulthandler.dump_traceback_later(240, exit=False)
-    device = device_of("cuda")
-    out = {"layer": attempt(_layer_vs_dropless, device)}
-    if world == 1:
-        out["virtual"] = attempt(_virtual, device)
-    return out
+    try:
+        device = device_of("cuda")
+        out = {"layer": attempt(_layer_vs_dropless, device)}
+        if world == 1:
+            out["virtual"] = attempt(_virtual, device)
+        return out
+    finally:  # a world that ends in time dumps nothing later
+        faulthandler.cancel_dump_traceback_later()
 
 
 @functools.cache
