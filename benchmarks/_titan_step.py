@@ -153,6 +153,7 @@ def titan_train_step_bench(
     seed: int = 0,
     peak_tflops: float | None = None,
     ac: str = "none",
+    extra_steps: int = 0,
 ) -> dict:
     """Time torchtitan's training step on ``hf_config``; see the module docstring."""
     from torchtitan.components.loss import build_cross_entropy_loss
@@ -169,7 +170,7 @@ def titan_train_step_bench(
     job = JobConfig()
     job.training.local_batch_size = batch_size
     job.training.seq_len = seq_len
-    job.training.steps = warmup + 2 * steps
+    job.training.steps = warmup + 2 * steps + extra_steps
     job.compile.enable = compile
     job.activation_checkpoint.mode = ac
     if device.type != "cuda":
@@ -244,6 +245,9 @@ def titan_train_step_bench(
     sync()
     stream_s = time.perf_counter() - t0
     losses.append(float(loss))
+    for _ in range(extra_steps):  # untimed, for a caller's hooks (gpu_train_step's profile)
+        loss = step()
+    sync()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
 
     ntok = batch_size * seq_len

@@ -92,7 +92,8 @@ if want persistent; then
 fi
 if want step; then
   PYTHONPATH=$STEP_PATH timeout 180 python3 benchmarks/gpu_train_step.py --out "$OUT/gpu_train_step.json" \
-    --steps 8 --warmup 2 --commit "$COMMIT" --only "${STEP_ONLY:-}" || echo "gpu_train_step rc $?"
+    --steps 8 --warmup 2 --profile-steps 2 --commit "$COMMIT" --only "${STEP_ONLY:-}" \
+    || echo "gpu_train_step rc $?"
   echo "gpu_train_step ${SECONDS}s"
 fi
 echo "done in $((SECONDS - t0)) s"

@@ -82,10 +82,8 @@ def host_syncs(step, device) -> list[str] | None:
 
 
 def kernel_profile(step, device, trace: Path | None, steps: int = 3) -> dict:
-    """Kernel time (the GPU activities' durations summed), the time the GPU was busy (their
-    union), its idle time between the first and the last, and the top kernels by time. From
-    the profiler's device events only: its per-op table also charges each CPU op with its
-    kernels' time, so summing that table counts every kernel twice."""
+    """``device_summary`` of ``steps`` calls of ``step`` under the profiler (CPU and CUDA
+    activities); the trace, gzipped, to ``trace`` when given."""
     from torch.profiler import ProfilerActivity, profile
 
     if device.type != "cuda":
@@ -95,6 +93,20 @@ def kernel_profile(step, device, trace: Path | None, steps: int = 3) -> dict:
         for _ in range(steps):
             step()
         sync(device)
+    if trace is not None:
+        raw = trace.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+    return device_summary(prof, steps)
+
+
+def device_summary(prof, steps: int, top: int = 25) -> dict:
+    """Kernel time (the GPU activities' durations summed), the time the GPU was busy (their
+    union), its idle time between the first and the last, and the top kernels by time, each per
+    step. From the profiler's device events only: its per-op table also charges each CPU op
+    with its kernels' time, so summing that table counts every kernel twice."""
     events = [
         e
         for e in prof.events()
@@ -120,12 +132,6 @@ def kernel_profile(step, device, trace: Path | None, steps: int = 3) -> dict:
         count_time[1] += e.time_range.end - e.time_range.start
     kernels = sorted(((n, c, t) for n, (c, t) in by_name.items()), key=lambda k: -k[2])
     total = sum(k[2] for k in kernels)
-    if trace is not None:
-        raw = trace.with_suffix("")
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
     return {
         "kernel_ms": total / 1e3 / steps,
         "busy_ms": busy / 1e3 / steps,
@@ -135,6 +141,6 @@ def kernel_profile(step, device, trace: Path | None, steps: int = 3) -> dict:
         "launches_per_step": sum(k[1] for k in kernels) / steps,
         "top_kernels": [
             {"name": n[:160], "per_step": cnt / steps, "ms_per_step": t / 1e3 / steps}
-            for n, cnt, t in kernels[:25]
+            for n, cnt, t in kernels[:top]
         ],
     }

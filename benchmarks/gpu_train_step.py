@@ -114,33 +114,62 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _SyncCounter:
-    """Arms ``set_sync_debug_mode("warn")`` at the end of optimizer step ``after`` and records
-    the warnings from there on (``torch.optim``'s global step hook: the training job's own
-    optimizer, no change to the loop)."""
+class _StepWatch:
+    """Watches the optimizer steps of whatever trains in this process (``torch.optim``'s global
+    step hook: the training job's own optimizer, torchtitan's; no change to either loop):
+    steps ``syncs[0]`` + 1 to ``syncs[1]`` for host syncs (``set_sync_debug_mode("warn")``, the
+    warnings' sites), and with ``profile`` steps ``profile[0]`` + 1 to ``profile[1]`` for the
+    device's kernels (``torch.profiler``, CUDA activity only; ``gpu_timing.device_summary``).
+    The profiler syncs the device when it stops, so the profiled steps come after the timed
+    ones."""
 
-    def __init__(self, after: int) -> None:
-        self.after, self.steps, self.caught = after, 0, []
-        self._handle = None
+    def __init__(self, syncs: tuple[int, int], profile: tuple[int, int] | None = None) -> None:
+        self.syncs, self.profile = syncs, profile
+        self.steps, self.caught, self.summary = 0, [], None
+        self._handle = self._prof = None
+        self.armed_at = self.disarmed_at = None
 
-    def __enter__(self) -> _SyncCounter:
+    def __enter__(self) -> _StepWatch:
         self._warnings = warnings.catch_warnings(record=True)
         self.caught = self._warnings.__enter__()
         warnings.simplefilter("always")
-        self.armed_at = None
+        cuda = torch.cuda.is_available()
 
         def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
             self.steps += 1
-            if self.steps == self.after and torch.cuda.is_available():
+            if not cuda:
+                return
+            if self.steps == self.syncs[0]:
                 self.armed_at = len(self.caught)
                 torch.cuda.set_sync_debug_mode("warn")
+            if self.steps == self.syncs[1] and self.armed_at is not None:
+                self.disarmed_at = len(self.caught)
+                torch.cuda.set_sync_debug_mode("default")
+            if self.profile is not None and self.steps == self.profile[0]:
+                from torch.profiler import ProfilerActivity, profile
+
+                self._prof = profile(activities=[ProfilerActivity.CUDA])
+                self._prof.__enter__()
+            if self.profile is not None and self.steps == self.profile[1]:
+                self._stop_profile()
 
         self._handle = register_optimizer_step_post_hook(hook)
         return self
 
+    def _stop_profile(self) -> None:
+        if self._prof is None or self.profile is None:
+            return
+        from gpu_timing import device_summary
+
+        torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        self.summary = device_summary(self._prof, self.profile[1] - self.profile[0], top=40)
+        self._prof = None
+
     def __exit__(self, *exc: Any) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("default")
+            self._stop_profile()
         assert self._handle is not None
         self._handle.remove()
         self._warnings.__exit__(*exc)
@@ -150,9 +179,15 @@ class _SyncCounter:
             return None
         return [
             f"{w.filename}:{w.lineno}"
-            for w in self.caught[self.armed_at :]
+            for w in self.caught[self.armed_at : self.disarmed_at]
             if SYNC_WARNING in str(w.message)
         ]
+
+    def site_counts(self) -> list[tuple[str, int]]:
+        counts: dict[str, int] = {}
+        for s in self.sites() or []:
+            counts[s] = counts.get(s, 0) + 1
+        return sorted(counts.items(), key=lambda kv: -kv[1])[:12]
 
 
 def moesaic_run(c: dict[str, Any], args: argparse.Namespace, device: torch.device) -> dict:
@@ -165,7 +200,7 @@ def moesaic_run(c: dict[str, Any], args: argparse.Namespace, device: torch.devic
     hf_path = work / "qwen3_moe.json"
     hf_path.write_text(json.dumps(c))
     run_dir = work / "run"
-    steps = args.warmup + args.steps
+    steps = args.warmup + args.steps + args.profile_steps
     argv = ["--hf-config", str(hf_path), "--dtype", "bf16", "--ep", "1", "--steps", str(steps)]
     argv += ["--batch-size", str(args.batch), "--seq-len", str(args.seq), "--run-dir", str(run_dir)]
     argv += ["--eval-every", "0", "--ckpt-every", "0", "--no-save-final", "--no-progress"]
@@ -180,7 +215,10 @@ def moesaic_run(c: dict[str, Any], args: argparse.Namespace, device: torch.devic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        with _SyncCounter(after=args.warmup) as syncs:
+        # Syncs over the timed steps; the profile (the run's last steps) after them.
+        timed = (args.warmup, args.warmup + args.steps)
+        profiled = (timed[1], steps) if args.profile_steps > 0 else None
+        with _StepWatch(timed, profiled) as watch:
             rc = worker(argv)
     finally:  # this process is rank 0 of a world of one for the run only
         for k, v in saved.items():
@@ -195,7 +233,7 @@ def moesaic_run(c: dict[str, Any], args: argparse.Namespace, device: torch.devic
         return out
     rows = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r.get("kind") == "train"]
-    timed = [r["tokens_per_s"] for r in train[args.warmup :]]
+    timed = [r["tokens_per_s"] for r in train[args.warmup : args.warmup + args.steps]]
     out |= {
         "steps": len(train),
         "loss_first": train[0]["loss"],
@@ -203,13 +241,12 @@ def moesaic_run(c: dict[str, Any], args: argparse.Namespace, device: torch.devic
         "tokens_per_s": statistics.median(timed),
         "tokens_per_s_spread": [min(timed), max(timed)],
     }
-    sites = syncs.sites()
+    sites = watch.sites()
     if sites is not None:
         out["host_syncs_per_step"] = len(sites) / args.steps
-        counts: dict[str, int] = {}
-        for s in sites:
-            counts[s] = counts.get(s, 0) + 1
-        out["host_sync_sites"] = sorted(counts.items(), key=lambda kv: -kv[1])[:12]
+        out["host_sync_sites"] = watch.site_counts()
+    if watch.summary is not None:
+        out["device_profile"] = watch.summary
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     parser = argparse.ArgumentParser()
@@ -218,6 +255,17 @@ def moesaic_run(c: dict[str, Any], args: argparse.Namespace, device: torch.devic
     pred = predict_memory(cfg.model, batch_size=args.batch, ep=1, compute_bytes=2)
     out["predicted_peak_gib"] = pred.peak / 2**30
     out["predicted"] = pred.to_dict()
+    return out
+
+
+def _brief(r: dict[str, Any]) -> dict[str, Any]:
+    """A side's figures for the log: the memory prediction's detail left out, the profile cut
+    to its totals and ten kernels."""
+    out = {k: v for k, v in r.items() if k != "predicted"}
+    if "device_profile" in out:
+        prof = dict(out["device_profile"])
+        prof["top_kernels"] = prof["top_kernels"][:10]
+        out["device_profile"] = prof
     return out
 
 
@@ -231,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="steps after the timed ones with their kernels profiled (CUDA), each side",
+    )
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--data", default="", help="moesaic's --data (default: its own)")
     p.add_argument("--only", default="", help="moesaic or torchtitan (default both)")
@@ -264,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             r = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         r["mfu"] = mfu(r.get("tokens_per_s"))
         result["moesaic"] = r
-        print("moesaic", json.dumps({k: v for k, v in r.items() if k != "predicted"}), flush=True)
+        print("moesaic", json.dumps(_brief(r)), flush=True)
         write_json(result, args.out)
     if args.only in ("", "torchtitan"):
         from _titan_step import titan_available, titan_train_step_bench
@@ -277,20 +331,29 @@ def main(argv: list[str] | None = None) -> int:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
-                r = titan_train_step_bench(
-                    c,
-                    batch_size=args.batch,
-                    seq_len=args.seq,
-                    steps=args.steps,
-                    warmup=args.warmup,
-                    device=device,
-                    compile=device.type == "cuda",
-                )
+                # Its optimizer steps: warm-up, the synced steps, the streamed ones, then
+                # the profiled ones (extra_steps).
+                end = args.warmup + 2 * args.steps
+                profiled = (end, end + args.profile_steps) if args.profile_steps > 0 else None
+                with _StepWatch((end, end + args.profile_steps), profiled) as watch:
+                    r = titan_train_step_bench(
+                        c,
+                        batch_size=args.batch,
+                        seq_len=args.seq,
+                        steps=args.steps,
+                        warmup=args.warmup,
+                        device=device,
+                        compile=device.type == "cuda",
+                        extra_steps=args.profile_steps,
+                    )
+                if watch.summary is not None:
+                    r["device_profile"] = watch.summary
+                    r["host_syncs_profiled_steps"] = watch.site_counts()
             except Exception as exc:
                 r = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         r["mfu_same_formula"] = mfu(r.get("tokens_per_s"))
         result["torchtitan"] = r
-        print("torchtitan", json.dumps(r), flush=True)
+        print("torchtitan", json.dumps(_brief(r)), flush=True)
     ours = result.get("moesaic", {}).get("tokens_per_s")
     theirs = result.get("torchtitan", {}).get("tokens_per_s")
     if ours and theirs:

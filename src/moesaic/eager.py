@@ -27,7 +27,14 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def eager_under_compile(fn: _F) -> _F:
     """``fn`` wrapped: plain until ``torch._dynamo`` is imported, then
-    ``torch.compiler.disable(fn)`` (made once, at the first call after that import)."""
+    ``torch.compiler.disable(fn)`` (made once, at the first call after that import).
+
+    The wrapper is never traced either. Marked as disabled (the attribute Dynamo reads, set
+    without importing it), a compiled caller breaks its graph at the call instead of inlining
+    the wrapper; and its code (one code object for every wrapped function) is skipped when the
+    caller's eager remainder calls it (``_skip_frames_of``, at its first call). Otherwise
+    Dynamo compiled the wrapper's frame once per wrapped function, all on that one code
+    object: the layer's Triton entry points alone passed its recompile limit (8) on an H200."""
     disabled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
@@ -36,6 +43,19 @@ def eager_under_compile(fn: _F) -> _F:
             return fn(*args, **kwargs)
         if not disabled:
             disabled.append(torch.compiler.disable(fn))
+            _skip_frames_of(wrapper)
         return disabled[0](*args, **kwargs)
 
+    wrapper._torchdynamo_disable = True  # type: ignore[attr-defined]
     return cast(_F, wrapper)
+
+
+def _skip_frames_of(wrapper: Callable[..., Any]) -> None:
+    """Dynamo skips ``wrapper``'s code when a frame of it starts (``torch._dynamo``'s ``skip``,
+    which has no public name; without it, what Dynamo does by itself: a compile per wrapped
+    function)."""
+    try:
+        from torch._dynamo.decorators import skip
+    except ImportError:
+        return
+    skip(wrapper)
