@@ -35,7 +35,7 @@ from torch import nn
 
 from moesaic.checks import check_int, check_non_negative, check_positive_int
 from moesaic.comm.collectives import EPGroup
-from moesaic.gradnorm import square_norm
+from moesaic.gradnorm import square_norm_sum
 from moesaic.schedule_table import ScheduleSpec, schedule_spec
 from moesaic.trace import Recorder, maybe_span
 
@@ -218,10 +218,8 @@ class TrainStep(ABC):
         (each rank's own), the ranks whose loss and aux loss are not finite (``_SUMS``), then
         ``StepParts.statistics`` (called here, once per step). ``divided``: the gradients are
         final; else not yet divided by the gradient rules' divisor, as the pool leaves them."""
-        local = torch.zeros((), dtype=torch.float64, device=ce.device)
-        for p in params:
-            if p.grad is not None:
-                local += square_norm(p.grad)
+        grads = [p.grad for p in params if p.grad is not None]
+        local = square_norm_sum(grads, ce.device)
         if not divided:
             local /= float(self.parts.grad_sync.divisor) ** 2
         parts = [local.view(1), _bad(ce).view(1), _bad(aux).view(1)]
@@ -234,10 +232,8 @@ class TrainStep(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The global norm from ``step_sums``' squared norm plus ``shared``'s gradients (equal
         on every rank: counted once), left on the device for ``finish``'s one read; the sums."""
-        sq = sums[0]
-        for p in shared:
-            if p.grad is not None:
-                sq = sq + square_norm(p.grad)
+        grads = [p.grad for p in shared if p.grad is not None]
+        sq = sums[0] + square_norm_sum(grads, grads[0].device) if grads else sums[0]
         return sq.sqrt(), sums
 
     def _nonfinite_ranks(self, ce: torch.Tensor, aux: torch.Tensor) -> list[list[int]]:
