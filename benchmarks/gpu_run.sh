@@ -9,7 +9,7 @@
 # by side (tests/gpu in 8 workers; the 50-step hybrid and flowmoe runs on NCCL), then the timed
 # benchmarks one at a time, each bounded (its JSON is written as it goes: a bound cut keeps what
 # it measured). PART=layer,persistent,... runs some (tests, train, layer, persistent, step);
-# STEP_ONLY=moesaic|torchtitan one side of the step race; MODULES the layer race's modules.
+# STEP_ONLY=moesaic|torchtitan one side of the step race (STEP_MOESAIC: eager,compile); MODULES the layer race's modules.
 set -u
 OUT=${1:?out dir}; COMMIT=${2:-unknown}
 PART=${PART:-tests,train,layer,persistent,step}
@@ -91,8 +91,9 @@ if want persistent; then
   echo "gpu_persistent ${SECONDS}s"
 fi
 if want step; then
-  PYTHONPATH=$STEP_PATH timeout 180 python3 benchmarks/gpu_train_step.py --out "$OUT/gpu_train_step.json" \
-    --steps 8 --warmup 2 --profile-steps 2 --commit "$COMMIT" --only "${STEP_ONLY:-}" \
+  PYTHONPATH=$STEP_PATH timeout 220 python3 benchmarks/gpu_train_step.py --out "$OUT/gpu_train_step.json" \
+    --steps 8 --warmup 2 --profile-steps 2 --moesaic "${STEP_MOESAIC:-eager,compile}" \
+    --commit "$COMMIT" --only "${STEP_ONLY:-}" \
     || echo "gpu_train_step rc $?"
   echo "gpu_train_step ${SECONDS}s"
 fi

@@ -190,8 +190,12 @@ class _StepWatch:
         return sorted(counts.items(), key=lambda kv: -kv[1])[:12]
 
 
-def moesaic_run(c: dict[str, Any], args: argparse.Namespace, device: torch.device) -> dict:
-    """The training job on this process (rank 0 of one), its figures."""
+def moesaic_run(
+    c: dict[str, Any], args: argparse.Namespace, device: torch.device, compile: bool = False
+) -> dict:
+    """The training job on this process (rank 0 of one), its figures; ``compile``: with
+    ``--compile`` (the blocks' dense parts compiled, as torchtitan's trainer compiles its
+    blocks)."""
     from moesaic.sim.memory import predict_memory
     from moesaic.train.__main__ import main as worker
     from moesaic.train.flags import add_train_arguments, config_from_args
@@ -208,6 +212,8 @@ def moesaic_run(c: dict[str, Any], args: argparse.Namespace, device: torch.devic
     argv += ["--backend", "nccl" if device.type == "cuda" else "gloo"]
     if args.data:
         argv += ["--data", args.data]
+    if compile:
+        argv += ["--compile"]
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     saved = {k: os.environ.get(k) for k in env}
@@ -288,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--data", default="", help="moesaic's --data (default: its own)")
     p.add_argument("--only", default="", help="moesaic or torchtitan (default both)")
+    p.add_argument(
+        "--moesaic",
+        default="eager",
+        help="moesaic's runs, comma-separated: eager (the default job), compile (--compile)",
+    )
     p.add_argument("--commit", default="")
     args = p.parse_args(argv)
     if args.quick:
@@ -311,14 +322,21 @@ def main(argv: list[str] | None = None) -> int:
     def mfu(tokens_per_s: float | None) -> float | None:
         return None if tokens_per_s is None else fpt * tokens_per_s / (args.peak_tflops * 1e12)
 
-    if args.only in ("", "moesaic"):
+    ours_keys = []
+    for variant in args.moesaic.split(","):
+        if args.only not in ("", "moesaic") or not variant:
+            continue
+        if variant not in ("eager", "compile"):
+            p.error(f"--moesaic takes eager and compile, got {variant!r}")
+        key = "moesaic" if variant == "eager" else "moesaic_compile"
         try:
-            r = moesaic_run(c, args, device)
+            r = moesaic_run(c, args, device, compile=variant == "compile")
         except Exception as exc:  # recorded: the other side still runs
             r = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         r["mfu"] = mfu(r.get("tokens_per_s"))
-        result["moesaic"] = r
-        print("moesaic", json.dumps(_brief(r)), flush=True)
+        result[key] = r
+        ours_keys.append(key)
+        print(key, json.dumps(_brief(r)), flush=True)
         write_json(result, args.out)
     if args.only in ("", "torchtitan"):
         from _titan_step import titan_available, titan_train_step_bench
@@ -354,11 +372,13 @@ def main(argv: list[str] | None = None) -> int:
         r["mfu_same_formula"] = mfu(r.get("tokens_per_s"))
         result["torchtitan"] = r
         print("torchtitan", json.dumps(_brief(r)), flush=True)
-    ours = result.get("moesaic", {}).get("tokens_per_s")
     theirs = result.get("torchtitan", {}).get("tokens_per_s")
-    if ours and theirs:
-        result["speedup"] = ours / theirs
-        print(f"moesaic / torchtitan tokens per second: {result['speedup']:.3f}", flush=True)
+    for key in ours_keys:
+        ours = result[key].get("tokens_per_s")
+        if ours and theirs:
+            name = "speedup" if key == "moesaic" else f"speedup_{key.split('_', 1)[1]}"
+            result[name] = ours / theirs
+            print(f"{key} / torchtitan tokens per second: {result[name]:.3f}", flush=True)
     write_json(result, args.out)
     return 0
 

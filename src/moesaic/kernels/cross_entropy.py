@@ -61,9 +61,7 @@ def _ce_fwd(
 
 
 @triton.jit
-def _ce_bwd(
-    z_ptr, y_ptr, lse_ptr, scale_ptr, g_ptr, V, stride, BLOCK_V: tl.constexpr
-):
+def _ce_bwd(z_ptr, y_ptr, lse_ptr, scale_ptr, g_ptr, V, stride, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = z_ptr + row * stride
     out = g_ptr + row * stride

@@ -290,6 +290,12 @@ class MoEGPT(SharedLMMethods):
         assert isinstance(out, torch.Tensor)
         return out
 
+    def dense_modules(self) -> list[nn.Module]:
+        """Each block's norms, attention and dense MLP, and the final norm."""
+        parts = ("ln1", "attn", "ln2", "mlp")
+        out = [getattr(b, n) for b in self.blocks for n in parts if hasattr(b, n)]
+        return [*out, self.ln_f]
+
     def set_autocast(self, dtype: torch.dtype | None) -> None:
         """Run the blocks under ``torch.autocast`` to ``dtype`` (None: off); weights stay as
         they are (fp32 master weights), the embedding, final norm, head and MoE routers compute

@@ -96,6 +96,17 @@ class HFCausalLM(SharedLMMethods):
         plain.load_state_dict(sd)
         plain.save_pretrained(directory)
 
+    def dense_modules(self) -> list[torch.nn.Module]:
+        """Each decoder layer's children but its MoE block (norms, attention, a dense MLP),
+        and the decoder's final norm."""
+        out = [
+            child
+            for layer in self.base.layers
+            for child in layer.children()
+            if not isinstance(child, HFMoEBlock)
+        ]
+        return [*out, self.base.norm]
+
     # None: fp32; else the dtype the model runs in under ``torch.autocast`` (``set_autocast``).
     autocast_dtype: torch.dtype | None = None
 

@@ -144,6 +144,10 @@ class TrainConfig:
             its whole forward under it, the head's matmul too: ``HFCausalLM.set_autocast``).
             On a CPU without native bf16 matmuls (AVX512-BF16 or AMX) bf16 is slower than
             fp32.
+        compile: ``torch.compile`` each block's dense parts (norms, attention, dense MLPs)
+            and the final norm, in place (the model's ``compile_dense``); the MoE layers stay
+            eager. The first steps compile (tens of seconds); later ones run the fused
+            kernels.
         activation_checkpointing: keep only each block's input in the forward and recompute
             the block in the backward (``MoEGPT.activation_checkpointing``): less activation
             memory for one more forward (all-to-alls included) per block. The recomputation
@@ -210,6 +214,7 @@ class TrainConfig:
     auto_domains: bool = field(default=False, metadata={FLAG: None})  # --domains auto
     hf_config: str | None = field(default=None, metadata={METAVAR: "FILE.json"})
     dtype: str = field(default="fp32", metadata={METAVAR: "|".join(DTYPES)})
+    compile: bool = False
     activation_checkpointing: bool = False
     emulate: str | None = field(default=None, metadata={METAVAR: "CLUSTER.toml"})
     plan: str | None = field(default=None, metadata={METAVAR: "FILE.json|auto"})
@@ -299,6 +304,7 @@ class TrainConfig:
         # calls the block stages, never MoEGPT.forward): option_rules refuses the flag there.
         check_one_of("dtype", self.dtype, DTYPES)
         check_bool("activation_checkpointing", self.activation_checkpointing)
+        check_bool("compile", self.compile)
         check_bool("measure_peak", self.measure_peak)
         if self.activation_checkpointing and self.hf_config is not None:
             raise ValueError(

@@ -368,6 +368,8 @@ def train(cfg: TrainConfig) -> dict:
     model.set_autocast(torch.bfloat16 if cfg.dtype == "bf16" else None)
     if isinstance(model, MoEGPT):  # TrainConfig refuses it for a transformers model
         model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.compile:
+        model.compile_dense()
     grad_sync = _shard(cfg, model, layout, device)  # --dp-shard / --dp-replicate: FSDP2
     optimizer = _make_optimizer(model, cfg)
     probe = MemoryProbe(model, optimizer, device=device, count_cpu=cfg.measure_peak)
