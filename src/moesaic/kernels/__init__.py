@@ -33,6 +33,9 @@ an ``*_reference`` in plain torch):
   ``silu(x @ w1[i]) * (x @ w3[i])`` from one pass over ``x``.
 * ``swiglu_act``: SwiGLU's elementwise part alone, ``silu(a) * b`` from the two GEMMs'
   outputs, and its backward, one pass each (the "fused" path's activation).
+* ``cross_entropy``: the training loss's rows (``train.lm_loss`` on a GPU): an online
+  log-sum-exp and the target's logit in one read, the logits' gradient in one read and one
+  write (no ``*_reference``: the loss's chunked torch path is its reference).
 * ``persistent``: one persistent kernel that runs a lowered taskflow plan, one launch per
   direction (``taskflow.lower``; its table vocabulary is ``task_ops``, which imports no
   Triton): one program per SM taking tile tasks by ticket, puts into peers' memory with

@@ -81,8 +81,9 @@ class SharedLMMethods(nn.Module):
         state dict keeps its keys), the way torchtitan's trainer compiles its blocks; the MoE
         layers stay eager (their Triton kernels or library GEMMs, and their host bookkeeping,
         which Dynamo would split into many graphs). In eager mode the norms, rotary
-        embeddings and residual adds of a bf16 step are separate fp32 kernels: a profile of a
-        Qwen3-MoE step on an H200 spent ~60 ms of 269 on such elementwise kernels."""
+        embeddings, residual adds and casts of a bf16 step are separate kernels; fused, a
+        Qwen3-MoE step on an H200 went from 191 to 156 ms of kernels
+        (``benchmarks/results/gpu_train_step_h200.json``)."""
         for module in self.dense_modules():
             module.compile()
 
