@@ -126,7 +126,7 @@ class _StepWatch:
     def __init__(self, syncs: tuple[int, int], profile: tuple[int, int] | None = None) -> None:
         self.syncs, self.profile = syncs, profile
         self.steps, self.caught, self.summary = 0, [], None
-        self._handle = self._prof = None
+        self._handle = self._prof = self._opt = None
         self.armed_at = self.disarmed_at = None
 
     def __enter__(self) -> _StepWatch:
@@ -135,7 +135,13 @@ class _StepWatch:
         warnings.simplefilter("always")
         cuda = torch.cuda.is_available()
 
-        def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
+        def hook(opt: Any, _args: Any, _kwargs: Any) -> None:
+            # One optimizer's steps: torchtitan's container steps its inner AdamW, and both
+            # fire the global hook (at 95d5b35 its watched window was one step, not two).
+            if self._opt is None:
+                self._opt = opt
+            if opt is not self._opt:
+                return
             self.steps += 1
             if not cuda:
                 return
