@@ -108,6 +108,8 @@ def lm_loss(logits_BTV: torch.Tensor, y_BT: torch.Tensor, kernels: str = "auto")
     V = logits_BTV.shape[-1]
     logits_NV = logits_BTV.reshape(-1, V)
     choice = kernel_choice.resolve(kernels, logits_NV.device)
+    if kernels == "auto" and logits_NV.dtype == torch.float64:
+        choice = "torch"  # the kernels take fp32 and half logits; "auto" never refuses
     if choice != "torch":
         kernel_choice.require_triton()
         logits_NV = logits_NV.contiguous()
