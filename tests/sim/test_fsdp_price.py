@@ -11,8 +11,14 @@ import pytest
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.planning.plan_memory import fit_memory
 from moesaic.planning.planner import plan_runs
-from moesaic.sim.collectives import LinkModel, all_gather_s, all_reduce_s, level_exchange_s
-from moesaic.sim.fsdp import fsdp_traffic, mesh_levels, replica_reduce_s
+from moesaic.sim.collectives import (
+    LinkModel,
+    all_gather_s,
+    all_reduce_s,
+    level_exchange_s,
+    ring_all_reduce_s,
+)
+from moesaic.sim.fsdp import fsdp_traffic, mesh_levels, replica_reduce_s, replicas_all_reduce_s
 from moesaic.sim.memory import predict_run
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
@@ -171,3 +177,39 @@ def test_replicas_of_the_unsharded_model_reduce_dense_over_the_world_experts_ove
     for strategy, schedule in (("dropless", "flowmoe"), ("hybrid", "vanilla")):
         with pytest.raises(ValueError, match=r"^dp_replicate \(2\) without dp_shard with"):
             simulate(spec, MODEL, strategy, PROFILE, opts, schedule=schedule)
+
+
+def test_replicas_across_levels_are_gloos_ring_over_the_levels_they_span():
+    """Replicas spanning two levels (EP on the GPUs of a node, 4 replicas over 2 DCs x 2
+    nodes): gloo's ring in rank order, 2 (r - 1) steps of 1 / r of the bytes, both EP rings at
+    once. A DC's or a node's uplink carries one edge per ring (2 flows); a GPU's its own rank's
+    (1); each step pays the DC's latency. At EP 1 over every level it is the world's ring; on
+    one level it stays that level's exchange."""
+    dc = Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=10.0)
+    node = Level(name="node", size=2, bandwidth_gbps=0.2, latency_ms=4.0)
+    gpu = Level(name="gpu", size=2, bandwidth_gbps=2.0, latency_ms=0.1)
+    link = LinkModel(spec=ClusterSpec(levels=(dc, node, gpu)))
+    levels = mesh_levels(link.spec, 4, inner=2)
+    assert levels == (0, 1)
+    nbytes, chunk = 8e6, 2e6
+    step = max(2 * chunk / link.bytes_per_s(0), 2 * chunk / link.bytes_per_s(1))
+    step = max(step, chunk / link.bytes_per_s(2))
+    want = 6 * step + 6 * link.latency_s(0)
+    assert replicas_all_reduce_s(link, levels, 2, nbytes) == pytest.approx(want)
+    world = LinkModel(spec=ClusterSpec(levels=(dc, node)), all_reduce="ring")
+    everywhere = mesh_levels(world.spec, 4, inner=1)
+    assert replicas_all_reduce_s(world, everywhere, 1, nbytes) == pytest.approx(
+        ring_all_reduce_s(world, nbytes)
+    )
+    one = mesh_levels(link.spec, 2, inner=4)
+    assert replicas_all_reduce_s(link, one, 4, nbytes) == pytest.approx(
+        2 * level_exchange_s(link, 0, 1, nbytes / 2, gather=True)
+    )
+    # the unsharded model's replicas at EP 1 on 2 DCs x 2 nodes: priced, dense then experts
+    experts = MODEL.layers * MODEL.experts * MODEL.mats * MODEL.hidden * MODEL.ffn_hidden
+    dense = MODEL.layers * MODEL.replicated_params_per_block() + MODEL.outer_params()
+    got = replica_reduce_s(world, MODEL, ep=1, dp_replicate=4)
+    assert got == pytest.approx(
+        all_reduce_s(world, dense * MODEL.param_bytes)
+        + ring_all_reduce_s(world, experts * MODEL.param_bytes)
+    )

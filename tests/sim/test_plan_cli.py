@@ -377,15 +377,14 @@ def test_capacity_factor_adds_entries_that_train_accepts(capsys, tmp_path):
 
 def test_ep_adds_replica_entries_and_bad_values_are_refused(capsys):
     """``--ep auto`` ranks EP groups below the world too (replicas of the unsharded model): on
-    2 DCs x 2 ranks and 4 experts it tries EP 1 and 2; EP 2 (replicas across the DCs) is
-    priced, EP 1 is not (its 4 replicas span two levels, which the replicas' all-reduce price
-    does not model) and is left out; a size that does not divide the world, and
+    2 DCs x 2 ranks and 4 experts it tries EP 1 and 2, both priced (EP 1's 4 replicas span
+    both levels: gloo's ring over them); a size that does not divide the world, and
     ``--domains-only``, are refused naming the flag."""
     assert main(["plan", *SMALL_TINY, "--flops-per-s", "2e10", "--json", "--ep", "auto"]) == 0
     captured = capsys.readouterr()
     rows = json.loads(captured.out)
-    assert {r["options"]["ep"] for r in rows if "ep" in r["options"]} == {2}
-    assert "skipped dropless+vanilla at EP 1: dp_replicate (4) must span one level" in captured.err
+    assert {r["options"]["ep"] for r in rows if "ep" in r["options"]} == {1, 2}
+    assert "must span one level" not in captured.err
     assert any("ep" not in r["options"] for r in rows)  # EP = the world stays
     assert main(["plan", *SMALL_TINY, "--flops-per-s", "2e10", "--ep", "3"]) == 2
     assert "ep_sizes[0] (3) must be below the world size (4)" in capsys.readouterr().err

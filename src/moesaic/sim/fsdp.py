@@ -19,9 +19,10 @@ dense mesh's levels, :func:`level_exchange_s` (a gather) on the expert mesh's on
 **Replicas** (HSDP, ``dp_replicate`` > 1: ``world = dp_replicate x dp_shard x ep``, the
 replicas outermost): gathers stay inside a replica; after each reduce-scatter FSDP2
 all-reduces the unit's gradient shard over the ``dp_replicate`` ranks that hold the same shard
-(one per replica, on the level outside the replica's), priced as a ring all-reduce on that
-level (a reduce-scatter and an all-gather of the shard, :func:`level_exchange_s` each) and
-added to the unit's reduce; the root's likewise.
+(one per replica, on the levels outside the replica's), priced by
+:func:`replicas_all_reduce_s` (on one level a reduce-scatter and an all-gather of the shard,
+:func:`level_exchange_s` each; across several, gloo's ring) and added to the unit's reduce;
+the root's likewise.
 
 **Overlap** (:mod:`moesaic.sim.pipelined` puts these on a lane of their own, ``FSDP``, in
 issue order): with FSDP2's explicit prefetch (on under ``vanilla``; off under the pipelined
@@ -50,6 +51,7 @@ __all__ = [
     "inner_link",
     "mesh_levels",
     "replica_reduce_s",
+    "replicas_all_reduce_s",
     "sharded_fraction",
 ]
 
@@ -175,10 +177,9 @@ def fsdp_traffic(
     replica_s = root_replica_s = 0.0
     if dp_replicate > 1:
         levels = mesh_levels(link.spec, dp_replicate, inner=dense_ranks)
-        (outer,) = _one_level(levels, "dp_replicate", dp_replicate)
         unit_shard = block / dense_ranks + experts / dp_shard
-        replica_s = _level_all_reduce_s(link, outer, dp_replicate, unit_shard)
-        root_replica_s = _level_all_reduce_s(link, outer, dp_replicate, root / dense_ranks)
+        replica_s = replicas_all_reduce_s(link, levels, dense_ranks, unit_shard)
+        root_replica_s = replicas_all_reduce_s(link, levels, dense_ranks, root / dense_ranks)
     share = (dense_ranks - 1) / dense_ranks
     gather_bytes = block * share + (experts * (dp_shard - 1) / dp_shard if dp_shard > 1 else 0)
     return FsdpTraffic(
@@ -198,7 +199,7 @@ def replica_reduce_s(link: LinkModel, model: ModelSpec, *, ep: int, dp_replicate
     the innermost ``ep`` ranks of ``link``'s world (``train/parallel.py``'s ``GradientSync``,
     one call after the other): the replicated (dense) gradients all-reduced over the world,
     then each rank's experts' over the ``dp_replicate`` ranks holding the same experts (one
-    per replica, on the level outside EP's: a ring all-reduce there)."""
+    per replica, on the levels outside EP's: :func:`replicas_all_reduce_s`)."""
     check_positive_int("ep", ep)
     check_positive_int("dp_replicate", dp_replicate)
     if dp_replicate * ep != link.world_size:
@@ -208,10 +209,8 @@ def replica_reduce_s(link: LinkModel, model: ModelSpec, *, ep: int, dp_replicate
     dense = model.layers * model.replicated_params_per_block() + model.outer_params()
     experts = model.layers * model.experts // ep * model.mats * model.hidden * model.ffn_hidden
     dense_s = all_reduce_s(link, dense * model.param_bytes) if dense else 0.0
-    (outer,) = _one_level(
-        mesh_levels(link.spec, dp_replicate, inner=ep), "dp_replicate", dp_replicate
-    )
-    return dense_s + _level_all_reduce_s(link, outer, dp_replicate, experts * model.param_bytes)
+    levels = mesh_levels(link.spec, dp_replicate, inner=ep)
+    return dense_s + replicas_all_reduce_s(link, levels, ep, experts * model.param_bytes)
 
 
 def _one_level(levels: tuple[int, ...], name: str, degree: int) -> tuple[int]:
@@ -221,6 +220,48 @@ def _one_level(levels: tuple[int, ...], name: str, degree: int) -> tuple[int]:
             f"(its mesh is priced as one level's exchange); it spans levels {list(levels)}"
         )
     return (levels[0],)
+
+
+def replicas_all_reduce_s(
+    link: LinkModel, levels: tuple[int, ...], inner: int, nbytes: float
+) -> float:
+    """The all-reduce of ``nbytes`` per rank over the replicas that hold the same shard: the
+    ranks that differ only in ``levels``' coordinates (:func:`mesh_levels` beside ``inner``
+    ranks), ``inner`` such groups reducing at once.
+
+    Inside one level, that level's exchange (:func:`_level_all_reduce_s`, its measured share;
+    validated at two replicas, ``docs/simulator.md``). Across several levels, gloo's ring over
+    the group in rank order (:func:`_spanning_ring_all_reduce_s`); at ``inner`` 1 over every
+    level it is the world's ring (``collectives.ring_all_reduce_s``)."""
+    ranks = 1
+    for j in levels:
+        ranks *= link.spec.levels[j].size
+    if ranks < 2:
+        return 0.0
+    if len(levels) == 1:
+        return _level_all_reduce_s(link, levels[0], ranks, nbytes)
+    return _spanning_ring_all_reduce_s(link, levels, inner, ranks, nbytes)
+
+
+def _spanning_ring_all_reduce_s(
+    link: LinkModel, levels: tuple[int, ...], inner: int, ranks: int, nbytes: float
+) -> float:
+    """gloo's ring all-reduce over ``ranks`` replicas spanning ``levels``, ``inner`` rings at
+    once (one per position inside a replica): ``2 (ranks - 1)`` steps of ``nbytes / ranks``,
+    each as slow as its most loaded uplink and paying the outermost level's latency.
+
+    In rank order a ring leaves each member of a spanned level once, so such a member's uplink
+    carries ``inner`` flows a step; inside the ``inner`` ranks every rank's successor is in
+    another member, so a member there sends all its ``ranks_per_member`` ranks' chunks."""
+    chunk = nbytes / ranks
+    steps = 2 * (ranks - 1)
+    outer = min(levels)
+    worst = 0.0
+    for j in range(outer, link.spec.num_levels):
+        flows = inner if j in levels else link.ranks_per_member(j)
+        worst = max(worst, flows * chunk / link.bytes_per_s(j))
+    bandwidth = steps * worst / link.share("all_reduce", nbytes)
+    return bandwidth + max(steps * link.latency_s(outer), link.allreduce_call_s)
 
 
 def _level_all_reduce_s(link: LinkModel, level: int, ranks: int, nbytes: float) -> float:

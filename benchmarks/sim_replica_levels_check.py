@@ -1,0 +1,109 @@
+"""Replicas of the unsharded model priced across cluster levels (``sim.fsdp.replicas_all_reduce_s``)
+against measured steps: ``moesaic train --emulate examples/clusters/2dc_2node_small.toml`` (2
+datacenters x 2 nodes, 0.1 Gbit/s and 10 ms between the DCs, 0.4 Gbit/s and 3 ms between the
+nodes) at ``--ep 1`` (4 replicas spanning both levels: gloo's ring over them), ``--ep 2`` (2
+replicas on the DC level: that level's exchange, the validated form) and ``--ep 4`` (no
+replicas), the model of ``fsdp_common`` (a dense part 1.5x its experts).
+
+Every prediction is made before any run: ``moesaic calibrate --cluster --model`` on that cluster
+and model, then ``simulate`` of dropless + vanilla with ``dp_replicate`` 4, 2 and 1. The runs
+are interleaved over 2 rounds, rank 0's median step after the first 3 steps each; the error is
+predicted over the mean of the rounds' medians.
+
+Usage (root: the emulated network needs network namespaces)::
+
+    python benchmarks/sim_replica_levels_check.py --out benchmarks/results/sim_replica_levels_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from fsdp_common import provenance, train_records, write_corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER = ROOT / "examples/clusters/2dc_2node_small.toml"
+STEPS, BATCH, SEQ, WARM, ROUNDS = 12, 2, 64, 3, 2
+CASES = {1: 4, 2: 2, 4: 1}  # --ep: replicas
+TRAIN = """nproc = 4
+ep = 4
+steps = 8
+batch_size = 2
+eval_every = 0
+ckpt_every = 0
+save_final = false
+run_dir = "{run}"
+
+[model]
+seq_len = 64
+d_model = 256
+n_layers = 2
+n_heads = 4
+
+[model.moe]
+num_experts = 4
+ffn_hidden_size = 64
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from moesaic.cluster.spec import ClusterSpec
+    from moesaic.sim.profile import Profile
+    from moesaic.sim.simulate import SimOptions, simulate
+    from moesaic.train.model_files import load_model_spec
+
+    work = Path(tempfile.mkdtemp(prefix="replica_levels_"))
+    train = work / "train.toml"
+    train.write_text(TRAIN.format(run=work / "r"))
+    profile_path = work / "p.json"
+    cmd = [sys.executable, "-m", "moesaic", "calibrate", "--cluster", str(CLUSTER)]
+    cmd += ["--model", str(train), "--out", str(profile_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-800:])
+    spec = ClusterSpec.from_toml(CLUSTER)
+    profile = Profile.load(profile_path)
+    model = load_model_spec(train)
+    rows: dict[str, dict] = {}
+    for ep, replicas in CASES.items():
+        opts = SimOptions(dp_replicate=replicas) if replicas > 1 else SimOptions()
+        r = simulate(spec, model, "dropless", profile, opts, schedule="vanilla")
+        ar = [s for s in r.spans if s.name == "AR1"]
+        rows[f"--ep {ep}"] = {
+            "replicas": replicas,
+            "predicted_s": r.iteration_s,
+            "predicted_allreduce_s": sum(s.end - s.start for s in ar),
+            "runs_s": [],
+        }
+    print(json.dumps(rows), flush=True)  # every prediction before any run
+    data = write_corpus(work)
+    for _ in range(ROUNDS):
+        for ep in CASES:
+            flags = ["--emulate", str(CLUSTER), "--batch-size", str(BATCH), "--steps", str(STEPS)]
+            flags += ["--warmup-steps", "2", "--ep", str(ep)]
+            records = train_records(data, work, flags, timeout_s=1200)
+            steps = [r for r in records if r["kind"] == "train"]
+            times = [4 * BATCH * SEQ / r["tokens_per_s"] for r in steps[WARM:]]
+            rows[f"--ep {ep}"]["runs_s"].append(statistics.median(times))
+            print(ep, rows[f"--ep {ep}"]["runs_s"][-1], flush=True)
+    for row in rows.values():
+        row["measured_s"] = statistics.fmean(row["runs_s"])
+        row["error"] = row["predicted_s"] / row["measured_s"] - 1
+    out = {**provenance(__doc__ or ""), "cluster": CLUSTER.name, "rows": rows}
+    out["profile"] = json.loads(profile_path.read_text())
+    print(json.dumps(rows, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
