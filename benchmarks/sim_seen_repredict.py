@@ -10,7 +10,7 @@ and of the new ones over the chosen points, and writes every point to ``--out``.
 Usage::
 
     python benchmarks/sim_seen_repredict.py --strategy padded [--schedule flowmoe] \
-        [--rules 5-26] [--out /tmp/padded.json]
+        [--rules 5-26] [--all-reduce ring] [--out /tmp/padded.json]
     python benchmarks/sim_seen_repredict.py --wide benchmarks/results/sim_unseen27.json
 
 ``--wide``: a ``sim_unseen_wide.py`` result's points predicted again in place, from both
@@ -60,7 +60,9 @@ def simulate_json(args: list[str]) -> dict[str, Any] | None:
     return res[0] if isinstance(res, list) else res
 
 
-def repredict_rule(rule: int, strategies: set[str], schedules: set[str] | None) -> list[dict]:
+def repredict_rule(
+    rule: int, strategies: set[str], schedules: set[str] | None, extra: list[str] | None = None
+) -> list[dict]:
     data = json.loads((RESULTS / f"sim_unseen{rule}.json").read_text())
     by_name = {c["name"]: c for c in data["configurations"]}
     points = []
@@ -92,7 +94,7 @@ def repredict_rule(rule: int, strategies: set[str], schedules: set[str] | None) 
                 args += ["--domains", ",".join(map(str, domains))]
             if schedule != "vanilla":
                 args += ["--degree", str(sim_unseen.PIPELINE_DEGREE)]
-            res = simulate_json(args)
+            res = simulate_json([*args, *(extra or [])])
             if res is None:
                 continue
             points.append(
@@ -163,6 +165,9 @@ def main() -> None:
     p.add_argument("--rules", default="5-26", help="first-last")
     p.add_argument("--out", default=None)
     p.add_argument(
+        "--all-reduce", default=None, help="simulate's --all-reduce for every point (default: its)"
+    )
+    p.add_argument(
         "--wide", default=None, help="a sim_unseen_wide result to predict again in place"
     )
     args = p.parse_args()
@@ -174,7 +179,8 @@ def main() -> None:
     schedules = set(args.schedule.split(",")) if args.schedule else None
     every: list[dict] = []
     for rule in range(lo, hi + 1):
-        pts = repredict_rule(rule, strategies, schedules)
+        extra = ["--all-reduce", args.all_reduce] if args.all_reduce else None
+        pts = repredict_rule(rule, strategies, schedules, extra)
         every += pts
         stored = geomean_error([(q["stored_s"], q["measured_s"]) for q in pts])
         now = geomean_error([(q["now_s"], q["measured_s"]) for q in pts])
