@@ -1,6 +1,7 @@
-"""What the FSDP2 x EP benchmarks share (``fsdp_memory.py``, ``fsdp_cluster.py``): the model
-with a large dense part, the corpus, one ``moesaic train`` run's records, and the result
-file's provenance."""
+"""What the FSDP2 x EP benchmarks share (``fsdp_memory.py``, ``fsdp_cluster.py``,
+``sim_fsdp_check.py``, ``sim_replica_levels_check.py``): the model with a large dense part (as
+flags and as a 4-rank training config for ``calibrate``), the corpus, one ``moesaic train``
+run's records, a calibration on a cluster, and the result file's provenance."""
 
 from __future__ import annotations
 
@@ -28,6 +29,42 @@ MODEL_CONFIG = MoEGPTConfig.from_dict(
         "moe": {"num_experts": 4, "ffn_hidden_size": 64},
     }
 )  # the same shape as MODEL's flags
+
+
+# MODEL as the training config ``moesaic calibrate --model`` and ``load_model_spec`` read.
+TRAIN_TOML = """nproc = 4
+ep = 4
+steps = 8
+batch_size = 2
+eval_every = 0
+ckpt_every = 0
+save_final = false
+run_dir = "{run}"
+
+[model]
+seq_len = 64
+d_model = 256
+n_layers = 2
+n_heads = 4
+
+[model.moe]
+num_experts = 4
+ffn_hidden_size = 64
+"""
+
+
+def calibrate_on(cluster: Path, work: Path, timeout_s: float = 1800) -> tuple[Path, Path]:
+    """``moesaic calibrate --cluster CLUSTER --model`` the model's training config (written to
+    ``work/train.toml``): the paths of that config and of the profile (``work/p.json``)."""
+    train = work / "train.toml"
+    train.write_text(TRAIN_TOML.format(run=work / "r"))
+    profile = work / "p.json"
+    cmd = [sys.executable, "-m", "moesaic", "calibrate", "--cluster", str(cluster)]
+    cmd += ["--model", str(train), "--out", str(profile)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-800:])
+    return train, profile
 
 
 def write_corpus(work: Path) -> Path:

@@ -17,33 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from fsdp_common import TRAIN_TOML, calibrate_on
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "examples/clusters/compose_2x2.toml"
 MEASURED = ROOT / "benchmarks/results/fsdp_cluster.json"
-TRAIN = """nproc = 4
-ep = 4
-steps = 8
-batch_size = 2
-eval_every = 0
-ckpt_every = 0
-save_final = false
-run_dir = "{run}"
-
-[model]
-seq_len = 64
-d_model = 256
-n_layers = 2
-n_heads = 4
-
-[model.moe]
-num_experts = 4
-ffn_hidden_size = 64
-"""
 
 
 def main() -> None:
@@ -57,15 +38,11 @@ def main() -> None:
     from moesaic.train.model_files import load_model_spec
 
     work = Path(tempfile.mkdtemp(prefix="fsdp_check_"))
-    train = work / "train.toml"
-    train.write_text(TRAIN.format(run=work / "r"))
-    profile_path = Path(args.profile) if args.profile else work / "p.json"
     if args.profile is None:
-        cmd = [sys.executable, "-m", "moesaic", "calibrate", "--cluster", str(CLUSTER)]
-        cmd += ["--model", str(train), "--out", str(profile_path)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-        if proc.returncode:
-            raise SystemExit(proc.stderr[-800:])
+        train, profile_path = calibrate_on(CLUSTER, work)
+    else:
+        train, profile_path = work / "train.toml", Path(args.profile)
+        train.write_text(TRAIN_TOML.format(run=work / "r"))
     spec = ClusterSpec.from_toml(CLUSTER)
     profile = Profile.load(profile_path)
     model = load_model_spec(train)

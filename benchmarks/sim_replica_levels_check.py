@@ -20,36 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from fsdp_common import provenance, train_records, write_corpus
+from fsdp_common import calibrate_on, provenance, train_records, write_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "examples/clusters/2dc_2node_small.toml"
 STEPS, BATCH, SEQ, WARM, ROUNDS = 12, 2, 64, 3, 2
 CASES = {1: 4, 2: 2, 4: 1}  # --ep: replicas
-TRAIN = """nproc = 4
-ep = 4
-steps = 8
-batch_size = 2
-eval_every = 0
-ckpt_every = 0
-save_final = false
-run_dir = "{run}"
-
-[model]
-seq_len = 64
-d_model = 256
-n_layers = 2
-n_heads = 4
-
-[model.moe]
-num_experts = 4
-ffn_hidden_size = 64
-"""
 
 
 def main() -> None:
@@ -62,14 +41,7 @@ def main() -> None:
     from moesaic.train.model_files import load_model_spec
 
     work = Path(tempfile.mkdtemp(prefix="replica_levels_"))
-    train = work / "train.toml"
-    train.write_text(TRAIN.format(run=work / "r"))
-    profile_path = work / "p.json"
-    cmd = [sys.executable, "-m", "moesaic", "calibrate", "--cluster", str(CLUSTER)]
-    cmd += ["--model", str(train), "--out", str(profile_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
-        raise SystemExit(proc.stderr[-800:])
+    train, profile_path = calibrate_on(CLUSTER, work)
     spec = ClusterSpec.from_toml(CLUSTER)
     profile = Profile.load(profile_path)
     model = load_model_spec(train)
