@@ -101,9 +101,16 @@ def ce_rows(
     picked_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
     if N:
         _ce_fwd[(N,)](
-            logits_NV, y_N, lse_N, picked_N, V, logits_NV.stride(0),
-            BLOCK_V=BLOCK_V, IGNORE=ignore_index, num_warps=8,
-        )  # fmt: skip
+            logits_NV,
+            y_N,
+            lse_N,
+            picked_N,
+            V,
+            logits_NV.stride(0),
+            BLOCK_V=BLOCK_V,
+            IGNORE=ignore_index,
+            num_warps=8,
+        )
     return lse_N, picked_N
 
 
@@ -117,7 +124,14 @@ def ce_rows_grad(
     grad_NV = torch.empty_like(logits_NV)
     if N:
         _ce_bwd[(N,)](
-            logits_NV, y_N, lse_N, scale_N, grad_NV, V, logits_NV.stride(0),
-            BLOCK_V=BLOCK_V, num_warps=8,
-        )  # fmt: skip
+            logits_NV,
+            y_N,
+            lse_N,
+            scale_N,
+            grad_NV,
+            V,
+            logits_NV.stride(0),
+            BLOCK_V=BLOCK_V,
+            num_warps=8,
+        )
     return grad_NV
