@@ -192,15 +192,15 @@ PROBLEM = support_problem(probe=True)
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 @pytest.mark.timeout(120)
 def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
-    """Brings a 100 Mbit/s, 2 ms pair up and measures it in two rounds (~40 s): the profile
-    holds the level as configured and as measured, and the scale and floor derive from those
-    measurements."""
+    """Brings a 100 Mbit/s, 2 ms pair up and measures it in one round (~30 s; the median over
+    rounds has its own test above): the profile holds the level as configured and as measured,
+    and the scale and floor derive from those measurements."""
     toml = tmp_path / "pair.toml"
     toml.write_text(PAIR_TOML)
     out = tmp_path / "p.json"
     args = ["calibrate", "--out", str(out), "--size", "64", "--cluster", str(toml)]
     args += ["--duration-s", "0.2", "--sustain-s", "0.2", "--contention-s", "0.1"]
-    assert main([*args, "--sync-reps", "3", "--rounds", "2"]) == 0
+    assert main([*args, "--sync-reps", "3", "--rounds", "1"]) == 0
     p = Profile.load(out)
     assert [x.level_name for x in p.links] == ["node"]
     (link,) = p.links
