@@ -67,7 +67,7 @@ by the plan (``tie`` in ``plan --json``). Goals (issue 55): error <= 12% with me
 Usage (root: the emulated network needs network namespaces)::
 
     python benchmarks/sim_unseen_wide.py --list
-    python benchmarks/sim_unseen_wide.py [--rule 27|28] [--only 0,2] [--out FILE.json]
+    python benchmarks/sim_unseen_wide.py [--rule 27|28|29] [--only 0,2] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -100,7 +100,6 @@ from sim_unseen import (
     WARMUP,
 )
 
-PASSES = 2
 SOURCES = ("train", "file")  # the training config's prediction, the model file's
 
 # The docstring's table: levels outermost first as (name, size, Gbit/s, ms one way).
@@ -196,7 +195,88 @@ CONFIGURATIONS_28: tuple[dict[str, Any], ...] = (
         "tokens_per_rank": 768,
     },
 )
-RULE_SETS = {27: (__doc__, CONFIGURATIONS), 28: (RULE_28, CONFIGURATIONS_28)}
+
+RULE_29 = """The twenty-ninth rule, fixed on 2026-12-04 at 20:34 UTC and committed before any of
+its configurations was measured, calibrated or simulated (nothing in it may change after its
+first measurement): the twenty-seventh's procedure and judgement (this module's docstring)
+with two changes, made because rule 28's one miss (w28b: the plan's pick was the best measured
+combination itself, its own two runs 1.14-1.20x the grid's two) was the measurement's noise,
+not the plan's (two runs of one job on this machine differ by a median 10%, rules 27-28):
+
+* **three interleaved passes**, not two (each combination and each plan's pick measured three
+  times; ``measured_s`` the mean of the three medians);
+* **equal jobs pooled**: a plan's pick whose run trained the same combination as a grid point
+  (equal ``combination`` records in the runs' summaries: strategy, schedule, pipeline degree,
+  Sp, capacity factor and every strategy option, each as resolved) is that point's job, so its
+  runs join the point's: the point's measured step and the pick's are the mean over all of
+  them. A pick that trained no grid point's combination is measured by its own runs alone.
+  The report gives the unpooled ratio beside the judged one.
+
+Three configurations of the wider family, chosen by hand before any measurement (names start
+with ``w29``; skew comes from many experts, as rule 27's amendment found, not the router's
+init):
+
+=======  ==========================================  =====================================
+name     cluster (ranks)                             model (H, F/H, E, top-k), tokens/rank
+=======  ==========================================  =====================================
+w29a     2 DCs x 2 nodes x 2 (8, three levels): DC   H 64, F/H 2, E 8, top-2, 512
+         0.5 Gbit/s 1.0 ms, node 1.5 Gbit/s 0.3
+         ms, rank 6 Gbit/s 0.05 ms
+w29b     5 nodes x 1 (5, odd): 0.8 Gbit/s 0.5 ms     H 96, F/H 1.5, E 30, top-1 (many
+                                                     experts: skewed), 768
+w29c     3 nodes x 2 (6, odd across nodes): node     H 80, F/H 1, E 24, top-3 (fine-
+         0.6 Gbit/s 0.8 ms, rank 4 Gbit/s 0.07 ms    grained), 1024
+=======  ==========================================  =====================================
+"""
+CONFIGURATIONS_29: tuple[dict[str, Any], ...] = (
+    {
+        "name": "w29a",
+        "levels": (("dc", 2, 0.5, 1.0), ("node", 2, 1.5, 0.3), ("rank", 2, 6.0, 0.05)),
+        "hidden": 64,
+        "f_over_h": 2,
+        "experts": 8,
+        "top_k": 2,
+        "init_std": 0.02,
+        "tokens_per_rank": 512,
+    },
+    {
+        "name": "w29b",
+        "levels": (("node", 5, 0.8, 0.5),),
+        "hidden": 96,
+        "f_over_h": 1.5,
+        "experts": 30,
+        "top_k": 1,
+        "init_std": 0.02,
+        "tokens_per_rank": 768,
+    },
+    {
+        "name": "w29c",
+        "levels": (("node", 3, 0.6, 0.8), ("rank", 2, 4.0, 0.07)),
+        "hidden": 80,
+        "f_over_h": 1,
+        "experts": 24,
+        "top_k": 3,
+        "init_std": 0.02,
+        "tokens_per_rank": 1024,
+    },
+)
+
+
+class Rule(NamedTuple):
+    """A rule's text, configurations, passes, and whether a pick's runs join its grid point's
+    (equal jobs pooled, from rule 29)."""
+
+    text: str
+    configurations: tuple[dict[str, Any], ...]
+    passes: int = 2
+    pooled: bool = False
+
+
+RULE_SETS = {
+    27: Rule(__doc__ or "", CONFIGURATIONS),
+    28: Rule(RULE_28, CONFIGURATIONS_28),
+    29: Rule(RULE_29, CONFIGURATIONS_29, passes=3, pooled=True),
+}
 
 
 def ranks(cfg: dict[str, Any]) -> int:
@@ -274,7 +354,10 @@ def steps_of(run_dir: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     train = [x for x in lines if x.get("kind") == "train"]
     tokens = ranks(cfg) * cfg["tokens_per_rank"]
     step_s = [tokens / x["tokens_per_s"] for x in train[WARMUP:]]
-    return {"measured_s": statistics.median(step_s), "steps_s": step_s}
+    summary = next((x for x in lines if x.get("kind") == "summary"), {})
+    # what the run trained, resolved (the rules from the 29th pool the runs of equal ones)
+    combination = summary.get("combination")
+    return {"measured_s": statistics.median(step_s), "steps_s": step_s, "combination": combination}
 
 
 def train(work: Path, cfg: dict[str, Any], name: str, config: str, flags: list[str]) -> dict:
@@ -393,7 +476,7 @@ def slow_profiles(work: Path, refs: list[float]) -> dict[str, Any]:
     }
 
 
-def run_configuration(cfg: dict[str, Any], out: dict[str, Any], path: str) -> None:
+def run_configuration(cfg: dict[str, Any], out: dict[str, Any], path: str, passes: int) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"unseen_{cfg['name']}_"))
     write_files(work, cfg)
     entry: dict[str, Any] = {**cfg, "ranks": ranks(cfg), "load_before": os.getloadavg()}
@@ -413,7 +496,7 @@ def run_configuration(cfg: dict[str, Any], out: dict[str, Any], path: str) -> No
     print(json.dumps({"configuration": cfg["name"], "predicted": points}), flush=True)
     refs = [speed_reference(work)]
     picks: dict[str, list[dict[str, Any]]] = {s: [] for s in SOURCES}
-    for _ in range(PASSES):
+    for _ in range(passes):
         for point in points:
             strategy, schedule = point["strategy"], point["schedule"]
             sp = point["train"].get("sp_bytes")
@@ -438,7 +521,7 @@ def run_configuration(cfg: dict[str, Any], out: dict[str, Any], path: str) -> No
             print(json.dumps({"name": cfg["name"], "plan": source, **run}), flush=True)
     for point in points:
         medians = [r["measured_s"] for r in point["runs"] if "measured_s" in r]
-        if len(medians) == PASSES:
+        if len(medians) == passes:
             point["measured_s"] = statistics.fmean(medians)
     entry["speed"] = slow_profiles(work, refs)
     for point in points:  # judged: at the runs' speed
@@ -455,7 +538,7 @@ def run_configuration(cfg: dict[str, Any], out: dict[str, Any], path: str) -> No
         entry[f"plan_{source}"] = plan(work, source, slowed=True)
         medians = [p["measured_s"] for p in picks[source] if "measured_s" in p]
         entry[f"pick_{source}"] = {"runs": picks[source]}
-        if len(medians) == PASSES:
+        if len(medians) == passes:
             entry[f"pick_{source}"]["measured_s"] = statistics.fmean(medians)
     entry["profile"] = json.loads((work / "p.json").read_text())
     entry["load_after"] = os.getloadavg()
@@ -472,7 +555,8 @@ def main() -> None:
     parser.add_argument("--rule", type=int, default=27, choices=sorted(RULE_SETS))
     parser.add_argument("--out", default=None, help="default results/sim_unseen{rule}.json")
     args = parser.parse_args()
-    text, configurations = RULE_SETS[args.rule]
+    rule = RULE_SETS[args.rule]
+    text, configurations = rule.text, rule.configurations
     args.out = args.out or f"benchmarks/results/sim_unseen{args.rule}.json"
     if args.list:
         for i, c in enumerate(configurations):
@@ -482,12 +566,14 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
     out: dict[str, Any] = {
         "rule": text,
+        "passes": rule.passes,
+        "pooled": rule.pooled,
         "commit": commit.stdout.strip(),
         "configurations": [],
         "points": [],
     }
     for i in chosen:
-        run_configuration(configurations[i], out, args.out)
+        run_configuration(configurations[i], out, args.out, rule.passes)
 
 
 if __name__ == "__main__":

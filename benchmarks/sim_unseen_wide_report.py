@@ -11,6 +11,11 @@ the model file, the routing prior):
   plan's entries of its strategy and schedule marked ``tie``; padded at the grid's capacity);
   the plan's pick measured over the best measured.
 
+From the twenty-ninth rule on (``"pooled"`` in the result) a plan's pick whose runs trained a
+grid point's combination (equal ``combination`` records) is that point's job: its runs join
+the point's before anything is judged (:func:`pooled`), and ``pick_over_best_unpooled`` gives
+the ratio of its own runs to the grid's best beside the judged one.
+
 Usage::
 
     python benchmarks/sim_unseen_wide_report.py [benchmarks/results/sim_unseen27.json] [--markdown]
@@ -19,6 +24,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import statistics
@@ -48,7 +54,50 @@ def _in_tie(plan: list[dict[str, Any]], point: dict[str, Any]) -> bool:
     return False
 
 
+def pooled(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``data`` with each plan's pick that trained a grid point's combination (every
+    run of it recording the combination one of the point's runs records) joined to that point:
+    the point's ``measured_s`` and the pick's are the mean over the medians of both's runs; the
+    pick keeps ``own_measured_s`` and names the point in ``pooled_with``."""
+    data = copy.deepcopy(data)
+    for c in data["configurations"]:
+        mine = [p for p in data["points"] if p["configuration"] == c["name"]]
+        joined: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(mine))}
+        for source in SOURCES:
+            pick = c.get(f"pick_{source}", {})
+            runs = [r for r in pick.get("runs", []) if "measured_s" in r]
+            combos = {json.dumps(r.get("combination"), sort_keys=True) for r in runs}
+            if "measured_s" not in pick or len(combos) != 1 or runs[0].get("combination") is None:
+                continue
+            for i, p in enumerate(mine):
+                if any(r.get("combination") == runs[0]["combination"] for r in p["runs"]):
+                    joined[i].append(pick)
+                    pick["own_measured_s"] = pick["measured_s"]
+                    pick["pooled_with"] = _combo(p)
+                    break
+        for i, p in enumerate(mine):
+            if not joined[i] or "measured_s" not in p:
+                continue
+            runs = p["runs"] + [r for pick in joined[i] for r in pick["runs"]]
+            p["measured_s"] = statistics.fmean(r["measured_s"] for r in runs if "measured_s" in r)
+            for pick in joined[i]:
+                pick["measured_s"] = p["measured_s"]
+    return data
+
+
 def summarize(data: dict[str, Any]) -> dict[str, Any]:
+    """The judgement (module docstring); pooled first where the rule pools equal jobs."""
+    if not data.get("pooled"):
+        return _summarize(data)
+    out = _summarize(pooled(data))
+    raw = _summarize(data)
+    for source in SOURCES:
+        for c, r in zip(out[source]["configurations"], raw[source]["configurations"], strict=True):
+            c["pick_over_best_unpooled"] = r["pick_over_best"]
+    return out
+
+
+def _summarize(data: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for source in SOURCES:
         points = [

@@ -148,3 +148,58 @@ def test_a_point_is_predicted_again_at_the_domains_it_ran_at():
     assert unseen.ran_at(point, 21) == [2, 1]
     assert unseen.ran_at(point, 20) is None
     assert unseen.ran_at({"strategy": "dropless"}, 22) is None
+
+
+wide = load_benchmark("sim_unseen_wide")
+wide_report = load_benchmark("sim_unseen_wide_report")
+
+
+@pytest.mark.parametrize("rule", sorted(wide.RULE_SETS))
+def test_wide_rules_configurations_run_at_full_expert_parallelism(rule):
+    """Every configuration of the wide rules splits its experts over its ranks and its tokens
+    into whole sequences in R microbatches; no configuration is in two rules."""
+    for c in wide.RULE_SETS[rule].configurations:
+        assert c["experts"] % wide.ranks(c) == 0, c["name"]
+        assert c["tokens_per_rank"] % (unseen.SEQ * unseen.PIPELINE_DEGREE) == 0, c["name"]
+        assert c["hidden"] % unseen.HEADS == 0, c["name"]
+    names = [c["name"] for r in wide.RULE_SETS.values() for c in r.configurations]
+    assert len(set(names)) == len(names)
+
+
+def _wide_point(strategy, measured, combination):
+    runs = [{"measured_s": m, "combination": combination} for m in measured]
+    point = {"configuration": "w", "strategy": strategy, "schedule": "vanilla", "runs": runs}
+    point["measured_s"] = sum(measured) / len(measured)
+    for source in wide.SOURCES:
+        point[source] = {"predicted_s": 1.0, "range_s": [0.5, 2.0]}
+    return point
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_pick_of_a_grid_points_job_is_pooled_with_it(pooled):
+    """From rule 29 a pick whose runs trained a grid point's combination joins that point's
+    runs: both are judged by the mean over all of them; a pick of another combination (the
+    model file's: another capacity) keeps its own runs; the unpooled ratio is reported."""
+    padded = {"strategy": "padded", "capacity_factor": 1.25}
+    capped = {"strategy": "dropless", "capacity_factor": 1.25}
+    points = [
+        _wide_point("padded", [1.0, 1.2], padded),
+        _wide_point("dropless", [1.3, 1.3], {"strategy": "dropless", "capacity_factor": None}),
+    ]
+    plan = [{"strategy": "padded", "schedule": "vanilla", "options": {}, "tie": False}]
+    config = {"name": "w"}
+    for source, combination, runs in (("train", padded, [1.4, 1.4]), ("file", capped, [1.2])):
+        config[f"plan_{source}_calibrated"] = plan
+        pick_runs = [{"measured_s": m, "combination": combination} for m in runs]
+        config[f"pick_{source}"] = {"runs": pick_runs, "measured_s": sum(runs) / len(runs)}
+    data = {"pooled": pooled, "configurations": [config], "points": points}
+    s = wide_report.summarize(data)
+    train, file = s["train"]["configurations"][0], s["file"]["configurations"][0]
+    if pooled:  # padded: (1.0 + 1.2 + 1.4 + 1.4) / 4 = 1.25, still the best
+        assert train["best_measured_ms"] == 1250 and train["pick_over_best"] == 1.0
+        assert train["pick_over_best_unpooled"] == round(1.4 / 1.1, 3)
+        assert file["pick_over_best"] == round(1.2 / 1.25, 3)
+    else:
+        assert train["best_measured_ms"] == 1100 and train["pick_over_best"] == round(1.4 / 1.1, 3)
+        assert "pick_over_best_unpooled" not in train
+    assert data["points"][0]["measured_s"] == 1.1  # the result itself is left as it was

@@ -183,6 +183,7 @@ def test_auto_trains_rank_0s_pick_on_every_rank(data_file, tmp_path, capfd):
     assert summary["kind"] == "summary"
     plan = summary["plan"]
     assert plan["source"] == "auto"
+    assert plan == {"source": "auto", **summary["combination"]}
     assert (plan["strategy"], plan["schedule"]) == (first["strategy"], first["schedule"])
     assert plan["pipeline_degree"] == first["options"]["pipeline_degree"]
     if "domain_sizes" in first["options"]:

@@ -35,6 +35,10 @@ def test_loss_falls_and_metrics_are_complete(reference):
         assert r["aux_loss"] > 0
     summary = records[-1]
     assert summary["kind"] == "summary" and summary["val_loss_last"] == val[-1]["val_loss"]
+    # what it trained, resolved (a --plan run of the same combination records the same)
+    combination = {k: summary["combination"][k] for k in ("strategy", "schedule", "ar_chunk")}
+    assert combination == {"strategy": "dropless", "schedule": "vanilla", "ar_chunk": "auto"}
+    assert "plan" not in summary
 
 
 def test_torchrun_entry_is_deterministic(reference, data_file, tmp_path):

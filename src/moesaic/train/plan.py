@@ -56,6 +56,7 @@ __all__ = [
     "check_entry",
     "check_plan_fits",
     "cluster_name",
+    "combination_record",
     "made_for",
     "plan_record",
     "plan_settings",
@@ -303,15 +304,13 @@ def apply_plan_option(
     return {"cluster"}
 
 
-def plan_record(cfg: Any) -> dict[str, Any] | None:
-    """What a run with ``--plan`` trained (a ``TrainConfig``, after ``auto`` was resolved): its
-    source and the strategy, schedule and options it set, for the run's summary (None without
-    ``--plan``)."""
-    if cfg.plan is None:
-        return None
+def combination_record(cfg: Any) -> dict[str, Any]:
+    """The combination a run trained (a ``TrainConfig``, after ``auto`` was resolved): its
+    strategy, schedule, the run options a plan sets and the strategy's options, every one
+    resolved; two runs with equal records trained the same combination, however it was asked
+    for (flags, a TOML file or ``--plan``)."""
     moe = cfg.model.moe
     return {
-        "source": cfg.plan,
         "strategy": moe.dispatcher,
         "schedule": cfg.schedule,
         "pipeline_degree": cfg.pipeline_degree,
@@ -319,6 +318,14 @@ def plan_record(cfg: Any) -> dict[str, Any] | None:
         "capacity_factor": moe.capacity_factor,
         "options": moe.options.to_dict(),
     }
+
+
+def plan_record(cfg: Any) -> dict[str, Any] | None:
+    """What a run with ``--plan`` trained: its source and :func:`combination_record` (None
+    without ``--plan``)."""
+    if cfg.plan is None:
+        return None
+    return {"source": cfg.plan, **combination_record(cfg)}
 
 
 def ranking_json(

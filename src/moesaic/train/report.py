@@ -8,8 +8,9 @@
 "memory", "step", "per_rank": [{"params", "grads", "optimizer", "dense_params",
 "expert_params", "step_peak", "step_start"} bytes per rank]}`` (``moesaic.train.memory``: local
 shards with ``--dp-shard``, taken after the first optimizer step; the second step's peak and the
-bytes alive at its start, 0 where not measured) and a final ``{"kind":
-"summary", ...}``, after which a run on an emulated cluster's
+bytes alive at its start, 0 where not measured) and a final ``{"kind": "summary", ...,
+"combination"}`` (what the run trained: ``moesaic.train.plan.combination_record``; with
+``--plan`` also ``"plan"``, its source beside it), after which a run on an emulated cluster's
 launcher appends ``{"kind": "network", "cluster", "tx_bytes", "rx_bytes"}`` (per rank:
 ``moesaic.train.emulate``). Every line is strict JSON: a NaN or infinite number (a diverged
 loss) is written as ``null``.
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 from moesaic.train.config import TrainConfig
-from moesaic.train.plan import plan_record
+from moesaic.train.plan import combination_record, plan_record
 
 
 def strict_json(value):
@@ -207,6 +208,7 @@ class Reporter:
             "val_curve": self.val_losses,
             "expert_imbalance_last": self.last_imbalance,
             "run_dir": self.cfg.run_dir,
+            "combination": combination_record(self.cfg),
         }
         plan = plan_record(self.cfg)  # --plan: the combination it chose
         if plan is not None:
