@@ -112,7 +112,7 @@ def repredict_rule(
 
 
 def repredict_wide(path: Path) -> None:
-    """The twenty-seventh rule's points (``sim_unseen_wide.py``) predicted again from both
+    """A wide rule's points (``sim_unseen_wide.py``, rules 27-29) predicted again from both
     sources at the runs' speed (each configuration's stored profile slowed by its speed
     factor; the model file's without the measured routing), as the rule judges them; each
     point's first judged prediction kept as ``predicted_s_first``."""
@@ -120,7 +120,8 @@ def repredict_wide(path: Path) -> None:
 
     data = json.loads(path.read_text())
     for entry in data["configurations"]:
-        cfg = next(c for c in wide.CONFIGURATIONS if c["name"] == entry["name"])
+        rules = wide.RULE_SETS.values()
+        cfg = next(c for r in rules for c in r.configurations if c["name"] == entry["name"])
         work = Path(tempfile.mkdtemp(prefix=f"wide_re_{cfg['name']}_"))
         wide.write_files(work, cfg)
         profile = dict(entry["profile"])

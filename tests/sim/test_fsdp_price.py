@@ -18,7 +18,13 @@ from moesaic.sim.collectives import (
     level_exchange_s,
     ring_all_reduce_s,
 )
-from moesaic.sim.fsdp import fsdp_traffic, mesh_levels, replica_reduce_s, replicas_all_reduce_s
+from moesaic.sim.fsdp import (
+    fsdp_traffic,
+    mesh_levels,
+    reduce_scatter_all_reduces,
+    replica_reduce_s,
+    replicas_all_reduce_s,
+)
 from moesaic.sim.memory import predict_run
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
@@ -59,6 +65,32 @@ def test_traffic_on_the_mesh_levels():
         ValueError, match=r"^dp_replicate \(1\) x dp_shard \(2\) x ep \(1\) must be the world"
     ):
         fsdp_traffic(link, MODEL, ep=1, dp_shard=2, prefetch=True)
+
+
+def test_gloo_reduce_scatters_by_an_all_reduce():
+    """gloo's reduce-scatter is an all-reduce of the whole tensor (``ProcessGroupGloo``: clone,
+    all-reduce, keep the chunk; measured on loopback, ``sim_fsdp_check.json``): with a CPU
+    profile the reduce is priced as that all-reduce, the dense unit's over the dense mesh and
+    the experts' over their level; with a GPU's (NCCL) as the gather it mirrors."""
+    link = LinkModel(spec=_spec())
+    block = MODEL.replicated_params_per_block() * MODEL.param_bytes
+    experts = 4 * MODEL.mats * MODEL.hidden * MODEL.ffn_hidden * MODEL.param_bytes
+    nccl = fsdp_traffic(link, MODEL, ep=2, dp_shard=2, prefetch=True)
+    gloo = fsdp_traffic(link, MODEL, ep=2, dp_shard=2, prefetch=True, all_reduce_scatter=True)
+    assert gloo.gather_s == nccl.gather_s == nccl.reduce_s
+    expert_all_reduce = 2 * level_exchange_s(link, 0, 1, experts / 2, gather=True)
+    assert gloo.reduce_s == pytest.approx(all_reduce_s(link, block) + expert_all_reduce)
+    assert gloo.reduce_s > 1.9 * nccl.reduce_s
+    root = MODEL.outer_params() * MODEL.param_bytes
+    assert gloo.root_reduce_s == pytest.approx(all_reduce_s(link, root))
+    assert reduce_scatter_all_reduces("cpu") and not reduce_scatter_all_reduces("cuda")
+    spans = {}
+    for device in ("cpu", "cuda"):
+        profile = dataclasses.replace(PROFILE, device=device)
+        opts = SimOptions(dp_shard=2)
+        run = simulate(_spec(), MODEL, "dropless", profile, opts, schedule="vanilla")
+        spans[device] = {s.name: s.end - s.start for s in run.spans if s.rank == 0}
+    assert spans["cpu"]["FR1.2"] > 1.9 * spans["cuda"]["FR1.2"]
 
 
 def test_sharded_step_pays_its_gathers_where_compute_cannot_hide_them():

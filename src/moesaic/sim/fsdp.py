@@ -13,8 +13,13 @@ each chunk's stages, so R passes) and again before each pass of its backward, an
 gradients are reduce-scattered after each backward pass; the root is gathered once and stays
 gathered through the backward, its gradients reduce-scattered once at the end. An all-gather
 of a shard ``s`` over ``g`` ranks and the reduce-scatter of the full gradients ``g s`` move the
-same ``(g - 1) s`` per rank, so both are priced as the all-gather: :func:`all_gather_s` on the
-dense mesh's levels, :func:`level_exchange_s` (a gather) on the expert mesh's one level.
+same ``(g - 1) s`` per rank, so where the backend reduce-scatters (NCCL) both are priced as the
+all-gather: :func:`all_gather_s` on the dense mesh's levels, :func:`level_exchange_s` (a
+gather) on the expert mesh's one level. gloo has no reduce-scatter: ``ProcessGroupGloo``'s
+``reduce_scatter_tensor`` clones the whole input, all-reduces it and keeps its chunk, moving
+twice those bytes, so there (:func:`reduce_scatter_all_reduces`: a profile measured on the
+CPU, whose collectives ran on gloo) the reduce is priced as that all-reduce: the dense unit's
+over the dense mesh (:func:`all_reduce_s`), the experts' over their one level.
 
 **Replicas** (HSDP, ``dp_replicate`` > 1: ``world = dp_replicate x dp_shard x ep``, the
 replicas outermost): gathers stay inside a replica; after each reduce-scatter FSDP2
@@ -50,6 +55,7 @@ __all__ = [
     "fsdp_traffic",
     "inner_link",
     "mesh_levels",
+    "reduce_scatter_all_reduces",
     "replica_reduce_s",
     "replicas_all_reduce_s",
     "sharded_fraction",
@@ -69,6 +75,9 @@ class FsdpTraffic:
         root_reduce_s: the root's reduce-scatter (once, after the backward).
         gather_bytes: bytes a rank receives in one block's gathers (one pass).
         root_bytes: bytes a rank receives in the root's gather.
+        reduce_bytes: bytes a rank sends in one backward pass's reduce-scatters of one block
+            (``gather_bytes``; twice that where the backend all-reduces instead).
+        root_reduce_bytes: the same for the root's.
         prefetch: FSDP2's explicit prefetch (the next block's gathers beside this one's compute).
         dense_ranks: ranks the dense units are sharded over (``dp_shard x ep``).
     """
@@ -79,6 +88,8 @@ class FsdpTraffic:
     root_reduce_s: float
     gather_bytes: float
     root_bytes: float
+    reduce_bytes: float
+    root_reduce_bytes: float
     prefetch: bool
     dense_ranks: int
 
@@ -133,6 +144,21 @@ def inner_link(link: LinkModel, ranks: int) -> LinkModel:
     return dataclasses.replace(link, spec=sub, level_shares=link.level_shares[k:])
 
 
+def reduce_scatter_all_reduces(device: str) -> bool:
+    """Whether the collectives of a profile measured on ``device`` ran on a backend whose
+    reduce-scatter is an all-reduce of the whole tensor: gloo, which ``moesaic train`` runs for
+    CPU tensors (``comm/world.py``; NCCL for CUDA ones, which reduce-scatters)."""
+    return device == "cpu"
+
+
+def _dense_all_reduce_s(link: LinkModel, ranks: int, nbytes: float) -> float:
+    """An all-reduce of ``nbytes`` per rank over ``ranks`` consecutive ranks (the innermost
+    levels), ``link``'s algorithm on those levels' links."""
+    if ranks < 2 or nbytes == 0:
+        return 0.0
+    return all_reduce_s(inner_link(link, ranks), nbytes)
+
+
 def _dense_gather_s(link: LinkModel, ranks: int, shard_bytes: float) -> float:
     """An all-gather of ``shard_bytes`` per rank over ``ranks`` consecutive ranks (the
     innermost levels): the ring all-gather on those levels' links."""
@@ -149,10 +175,12 @@ def fsdp_traffic(
     dp_shard: int,
     prefetch: bool,
     dp_replicate: int = 1,
+    all_reduce_scatter: bool = False,
 ) -> FsdpTraffic:
     """The FSDP2 collectives of ``model`` with ``dp_shard`` beside ``ep`` on ``link``'s
     cluster (its world: ``dp_replicate x dp_shard x ep`` ranks, the replicas outermost), fp32
-    parameters (``model.param_bytes``)."""
+    parameters (``model.param_bytes``); ``all_reduce_scatter``: the backend reduce-scatters by
+    an all-reduce (gloo: :func:`reduce_scatter_all_reduces`)."""
     check_positive_int("ep", ep)
     check_positive_int("dp_shard", dp_shard)
     check_positive_int("dp_replicate", dp_replicate)
@@ -170,10 +198,17 @@ def fsdp_traffic(
     experts *= model.param_bytes
     dense_s = _dense_gather_s(link, dense_ranks, block / dense_ranks)
     root_s = _dense_gather_s(link, dense_ranks, root / dense_ranks)
-    expert_s = 0.0
+    expert_s = expert_reduce_s = 0.0
     if dp_shard > 1:
         (level,) = _one_level(mesh_levels(link.spec, dp_shard, inner=ep), "dp_shard", dp_shard)
         expert_s = level_exchange_s(link, level, dp_shard - 1, experts / dp_shard, gather=True)
+        expert_reduce_s = expert_s
+        if all_reduce_scatter:
+            expert_reduce_s = _level_all_reduce_s(link, level, dp_shard, experts)
+    dense_reduce_s, root_reduce_s = dense_s, root_s
+    if all_reduce_scatter:
+        dense_reduce_s = _dense_all_reduce_s(link, dense_ranks, block)
+        root_reduce_s = _dense_all_reduce_s(link, dense_ranks, root)
     replica_s = root_replica_s = 0.0
     if dp_replicate > 1:
         levels = mesh_levels(link.spec, dp_replicate, inner=dense_ranks)
@@ -184,13 +219,15 @@ def fsdp_traffic(
     gather_bytes = block * share + (experts * (dp_shard - 1) / dp_shard if dp_shard > 1 else 0)
     return FsdpTraffic(
         gather_s=dense_s + expert_s,
-        reduce_s=dense_s + expert_s + replica_s,
+        reduce_s=dense_reduce_s + expert_reduce_s + replica_s,
         root_gather_s=root_s,
-        root_reduce_s=root_s + root_replica_s,
+        root_reduce_s=root_reduce_s + root_replica_s,
         gather_bytes=gather_bytes,
         root_bytes=root * share,
         prefetch=prefetch,
         dense_ranks=dense_ranks,
+        reduce_bytes=gather_bytes * (2 if all_reduce_scatter else 1),
+        root_reduce_bytes=root * share * (2 if all_reduce_scatter else 1),
     )
 
 

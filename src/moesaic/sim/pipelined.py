@@ -468,13 +468,13 @@ def _backward(
             prev[r] = g.add("compute", _comp(f"AT{r}.{blk}", c_.at_bwd_s, "bwd", blk, r), wait)
             sharded = c_.fsdp
             if sharded is not None and sharded.reduce_s > 0:  # the pass's gradients
-                nbytes = sharded.gather_bytes
+                nbytes = sharded.reduce_bytes
                 red = SimTask(f"FR{r}.{blk}", "gather", sharded.reduce_s, "bwd", blk, r, nbytes)
                 g.add(FSDP, red, prev[r])
         done[blk - 1] = prev[1]
     fs = c_.fsdp
     if fs is not None and fs.root_reduce_s > 0:
-        root = SimTask("FR.root", "gather", fs.root_reduce_s, "bwd", 0, 0, fs.root_bytes)
+        root = SimTask("FR.root", "gather", fs.root_reduce_s, "bwd", 0, 0, fs.root_reduce_bytes)
         g.add(FSDP, root, prev[1])
     return done
 

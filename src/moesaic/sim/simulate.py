@@ -43,7 +43,12 @@ from moesaic.cluster.spec import ClusterSpec
 from moesaic.schedule_table import DEFAULT_SCHEDULE
 from moesaic.sim.collectives import ALL_REDUCE_ALGORITHMS, LinkModel, rate_bounded_shares
 from moesaic.sim.contention import CpuModel, contend
-from moesaic.sim.fsdp import fsdp_traffic, inner_link, replica_reduce_s
+from moesaic.sim.fsdp import (
+    fsdp_traffic,
+    inner_link,
+    reduce_scatter_all_reduces,
+    replica_reduce_s,
+)
 from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.hybrid import (
     HybridParts,
@@ -261,7 +266,15 @@ def _graph(
             )
         prefetch = not traits.pipelined  # train/fsdp.py: off for the chunked schedules
         ep, d, r = link.world_size, opts.dp_shard, opts.dp_replicate
-        traffic = fsdp_traffic(world, model, ep=ep, dp_shard=d, prefetch=prefetch, dp_replicate=r)
+        traffic = fsdp_traffic(
+            world,
+            model,
+            ep=ep,
+            dp_shard=d,
+            prefetch=prefetch,
+            dp_replicate=r,
+            all_reduce_scatter=reduce_scatter_all_reduces(profile.device),
+        )
         costs.shard(traffic)
     if replicas:
         ep, r = link.world_size, opts.dp_replicate
