@@ -16,6 +16,10 @@ grid point's combination (equal ``combination`` records) is that point's job: it
 the point's before anything is judged (:func:`pooled`), and ``pick_over_best_unpooled`` gives
 the ratio of its own runs to the grid's best beside the judged one.
 
+Not judged, beside the pick: ``repeat_ceiling`` (:func:`repeat_ceiling`), the pick rule met by
+the measurement itself, each pass's fastest measured by the other passes: the noise floor a
+perfect prediction would meet.
+
 Usage::
 
     python benchmarks/sim_unseen_wide_report.py [benchmarks/results/sim_unseen27.json] [--markdown]
@@ -52,6 +56,22 @@ def _in_tie(plan: list[dict[str, Any]], point: dict[str, Any]) -> bool:
         if capped == (point["strategy"] == "padded") and row.get("tie"):
             return True
     return False
+
+
+def repeat_ceiling(points: list[dict[str, Any]]) -> list[float] | None:
+    """The pick rule met by the measurement itself: for each pass, the combination fastest in
+    that pass measured by the mean of the other passes, over the best of those means (a
+    perfect predictor's pick at this noise; None with fewer than two passes). Not judged."""
+    runs = [[r["measured_s"] for r in p["runs"] if "measured_s" in r] for p in points]
+    passes = min((len(r) for r in runs), default=0)
+    if passes < 2:
+        return None
+    out = []
+    for i in range(passes):
+        rest = [statistics.fmean(r[j] for j in range(passes) if j != i) for r in runs]
+        pick = min(range(len(runs)), key=lambda k: runs[k][i])
+        out.append(round(rest[pick] / min(rest), 3))
+    return out
 
 
 def pooled(data: dict[str, Any]) -> dict[str, Any]:
@@ -143,6 +163,7 @@ def _summarize(data: dict[str, Any]) -> dict[str, Any]:
                         if "measured_s" in pick
                         else None
                     ),
+                    "repeat_ceiling": repeat_ceiling(mine),
                 }
             )
         geo = geomean_error(errors)
@@ -192,15 +213,16 @@ def markdown(data: dict[str, Any], s: dict[str, Any]) -> str:
             f"range coverage {s[source]['range_coverage']:.0%}",
             "",
             "| configuration | best measured | ranked first (its measured / best) | strict "
-            "| within 5% | tie | plan pick | pick / best |",
-            "|---|---|---|---|---|---|---|---|",
+            "| within 5% | tie | plan pick | pick / best | one pass's pick / best |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for c in s[source]["configurations"]:
             rows.append(
                 f"| {c['configuration']} | {c['best_measured']} ({c['best_measured_ms']:.0f} ms) "
                 f"| {c['ranked_first']} ({c['ranked_first_over_best']:.2f}) "
                 f"| {'yes' if c['strict'] else 'no'} | {'yes' if c['within_5pct'] else 'no'} "
-                f"| {'yes' if c['tie'] else 'no'} | {c['plan_pick']} | {c['pick_over_best']} |"
+                f"| {'yes' if c['tie'] else 'no'} | {c['plan_pick']} | {c['pick_over_best']} "
+                f"| {c['repeat_ceiling']} |"
             )
     return "\n".join(rows)
 

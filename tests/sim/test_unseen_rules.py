@@ -203,3 +203,12 @@ def test_a_pick_of_a_grid_points_job_is_pooled_with_it(pooled):
         assert train["best_measured_ms"] == 1100 and train["pick_over_best"] == round(1.4 / 1.1, 3)
         assert "pick_over_best_unpooled" not in train
     assert data["points"][0]["measured_s"] == 1.1  # the result itself is left as it was
+
+
+def test_wide_repeat_ceiling_picks_by_one_pass_and_measures_by_the_others():
+    """Each pass's fastest combination measured by the mean of the other passes, over the best
+    of those means: pass 0 picks a (others: 1.1) against b (others: 1.0) -> 1.1."""
+    a = {"runs": [{"measured_s": x} for x in (0.9, 1.1, 1.1)]}
+    b = {"runs": [{"measured_s": x} for x in (1.0, 1.0, 1.0)]}
+    assert wide_report.repeat_ceiling([a, b]) == [1.1, 1.0, 1.0]
+    assert wide_report.repeat_ceiling([{"runs": [{"measured_s": 1.0}]}]) is None
