@@ -10,9 +10,17 @@ and model, then ``simulate`` of dropless + vanilla with ``dp_replicate`` 4, 2 an
 are interleaved over 2 rounds, rank 0's median step after the first 3 steps each; the error is
 predicted over the mean of the rounds' medians.
 
+``--cluster`` measures another cluster file at ``--eps`` (EP sizes dividing the model's 4
+experts; the replicas are the rest of the world): ``2dc_2node_2gpu_small.toml`` (8 ranks, three
+levels) at ``--ep 1`` (8 replicas over all three levels), ``--ep 2`` (4 replicas spanning the DC
+and node levels, 2 rings at once) and ``--ep 4`` (2 on the DC level). The result file holds one
+entry per cluster (``clusters``); a run replaces its cluster's.
+
 Usage (root: the emulated network needs network namespaces)::
 
     python benchmarks/sim_replica_levels_check.py --out benchmarks/results/sim_replica_levels_check.json
+    python benchmarks/sim_replica_levels_check.py --cluster examples/clusters/2dc_2node_2gpu_small.toml \
+        --eps 1,2,4 --out benchmarks/results/sim_replica_levels_check.json
 """
 
 from __future__ import annotations
@@ -28,25 +36,29 @@ from fsdp_common import calibrate_on, provenance, train_records, write_corpus
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "examples/clusters/2dc_2node_small.toml"
 STEPS, BATCH, SEQ, WARM, ROUNDS = 12, 2, 64, 3, 2
-CASES = {1: 4, 2: 2, 4: 1}  # --ep: replicas
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cluster", default=str(CLUSTER), help="a cluster file")
+    ap.add_argument("--eps", default="1,2,4", help="comma-separated EP sizes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    cluster = Path(args.cluster)
     from moesaic.cluster.spec import ClusterSpec
     from moesaic.sim.profile import Profile
     from moesaic.sim.simulate import SimOptions, simulate
     from moesaic.train.model_files import load_model_spec
 
     work = Path(tempfile.mkdtemp(prefix="replica_levels_"))
-    train, profile_path = calibrate_on(CLUSTER, work)
-    spec = ClusterSpec.from_toml(CLUSTER)
+    train, profile_path = calibrate_on(cluster, work)
+    spec = ClusterSpec.from_toml(cluster)
+    world = spec.world_size
+    cases = {ep: world // ep for ep in map(int, args.eps.split(","))}  # --ep: replicas
     profile = Profile.load(profile_path)
     model = load_model_spec(train)
     rows: dict[str, dict] = {}
-    for ep, replicas in CASES.items():
+    for ep, replicas in cases.items():
         opts = SimOptions(dp_replicate=replicas) if replicas > 1 else SimOptions()
         r = simulate(spec, model, "dropless", profile, opts, schedule="vanilla")
         ar = [s for s in r.spans if s.name == "AR1"]
@@ -59,22 +71,25 @@ def main() -> None:
     print(json.dumps(rows), flush=True)  # every prediction before any run
     data = write_corpus(work)
     for _ in range(ROUNDS):
-        for ep in CASES:
-            flags = ["--emulate", str(CLUSTER), "--batch-size", str(BATCH), "--steps", str(STEPS)]
+        for ep in cases:
+            flags = ["--emulate", str(cluster), "--batch-size", str(BATCH), "--steps", str(STEPS)]
             flags += ["--warmup-steps", "2", "--ep", str(ep)]
             records = train_records(data, work, flags, timeout_s=1200)
             steps = [r for r in records if r["kind"] == "train"]
-            times = [4 * BATCH * SEQ / r["tokens_per_s"] for r in steps[WARM:]]
+            times = [world * BATCH * SEQ / r["tokens_per_s"] for r in steps[WARM:]]
             rows[f"--ep {ep}"]["runs_s"].append(statistics.median(times))
             print(ep, rows[f"--ep {ep}"]["runs_s"][-1], flush=True)
     for row in rows.values():
         row["measured_s"] = statistics.fmean(row["runs_s"])
         row["error"] = row["predicted_s"] / row["measured_s"] - 1
-    out = {**provenance(__doc__ or ""), "cluster": CLUSTER.name, "rows": rows}
-    out["profile"] = json.loads(profile_path.read_text())
+    entry = {**provenance(__doc__ or ""), "cluster": cluster.name, "rows": rows}
+    entry["profile"] = json.loads(profile_path.read_text())
     print(json.dumps(rows, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        path = Path(args.out)
+        out = json.loads(path.read_text()) if path.exists() else {"clusters": {}}
+        out["clusters"][cluster.name] = entry
+        path.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -245,3 +245,25 @@ def test_replicas_across_levels_are_gloos_ring_over_the_levels_they_span():
         all_reduce_s(world, dense * MODEL.param_bytes)
         + ring_all_reduce_s(world, experts * MODEL.param_bytes)
     )
+
+
+def test_experts_need_only_divide_ep_when_replicas_take_the_rest():
+    """Fewer experts than ranks are priced when the replicas leave an EP they divide (8 ranks,
+    4 experts: EP 4 x 2 replicas, EP 2 x 4, EP 1 x 8); at EP = world they are refused, naming
+    the world size, and with replicas naming EP."""
+    spec = ClusterSpec(
+        levels=(
+            Level(name="dc", size=2, bandwidth_gbps=0.1, latency_ms=10.0),
+            Level(name="node", size=2, bandwidth_gbps=0.2, latency_ms=4.0),
+            Level(name="rank", size=2, bandwidth_gbps=0.5, latency_ms=2.0),
+        )
+    )
+    model = dataclasses.replace(MODEL, experts=4)
+    for replicas in (2, 4, 8):
+        opts = SimOptions(dp_replicate=replicas)
+        assert simulate(spec, model, "dropless", PROFILE, opts, schedule="vanilla").iteration_s > 0
+    with pytest.raises(ValueError, match=r"^model.experts \(4\) must be a multiple of the cluster"):
+        simulate(spec, model, "dropless", PROFILE, SimOptions(), schedule="vanilla")
+    three = dataclasses.replace(MODEL, experts=6)
+    with pytest.raises(ValueError, match=r"multiple of EP \(world / replicas\) \(4\)"):
+        simulate(spec, three, "dropless", PROFILE, SimOptions(dp_replicate=2), schedule="vanilla")

@@ -468,15 +468,15 @@ def simulate(
     Raises:
         ValueError: an unknown strategy or schedule, a pair that cannot run (taskflow under a
             pipelined schedule), or a model that does not fit the world (experts not a
-            multiple of the ranks, R not dividing the batch), naming the field.
+            multiple of the EP ranks, R not dividing the batch), naming the field.
     """
     run, opts = _resolve(spec, strategy, schedule, options or SimOptions())
     t0 = time.perf_counter()
-    if model.experts % spec.world_size:
-        raise ValueError(
-            f"model.experts ({model.experts}) must be a multiple of the cluster's world_size "
-            f"({spec.world_size})"
-        )
+    outside = (opts.dp_shard or 1) * opts.dp_replicate  # EP is the rest of the world
+    ep = spec.world_size // outside if spec.world_size % outside == 0 else spec.world_size
+    if model.experts % ep:
+        where = "the cluster's world_size" if ep == spec.world_size else "EP (world / replicas)"
+        raise ValueError(f"model.experts ({model.experts}) must be a multiple of {where} ({ep})")
     if model.layer_only and run.strategy in LAYER_ONLY_UNSUPPORTED:
         raise ValueError(
             f"strategy {run.strategy!r} cannot simulate a model with model.layer_only: its "
