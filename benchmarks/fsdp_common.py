@@ -32,8 +32,8 @@ MODEL_CONFIG = MoEGPTConfig.from_dict(
 
 
 # MODEL as the training config ``moesaic calibrate --model`` and ``load_model_spec`` read.
-TRAIN_TOML = """nproc = 4
-ep = 4
+TRAIN_TOML = """nproc = {world}
+ep = {world}
 steps = 8
 batch_size = 2
 eval_every = 0
@@ -48,16 +48,24 @@ n_layers = 2
 n_heads = 4
 
 [model.moe]
-num_experts = 4
+num_experts = {experts}
 ffn_hidden_size = 64
 """
 
 
-def calibrate_on(cluster: Path, work: Path, timeout_s: float = 1800) -> tuple[Path, Path]:
+def train_toml(run: Path, world: int = 4, experts: int = 4) -> str:
+    """MODEL's training config at ``world`` ranks, EP = world, with ``experts`` experts."""
+    return TRAIN_TOML.format(run=run, world=world, experts=experts)
+
+
+def calibrate_on(
+    cluster: Path, work: Path, timeout_s: float = 1800, *, world: int = 4, experts: int = 4
+) -> tuple[Path, Path]:
     """``moesaic calibrate --cluster CLUSTER --model`` the model's training config (written to
-    ``work/train.toml``): the paths of that config and of the profile (``work/p.json``)."""
+    ``work/train.toml``; ``world`` ranks, ``experts`` experts): the paths of that config and of
+    the profile (``work/p.json``)."""
     train = work / "train.toml"
-    train.write_text(TRAIN_TOML.format(run=work / "r"))
+    train.write_text(train_toml(work / "r", world, experts))
     profile = work / "p.json"
     cmd = [sys.executable, "-m", "moesaic", "calibrate", "--cluster", str(cluster)]
     cmd += ["--model", str(train), "--out", str(profile)]
@@ -74,13 +82,16 @@ def write_corpus(work: Path) -> Path:
     return data
 
 
-def train_records(data: Path, work: Path, flags: list[str], timeout_s: float) -> list[dict]:
-    """``moesaic train`` on ``data`` with the model's and ``flags``, in a fresh run directory
-    under ``work``: its ``metrics.jsonl`` records."""
+def train_records(
+    data: Path, work: Path, flags: list[str], timeout_s: float, experts: int = 4
+) -> list[dict]:
+    """``moesaic train`` on ``data`` with the model's and ``flags`` (``experts`` experts), in a
+    fresh run directory under ``work``: its ``metrics.jsonl`` records."""
     run_dir = work / "run"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     args = [sys.executable, "-m", "moesaic", "train", "--data", str(data)]
-    args += ["--run-dir", str(run_dir), *MODEL, "--no-save-final", "--no-progress", *flags]
+    model = [str(experts) if i and MODEL[i - 1] == "--experts" else x for i, x in enumerate(MODEL)]
+    args += ["--run-dir", str(run_dir), *model, "--no-save-final", "--no-progress", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(args, check=True, capture_output=True, env=env, timeout=timeout_s)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -20,7 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from fsdp_common import TRAIN_TOML, calibrate_on
+from fsdp_common import calibrate_on, train_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "examples/clusters/compose_2x2.toml"
@@ -42,7 +42,7 @@ def main() -> None:
         train, profile_path = calibrate_on(CLUSTER, work)
     else:
         train, profile_path = work / "train.toml", Path(args.profile)
-        train.write_text(TRAIN_TOML.format(run=work / "r"))
+        train.write_text(train_toml(work / "r"))
     spec = ClusterSpec.from_toml(CLUSTER)
     profile = Profile.load(profile_path)
     model = load_model_spec(train)

@@ -10,17 +10,17 @@ and model, then ``simulate`` of dropless + vanilla with ``dp_replicate`` 4, 2 an
 are interleaved over 2 rounds, rank 0's median step after the first 3 steps each; the error is
 predicted over the mean of the rounds' medians.
 
-``--cluster`` measures another cluster file at ``--eps`` (EP sizes dividing the model's 4
-experts; the replicas are the rest of the world): ``2dc_2node_2gpu_small.toml`` (8 ranks, three
-levels) at ``--ep 1`` (8 replicas over all three levels), ``--ep 2`` (4 replicas spanning the DC
-and node levels, 2 rings at once) and ``--ep 4`` (2 on the DC level). The result file holds one
+``--cluster`` measures another cluster file at ``--eps`` (EP sizes dividing ``--experts``; the
+replicas are the rest of the world): ``2dc_2node_2gpu_small.toml`` (8 ranks, three levels, 8
+experts) at ``--ep 1`` (8 replicas over all three levels), ``--ep 2`` (4 replicas spanning the
+DC and node levels, 2 rings at once), ``--ep 4`` (2 on the DC level) and ``--ep 8`` (none). The result file holds one
 entry per cluster (``clusters``); a run replaces its cluster's.
 
 Usage (root: the emulated network needs network namespaces)::
 
     python benchmarks/sim_replica_levels_check.py --out benchmarks/results/sim_replica_levels_check.json
     python benchmarks/sim_replica_levels_check.py --cluster examples/clusters/2dc_2node_2gpu_small.toml \
-        --eps 1,2,4 --out benchmarks/results/sim_replica_levels_check.json
+        --experts 8 --eps 1,2,4,8 --out benchmarks/results/sim_replica_levels_check.json
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cluster", default=str(CLUSTER), help="a cluster file")
     ap.add_argument("--eps", default="1,2,4", help="comma-separated EP sizes")
+    ap.add_argument("--experts", type=int, default=4, help="the model's experts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cluster = Path(args.cluster)
@@ -51,9 +52,9 @@ def main() -> None:
     from moesaic.train.model_files import load_model_spec
 
     work = Path(tempfile.mkdtemp(prefix="replica_levels_"))
-    train, profile_path = calibrate_on(cluster, work)
     spec = ClusterSpec.from_toml(cluster)
     world = spec.world_size
+    train, profile_path = calibrate_on(cluster, work, world=world, experts=args.experts)
     cases = {ep: world // ep for ep in map(int, args.eps.split(","))}  # --ep: replicas
     profile = Profile.load(profile_path)
     model = load_model_spec(train)
@@ -74,7 +75,7 @@ def main() -> None:
         for ep in cases:
             flags = ["--emulate", str(cluster), "--batch-size", str(BATCH), "--steps", str(STEPS)]
             flags += ["--warmup-steps", "2", "--ep", str(ep)]
-            records = train_records(data, work, flags, timeout_s=1200)
+            records = train_records(data, work, flags, timeout_s=1200, experts=args.experts)
             steps = [r for r in records if r["kind"] == "train"]
             times = [world * BATCH * SEQ / r["tokens_per_s"] for r in steps[WARM:]]
             rows[f"--ep {ep}"]["runs_s"].append(statistics.median(times))
