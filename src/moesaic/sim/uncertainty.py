@@ -88,7 +88,7 @@ def bands_from(results: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def band(strategy: str, schedule: str) -> tuple[float, float]:
-    """The (10th, 90th) percentile of measured / predicted for the combination."""
+    """The (5th, 95th) percentile of measured / predicted for the combination (:data:`BANDS`)."""
     lo, _, hi = BANDS.get((strategy, schedule), DEFAULT_BAND)
     return lo, hi
 
