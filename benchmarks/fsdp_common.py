@@ -1,6 +1,6 @@
 """What the FSDP2 x EP benchmarks share (``fsdp_memory.py``, ``fsdp_cluster.py``,
 ``sim_fsdp_check.py``, ``sim_replica_levels_check.py``): the model with a large dense part (as
-flags and as a 4-rank training config for ``calibrate``), the corpus, one ``moesaic train``
+flags and as a training config for ``calibrate``, at a given world and expert count), the corpus, one ``moesaic train``
 run's records, a calibration on a cluster, and the result file's provenance."""
 
 from __future__ import annotations
@@ -17,9 +17,15 @@ import torch
 
 from moesaic.models import MoEGPTConfig
 
-# A model whose dense part outweighs its experts (attention and the byte embedding: 1.5x).
-MODEL = ["--n-layers", "2", "--d-model", "256", "--n-heads", "4", "--experts", "4"]
-MODEL += ["--expert-hidden", "64", "--seq-len", "64"]
+
+def model_flags(experts: int = 4) -> list[str]:
+    """A model whose dense part outweighs its experts (attention and the byte embedding: 1.5x
+    at 4 experts), as ``moesaic train`` flags."""
+    flags = ["--n-layers", "2", "--d-model", "256", "--n-heads", "4", "--experts", str(experts)]
+    return [*flags, "--expert-hidden", "64", "--seq-len", "64"]
+
+
+MODEL = model_flags()
 MODEL_CONFIG = MoEGPTConfig.from_dict(
     {
         "n_layers": 2,
@@ -90,8 +96,8 @@ def train_records(
     run_dir = work / "run"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     args = [sys.executable, "-m", "moesaic", "train", "--data", str(data)]
-    model = [str(experts) if i and MODEL[i - 1] == "--experts" else x for i, x in enumerate(MODEL)]
-    args += ["--run-dir", str(run_dir), *model, "--no-save-final", "--no-progress", *flags]
+    args += ["--run-dir", str(run_dir), *model_flags(experts), "--no-save-final", "--no-progress"]
+    args += flags
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(args, check=True, capture_output=True, env=env, timeout=timeout_s)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -13,8 +13,8 @@ predicted over the mean of the rounds' medians.
 ``--cluster`` measures another cluster file at ``--eps`` (EP sizes dividing ``--experts``; the
 replicas are the rest of the world): ``2dc_2node_2gpu_small.toml`` (8 ranks, three levels, 8
 experts) at ``--ep 1`` (8 replicas over all three levels), ``--ep 2`` (4 replicas spanning the
-DC and node levels, 2 rings at once), ``--ep 4`` (2 on the DC level) and ``--ep 8`` (none). The result file holds one
-entry per cluster (``clusters``); a run replaces its cluster's.
+DC and node levels, 2 rings at once), ``--ep 4`` (2 on the DC level) and ``--ep 8`` (none).
+The result file holds one entry per cluster (``clusters``); a run replaces its cluster's.
 
 Usage (root: the emulated network needs network namespaces)::
 

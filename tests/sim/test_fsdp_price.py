@@ -69,7 +69,8 @@ def test_traffic_on_the_mesh_levels():
 
 def test_gloo_reduce_scatters_by_an_all_reduce():
     """gloo's reduce-scatter is an all-reduce of the whole tensor (``ProcessGroupGloo``: clone,
-    all-reduce, keep the chunk; measured on loopback, ``sim_fsdp_check.json``): with a CPU
+    all-reduce, keep the chunk; ``gloo_collective_bytes.json``: 2.00x a ring all-gather's bytes
+    on the loopback): with a CPU
     profile the reduce is priced as that all-reduce, the dense unit's over the dense mesh and
     the experts' over their level; with a GPU's (NCCL) as the gather it mirrors."""
     link = LinkModel(spec=_spec())

@@ -216,6 +216,7 @@ def fsdp_traffic(
         replica_s = replicas_all_reduce_s(link, levels, dense_ranks, unit_shard)
         root_replica_s = replicas_all_reduce_s(link, levels, dense_ranks, root / dense_ranks)
     share = (dense_ranks - 1) / dense_ranks
+    sent = 2 if all_reduce_scatter else 1  # an all-reduce sends twice a reduce-scatter's bytes
     gather_bytes = block * share + (experts * (dp_shard - 1) / dp_shard if dp_shard > 1 else 0)
     return FsdpTraffic(
         gather_s=dense_s + expert_s,
@@ -226,8 +227,8 @@ def fsdp_traffic(
         root_bytes=root * share,
         prefetch=prefetch,
         dense_ranks=dense_ranks,
-        reduce_bytes=gather_bytes * (2 if all_reduce_scatter else 1),
-        root_reduce_bytes=root * share * (2 if all_reduce_scatter else 1),
+        reduce_bytes=gather_bytes * sent,
+        root_reduce_bytes=root * share * sent,
     )
 
 

@@ -225,12 +225,7 @@ def _graph(
     world = link
     replicas = opts.dp_shard is None and opts.dp_replicate > 1  # of the unsharded model
     if opts.dp_shard is not None or replicas:  # EP over the innermost levels
-        outside = (opts.dp_shard or 1) * opts.dp_replicate
-        if link.world_size % outside:
-            raise ValueError(
-                f"dp_replicate ({opts.dp_replicate}) x dp_shard ({opts.dp_shard}) must divide "
-                f"the world size ({link.world_size})"
-            )
+        outside = (opts.dp_shard or 1) * opts.dp_replicate  # divides the world: simulate
         link = inner_link(link, link.world_size // outside)
     parts = None
     if run.strategy == "hybrid":
@@ -473,7 +468,12 @@ def simulate(
     run, opts = _resolve(spec, strategy, schedule, options or SimOptions())
     t0 = time.perf_counter()
     outside = (opts.dp_shard or 1) * opts.dp_replicate  # EP is the rest of the world
-    ep = spec.world_size // outside if spec.world_size % outside == 0 else spec.world_size
+    if spec.world_size % outside:
+        raise ValueError(
+            f"dp_replicate ({opts.dp_replicate}) x dp_shard ({opts.dp_shard}) must divide "
+            f"the world size ({spec.world_size})"
+        )
+    ep = spec.world_size // outside
     if model.experts % ep:
         where = "the cluster's world_size" if ep == spec.world_size else "EP (world / replicas)"
         raise ValueError(f"model.experts ({model.experts}) must be a multiple of {where} ({ep})")
