@@ -4,6 +4,7 @@ and orders them by the stated tie rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -73,7 +74,8 @@ def test_plan_marks_the_tie_and_orders_it_by_the_rule():
 
     def key(c):
         R = c.options["pipeline_degree"]
-        return ((R > 1) + ("ar_chunk" in c.options), R, c.predicted_ms)
+        changed = "capacity_factor" in c.options
+        return (changed, (R > 1) + ("ar_chunk" in c.options), R, c.predicted_ms)
 
     assert [key(c) for c in tied] == sorted(key(c) for c in tied)
     assert "a tie with" in plan.reason and plan.chosen is tied[0]
@@ -81,3 +83,22 @@ def test_plan_marks_the_tie_and_orders_it_by_the_rule():
         lo, hi = c.range_ms
         assert lo <= c.predicted_ms <= hi
         assert c.to_dict()["range_ms"] == [lo, hi] and c.to_dict()["tie"] == c.tie
+
+
+def test_a_tie_keeps_the_models_own_capacity():
+    """A capacity factor the plan may set drops assignments the model keeps: within a tie the
+    model as given goes first, even where the capped entry is predicted faster."""
+    skewed = dataclasses.replace(MODEL, measured_loads=((1.6, 1.0, 1.0, 1.0),))
+    plan = plan_runs(FAST, skewed, Profile(flops_per_s=2e10), capacity_factors=(1.0,))
+    tied = [c for c in plan.ranked if c.tie]
+    capped = [c for c in tied if "capacity_factor" in c.options]
+    own = [c for c in tied if "capacity_factor" not in c.options]
+    assert capped and own  # the case the rule decides
+    assert min(c.predicted_ms for c in capped) < min(c.predicted_ms for c in own)
+    assert tied[: len(own)] == own and plan.chosen is own[0]
+    assert "the model's own capacity, then the simpler schedule" in plan.reason
+    # a gain past the tie band is one the simulator tells apart: the capped entry is picked
+    hot = dataclasses.replace(MODEL, measured_loads=((3.0, 1.0, 1.0, 1.0),))
+    plan = plan_runs(FAST, hot, Profile(flops_per_s=2e10), capacity_factors=(1.0,))
+    assert plan.chosen.options["capacity_factor"] == 1.0
+    assert all("capacity_factor" in c.options for c in plan.ranked if c.tie)

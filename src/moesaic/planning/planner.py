@@ -202,7 +202,8 @@ class Plan:
             text += (
                 f"; a tie with {names}{more} (predicted within {100 * math.expm1(TIE_BAND):.1f}% "
                 f"of the fastest, {fastest:.4g} ms: closer than the simulator tells apart; the "
-                "tie rule picks the simpler schedule, then the smaller R, then the faster)"
+                "tie rule picks the model's own capacity, then the simpler schedule, then the smaller "
+                "R, then the faster)"
             )
         for axis in ("strategy", "schedule"):
             mine = getattr(best, axis)
@@ -605,11 +606,15 @@ def _reprice(pricers: dict[float | None, _Pricer], c: Candidate, dp_shard: int) 
     return pricer.candidate(run, options, dp_shard=dp_shard, **_sim_options(c))
 
 
-def _simplicity(c: Candidate) -> tuple[int, int, float]:
-    """The tie rule's key: how many knobs the schedule sets beyond one chunk (a pipeline
-    degree above 1, an all-reduce chunk), the pipeline degree, the prediction."""
+def _simplicity(c: Candidate) -> tuple[int, int, int, float]:
+    """The tie rule's key: whether the plan changed the model's capacity (the option
+    ``capacity_factor``: it drops assignments the model as given keeps, a change of what is
+    trained worth making only for a gain the simulator can tell apart), how many knobs the
+    schedule sets beyond one chunk (a pipeline degree above 1, an all-reduce chunk), the
+    pipeline degree, the prediction."""
     R = int(c.options.get("pipeline_degree", 1))
-    return ((R > 1) + ("ar_chunk" in c.options), R, c.predicted_ms)
+    changed = int("capacity_factor" in c.options)
+    return (changed, (R > 1) + ("ar_chunk" in c.options), R, c.predicted_ms)
 
 
 def _ties_first(ranked: list[Candidate]) -> list[Candidate]:

@@ -20,9 +20,11 @@ median over the same rules' pairs of ``|ln(measured_a / predicted_a) - ln(measur
 predicted_b)|`` is 0.076. Two predictions closer than that are ordered by the measurement
 about as often as against it, so :func:`tie_group` calls every candidate predicted within
 ``exp(TIE_BAND)`` of the fastest a tie with it, and :func:`break_ties` orders the tied
-candidates by the stated rule: the simpler schedule first (the one registered earlier:
-vanilla, then moe-only, then flowmoe), then the smaller pipeline degree, then the faster
-prediction.
+candidates by the stated rule: the model's own capacity first (a capacity factor the plan
+was allowed to set drops assignments the model keeps: a change of what is trained, made only
+for a gain the simulator can tell apart), then the simpler schedule (the one registered
+earlier: vanilla, then moe-only, then flowmoe), then the smaller pipeline degree, then the
+faster prediction.
 
 Torch-free.
 """
@@ -112,7 +114,7 @@ def tie_group(predicted: Sequence[float]) -> int:
     return sum(1 for p in predicted if p <= limit)
 
 
-def break_ties(tied: Sequence[T], key: Callable[[T], tuple[int, int, float]]) -> list[T]:
-    """``tied`` in the tie rule's order; ``key`` gives each one's (schedule's registration
-    index, pipeline degree, predicted)."""
+def break_ties(tied: Sequence[T], key: Callable[[T], tuple[int, int, int, float]]) -> list[T]:
+    """``tied`` in the tie rule's order; ``key`` gives each one's (whether it changes the
+    model's capacity, schedule's knobs, pipeline degree, predicted)."""
     return sorted(tied, key=key)
