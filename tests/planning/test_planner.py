@@ -306,6 +306,22 @@ def test_ep_below_the_world_is_priced_as_replicas():
         assert c.predicted_ms != pytest.approx(twin.predicted_ms)
 
 
+def test_fewer_experts_than_ranks_are_planned_below_the_world():
+    """2 experts on 4 ranks: no EP = the world (skipped with the reason), EP 1 and 2 priced as
+    replicas, each entry what ``simulate`` gives; without ``ep_sizes`` one line names it."""
+    two = dataclasses.replace(MODEL, experts=2)
+    plan = plan_runs(SMALL, two, PROFILE, ep_sizes=(1, 2))
+    assert plan.ranked and all(c.options["ep"] in (1, 2) for c in plan.ranked)
+    assert {c.options["ep"] for c in plan.ranked} == {1, 2}
+    assert "is not a multiple of the world size (4)" in dict(plan.skipped)["EP 4"]
+    for c in plan.ranked[:4]:
+        opts = SimOptions(degree=c.options["pipeline_degree"], dp_replicate=4 // c.options["ep"])
+        r = simulate(SMALL, two, c.strategy, PROFILE, opts, schedule=c.schedule)
+        assert c.predicted_ms == pytest.approx(r.iteration_s * 1e3)
+    with pytest.raises(ValueError, match=r"model.experts \(2\) must be a multiple .* ep_sizes"):
+        plan_runs(SMALL, two, PROFILE)
+
+
 @pytest.mark.parametrize("ep", [4, 3, 0])
 def test_ep_sizes_must_divide_the_world_below_it(ep):
     with pytest.raises(ValueError, match=r"ep_sizes\[0\]"):

@@ -3,6 +3,7 @@ trip, older profiles), the pricing of the pipelined tasks from it, and ``calibra
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -18,6 +19,7 @@ from moesaic.sim.opcal import OPS, OpCal, OpFit, OpPrices, fit_line
 from moesaic.sim.pipelined import Costs
 from moesaic.sim.profile import Profile
 from moesaic.sim.simulate import SimOptions, simulate
+from moesaic.simtools.calibrate_cli import _measure_model
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 MODEL = ModelSpec(
@@ -200,5 +202,10 @@ def test_calibrate_model_writes_the_operations(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["ops"]["model"]["name"] == "tiny"
     assert main(["calibrate", "--out", str(tmp_path / "q.json"), "--threads", "1"]) == 2
     assert "--threads applies to --model only" in capsys.readouterr().err
+    # 2 experts on a 4-rank cluster: timed at EP 2, the largest group dividing both (one
+    # expert per rank), what `plan --ep` prices below the world
+    ops, _ = _measure_model(argparse.Namespace(model=str(tmp_path / "m.toml"), threads=1), 4)
+    assert ops.expert_count == 1
+    assert "1 experts per rank (EP 2: 2 experts do not spread over 4)" in capsys.readouterr().out
     assert main(["calibrate", "--out", str(tmp_path / "q.json"), "--contention-s", "-1"]) == 2
     assert "--contention-s (-1.0) must be" in capsys.readouterr().err

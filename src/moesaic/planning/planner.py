@@ -375,14 +375,21 @@ def _pair_candidates(
     sp_divisors: Sequence[float],
     compression_ratios: Sequence[float],
     domain_candidates: int,
+    dp_replicate: int = 1,
 ) -> list[Candidate]:
-    """Every knob setting of one pair, priced."""
+    """Every knob setting of one pair, priced; ``dp_replicate`` > 1: with EP on the innermost
+    world / ``dp_replicate`` ranks and replicas of the unsharded model outside them
+    (``SimOptions.dp_replicate``; ValueError where the simulator does not price that)."""
     out: list[Candidate] = []
     for R in _degrees(run, pricer.model, degrees):
         if run.strategy == "taskflow":
             for pipeline in (False, True):
                 opts = {"pipeline_degree": 1, "pipeline": pipeline}
-                out.append(pricer.candidate(run, opts, taskflow_pipeline=pipeline))
+                out.append(
+                    pricer.candidate(
+                        run, opts, taskflow_pipeline=pipeline, dp_replicate=dp_replicate
+                    )
+                )
             continue
         settings: list[tuple[dict[str, Any], dict[str, Any]]] = [({}, {})]
         if run.strategy == "hybrid":
@@ -404,9 +411,11 @@ def _pair_candidates(
         for shown, sim in settings:
             base = {"pipeline_degree": R, **shown}
             if not run.traits.reduce_in_backward:
-                out.append(pricer.candidate(run, base, degree=R, **sim))
+                out.append(pricer.candidate(run, base, degree=R, dp_replicate=dp_replicate, **sim))
                 continue
-            out += _sp_candidates(pricer, run, base, sp_divisors, degree=R, **sim)
+            out += _sp_candidates(
+                pricer, run, base, sp_divisors, degree=R, dp_replicate=dp_replicate, **sim
+            )
     return out
 
 
@@ -470,11 +479,13 @@ def plan_runs(
             the schedules that reduce gradients in the backward, taskflow) or a size whose EP
             group or replicas do not fall on whole levels of the cluster (the replicas'
             all-reduce is priced on one level) is left out, in ``skipped`` with the reason.
-            Empty: EP = the world only.
+            Empty: EP = the world only. Where ``model.experts`` is not a multiple of the
+            world size, EP = the world is left out (in ``skipped``) and these are the plan.
 
     Raises:
         ValueError: an unknown strategy or schedule, a bad knob, or no combination that can
-            run (naming why each pair cannot), or a model that does not fit the world.
+            run (naming why each pair cannot), or experts that do not spread over the
+            world with no ``ep_sizes``.
     """
     _check_choices(degrees, sp_divisors, compression_ratios)
     for i, cf in enumerate(capacity_factors):
@@ -488,11 +499,15 @@ def plan_runs(
                 f"ep_sizes[{i}] ({ep}) must be below the world size ({world}) and divide it and "
                 f"model.experts ({model.experts})"
             )
-    if model.experts % spec.world_size:
+    # EP = the world, where the experts spread over it, and each smaller size asked for
+    full = model.experts % world == 0
+    if not full and not ep_sizes:
         raise ValueError(
             f"model.experts ({model.experts}) must be a multiple of the cluster's world_size "
-            f"({spec.world_size}): each rank holds experts / world_size experts"
+            f"({world}) for EP = the world (each rank holds experts / world_size experts); "
+            "ep_sizes (`plan --ep auto`) ranks EP groups that divide the experts"
         )
+    replicate = ([1] if full else []) + [world // ep for ep in ep_sizes]
     pairs = _pairs(strategies, schedules)
     own = model.capacity_factor
     variants: list[tuple[ModelSpec, dict[str, Any]]] = [(model, {})]
@@ -516,21 +531,37 @@ def plan_runs(
                 if not extra:  # said once, for the model as given
                     skipped.append((run.name, why))
                 continue
-            found = _pair_candidates(
-                pricer,
-                run,
-                degrees=degrees,
-                sp_divisors=sp_divisors,
-                compression_ratios=compression_ratios,
-                domain_candidates=domain_candidates,
-            )
-            ranked += [dataclasses.replace(c, options={**c.options, **extra}) for c in found]
-            replicas, why_not = _replica_candidates(pricer, run, found, ep_sizes, extra)
-            ranked += replicas
-            for ep, why in why_not.items():
-                if not extra:  # said once, for the model as given
-                    skipped.append((f"{run.name} at EP {ep}", why))
+            for r in replicate:
+                try:
+                    if r > 1:  # the simulator's reason before the knobs' search
+                        pricer.run(run, degree=_degrees(run, variant, degrees)[0], dp_replicate=r)
+                    found = _pair_candidates(
+                        pricer,
+                        run,
+                        degrees=degrees,
+                        sp_divisors=sp_divisors,
+                        compression_ratios=compression_ratios,
+                        domain_candidates=domain_candidates,
+                        dp_replicate=r,
+                    )
+                except ValueError as exc:  # not priced with replicas, or not on whole levels
+                    if r == 1:
+                        raise
+                    if not extra:  # said once, for the model as given
+                        skipped.append((f"{run.name} at EP {world // r}", str(exc)))
+                    continue
+                ep = {"ep": world // r} if r > 1 else {}
+                ranked += [
+                    dataclasses.replace(c, options={**c.options, **extra, **ep}) for c in found
+                ]
         simulations += pricer.simulations
+    if not full:
+        skipped.append(
+            (
+                f"EP {world}",
+                f"model.experts ({model.experts}) is not a multiple of the world size ({world})",
+            )
+        )
     if not ranked:
         left = "; ".join(f"{name}: {why}" for name, why in skipped) or "none asked for"
         raise ValueError(f"no combination can run this model on this cluster ({left})")
@@ -540,34 +571,6 @@ def plan_runs(
         simulations=simulations,
         reprice=lambda c, d: _reprice(pricers, c, d),
     )
-
-
-def _replica_candidates(
-    pricer: _Pricer,
-    run: Run,
-    found: Sequence[Candidate],
-    ep_sizes: Sequence[int],
-    extra: dict[str, Any],
-) -> tuple[list[Candidate], dict[int, str]]:
-    """``found`` priced again at each EP size of ``ep_sizes`` (replicas of the unsharded model
-    outside it), and for each size at which none could be, the simulator's reason."""
-    out: list[Candidate] = []
-    why_not: dict[int, str] = {}
-    world = pricer.spec.world_size
-    for ep in ep_sizes:
-        priced = 0
-        for c in found:
-            options = {**c.options, **extra, "ep": ep}
-            try:
-                out.append(
-                    pricer.candidate(run, options, dp_replicate=world // ep, **_sim_options(c))
-                )
-                priced += 1
-            except ValueError as exc:  # not priced with replicas, or not on whole levels
-                why_not.setdefault(ep, str(exc))
-        if priced:
-            why_not.pop(ep, None)
-    return out, why_not
 
 
 def rank(candidates: Sequence[Candidate]) -> list[Candidate]:

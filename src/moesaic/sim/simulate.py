@@ -227,6 +227,14 @@ def _graph(
     if opts.dp_shard is not None or replicas:  # EP over the innermost levels
         outside = (opts.dp_shard or 1) * opts.dp_replicate  # divides the world: simulate
         link = inner_link(link, link.world_size // outside)
+    if replicas and (run.strategy == "hybrid" or traits.reduce_in_backward):
+        # hybrid's gradients are reduced inside its domains (parts.grad_reduce), a chunked
+        # schedule's in the backward: neither is GradientSync's two calls after it
+        raise ValueError(
+            f"dp_replicate ({opts.dp_replicate}) without dp_shard with {run.name}: replicas of "
+            "the unsharded model are priced where the gradients are all-reduced after the "
+            "backward outside hybrid's domains"
+        )
     parts = None
     if run.strategy == "hybrid":
         # planned on the tokens of one chunk, as training plans --domains auto
@@ -237,14 +245,6 @@ def _graph(
             raise ValueError("dp_shard: HybridEP's benchmark step runs no FSDP2 sharding")
         g = build_hybrid(parts, model, profile)
         return g, g.run(), {"domain_sizes": list(parts.domain_sizes)}
-    if replicas and (parts is not None or traits.reduce_in_backward):
-        # hybrid's gradients are reduced inside its domains (parts.grad_reduce), a chunked
-        # schedule's in the backward: neither is GradientSync's two calls after it
-        raise ValueError(
-            f"dp_replicate ({opts.dp_replicate}) without dp_shard with {run.name}: replicas of "
-            "the unsharded model are priced where the gradients are all-reduced after the "
-            "backward outside hybrid's domains"
-        )
     if parts is not None:
         costs = hybrid_costs(link, model, profile, R, parts)
     else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -191,16 +192,15 @@ def _measure_model(args: argparse.Namespace, world: int) -> tuple[Any, dict[str,
     from moesaic.train.model_files import load_model_spec
 
     model = load_option("model", args.model, load_model_spec)
-    if model.experts % world:
-        raise ValueError(
-            f"--model {args.model}: model.experts ({model.experts}) must be a multiple of the "
-            f"cluster's world size ({world})"
-        )
+    # the experts of one rank at the largest EP group that divides the world and the experts
+    # (the world itself where it can: EP below it is `plan --ep`'s replicas)
+    ep = math.gcd(model.experts, world)
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
-    ops = measure_ops(model, world=world, threads=threads)
+    ops = measure_ops(model, world=ep, threads=threads)
+    at = "" if ep == world else f" (EP {ep}: {model.experts} experts do not spread over {world})"
     print(
         f"model {model.name!r}: {len(ops.fwd)} operations timed at {ops.tokens[0]} and "
-        f"{ops.tokens[1]} tokens, {threads} thread(s), {ops.expert_count} experts per rank; "
+        f"{ops.tokens[1]} tokens, {threads} thread(s), {ops.expert_count} experts per rank{at}; "
         f"speed reference {ops.reference_s * 1e3:.1f} ms (re-timed by simulate/plan --retime)"
     )
     tiles = tile_cpu_figures(model)

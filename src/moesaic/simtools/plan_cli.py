@@ -128,7 +128,7 @@ def add_subparser(subparsers) -> None:
         "unsharded model (world / EP replicas; the gradients all-reduced after the backward): "
         "'auto' every size below the world dividing it and the experts, or a list; such "
         "entries carry the option ep, which `moesaic train --plan` sets (default: EP = the "
-        "world only)",
+        "world only; needed where the experts are fewer than the ranks or do not divide them)",
     )
     add_all_reduce_option(p)
     add_loads_option(p)
