@@ -550,9 +550,9 @@ def plan_runs(
                     if not extra:  # said once, for the model as given
                         skipped.append((f"{run.name} at EP {world // r}", str(exc)))
                     continue
-                ep = {"ep": world // r} if r > 1 else {}
+                below = {"ep": world // r} if r > 1 else {}
                 ranked += [
-                    dataclasses.replace(c, options={**c.options, **extra, **ep}) for c in found
+                    dataclasses.replace(c, options={**c.options, **extra, **below}) for c in found
                 ]
         simulations += pricer.simulations
     if not full:
