@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
 
+from _scripts import load_benchmark
 from moesaic.cluster.spec import ClusterSpec, Level
 from moesaic.planning.planner import plan_runs
 from moesaic.sim.model import ModelSpec
@@ -22,6 +24,7 @@ from moesaic.sim.uncertainty import (
     TIE_BAND,
     band,
     bands_from,
+    combination_bands,
     prediction_range,
     tie_group,
 )
@@ -42,6 +45,27 @@ def test_the_bands_are_the_committed_rules_errors():
     assert got["bands"] == BANDS
     assert got["default"] == DEFAULT_BAND
     assert got["tie_band"] == TIE_BAND
+
+
+def test_a_band_is_the_wider_of_its_own_and_the_pooled_residuals():
+    """The pooled residuals widen a combination whose own ratios are close together; one whose
+    own spread is wider keeps it."""
+    tight = [1.0 + 0.001 * i for i in range(20)]
+    wide = [0.6 + 0.04 * i for i in range(20)]
+    bands = combination_bands({("a", "x"): tight, ("b", "x"): wide})
+    lo, mid, hi = bands[("a", "x")]
+    assert lo < min(tight) and hi > max(tight) and mid == round(statistics.median(tight), 3)
+    own = statistics.quantiles(wide, n=20, method="inclusive")
+    assert bands[("b", "x")][0] == round(own[0], 3) and bands[("b", "x")][2] == round(own[-1], 3)
+
+
+def test_the_committed_backtest_is_what_the_rules_give():
+    """``sim_bands_backtest.json``: each rule from the 23rd judged by bands fitted on the rules
+    before it only, recomputed from the committed results."""
+    backtest = load_benchmark("sim_bands_backtest")
+    committed = json.loads((RESULTS / "sim_bands_backtest.json").read_text())
+    assert backtest.backtest() == committed
+    assert backtest.CONSTRUCTIONS["committed"] is combination_bands
 
 
 def test_range_is_the_band_around_the_point_or_the_priors_ends():
