@@ -262,7 +262,7 @@ CONFIGURATIONS_29: tuple[dict[str, Any], ...] = (
 )
 
 
-RULE_30 = """The thirtieth rule, fixed on 2026-12-04 at 22:50 UTC and committed before any of
+RULE_30 = """The thirtieth rule, fixed on 2026-12-04 at 22:45 UTC and committed before any of
 its configurations was measured, calibrated or simulated (nothing in it may change after its
 first measurement): the twenty-ninth's procedure and judgement (equal jobs pooled) with one
 change, **four interleaved passes**, not three. On rule 29's runs the median of one run's 6
