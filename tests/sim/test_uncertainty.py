@@ -14,6 +14,7 @@ import pytest
 
 from _scripts import load_benchmark
 from moesaic.cluster.spec import ClusterSpec, Level
+from moesaic.planning.plan_memory import fit_memory
 from moesaic.planning.planner import plan_runs
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
@@ -99,7 +100,8 @@ def test_plan_marks_the_tie_and_orders_it_by_the_rule():
     def key(c):
         R = c.options["pipeline_degree"]
         changed = "capacity_factor" in c.options
-        return (changed, (R > 1) + ("ar_chunk" in c.options), R, c.predicted_ms)
+        knobs = (R > 1) + ("ar_chunk" in c.options)
+        return (changed, knobs, R, c.peak_bytes or 0.0, c.predicted_ms)
 
     assert [key(c) for c in tied] == sorted(key(c) for c in tied)
     assert "a tie with" in plan.reason and plan.chosen is tied[0]
@@ -107,6 +109,27 @@ def test_plan_marks_the_tie_and_orders_it_by_the_rule():
         lo, hi = c.range_ms
         assert lo <= c.predicted_ms <= hi
         assert c.to_dict()["range_ms"] == [lo, hi] and c.to_dict()["tie"] == c.tie
+
+
+def test_a_tie_takes_the_smaller_memory_before_the_faster_prediction():
+    """After the memory fit (``plan_memory``: every entry's predicted peak) the tied entries
+    of one capacity, schedule and R go by the smaller peak: hybrid with experts gathered
+    into domains of 2, predicted faster by less than the tie band, after dropless."""
+    plan = plan_runs(FAST, MODEL, Profile(flops_per_s=2e10))
+    ranked = fit_memory(plan, MODEL, FAST.world_size, None).plan.ranked
+    tied = [c for c in ranked if c.tie]
+    assert all(c.peak_bytes is not None and c.peak_bytes > 0 for c in ranked)
+    keys = [(("capacity_factor" in c.options), c.options["pipeline_degree"]) for c in tied]
+    for a, b, ka, kb in zip(tied, tied[1:], keys, keys[1:]):
+        if ka == kb and a.schedule == b.schedule:
+            assert a.peak_bytes <= b.peak_bytes
+    vanilla = [c for c in tied if c.schedule == "vanilla"]
+    gathered = next(c for c in vanilla if c.options.get("domain_sizes") == [2])
+    dropless = next(c for c in vanilla if c.strategy == "dropless")
+    assert gathered.predicted_ms < dropless.predicted_ms  # faster, within the band
+    assert gathered.peak_bytes > dropless.peak_bytes
+    assert vanilla.index(dropless) < vanilla.index(gathered)
+    assert "then the smaller memory" in fit_memory(plan, MODEL, 2, None).plan.reason
 
 
 def test_a_tie_keeps_the_models_own_capacity():

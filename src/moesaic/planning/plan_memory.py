@@ -102,7 +102,7 @@ def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) ->
         priced = [(_sharded(plan, cand, d), peak) for d, peak in fitting]
         # the shortest predicted step; equal ones to the less sharded (listed first)
         cand, peak = min(priced, key=lambda t: t[0].predicted_ms)
-        kept.append(cand)
+        kept.append(dataclasses.replace(cand, peak_bytes=peak))  # the tie rule's memory key
         peaks.append(peak)
     if not kept and budget is not None:  # (without a budget every combination is kept)
         raise ValueError(

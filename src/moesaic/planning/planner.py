@@ -104,6 +104,8 @@ class Candidate:
             the routing is the prior's).
         tie: predicted within the tie band of the fastest (``sim.uncertainty``): the leading
             entries that the simulator cannot tell apart, ordered by the tie rule.
+        peak_bytes: the predicted per-rank peak (``planning.plan_memory``'s fit sets it; None
+            before it or where memory is not predicted): the tie rule's key after R.
     """
 
     strategy: str
@@ -116,6 +118,7 @@ class Candidate:
     caveat: str | None = None
     range_ms: tuple[float, float] | None = None
     tie: bool = False
+    peak_bytes: float | None = None
 
     @property
     def name(self) -> str:
@@ -203,7 +206,7 @@ class Plan:
                 f"; a tie with {names}{more} (predicted within {100 * math.expm1(TIE_BAND):.1f}% "
                 f"of the fastest, {fastest:.4g} ms: closer than the simulator tells apart; the "
                 "tie rule picks the model's own capacity, then the simpler schedule, then the smaller "
-                "R, then the faster)"
+                "R, then the smaller memory, then the faster)"
             )
         for axis in ("strategy", "schedule"):
             mine = getattr(best, axis)
@@ -609,21 +612,22 @@ def _reprice(pricers: dict[float | None, _Pricer], c: Candidate, dp_shard: int) 
     return pricer.candidate(run, options, dp_shard=dp_shard, **_sim_options(c))
 
 
-def _simplicity(c: Candidate) -> tuple[int, int, int, float]:
+def _simplicity(c: Candidate) -> tuple[int, int, int, float, float]:
     """The tie rule's key: whether the plan changed the model's capacity (the option
     ``capacity_factor``: it drops assignments the model as given keeps, a change of what is
     trained worth making only for a gain the simulator can tell apart), how many knobs the
     schedule sets beyond one chunk (a pipeline degree above 1, an all-reduce chunk), the
-    pipeline degree, the prediction."""
+    pipeline degree, the predicted per-rank peak (0 where not predicted), the prediction."""
     R = int(c.options.get("pipeline_degree", 1))
     changed = int("capacity_factor" in c.options)
-    return (changed, (R > 1) + ("ar_chunk" in c.options), R, c.predicted_ms)
+    knobs = (R > 1) + ("ar_chunk" in c.options)
+    return (changed, knobs, R, c.peak_bytes or 0.0, c.predicted_ms)
 
 
 def _ties_first(ranked: list[Candidate]) -> list[Candidate]:
     """The leading candidates without a caveat that tie with the fastest, marked ``tie`` and
-    in the tie rule's order, then the others as ranked. Memory is not a key (the memory fit,
-    ``plan_memory``, drops what does not fit before the ranking is final)."""
+    in the tie rule's order, then the others as ranked. The memory key counts once the memory
+    fit (``plan_memory``) has predicted each peak and ranks its candidates again."""
     trusted = [c for c in ranked if c.caveat is None]
     n = tie_group([c.predicted_ms for c in trusted])
     if n < 2:

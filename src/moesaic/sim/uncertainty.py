@@ -31,7 +31,7 @@ candidates by the stated rule: the model's own capacity first (a capacity factor
 was allowed to set drops assignments the model keeps: a change of what is trained, made only
 for a gain the simulator can tell apart), then the simpler schedule (the one registered
 earlier: vanilla, then moe-only, then flowmoe), then the smaller pipeline degree, then the
-faster prediction.
+smaller predicted per-rank peak (where the plan predicted memory), then the faster prediction.
 
 Torch-free.
 """
@@ -138,7 +138,7 @@ def tie_group(predicted: Sequence[float]) -> int:
     return sum(1 for p in predicted if p <= limit)
 
 
-def break_ties(tied: Sequence[T], key: Callable[[T], tuple[int, int, int, float]]) -> list[T]:
+def break_ties(tied: Sequence[T], key: Callable[[T], tuple[float, ...]]) -> list[T]:
     """``tied`` in the tie rule's order; ``key`` gives each one's (whether it changes the
-    model's capacity, schedule's knobs, pipeline degree, predicted)."""
+    model's capacity, schedule's knobs, pipeline degree, per-rank peak, predicted)."""
     return sorted(tied, key=key)
