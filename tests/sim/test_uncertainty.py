@@ -116,7 +116,8 @@ def test_a_tie_takes_the_smaller_memory_before_the_faster_prediction():
     of one capacity, schedule and R go by the smaller peak: hybrid with experts gathered
     into domains of 2, predicted faster by less than the tie band, after dropless."""
     plan = plan_runs(FAST, MODEL, Profile(flops_per_s=2e10))
-    ranked = fit_memory(plan, MODEL, FAST.world_size, None).plan.ranked
+    fitted = fit_memory(plan, MODEL, FAST.world_size, None).plan
+    ranked = fitted.ranked
     tied = [c for c in ranked if c.tie]
     assert all(c.peak_bytes is not None and c.peak_bytes > 0 for c in ranked)
     keys = [(("capacity_factor" in c.options), c.options["pipeline_degree"]) for c in tied]
@@ -129,7 +130,7 @@ def test_a_tie_takes_the_smaller_memory_before_the_faster_prediction():
     assert gathered.predicted_ms < dropless.predicted_ms  # faster, within the band
     assert gathered.peak_bytes > dropless.peak_bytes
     assert vanilla.index(dropless) < vanilla.index(gathered)
-    assert "then the smaller memory" in fit_memory(plan, MODEL, 2, None).plan.reason
+    assert "then the smaller memory" in fitted.reason
 
 
 def test_a_tie_keeps_the_models_own_capacity():

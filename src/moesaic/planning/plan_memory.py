@@ -17,7 +17,6 @@ dropped, with its smallest predicted peak. Torch-free.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from moesaic.planning.planner import rank
@@ -51,14 +50,17 @@ class MemoryFit:
 
     Attributes:
         plan: the ranking with the combinations that fit (each with its ``dp_shard`` in its
-            options when sharded), in the same order.
-        peaks: predicted peak bytes per rank of each kept combination, in that order.
+            options when sharded and its predicted ``peak_bytes``), in the same order.
         dropped: one line per dropped combination.
     """
 
     plan: Any
-    peaks: list[float]
     dropped: list[str]
+
+    @property
+    def peaks(self) -> list[float]:
+        """Predicted peak bytes per rank of each kept combination, in ranking order."""
+        return [c.peak_bytes for c in self.plan.ranked]
 
 
 def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) -> MemoryFit:
@@ -73,7 +75,7 @@ def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) ->
     """
     if budget is not None and not budget > 0:
         raise ValueError(f"memory_per_rank (--memory-per-rank) ({budget!r}) must be > 0 bytes")
-    kept, peaks, dropped = [], [], []
+    kept, dropped = [], []
     for cand in plan.ranked:
         tried: list[str] = []
         fitting: list[tuple[int | None, float]] = []
@@ -102,18 +104,15 @@ def fit_memory(plan: Any, model: ModelSpec, world: int, budget: float | None) ->
         priced = [(_sharded(plan, cand, d), peak) for d, peak in fitting]
         # the shortest predicted step; equal ones to the less sharded (listed first)
         cand, peak = min(priced, key=lambda t: t[0].predicted_ms)
-        kept.append(dataclasses.replace(cand, peak_bytes=peak))  # the tie rule's memory key
-        peaks.append(peak)
+        kept.append(dataclasses.replace(cand, peak_bytes=peak))  # also the tie rule's key
     if not kept and budget is not None:  # (without a budget every combination is kept)
         raise ValueError(
             f"no combination fits --memory-per-rank {budget:.0f} bytes ({budget / MIB:.1f} MiB) "
             f"per rank: {dropped[0]}"
         )
-    if plan.reprice is not None:  # ranked again on the chosen steps, peaks in that order
-        peak_of = {_key(c): p for c, p in zip(kept, peaks)}
+    if plan.reprice is not None:  # ranked again on the chosen steps (and peaks, for ties)
         kept = rank(kept)
-        peaks = [peak_of[_key(c)] for c in kept]
-    return MemoryFit(plan=dataclasses.replace(plan, ranked=kept), peaks=peaks, dropped=dropped)
+    return MemoryFit(plan=dataclasses.replace(plan, ranked=kept), dropped=dropped)
 
 
 def _sharded(plan: Any, cand: Any, d: int | None) -> Any:
@@ -123,11 +122,6 @@ def _sharded(plan: Any, cand: Any, d: int | None) -> Any:
     if plan.reprice is None:
         return dataclasses.replace(cand, options={**cand.options, "dp_shard": d})
     return plan.reprice(cand, d)
-
-
-def _key(c: Any) -> tuple[str, str, str]:
-    """A candidate's identity: its pair and its options (one candidate per setting)."""
-    return (c.strategy, c.schedule, json.dumps(c.options, sort_keys=True))
 
 
 def add_memory_option(p: Any) -> None:
