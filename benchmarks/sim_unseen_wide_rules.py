@@ -300,6 +300,62 @@ CONFIGURATIONS_30: tuple[dict[str, Any], ...] = (
 )
 
 
+RULE_31 = """The thirty-first rule, fixed on 2026-12-05 at 00:50 UTC and committed before any of
+its configurations was measured, calibrated or simulated (nothing in it may change after its
+first measurement): the thirtieth's procedure and judgement (four interleaved passes, equal
+jobs pooled), unchanged. It is the first rule measured with the simulator after the changes
+made on rule 30's data (``docs/simulator.md``): the bands refitted on rules 17-30 (tie band
+0.078) and the tie rule's smaller predicted peak memory before the faster prediction. No
+pricing changed since rule 30.
+
+Three configurations of the wider family, chosen by hand before any measurement, none a
+repeat of an earlier rule's (names start with ``w31``):
+
+=======  ==========================================  =====================================
+name     cluster (ranks)                             model (H, F/H, E, top-k), tokens/rank
+=======  ==========================================  =====================================
+w31a     5 nodes x 1 (5, odd): 0.5 Gbit/s 1.0 ms     H 112, F/H 1.5, E 15, top-4, 768
+w31b     2 DCs x 3 (6, odd inside a DC): DC 0.6      H 96, F/H 2.5, E 18, top-1, 512
+         Gbit/s 2.5 ms, rank 6 Gbit/s 0.05 ms
+w31c     2 DCs x 2 nodes x 2 (8, three levels): DC   H 64, F/H 1.5, E 32, top-2 (many
+         0.8 Gbit/s 1.5 ms, node 2 Gbit/s 0.2 ms,    experts: skewed), 512
+         rank 8 Gbit/s 0.05 ms
+=======  ==========================================  =====================================
+"""
+CONFIGURATIONS_31: tuple[dict[str, Any], ...] = (
+    {
+        "name": "w31a",
+        "levels": (("node", 5, 0.5, 1.0),),
+        "hidden": 112,
+        "f_over_h": 1.5,
+        "experts": 15,
+        "top_k": 4,
+        "init_std": 0.02,
+        "tokens_per_rank": 768,
+    },
+    {
+        "name": "w31b",
+        "levels": (("dc", 2, 0.6, 2.5), ("rank", 3, 6.0, 0.05)),
+        "hidden": 96,
+        "f_over_h": 2.5,
+        "experts": 18,
+        "top_k": 1,
+        "init_std": 0.02,
+        "tokens_per_rank": 512,
+    },
+    {
+        "name": "w31c",
+        "levels": (("dc", 2, 0.8, 1.5), ("node", 2, 2.0, 0.2), ("rank", 2, 8.0, 0.05)),
+        "hidden": 64,
+        "f_over_h": 1.5,
+        "experts": 32,
+        "top_k": 2,
+        "init_std": 0.02,
+        "tokens_per_rank": 512,
+    },
+)
+
+
 class Rule(NamedTuple):
     """A rule's text, configurations, passes, and whether a pick's runs join its grid point's
     (equal jobs pooled, from rule 29)."""
@@ -315,4 +371,5 @@ RULE_SETS = {
     28: Rule(RULE_28, CONFIGURATIONS_28),
     29: Rule(RULE_29, CONFIGURATIONS_29, passes=3, pooled=True),
     30: Rule(RULE_30, CONFIGURATIONS_30, passes=4, pooled=True),
+    31: Rule(RULE_31, CONFIGURATIONS_31, passes=4, pooled=True),
 }
