@@ -1,4 +1,4 @@
-"""The validation rules of ``benchmarks/sim_unseen.py`` (issue 24 item 3) are what their
+"""The validation rules of ``benchmarks/sim_unseen_rules.py`` (issue 24 item 3) are what their
 docstring says: per rule eight configurations of a 2^(5-2) fractional factorial (each factor at
 each level in four, every two factors' columns orthogonal), none repeated across rules; and the
 report compares the planner's pick with every combination it could choose (from rule 5 on, the
@@ -13,12 +13,13 @@ import pytest
 from _scripts import load_benchmark
 
 unseen = load_benchmark("sim_unseen")
+rules = load_benchmark("sim_unseen_rules")
 report = load_benchmark("sim_unseen_report")
 
 
-@pytest.mark.parametrize("rule", unseen.RULES)
+@pytest.mark.parametrize("rule", rules.RULES)
 def test_each_rule_is_a_resolution_iii_design(rule):
-    cfgs = unseen.configurations(rule)
+    cfgs = rules.configurations(rule)
     assert len(cfgs) == 8 and len({c["name"] for c in cfgs}) == 8
     columns = list(zip(*(c["coded"].values() for c in cfgs), strict=True))
     assert len(columns) == 5
@@ -28,7 +29,7 @@ def test_each_rule_is_a_resolution_iii_design(rule):
         assert sum(x * y for x, y in zip(a, b, strict=True)) == 0
     for c in cfgs:
         assert c["experts"] % c["ranks"] == 0
-        assert (c["tokens_per_rank"] // unseen.SEQ) % unseen.PIPELINE_DEGREE == 0
+        assert (c["tokens_per_rank"] // rules.SEQ) % rules.PIPELINE_DEGREE == 0
 
 
 def test_no_configuration_is_in_two_rules():
@@ -36,12 +37,12 @@ def test_no_configuration_is_in_two_rules():
     which differs by rule, left out)."""
     keys = [
         (tuple(c["link"]), c["experts"], c["f_over_h"], c["tokens_per_rank"], c["ranks"])
-        for rule in unseen.RULES
-        for c in unseen.configurations(rule)
+        for rule in rules.RULES
+        for c in rules.configurations(rule)
     ]
     assert len(set(keys)) == len(keys)
     with pytest.raises(ValueError, match="rule"):
-        unseen.configurations(len(unseen.RULES) + 1)
+        rules.configurations(len(rules.RULES) + 1)
 
 
 def _point(name, strategy, schedule, measured, predicted, runs=None):
@@ -95,7 +96,7 @@ def test_the_repeat_ceiling_splits_the_passes_into_halves():
 
 
 def test_rules_from_the_nineteenth_measure_four_passes():
-    assert [unseen.passes_of(r) for r in (5, 18, 19, 20)] == [2, 2, 4, 4]
+    assert [rules.passes_of(r) for r in (5, 18, 19, 20)] == [2, 2, 4, 4]
 
 
 def test_hybrid_runs_at_the_domains_it_was_priced_at_from_the_twenty_first_rule(
@@ -103,7 +104,7 @@ def test_hybrid_runs_at_the_domains_it_was_priced_at_from_the_twenty_first_rule(
 ):
     """From ``PRICED_DOMAINS_FROM`` on, a hybrid grid run gets ``--domains`` from its own
     prediction's ``domain_sizes``; before it (and for a run without them) ``--domains auto``."""
-    assert unseen.PRICED_DOMAINS_FROM == 21
+    assert rules.PRICED_DOMAINS_FROM == 21
     flags = unseen.combo_flags("hybrid", "moe-only", domains=[2, 1])
     assert flags[flags.index("--domains") + 1] == "2,1"
     flags = unseen.combo_flags("hybrid", "vanilla")
@@ -130,7 +131,7 @@ def test_hybrid_runs_at_the_domains_it_was_priced_at_from_the_twenty_first_rule(
     monkeypatch.setattr(unseen, "calibrate", fake_calibrate)
     monkeypatch.setattr(unseen, "plan", lambda work, capacity=None: [])
     monkeypatch.setattr(unseen, "measure_plan", lambda work, cfg: {"measured_s": 0.1, "pick": {}})
-    cfg = unseen.configurations(21)[0]
+    cfg = rules.configurations(21)[0]
     for rule, priced in ((20, False), (21, True)):
         seen.clear()
         out: dict = {"configurations": [], "points": []}
@@ -160,8 +161,8 @@ def test_wide_rules_configurations_run_at_full_expert_parallelism(rule):
     into whole sequences in R microbatches; no configuration is in two rules."""
     for c in wide.RULE_SETS[rule].configurations:
         assert c["experts"] % wide.ranks(c) == 0, c["name"]
-        assert c["tokens_per_rank"] % (unseen.SEQ * unseen.PIPELINE_DEGREE) == 0, c["name"]
-        assert c["hidden"] % unseen.HEADS == 0, c["name"]
+        assert c["tokens_per_rank"] % (rules.SEQ * rules.PIPELINE_DEGREE) == 0, c["name"]
+        assert c["hidden"] % rules.HEADS == 0, c["name"]
     names = [c["name"] for r in wide.RULE_SETS.values() for c in r.configurations]
     assert len(set(names)) == len(names)
 
