@@ -12,6 +12,7 @@ Usage::
     python benchmarks/sim_seen_repredict.py --strategy padded [--schedule flowmoe] \
         [--rules 5-26] [--all-reduce ring] [--out /tmp/padded.json]
     python benchmarks/sim_seen_repredict.py --wide benchmarks/results/sim_unseen27.json
+    python benchmarks/sim_seen_repredict.py --wide benchmarks/results/sim_unseen31.json --breakdown
 
 ``--wide``: a ``sim_unseen_wide.py`` result's points predicted again in place, from both
 sources at the runs' speed (the first judged predictions kept as ``predicted_s_first``).
@@ -111,11 +112,15 @@ def repredict_rule(
     return points
 
 
-def repredict_wide(path: Path) -> None:
-    """A wide rule's points (``sim_unseen_wide.py``, rules 27-29) predicted again from both
+def repredict_wide(path: Path, breakdown: bool = False) -> None:
+    """A wide rule's points (``sim_unseen_wide.py``, rules 27-31) predicted again from both
     sources at the runs' speed (each configuration's stored profile slowed by its speed
     factor; the model file's without the measured routing), as the rule judges them; each
-    point's first judged prediction kept as ``predicted_s_first``."""
+    point's first judged prediction kept as ``predicted_s_first``. ``breakdown``: the file
+    is left as it is, and each point's training-config prediction is printed beside its
+    measurement with its parts (compute and what the CPU contention added to it, the
+    communication, the collectives' load between their idle and loaded prices and what that
+    saved against the loaded price)."""
     import sim_unseen_wide as wide
 
     data = json.loads(path.read_text())
@@ -153,10 +158,28 @@ def repredict_wide(path: Path) -> None:
                 res = simulate_json(args)
                 if res is None:
                     continue
+                if breakdown:
+                    if source == "train":
+                        print_breakdown(cfg["name"], point, res)
+                    continue
                 pred["predicted_s"] = res["iteration_ms"] / 1e3
                 if res.get("range_ms") is not None:
                     pred["range_s"] = [x / 1e3 for x in res["range_ms"]]
-    path.write_text(json.dumps(data, indent=1))
+    if not breakdown:
+        path.write_text(json.dumps(data, indent=1))
+
+
+def print_breakdown(name: str, point: dict[str, Any], res: dict[str, Any]) -> None:
+    c = res.get("contention") or {}
+    measured, predicted = point["measured_s"] * 1e3, res["iteration_ms"]
+    print(
+        f"{name} {point['strategy']:>8} {point['schedule']:>8}: measured {measured:6.0f} ms, "
+        f"predicted {predicted:6.0f} ({predicted / measured - 1:+6.1%}): compute "
+        f"{res['compute_ms']:5.0f} (contention +{c.get('compute_added_ms', 0.0):4.0f}), "
+        f"communication {res['comm_ms']:5.0f} (exposed {res['exposed_comm_ms']:5.0f}), load "
+        f"{c.get('collective_load', 0.0):.2f} saving {c.get('comm_saved_ms', 0.0):4.0f}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -171,9 +194,14 @@ def main() -> None:
     p.add_argument(
         "--wide", default=None, help="a sim_unseen_wide result to predict again in place"
     )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="with --wide: print each point's parts, leave the file as it is",
+    )
     args = p.parse_args()
     if args.wide:
-        repredict_wide(Path(args.wide))
+        repredict_wide(Path(args.wide), args.breakdown)
         return
     lo, hi = (int(x) for x in args.rules.split("-"))
     strategies = set(args.strategy.split(","))
