@@ -356,14 +356,78 @@ CONFIGURATIONS_31: tuple[dict[str, Any], ...] = (
 )
 
 
+RULE_32 = """The thirty-second rule, fixed on 2026-12-05 at 02:02 UTC and committed before any of
+its configurations was measured, calibrated or simulated (nothing in it may change after its
+first measurement): the thirty-first's procedure (four interleaved passes, equal jobs pooled),
+the simulator's pricing unchanged since the thirtieth (so the third rule of this pricing), and
+one change to the judgement, made because of rule 31's w31c: the plan ranked first dropless at
+capacity 1.25, a job the grid does not run, and its pick's own runs measured 0.97x every grid
+job, yet the ranking clause looked for the best grid job among the plan's ties. From this rule
+the plan's pick (its first entry after the tie rule, trained in every pass as before) is a
+measured job like the grid's: where it measured no slower than the best grid point, the
+measured fastest job is the one the plan ranked first and the configuration meets the ranking
+clause (``pick_fastest`` in the report); otherwise the clause is judged as before (the best
+grid point ranked first among the grid, or in the plan's tie).
+
+Three configurations of the wider family, chosen by hand before any measurement, none a
+repeat of an earlier rule's (names start with ``w32``):
+
+=======  ==========================================  =====================================
+name     cluster (ranks)                             model (H, F/H, E, top-k), tokens/rank
+=======  ==========================================  =====================================
+w32a     3 DCs x 1 (3, odd): 0.25 Gbit/s 4.0 ms      H 96, F/H 2, E 9, top-1, 768
+         (slow and long)
+w32b     2 nodes x 2 (4): node 0.9 Gbit/s 0.6 ms,    H 128, F/H 1, E 24, top-3 (fine-
+         rank 5 Gbit/s 0.05 ms                       grained: skewed), 512
+w32c     2 DCs x 2 nodes x 2 (8, three levels): DC   H 64, F/H 2, E 16, top-1, 256
+         0.6 Gbit/s 1.2 ms, node 3 Gbit/s 0.15 ms,
+         rank 8 Gbit/s 0.05 ms
+=======  ==========================================  =====================================
+"""
+CONFIGURATIONS_32: tuple[dict[str, Any], ...] = (
+    {
+        "name": "w32a",
+        "levels": (("dc", 3, 0.25, 4.0),),
+        "hidden": 96,
+        "f_over_h": 2,
+        "experts": 9,
+        "top_k": 1,
+        "init_std": 0.02,
+        "tokens_per_rank": 768,
+    },
+    {
+        "name": "w32b",
+        "levels": (("node", 2, 0.9, 0.6), ("rank", 2, 5.0, 0.05)),
+        "hidden": 128,
+        "f_over_h": 1,
+        "experts": 24,
+        "top_k": 3,
+        "init_std": 0.02,
+        "tokens_per_rank": 512,
+    },
+    {
+        "name": "w32c",
+        "levels": (("dc", 2, 0.6, 1.2), ("node", 2, 3.0, 0.15), ("rank", 2, 8.0, 0.05)),
+        "hidden": 64,
+        "f_over_h": 2,
+        "experts": 16,
+        "top_k": 1,
+        "init_std": 0.02,
+        "tokens_per_rank": 256,
+    },
+)
+
+
 class Rule(NamedTuple):
-    """A rule's text, configurations, passes, and whether a pick's runs join its grid point's
-    (equal jobs pooled, from rule 29)."""
+    """A rule's text, configurations, passes, whether a pick's runs join its grid point's
+    (equal jobs pooled, from rule 29), and whether the pick counts as a measured job for the
+    ranking clause (from rule 32)."""
 
     text: str
     configurations: tuple[dict[str, Any], ...]
     passes: int = 2
     pooled: bool = False
+    picks_measured: bool = False
 
 
 RULE_SETS = {
@@ -372,4 +436,5 @@ RULE_SETS = {
     29: Rule(RULE_29, CONFIGURATIONS_29, passes=3, pooled=True),
     30: Rule(RULE_30, CONFIGURATIONS_30, passes=4, pooled=True),
     31: Rule(RULE_31, CONFIGURATIONS_31, passes=4, pooled=True),
+    32: Rule(RULE_32, CONFIGURATIONS_32, passes=4, pooled=True, picks_measured=True),
 }

@@ -206,6 +206,39 @@ def test_a_pick_of_a_grid_points_job_is_pooled_with_it(pooled):
     assert data["points"][0]["measured_s"] == 1.1  # the result itself is left as it was
 
 
+@pytest.mark.parametrize("picks_measured", [False, True])
+def test_a_pick_measured_fastest_meets_the_ranking_clause_from_rule_32(picks_measured):
+    """The grid's best (padded, 1.1) is neither the grid's first by prediction (dropless) nor
+    in the plan's tie; the plan's pick, a capped dropless job the grid does not run, measured
+    1.0 from training config (faster than every grid job) and 1.2 from the model file. From
+    rule 32 the first counts for the ranking clause; the second never does."""
+    padded = {"strategy": "padded", "capacity_factor": 1.25}
+    capped = {"strategy": "dropless", "capacity_factor": 1.25}
+    points = [
+        _wide_point("padded", [1.1, 1.1], padded),
+        _wide_point("dropless", [1.3, 1.3], {"strategy": "dropless", "capacity_factor": None}),
+    ]
+    for source in wide.SOURCES:
+        points[0][source]["predicted_s"] = 1.2  # dropless (1.0) is the grid's first
+    plan = [
+        {"strategy": "dropless", "schedule": "vanilla", "options": {"capacity_factor": 1.25}},
+        {"strategy": "padded", "schedule": "vanilla", "options": {"capacity_factor": 1.25}},
+    ]
+    config = {"name": "w"}
+    for source, runs in (("train", [1.0, 1.0]), ("file", [1.2, 1.2])):
+        config[f"plan_{source}_calibrated"] = plan
+        pick_runs = [{"measured_s": m, "combination": capped} for m in runs]
+        config[f"pick_{source}"] = {"runs": pick_runs, "measured_s": sum(runs) / len(runs)}
+    data = {"pooled": True, "picks_measured": picks_measured, "configurations": [config]}
+    data["points"] = points
+    s = wide_report.summarize(data)
+    train, file = s["train"]["configurations"][0], s["file"]["configurations"][0]
+    assert train["pick_fastest"] and not file["pick_fastest"]
+    assert not (train["strict"] or train["tie"] or file["strict"] or file["tie"])
+    assert s["train"]["first_or_tie"] == (1 if picks_measured else 0)
+    assert s["file"]["first_or_tie"] == 0
+
+
 def test_wide_repeat_ceiling_picks_by_one_pass_and_measures_by_the_others():
     """Each pass's fastest combination measured by the mean of the other passes, over the best
     of those means: pass 0 picks a (others: 1.1) against b (others: 1.0) -> 1.1."""
