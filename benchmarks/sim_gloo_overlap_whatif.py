@@ -4,9 +4,9 @@ the first (``gloo_a2a_concurrency.json``: two all-to-alls issued together took 0
 two in turn). Each all-to-all of microbatch r >= 2 is priced without the link's all-to-all
 latency term (``LinkModel.a2a_latency_s``: the worst one-way latency, at least the measured
 tiny all-to-all, ``a2a_call_s``), or with ``--overlap wire`` without at most twice the worst
-link's one-way latency (a request and its answer); its bytes are priced as before. The seen rules' pipelined
-points (moe-only and flowmoe, R = 2) are predicted from their stored profiles at the runs'
-speed, as the rules judged them, with the simulator as it is and with the what-if, and the
+link's one-way latency (a request and its answer); its bytes are priced as before. The seen
+rules' pipelined points (moe-only and flowmoe, R = 2) are predicted from their stored profiles
+at the runs' speed, as the rules judged them, with the simulator as it is and with the what-if, and the
 geometric-mean errors printed per group of rules (17-26: the unseen rules' factorial designs;
 27-32: the wider family, training configs).
 
@@ -21,29 +21,26 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sim_seen_repredict as seen
-import sim_unseen_wide as wide
 from moesaic.sim import pipelined
-from moesaic.sim.profile import Profile
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PIPELINED = {"moe-only", "flowmoe"}
 _plain_a2a = pipelined._a2a
 
 
-MODE = {"overlap": "floor"}
+OVERLAP = {"overlap": "floor"}  # set once by main from --overlap
 
 
 def _overlapped_a2a(costs: Any, name: str, s: float, phase: str, blk: int, r: int) -> Any:
     if r >= 2:
         latency = costs.link.a2a_latency_s()
-        if MODE["overlap"] == "wire":  # a request and its answer across the worst link
+        if OVERLAP["overlap"] == "wire":  # a request and its answer across the worst link
             latency = min(latency, 2 * costs.link.worst_latency_s())
         s = max(0.0, s - latency)
     return _plain_a2a(costs, name, s, phase, blk, r)
@@ -63,33 +60,15 @@ def _both(args: list[str]) -> tuple[float | None, float | None]:
 
 
 def wide_points(rule: int) -> list[dict[str, Any]]:
+    """A wide rule's pipelined points from training configs, priced twice."""
     data = json.loads((RESULTS / f"sim_unseen{rule}.json").read_text())
     out = []
-    for entry in data["configurations"]:
-        cfg = next(
-            c
-            for r in wide.RULE_SETS.values()
-            for c in r.configurations
-            if c["name"] == entry["name"]
-        )
-        work = Path(tempfile.mkdtemp(prefix=f"whatif_{cfg['name']}_"))
-        wide.write_files(work, cfg)
-        (work / "p.json").write_text(json.dumps(entry["profile"]))
-        profile = Profile.load(work / "p.json")
-        profile.slowed(entry["speed"]["speed_factor"], why="the runs").save(work / "p_runs.json")
-        for point in data["points"]:
-            if point["configuration"] != cfg["name"] or point["schedule"] not in PIPELINED:
-                continue
-            args = ["--cluster", str(work / "cluster.toml"), "--model"]
-            args += [str(wide.model_path(work, "train", point["strategy"]))]
-            args += ["--profile", str(work / "p_runs.json"), "--strategy", point["strategy"]]
-            args += ["--schedule", point["schedule"], "--degree", str(wide.PIPELINE_DEGREE)]
-            domains = point["train"].get("domain_sizes")
-            if domains is not None:
-                args += ["--domains", ",".join(map(str, domains))]
-            now, what = _both(args)
-            if now is not None:
-                out.append(_row(rule, point, now, what))
+    for point, _, args in seen.wide_simulations(data, ("train",)):
+        if point["schedule"] not in PIPELINED:
+            continue
+        now, what = _both(args)
+        if now is not None:
+            out.append(_row(rule, point, now, what))
     return out
 
 
@@ -133,7 +112,7 @@ def main() -> None:
         "the worst link's one-way latency",
     )
     args = p.parse_args()
-    MODE["overlap"] = args.overlap
+    OVERLAP["overlap"] = args.overlap
     every: list[dict[str, Any]] = []
     summary = {}
     for name, rules, fn in (

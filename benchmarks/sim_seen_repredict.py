@@ -27,6 +27,7 @@ import json
 import math
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,18 +113,16 @@ def repredict_rule(
     return points
 
 
-def repredict_wide(path: Path, breakdown: bool = False) -> None:
-    """A wide rule's points (``sim_unseen_wide.py``, rules 27-31) predicted again from both
-    sources at the runs' speed (each configuration's stored profile slowed by its speed
-    factor; the model file's without the measured routing), as the rule judges them; each
-    point's first judged prediction kept as ``predicted_s_first``. ``breakdown``: the file
-    is left as it is, and each point's training-config prediction is printed beside its
-    measurement with its parts (compute and what the CPU contention added to it, the
-    communication, the collectives' load between their idle and loaded prices and what that
-    saved against the loaded price)."""
+def wide_simulations(
+    data: dict[str, Any], sources: tuple[str, ...] | None = None
+) -> Iterator[tuple[dict[str, Any], str, list[str]]]:
+    """Each point of a wide rule's result (``sim_unseen_wide.py``) with each source and the
+    ``simulate`` arguments that predict it as the rule judges it: the configuration's stored
+    profile slowed by its runs' speed factor (the model file's without the measured routing),
+    hybrid at the domains its runs trained at."""
     import sim_unseen_wide as wide
 
-    data = json.loads(path.read_text())
+    sources = wide.SOURCES if sources is None else sources
     for entry in data["configurations"]:
         rules = wide.RULE_SETS.values()
         cfg = next(c for r in rules for c in r.configurations if c["name"] == entry["name"])
@@ -143,10 +142,7 @@ def repredict_wide(path: Path, breakdown: bool = False) -> None:
             if point["configuration"] != cfg["name"]:
                 continue
             domains = point["train"].get("domain_sizes")
-            for source in wide.SOURCES:
-                pred = point[source]
-                pred.setdefault("predicted_s_first", pred.get("predicted_s"))
-                pred.setdefault("range_s_first", pred.get("range_s"))
+            for source in sources:
                 args = ["--cluster", str(work / "cluster.toml"), "--model"]
                 args += [str(wide.model_path(work, source, point["strategy"]))]
                 args += ["--profile", str(work / wide.profile_name(source, True))]
@@ -155,16 +151,31 @@ def repredict_wide(path: Path, breakdown: bool = False) -> None:
                     args += ["--domains", ",".join(map(str, domains))]
                 if point["schedule"] != "vanilla":
                     args += ["--degree", str(wide.PIPELINE_DEGREE)]
-                res = simulate_json(args)
-                if res is None:
-                    continue
-                if breakdown:
-                    if source == "train":
-                        print_breakdown(cfg["name"], point, res)
-                    continue
-                pred["predicted_s"] = res["iteration_ms"] / 1e3
-                if res.get("range_ms") is not None:
-                    pred["range_s"] = [x / 1e3 for x in res["range_ms"]]
+                yield point, source, args
+
+
+def repredict_wide(path: Path, breakdown: bool = False) -> None:
+    """A wide rule's points (``sim_unseen_wide.py``, rules 27-32) predicted again from both
+    sources as the rule judges them (:func:`wide_simulations`); each point's first judged
+    prediction kept as ``predicted_s_first``. ``breakdown``: the file is left as it is, and
+    each point's training-config prediction is printed beside its measurement with its parts
+    (compute and what the CPU contention added to it, the communication, the collectives' load
+    between their idle and loaded prices and what that saved against the loaded price)."""
+    data = json.loads(path.read_text())
+    sources = ("train",) if breakdown else None
+    for point, source, args in wide_simulations(data, sources):
+        pred = point[source]
+        pred.setdefault("predicted_s_first", pred.get("predicted_s"))
+        pred.setdefault("range_s_first", pred.get("range_s"))
+        res = simulate_json(args)
+        if res is None:
+            continue
+        if breakdown:
+            print_breakdown(point["configuration"], point, res)
+            continue
+        pred["predicted_s"] = res["iteration_ms"] / 1e3
+        if res.get("range_ms") is not None:
+            pred["range_s"] = [x / 1e3 for x in res["range_ms"]]
     if not breakdown:
         path.write_text(json.dumps(data, indent=1))
 

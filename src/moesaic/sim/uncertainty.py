@@ -17,10 +17,10 @@ outside (rule 29: 67% covered by the per-combination bands of rules 17-27). Fitt
 rules before each of rules 23-32 (``benchmarks/sim_bands_backtest.py``,
 ``sim_bands_backtest.json``), the per-combination bands covered 63-93% of each next rule's
 points (mean 80%), these 73-97% (mean 88%; 73% on rule 30, whose slow clusters shifted by
-15-40%; 97% and 83% on rules 31 and 32), 1.62-1.65x wide at the median against 1.42-1.51x. A prediction's range is its point
-times the band; under the routing prior (:mod:`moesaic.sim.prior`) the low end starts from the
-prediction at the prior's 10th percentile and the high end from the one at its 90th
-(:func:`prediction_range`).
+15-40%; 97% and 83% on rules 31 and 32), 1.62-1.65x wide at the median against 1.42-1.51x.
+A prediction's range is its point times the band; under the routing prior
+(:mod:`moesaic.sim.prior`) the low end starts from the prediction at the prior's 10th
+percentile and the high end from the one at its 90th (:func:`prediction_range`).
 
 **Ties** (:data:`TIE_BAND`): the errors of two combinations of one configuration differ; the
 median over the same rules' pairs of ``|ln(measured_a / predicted_a) - ln(measured_b /
