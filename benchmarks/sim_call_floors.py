@@ -73,7 +73,7 @@ def main() -> None:
         (work / "cluster.toml").write_text(su.cluster_toml(cfg))
         spec = ClusterSpec.from_toml(work / "cluster.toml")
         with EmulatedCluster(spec) as cluster:
-            a2a, allreduce, loaded = collective_calls(cluster)
+            a2a, allreduce, loaded, _ = collective_calls(cluster)
         stored = Profile.from_dict(entry["profile"])
         if args.loaded_only:
             entry["loaded_call_ms_first"] = stored.allreduce_loaded_call_s * 1e3

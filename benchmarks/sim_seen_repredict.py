@@ -13,6 +13,8 @@ Usage::
         [--rules 5-26] [--all-reduce ring] [--out /tmp/padded.json]
     python benchmarks/sim_seen_repredict.py --wide benchmarks/results/sim_unseen27.json
     python benchmarks/sim_seen_repredict.py --wide benchmarks/results/sim_unseen31.json --breakdown
+    python benchmarks/sim_seen_repredict.py --strategy dropless --rules 17-26 \
+        --alone benchmarks/results/sim_alone_calls.json
 
 ``--wide``: a ``sim_unseen_wide.py`` result's points predicted again in place, from both
 sources at the runs' speed (the first judged predictions kept as ``predicted_s_first``).
@@ -35,9 +37,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sim_unseen
 from moesaic.cli import main as moesaic_main
+from moesaic.cluster.spec import ClusterSpec
 from moesaic.sim.profile import Profile
+from sim_call_floors import floored_profile
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# configuration name -> the call floors measured on its cluster since (``--alone``): the alone
+# all-reduce, and the all-to-all from the last rank's issue
+ALONE: dict[str, float] = {}
+A2A_FLOOR: dict[str, float] = {}
+
+
+def stored_profile(entry: dict[str, Any], cluster: Path) -> dict[str, Any]:
+    """A configuration's stored profile, with the call floors measured on its cluster since
+    (``--alone``) where the profile predates them; a new all-to-all floor re-derives the
+    collective shares from their measured times, as ``calibrate`` would have
+    (``sim_call_floors.floored_profile``)."""
+    profile = dict(entry["profile"])
+    if profile.get("allreduce_alone_call_s"):  # measured by its own calibration
+        return profile
+    if entry["name"] in ALONE:
+        profile["allreduce_alone_call_s"] = ALONE[entry["name"]]
+    if entry["name"] in A2A_FLOOR:
+        stored = Profile.from_dict(profile)
+        spec = ClusterSpec.from_toml(cluster)
+        a2a = A2A_FLOOR[entry["name"]]
+        profile = floored_profile(stored, spec, a2a, stored.allreduce_call_s).to_dict()
+    return profile
 
 
 def geomean_error(pairs: list[tuple[float, float]]) -> float:
@@ -74,7 +100,7 @@ def repredict_rule(
         cfg = sim_unseen.find_configuration(name)
         work = Path(tempfile.mkdtemp(prefix=f"seen_{rule}_"))
         (work / "cluster.toml").write_text(sim_unseen.cluster_toml(cfg))
-        (work / "p.json").write_text(json.dumps(entry["profile"]))
+        (work / "p.json").write_text(json.dumps(stored_profile(entry, work / "cluster.toml")))
         if "speed" in entry:
             profile = Profile.load(work / "p.json")
             profile.slowed(entry["speed"]["speed_factor"]).save(work / "p.json")
@@ -128,7 +154,7 @@ def wide_simulations(
         cfg = next(c for r in rules for c in r.configurations if c["name"] == entry["name"])
         work = Path(tempfile.mkdtemp(prefix=f"wide_re_{cfg['name']}_"))
         wide.write_files(work, cfg)
-        profile = dict(entry["profile"])
+        profile = stored_profile(entry, work / "cluster.toml")
         (work / "p.json").write_text(json.dumps(profile))
         profile.pop("routing", None)
         (work / "p_file.json").write_text(json.dumps(profile))
@@ -210,7 +236,26 @@ def main() -> None:
         action="store_true",
         help="with --wide: print each point's parts, leave the file as it is",
     )
+    p.add_argument(
+        "--alone",
+        default=None,
+        help="sim_alone_calls.py's result: the alone all-reduce measured on the stored clusters",
+    )
+    p.add_argument(
+        "--a2a-floor",
+        choices=("after-last", "back-to-back"),
+        default=None,
+        help="with --alone: the all-to-all's call floor measured since: from the last rank's "
+        "issue, or a call's mean time back to back",
+    )
     args = p.parse_args()
+    if args.alone:
+        measured = json.loads(Path(args.alone).read_text())
+        ALONE.update({k.split("/", 1)[1]: s for k, s in measured["alone_call_s"].items()})
+        if args.a2a_floor:
+            a2a = measured["a2a_call"]
+            key = f"{args.a2a_floor.replace('-', '_')}_s"
+            A2A_FLOOR.update({k.split("/", 1)[1]: x[key] for k, x in a2a.items()})
     if args.wide:
         repredict_wide(Path(args.wide), args.breakdown)
         return

@@ -8,6 +8,10 @@ the ranks' arrival (:func:`arrival`): how long a call waits for the last rank to
 how long it takes once every rank has (the ranks' clocks are one machine's monotonic clock).
 ``--traces DIR`` keeps the raw traces there.
 
+A wide rule's configuration (``sim_unseen_wide.py``, rules 27 on, names ``w...``) is traced
+the same way from its training config, its stored profile slowed by its runs' speed factor as the
+rule judged it.
+
 Usage (root: the emulated network needs network namespaces)::
 
     python benchmarks/sim_unseen_trace.py RESULT.json NAME strategy:schedule [...] [--out F.json]
@@ -30,6 +34,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sim_unseen as su
+import sim_unseen_wide as wide
+from moesaic.sim.profile import Profile
 
 TRACE_STEPS = 3  # moesaic.train.config.TRACE_STEPS: the steps a trace keeps
 
@@ -111,14 +117,18 @@ def analyse(trace: Path, sim_trace: Path) -> dict[str, Any]:
     }
 
 
-def trace_one(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> dict[str, Any]:
-    """One combination simulated (with its trace), then trained with ``--trace`` at what was
-    simulated (hybrid at the domain sizes the simulation priced, as the rules do from the
-    twenty-first on)."""
-    run_dir = work / f"run_{strategy}_{schedule}"
-    config = work / f"train_{strategy}.toml"
-    config.write_text(su.train_toml(cfg, run_dir, strategy))
-    cluster = str(work / "cluster.toml")
+def _traced(
+    work: Path,
+    cfg: dict[str, Any],
+    config: Path,
+    cluster: str,
+    combo: tuple[str, str],
+    run_dir: Path,
+) -> dict[str, Any]:
+    """One combination simulated (with its trace) from ``work/p.json``, then trained with
+    ``--trace`` at what was simulated (hybrid at the domain sizes the simulation priced, as the
+    rules do from the twenty-first on)."""
+    strategy, schedule = combo
     sim_trace = work / f"sim_{strategy}_{schedule}.json"
     sargs = ["simulate", "--cluster", cluster, "--model", str(config), "--profile"]
     sargs += [str(work / "p.json"), "--strategy", strategy, "--schedule", schedule, "--json"]
@@ -136,7 +146,7 @@ def trace_one(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> 
     proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    steps = su._steps(run_dir, cfg)
+    steps = wide.steps_of(run_dir, cfg) if "levels" in cfg else su._steps(run_dir, cfg)
     return {
         "measured_s": steps["measured_s"],
         "steps_s": steps["steps_s"],
@@ -145,6 +155,36 @@ def trace_one(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> 
         "contention": sim.get("contention"),
         **analyse(trace, sim_trace),
     }
+
+
+def trace_one(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> dict[str, Any]:
+    """A factorial rule's (1-26) combination traced (:func:`_traced`)."""
+    run_dir = work / f"run_{strategy}_{schedule}"
+    config = work / f"train_{strategy}.toml"
+    config.write_text(su.train_toml(cfg, run_dir, strategy))
+    return _traced(work, cfg, config, str(work / "cluster.toml"), (strategy, schedule), run_dir)
+
+
+def trace_one_wide(work: Path, cfg: dict[str, Any], strategy: str, schedule: str) -> dict:
+    """A wide rule's (27 on) combination traced from its training config (:func:`_traced`)."""
+    run_dir = work / f"run_{strategy}_{schedule}"
+    config = work / f"job_{strategy}_{schedule}.toml"
+    text = wide.job_toml(cfg, run_dir, capacity=wide.capacity_of(strategy))
+    config.write_text(text)
+    return _traced(work, cfg, config, str(work / "cluster.toml"), (strategy, schedule), run_dir)
+
+
+def setup_wide(work: Path, name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A wide rule's configuration: its cluster and its stored profile at the runs' speed."""
+    entry = next(c for c in data["configurations"] if c["name"] == name)
+    rules = wide.RULE_SETS.values()
+    cfg = next(c for r in rules for c in r.configurations if c["name"] == name)
+    (work / "cluster.toml").write_text(wide.cluster_toml(cfg))
+    (work / "p_stored.json").write_text(json.dumps(entry["profile"]))
+    factor = entry["speed"]["speed_factor"]
+    slowed = Profile.load(work / "p_stored.json").slowed(factor, why="the runs' speed reference")
+    slowed.save(work / "p.json")
+    return cfg
 
 
 def main() -> None:
@@ -156,15 +196,20 @@ def main() -> None:
     parser.add_argument("--traces", default=None, help="a folder to keep the raw traces in")
     args = parser.parse_args()
     data = json.loads(Path(args.result).read_text())
-    entry = next(c for c in data["configurations"] if c["name"] == args.name)
-    cfg = su.find_configuration(args.name)
     work = Path(tempfile.mkdtemp(prefix=f"unseen_trace_{args.name}_"))
-    (work / "cluster.toml").write_text(su.cluster_toml(cfg))
-    (work / "p.json").write_text(json.dumps(entry["profile"]))
+    is_wide = "passes" in data  # sim_unseen_wide.py's results
+    if is_wide:
+        cfg = setup_wide(work, args.name, data)
+    else:
+        entry = next(c for c in data["configurations"] if c["name"] == args.name)
+        cfg = su.find_configuration(args.name)
+        (work / "cluster.toml").write_text(su.cluster_toml(cfg))
+        (work / "p.json").write_text(json.dumps(entry["profile"]))
+    one = trace_one_wide if is_wide else trace_one
     out: dict[str, Any] = {"result": args.result, "configuration": args.name, "runs": {}}
     for combo in args.combos:
         strategy, schedule = combo.split(":")
-        out["runs"][combo] = trace_one(work, cfg, strategy, schedule)
+        out["runs"][combo] = one(work, cfg, strategy, schedule)
         print(combo, json.dumps(out["runs"][combo]), flush=True)
     if args.traces:
         keep = Path(args.traces)

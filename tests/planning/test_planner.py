@@ -25,7 +25,7 @@ from moesaic.sim.hybrid_costmodel import domain_size_choices
 from moesaic.sim.model import ModelSpec
 from moesaic.sim.profile import Profile
 from moesaic.sim.simulate import SimOptions, link_model, simulate
-from moesaic.sim.steptail import flags_s, norm_s
+from moesaic.sim.steptail import control_bytes, control_s
 from moesaic.strategies.registry import check_supported
 from moesaic.train.model_files import load_model_spec
 
@@ -129,8 +129,8 @@ def test_hybrid_vanilla_includes_the_gradient_all_reduce(small_plan):
     """HybridEP's benchmark step (``hybrid_step="benchmark"``) has no data-parallel all-reduce;
     hybrid+vanilla as trained (the simulator's default, what the planner ranks) has one
     (``AR1``) on top of the same gathers and exchanges: the block pipeline at R = 1, whose
-    health check (``moesaic.sim.steptail``) is vanilla's two blocking calls where moe-only
-    gathers its flags beside ``AR1``."""
+    control collective (``moesaic.sim.steptail``) is vanilla's blocking call after ``AR1``
+    where moe-only's travels beside it."""
     c = next(c for c in small_plan.ranked if c.name == "hybrid+vanilla")
     ds = tuple(c.options["domain_sizes"])
     cr = c.options["compression_ratio"]
@@ -143,10 +143,10 @@ def test_hybrid_vanilla_includes_the_gradient_all_reduce(small_plan):
         SMALL, MODEL, "hybrid", PROFILE, dataclasses.replace(opts, degree=1), schedule="moe-only"
     )
     link = link_model(SMALL, PROFILE)
-    checks = norm_s(link) + flags_s(link)
+    checks = control_s(link, control_bytes(MODEL.layers, MODEL.experts))
     assert step.iteration_s == pytest.approx(pipeline.iteration_s + checks, rel=1e-12)
     reduces = [s for s in step.spans if s.resource == "allreduce"]
-    assert [s.name for s in reduces] == ["AR1", "norm", "flags"] and reduces[0].duration > 0
+    assert [s.name for s in reduces] == ["AR1", "norm"] and reduces[0].duration > 0
     assert c.predicted_ms == pytest.approx(step.iteration_s * 1e3, rel=1e-12)
 
 

@@ -130,16 +130,20 @@ def test_every_gradient_chunk_pays_the_all_reduce_floor(tmp_path):
         Profile(flops_per_s=1.0, a2a_call_s=-1e-3)
     with pytest.raises(ValueError, match=r"profile\.allreduce_loaded_call_s"):
         Profile(flops_per_s=1.0, allreduce_loaded_call_s=-1e-3)
+    with pytest.raises(ValueError, match=r"profile\.allreduce_alone_call_s"):
+        Profile(flops_per_s=1.0, allreduce_alone_call_s=-1e-3)
 
 
 @pytest.mark.timeout(60)
 def test_call_floors_are_measured_on_a_loopback_pair():
     """Two ranks on loopback (~2 s): the floors positive and below 50 ms (gloo on this
     machine: 0.3 ms an all-to-all, 0.9 ms an all-reduce in a stream, measured; the loaded
-    all-reduce beside each rank's matmul thread 1-5 ms on these 2 cores)."""
-    a2a, allreduce, loaded = collective_calls(reps=2, stream=8, timeout_s=50)
+    all-reduce beside each rank's matmul thread 1-5 ms on these 2 cores; one alone about
+    2 ms, more than a call of the stream, which overlaps the next call's handshake)."""
+    a2a, allreduce, loaded, alone = collective_calls(reps=2, stream=8, timeout_s=50)
     assert 0.0 < a2a < 0.05 and 0.0 < allreduce < 0.05, (a2a, allreduce)
     assert 0.0 < loaded < 0.5, loaded
-    assert math.isfinite(a2a + allreduce + loaded)
+    assert 0.0 < alone < 0.05, alone
+    assert math.isfinite(a2a + allreduce + loaded + alone)
     with pytest.raises(ValueError, match="stream"):
         collective_calls(stream=0)

@@ -131,8 +131,12 @@ def test_collective_shares_keep_the_median_round():
 
 
 def test_median_calls_takes_each_floor_over_the_rounds():
-    rounds = [CallFloors(1.0, 5.0, 9.0), CallFloors(3.0, 4.0, 7.0), CallFloors(2.0, 6.0, 8.0)]
-    assert median_calls(rounds) == CallFloors(2.0, 5.0, 8.0)
+    rounds = [
+        CallFloors(1.0, 5.0, 9.0, 4.0),
+        CallFloors(3.0, 4.0, 7.0, 6.0),
+        CallFloors(2.0, 6.0, 8.0, 5.0),
+    ]
+    assert median_calls(rounds) == CallFloors(2.0, 5.0, 8.0, 5.0)
     with pytest.raises(ValueError, match="rounds must hold at least one"):
         median_calls([])
 
@@ -230,6 +234,11 @@ def test_calibrate_measures_an_emulated_pair(capsys, tmp_path):
     assert all(abs(w.wait_s) < 1.0 for w in p.sync_waits), p.sync_waits
     assert p.cluster == ClusterSpec.from_toml(toml)  # what simulate checks its cluster against
     assert json.loads(out.read_text())["links"][0]["level_name"] == "node"
+    # the call floors: each exchange waits at least the 2 ms one way; the all-reduce alone
+    # (two ring steps, each a ready message and the data: about 4 one-way latencies) costs more
+    # than one of a stream, which hides the next call's ready messages
+    assert 1.5e-3 < p.a2a_call_s < 0.05 and 1.5e-3 < p.allreduce_call_s < 0.05, p
+    assert p.allreduce_alone_call_s > p.allreduce_call_s, p
 
 
 def test_measured_levels_run_at_their_measured_rate():

@@ -28,10 +28,12 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    fifth call on with two busy processes beside the ranks; 2 MB: 88-99 ms vs 168 ms. The
    validated runs ran on a loaded machine (load average 3-5 on 2 cores during the HybridEP
    runs, recorded in their results) with ranks that compute beside their collectives;
-4. still on that cluster, the collectives' call floors (:func:`collective_calls`): one isolated
-   all-to-all of a few bytes per rank, and an all-reduce of a few bytes per call in a stream
+4. still on that cluster, the collectives' call floors (:func:`collective_calls`): a tiny
+   all-to-all's mean time a call, issued back to back (:func:`back_to_back_a2a_s`), an
+   all-reduce of a few bytes per call in a stream
    of ``CALL_STREAM`` calls issued back to back then waited (how FlowMoE's pool issues its
-   gradient chunks in the tail), on the idle machine; measured before step 3, whose shares
+   gradient chunks in the tail), and one such all-reduce issued alone (a training step's one
+   control collective: the norm, the health flags and the statistics), on the idle machine; measured before step 3, whose shares
    are relative to the closed forms with these floors; then one such all-reduce issued alone
    while every rank computes (how the pool issues a chunk beside the backward), in
    ``LOADED_CALL_BLOCKS`` blocks, each under a load started for it;
@@ -68,11 +70,14 @@ from moesaic.measure import syncwait
 from moesaic.sim.profile import CollectiveShare, LevelShare, LinkLevel, Profile, SyncWait
 
 __all__ = [
+    "ALONE_CALL_BYTES",
     "CALL_STREAM",
     "COLLECTIVE_SIZES",
     "UNSHAPED",
     "CallFloors",
     "LinkCalibration",
+    "alone_all_reduce_s",
+    "back_to_back_a2a_s",
     "closed_form_s",
     "collective_calls",
     "collective_share",
@@ -108,10 +113,17 @@ MAX_WARMUP_CALLS = 400
 # Side of the square matmuls each rank's load thread runs during the loaded stream (~1 ms).
 LOAD_MATMUL = 384
 # The call floors: all-reduces per timed stream, timed repetitions (after one warm-up) of the
-# stream and of the isolated all-to-all, and bytes each rank sends to each rank.
+# stream and of the alone all-reduce, and bytes each rank sends to each rank.
 CALL_STREAM = 32
 CALL_REPS = 6
 CALL_BYTES_PER_PAIR = 16
+# Tiny all-to-alls timed back to back, each waited, after one untimed (the all-to-all's floor).
+A2A_CALLS = 20
+# Bytes of the alone all-reduce: a training step's control collective (the norm, the health
+# flags, each MoE layer's expert loads: a few hundred bytes), at least one element a rank up to
+# 256 ranks. Not CALL_BYTES_PER_PAIR: gloo's ring skips the exchanges of empty chunks, so 4
+# floats over 8 ranks took 13 ms alone on w32c's cluster where 32 or 256 took 40-42 ms.
+ALONE_CALL_BYTES = 1024
 # Blocks of the loaded all-reduce, each ``CALL_REPS`` calls (after one warm-up) under a load
 # thread started for the block and stopped after it. Under one load thread left running, the
 # calls' mean drifts over seconds: on m+---+'s cluster (4 ranks) six calls gave 13-118 ms
@@ -140,9 +152,10 @@ class LinkCalibration:
         level_shares: Each inner exchange timed at those sizes (:func:`level_shares`).
         put_cpu_s: CPU seconds per one-sided put (sender and receiver; :func:`put_cpu`).
         put_cpu_per_byte_s: CPU seconds per byte put.
-        a2a_call_s: One isolated tiny all-to-all (:func:`collective_calls`).
+        a2a_call_s: A tiny all-to-all per call back to back (:func:`collective_calls`).
         allreduce_call_s: A tiny all-reduce per call in a stream (:func:`collective_calls`).
         allreduce_loaded_call_s: One tiny all-reduce alone while every rank computes.
+        allreduce_alone_call_s: One tiny all-reduce alone on the idle machine.
         sync_waits: What a blocking all-to-all waits for the ranks' desynchronisation after a
             stretch of compute (:func:`moesaic.measure.syncwait.measure`).
     """
@@ -158,6 +171,7 @@ class LinkCalibration:
     a2a_call_s: float = 0.0
     allreduce_call_s: float = 0.0
     allreduce_loaded_call_s: float = 0.0
+    allreduce_alone_call_s: float = 0.0
     sync_waits: tuple[SyncWait, ...] = ()
 
 
@@ -299,13 +313,45 @@ def _worker_collectives(
     return out
 
 
+def back_to_back_a2a_s(group: Any, recv: Any, send: Any, calls: int = A2A_CALLS) -> float:
+    """This rank's mean seconds a call of ``calls`` all-to-alls issued back to back, each
+    waited, after a barrier and one untimed call: the all-to-all's call floor. It is
+    ``call(0, b)`` of the desynchronisation waits (:mod:`moesaic.measure.syncwait`), which
+    price what a call issued after a stretch of compute waits beyond it. One call timed alone
+    after a barrier on its slowest rank (the floor until 2026-12-05) adds the barrier's exit
+    skew, which those waits price already: on w32a's cluster (3 ranks, 4 ms) 12.9 ms against
+    8.6 ms back to back and 5.9 ms from the last rank's issue (``sim_alone_calls.json``)."""
+    group.barrier("calibrate barrier")
+    group.all_to_all_single(recv, send, what="calibrate call floor all_to_all")
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        group.all_to_all_single(recv, send, what="calibrate call floor all_to_all")
+    return (time.perf_counter() - t0) / calls
+
+
+def alone_all_reduce_s(group: Any, tensor: Any) -> float:
+    """This rank's seconds for one all-reduce of ``tensor`` issued alone after a barrier: how
+    a training step's one control collective runs (``TrainStep.step_sums``: every rank comes
+    to it from the gradient all-reduce or the end of the backward, nothing else in flight).
+    On a long link it costs several of the stream's calls: each exchange of gloo's ring waits
+    for its receiver's ready message before the data travel, which a stream's next call hides
+    (w32a: 3 ranks at 4 ms, 38.7 ms alone against 17.8 ms a call in a stream; w32c: 8 ranks
+    sharing 2 cores across a 1.2 ms link, 40.5 against 23.5, ``allreduce_under_load.py``)."""
+    group.barrier("calibrate barrier")
+    t0 = time.perf_counter()
+    group.all_reduce(tensor, what="calibrate call floor all_reduce alone")
+    return time.perf_counter() - t0
+
+
 def _worker_calls(
     rank: int, world: int, reps: int, stream: int, blocks: int, timeout_s: float
-) -> tuple[list[list[float]], list[list[float]]]:
-    """``(idle, loaded)`` seconds of this rank. ``idle``: per repetition (``reps`` after one
-    warm-up) ``[all_to_all, all_reduce per call]``: one all-to-all of ``CALL_BYTES_PER_PAIR``
-    bytes to every rank, after a barrier; ``stream`` all-reduces of that many bytes issued at
-    once (async) and then waited, their elapsed time over ``stream``, after a barrier.
+) -> tuple[list[list[float]], list[list[float]], float]:
+    """``(idle, loaded, all_to_all)`` seconds of this rank. ``idle``: per repetition (``reps``
+    after one warm-up) ``[all_reduce per call, all_reduce alone]``: ``stream`` all-reduces of
+    ``CALL_BYTES_PER_PAIR`` bytes issued at once (async) and then waited, their elapsed time
+    over ``stream``, after a barrier; one all-reduce of ``ALONE_CALL_BYTES`` alone
+    (:func:`alone_all_reduce_s`). ``all_to_all``: a call of ``CALL_BYTES_PER_PAIR`` bytes to
+    every rank, back to back (:func:`back_to_back_a2a_s`).
     ``loaded``: per block (``blocks`` of them), ``reps`` such all-reduces each issued alone and
     waited after a barrier (how FlowMoE's pool issues a chunk beside the backward), after one
     warm-up, while a thread of this rank started for the block runs ``LOAD_MATMUL`` matmuls
@@ -319,20 +365,19 @@ def _worker_calls(
     send = torch.zeros(world * CALL_BYTES_PER_PAIR // 4)
     recv = torch.empty_like(send)
     grads = [torch.zeros(CALL_BYTES_PER_PAIR // 4) for _ in range(stream)]
+    control = torch.zeros(ALONE_CALL_BYTES // 4)
+    a2a = back_to_back_a2a_s(group, recv, send)
     idle = []
     for i in range(1 + reps):
-        group.barrier("calibrate barrier")
-        t0 = time.perf_counter()
-        group.all_to_all_single(recv, send, what="calibrate call floor all_to_all")
-        a2a = time.perf_counter() - t0
         group.barrier("calibrate barrier")
         t0 = time.perf_counter()
         pending = [group.start_all_reduce(g, what="calibrate call floor all_reduce") for g in grads]
         for p in pending:
             p.wait()
         per_call = (time.perf_counter() - t0) / stream
+        alone = alone_all_reduce_s(group, control)
         if i:
-            idle.append([a2a, per_call])
+            idle.append([per_call, alone])
     loaded = []
     for _ in range(blocks):
         times = []
@@ -345,7 +390,7 @@ def _worker_calls(
                     times.append(time.perf_counter() - t0)
         loaded.append(times)
     group.barrier("calibrate barrier")
-    return idle, loaded
+    return idle, loaded, a2a
 
 
 class CallFloors(NamedTuple):
@@ -354,6 +399,7 @@ class CallFloors(NamedTuple):
     a2a_s: float
     allreduce_s: float
     allreduce_loaded_s: float
+    allreduce_alone_s: float
 
 
 def median_calls(rounds: list[CallFloors]) -> CallFloors:
@@ -373,9 +419,9 @@ def collective_calls(
     timeout_s: float = 300.0,
 ) -> CallFloors:
     """The call floors of a started emulated ``cluster`` (every rank), or of a loopback pair
-    without one: per call the slowest rank's time, then the mean over the ``reps`` calls (a
-    step pays every call, its slow ones too), over all ``blocks`` x ``reps`` for the loaded
-    all-reduce. The machine should be otherwise idle: the loaded regime of the shares holds
+    without one: for the all-reduces per call the slowest rank's time, then the mean over the
+    ``reps`` calls (a step pays every call, its slow ones too), over all ``blocks`` x ``reps``
+    for the loaded one; the all-to-all's back-to-back call, the ranks' mean. The machine should be otherwise idle: the loaded regime of the shares holds
     what computing beside a collective costs; the loaded all-reduce is the one figure timed
     beside compute here (``_worker_calls``)."""
     check_positive_int("reps", reps)
@@ -392,9 +438,10 @@ def collective_calls(
     idle = [[max(r[0][i][k] for r in per_rank) for k in range(2)] for i in range(reps)]
     loaded = [max(r[1][b][i] for r in per_rank) for b in range(blocks) for i in range(reps)]
     return CallFloors(
+        statistics.fmean(r[2] for r in per_rank),  # the ranks' mean, as the sync waits'
         statistics.fmean(x[0] for x in idle),
-        statistics.fmean(x[1] for x in idle),
         statistics.fmean(loaded),
+        statistics.fmean(x[1] for x in idle),
     )
 
 
@@ -772,5 +819,6 @@ def measure_links(
         a2a_call_s=calls.a2a_s,
         allreduce_call_s=calls.allreduce_s,
         allreduce_loaded_call_s=calls.allreduce_loaded_s,
+        allreduce_alone_call_s=calls.allreduce_alone_s,
         sync_waits=waits,
     )

@@ -41,12 +41,16 @@ FlowMoE's gradient chunks pay it once each (a chunk measured 0.7-0.8 ms on 2 ran
 ``calibrate --cluster`` measures both (:func:`moesaic.measure.calibrate.collective_calls`):
 ``allreduce_call_s``, the time per call in a stream of tiny all-reduces issued back to back
 (as the pool issues its chunks), floors the sum of an all-reduce's step latencies;
-``a2a_call_s``, one isolated tiny all-to-all (as a schedule issues and waits one), floors an
-all-to-all's latency. 0: not measured, the steps' latencies alone. ``allreduce_loaded_call_s``,
+``a2a_call_s``, a tiny all-to-all's time per call issued back to back, each waited (the
+desynchronisation waits' ``call(0)``, :mod:`moesaic.sim.syncwait`, which add what a call
+issued after compute waits beyond it), floors an all-to-all's latency. 0: not measured, the steps' latencies alone. ``allreduce_loaded_call_s``,
 one tiny all-reduce issued alone while every rank computes, floors the all-reduces of
 :meth:`LinkModel.loaded` (FlowMoE's chunks issued beside the backward): with 4 ranks sharing 2
 cores it measured 30-60 ms against 3-5 ms idle, on 2 ranks of a core each about the idle time
-(``benchmarks/results/allreduce_under_load.json``).
+(``benchmarks/results/allreduce_under_load.json``). ``allreduce_alone_call_s``, one tiny
+all-reduce issued alone on the idle machine, floors a training step's control collective
+(:mod:`moesaic.sim.steptail`): 1.5-2.6x the stream's call on short links, and 2-5x on long ones,
+where each of the ring's exchanges waits for its receiver's ready message.
 
 **Measured collective shares.** ``a2a_shares`` and ``allreduce_shares`` (``(bytes_per_rank,
 share)`` points from ``calibrate --cluster``, :class:`moesaic.sim.profile.CollectiveShare`)
@@ -120,6 +124,9 @@ class LinkModel:
             of calls (0: not measured): an all-reduce's latency terms sum to at least this.
         allreduce_loaded_call_s: The measured time of one such call issued alone while every
             rank computes (0: not measured): what ``loaded()`` floors the all-reduces with.
+        allreduce_alone_call_s: The measured time of one such call issued alone on the idle
+            machine (0: not measured): a training step's control collective costs at least
+            this (:mod:`moesaic.sim.steptail`).
         level_shares: Per level (by index), ``(bytes_per_rank, share)`` points of the measured
             exchange inside that level (:class:`moesaic.sim.profile.LevelShare`); a level with
             none, or past the tuple's end, is priced with the world's shares.
@@ -134,6 +141,7 @@ class LinkModel:
     a2a_call_s: float = 0.0
     allreduce_call_s: float = 0.0
     allreduce_loaded_call_s: float = 0.0
+    allreduce_alone_call_s: float = 0.0
     level_shares: tuple[tuple[tuple[float, float], ...], ...] = ()
 
     def __post_init__(self) -> None:
@@ -141,6 +149,7 @@ class LinkModel:
         check_non_negative("a2a_call_s", self.a2a_call_s)
         check_non_negative("allreduce_call_s", self.allreduce_call_s)
         check_non_negative("allreduce_loaded_call_s", self.allreduce_loaded_call_s)
+        check_non_negative("allreduce_alone_call_s", self.allreduce_alone_call_s)
         if not isinstance(self.spec, ClusterSpec):
             raise ValueError(f"spec must be a ClusterSpec, got {type(self.spec).__name__}")
         check_non_negative("floor_s", self.floor_s)

@@ -28,8 +28,9 @@ order from data without a rewrite of that module; the order test keeps the two i
   each backward pass (``FR{r}.{block}``), the root's once, on the ``FSDP`` lane in issue order;
   prefetched (vanilla) they run as the lane frees, else when the pass starts; no all-reduce of
   replicated gradients, the tail after the last reduce-scatter.
-* the step's tail (:mod:`moesaic.sim.steptail`): the health check's tiny collectives (vanilla's
-  after the gradients, the pipelined schedules' gather beside them), then the optimizer.
+* the step's tail (:mod:`moesaic.sim.steptail`): the control collective (norm, health flags,
+  statistics; vanilla's after the gradients, the pipelined schedules' beside them), then the
+  optimizer.
 
 The chunks therefore run beside the all-to-alls, not between them: they are placed from the
 timeline of the step without them (:func:`run_pipelined`), on a lane of their own (``GRAD``),
@@ -68,7 +69,7 @@ from moesaic.sim.model import ModelSpec, expert_shares
 from moesaic.sim.opcal import OpPrices
 from moesaic.sim.prior import largest_source_factor
 from moesaic.sim.profile import Profile
-from moesaic.sim.steptail import add_tail
+from moesaic.sim.steptail import add_tail, control_bytes
 from moesaic.taskflow.engine import Timeline
 
 __all__ = [
@@ -524,9 +525,8 @@ def run_pipelined(
             Sp-byte all-reduce chunks.
         in_gaps: the chunks go where the pool puts them (True), or all after the last
             all-to-all (False: centralized, FlowMoE's ``T*_b``).
-        early: the health check's flags are gathered while the last gradients travel (the
-            pipelined schedules) rather than after them, with the norm's all-reduce (vanilla;
-            :mod:`moesaic.sim.steptail`).
+        early: the step's control collective travels with the last gradients (the pipelined
+            schedules) rather than after them (vanilla; :mod:`moesaic.sim.steptail`).
         durations: overrides each compute and all-to-all task's seconds (tests: random times).
         tail_as_one: the chunks placed after the last gap go as one call (the pool's rule,
             ``schedule/grad_layout.py``); False: one call per Sp chunk, the paper's model (its
@@ -538,7 +538,8 @@ def run_pipelined(
             k: [(t._replace(seconds=durations(t)), w) for t, w in v] for k, v in g.lanes.items()
         }
     last = g.lanes["compute"][-1][0]  # the backward's end
-    backward_end = last if early else None  # the pipelined schedules' early gather waits it
+    backward_end = last if early else None  # the pipelined schedules' early collective waits it
+    tail = control_bytes(costs.model.layers, costs.model.experts)
     if costs.fsdp is not None:
         if chunk_bytes is not None:
             raise ValueError(
@@ -549,7 +550,16 @@ def run_pipelined(
         # the last reduce-scatter (the root's, after the backward's last compute) on its lane
         fsdp_lane = g.lanes.get(FSDP, [])
         reduced, lane = (fsdp_lane[-1][0], FSDP) if fsdp_lane else (last, NET)
-        add_tail(g, costs.link, lane, reduced, costs.optimizer_s, backward_end=backward_end)
+        add_tail(
+            g,
+            costs.link,
+            lane,
+            reduced,
+            costs.optimizer_s,
+            nbytes=control_bytes(costs.model.layers, costs.model.experts),
+            backward_end=backward_end,
+            own_norm=True,
+        )
         return g, g.run()
     if chunk_bytes is None:
         total = costs.grad_bytes()
@@ -559,7 +569,7 @@ def run_pipelined(
         if seconds is None:
             seconds = costs.all_reduce_s(total)
         ar = g.add(NET, SimTask("AR1", "allreduce", seconds, "bwd", 0, 0, total), last)
-        add_tail(g, costs.link, NET, ar, costs.optimizer_s, backward_end=backward_end)
+        add_tail(g, costs.link, NET, ar, costs.optimizer_s, nbytes=tail, backward_end=backward_end)
         return g, g.run()
     check_positive("chunk_bytes", chunk_bytes)
     chunks = cut_chunks(costs.block_grad_bytes, costs.outer_grad_bytes, done, chunk_bytes)
@@ -586,5 +596,5 @@ def run_pipelined(
         task = SimTask(f"AR{k}", "allreduce", lane_end - start, "bwd", 0, 0, nbytes)
         g.add(GRAD, task, keys if len(keys) > 1 else keys[0])
     assert task is not None  # internal: a positive total cuts into at least one chunk
-    add_tail(g, costs.link, GRAD, task, costs.optimizer_s, backward_end=backward_end)
+    add_tail(g, costs.link, GRAD, task, costs.optimizer_s, nbytes=tail, backward_end=backward_end)
     return g, g.run()

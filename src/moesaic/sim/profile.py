@@ -41,10 +41,13 @@ measured and what is taken from elsewhere:
   queue), measured by ``calibrate --cluster`` as the remote puts' (sender and receiver
   together: a rank of an all-to-all sends and receives about as many bytes); 0: not modelled;
 * ``a2a_call_s``, ``allreduce_call_s``: with ``--cluster``, the time of a tiny all-to-all
-  (one isolated call) and of a tiny all-reduce (per call, in a stream of back-to-back calls):
+  (per call, issued back to back and each waited; before 2026-12-05 one call alone after a
+  barrier, its slowest rank) and of a tiny all-reduce (per call, in a stream issued at once):
   floors of the collectives' latency terms (:mod:`moesaic.sim.collectives`, "Measured call
   floors"); 0: not measured (profiles written before them); ``allreduce_loaded_call_s``: one
   tiny all-reduce issued alone while every rank computes (FlowMoE's chunks in the backward);
+  ``allreduce_alone_call_s``: one tiny all-reduce issued alone on the idle machine (a
+  training step's control collective, :mod:`moesaic.sim.steptail`);
 * ``sync_waits``: with ``--cluster``, what a blocking all-to-all waits beyond its price when
   the ranks reach it after a stretch of compute rather than together (:class:`SyncWait`,
   :mod:`moesaic.sim.syncwait`); empty: not measured;
@@ -322,15 +325,18 @@ class Profile:
         layer_host_s: The host's seconds to issue one MoE layer's forward + backward on a
             GPU (``measure.gpucal``): a layer's simulated forward and backward take at least
             their share of it (a third, two thirds); 0: not measured, no floor.
-        a2a_call_s: One isolated all-to-all of a few bytes per rank on the measured cluster
-            (``calibrate --cluster``): the least an all-to-all's latency term is; 0: not
-            measured.
+        a2a_call_s: An all-to-all of a few bytes per rank on the measured cluster, per call
+            issued back to back (``calibrate --cluster``): the least an all-to-all's latency
+            term is; 0: not measured.
         allreduce_call_s: Seconds per all-reduce of a few bytes in a stream of such calls
             issued back to back, as FlowMoE's pool issues its chunks: the least an
             all-reduce's latency terms sum to; 0: not measured.
         allreduce_loaded_call_s: One all-reduce of a few bytes issued alone and waited while
             a thread of every rank computes (``calibrate --cluster``): the least a gradient
             chunk issued beside the backward costs; 0: not measured (the stream's figure).
+        allreduce_alone_call_s: One all-reduce of a few bytes issued alone after a barrier on
+            the idle machine (``calibrate --cluster``): what a training step's one control
+            collective costs at least; 0: not measured (the stream's figure).
         sync_waits: What a collective waits for the ranks' desynchronisation after a stretch
             of compute (``calibrate --cluster``, :mod:`moesaic.sim.syncwait`); empty: not
             measured, collectives start when the representative rank issues them.
@@ -368,6 +374,7 @@ class Profile:
     a2a_call_s: float = 0.0
     allreduce_call_s: float = 0.0
     allreduce_loaded_call_s: float = 0.0
+    allreduce_alone_call_s: float = 0.0
     sync_waits: tuple[SyncWait, ...] = ()
 
     def __post_init__(self) -> None:
@@ -378,6 +385,7 @@ class Profile:
         check_non_negative("profile.a2a_call_s", self.a2a_call_s)
         check_non_negative("profile.allreduce_call_s", self.allreduce_call_s)
         check_non_negative("profile.allreduce_loaded_call_s", self.allreduce_loaded_call_s)
+        check_non_negative("profile.allreduce_alone_call_s", self.allreduce_alone_call_s)
         check_non_negative("profile.launch_s", self.launch_s)
         check_non_negative("profile.layer_host_s", self.layer_host_s)
         check_non_negative("profile.layer_kernels", self.layer_kernels)

@@ -365,6 +365,7 @@ def link_model(
         a2a_call_s=profile.a2a_call_s,
         allreduce_call_s=profile.allreduce_call_s,
         allreduce_loaded_call_s=profile.allreduce_loaded_call_s,
+        allreduce_alone_call_s=profile.allreduce_alone_call_s,
         level_shares=_level_shares(spec, profile, regime),
     )
 

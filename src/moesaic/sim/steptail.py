@@ -1,49 +1,54 @@
-"""The end of every simulated training step: the health check's two tiny collectives, then the
-optimizer.
+"""The end of every simulated training step: the step's control collective, then the optimizer.
 
 Every schedule ends in ``TrainStep.finish`` (``moesaic.schedule.base``): the global gradient
-norm and every rank's health flags (loss, aux loss, norm not finite) before the optimizer. How
-they travel depends on the schedule:
+norm, every rank's health flags (loss, aux loss not finite) and the loop's statistics (loss,
+aux loss, each MoE layer's expert loads) summed over every rank in **one all-reduce**
+(``TrainStep.step_sums``, :func:`control_bytes` of float64), read once before the optimizer.
+Where it travels depends on the schedule:
 
-* ``vanilla`` (and ``taskflow``, which runs under it): after the gradient all-reduce, the norm's
-  one-float64 all-reduce over the expert-parallel group, then the flags' all-gather (3 values a
-  rank), each blocking (``GradientSync.global_norm``, ``GradientSync.all_ranks``);
-* the pipelined schedules (``moe-only``, ``flowmoe``): one all-gather of 3 values a rank (the
-  unreduced gradients' squared norm and the two loss flags), issued when the backward ends and
-  waited for while the last gradient all-reduce travels, on the world group
-  (``_PipelinedStep._gather_early``); the reduced part of the norm needs no collective. That
-  holds when every pooled gradient is reduced over all ranks or none, as at EP = world (every
-  simulated run); with data-parallel replicas of the expert shards training falls back to
-  vanilla's two calls, which this module does not price.
+* ``vanilla`` (and ``taskflow``, which runs under it): after the gradient all-reduce, blocking;
+* the pipelined schedules (``moe-only``, ``flowmoe``): issued when the backward ends, with the
+  unreduced gradients' part of the norm, and waited for while the last gradient all-reduce
+  travels, on the world group (``_PipelinedStep._gather_early``, lane ``CONTROL``);
+* under FSDP2 sharding the gradient rules' own norm first (``GradientSync.global_norm``, a
+  collective of its own), then the sums: two calls in turn.
 
-A tiny collective costs what one small call costs, the profile's measured all-reduce call
-(``LinkModel.allreduce_call_s``), whatever its latency terms would say: traced inside training
-on a 2-rank cluster (n+--+-, padded+vanilla, 8 steps) the norm's all-reduce took 0.6-6 ms
-(median about 1.2) and the flags' all-gather 0.75-3 ms (about 1), where the calibrated call
-was 0.9 ms. Before 2026-11-27 neither was priced. The norm's own compute stays in the
-optimizer's price (``OpCal.optimizer``).
+It is priced as one all-reduce issued alone (:func:`control_s`): its closed form, at least the
+profile's measured alone call (``allreduce_alone_call_s``, ``calibrate --cluster``), else the
+stream's call. Alone, each exchange of gloo's ring waits for its receiver's ready message
+before the data travel, which a stream's next call hides: on w32a's cluster (3 ranks, 4 ms)
+one call alone took 38.7 ms against 17.8 ms a call in a stream, on w32c's (8 ranks on 2 cores
+across a 1.2 ms link) 41.6 against 7.7, and traced inside training the step's collective
+(``"norm"``) took 36.6 and 35-49 ms there (``benchmarks/results/sim_alone_calls.json``, rule
+32's traces). Until 2026-12-05 the tail was priced as two calls of the stream (a norm all-reduce
+and a flags all-gather, as training ran them before 2026-12-03): 16 ms on both clusters. The
+norm's own compute stays in the optimizer's price (``OpCal.optimizer``).
 """
 
 from __future__ import annotations
 
-from moesaic.sim.collectives import LinkModel, all_gather_s, all_reduce_s
+from moesaic.sim.collectives import LinkModel, all_reduce_s
 from moesaic.sim.graph import SimGraph, SimTask
 
-__all__ = ["FLAG_BYTES", "NORM_BYTES", "add_tail", "flags_s", "norm_s"]
+__all__ = ["CONTROL", "add_tail", "control_bytes", "control_s"]
 
-NORM_BYTES = 8  # the expert shards' squared norm: one float64
-FLAG_BYTES = 24  # a rank's [1, 3] flags (int64 under vanilla, float64 gathered early)
-CONTROL = "control"  # the lane of the pipelined schedules' early gather (the world group)
-
-
-def norm_s(link: LinkModel) -> float:
-    """The norm's all-reduce: one float64 (the call floor, at least)."""
-    return all_reduce_s(link, NORM_BYTES)
+CONTROL = "control"  # the lane of the pipelined schedules' early collective (the world group)
+# float64 values of the control collective beside the experts' loads: the unreduced norm's
+# square, the loss and aux-loss flags, the loss and the aux loss (``TrainStep.step_sums``)
+CONTROL_HEAD = 5
+NORM_BYTES = 8  # FSDP2's own norm: one float64
 
 
-def flags_s(link: LinkModel) -> float:
-    """The flags' all-gather, floored by the measured small call like an all-reduce."""
-    return max(all_gather_s(link, FLAG_BYTES), link.allreduce_call_s)
+def control_bytes(layers: int, experts: int) -> int:
+    """Bytes of the step's control all-reduce: the five head values and each MoE layer's
+    expert loads, float64 (layers with a score bias add their loads again, not priced)."""
+    return 8 * (CONTROL_HEAD + layers * experts)
+
+
+def control_s(link: LinkModel, nbytes: float) -> float:
+    """One all-reduce of ``nbytes`` issued alone: its closed form, at least the measured alone
+    call (module docstring)."""
+    return max(all_reduce_s(link, nbytes), link.allreduce_alone_call_s)
 
 
 def add_tail(
@@ -53,19 +58,24 @@ def add_tail(
     reduced: SimTask,
     optimizer_s: float,
     *,
+    nbytes: int,
     backward_end: SimTask | None = None,
+    own_norm: bool = False,
 ) -> SimTask:
-    """The health check and the optimizer after ``reduced`` (the last gradient all-reduce, on
-    ``lane``). ``backward_end`` None: vanilla's blocking norm and flags on ``lane`` after it;
-    else the pipelined schedules' early gather, issued on a lane of its own when
-    ``backward_end`` ends, the optimizer waiting for it and for ``reduced``. Returns the
+    """The control collective of ``nbytes`` and the optimizer after ``reduced`` (the last
+    gradient all-reduce, on ``lane``). ``backward_end`` None: blocking on ``lane`` after it;
+    else issued on a lane of its own when ``backward_end`` ends, the optimizer waiting for it
+    and for ``reduced``. ``own_norm``: FSDP2's norm all-reduce first, on ``lane``. Returns the
     optimizer's task."""
     optimizer = SimTask("optimizer", "optimizer", optimizer_s)
     if link.world_size < 2:
         return g.add("compute", optimizer, reduced)
-    flags = SimTask("flags", "allreduce", flags_s(link), nbytes=FLAG_BYTES)
+    sums = SimTask("norm", "allreduce", control_s(link, nbytes), nbytes=nbytes)
+    if own_norm:
+        norm = SimTask("gnorm", "allreduce", control_s(link, NORM_BYTES), nbytes=NORM_BYTES)
+        reduced = g.add(lane, norm, reduced)
+        backward_end = None  # the sums wait for the norm
     if backward_end is None:
-        norm = g.add(lane, SimTask("norm", "allreduce", norm_s(link), nbytes=NORM_BYTES), reduced)
-        return g.add("compute", optimizer, g.add(lane, flags, norm))
-    g.add(CONTROL, flags, backward_end)
-    return g.add("compute", optimizer, (reduced, flags))
+        return g.add("compute", optimizer, g.add(lane, sums, reduced))
+    g.add(CONTROL, sums, backward_end)
+    return g.add("compute", optimizer, (reduced, sums))

@@ -72,7 +72,7 @@ from moesaic.sim.graph import SimGraph, SimTask
 from moesaic.sim.model import ModelSpec, layer_shares
 from moesaic.sim.persistent_price import kernel_price, kernel_priced
 from moesaic.sim.profile import OPS_PER_TASK, Profile
-from moesaic.sim.steptail import add_tail
+from moesaic.sim.steptail import add_tail, control_bytes
 from moesaic.taskflow.tasks import Region, TaskDescriptor
 from moesaic.trace import Span
 
@@ -509,5 +509,5 @@ def build_taskflow(
     ar = g.add(
         "net", SimTask("AR1", "allreduce", all_reduce_s(link, nbytes), "bwd", 0, 0, nbytes), last
     )
-    add_tail(g, link, "net", ar, p.optimizer_s)  # vanilla's health check
+    add_tail(g, link, "net", ar, p.optimizer_s, nbytes=control_bytes(model.layers, model.experts))
     return g, plans

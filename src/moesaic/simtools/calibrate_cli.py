@@ -134,6 +134,7 @@ def _print_calibration(cal: Any, shares: tuple[Any, ...]) -> None:
     print(
         f"call floors: all-to-all {cal.a2a_call_s * 1e3:.2f} ms a call, all-reduce "
         f"{cal.allreduce_call_s * 1e3:.2f} ms a call in a stream, "
+        f"{cal.allreduce_alone_call_s * 1e3:.2f} ms alone, "
         f"{cal.allreduce_loaded_call_s * 1e3:.2f} ms alone beside compute"
     )
     for w in cal.sync_waits:
@@ -335,6 +336,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             "a2a_call_s": cal.a2a_call_s,
             "allreduce_call_s": cal.allreduce_call_s,
             "allreduce_loaded_call_s": cal.allreduce_loaded_call_s,
+            "allreduce_alone_call_s": cal.allreduce_alone_call_s,
             "sync_waits": cal.sync_waits,
             "level_shares": cal.level_shares,
         }
