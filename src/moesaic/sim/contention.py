@@ -23,8 +23,8 @@ torch threads (``OpCal.threads``; 1 without per-operation measurements). The mod
   padded, moe-only and flowmoe), while rank 0 computed 1.7 and 1.6 of the other 3 ranks did
   on average, where their compute fractions (0.58, 0.52) give 1.74 and 1.56, and attention
   measured 1.0-1.3x its one-process time where the old rule charged 2x;
-* the step's tail runs on every rank at once: each rank leaves the gradient norm's all-reduce
-  and the health flags' all-gather together and takes its optimizer step then, so the
+* the step's tail runs on every rank at once: each rank leaves the step's control all-reduce
+  (:mod:`moesaic.sim.steptail`) together and takes its optimizer step then, so the
   optimizer (:data:`LOCKSTEP_RESOURCES`) is slowed as if every other rank computed beside it:
   ``O`` above with ``u = 1``, ``(m - 1)(n + Lbar)``. Traced, the 2 ranks of t+++-- started
   their optimizer within 1-4 ms of each other and the 4 of t+-+++ within 3-21 ms (each step
