@@ -13,10 +13,6 @@ trap 'rm -rf "$work"' EXIT
 start=$SECONDS
 "$base" -m venv "$work/venv"
 export VIRTUAL_ENV="$work/venv" PATH="$work/venv/bin:$PATH"  # subprocesses' python is this one
-# A throwaway environment: pip compiles no bytecode at install (--no-compile; its environment
-# form reads inverted, 0 turns compiling off) and Python compiles only what the tests import:
-# torch's install took 12-15 s this way against 34 s.
-export PIP_NO_COMPILE=0
 python -m pip install --quiet --disable-pip-version-check -c "$lock" pip setuptools
 PYTHON=python bash scripts/setup.sh test
 python -m pip check
