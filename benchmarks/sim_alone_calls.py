@@ -3,7 +3,7 @@ the unseen rules already measured, whose stored profiles predate them: each conf
 cluster is brought up again; one tiny all-reduce after a barrier timed as ``calibrate`` times it
 (``Profile.allreduce_alone_call_s``, :func:`moesaic.measure.calibrate.alone_all_reduce_s`: the
 slowest rank's time per repetition, the mean over ``CALL_REPS`` after one warm-up), and a tiny
-all-to-all three ways (:func:`measure_a2a`; the back-to-back call is ``a2a_call_s`` since).
+all-to-all three ways (:func:`measure`; the back-to-back call is ``a2a_call_s`` since).
 ``sim_seen_repredict.py --alone FILE [--a2a-floor back-to-back]`` prices the stored points again
 with these figures in their profiles (an explanation of seen data, not a validation; the
 validation is a rule fixed before it is measured).
@@ -76,27 +76,30 @@ def _worker_a2a(rank: int, world: int, reps: int, timeout_s: float) -> list[tupl
     return [*out[1:], (0.0, back_to_back)]
 
 
-def measure_a2a(text: str, reps: int = CALL_REPS, timeout_s: float = 120.0) -> dict[str, float]:
-    """A tiny all-to-all on the cluster ``text`` describes, three ways: after a barrier, the
-    slowest rank's seconds (``calibrate``'s ``a2a_call_s`` until 2026-12-05) and, per rank,
-    from the last rank's issue to its end (the call without the barrier's exit skew), each the
-    mean over the repetitions; and back to back, the ranks' mean (``calibrate``'s since,
+def measure(text: str, reps: int = CALL_REPS, timeout_s: float = 120.0) -> tuple[float, dict]:
+    """On the cluster ``text`` describes, brought up once: the alone all-reduce (seconds) and
+    a tiny all-to-all three ways: after a barrier, the slowest rank's seconds (``calibrate``'s
+    ``a2a_call_s`` until 2026-12-05) and, per rank, from the last rank's issue to its end (the
+    call without the barrier's exit skew), each the mean over the repetitions; and back to
+    back, the ranks' mean (``calibrate``'s since,
     :func:`moesaic.measure.calibrate.back_to_back_a2a_s`)."""
     path = Path(f"/tmp/alone_calls_{os.getpid()}.toml")
     path.write_text(text)
     spec = ClusterSpec.from_toml(path)
     with EmulatedCluster(spec) as cluster:
+        alone = cluster.run(_worker, spec.world_size, reps, timeout_s, timeout_s=timeout_s)
         per_rank = cluster.run(_worker_a2a, spec.world_size, reps, timeout_s, timeout_s=timeout_s)
     slowest, after_last = [], []
     for i in range(reps):
         last_issue = max(r[i][0] for r in per_rank)
         slowest.append(max(r[i][1] - r[i][0] for r in per_rank))
         after_last.append(statistics.fmean(r[i][1] - last_issue for r in per_rank))
-    return {
+    a2a = {
         "slowest_s": statistics.fmean(slowest),
         "after_last_s": statistics.fmean(after_last),
         "back_to_back_s": statistics.fmean(r[-1][1] for r in per_rank),
     }
+    return statistics.fmean(max(r[i] for r in alone) for i in range(reps)), a2a
 
 
 def cluster_of(rule: int, name: str) -> str:
@@ -106,16 +109,6 @@ def cluster_of(rule: int, name: str) -> str:
         cfg = next(c for r in rules for c in r.configurations if c["name"] == name)
         return wide.cluster_toml(cfg)
     return su.cluster_toml(su.find_configuration(name))
-
-
-def measure(text: str, reps: int = CALL_REPS, timeout_s: float = 120.0) -> float:
-    """The alone call on the cluster ``text`` describes, seconds."""
-    path = Path(f"/tmp/alone_calls_{os.getpid()}.toml")
-    path.write_text(text)
-    spec = ClusterSpec.from_toml(path)
-    with EmulatedCluster(spec) as cluster:
-        per_rank = cluster.run(_worker, spec.world_size, reps, timeout_s, timeout_s=timeout_s)
-    return statistics.fmean(max(r[i] for r in per_rank) for i in range(reps))
 
 
 def main() -> None:
@@ -137,9 +130,7 @@ def main() -> None:
             if key in seconds and "back_to_back_s" in a2a.get(key, {}):
                 continue
             t0 = time.perf_counter()
-            if key not in seconds:
-                seconds[key] = measure(cluster_of(rule, entry["name"]))
-            a2a[key] = measure_a2a(cluster_of(rule, entry["name"]))
+            seconds[key], a2a[key] = measure(cluster_of(rule, entry["name"]))
             stored = entry["profile"].get("allreduce_call_s", 0.0)
             stored_a2a = entry["profile"].get("a2a_call_s", 0.0)
             print(

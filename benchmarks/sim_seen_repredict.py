@@ -43,7 +43,7 @@ from sim_call_floors import floored_profile
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # configuration name -> the call floors measured on its cluster since (``--alone``): the alone
-# all-reduce, and the all-to-all from the last rank's issue
+# all-reduce, and the all-to-all's floor the way ``--a2a-floor`` names
 ALONE: dict[str, float] = {}
 A2A_FLOOR: dict[str, float] = {}
 

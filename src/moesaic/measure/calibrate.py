@@ -33,9 +33,9 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    all-reduce of a few bytes per call in a stream
    of ``CALL_STREAM`` calls issued back to back then waited (how FlowMoE's pool issues its
    gradient chunks in the tail), and one such all-reduce issued alone (a training step's one
-   control collective: the norm, the health flags and the statistics), on the idle machine; measured before step 3, whose shares
-   are relative to the closed forms with these floors; then one such all-reduce issued alone
-   while every rank computes (how the pool issues a chunk beside the backward), in
+   control collective: the norm, the health flags and the statistics), on the idle machine;
+   measured before step 3, whose shares are relative to the closed forms with these floors;
+   then one such all-reduce issued alone while every rank computes (how the pool issues a chunk beside the backward), in
    ``LOADED_CALL_BLOCKS`` blocks, each under a load started for it;
    On a cluster of more than one level, also each inner exchange (:func:`level_shares`): an
    all-to-all over every group of ranks that differ in one level's coordinate only, all at
