@@ -10,7 +10,7 @@ judges a result.
 Usage (root: the emulated network needs network namespaces)::
 
     python benchmarks/sim_unseen_wide.py --list
-    python benchmarks/sim_unseen_wide.py [--rule 27|...|33] [--only 0,2] [--out FILE.json]
+    python benchmarks/sim_unseen_wide.py [--rule 27|...|34] [--only 0,2] [--out FILE.json]
 """
 
 from __future__ import annotations

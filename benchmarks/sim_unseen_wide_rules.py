@@ -479,6 +479,61 @@ CONFIGURATIONS_33: tuple[dict[str, Any], ...] = (
 )
 
 
+RULE_34 = """The thirty-fourth rule, fixed on 2026-12-05 at 07:45 UTC and committed before any of
+its configurations was measured, calibrated or simulated (nothing in it may change after its
+first measurement): the thirty-third's procedure and judgement (four interleaved passes, equal
+jobs pooled, the plan's pick a measured job), unchanged, and its pricing (the call floors of
+6bc59a9), unchanged. The bands are refitted on rules 17-33 in the same commit (102
+configurations, 1020 points; the tie band stays 0.077).
+
+Three configurations of the wider family, chosen by hand before any measurement, none a
+repeat of an earlier rule's (names start with ``w34``):
+
+=======  ==========================================  =====================================
+name     cluster (ranks)                             model (H, F/H, E, top-k), tokens/rank
+=======  ==========================================  =====================================
+w34a     3 nodes x 1 (3, odd): 0.5 Gbit/s 1.0 ms     H 96, F/H 2, E 12, top-1, 512
+w34b     2 DCs x 2 (4): DC 0.7 Gbit/s 1.5 ms, rank   H 128, F/H 1, E 32, top-3 (fine-
+         5 Gbit/s 0.05 ms                            grained: skewed), 512
+w34c     2 DCs x 2 nodes x 2 (8, three levels): DC   H 64, F/H 2, E 8, top-2, 512
+         0.8 Gbit/s 1.0 ms, node 2.5 Gbit/s 0.2 ms,
+         rank 8 Gbit/s 0.05 ms
+=======  ==========================================  =====================================
+"""
+CONFIGURATIONS_34: tuple[dict[str, Any], ...] = (
+    {
+        "name": "w34a",
+        "levels": (("node", 3, 0.5, 1.0),),
+        "hidden": 96,
+        "f_over_h": 2,
+        "experts": 12,
+        "top_k": 1,
+        "init_std": 0.02,
+        "tokens_per_rank": 512,
+    },
+    {
+        "name": "w34b",
+        "levels": (("dc", 2, 0.7, 1.5), ("rank", 2, 5.0, 0.05)),
+        "hidden": 128,
+        "f_over_h": 1,
+        "experts": 32,
+        "top_k": 3,
+        "init_std": 0.02,
+        "tokens_per_rank": 512,
+    },
+    {
+        "name": "w34c",
+        "levels": (("dc", 2, 0.8, 1.0), ("node", 2, 2.5, 0.2), ("rank", 2, 8.0, 0.05)),
+        "hidden": 64,
+        "f_over_h": 2,
+        "experts": 8,
+        "top_k": 2,
+        "init_std": 0.02,
+        "tokens_per_rank": 512,
+    },
+)
+
+
 class Rule(NamedTuple):
     """A rule's text, configurations, passes, whether a pick's runs join its grid point's
     (equal jobs pooled, from rule 29), and whether the pick counts as a measured job for the
@@ -499,4 +554,5 @@ RULE_SETS = {
     31: Rule(RULE_31, CONFIGURATIONS_31, passes=4, pooled=True),
     32: Rule(RULE_32, CONFIGURATIONS_32, passes=4, pooled=True, picks_measured=True),
     33: Rule(RULE_33, CONFIGURATIONS_33, passes=4, pooled=True, picks_measured=True),
+    34: Rule(RULE_34, CONFIGURATIONS_34, passes=4, pooled=True, picks_measured=True),
 }
