@@ -479,7 +479,7 @@ CONFIGURATIONS_33: tuple[dict[str, Any], ...] = (
 )
 
 
-RULE_34 = """The thirty-fourth rule, fixed on 2026-12-05 at 07:45 UTC and committed before any of
+RULE_34 = """The thirty-fourth rule, fixed on 2026-12-05 at 06:53 UTC and committed before any of
 its configurations was measured, calibrated or simulated (nothing in it may change after its
 first measurement): the thirty-third's procedure and judgement (four interleaved passes, equal
 jobs pooled, the plan's pick a measured job), unchanged, and its pricing (the call floors of
