@@ -5,7 +5,8 @@ measured (rank 0 and 1, the trace's last steps) beside simulated (the representa
 Where a point's error comes from (``benchmarks/sim_validation.md``). The trace's spans cost a little
 time of their own, so a traced step is not the grid's measurement. Per collective lane also
 the ranks' arrival (:func:`arrival`): how long a call waits for the last rank to issue it and
-how long it takes once every rank has (the ranks' clocks are one machine's monotonic clock).
+how long it takes once every rank has (the ranks' clocks are one machine's monotonic clock),
+and how many ranks compute beside a computing rank (:func:`compute_overlap`).
 ``--traces DIR`` keeps the raw traces there.
 
 A wide rule's configuration (``sim_unseen_wide.py``, rules 27 on, names ``w...``) is traced
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_unseen as su
 import sim_unseen_wide as wide
 from moesaic.sim.profile import Profile
+from moesaic.trace import COMPUTE_RESOURCES
 
 TRACE_STEPS = 3  # moesaic.train.config.TRACE_STEPS: the steps a trace keeps
 
@@ -103,6 +105,56 @@ def arrival(events: list[dict[str, Any]], lane: str) -> dict[str, float] | None:
     }
 
 
+def compute_overlap(events: list[dict[str, Any]]) -> dict[str, float] | None:
+    """While a rank computes (its compute lanes' union, the trace's whole span), how many other
+    ranks compute too, time-weighted and averaged over the ranks (``others_computing``), beside
+    what :mod:`moesaic.sim.contention` assumes, each other rank computing its own share of the
+    span independently of this one (``independent``: the sum of the others' shares)."""
+    names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e["name"] == "thread_name"
+    }
+    spans: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and names[e["pid"], e["tid"]] in COMPUTE_RESOURCES:
+            spans[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
+    if len(spans) < 2:
+        return None
+    busy = {r: _union(v) for r, v in spans.items()}
+    lo = min(a for v in busy.values() for a, _ in v)
+    hi = max(b for v in busy.values() for _, b in v)
+    share = {r: sum(b - a for a, b in v) / (hi - lo) for r, v in busy.items()}
+    edges = sorted((t, d, r) for r, v in busy.items() for a, b in v for t, d in ((a, 1), (b, -1)))
+    active: set[int] = set()
+    beside: dict[int, float] = collections.defaultdict(float)
+    last = edges[0][0]
+    for t, d, r in edges:
+        for a in active:
+            beside[a] += (t - last) * (len(active) - 1)
+        last = t
+        (active.add if d > 0 else active.discard)(r)
+    return {
+        "others_computing": round(
+            statistics.fmean(beside[r] / (share[r] * (hi - lo)) for r in busy), 2
+        ),
+        "independent": round(
+            statistics.fmean(sum(share[o] for o in busy if o != r) for r in busy), 2
+        ),
+        "compute_share": round(statistics.fmean(share.values()), 2),
+    }
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def analyse(trace: Path, sim_trace: Path) -> dict[str, Any]:
     """A traced run's and its simulation's busy times and the measured arrival per lane."""
     measured, simulated = _events(trace), _events(sim_trace)
@@ -114,6 +166,7 @@ def analyse(trace: Path, sim_trace: Path) -> dict[str, Any]:
         "arrival": {
             lane: a for lane in ("a2a", "allreduce") if (a := arrival(measured, lane)) is not None
         },
+        "compute_overlap": compute_overlap(measured),
     }
 
 
