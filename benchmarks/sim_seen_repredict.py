@@ -249,6 +249,8 @@ def main() -> None:
         "issue, or a call's mean time back to back",
     )
     args = p.parse_args()
+    if args.a2a_floor and not args.alone:
+        p.error("--a2a-floor applies with --alone only (the floors measured on the clusters)")
     if args.alone:
         measured = json.loads(Path(args.alone).read_text())
         ALONE.update({k.split("/", 1)[1]: s for k, s in measured["alone_call_s"].items()})

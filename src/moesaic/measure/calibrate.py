@@ -35,8 +35,9 @@ Two emulated clusters are brought up, one after the other, in network namespaces
    gradient chunks in the tail), and one such all-reduce issued alone (a training step's one
    control collective: the norm, the health flags and the statistics), on the idle machine;
    measured before step 3, whose shares are relative to the closed forms with these floors;
-   then one such all-reduce issued alone while every rank computes (how the pool issues a chunk beside the backward), in
-   ``LOADED_CALL_BLOCKS`` blocks, each under a load started for it;
+   then one such all-reduce issued alone while every rank computes (how the pool issues a
+   chunk beside the backward), in ``LOADED_CALL_BLOCKS`` blocks, each under a load started
+   for it;
    On a cluster of more than one level, also each inner exchange (:func:`level_shares`): an
    all-to-all over every group of ranks that differ in one level's coordinate only, all at
    once, at the same sizes and in both regimes (HybridEP's gathers and exchanges inside a
@@ -421,9 +422,10 @@ def collective_calls(
     """The call floors of a started emulated ``cluster`` (every rank), or of a loopback pair
     without one: for the all-reduces per call the slowest rank's time, then the mean over the
     ``reps`` calls (a step pays every call, its slow ones too), over all ``blocks`` x ``reps``
-    for the loaded one; the all-to-all's back-to-back call, the ranks' mean. The machine should be otherwise idle: the loaded regime of the shares holds
-    what computing beside a collective costs; the loaded all-reduce is the one figure timed
-    beside compute here (``_worker_calls``)."""
+    for the loaded one; the all-to-all's back-to-back call, the ranks' mean. The machine
+    should be otherwise idle: the loaded regime of the shares holds what computing beside a
+    collective costs; the loaded all-reduce is the one figure timed beside compute here
+    (``_worker_calls``)."""
     check_positive_int("reps", reps)
     check_positive_int("stream", stream)
     check_positive_int("blocks", blocks)

@@ -43,14 +43,15 @@ FlowMoE's gradient chunks pay it once each (a chunk measured 0.7-0.8 ms on 2 ran
 (as the pool issues its chunks), floors the sum of an all-reduce's step latencies;
 ``a2a_call_s``, a tiny all-to-all's time per call issued back to back, each waited (the
 desynchronisation waits' ``call(0)``, :mod:`moesaic.sim.syncwait`, which add what a call
-issued after compute waits beyond it), floors an all-to-all's latency. 0: not measured, the steps' latencies alone. ``allreduce_loaded_call_s``,
-one tiny all-reduce issued alone while every rank computes, floors the all-reduces of
-:meth:`LinkModel.loaded` (FlowMoE's chunks issued beside the backward): with 4 ranks sharing 2
-cores it measured 30-60 ms against 3-5 ms idle, on 2 ranks of a core each about the idle time
+issued after compute waits beyond it), floors an all-to-all's latency. 0: not measured, the
+steps' latencies alone. ``allreduce_loaded_call_s``, one tiny all-reduce issued alone while
+every rank computes, floors the all-reduces of :meth:`LinkModel.loaded` (FlowMoE's chunks
+issued beside the backward): with 4 ranks sharing 2 cores it measured 30-60 ms against 3-5
+ms idle, on 2 ranks of a core each about the idle time
 (``benchmarks/results/allreduce_under_load.json``). ``allreduce_alone_call_s``, one tiny
 all-reduce issued alone on the idle machine, floors a training step's control collective
-(:mod:`moesaic.sim.steptail`): 1.5-2.6x the stream's call on short links, and 2-5x on long ones,
-where each of the ring's exchanges waits for its receiver's ready message.
+(:mod:`moesaic.sim.steptail`): 1.5-2.6x the stream's call on short links, and 2-5x on long
+ones, where each of the ring's exchanges waits for its receiver's ready message.
 
 **Measured collective shares.** ``a2a_shares`` and ``allreduce_shares`` (``(bytes_per_rank,
 share)`` points from ``calibrate --cluster``, :class:`moesaic.sim.profile.CollectiveShare`)

@@ -556,7 +556,7 @@ def run_pipelined(
             lane,
             reduced,
             costs.optimizer_s,
-            nbytes=control_bytes(costs.model.layers, costs.model.experts),
+            nbytes=tail,
             backward_end=backward_end,
             own_norm=True,
         )
