@@ -82,3 +82,22 @@ def test_a_freed_storage_address_is_not_kept_from_the_start():
     assert key in tally.before
     del old
     assert key not in tally.before
+
+
+def test_start_does_not_count_unreachable_cycles():
+    """A tensor held only by a garbage cycle is not alive: start() collects it first, so a
+    later collection moves nothing (the count once fell below its start when the collector
+    ran mid-test, freeing what an earlier test left in cycles)."""
+    import gc
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.me, h.t = h, torch.zeros(10_000)  # 40,000 bytes, reachable only through the cycle
+    del h
+    tally = LiveBytes()
+    tally.start()
+    gc.collect()
+    tally.update()
+    assert tally.current == tally.start_bytes

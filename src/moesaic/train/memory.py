@@ -176,7 +176,10 @@ class LiveBytes:
         return out
 
     def start(self) -> None:
-        """Count every tensor alive now; the peak starts from their bytes."""
+        """Count every tensor alive now; the peak starts from their bytes. Unreachable cycles
+        are collected first: ``gc`` still lists their tensors, which a later collection frees
+        (the count then fell below its start by what earlier code left in cycles)."""
+        gc.collect()
         with warnings.catch_warnings():  # (isinstance on deprecated torch aliases warns)
             warnings.simplefilter("ignore")
             tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
