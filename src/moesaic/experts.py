@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moesaic.config import MoEConfig
-from moesaic.eager import eager_under_compile
 from moesaic.kernels import KernelChoice
 from moesaic.kernels import load as load_kernels
 
@@ -183,8 +182,14 @@ def _probe(device: torch.device, dtype: torch.dtype, native: bool) -> bool:
     )
 
 
-# the probe runs on real tensors, once, also inside a torch.compile'd region
-_probed = eager_under_compile(_fast_path_ok)
+def _probed(device: torch.device, dtype: torch.dtype, native: bool) -> bool:
+    """``_fast_path_ok``, a constant under ``torch.compile``: Dynamo runs it on real tensors
+    when it traces the call (its answer, cached, holds for the process), with no graph break."""
+    return _fast_path_ok(device, dtype, native)
+
+
+# torch.compiler.assume_constant_result's mark, set without importing Dynamo
+_probed._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _fast_mode(x_MH: torch.Tensor, w_eHF: torch.Tensor, use_fast: bool = True) -> bool | None:
@@ -200,7 +205,7 @@ def _fast_mode(x_MH: torch.Tensor, w_eHF: torch.Tensor, use_fast: bool = True) -
 
     if _probed(x_MH.device, x_MH.dtype, native=True):
         return True
-    return False if _probed(x_MH.device, x_MH.dtype) else None
+    return False if _probed(x_MH.device, x_MH.dtype, native=False) else None
 
 
 def grouped_mm(
@@ -246,17 +251,25 @@ def cpu_has_native_matmul(dtype: torch.dtype) -> bool:
     108 ms, H=256 F=512 E=8 K=2, 1024 tokens); with them bf16 was 2x faster than fp32 (32 vs
     64 ms on a Xeon with AMX).
     """
+    return _CPU_NATIVE_MATMUL.get(dtype, True)
+
+
+def _cpu_native_matmul() -> dict[torch.dtype, bool]:
+    """The flags ``cpu_has_native_matmul`` reads, read once at import: torch.compile does not
+    trace torch's CPU feature queries (a graph break in every compiled expert forward)."""
     cpu = getattr(torch, "cpu", None)
 
     def flag(name: str) -> bool:
         fn = getattr(cpu, name, None)
         return bool(fn()) if callable(fn) else False
 
-    if dtype == torch.bfloat16:
-        return flag("_is_avx512_bf16_supported") or flag("_is_amx_tile_supported")
-    if dtype == torch.float16:
-        return flag("_is_amx_fp16_supported")
-    return True
+    return {
+        torch.bfloat16: flag("_is_avx512_bf16_supported") or flag("_is_amx_tile_supported"),
+        torch.float16: flag("_is_amx_fp16_supported"),
+    }
+
+
+_CPU_NATIVE_MATMUL = _cpu_native_matmul()
 
 
 def expert_compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:

@@ -251,9 +251,14 @@ class MoELayer(nn.Module):
         attention + gate stage, then the all-to-all and expert stages) call the parts
         separately (``models/gpt.py``: the shared experts join the attention stage).
         """
-        y = self.run_experts(self.route(x))
+        routed = self._route(x)
+        y, tokens, comm = self._run_strategy(routed)
         shared = self.shared_output(x)
-        return y if shared is None else y + shared
+        y = y if shared is None else y + shared
+        # Last, after all the compute: under torch.compile the bookkeeping is the forward's one
+        # graph break, so the layer's compute stays one graph.
+        self._account(tokens, routed, comm)
+        return y
 
     def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output for ``x`` [..., H] (shape and dtype of ``x``); None when
@@ -273,6 +278,12 @@ class MoELayer(nn.Module):
 
     def route(self, x: torch.Tensor) -> Routed:
         """The gate: route ``x`` [..., H] (no communication); adds its aux loss to the sum."""
+        routed = self._route(x)
+        self._add_aux(routed.aux)
+        return routed
+
+    def _route(self, x: torch.Tensor) -> Routed:
+        """``route`` less its bookkeeping."""
         H = self.config.hidden_size
         if not torch.is_floating_point(x):
             raise ValueError(f"input must be a floating-point tensor, got dtype {x.dtype}")
@@ -285,17 +296,22 @@ class MoELayer(nn.Module):
         # The sequence-wise loss' sequences: the second-to-last dimension (a 2-D input is one).
         seq_len = x.shape[-2] if x.dim() >= 2 else 1
         plan, aux = self.router(x_TH, self.strategy.routing_placement, seq_len=seq_len)
-        self._add_aux(aux)
         return Routed(x, plan, aux)
 
     def run_experts(self, routed: Routed) -> torch.Tensor:
         """The strategy's communication and the experts for a routed input; output like ``x``."""
+        y, tokens, comm = self._run_strategy(routed)
+        self._record(tokens, routed, comm)
+        return y
+
+    def _run_strategy(self, routed: Routed) -> tuple[torch.Tensor, int, CommStats]:
+        """``run_experts`` less its bookkeeping: the output like ``x``, the tokens and what the
+        strategy sent (for ``_record``)."""
         x = routed.x
         x_TH = autocast_rows(x.reshape(-1, self.config.hidden_size), self.autocast_dtype)
         self._check_dtypes_agree(x_TH)
         out = self.strategy.forward(x_TH, routed.plan, self.experts)
-        self._record(x_TH.shape[0], routed, out.stats)
-        return out.y_TH.to(x.dtype).view(x.shape)
+        return out.y_TH.to(x.dtype).view(x.shape), x_TH.shape[0], out.stats
 
     # ---- the phases of run_experts, for pipelined schedules ---------------------------------
 
@@ -365,10 +381,13 @@ class MoELayer(nn.Module):
 
         Rows of another dtype would be all-to-all'ed as a different number of bytes (gloo
         aborts the process). Later dtype changes are not re-checked: that would be a collective
-        that only the changed rank enters.
+        that only the changed rank enters. One rank has no one to disagree with: nothing is
+        kept (under torch.compile a kept value is a guard, and its first change a recompile).
         """
+        if self.ep.size == 1:
+            return
         dtypes = (x_TH.dtype, self.experts.w1.dtype)
-        if self._agreed_dtypes is None and self.ep.size > 1:
+        if self._agreed_dtypes is None:
             check_ranks_agree(
                 {"input dtype": dtypes[0], "expert weight dtype": dtypes[1]},
                 group=self.ep.group,
@@ -383,6 +402,15 @@ class MoELayer(nn.Module):
         counts, communication): the forward they repeat added them once. Reusable (a second
         backward through the same graph recomputes again)."""
         return _Recomputing(self)
+
+    @eager_under_compile  # host bookkeeping (see _record and _add_aux)
+    def _account(self, tokens: int, routed: Routed, comm: CommStats) -> None:
+        """One forward's bookkeeping, after its compute: its aux terms and its statistics.
+        Eager under ``torch.compile``, one graph break at the end of the forward: traced, the
+        pending aux list's length and the statistics' int counters are guarded on, a recompile
+        a step."""
+        self._add_aux(routed.aux)
+        self._record(tokens, routed, comm)
 
     @eager_under_compile  # host bookkeeping: traced, its int counters recompiled each step
     def _record(self, tokens: int, routed: Routed, comm: CommStats) -> None:

@@ -42,12 +42,19 @@ an ``*_reference`` in plain torch):
   release signals (EP > 1: virtual ranks on one device, or peers on one node); the
   ``taskflow`` dispatcher's path on CUDA (``kernels="auto"`` or ``"triton"``).
 
-Under ``torch.compile`` each kernel's entry point (``route``, ``permute``, ``grouped_gemm``,
-``grouped_swiglu``, ``swiglu_act``, ``combine``) runs eagerly (``eager.eager_under_compile``:
-a graph break around it): Inductor cannot fuse a hand-written Triton kernel anyway, and tracing
-their ``autograd.Function``s failed on an H200 (torch 2.11: AOTAutograd's joint graph refused
-the router's non-differentiable counts, "element 3 of tensors does not require grad"). The
-glue between them is compiled.
+Under ``torch.compile`` the "fused" path's entry points (``route``, ``permute``,
+``swiglu_act``, ``combine``) call their launchers as custom ops (``torch.library.custom_op``,
+``moesaic::*``, each with a fake kernel and a backward that is a custom op too): opaque to
+Inductor, which cannot fuse a hand-written Triton kernel anyway, and traced through by Dynamo
+and AOTAutograd, so a compiled dropless layer is one graph each way (``tests/test_compile.py``;
+with a graph break around each, and its bookkeeping traced, it was 18 graphs and on an H200
+slower than eager).
+Eagerly they run their ``autograd.Function``s: a custom op's dispatch costs ~35 us of host
+time a call more (measured on CPU), and the layer on a GPU is host-bound at small shapes.
+(Tracing the ``autograd.Function``s themselves failed on an H200, torch 2.11: AOTAutograd's
+joint graph refused the router's non-differentiable counts.) The "triton" path's own GEMMs
+(``grouped_gemm``, ``grouped_swiglu``) still run eagerly under compile
+(``eager.eager_under_compile``: a graph break around each).
 
 Tested against the references under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU in
 tests/kernels. On a GPU (one H200, issue 27, benchmarks/gpu_layer.py) a Mixtral-like bf16 step
@@ -93,6 +100,20 @@ def resolve(kernels: str, device: torch.device) -> str:
     return "fused" if device.type == "cuda" and triton_available() else "torch"
 
 
+def _resolved(kernels: str, device: torch.device) -> str:
+    """``resolve``, with the Triton path loaded when chosen. A constant under ``torch.compile``
+    (run when traced, not traced: it imports), so a compiled forward reaches ``load()`` with
+    the module already kept and breaks no graph there."""
+    choice = resolve(kernels, device)
+    if choice in ("triton", "fused"):
+        load()
+    return choice
+
+
+# torch.compiler.assume_constant_result's mark, set without importing Dynamo
+_resolved._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class KernelChoice:
     """``MoEConfig.kernels`` resolved (:func:`resolve`) once per device type, not per forward.
 
@@ -108,17 +129,23 @@ class KernelChoice:
     def __init__(self, option: str, device: torch.device) -> None:
         self.option = option
         self._device_type = device.type
-        self._choice = resolve(option, device)
+        self._choice = _resolved(option, device)
 
     def for_device(self, device: torch.device) -> str:
         """ "torch", "triton" or "fused" for tensors on ``device``."""
         if device.type != self._device_type:
-            self._choice = resolve(self.option, device)
+            self._choice = _resolved(self.option, device)
             self._device_type = device.type
         return self._choice
 
 
 def load() -> ModuleType:
-    """The Triton expert path (``moesaic.kernels.ffn``), importing Triton on first use."""
-    require_triton()
-    return importlib.import_module("moesaic.kernels.ffn")
+    """The Triton expert path (``moesaic.kernels.ffn``), importing Triton on first use (kept:
+    a ``KernelChoice`` that resolves to it loads it, outside any compiled graph)."""
+    if not _LOADED:
+        require_triton()
+        _LOADED.append(importlib.import_module("moesaic.kernels.ffn"))
+    return _LOADED[0]
+
+
+_LOADED: list[ModuleType] = []

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moesaic.eager import eager_under_compile
 from moesaic.kernels._jit import cast_out
 from moesaic.kernels._launch import block_h, check_device, check_float, check_slots
 
@@ -74,37 +73,92 @@ def _combine_bwd(dy_ptr, rows_ptr, slot_ptr, w_ptr, drows_ptr, dw_ptr, H, K, BLO
     tl.store(dw_ptr + tk, cast_out(tl.sum(dot, axis=0), dw_ptr.dtype.element_ty))
 
 
+def _launch_fwd(rows_RH: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    T, K = slot_TK.shape
+    H = rows_RH.shape[1]
+    y_TH = rows_RH.new_empty(T, H)
+    if T and H:
+        block = block_h(H)
+        _combine_fwd[(T, triton.cdiv(H, block))](rows_RH, slot_TK, w_TK, y_TH, H, K, BLOCK=block)
+    return y_TH
+
+
+def _launch_bwd(
+    dy_TH: torch.Tensor,
+    rows_RH: torch.Tensor,
+    slot_TK: torch.Tensor,
+    w_TK: torch.Tensor,
+    zero_fill: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = slot_TK.shape
+    H = rows_RH.shape[1]
+    # rows no assignment reads get zero gradients; each assignment writes its own dw
+    drows_RH = torch.zeros_like(rows_RH) if zero_fill else torch.empty_like(rows_RH)
+    dw_TK = torch.empty_like(w_TK)
+    if T * K:
+        _combine_bwd[(T * K,)](
+            dy_TH.contiguous(), rows_RH, slot_TK, w_TK, drows_RH, dw_TK, H, K, BLOCK=block_h(H)
+        )
+    return drows_RH, dw_TK
+
+
 class _Combine(torch.autograd.Function):
+    """The eager path; under torch.compile the custom ops below (kernels/__init__.py)."""
+
     @staticmethod
     def forward(ctx, rows_RH, slot_TK, w_TK, zero_fill):
         ctx.save_for_backward(rows_RH, slot_TK, w_TK)
         ctx.zero_fill = zero_fill
-        T, K = slot_TK.shape
-        H = rows_RH.shape[1]
-        y_TH = rows_RH.new_empty(T, H)
-        if T and H:
-            block = block_h(H)
-            _combine_fwd[(T, triton.cdiv(H, block))](
-                rows_RH, slot_TK, w_TK, y_TH, H, K, BLOCK=block
-            )
-        return y_TH
+        return _launch_fwd(rows_RH, slot_TK, w_TK)
 
     @staticmethod
     def backward(ctx, dy_TH):
         rows_RH, slot_TK, w_TK = ctx.saved_tensors
-        T, K = slot_TK.shape
-        H = rows_RH.shape[1]
-        # rows no assignment reads get zero gradients; each assignment writes its own dw
-        drows_RH = torch.zeros_like(rows_RH) if ctx.zero_fill else torch.empty_like(rows_RH)
-        dw_TK = torch.empty_like(w_TK)
-        if T * K:
-            _combine_bwd[(T * K,)](
-                dy_TH.contiguous(), rows_RH, slot_TK, w_TK, drows_RH, dw_TK, H, K, BLOCK=block_h(H)
-            )
+        drows_RH, dw_TK = _launch_bwd(dy_TH, rows_RH, slot_TK, w_TK, ctx.zero_fill)
         return drows_RH, None, dw_TK, None
 
 
-@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
+# Under torch.compile: the same launchers as custom ops (kernels/__init__.py).
+_combine_op = torch.library.custom_op(
+    "moesaic::combine",
+    lambda rows_RH, slot_TK, w_TK, zero_fill: _launch_fwd(rows_RH, slot_TK, w_TK),
+    mutates_args=(),
+    schema="(Tensor rows_RH, Tensor slot_TK, Tensor w_TK, bool zero_fill) -> Tensor",
+)
+_combine_bwd_op = torch.library.custom_op(
+    "moesaic::combine_bwd",
+    _launch_bwd,
+    mutates_args=(),
+    schema="(Tensor dy_TH, Tensor rows_RH, Tensor slot_TK, Tensor w_TK, bool zero_fill) "
+    "-> (Tensor, Tensor)",
+)
+
+
+@_combine_op.register_fake
+def _(rows_RH, slot_TK, w_TK, zero_fill):
+    return rows_RH.new_empty(slot_TK.shape[0], rows_RH.shape[1])
+
+
+@_combine_bwd_op.register_fake
+def _(dy_TH, rows_RH, slot_TK, w_TK, zero_fill):
+    return torch.empty_like(rows_RH), torch.empty_like(w_TK)
+
+
+def _combine_op_setup(ctx, inputs, output):
+    rows_RH, slot_TK, w_TK, zero_fill = inputs
+    ctx.save_for_backward(rows_RH, slot_TK, w_TK)
+    ctx.zero_fill = zero_fill
+
+
+def _combine_op_backward(ctx, dy_TH):
+    rows_RH, slot_TK, w_TK = ctx.saved_tensors
+    drows_RH, dw_TK = _combine_bwd_op(dy_TH.contiguous(), rows_RH, slot_TK, w_TK, ctx.zero_fill)
+    return drows_RH, None, dw_TK, None
+
+
+_combine_op.register_autograd(_combine_op_backward, setup_context=_combine_op_setup)
+
+
 def combine(
     rows_RH: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor, *, zero_fill: bool = True
 ) -> torch.Tensor:
@@ -127,4 +181,5 @@ def combine(
             f"w_TK {tuple(w_TK.shape)} must have slot_TK's shape {tuple(slot_TK.shape)}"
         )
     check_float("w_TK", w_TK)
-    return _Combine.apply(rows_RH.contiguous(), slot_TK.contiguous(), w_TK.contiguous(), zero_fill)
+    fn = _combine_op if torch.compiler.is_compiling() else _Combine.apply
+    return fn(rows_RH.contiguous(), slot_TK.contiguous(), w_TK.contiguous(), zero_fill)

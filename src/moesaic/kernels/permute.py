@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moesaic.eager import eager_under_compile
 from moesaic.kernels._jit import cast_out
 from moesaic.kernels._launch import block_h, check_device, check_float, check_slots
 
@@ -84,6 +83,8 @@ def _launch_bwd(dout_RH: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
 
 
 class _Permute(torch.autograd.Function):
+    """The eager path; under torch.compile the custom ops below (kernels/__init__.py)."""
+
     @staticmethod
     def forward(ctx, x_TH, slot_TK, num_rows, zero_fill):
         ctx.save_for_backward(slot_TK)
@@ -95,7 +96,43 @@ class _Permute(torch.autograd.Function):
         return _launch_bwd(dout_RH.contiguous(), slot_TK), None, None, None
 
 
-@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
+# Under torch.compile: the same launchers as custom ops (kernels/__init__.py).
+_permute_op = torch.library.custom_op(
+    "moesaic::permute",
+    _launch_fwd,
+    mutates_args=(),
+    schema="(Tensor x_TH, Tensor slot_TK, SymInt num_rows, bool zero_fill) -> Tensor",
+)
+_permute_bwd_op = torch.library.custom_op(
+    "moesaic::permute_bwd",
+    _launch_bwd,
+    mutates_args=(),
+    schema="(Tensor dout_RH, Tensor slot_TK) -> Tensor",
+)
+
+
+@_permute_op.register_fake
+def _(x_TH, slot_TK, num_rows, zero_fill):
+    return x_TH.new_empty(num_rows, x_TH.shape[1])
+
+
+@_permute_bwd_op.register_fake
+def _(dout_RH, slot_TK):
+    return dout_RH.new_empty(slot_TK.shape[0], dout_RH.shape[1])
+
+
+def _permute_op_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _permute_op_backward(ctx, dout_RH):
+    (slot_TK,) = ctx.saved_tensors
+    return _permute_bwd_op(dout_RH.contiguous(), slot_TK), None, None, None
+
+
+_permute_op.register_autograd(_permute_op_backward, setup_context=_permute_op_setup)
+
+
 def permute(
     x_TH: torch.Tensor, slot_TK: torch.Tensor, num_rows: int, *, zero_fill: bool = True
 ) -> torch.Tensor:
@@ -114,4 +151,5 @@ def permute(
     check_slots(slot_TK, x_TH.shape[0])
     if num_rows < 0:
         raise ValueError(f"num_rows ({num_rows}) must be >= 0")
-    return _Permute.apply(x_TH.contiguous(), slot_TK.contiguous(), num_rows, zero_fill)
+    fn = _permute_op if torch.compiler.is_compiling() else _Permute.apply
+    return fn(x_TH.contiguous(), slot_TK.contiguous(), num_rows, zero_fill)

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moesaic.eager import eager_under_compile
 from moesaic.kernels._launch import check_device
 
 # Logits per program: about 4096 fp32 values (16 per thread of 8 warps). Not tuned on a GPU.
@@ -193,35 +192,88 @@ def _route_bwd(
     tl.store(dlogits_ptr + offs, dl, mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _launch_fwd(
+    logits_TE: torch.Tensor, top_k: int, normalize: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ids_TK``, ``weights_TK``, ``lse_T`` (saved for the backward) and the statistics'
+    column sums ``[2E + 1]``: the mean probabilities, the counts and z."""
+    T, E = logits_TE.shape
+    BT, BE = block_t(E), block_e(E)
+    P = triton.cdiv(T, BT)
+    dev = logits_TE.device
+    ids_TK = torch.empty(T, top_k, dtype=torch.long, device=dev)
+    weights_TK = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    lse_T = torch.empty(T, dtype=torch.float32, device=dev)
+    part_PW = torch.empty(P, 2 * E + 1, dtype=torch.float32, device=dev)
+    KP = max(2, 1 << max(top_k - 1, 0).bit_length())
+    _route_fwd[(P,)](
+        logits_TE,
+        ids_TK,
+        weights_TK,
+        lse_T,
+        part_PW,
+        T,
+        E,
+        1.0 / T,
+        float(scale),
+        K=top_k,
+        KP=KP,
+        NORMALIZE=normalize,
+        BT=BT,
+        BE=BE,
+    )
+    return ids_TK, weights_TK, lse_T, part_PW.sum(dim=0)
+
+
+def _launch_bwd(
+    logits_TE: torch.Tensor,
+    lse_T: torch.Tensor,
+    ids_TK: torch.Tensor,
+    dw_TK: torch.Tensor | None,
+    dpm_E: torch.Tensor | None,
+    dz: torch.Tensor | None,
+    normalize: bool,
+    scale: float,
+) -> torch.Tensor:
+    T, E = logits_TE.shape
+    K = ids_TK.shape[1]
+    BT, BE = block_t(E), block_e(E)
+    dlogits_TE = torch.empty_like(logits_TE)
+    dummy = lse_T  # a pointer for the absent gradients (never read)
+    dw = dw_TK.float().contiguous() if dw_TK is not None else dummy
+    dpm = dpm_E.float().contiguous() if dpm_E is not None else dummy
+    dzz = dz.float().reshape(1) if dz is not None else dummy
+    _route_bwd[(triton.cdiv(T, BT),)](
+        logits_TE,
+        lse_T,
+        ids_TK,
+        dw,
+        dpm,
+        dzz,
+        dlogits_TE,
+        T,
+        E,
+        1.0 / T,
+        float(scale),
+        K=K,
+        NORMALIZE=normalize,
+        HAS_DW=dw_TK is not None,
+        HAS_DPM=dpm_E is not None,
+        HAS_DZ=dz is not None,
+        BT=BT,
+        BE=BE,
+    )
+    return dlogits_TE
+
+
 class _Route(torch.autograd.Function):
+    """The eager path; under torch.compile the custom ops below (kernels/__init__.py)."""
+
     @staticmethod
     def forward(ctx, logits_TE, top_k, normalize, scale):
-        T, E = logits_TE.shape
-        BT, BE = block_t(E), block_e(E)
-        P = triton.cdiv(T, BT)
-        dev = logits_TE.device
-        ids_TK = torch.empty(T, top_k, dtype=torch.long, device=dev)
-        weights_TK = torch.empty(T, top_k, dtype=torch.float32, device=dev)
-        lse_T = torch.empty(T, dtype=torch.float32, device=dev)
-        part_PW = torch.empty(P, 2 * E + 1, dtype=torch.float32, device=dev)
-        KP = max(2, 1 << max(top_k - 1, 0).bit_length())
-        _route_fwd[(P,)](
-            logits_TE,
-            ids_TK,
-            weights_TK,
-            lse_T,
-            part_PW,
-            T,
-            E,
-            1.0 / T,
-            float(scale),
-            K=top_k,
-            KP=KP,
-            NORMALIZE=normalize,
-            BT=BT,
-            BE=BE,
-        )
-        probs_mean_E, counts_E, z = part_PW.sum(dim=0).split([E, E, 1])
+        E = logits_TE.shape[1]
+        ids_TK, weights_TK, lse_T, sums_W = _launch_fwd(logits_TE, top_k, normalize, scale)
+        probs_mean_E, counts_E, z = sums_W.split([E, E, 1])
         ctx.save_for_backward(logits_TE, lse_T, ids_TK)
         ctx.normalize, ctx.scale = normalize, float(scale)
         ctx.mark_non_differentiable(ids_TK, counts_E)
@@ -230,38 +282,69 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _dids, dw_TK, dpm_E, _dcounts, dz):
         logits_TE, lse_T, ids_TK = ctx.saved_tensors
-        T, E = logits_TE.shape
-        K = ids_TK.shape[1]
-        BT, BE = block_t(E), block_e(E)
-        dlogits_TE = torch.empty_like(logits_TE)
-        dummy = lse_T  # a pointer for the absent gradients (never read)
-        dw = dw_TK.float().contiguous() if dw_TK is not None else dummy
-        dpm = dpm_E.float().contiguous() if dpm_E is not None else dummy
-        dzz = dz.float().reshape(1) if dz is not None else dummy
-        _route_bwd[(triton.cdiv(T, BT),)](
-            logits_TE,
-            lse_T,
-            ids_TK,
-            dw,
-            dpm,
-            dzz,
-            dlogits_TE,
-            T,
-            E,
-            1.0 / T,
-            ctx.scale,
-            K=K,
-            NORMALIZE=ctx.normalize,
-            HAS_DW=dw_TK is not None,
-            HAS_DPM=dpm_E is not None,
-            HAS_DZ=dz is not None,
-            BT=BT,
-            BE=BE,
+        dlogits_TE = _launch_bwd(
+            logits_TE, lse_T, ids_TK, dw_TK, dpm_E, dz, ctx.normalize, ctx.scale
         )
         return dlogits_TE, None, None, None
 
 
-@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
+# Under torch.compile: the same launchers as custom ops (kernels/__init__.py). The statistics
+# come out as one [2E + 1] tensor, split by the caller (a custom op's outputs may not alias
+# each other); its gradient carries the mean probabilities' and z's (the counts' part is never
+# read).
+_route_op = torch.library.custom_op(
+    "moesaic::route",
+    _launch_fwd,
+    mutates_args=(),
+    schema="(Tensor logits_TE, int top_k, bool normalize, float scale) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+_route_bwd_op = torch.library.custom_op(
+    "moesaic::route_bwd",
+    _launch_bwd,
+    mutates_args=(),
+    schema="(Tensor logits_TE, Tensor lse_T, Tensor ids_TK, Tensor? dw_TK, Tensor? dpm_E, "
+    "Tensor? dz, bool normalize, float scale) -> Tensor",
+)
+
+
+@_route_op.register_fake
+def _(logits_TE, top_k, normalize, scale):
+    T, E = logits_TE.shape
+    f32 = torch.float32
+    return (
+        logits_TE.new_empty(T, top_k, dtype=torch.long),
+        logits_TE.new_empty(T, top_k, dtype=f32),
+        logits_TE.new_empty(T, dtype=f32),
+        logits_TE.new_empty(2 * E + 1, dtype=f32),
+    )
+
+
+@_route_bwd_op.register_fake
+def _(logits_TE, lse_T, ids_TK, dw_TK, dpm_E, dz, normalize, scale):
+    return torch.empty_like(logits_TE)
+
+
+def _route_op_setup(ctx, inputs, output):
+    logits_TE, _top_k, normalize, scale = inputs
+    ids_TK, _weights_TK, lse_T, _sums_W = output
+    ctx.save_for_backward(logits_TE, lse_T, ids_TK)
+    ctx.normalize, ctx.scale = normalize, float(scale)
+
+
+def _route_op_backward(ctx, _dids, dw_TK, _dlse, dsums_W):
+    logits_TE, lse_T, ids_TK = ctx.saved_tensors
+    E = logits_TE.shape[1]
+    dpm_E = dz = None
+    if dsums_W is not None:
+        dpm_E, dz = dsums_W[:E], dsums_W[2 * E :]
+    dlogits_TE = _route_bwd_op(logits_TE, lse_T, ids_TK, dw_TK, dpm_E, dz, ctx.normalize, ctx.scale)
+    return dlogits_TE, None, None, None
+
+
+_route_op.register_autograd(_route_op_backward, setup_context=_route_op_setup)
+
+
 def route(
     logits_TE: torch.Tensor, top_k: int, normalize: bool = True, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -290,4 +373,8 @@ def route(
         raise ValueError("logits_TE has no tokens: route needs T >= 1 (the torch path takes 0)")
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k ({top_k}) must be between 1 and E ({E})")
-    return _Route.apply(logits_TE.contiguous(), top_k, normalize, scale)
+    if not torch.compiler.is_compiling():
+        return _Route.apply(logits_TE.contiguous(), top_k, normalize, scale)
+    ids_TK, weights_TK, _lse_T, sums_W = _route_op(logits_TE.contiguous(), top_k, normalize, scale)
+    probs_mean_E, counts_E, z = sums_W.split([E, E, 1])
+    return ids_TK, weights_TK, probs_mean_E, counts_E.detach(), z.view(())

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moesaic.eager import eager_under_compile
 from moesaic.kernels._jit import cast_out
 from moesaic.kernels._launch import check_device, check_float
 from moesaic.kernels.swiglu import _swiglu_bwd_kernel
@@ -40,27 +39,70 @@ def _swiglu_act_fwd(a_ptr, b_ptr, h_ptr, numel, BLOCK: tl.constexpr):
     tl.store(h_ptr + i, cast_out(a * tl.sigmoid(a) * b, h_ptr.dtype.element_ty), mask=ok)
 
 
+def _launch_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    h = torch.empty_like(a)
+    if a.numel():
+        _swiglu_act_fwd[(triton.cdiv(a.numel(), BLOCK),)](a, b, h, a.numel(), BLOCK=BLOCK)
+    return h
+
+
+def _launch_bwd(
+    dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dh = dh.contiguous()
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    if a.numel():
+        grid = (triton.cdiv(a.numel(), BLOCK),)
+        _swiglu_bwd_kernel[grid](dh, a, b, da, db, a.numel(), BLOCK=BLOCK)
+    return da, db
+
+
 class _SwiGLUAct(torch.autograd.Function):
+    """The eager path; under torch.compile the custom ops below (kernels/__init__.py)."""
+
     @staticmethod
     def forward(ctx, a, b):
-        h = torch.empty_like(a)
-        if a.numel():
-            _swiglu_act_fwd[(triton.cdiv(a.numel(), BLOCK),)](a, b, h, a.numel(), BLOCK=BLOCK)
         ctx.save_for_backward(a, b)
-        return h
+        return _launch_fwd(a, b)
 
     @staticmethod
     def backward(ctx, dh):
-        a, b = ctx.saved_tensors
-        dh = dh.contiguous()
-        da, db = torch.empty_like(a), torch.empty_like(b)
-        if a.numel():
-            grid = (triton.cdiv(a.numel(), BLOCK),)
-            _swiglu_bwd_kernel[grid](dh, a, b, da, db, a.numel(), BLOCK=BLOCK)
-        return da, db
+        return _launch_bwd(dh, *ctx.saved_tensors)
 
 
-@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
+# Under torch.compile: the same launchers as custom ops (kernels/__init__.py).
+_swiglu_act_op = torch.library.custom_op(
+    "moesaic::swiglu_act", _launch_fwd, mutates_args=(), schema="(Tensor a, Tensor b) -> Tensor"
+)
+_swiglu_act_bwd_op = torch.library.custom_op(
+    "moesaic::swiglu_act_bwd",
+    _launch_bwd,
+    mutates_args=(),
+    schema="(Tensor dh, Tensor a, Tensor b) -> (Tensor, Tensor)",
+)
+
+
+@_swiglu_act_op.register_fake
+def _(a, b):
+    return torch.empty_like(a)
+
+
+@_swiglu_act_bwd_op.register_fake
+def _(dh, a, b):
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+def _swiglu_act_op_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_act_op_backward(ctx, dh):
+    return _swiglu_act_bwd_op(dh, *ctx.saved_tensors)
+
+
+_swiglu_act_op.register_autograd(_swiglu_act_op_backward, setup_context=_swiglu_act_op_setup)
+
+
 def swiglu_act(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` (same shape and dtype; fp32 math), differentiable in both.
 
@@ -75,4 +117,5 @@ def swiglu_act(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             f"b ({tuple(b.shape)}, {b.dtype}, {b.device}) must have a's shape, dtype and "
             f"device ({tuple(a.shape)}, {a.dtype}, {a.device})"
         )
-    return _SwiGLUAct.apply(a.contiguous(), b.contiguous())
+    fn = _swiglu_act_op if torch.compiler.is_compiling() else _SwiGLUAct.apply
+    return fn(a.contiguous(), b.contiguous())

@@ -53,6 +53,10 @@ class ExpertPlacement:
                 f"experts_of_rank must hold each expert id 0..{self.num_experts - 1} exactly "
                 f"once, got {self.experts_of_rank}"
             )
+        # The derived facts now, not at a first read inside a torch.compile'd forward: a
+        # cached_property's first read takes a lock there (Python < 3.12), a graph break.
+        for name in ("slot_of_expert", "owner_of_expert", "_slot_tensors"):
+            getattr(self, name)
 
     @classmethod
     def contiguous(cls, num_experts: int, ep_size: int) -> ExpertPlacement:

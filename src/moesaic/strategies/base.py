@@ -389,7 +389,7 @@ class DispatchCombineStrategy(MoEStrategy, Generic[HandleT]):
         (``pipelined=True``: the R chunks of the step share the result and the schedule calls
         ``finish_backward`` after the last chunk's expert backward); the vanilla ``forward``
         calls it once per forward."""
-        return ExpertRun(experts)
+        return ExpertRun(experts, CommStats())
 
     @abstractmethod
     def dispatch_send(self, x_TH: torch.Tensor, plan: RoutingPlan) -> Outbound[HandleT]:
