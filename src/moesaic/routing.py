@@ -178,8 +178,14 @@ class RoutingPlan:
         T, K = self.topk_ids_TK.shape
         R = order_R.numel()
         if R not in self._slots:
-            slot_TK = torch.full((T * K,), -1, dtype=torch.long, device=order_R.device)
-            slot_TK[order_R] = torch.arange(R, device=order_R.device)
+            dev = order_R.device
+            # every entry is written when R = T*K (order_R a permutation): no fill kernel
+            slot_TK = (
+                torch.empty(T * K, dtype=torch.long, device=dev)
+                if R == T * K
+                else torch.full((T * K,), -1, dtype=torch.long, device=dev)
+            )
+            slot_TK[order_R] = torch.arange(R, device=dev)
             self._slots[R] = slot_TK.view(T, K)
         return self._slots[R]
 

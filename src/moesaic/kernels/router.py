@@ -277,6 +277,9 @@ class _Route(torch.autograd.Function):
         ctx.save_for_backward(logits_TE, lse_T, ids_TK)
         ctx.normalize, ctx.scale = normalize, float(scale)
         ctx.mark_non_differentiable(ids_TK, counts_E)
+        # An output nothing differentiates reaches the backward as None, not as zeros that
+        # autograd makes (two kernels a step, and work for the kernel's HAS_* branches).
+        ctx.set_materialize_grads(False)
         return ids_TK, weights_TK, probs_mean_E, counts_E, z.view(())
 
     @staticmethod
