@@ -238,8 +238,9 @@ def compiled(module: torch.nn.Module, fullgraph: bool) -> torch.nn.Module:
     """``module`` compiled in place the way torchtitan's trainer compiles its blocks
     (``torchtitan.distributed.compile.apply_compile``: scalar outputs captured for the MoE's
     data-dependent shapes, ``module.compile(fullgraph=True)``). Ours compiles with graph
-    breaks allowed (``fullgraph=False``): its Triton kernels and the host's split sizes break
-    the graph; torchtitan's MoE compiles whole. A peer compiles its library's module
+    breaks allowed (``fullgraph=False``): its compute is one graph (its Triton kernels custom
+    ops), its bookkeeping after it eager (one break); torchtitan's MoE compiles whole. A peer
+    compiles its library's module
     (``PeerModule.inner``), not our calling-convention wrapper around it."""
     torch._dynamo.config.capture_scalar_outputs = True
     getattr(module, "inner", module).compile(fullgraph=fullgraph)
