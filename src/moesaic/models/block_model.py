@@ -79,8 +79,10 @@ class SharedLMMethods(nn.Module):
     def compile_dense(self) -> None:
         """``torch.compile`` each of ``dense_modules`` in place (``nn.Module.compile``: the
         state dict keeps its keys), the way torchtitan's trainer compiles its blocks; the MoE
-        layers stay eager (their Triton kernels or library GEMMs, and their host bookkeeping,
-        which Dynamo would split into many graphs). In eager mode the norms, rotary
+        layers stay eager. (Compiled alone, a dropless layer's compute is one graph,
+        ``tests/test_compile.py``; whether compiling it into its block pays on a GPU is not
+        measured, and at EP > 1 its exchanges' host-read split sizes break graphs.) In eager
+        mode the norms, rotary
         embeddings, residual adds and casts of a bf16 step are separate kernels; fused, a
         Qwen3-MoE step on an H200 went from 191 to 156 ms of kernels
         (``benchmarks/results/gpu_train_step_h200.json``)."""
