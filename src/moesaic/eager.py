@@ -1,14 +1,19 @@
-"""``eager_under_compile``: a function that runs eagerly inside a ``torch.compile``'d region (a
-graph break around it), without importing ``torch._dynamo`` when the library is imported.
+"""How library functions behave inside a ``torch.compile``'d region, declared without importing
+``torch._dynamo`` (nor torch: ``moesaic.kernels`` and the config import this) when the library
+is imported.
 
 ``torch.compiler.disable`` imports Dynamo, which imports Triton: about a second of every
 ``import moesaic``, and, in the test suite, Triton imported before ``tests/kernels`` can set
 ``TRITON_INTERPRET=1`` (which then skipped every kernel test). Nothing is compiled before Dynamo
-is imported, so the wrapper calls the function plainly until then and its disabled form after.
+is imported, so ``eager_under_compile``'s wrapper calls the function plainly until then and its
+disabled form after (a graph break around it). It is used where tracing costs more than it
+gives: the layer's host bookkeeping (``MoELayer._account`` and ``_record``: its aux list and
+int counters, which a compiled forward would guard on and recompile for every step).
 
-Used where tracing fails or costs more than it gives: the Triton kernels' entry points
-(``kernels/__init__.py``), the layer's host statistics (``MoELayer._record``) and the grouped
-GEMM's one-time probe (``experts``).
+``constant_under_compile`` marks a function whose result a compiled caller may take as a
+constant (``torch.compiler.assume_constant_result``'s mark, set without Dynamo): Dynamo runs
+it when it traces the call, for real and without a graph break, and keeps its result (the
+grouped GEMM's fast-path probe, the kernel choice).
 """
 
 from __future__ import annotations
@@ -18,9 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-import torch
-
-__all__ = ["eager_under_compile"]
+__all__ = ["constant_under_compile", "eager_under_compile"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -42,6 +45,8 @@ def eager_under_compile(fn: _F) -> _F:
         if "torch._dynamo" not in sys.modules:  # nothing compiles without Dynamo
             return fn(*args, **kwargs)
         if not disabled:
+            import torch  # loaded by then (Dynamo is); this module stays torch-free to import
+
             disabled.append(torch.compiler.disable(fn))
             _skip_frames_of(wrapper)
         return disabled[0](*args, **kwargs)
@@ -59,3 +64,11 @@ def _skip_frames_of(wrapper: Callable[..., Any]) -> None:
     except ImportError:
         return
     skip(wrapper)
+
+
+def constant_under_compile(fn: _F) -> _F:
+    """``fn``, marked for ``torch.compile`` as returning a constant (a Python value, not a
+    tensor) for its arguments: run when traced, its result kept in the graph with no guard on
+    it, so it must not change for the process (a probe, a resolved choice)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn

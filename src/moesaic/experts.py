@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moesaic.config import MoEConfig
+from moesaic.eager import constant_under_compile
 from moesaic.kernels import KernelChoice
 from moesaic.kernels import load as load_kernels
 
@@ -182,14 +183,11 @@ def _probe(device: torch.device, dtype: torch.dtype, native: bool) -> bool:
     )
 
 
+@constant_under_compile
 def _probed(device: torch.device, dtype: torch.dtype, native: bool) -> bool:
     """``_fast_path_ok``, a constant under ``torch.compile``: Dynamo runs it on real tensors
     when it traces the call (its answer, cached, holds for the process), with no graph break."""
     return _fast_path_ok(device, dtype, native)
-
-
-# torch.compiler.assume_constant_result's mark, set without importing Dynamo
-_probed._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _fast_mode(x_MH: torch.Tensor, w_eHF: torch.Tensor, use_fast: bool = True) -> bool | None:

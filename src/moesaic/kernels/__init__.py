@@ -42,19 +42,17 @@ an ``*_reference`` in plain torch):
   release signals (EP > 1: virtual ranks on one device, or peers on one node); the
   ``taskflow`` dispatcher's path on CUDA (``kernels="auto"`` or ``"triton"``).
 
-Under ``torch.compile`` the "fused" path's entry points (``route``, ``permute``,
-``swiglu_act``, ``combine``) call their launchers as custom ops (``torch.library.custom_op``,
-``moesaic::*``, each with a fake kernel and a backward that is a custom op too): opaque to
-Inductor, which cannot fuse a hand-written Triton kernel anyway, and traced through by Dynamo
-and AOTAutograd, so a compiled dropless layer is one graph each way (``tests/test_compile.py``;
-with a graph break around each, and its bookkeeping traced, it was 18 graphs and on an H200
-slower than eager).
-Eagerly they run their ``autograd.Function``s: a custom op's dispatch costs ~35 us of host
-time a call more (measured on CPU), and the layer on a GPU is host-bound at small shapes.
-(Tracing the ``autograd.Function``s themselves failed on an H200, torch 2.11: AOTAutograd's
-joint graph refused the router's non-differentiable counts.) The "triton" path's own GEMMs
-(``grouped_gemm``, ``grouped_swiglu``) still run eagerly under compile
-(``eager.eager_under_compile``: a graph break around each).
+Under ``torch.compile`` every entry point above but the persistent kernel's (``route``,
+``permute``, ``grouped_gemm``, ``grouped_swiglu``, ``swiglu_act``, ``combine``) calls its
+launchers as custom ops (``torch.library.custom_op``, ``moesaic::*``, each with a fake kernel
+and a backward that is a custom op too): opaque to Inductor, which cannot fuse a hand-written
+Triton kernel anyway, and traced through by Dynamo and AOTAutograd, so a compiled dropless
+layer is one graph each way on the "fused" and "triton" paths (``tests/test_compile.py``;
+with a graph break around each kernel, and its bookkeeping traced, it was 18 graphs and on an
+H200 slower than eager). Eagerly they run their ``autograd.Function``s: a custom op's
+dispatch costs ~35 us of host time a call more (measured on CPU), and the layer on a GPU is
+host-bound at small shapes. (Tracing the ``autograd.Function``s themselves failed on an H200,
+torch 2.11: AOTAutograd's joint graph refused the router's non-differentiable counts.)
 
 Tested against the references under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU in
 tests/kernels. On a GPU (one H200, issue 27, benchmarks/gpu_layer.py) a Mixtral-like bf16 step
@@ -69,6 +67,8 @@ from __future__ import annotations
 import importlib.util
 from types import ModuleType
 from typing import TYPE_CHECKING
+
+from moesaic.eager import constant_under_compile
 
 if TYPE_CHECKING:
     import torch
@@ -100,6 +100,7 @@ def resolve(kernels: str, device: torch.device) -> str:
     return "fused" if device.type == "cuda" and triton_available() else "torch"
 
 
+@constant_under_compile
 def _resolved(kernels: str, device: torch.device) -> str:
     """``resolve``, with the Triton path loaded when chosen. A constant under ``torch.compile``
     (run when traced, not traced: it imports), so a compiled forward reaches ``load()`` with
@@ -108,10 +109,6 @@ def _resolved(kernels: str, device: torch.device) -> str:
     if choice in ("triton", "fused"):
         load()
     return choice
-
-
-# torch.compiler.assume_constant_result's mark, set without importing Dynamo
-_resolved._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class KernelChoice:

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moesaic.eager import eager_under_compile
 from moesaic.kernels._jit import cast_out, mma
 from moesaic.kernels._launch import check_device, check_float, upcast_dot
 
@@ -207,6 +206,8 @@ def gmm_weight_grad(
 
 
 class _GroupedGemm(torch.autograd.Function):
+    """The eager path; under torch.compile the custom ops below (kernels/__init__.py)."""
+
     @staticmethod
     def forward(ctx, x_MK, w_eKN, offs_e):
         ctx.save_for_backward(x_MK, w_eKN, offs_e)
@@ -222,6 +223,49 @@ class _GroupedGemm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = gmm_weight_grad(x_MK, dy_MN, offs_e, w_eKN.shape[0])
         return dx, dw, None
+
+
+# Under torch.compile: the same launchers as custom ops (kernels/__init__.py).
+gmm_op = torch.library.custom_op(
+    "moesaic::grouped_gemm",
+    gmm_forward,
+    mutates_args=(),
+    schema="(Tensor x_MK, Tensor w_eKN, Tensor offs_e) -> Tensor",
+)
+gmm_weight_grad_op = torch.library.custom_op(
+    "moesaic::grouped_gemm_dw",
+    gmm_weight_grad,
+    mutates_args=(),
+    schema="(Tensor x_MK, Tensor dy_MN, Tensor offs_e, SymInt num_groups) -> Tensor",
+)
+
+
+@gmm_op.register_fake
+def _(x_MK, w_eKN, offs_e):
+    return x_MK.new_empty(x_MK.shape[0], w_eKN.shape[2])
+
+
+@gmm_weight_grad_op.register_fake
+def _(x_MK, dy_MN, offs_e, num_groups):
+    return x_MK.new_empty(num_groups, x_MK.shape[1], dy_MN.shape[1])
+
+
+def _gmm_op_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gmm_op_backward(ctx, dy_MN):
+    x_MK, w_eKN, offs_e = ctx.saved_tensors
+    dy_MN = dy_MN.contiguous()
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = gmm_op(dy_MN, w_eKN.transpose(1, 2), offs_e)
+    if ctx.needs_input_grad[1]:
+        dw = gmm_weight_grad_op(x_MK, dy_MN, offs_e, w_eKN.shape[0])
+    return dx, dw, None
+
+
+gmm_op.register_autograd(_gmm_op_backward, setup_context=_gmm_op_setup)
 
 
 def check_gemm_args(x_MK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) -> None:
@@ -241,7 +285,6 @@ def check_gemm_args(x_MK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tenso
         )
 
 
-@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
 def grouped_gemm(x_MK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
     """Rows of group i times ``w_eKN[i]``; returns [M, N] in x's dtype.
 
@@ -252,4 +295,5 @@ def grouped_gemm(x_MK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) 
             last must be M.
     """
     check_gemm_args(x_MK, w_eKN, offs_e)
-    return _GroupedGemm.apply(x_MK.contiguous(), w_eKN, offs_e.contiguous())
+    fn = gmm_op if torch.compiler.is_compiling() else _GroupedGemm.apply
+    return fn(x_MK.contiguous(), w_eKN, offs_e.contiguous())

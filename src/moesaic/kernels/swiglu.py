@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moesaic.eager import eager_under_compile
 from moesaic.kernels._jit import cast_out, mma
 from moesaic.kernels._launch import upcast_dot
 from moesaic.kernels.grouped_gemm import (
@@ -26,7 +25,9 @@ from moesaic.kernels.grouped_gemm import (
     _find_tile,
     check_gemm_args,
     gmm_forward,
+    gmm_op,
     gmm_weight_grad,
+    gmm_weight_grad_op,
     grouped_gemm_reference,
 )
 
@@ -146,7 +147,40 @@ def _launch_fwd(
     return h_MF, a_MF, b_MF
 
 
+def launch_swiglu_bwd(
+    dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(da, db)`` of ``h = silu(a) * b`` (one pass; ``block`` elements per program)."""
+    dh = dh.contiguous()
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    if a.numel():
+        _swiglu_bwd_kernel[(triton.cdiv(a.numel(), block),)](
+            dh, a, b, da, db, a.numel(), BLOCK=block
+        )
+    return da, db
+
+
+def _grouped_swiglu_bwd(saved, dh_MF, needs, launch):
+    """The backward of both paths: ``launch`` the elementwise backward, the grouped GEMM and
+    its weight gradient, as launchers (eager) or as their custom ops (compiled)."""
+    x_MH, w1_eHF, w3_eHF, offs_e, a_MF, b_MF = saved
+    swiglu_bwd, gemm, dw_gemm = launch
+    da_MF, db_MF = swiglu_bwd(dh_MF, a_MF, b_MF, BLOCK_ELEMS)
+    dx = dw1 = dw3 = None
+    if needs[0]:
+        dx = gemm(da_MF, w1_eHF.transpose(1, 2), offs_e)
+        dx = dx + gemm(db_MF, w3_eHF.transpose(1, 2), offs_e)
+    e = w1_eHF.shape[0]
+    if needs[1]:
+        dw1 = dw_gemm(x_MH, da_MF, offs_e, e)
+    if needs[2]:
+        dw3 = dw_gemm(x_MH, db_MF, offs_e, e)
+    return dx, dw1, dw3, None
+
+
 class _GroupedSwiGLU(torch.autograd.Function):
+    """The eager path; under torch.compile the custom ops below (kernels/__init__.py)."""
+
     @staticmethod
     def forward(ctx, x_MH, w1_eHF, w3_eHF, offs_e):
         save = any(ctx.needs_input_grad[:3])
@@ -157,26 +191,52 @@ class _GroupedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh_MF):
-        x_MH, w1_eHF, w3_eHF, offs_e, a_MF, b_MF = ctx.saved_tensors
-        dh_MF = dh_MF.contiguous()
-        da_MF, db_MF = torch.empty_like(a_MF), torch.empty_like(b_MF)
-        numel = dh_MF.numel()
-        if numel:
-            grid = (triton.cdiv(numel, BLOCK_ELEMS),)
-            _swiglu_bwd_kernel[grid](dh_MF, a_MF, b_MF, da_MF, db_MF, numel, BLOCK=BLOCK_ELEMS)
-        dx = dw1 = dw3 = None
-        if ctx.needs_input_grad[0]:
-            dx = gmm_forward(da_MF, w1_eHF.transpose(1, 2), offs_e)
-            dx += gmm_forward(db_MF, w3_eHF.transpose(1, 2), offs_e)
-        e = w1_eHF.shape[0]
-        if ctx.needs_input_grad[1]:
-            dw1 = gmm_weight_grad(x_MH, da_MF, offs_e, e)
-        if ctx.needs_input_grad[2]:
-            dw3 = gmm_weight_grad(x_MH, db_MF, offs_e, e)
-        return dx, dw1, dw3, None
+        launch = (launch_swiglu_bwd, gmm_forward, gmm_weight_grad)
+        return _grouped_swiglu_bwd(ctx.saved_tensors, dh_MF, ctx.needs_input_grad, launch)
 
 
-@eager_under_compile  # a graph break under torch.compile (kernels/__init__.py)
+# Under torch.compile: the same launchers as custom ops (kernels/__init__.py). The forward
+# always keeps both GEMMs' outputs (a custom op's outputs may not alias each other).
+swiglu_bwd_op = torch.library.custom_op(
+    "moesaic::swiglu_bwd",
+    launch_swiglu_bwd,
+    mutates_args=(),
+    schema="(Tensor dh, Tensor a, Tensor b, int block) -> (Tensor, Tensor)",
+)
+_grouped_swiglu_op = torch.library.custom_op(
+    "moesaic::grouped_swiglu",
+    lambda x_MH, w1_eHF, w3_eHF, offs_e: _launch_fwd(x_MH, w1_eHF, w3_eHF, offs_e, True),
+    mutates_args=(),
+    schema="(Tensor x_MH, Tensor w1_eHF, Tensor w3_eHF, Tensor offs_e) -> (Tensor, Tensor, Tensor)",
+)
+
+
+@swiglu_bwd_op.register_fake
+def _(dh, a, b, block):
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+@_grouped_swiglu_op.register_fake
+def _(x_MH, w1_eHF, w3_eHF, offs_e):
+    shape = (x_MH.shape[0], w1_eHF.shape[2])
+    return x_MH.new_empty(shape), x_MH.new_empty(shape), x_MH.new_empty(shape)
+
+
+def _grouped_swiglu_op_setup(ctx, inputs, output):
+    _h_MF, a_MF, b_MF = output
+    ctx.save_for_backward(*inputs, a_MF, b_MF)
+
+
+def _grouped_swiglu_op_backward(ctx, dh_MF, _da, _db):
+    launch = (swiglu_bwd_op, gmm_op, gmm_weight_grad_op)
+    return _grouped_swiglu_bwd(ctx.saved_tensors, dh_MF, ctx.needs_input_grad, launch)
+
+
+_grouped_swiglu_op.register_autograd(
+    _grouped_swiglu_op_backward, setup_context=_grouped_swiglu_op_setup
+)
+
+
 def grouped_swiglu(
     x_MH: torch.Tensor, w1_eHF: torch.Tensor, w3_eHF: torch.Tensor, offs_e: torch.Tensor
 ) -> torch.Tensor:
@@ -190,6 +250,7 @@ def grouped_swiglu(
     check_gemm_args(x_MH, w1_eHF, offs_e)
     if w3_eHF.shape != w1_eHF.shape or w3_eHF.dtype != w1_eHF.dtype:
         raise ValueError(f"w3_eHF {tuple(w3_eHF.shape)} must match w1_eHF {tuple(w1_eHF.shape)}")
-    return _GroupedSwiGLU.apply(
-        x_MH.contiguous(), w1_eHF.contiguous(), w3_eHF.contiguous(), offs_e.contiguous()
-    )
+    args = (x_MH.contiguous(), w1_eHF.contiguous(), w3_eHF.contiguous(), offs_e.contiguous())
+    if torch.compiler.is_compiling():
+        return _grouped_swiglu_op(*args)[0]
+    return _GroupedSwiGLU.apply(*args)

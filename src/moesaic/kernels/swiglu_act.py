@@ -19,7 +19,7 @@ import triton.language as tl
 
 from moesaic.kernels._jit import cast_out
 from moesaic.kernels._launch import check_device, check_float
-from moesaic.kernels.swiglu import _swiglu_bwd_kernel
+from moesaic.kernels.swiglu import launch_swiglu_bwd, swiglu_bwd_op
 
 # Elements per program: 8 bf16 (16 bytes) per thread of 4 warps. Not tuned on a GPU.
 BLOCK = 1024
@@ -46,17 +46,6 @@ def _launch_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _launch_bwd(
-    dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    dh = dh.contiguous()
-    da, db = torch.empty_like(a), torch.empty_like(b)
-    if a.numel():
-        grid = (triton.cdiv(a.numel(), BLOCK),)
-        _swiglu_bwd_kernel[grid](dh, a, b, da, db, a.numel(), BLOCK=BLOCK)
-    return da, db
-
-
 class _SwiGLUAct(torch.autograd.Function):
     """The eager path; under torch.compile the custom ops below (kernels/__init__.py)."""
 
@@ -67,18 +56,13 @@ class _SwiGLUAct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh):
-        return _launch_bwd(dh, *ctx.saved_tensors)
+        a, b = ctx.saved_tensors
+        return launch_swiglu_bwd(dh, a, b, BLOCK)
 
 
 # Under torch.compile: the same launchers as custom ops (kernels/__init__.py).
 _swiglu_act_op = torch.library.custom_op(
     "moesaic::swiglu_act", _launch_fwd, mutates_args=(), schema="(Tensor a, Tensor b) -> Tensor"
-)
-_swiglu_act_bwd_op = torch.library.custom_op(
-    "moesaic::swiglu_act_bwd",
-    _launch_bwd,
-    mutates_args=(),
-    schema="(Tensor dh, Tensor a, Tensor b) -> (Tensor, Tensor)",
 )
 
 
@@ -87,17 +71,13 @@ def _(a, b):
     return torch.empty_like(a)
 
 
-@_swiglu_act_bwd_op.register_fake
-def _(dh, a, b):
-    return torch.empty_like(a), torch.empty_like(b)
-
-
 def _swiglu_act_op_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
 def _swiglu_act_op_backward(ctx, dh):
-    return _swiglu_act_bwd_op(dh, *ctx.saved_tensors)
+    a, b = ctx.saved_tensors
+    return swiglu_bwd_op(dh, a, b, BLOCK)
 
 
 _swiglu_act_op.register_autograd(_swiglu_act_op_backward, setup_context=_swiglu_act_op_setup)
