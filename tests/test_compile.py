@@ -89,10 +89,12 @@ _ONE_GRAPH = textwrap.dedent(
         compiled = MoELayer(cfg).to(torch.bfloat16)
         compiled.load_state_dict(eager.state_dict())
         compiled.compile(backend=counting)
-        for step in range(2):
+        # a new token count at step 2 (Dynamo recompiles once, with T symbolic); step 3's
+        # third count compiles nothing
+        for step, T in enumerate((16, 24, 20)):
             runs.clear()
             made_before = len(made)
-            x = torch.randn(32, 32, generator=torch.Generator().manual_seed(step))
+            x = torch.randn(T, 32, generator=torch.Generator().manual_seed(step))
             outs = []
             for layer in (eager, compiled):
                 layer.zero_grad()
@@ -102,9 +104,9 @@ _ONE_GRAPH = textwrap.dedent(
                 outs.append([y, xi.grad, *(p.grad for p in layer.parameters())])
             for got, want in zip(outs[1], outs[0], strict=True):
                 assert torch.equal(got, want), (kernels, step, (got - want).abs().max())
-        # the second step: its forward one graph, nothing compiled anew
+        # the third step: its forward one graph, nothing compiled anew
         assert sum(runs.values()) == 1 and len(made) == made_before, (kernels, runs, made)
-        assert compiled.stats.forwards == eager.stats.forwards == 2
+        assert compiled.stats.forwards == eager.stats.forwards == 3
         print("ok", kernels)
     """
 )
@@ -132,12 +134,13 @@ def test_compiled_layer_equals_eager_and_compiles_once():
 def test_the_layer_compiles_to_one_graph_equal_to_eager():
     """The fused path (Triton's router, permute, SwiGLU and combine: custom ops under
     ``torch.compile``), the triton path (its grouped GEMMs too) and the torch path, bf16,
-    through AOTAutograd (``aot_eager``: the joint
-    graph, the custom ops' fake kernels and backward traced, no Inductor): each forward is one
-    graph (the bookkeeping after it eager), the second step compiles nothing, and
-    output, input and weight gradients equal the eager layer's bit for bit (the same kernels in
-    the same order: nothing fused, nothing reordered). With graph breaks at its kernels and
-    bookkeeping the fused layer was 18 graphs, and on an H200 slower than eager
+    through AOTAutograd (``aot_eager``: the joint graph, the custom ops' fake kernels and
+    backward traced, no Inductor). Each forward is one graph (the bookkeeping after it eager);
+    a third token count compiles nothing (the second recompiled with T symbolic; a slot-map
+    cache keyed by T's value had specialised it, a recompile for every count); output, input
+    and weight gradients equal the eager layer's bit for bit (the same kernels in the same
+    order: nothing fused, nothing reordered). With graph breaks at its kernels and
+    bookkeeping, the fused layer was 18 graphs, and on an H200 slower than eager
     (docs/performance.md)."""
     out = _python(_ONE_GRAPH, "fused", "triton", "torch", env={"TRITON_INTERPRET": "1"})
     oks = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("ok")]

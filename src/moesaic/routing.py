@@ -177,17 +177,20 @@ class RoutingPlan:
         combine [T, K]. Made once per R (the permute's and the combine's are the same map)."""
         T, K = self.topk_ids_TK.shape
         R = order_R.numel()
-        if R not in self._slots:
+        every = R == T * K  # order_R a permutation: every entry is written, no fill kernel
+        # Keyed -1 for "all T*K": under torch.compile R is symbolic, and looking up its value
+        # in the dict would specialise it (a recompile for every token count).
+        key = -1 if every else R
+        if key not in self._slots:
             dev = order_R.device
-            # every entry is written when R = T*K (order_R a permutation): no fill kernel
             slot_TK = (
                 torch.empty(T * K, dtype=torch.long, device=dev)
-                if R == T * K
+                if every
                 else torch.full((T * K,), -1, dtype=torch.long, device=dev)
             )
             slot_TK[order_R] = torch.arange(R, device=dev)
-            self._slots[R] = slot_TK.view(T, K)
-        return self._slots[R]
+            self._slots[key] = slot_TK.view(T, K)
+        return self._slots[key]
 
     def unpermute(self, y_RH: torch.Tensor) -> torch.Tensor:
         """Weighted sum of expert outputs back per token: [R, H] -> [T, H].
