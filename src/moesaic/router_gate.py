@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from moesaic.eager import constant_under_compile
+
 __all__ = ["HALF_DTYPES", "gate_logits"]
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -30,10 +32,16 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-@functools.cache
+@constant_under_compile
 def _mm_out_dtype_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this build's ``torch.mm`` takes ``out_dtype=float32`` for ``dtype`` on
-    ``device`` (probed once; older builds fall back to fp32 operands)."""
+    ``device`` (probed once; older builds fall back to fp32 operands). A constant under
+    ``torch.compile``: the probe runs for real when traced, not into the graph."""
+    return _probe_mm_out_dtype(device, dtype)
+
+
+@functools.cache
+def _probe_mm_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         one = torch.ones(2, 2, device=device, dtype=dtype)
         return torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
