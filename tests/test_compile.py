@@ -59,41 +59,29 @@ _COMPILED_EQUALS_EAGER = textwrap.dedent(
 
 _ONE_GRAPH = textwrap.dedent(
     """
-    import collections, sys, torch
+    import sys, torch
     import moesaic.experts
-    from torch._dynamo import lookup_backend
     from moesaic import MoEConfig, MoELayer, aux_loss
+    from moesaic.testing import GraphCounter
 
     # bf16 experts through torch._grouped_mm as on a GPU (this CPU would compute them in fp32
     # through the per-expert loop, whose host-read split sizes break graphs by design)
     moesaic.experts._CPU_NATIVE_MATMUL[torch.bfloat16] = True
-    aot_eager = lookup_backend("aot_eager")
     for kernels in sys.argv[1:]:
         torch._dynamo.reset()
-        runs, made = collections.Counter(), []
-
-        def counting(gm, example, runs=runs, made=made):
-            i, inner = len(made), aot_eager(gm, example)
-            made.append(i)
-
-            def run(*args):
-                runs[i] += 1
-                return inner(*args)
-
-            return run
-
+        graphs = GraphCounter("aot_eager")
         cfg = MoEConfig(hidden_size=32, ffn_hidden_size=64, num_experts=4, top_k=2,
                         kernels=kernels, dispatcher="dropless")
         torch.manual_seed(0)
         eager = MoELayer(cfg).to(torch.bfloat16)
         compiled = MoELayer(cfg).to(torch.bfloat16)
         compiled.load_state_dict(eager.state_dict())
-        compiled.compile(backend=counting)
+        compiled.compile(backend=graphs)
         # a new token count at step 2 (Dynamo recompiles once, with T symbolic); step 3's
         # third count compiles nothing
         for step, T in enumerate((16, 24, 20)):
-            runs.clear()
-            made_before = len(made)
+            graphs.runs.clear()
+            made_before = graphs.made
             x = torch.randn(T, 32, generator=torch.Generator().manual_seed(step))
             outs = []
             for layer in (eager, compiled):
@@ -105,7 +93,9 @@ _ONE_GRAPH = textwrap.dedent(
             for got, want in zip(outs[1], outs[0], strict=True):
                 assert torch.equal(got, want), (kernels, step, (got - want).abs().max())
         # the third step: its forward one graph, nothing compiled anew
-        assert sum(runs.values()) == 1 and len(made) == made_before, (kernels, runs, made)
+        assert sum(graphs.runs.values()) == 1 and graphs.made == made_before, (
+            kernels, graphs.runs, graphs.made
+        )
         assert compiled.stats.forwards == eager.stats.forwards == 3
         print("ok", kernels)
     """

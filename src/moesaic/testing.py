@@ -1,4 +1,5 @@
-"""Test helpers: the gloo world spawner, the relative tolerance rule and a host-sync counter."""
+"""Test helpers: the gloo world spawner, the relative tolerance rule, a host-sync counter and a
+graph-counting torch.compile backend."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 __all__ = [
+    "GraphCounter",
     "HostSync",
     "HostSyncCounter",
     "WorkerError",
@@ -405,3 +407,34 @@ class HostSyncCounter(TorchDispatchMode):
                 f"{what or 'host syncs'}: {self.count} host syncs, budget {at_most}:\n"
                 + self.report()
             )
+
+
+class GraphCounter:
+    """A ``torch.compile`` backend that counts graphs: ``made`` how many were compiled, and
+    ``runs`` how many times each ran (by its index; clear it between steps). Each graph runs
+    through the ``inner`` backend (a name ``torch._dynamo.lookup_backend`` knows).
+
+    Example::
+
+        graphs = GraphCounter()
+        layer.compile(backend=graphs)
+        ...
+        assert sum(graphs.runs.values()) == 1  # this step's forward was one graph
+    """
+
+    def __init__(self, inner: str = "aot_eager") -> None:
+        self.inner = inner
+        self.made = 0
+        self.runs: Counter[int] = Counter()
+
+    def __call__(self, gm: torch.fx.GraphModule, example: list[Any]) -> Callable[..., Any]:
+        from torch._dynamo import lookup_backend  # here: importing moesaic.testing stays light
+
+        index, self.made = self.made, self.made + 1
+        compiled = lookup_backend(self.inner)(gm, example)
+
+        def run(*args: Any) -> Any:
+            self.runs[index] += 1
+            return compiled(*args)
+
+        return run

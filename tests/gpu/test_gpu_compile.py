@@ -1,6 +1,6 @@
 """The fused dropless layer under ``torch.compile`` on a GPU, with Inductor: one graph per
-forward (its Triton kernels are custom ops, ``moesaic.kernels``), nothing recompiled after the
-second step, and output and gradients equal to the eager layer within bf16 rounding.
+forward (its Triton kernels are custom ops, ``moesaic.kernels``), nothing recompiled after a
+second token count, and output and gradients equal to the eager layer within bf16 rounding.
 tests/test_compile.py checks the same graph count on CPU under the interpreter (``aot_eager``:
 bit for bit); here Inductor fuses the glue (softmax, top-k weights, the residual casts) and
 rounds to bf16 once where eager rounds after each op, so the tolerance is bf16's: 2**-7 of the
@@ -8,46 +8,31 @@ tensor's largest element."""
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 from _gpu_helpers import NEEDS_CUDA
 
 from moesaic import MoEConfig, MoELayer, aux_loss
+from moesaic.testing import GraphCounter
 
 pytestmark = NEEDS_CUDA
 
 
 def test_fused_layer_compiles_to_one_graph_on_cuda():
     pytest.importorskip("triton")
-    from torch._dynamo import lookup_backend
-
-    inductor = lookup_backend("inductor")
-    runs: collections.Counter[int] = collections.Counter()
-    made: list[int] = []
-
-    def counting(gm, example):
-        i, inner = len(made), inductor(gm, example)
-        made.append(i)
-
-        def run(*args):
-            runs[i] += 1
-            return inner(*args)
-
-        return run
-
+    graphs = GraphCounter("inductor")
     torch._dynamo.reset()
     cfg = MoEConfig(hidden_size=1024, ffn_hidden_size=512, num_experts=16, top_k=4)
     torch.manual_seed(0)
     eager = MoELayer(cfg).cuda().to(torch.bfloat16)
     compiled = MoELayer(cfg).cuda().to(torch.bfloat16)
     compiled.load_state_dict(eager.state_dict())
-    compiled.compile(backend=counting)
-    for step in range(4):
-        runs.clear()
-        made_before = len(made)
-        x = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(step))
+    compiled.compile(backend=graphs)
+    # a second token count recompiles once with T symbolic; the later ones compile nothing
+    for step, T in enumerate((2048, 3072, 2560, 2048)):
+        graphs.runs.clear()
+        made_before = graphs.made
+        x = torch.randn(T, 1024, generator=torch.Generator().manual_seed(step))
         outs = []
         for layer in (eager, compiled):
             layer.zero_grad()
@@ -60,4 +45,4 @@ def test_fused_layer_compiles_to_one_graph_on_cuda():
         for got, want in zip(outs[1], outs[0], strict=True):
             atol = 2**-7 * float(want.float().abs().max())
             torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=atol)
-    assert sum(runs.values()) == 1 and len(made) == made_before, (runs, made)
+    assert sum(graphs.runs.values()) == 1 and graphs.made == made_before, graphs.runs

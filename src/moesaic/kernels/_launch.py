@@ -1,8 +1,11 @@
-"""What every launcher shares: the interpreter switch and input checks."""
+"""What every launcher shares: the interpreter switch, input checks and the custom op made of
+a launcher for torch.compile."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -54,3 +57,22 @@ def check_slots(slot_TK: torch.Tensor, num_tokens: int | None = None) -> None:
         )
     if num_tokens is not None and slot_TK.shape[0] != num_tokens:
         raise ValueError(f"slot_TK has {slot_TK.shape[0]} tokens, expected {num_tokens}")
+
+
+def kernel_op(
+    name: str,
+    schema: str,
+    launch: Callable[..., Any],
+    fake: Callable[..., Any],
+    backward: Callable[..., Any] | None = None,
+    setup_context: Callable[..., None] | None = None,
+) -> Any:
+    """``launch`` as the custom op ``moesaic::<name>`` that a kernel's entry point calls under
+    ``torch.compile`` (kernels/__init__.py): ``schema`` its signature, ``fake`` its outputs'
+    shapes for tracing, ``backward`` (calling the backward's own op) and ``setup_context`` its
+    autograd."""
+    op = torch.library.custom_op(f"moesaic::{name}", launch, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup_context)
+    return op

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moesaic.kernels._jit import cast_out
-from moesaic.kernels._launch import block_h, check_device, check_float, check_slots
+from moesaic.kernels._launch import block_h, check_device, check_float, check_slots, kernel_op
 
 
 def combine_reference(
@@ -119,29 +119,16 @@ class _Combine(torch.autograd.Function):
 
 
 # Under torch.compile: the same launchers as custom ops (kernels/__init__.py).
-_combine_op = torch.library.custom_op(
-    "moesaic::combine",
-    lambda rows_RH, slot_TK, w_TK, zero_fill: _launch_fwd(rows_RH, slot_TK, w_TK),
-    mutates_args=(),
-    schema="(Tensor rows_RH, Tensor slot_TK, Tensor w_TK, bool zero_fill) -> Tensor",
-)
-_combine_bwd_op = torch.library.custom_op(
-    "moesaic::combine_bwd",
-    _launch_bwd,
-    mutates_args=(),
-    schema="(Tensor dy_TH, Tensor rows_RH, Tensor slot_TK, Tensor w_TK, bool zero_fill) "
+_combine_bwd_op = kernel_op(
+    "combine_bwd",
+    "(Tensor dy_TH, Tensor rows_RH, Tensor slot_TK, Tensor w_TK, bool zero_fill) "
     "-> (Tensor, Tensor)",
+    _launch_bwd,
+    lambda dy_TH, rows_RH, slot_TK, w_TK, zero_fill: (
+        torch.empty_like(rows_RH),
+        torch.empty_like(w_TK),
+    ),
 )
-
-
-@_combine_op.register_fake
-def _(rows_RH, slot_TK, w_TK, zero_fill):
-    return rows_RH.new_empty(slot_TK.shape[0], rows_RH.shape[1])
-
-
-@_combine_bwd_op.register_fake
-def _(dy_TH, rows_RH, slot_TK, w_TK, zero_fill):
-    return torch.empty_like(rows_RH), torch.empty_like(w_TK)
 
 
 def _combine_op_setup(ctx, inputs, output):
@@ -156,7 +143,14 @@ def _combine_op_backward(ctx, dy_TH):
     return drows_RH, None, dw_TK, None
 
 
-_combine_op.register_autograd(_combine_op_backward, setup_context=_combine_op_setup)
+_combine_op = kernel_op(
+    "combine",
+    "(Tensor rows_RH, Tensor slot_TK, Tensor w_TK, bool zero_fill) -> Tensor",
+    lambda rows_RH, slot_TK, w_TK, zero_fill: _launch_fwd(rows_RH, slot_TK, w_TK),
+    lambda rows_RH, slot_TK, w_TK, zero_fill: rows_RH.new_empty(slot_TK.shape[0], rows_RH.shape[1]),
+    _combine_op_backward,
+    _combine_op_setup,
+)
 
 
 def combine(

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from moesaic.kernels._jit import cast_out, mma
-from moesaic.kernels._launch import check_device, check_float, upcast_dot
+from moesaic.kernels._launch import check_device, check_float, kernel_op, upcast_dot
 
 # 16 is tl.dot's smallest tile; kept small so the interpreter's tests stay fast. Not tuned on a
 # GPU (nothing here has run on one yet): there 64-128 rows and columns are the usual start.
@@ -205,6 +205,20 @@ def gmm_weight_grad(
     return dw_eKN
 
 
+def _gmm_bwd(saved, dy_MN, needs, launch):
+    """The backward of both paths: ``launch`` the grouped GEMM and its weight gradient, as
+    launchers (eager) or as their custom ops (compiled)."""
+    x_MK, w_eKN, offs_e = saved
+    gemm, dw_gemm = launch
+    dy_MN = dy_MN.contiguous()
+    dx = dw = None
+    if needs[0]:
+        dx = gemm(dy_MN, w_eKN.transpose(1, 2), offs_e)
+    if needs[1]:
+        dw = dw_gemm(x_MK, dy_MN, offs_e, w_eKN.shape[0])
+    return dx, dw, None
+
+
 class _GroupedGemm(torch.autograd.Function):
     """The eager path; under torch.compile the custom ops below (kernels/__init__.py)."""
 
@@ -215,57 +229,36 @@ class _GroupedGemm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_MN):
-        x_MK, w_eKN, offs_e = ctx.saved_tensors
-        dy_MN = dy_MN.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = gmm_forward(dy_MN, w_eKN.transpose(1, 2), offs_e)
-        if ctx.needs_input_grad[1]:
-            dw = gmm_weight_grad(x_MK, dy_MN, offs_e, w_eKN.shape[0])
-        return dx, dw, None
+        launch = (gmm_forward, gmm_weight_grad)
+        return _gmm_bwd(ctx.saved_tensors, dy_MN, ctx.needs_input_grad, launch)
 
 
 # Under torch.compile: the same launchers as custom ops (kernels/__init__.py).
-gmm_op = torch.library.custom_op(
-    "moesaic::grouped_gemm",
-    gmm_forward,
-    mutates_args=(),
-    schema="(Tensor x_MK, Tensor w_eKN, Tensor offs_e) -> Tensor",
-)
-gmm_weight_grad_op = torch.library.custom_op(
-    "moesaic::grouped_gemm_dw",
-    gmm_weight_grad,
-    mutates_args=(),
-    schema="(Tensor x_MK, Tensor dy_MN, Tensor offs_e, SymInt num_groups) -> Tensor",
-)
-
-
-@gmm_op.register_fake
-def _(x_MK, w_eKN, offs_e):
-    return x_MK.new_empty(x_MK.shape[0], w_eKN.shape[2])
-
-
-@gmm_weight_grad_op.register_fake
-def _(x_MK, dy_MN, offs_e, num_groups):
-    return x_MK.new_empty(num_groups, x_MK.shape[1], dy_MN.shape[1])
-
-
 def _gmm_op_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
 def _gmm_op_backward(ctx, dy_MN):
-    x_MK, w_eKN, offs_e = ctx.saved_tensors
-    dy_MN = dy_MN.contiguous()
-    dx = dw = None
-    if ctx.needs_input_grad[0]:
-        dx = gmm_op(dy_MN, w_eKN.transpose(1, 2), offs_e)
-    if ctx.needs_input_grad[1]:
-        dw = gmm_weight_grad_op(x_MK, dy_MN, offs_e, w_eKN.shape[0])
-    return dx, dw, None
+    launch = (gmm_op, gmm_weight_grad_op)
+    return _gmm_bwd(ctx.saved_tensors, dy_MN, ctx.needs_input_grad, launch)
 
 
-gmm_op.register_autograd(_gmm_op_backward, setup_context=_gmm_op_setup)
+gmm_weight_grad_op = kernel_op(
+    "grouped_gemm_dw",
+    "(Tensor x_MK, Tensor dy_MN, Tensor offs_e, SymInt num_groups) -> Tensor",
+    gmm_weight_grad,
+    lambda x_MK, dy_MN, offs_e, num_groups: x_MK.new_empty(
+        num_groups, x_MK.shape[1], dy_MN.shape[1]
+    ),
+)
+gmm_op = kernel_op(
+    "grouped_gemm",
+    "(Tensor x_MK, Tensor w_eKN, Tensor offs_e) -> Tensor",
+    gmm_forward,
+    lambda x_MK, w_eKN, offs_e: x_MK.new_empty(x_MK.shape[0], w_eKN.shape[2]),
+    _gmm_op_backward,
+    _gmm_op_setup,
+)
 
 
 def check_gemm_args(x_MK: torch.Tensor, w_eKN: torch.Tensor, offs_e: torch.Tensor) -> None:

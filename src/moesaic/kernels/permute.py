@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moesaic.kernels._jit import cast_out
-from moesaic.kernels._launch import block_h, check_device, check_float, check_slots
+from moesaic.kernels._launch import block_h, check_device, check_float, check_slots, kernel_op
 
 
 def permute_reference(x_TH: torch.Tensor, slot_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -97,28 +97,12 @@ class _Permute(torch.autograd.Function):
 
 
 # Under torch.compile: the same launchers as custom ops (kernels/__init__.py).
-_permute_op = torch.library.custom_op(
-    "moesaic::permute",
-    _launch_fwd,
-    mutates_args=(),
-    schema="(Tensor x_TH, Tensor slot_TK, SymInt num_rows, bool zero_fill) -> Tensor",
-)
-_permute_bwd_op = torch.library.custom_op(
-    "moesaic::permute_bwd",
+_permute_bwd_op = kernel_op(
+    "permute_bwd",
+    "(Tensor dout_RH, Tensor slot_TK) -> Tensor",
     _launch_bwd,
-    mutates_args=(),
-    schema="(Tensor dout_RH, Tensor slot_TK) -> Tensor",
+    lambda dout_RH, slot_TK: dout_RH.new_empty(slot_TK.shape[0], dout_RH.shape[1]),
 )
-
-
-@_permute_op.register_fake
-def _(x_TH, slot_TK, num_rows, zero_fill):
-    return x_TH.new_empty(num_rows, x_TH.shape[1])
-
-
-@_permute_bwd_op.register_fake
-def _(dout_RH, slot_TK):
-    return dout_RH.new_empty(slot_TK.shape[0], dout_RH.shape[1])
 
 
 def _permute_op_setup(ctx, inputs, output):
@@ -130,7 +114,14 @@ def _permute_op_backward(ctx, dout_RH):
     return _permute_bwd_op(dout_RH.contiguous(), slot_TK), None, None, None
 
 
-_permute_op.register_autograd(_permute_op_backward, setup_context=_permute_op_setup)
+_permute_op = kernel_op(
+    "permute",
+    "(Tensor x_TH, Tensor slot_TK, SymInt num_rows, bool zero_fill) -> Tensor",
+    _launch_fwd,
+    lambda x_TH, slot_TK, num_rows, zero_fill: x_TH.new_empty(num_rows, x_TH.shape[1]),
+    _permute_op_backward,
+    _permute_op_setup,
+)
 
 
 def permute(

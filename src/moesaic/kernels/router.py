@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moesaic.kernels._launch import check_device
+from moesaic.kernels._launch import check_device, kernel_op
 
 # Logits per program: about 4096 fp32 values (16 per thread of 8 warps). Not tuned on a GPU.
 _TILE = 4096
@@ -295,24 +295,7 @@ class _Route(torch.autograd.Function):
 # come out as one [2E + 1] tensor, split by the caller (a custom op's outputs may not alias
 # each other); its gradient carries the mean probabilities' and z's (the counts' part is never
 # read).
-_route_op = torch.library.custom_op(
-    "moesaic::route",
-    _launch_fwd,
-    mutates_args=(),
-    schema="(Tensor logits_TE, int top_k, bool normalize, float scale) "
-    "-> (Tensor, Tensor, Tensor, Tensor)",
-)
-_route_bwd_op = torch.library.custom_op(
-    "moesaic::route_bwd",
-    _launch_bwd,
-    mutates_args=(),
-    schema="(Tensor logits_TE, Tensor lse_T, Tensor ids_TK, Tensor? dw_TK, Tensor? dpm_E, "
-    "Tensor? dz, bool normalize, float scale) -> Tensor",
-)
-
-
-@_route_op.register_fake
-def _(logits_TE, top_k, normalize, scale):
+def _route_fake(logits_TE, top_k, normalize, scale):
     T, E = logits_TE.shape
     f32 = torch.float32
     return (
@@ -323,9 +306,13 @@ def _(logits_TE, top_k, normalize, scale):
     )
 
 
-@_route_bwd_op.register_fake
-def _(logits_TE, lse_T, ids_TK, dw_TK, dpm_E, dz, normalize, scale):
-    return torch.empty_like(logits_TE)
+_route_bwd_op = kernel_op(
+    "route_bwd",
+    "(Tensor logits_TE, Tensor lse_T, Tensor ids_TK, Tensor? dw_TK, Tensor? dpm_E, "
+    "Tensor? dz, bool normalize, float scale) -> Tensor",
+    _launch_bwd,
+    lambda logits_TE, *_: torch.empty_like(logits_TE),
+)
 
 
 def _route_op_setup(ctx, inputs, output):
@@ -345,7 +332,15 @@ def _route_op_backward(ctx, _dids, dw_TK, _dlse, dsums_W):
     return dlogits_TE, None, None, None
 
 
-_route_op.register_autograd(_route_op_backward, setup_context=_route_op_setup)
+_route_op = kernel_op(
+    "route",
+    "(Tensor logits_TE, int top_k, bool normalize, float scale) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    _launch_fwd,
+    _route_fake,
+    _route_op_backward,
+    _route_op_setup,
+)
 
 
 def route(

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from moesaic.kernels._jit import cast_out, mma
-from moesaic.kernels._launch import upcast_dot
+from moesaic.kernels._launch import kernel_op, upcast_dot
 from moesaic.kernels.grouped_gemm import (
     BLOCK_K,
     BLOCK_M,
@@ -197,27 +197,15 @@ class _GroupedSwiGLU(torch.autograd.Function):
 
 # Under torch.compile: the same launchers as custom ops (kernels/__init__.py). The forward
 # always keeps both GEMMs' outputs (a custom op's outputs may not alias each other).
-swiglu_bwd_op = torch.library.custom_op(
-    "moesaic::swiglu_bwd",
+swiglu_bwd_op = kernel_op(
+    "swiglu_bwd",
+    "(Tensor dh, Tensor a, Tensor b, int block) -> (Tensor, Tensor)",
     launch_swiglu_bwd,
-    mutates_args=(),
-    schema="(Tensor dh, Tensor a, Tensor b, int block) -> (Tensor, Tensor)",
-)
-_grouped_swiglu_op = torch.library.custom_op(
-    "moesaic::grouped_swiglu",
-    lambda x_MH, w1_eHF, w3_eHF, offs_e: _launch_fwd(x_MH, w1_eHF, w3_eHF, offs_e, True),
-    mutates_args=(),
-    schema="(Tensor x_MH, Tensor w1_eHF, Tensor w3_eHF, Tensor offs_e) -> (Tensor, Tensor, Tensor)",
+    lambda dh, a, b, block: (torch.empty_like(a), torch.empty_like(b)),
 )
 
 
-@swiglu_bwd_op.register_fake
-def _(dh, a, b, block):
-    return torch.empty_like(a), torch.empty_like(b)
-
-
-@_grouped_swiglu_op.register_fake
-def _(x_MH, w1_eHF, w3_eHF, offs_e):
+def _grouped_swiglu_fake(x_MH, w1_eHF, w3_eHF, offs_e):
     shape = (x_MH.shape[0], w1_eHF.shape[2])
     return x_MH.new_empty(shape), x_MH.new_empty(shape), x_MH.new_empty(shape)
 
@@ -232,8 +220,13 @@ def _grouped_swiglu_op_backward(ctx, dh_MF, _da, _db):
     return _grouped_swiglu_bwd(ctx.saved_tensors, dh_MF, ctx.needs_input_grad, launch)
 
 
-_grouped_swiglu_op.register_autograd(
-    _grouped_swiglu_op_backward, setup_context=_grouped_swiglu_op_setup
+_grouped_swiglu_op = kernel_op(
+    "grouped_swiglu",
+    "(Tensor x_MH, Tensor w1_eHF, Tensor w3_eHF, Tensor offs_e) -> (Tensor, Tensor, Tensor)",
+    lambda x_MH, w1_eHF, w3_eHF, offs_e: _launch_fwd(x_MH, w1_eHF, w3_eHF, offs_e, True),
+    _grouped_swiglu_fake,
+    _grouped_swiglu_op_backward,
+    _grouped_swiglu_op_setup,
 )
 
 

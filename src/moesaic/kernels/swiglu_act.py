@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from moesaic.kernels._jit import cast_out
-from moesaic.kernels._launch import check_device, check_float
+from moesaic.kernels._launch import check_device, check_float, kernel_op
 from moesaic.kernels.swiglu import launch_swiglu_bwd, swiglu_bwd_op
 
 # Elements per program: 8 bf16 (16 bytes) per thread of 4 warps. Not tuned on a GPU.
@@ -61,16 +61,6 @@ class _SwiGLUAct(torch.autograd.Function):
 
 
 # Under torch.compile: the same launchers as custom ops (kernels/__init__.py).
-_swiglu_act_op = torch.library.custom_op(
-    "moesaic::swiglu_act", _launch_fwd, mutates_args=(), schema="(Tensor a, Tensor b) -> Tensor"
-)
-
-
-@_swiglu_act_op.register_fake
-def _(a, b):
-    return torch.empty_like(a)
-
-
 def _swiglu_act_op_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
@@ -80,7 +70,14 @@ def _swiglu_act_op_backward(ctx, dh):
     return swiglu_bwd_op(dh, a, b, BLOCK)
 
 
-_swiglu_act_op.register_autograd(_swiglu_act_op_backward, setup_context=_swiglu_act_op_setup)
+_swiglu_act_op = kernel_op(
+    "swiglu_act",
+    "(Tensor a, Tensor b) -> Tensor",
+    _launch_fwd,
+    lambda a, b: torch.empty_like(a),
+    _swiglu_act_op_backward,
+    _swiglu_act_op_setup,
+)
 
 
 def swiglu_act(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
