@@ -70,7 +70,7 @@ _ONE_GRAPH = textwrap.dedent(
     for kernels in sys.argv[1:]:
         torch._dynamo.reset()
         graphs = GraphCounter("aot_eager")
-        cfg = MoEConfig(hidden_size=32, ffn_hidden_size=64, num_experts=4, top_k=2,
+        cfg = MoEConfig(hidden_size=16, ffn_hidden_size=32, num_experts=4, top_k=2,
                         kernels=kernels, dispatcher="dropless")
         torch.manual_seed(0)
         eager = MoELayer(cfg).to(torch.bfloat16)
@@ -79,16 +79,16 @@ _ONE_GRAPH = textwrap.dedent(
         compiled.compile(backend=graphs)
         # a new token count at step 2 (Dynamo recompiles once, with T symbolic); step 3's
         # third count compiles nothing
-        for step, T in enumerate((16, 24, 20)):
+        for step, T in enumerate((8, 12, 10)):
             graphs.runs.clear()
             made_before = graphs.made
-            x = torch.randn(T, 32, generator=torch.Generator().manual_seed(step))
+            x = torch.randn(T, 16, generator=torch.Generator().manual_seed(step))
             outs = []
             for layer in (eager, compiled):
                 layer.zero_grad()
                 xi = x.to(torch.bfloat16).requires_grad_()
                 y = layer(xi)
-                ((y.float() * torch.arange(32.0)).sum() + aux_loss(layer)).backward()
+                ((y.float() * torch.arange(16.0)).sum() + aux_loss(layer)).backward()
                 outs.append([y, xi.grad, *(p.grad for p in layer.parameters())])
             for got, want in zip(outs[1], outs[0], strict=True):
                 assert torch.equal(got, want), (kernels, step, (got - want).abs().max())
