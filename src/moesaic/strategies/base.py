@@ -389,6 +389,8 @@ class DispatchCombineStrategy(MoEStrategy, Generic[HandleT]):
         (``pipelined=True``: the R chunks of the step share the result and the schedule calls
         ``finish_backward`` after the last chunk's expert backward); the vanilla ``forward``
         calls it once per forward."""
+        # the stats given, not left to the field's default_factory: Dynamo failed to trace
+        # that factory call inside a compiled layer (a graph break)
         return ExpertRun(experts, CommStats())
 
     @abstractmethod
