@@ -35,7 +35,7 @@ wait "$compiling" || true  # a package's unparsable file (pip skips it too) is n
 compiling=""
 echo "check.sh: set-up ${set_up} s, ruff + mypy (and the bytecode) $((SECONDS - start)) s;" \
   "pytest's own line gives its time"
-# two pytest-xdist workers: on 2 cores the suite takes ~7.5 minutes this way against ~13 serially
+# two pytest-xdist workers: on 2 cores the suite takes ~8 minutes this way against ~13 serially
 # (many tests wait on processes they start) and ~8.3 with three; tests keep to paths and ports of
 # their own
 python -m pytest -q -n 2
