@@ -36,6 +36,6 @@ compiling=""
 echo "check.sh: set-up ${set_up} s, ruff + mypy (and the bytecode) $((SECONDS - start)) s;" \
   "pytest's own line gives its time"
 # two pytest-xdist workers: on 2 cores the suite takes ~8 minutes this way against ~13 serially
-# (many tests wait on processes they start) and ~8.3 with three; tests keep to paths and ports of
-# their own
+# (many tests wait on processes they start); three were slower (8.3 against 7.5 minutes on one
+# tree); tests keep to paths and ports of their own
 python -m pytest -q -n 2
