@@ -266,21 +266,28 @@ def _launch_bwd(
     return dlogits_TE
 
 
+def _statistics(sums_W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``probs_mean_E``, ``counts_E`` and the 0-d ``z`` out of ``_launch_fwd``'s ``[2E + 1]``
+    sums (views of it)."""
+    E = (sums_W.shape[0] - 1) // 2
+    probs_mean_E, counts_E, z = sums_W.split([E, E, 1])
+    return probs_mean_E, counts_E, z.view(())
+
+
 class _Route(torch.autograd.Function):
     """The eager path; under torch.compile the custom ops below (kernels/__init__.py)."""
 
     @staticmethod
     def forward(ctx, logits_TE, top_k, normalize, scale):
-        E = logits_TE.shape[1]
         ids_TK, weights_TK, lse_T, sums_W = _launch_fwd(logits_TE, top_k, normalize, scale)
-        probs_mean_E, counts_E, z = sums_W.split([E, E, 1])
+        probs_mean_E, counts_E, z = _statistics(sums_W)
         ctx.save_for_backward(logits_TE, lse_T, ids_TK)
         ctx.normalize, ctx.scale = normalize, float(scale)
         ctx.mark_non_differentiable(ids_TK, counts_E)
         # An output nothing differentiates reaches the backward as None, not as zeros that
         # autograd makes (two kernels a step, and work for the kernel's HAS_* branches).
         ctx.set_materialize_grads(False)
-        return ids_TK, weights_TK, probs_mean_E, counts_E, z.view(())
+        return ids_TK, weights_TK, probs_mean_E, counts_E, z
 
     @staticmethod
     def backward(ctx, _dids, dw_TK, dpm_E, _dcounts, dz):
@@ -374,5 +381,5 @@ def route(
     if not torch.compiler.is_compiling():
         return _Route.apply(logits_TE.contiguous(), top_k, normalize, scale)
     ids_TK, weights_TK, _lse_T, sums_W = _route_op(logits_TE.contiguous(), top_k, normalize, scale)
-    probs_mean_E, counts_E, z = sums_W.split([E, E, 1])
-    return ids_TK, weights_TK, probs_mean_E, counts_E.detach(), z.view(())
+    probs_mean_E, counts_E, z = _statistics(sums_W)
+    return ids_TK, weights_TK, probs_mean_E, counts_E.detach(), z
